@@ -1,0 +1,1 @@
+"""What a person touches: the `llama-chat` command line and the Textual TUI."""

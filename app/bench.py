@@ -1,0 +1,114 @@
+"""`llama-chat bench`: load time, prefill and decode speed, tokenizer speed and memory on a real model.
+
+Timing lives here, never in unit tests. Figures are meant to be read as ratios against a baseline
+run in the same process or the same run (benchmarks/compare_llamacpp.py runs llama.cpp beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from llama_chat.inference import load_model, resolve_model
+
+from .progress import ProgressBar
+
+# Plain prose and code, repeated to any length: a stand-in for a real conversation's text.
+SAMPLE_TEXT = """The little lighthouse keeper woke before dawn, as she had every morning for thirty years.
+She climbed the spiral stairs, trimmed the wick, and watched the fishing boats slip out of the harbour.
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+When the storm came in the autumn, the whole village gathered in the tower, telling stories until
+the wind dropped and the sea, grey and tired, lay down again like an old dog by the fire.
+"""
+
+
+def sample_tokens(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    text = SAMPLE_TEXT
+    while len(ids) < n:
+        ids = tokenizer.encode(text)
+        text += SAMPLE_TEXT
+    return ids[:n]
+
+
+def measure_cold_load(model_arg) -> float:
+    """Load from the GGUF without the prepared cache, in a child process so RSS here stays honest."""
+    path = resolve_model(model_arg)
+    code = (
+        "import sys, time; from llama_chat.inference.weights import prepare; "
+        "t = time.perf_counter(); prepare(sys.argv[1], use_cache=False); print(time.perf_counter() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def measure_prefill(model, n: int, repeats: int) -> float:
+    ids = sample_tokens(model.tokenizer, n)
+    best = float("inf")
+    for _ in range(repeats):
+        cache = model.new_cache(n + 1)
+        t = time.perf_counter()
+        model.forward(ids, cache)
+        best = min(best, time.perf_counter() - t)
+    return n / best
+
+
+def measure_decode(model, context: int, n_tokens: int) -> float:
+    ids = sample_tokens(model.tokenizer, context)
+    cache = model.new_cache(context + n_tokens + 1)
+    logits = model.forward(ids, cache)[-1]
+    t = time.perf_counter()
+    for _ in range(n_tokens):
+        logits = model.forward([int(np.argmax(logits))], cache)[-1]
+    return n_tokens / (time.perf_counter() - t)
+
+
+def measure_tokenizer(tokenizer, n_tokens: int) -> tuple[int, float]:
+    text = SAMPLE_TEXT * (n_tokens // 150 + 1)
+    tokenizer.encode(SAMPLE_TEXT)  # warm any per-word cache with a different, shorter text
+    t = time.perf_counter()
+    ids = tokenizer.encode(text)
+    return len(ids), time.perf_counter() - t
+
+
+def run_bench(args) -> int:
+    quick = args.quick
+    results: dict = {}
+
+    def report(key, value, text):
+        results[key] = value
+        print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    with ProgressBar() as bar:
+        load_model(args.model, progress=bar)  # make sure the model is assembled and prepared
+    cold = measure_cold_load(args.model)
+    report("load_s_cold", round(cold, 3), f"load, cold (from GGUF):      {cold:.2f} s")
+    t = time.perf_counter()
+    model = load_model(args.model)
+    warm = time.perf_counter() - t
+    report("load_s_warm", round(warm, 3), f"load, warm (prepared cache): {warm:.2f} s")
+    results["model"] = model.name
+    results["fingerprint"] = model.fingerprint
+
+    n_prefill = 64 if quick else 512
+    prefill = measure_prefill(model, n_prefill, 1 if quick else 2)
+    report("prefill_tok_s", round(prefill, 1), f"prefill, {n_prefill} tokens:     {prefill:.1f} tok/s")
+    ctx = 64 if quick else 512
+    decode = measure_decode(model, ctx, 4 if quick else 32)
+    report("decode_tok_s", round(decode, 2), f"decode at context {ctx}:    {decode:.2f} tok/s")
+    n_tok, secs = measure_tokenizer(model.tokenizer, 1000 if quick else 10000)
+    report("tokenize_10k_s", round(secs * 10000 / n_tok, 3), f"tokenize {n_tok} tokens:     {secs:.3f} s")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    report("peak_rss_mb", round(peak, 1), f"peak RSS:                   {peak:.0f} MB")
+    if args.json:
+        print(json.dumps(results))
+    return 0

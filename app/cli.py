@@ -1,0 +1,98 @@
+"""The `llama-chat` command line: global options, sub-commands, and one-line errors instead of tracebacks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from llama_chat import __version__
+
+EXIT_USAGE = 2
+
+
+def default_db_path() -> Path:
+    if os.environ.get("LLAMA_CHAT_DB"):
+        return Path(os.environ["LLAMA_CHAT_DB"])
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "llama-chat" / "chat.db"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-chat", description="Chat with local LLMs in the terminal.")
+    parser.add_argument("--version", action="version", version=f"llama-chat {__version__}")
+    parser.add_argument("--db", type=Path, default=None, help="conversation database (default: %(default)s)")
+    parser.add_argument("--model", default=None, help="a known model name or the path of a .gguf file")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for matrix maths")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sub.add_parser("models", help="list known models: installed, assembled, verified").add_argument(
+        "--json", action="store_true", help="print JSON"
+    )
+
+    ask = sub.add_parser("ask", help="ask one question and stream the reply to stdout")
+    ask.add_argument("prompt", help="the question; '-' reads it from stdin")
+    add_sampling_options(ask)
+
+    chat = sub.add_parser("chat", help="chat in the terminal, line by line (Ctrl+D ends)")
+    add_sampling_options(chat)
+
+    tok = sub.add_parser("tokenize", help="print the token ids of a text as JSON")
+    tok.add_argument("text", help="the text; '-' reads it from stdin")
+    tok.add_argument("--special", action="store_true", help="parse special tokens such as <|im_start|>")
+    tok.add_argument("--bos", action="store_true", help="add the BOS token when the model uses one")
+
+    bench = sub.add_parser("bench", help="measure load, prefill and decode speed on the model")
+    bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    bench.add_argument("--quick", action="store_true", help="fewer tokens: a smoke test, not a measurement")
+    return parser
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--temp", type=float, default=0.7, help="temperature; 0 is greedy (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--ctx", type=int, default=4096, help="context window in tokens (default %(default)s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # no command: chat with the default model
+        args = parser.parse_args([*argv, "chat"])
+    if args.threads:
+        # Must be set before NumPy loads its BLAS, which is why inference is imported below.
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+    args.db = args.db or default_db_path()
+    from llama_chat.inference import ModelError
+
+    try:
+        return run_command(args)
+    except ModelError as e:
+        print(f"llama-chat: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def run_command(args) -> int:
+    from . import commands
+
+    handler = getattr(commands, f"cmd_{args.command}")
+    return handler(args) or 0
+
+
+def print_json(value) -> None:
+    print(json.dumps(value, ensure_ascii=False))

@@ -1,0 +1,31 @@
+"""The inference core: GGUF models in NumPy, tokenizers, chat templates, sampling and generation.
+
+Knows nothing of SQLite or Textual, so it can be used as a library on its own.
+"""
+
+from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+from .chat_template import ChatTemplate
+from .errors import ModelError
+from .generate import GenerationStats, chat_prompt_ids, generate
+from .kv_cache import KVCache
+from .llm import Model, load_model
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "ChatTemplate",
+    "GenerationStats",
+    "KVCache",
+    "Model",
+    "ModelError",
+    "Sampler",
+    "SamplingParams",
+    "Tokenizer",
+    "chat_prompt_ids",
+    "generate",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model",
+]

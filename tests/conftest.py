@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny models per architecture, the two real models, and an isolated user directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+
+from tiny_models import ARCHS, write_tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REAL_CACHE: Path | None = None  # the user's real cache, remembered before tests isolate it
+
+
+def pytest_configure(config):
+    global REAL_CACHE
+    from llama_chat.inference.catalog import cache_dir
+
+    REAL_CACHE = cache_dir().parent
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path, monkeypatch):
+    """No test reads or writes the user's cache, data or database."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("LLAMA_CHAT_DB", raising=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_paths(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("tiny-models")
+    return {arch: write_tiny_model(folder / f"tiny-{arch}.gguf", arch) for arch in ARCHS}
+
+
+@pytest.fixture(params=ARCHS)
+def tiny_model_path(request, tiny_model_paths) -> Path:
+    return tiny_model_paths[request.param]
+
+
+@contextlib.contextmanager
+def real_cache():
+    """Use the user's real cache: real models are assembled and prepared once, shared by every run."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(REAL_CACHE)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+
+
+def _real_model_path(name: str) -> Path:
+    from llama_chat.inference.catalog import KNOWN_MODELS, ensure_model
+
+    with real_cache():
+        return ensure_model(KNOWN_MODELS[name])
+
+
+@pytest.fixture(scope="session")
+def qwen_model_path() -> Path:
+    return _real_model_path("qwen2.5-coder-0.5b-instruct-q4_k_m")
+
+
+@pytest.fixture(scope="session")
+def gemma_model_path() -> Path:
+    return _real_model_path("gemma-3-270m-q4_k_m")
+
+
+def _load_real(path: Path):
+    from llama_chat.inference import Model
+    from llama_chat.inference.weights import prepare
+
+    with real_cache():
+        return Model(prepare(path))
+
+
+@pytest.fixture(scope="session")
+def qwen_model(qwen_model_path):
+    return _load_real(qwen_model_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_model(gemma_model_path):
+    return _load_real(gemma_model_path)

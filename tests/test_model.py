@@ -1,0 +1,130 @@
+"""The forward pass on tiny models of every architecture, and the errors bad model files give."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from llama_chat.app.cli import main
+from llama_chat.inference import ModelError, load_model
+from llama_chat.inference.model import rope
+from tiny_models import write_tiny_model
+
+
+def test_every_architecture_loads_and_runs(tiny_model_path):
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("hello the world, it is a test")
+    logits = model.logits(ids)
+    assert logits.shape == (len(ids), model.config.n_vocab)
+    assert logits.dtype == np.float32
+    assert np.isfinite(logits).all()
+
+
+def test_prefill_then_decode_equals_one_long_prefill(tiny_model_path):
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
+    assert len(ids) > 20  # long enough to cross gemma3's sliding window of 8 in the tiny model
+    full = model.logits(ids)
+    cache = model.new_cache(len(ids))
+    steps = [model.forward(ids[:7], cache, all_logits=True)]
+    steps.append(model.forward(ids[7:12], cache, all_logits=True))
+    steps += [model.forward([t], cache) for t in ids[12:]]
+    stepwise = np.concatenate(steps)
+    assert cache.k.dtype == np.float32 and cache.v.dtype == np.float32
+    assert stepwise.dtype == np.float32
+    assert np.abs(stepwise - full).max() <= 1e-4
+
+
+def test_cache_reuse_after_truncate_equals_fresh_prefill(tiny_model_path):
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("hello the world and the sun")
+    cache = model.new_cache(64)
+    model.forward(ids, cache)
+    cache.truncate(3)  # as when a later message is edited
+    other = model.tokenizer.encode(" is it")
+    resumed = model.forward(other, cache)
+    fresh = model.logits(ids[:3] + other)[-1:]
+    assert np.abs(resumed - fresh).max() <= 1e-4
+
+
+def test_sliding_window_limits_what_gemma3_sees(tiny_model_paths):
+    """Changing a token far outside the window changes nothing on sliding layers; it must change the
+    output through the global layer, so the model really attends beyond the window there."""
+    model = load_model(tiny_model_paths["gemma3"])
+    assert model.config.sliding_window == 8
+    assert [model.config.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    ids = model.tokenizer.encode("hello the world is in the air and the sun and the water")
+    changed = list(ids)
+    changed[1] = model.tokenizer.encode("q")[0]
+    assert np.abs(model.logits(ids)[-1] - model.logits(changed)[-1]).max() > 1e-4
+
+
+def test_rope_shift_is_a_second_rotation():
+    """RoPE is a rotation: rotating by p then by -d equals rotating by p - d (what context shift uses)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    pos = np.arange(10, 15)
+    for neox in (True, False):
+        twice = rope(rope(x, pos, 10000.0, neox, None), np.full(5, -4), 10000.0, neox, None)
+        once = rope(x, pos - 4, 10000.0, neox, None)
+        assert np.abs(twice - once).max() < 1e-4
+
+
+def _error_line(capsys, path) -> str:
+    code = main(["--model", str(path), "tokenize", "hello"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert str(path) in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("truncated", "truncated"),
+        ("random", "not a GGUF file"),
+        ("wrong magic", "not a GGUF file"),
+        ("header only", "truncated"),
+        ("unknown architecture", "unsupported architecture 'mamba9'"),
+        ("missing tensor", "missing tensor blk.1.ffn_up.weight"),
+        ("wrong shape", "tensor blk.0.attn_q.weight has shape [32, 64], expected [64, 64]"),
+        ("unsupported quant", "unsupported quantization type Q8_1"),
+    ],
+)
+def test_bad_model_files_give_one_clear_line(tmp_path, capsys, kind, expected):
+    path = tmp_path / "bad.gguf"
+    good = write_tiny_model(tmp_path / "good.gguf", "qwen2")
+    data = good.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) * 2 // 3])
+    elif kind == "header only":
+        path.write_bytes(data[:24])
+    elif kind == "random":
+        path.write_bytes(np.random.default_rng(0).bytes(50_000))
+    elif kind == "wrong magic":
+        path.write_bytes(b"GGML" + data[4:])
+    elif kind == "unknown architecture":
+        write_tiny_model(path, "qwen2", arch_name="mamba9")
+    elif kind == "missing tensor":
+        write_tiny_model(path, "qwen2", drop="blk.1.ffn_up.weight")
+    elif kind == "wrong shape":
+        write_tiny_model(path, "qwen2", shapes={"blk.0.attn_q.weight": (32, 64)})
+    elif kind == "unsupported quant":
+        write_tiny_model(path, "qwen2", raw_types={"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q8_1})
+    line = _error_line(capsys, path)
+    assert expected in line
+    assert "Traceback" not in line
+
+
+def test_missing_path_and_unknown_name(tmp_path, capsys):
+    assert "no such file" in _error_line(capsys, tmp_path / "nope.gguf")
+    assert main(["--model", "no-such-model", "tokenize", "x"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_load_model_raises_model_error(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not a model at all")
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        load_model(path)

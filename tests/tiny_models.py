@@ -1,0 +1,172 @@
+"""Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
+
+Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
+llama/qwen2/qwen3, and SentencePiece (pieces with scores, byte fallback, Gemma's turn markers) for
+gemma3. The weights are random but fixed by a seed, so every test sees the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+BPE_MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ s", "r e", "Ġ w", "a n", "Ġ h", "e l", "el l", "ell o"]
+
+
+def bpe_vocab():
+    chars = list(bytes_to_unicode().values())
+    tokens = chars + ["".join(m.split()) for m in BPE_MERGES]
+    types = [1] * len(tokens)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens += specials
+    types += [3] * len(specials)
+    return tokens, types, BPE_MERGES, len(tokens) - 3, len(tokens) - 1
+
+
+SPM_PIECES = ["▁", "▁the", "▁a", "th", "he", "in", "er", "on", "▁hello", "▁world", "▁is", "▁it"]
+
+
+def spm_vocab():
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 3, 3]
+    scores = [0.0] * len(tokens)
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(6)
+        scores.append(0.0)
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    for i, piece in enumerate(SPM_PIECES + letters + list(" .,!?\n")):
+        if piece in tokens:
+            continue
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(i))
+    return tokens, types, scores
+
+
+def write_tiny_model(
+    path: Path,
+    arch: str,
+    seed: int = 0,
+    n_layer: int | None = None,
+    *,
+    drop: str | None = None,
+    shapes: dict | None = None,
+    arch_name: str | None = None,
+    raw_types: dict | None = None,
+) -> Path:
+    """Write a tiny model; `drop`, `shapes`, `arch_name` and `raw_types` (name → GGML type, data left
+    unreadable) make broken variants for the error tests."""
+    rng = np.random.default_rng(seed)
+    shapes, raw_types = shapes or {}, raw_types or {}
+    n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
+    n_layer = n_layer or (6 if arch == "gemma3" else 2)
+    w = gguf.GGUFWriter(str(path), arch_name or arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    if arch == "gemma3":
+        w.add_sliding_window(8)
+        tokens, types, scores = spm_vocab()
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_scores(scores)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_add_bos_token(True)
+        w.add_add_space_prefix(False)
+    else:
+        tokens, types, merges, bos, eos = bpe_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(bos)
+        w.add_eos_token_id(eos)
+        w.add_add_bos_token(arch == "llama")
+        w.add_chat_template(CHATML)
+    n_vocab = len(tokens)
+
+    def tensor(name, shape, scale=0.2, quant=None):
+        shape = shapes.get(name, shape)
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if name == drop:
+            return
+        if name in raw_types:
+            block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
+            raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=raw_types[name])
+        elif quant is not None:
+            w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, data)
+
+    def norm(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    tensor("token_embd.weight", (n_vocab, n_embd), 0.5, gguf.GGMLQuantizationType.Q8_0)
+    norm("output_norm.weight", n_embd)
+    if arch != "gemma3":  # gemma3 ties the output to the embeddings
+        tensor("output.weight", (n_vocab, n_embd))
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", n_embd)
+        tensor(p + "attn_q.weight", (q_dim, n_embd))
+        tensor(p + "attn_k.weight", (kv_dim, n_embd))
+        tensor(p + "attn_v.weight", (kv_dim, n_embd))
+        tensor(p + "attn_output.weight", (n_embd, q_dim))
+        if arch == "qwen2":
+            tensor(p + "attn_q.bias", (q_dim,))
+            tensor(p + "attn_k.bias", (kv_dim,))
+            tensor(p + "attn_v.bias", (kv_dim,))
+        if arch in ("qwen3", "gemma3"):
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
+        if arch == "gemma3":
+            norm(p + "post_attention_norm.weight", n_embd)
+            norm(p + "post_ffw_norm.weight", n_embd)
+        norm(p + "ffn_norm.weight", n_embd)
+        tensor(p + "ffn_gate.weight", (n_ff, n_embd), quant=gguf.GGMLQuantizationType.Q8_0)
+        tensor(p + "ffn_up.weight", (n_ff, n_embd))
+        tensor(p + "ffn_down.weight", (n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
