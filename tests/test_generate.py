@@ -1,0 +1,108 @@
+"""The generation loop and the headless commands, on tiny models."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+
+from llama_chat.app.cli import main
+from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate, load_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return load_model(tiny_model_paths["qwen2"])
+
+
+def reply(model, ids, **kwargs):
+    stats = GenerationStats()
+    text = "".join(generate(model, ids, stats=stats, **kwargs))
+    return text, stats
+
+
+def test_stops_at_the_token_limit(qwen2):
+    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello"}])
+    text, stats = reply(qwen2, ids, sampling=GREEDY, max_tokens=7)
+    assert stats.generated_tokens == 7 and stats.stop_reason == "length"
+    assert text == qwen2.tokenizer.decode(stats.token_ids)
+    assert stats.prefill_tok_s > 0 and stats.decode_tok_s > 0
+
+
+def test_stop_string_ends_the_reply_before_it(qwen2):
+    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello"}])
+    full, _ = reply(qwen2, ids, sampling=GREEDY, max_tokens=40)
+    stop = full[10:13]
+    assert len(stop) == 3
+    text, stats = reply(qwen2, ids, sampling=GREEDY, max_tokens=40, stop=[stop])
+    assert stats.stop_reason == "stop"
+    assert text == full[: full.index(stop)]
+
+
+def test_cancel_from_another_thread_stops_within_one_token(qwen2):
+    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello"}])
+    cancel = threading.Event()
+    stats = GenerationStats()
+    pieces = generate(qwen2, ids, sampling=GREEDY, max_tokens=100_000, cancel=cancel, stats=stats)
+    next(pieces)
+    seen = stats.generated_tokens
+    threading.Thread(target=cancel.set).start()
+    cancel.wait()
+    rest = list(pieces)
+    assert stats.stop_reason == "cancelled"
+    assert stats.generated_tokens <= seen + 1
+    assert len(rest) <= 2  # at most the token in flight and what the decoder still held
+
+
+def test_a_seed_repeats_a_sampled_reply(qwen2):
+    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "the world"}])
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    first, _ = reply(qwen2, ids, sampling=sampling, max_tokens=20)
+    again, _ = reply(qwen2, ids, sampling=SamplingParams(**{**sampling.__dict__}), max_tokens=20)
+    other, _ = reply(qwen2, ids, sampling=SamplingParams(**{**sampling.__dict__, "seed": 7}), max_tokens=20)
+    assert first == again
+    assert first != other
+
+
+def test_a_cache_holding_an_earlier_turn_prefills_only_the_rest(qwen2):
+    messages = [{"role": "user", "content": "hello the world"}]
+    cache = qwen2.new_cache(512)
+    first, stats1 = reply(
+        qwen2, chat_prompt_ids(qwen2, messages), cache=cache, sampling=GREEDY, max_tokens=10
+    )
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "and then"}]
+    ids = chat_prompt_ids(qwen2, messages)
+    second, stats2 = reply(qwen2, ids, cache=cache, sampling=GREEDY, max_tokens=10)
+    assert stats2.prefilled_tokens < stats2.prompt_tokens - stats1.prompt_tokens + 5
+    fresh, _ = reply(qwen2, ids, sampling=GREEDY, max_tokens=10)
+    assert second == fresh
+
+
+def test_ask_streams_the_reply_to_stdout_and_stats_to_stderr(tiny_model_paths, capsys, monkeypatch):
+    path = str(tiny_model_paths["qwen2"])
+    assert main(["--model", path, "ask", "--temp", "0", "--max-tokens", "6", "hello"]) == 0
+    out, err = capsys.readouterr()
+    model = load_model(path)
+    expected, _ = reply(
+        model, chat_prompt_ids(model, [{"role": "user", "content": "hello"}]), sampling=GREEDY, max_tokens=6
+    )
+    assert out == expected + "\n"
+    assert "6 generated" in err and "tok/s" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
+    assert main(["--model", path, "ask", "--temp", "0", "--max-tokens", "6", "-"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_tokenize_prints_ids_as_json(tiny_model_paths, capsys):
+    path = str(tiny_model_paths["qwen2"])
+    model = load_model(path)
+    assert main(["--model", path, "tokenize", "--special", "<|im_start|>hello"]) == 0
+    ids = json.loads(capsys.readouterr().out)
+    assert ids[0] == model.tokenizer.encode("<|im_start|>", special=True)[0]
+    assert model.tokenizer.decode(ids) == "<|im_start|>hello"
+    assert main(["--model", path, "tokenize", "<|im_start|>"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) > 1  # without --special it is plain text
