@@ -55,21 +55,24 @@ def measure_prefill(model, n: int, repeats: int) -> float:
     ids = sample_tokens(model.tokenizer, n)
     best = float("inf")
     for _ in range(repeats):
-        cache = model.new_cache(n + 1)
+        seq = model.new_sequence(n + 1)
         t = time.perf_counter()
-        model.forward(ids, cache)
+        model.forward(ids, seq)  # forward never looks for shared blocks: every token is computed
         best = min(best, time.perf_counter() - t)
+        seq.free()
     return n / best
 
 
 def measure_decode(model, context: int, n_tokens: int) -> float:
     ids = sample_tokens(model.tokenizer, context)
-    cache = model.new_cache(context + n_tokens + 1)
-    logits = model.forward(ids, cache)[-1]
+    seq = model.new_sequence(context + n_tokens + 1)
+    logits = model.forward(ids, seq)[-1]
     t = time.perf_counter()
     for _ in range(n_tokens):
-        logits = model.forward([int(np.argmax(logits))], cache)[-1]
-    return n_tokens / (time.perf_counter() - t)
+        logits = model.forward([int(np.argmax(logits))], seq)[-1]
+    elapsed = time.perf_counter() - t
+    seq.free()
+    return n_tokens / elapsed
 
 
 def measure_tokenizer(tokenizer, n_tokens: int) -> tuple[int, float]:

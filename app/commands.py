@@ -63,7 +63,7 @@ def stream_reply(model, messages, cache, args) -> tuple[str, GenerationStats]:
         for piece in generate(
             model,
             ids,
-            cache=cache,
+            seq=cache,
             sampling=sampling_params(args),
             max_tokens=args.max_tokens,
             cancel=cancel,
@@ -92,13 +92,13 @@ def cmd_ask(args) -> int:
     prompt = read_text(args.prompt)
     model = open_model(args)
     messages = first_messages(args) + [{"role": "user", "content": prompt}]
-    stream_reply(model, messages, model.new_cache(args.ctx), args)
+    stream_reply(model, messages, model.new_sequence(args.ctx), args)
     return 0
 
 
 def cmd_chat(args) -> int:
     model = open_model(args)
-    cache = model.new_cache(args.ctx)
+    cache = model.new_sequence(args.ctx)
     messages = first_messages(args)
     print(f"Chatting with {model.name}. Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
     while True:

@@ -6,18 +6,21 @@ Knows nothing of SQLite or Textual, so it can be used as a library on its own.
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from .chat_template import ChatTemplate
 from .errors import ModelError
-from .generate import GenerationStats, chat_prompt_ids, generate
-from .kv_cache import KVCache
+from .generate import Alternative, GenerationStats, chat_prompt_ids, generate, generate_alternatives
+from .kv_cache import BlockPool, KVSequence
 from .llm import Model, load_model
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "Alternative",
+    "generate_alternatives",
     "DEFAULT_MODEL",
     "KNOWN_MODELS",
     "ChatTemplate",
     "GenerationStats",
-    "KVCache",
+    "BlockPool",
+    "KVSequence",
     "Model",
     "ModelError",
     "Sampler",

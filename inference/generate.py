@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .chat_template import completion_prompt
-from .kv_cache import KVCache
+from .kv_cache import KVSequence
 from .llm import Model
 from .sampling import Sampler, SamplingParams
 
@@ -74,11 +74,74 @@ class _StopStrings:
         return out
 
 
+class _Reply:
+    """One reply being generated: samples each token, decodes it, watches for every kind of stop."""
+
+    def __init__(
+        self, model: Model, prompt_ids: list[int], sampling: SamplingParams, stop, max_tokens, stats
+    ):
+        self.end_ids = model.tokenizer.end_of_generation_ids
+        self.sampler = Sampler(sampling)
+        self.decoder = model.tokenizer.stream_decoder()
+        self.stops = _StopStrings(stop)
+        self.history = list(prompt_ids)  # what the repetition penalty looks back over
+        self.max_tokens = max_tokens
+        self.stats = stats
+        self.pieces: list[str] = []
+
+    def take(self, logits) -> tuple[str, bool]:
+        """Sample the next token from logits; return its text and whether the reply goes on."""
+        stats = self.stats
+        if stats.generated_tokens >= self.max_tokens:
+            stats.stop_reason = "length"
+            return "", False
+        token = self.sampler.sample(logits, self.history)
+        if token in self.end_ids:
+            stats.stop_reason = "eog"
+            return "", False
+        stats.generated_tokens += 1
+        stats.token_ids.append(token)
+        self.history.append(token)
+        text, stopped = self.stops.push(self.decoder.feed(token))
+        self.pieces.append(text)
+        if stopped:
+            stats.stop_reason = "stop"
+            return text, False
+        if stats.generated_tokens >= self.max_tokens:
+            stats.stop_reason = "length"
+            return text, False
+        return text, True
+
+    def finish(self) -> str:
+        rest = (
+            ""
+            if self.stats.stop_reason == "stop"
+            else self.stops.push(self.decoder.flush())[0] + self.stops.flush()
+        )
+        self.pieces.append(rest)
+        return rest
+
+    @property
+    def last_token(self) -> int:
+        return self.stats.token_ids[-1]
+
+
+def _prefill(model: Model, prompt_ids: list[int], seq: KVSequence, stats: GenerationStats):
+    """Prefill what the sequence does not hold yet; the last prompt token always runs, for its logits."""
+    seq.reuse_prefix(prompt_ids[:-1])
+    stats.prompt_tokens = len(prompt_ids)
+    stats.prefilled_tokens = len(prompt_ids) - seq.n_tokens
+    t0 = time.perf_counter()
+    logits = model.forward(prompt_ids[seq.n_tokens :], seq)[-1]
+    stats.prefill_s = time.perf_counter() - t0
+    return logits
+
+
 def generate(
     model: Model,
     prompt_ids: Sequence[int],
     *,
-    cache: KVCache | None = None,
+    seq: KVSequence | None = None,
     sampling: SamplingParams | None = None,
     max_tokens: int = 512,
     stop: Sequence[str] = (),
@@ -87,50 +150,104 @@ def generate(
 ) -> Iterator[str]:
     """Yield the reply as text pieces (never half a UTF-8 character).
 
-    `cache` may hold an earlier turn: the longest common prefix is kept and only the rest is prefilled.
+    `seq` may hold an earlier turn: the longest common prefix is kept, full blocks other sequences
+    already computed are shared, and only the rest is prefilled. Without `seq` a temporary one is used.
     Setting `cancel` stops the loop before the next token. `stats` is filled in as it goes.
     """
     stats = stats if stats is not None else GenerationStats()
-    sampler = Sampler(sampling or SamplingParams())
-    tok = model.tokenizer
-    if cache is None:
-        cache = model.new_cache(min(model.config.n_ctx_train, len(prompt_ids) + max_tokens + 1))
-    # Reuse the longest prefix the cache already holds; at least one token must run to give logits.
-    cache.truncate(min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1))
-    stats.prompt_tokens = len(prompt_ids)
-    stats.prefilled_tokens = len(prompt_ids) - cache.n_tokens
-    max_tokens = min(max_tokens, cache.n_ctx - len(prompt_ids))
-    history = list(prompt_ids)
-    decoder = tok.stream_decoder()
-    stops = _StopStrings(stop)
-
-    t0 = time.perf_counter()
-    logits = model.forward(prompt_ids[cache.n_tokens :], cache)[-1]
-    stats.prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    stats.stop_reason = "length"
-    while stats.generated_tokens < max_tokens:
-        if cancel is not None and cancel.is_set():
-            stats.stop_reason = "cancelled"
-            break
-        token = sampler.sample(logits, history)
-        if token in tok.end_of_generation_ids:
-            stats.stop_reason = "eog"
-            break
-        stats.generated_tokens += 1
-        stats.token_ids.append(token)
-        history.append(token)
-        text, stopped = stops.push(decoder.feed(token))
-        if text:
-            yield text
-        if stopped:
-            stats.stop_reason = "stop"
-            break
-        if stats.generated_tokens < max_tokens and cache.n_tokens < cache.n_ctx:
-            logits = model.forward([token], cache)[-1]
+    prompt_ids = list(prompt_ids)
+    own_seq = seq is None
+    if own_seq:
+        seq = model.new_sequence(len(prompt_ids) + max_tokens + 1)
+    try:
+        reply = _Reply(
+            model,
+            prompt_ids,
+            sampling or SamplingParams(),
+            stop,
+            min(max_tokens, seq.n_ctx - len(prompt_ids)),
+            stats,
+        )
+        logits = _prefill(model, prompt_ids, seq, stats)
+        t0 = time.perf_counter()
+        while True:
+            if cancel is not None and cancel.is_set():
+                stats.stop_reason = "cancelled"
+                break
+            text, going = reply.take(logits)
+            if text:
+                yield text
+            if not going:
+                break
+            logits = model.forward([reply.last_token], seq)[-1]
             stats.decoded_tokens += 1
-        stats.decode_s = time.perf_counter() - t0
-    if stats.stop_reason != "stop":
-        rest = stops.push(decoder.flush())[0] + stops.flush()
+            stats.decode_s = time.perf_counter() - t0
+        rest = reply.finish()
         if rest:
             yield rest
+    finally:
+        if own_seq:
+            seq.free()
+
+
+@dataclass
+class Alternative:
+    text: str
+    stats: GenerationStats
+    seq: KVSequence  # the prompt and this reply's KV: keep it to continue this branch, or free() it
+
+
+def generate_alternatives(
+    model: Model,
+    prompt_ids: Sequence[int],
+    n: int,
+    *,
+    seq: KVSequence | None = None,
+    sampling: SamplingParams | None = None,
+    max_tokens: int = 512,
+    stop: Sequence[str] = (),
+    cancel: threading.Event | None = None,
+) -> list[Alternative]:
+    """n replies to one prompt, decoded together: the prompt is prefilled once, then each step runs
+    one token of every unfinished reply in a single forward pass ("regenerate ×n").
+
+    With a seed, reply i uses seed + i, so the set is reproducible and the replies differ."""
+    sampling = sampling or SamplingParams()
+    prompt_ids = list(prompt_ids)
+    base = seq if seq is not None else model.new_sequence(len(prompt_ids) + max_tokens + 1)
+    first = GenerationStats()
+    logits = _prefill(model, prompt_ids, base, first)
+    seqs = [base.fork() for _ in range(n)]  # each shares the prompt's blocks: no KV is copied
+    if seq is None:
+        base.free()
+    replies = []
+    for i in range(n):
+        seed = None if sampling.seed is None else sampling.seed + i
+        stats = GenerationStats(first.prompt_tokens, first.prefilled_tokens, first.prefill_s)
+        limit = min(max_tokens, base.n_ctx - len(prompt_ids))
+        replies.append(
+            _Reply(
+                model, prompt_ids, SamplingParams(**{**sampling.__dict__, "seed": seed}), stop, limit, stats
+            )
+        )
+    rows = [logits] * n
+    active = list(range(n))
+    t0 = time.perf_counter()
+    while active:
+        if cancel is not None and cancel.is_set():
+            for i in active:
+                replies[i].stats.stop_reason = "cancelled"
+            break
+        active = [i for i in active if replies[i].take(rows[i])[1]]
+        if active:
+            out = model.decode_batch([replies[i].last_token for i in active], [seqs[i] for i in active])
+            for row, i in zip(out, active, strict=True):
+                rows[i] = row
+                replies[i].stats.decoded_tokens += 1
+    elapsed = time.perf_counter() - t0
+    result = []
+    for reply, s in zip(replies, seqs, strict=True):
+        reply.stats.decode_s = elapsed
+        reply.finish()
+        result.append(Alternative("".join(reply.pieces), reply.stats, s))
+    return result

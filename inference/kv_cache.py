@@ -1,45 +1,211 @@
-"""The KV cache of one sequence: keys and values of every layer, float32, one contiguous array each.
+"""The paged KV cache: a pool of fixed-size blocks shared by every sequence of a model in the process.
 
-Laid out `[layer, kv_head, position, head_dim]` so that each head's keys are contiguous rows: a matmul
-over a strided view would silently leave BLAS for a slow loop.
+A block holds keys and values of B consecutive tokens for every layer. A full block is named by
+`prefix_key = hash(model fingerprint, parent block's key, its B token ids)` (vLLM's prefix caching):
+its KV depends on nothing else, so any sequence whose tokens start the same way can use it as is.
+Full blocks are immutable; a sequence writes only into its own last, partial block, and copies that
+block first when another sequence shares it (copy-on-write). So `fork` is a list copy, no KV moves.
+
+All blocks live in one arena per pool, laid out `[layer, kv_head, slot·B + i, head_dim]`: each head's
+keys are contiguous rows, and a sequence whose blocks sit in consecutive slots (the allocator tries to
+keep them so) is read by attention as a plain slice — no gathering of the history on every token.
+Unreferenced full blocks stay cached and are evicted least-recently-used under the RAM budget.
 """
 
 from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
 from .weights import Config
 
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_CACHE_RAM_MB = 1024
 
-class KVCache:
-    def __init__(self, cfg: Config, n_ctx: int):
-        shape = (cfg.n_layer, cfg.n_head_kv, n_ctx, cfg.head_dim)
-        self.n_ctx = n_ctx
+
+class CacheFullError(MemoryError):
+    """Every block of the pool is in use by a live sequence: the RAM budget is too small."""
+
+
+def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(fingerprint.encode())
+    h.update(parent or b"\0" * 16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class KVBlock:
+    __slots__ = ("slot", "key", "tokens", "refs")
+
+    def __init__(self, slot: int):
+        self.slot = slot  # where its B positions sit in the pool's arena
+        self.key: bytes | None = None  # set once the block is full and registered for sharing
+        self.tokens: tuple[int, ...] = ()  # the tokens of a full block
+        self.refs = 0  # live sequences using it
+
+
+class BlockPool:
+    """All KV memory of one model: the arena, the free slots, the shared full blocks, the LRU."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        fingerprint: str,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        ram_mb: float = DEFAULT_CACHE_RAM_MB,
+    ):
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.block_bytes = 2 * cfg.n_layer * cfg.n_head_kv * block_size * cfg.head_dim * 4
+        self.n_slots = max(int(ram_mb * 2**20) // self.block_bytes, 2)
+        shape = (cfg.n_layer, cfg.n_head_kv, self.n_slots * block_size, cfg.head_dim)
         self.k = np.zeros(shape, dtype=np.float32)  # untouched pages cost no memory until written
         self.v = np.zeros(shape, dtype=np.float32)
+        self.free_slots: set[int] = set(range(self.n_slots))
+        self.by_key: dict[bytes, KVBlock] = {}
+        self.lru: OrderedDict[bytes, KVBlock] = OrderedDict()  # unreferenced full blocks, oldest first
+        self._ids = itertools.count(1)
+        self.sequences: dict[int, KVSequence] = {}
+
+    # -- blocks ---------------------------------------------------------------------------------
+
+    def allocate(self, after: int | None = None) -> KVBlock:
+        """A fresh block, in the slot right after `after` when that one is free (keeps runs contiguous)."""
+        if not self.free_slots:
+            self._evict_one()
+        slot = after + 1 if after is not None and after + 1 in self.free_slots else min(self.free_slots)
+        self.free_slots.remove(slot)
+        block = KVBlock(slot)
+        block.refs = 1
+        return block
+
+    def _evict_one(self) -> None:
+        if not self.lru:
+            raise CacheFullError(
+                f"KV cache full: all {self.n_slots} blocks ({self.n_slots * self.block_bytes >> 20} MB) are in use; "
+                "raise --cache-ram"
+            )
+        key, block = self.lru.popitem(last=False)
+        del self.by_key[key]
+        self.free_slots.add(block.slot)
+
+    def acquire(self, block: KVBlock) -> KVBlock:
+        if block.refs == 0 and block.key is not None:
+            self.lru.pop(block.key, None)
+        block.refs += 1
+        return block
+
+    def release(self, block: KVBlock) -> None:
+        block.refs -= 1
+        if block.refs > 0:
+            return
+        if block.key is not None and self.by_key.get(block.key) is block:
+            self.lru[block.key] = block  # stays cached until the budget needs its slot
+        else:
+            self.free_slots.add(block.slot)
+
+    def register(self, block: KVBlock, key: bytes, tokens: tuple[int, ...]) -> KVBlock:
+        """Make a full block shareable under its prefix key; if an equal block exists, use that one."""
+        existing = self.by_key.get(key)
+        if existing is not None and existing is not block:
+            self.acquire(existing)
+            self.release(block)
+            return existing
+        block.key, block.tokens = key, tokens
+        self.by_key[key] = block
+        return block
+
+    def lookup(self, key: bytes) -> KVBlock | None:
+        block = self.by_key.get(key)
+        if block is not None and block.refs == 0:
+            self.lru.move_to_end(key)
+        return block
+
+    def copy_block(self, src: KVBlock, n_tokens: int, after: int | None) -> KVBlock:
+        dst = self.allocate(after)
+        B = self.block_size
+        s, d = src.slot * B, dst.slot * B
+        self.k[:, :, d : d + n_tokens] = self.k[:, :, s : s + n_tokens]
+        self.v[:, :, d : d + n_tokens] = self.v[:, :, s : s + n_tokens]
+        return dst
+
+    def block_kv(self, block: KVBlock, n_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of one block, [layer, kv_head, n, head_dim] views into the arena."""
+        B = self.block_size
+        s = block.slot * B
+        n = B if n_tokens is None else n_tokens
+        return self.k[:, :, s : s + n], self.v[:, :, s : s + n]
+
+    # -- sequences ------------------------------------------------------------------------------
+
+    def new_sequence(self, n_ctx: int) -> KVSequence:
+        seq = KVSequence(self, next(self._ids), n_ctx)
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def memory_breakdown(self) -> dict:
+        """Bytes of KV in use, shared between sequences, cached for reuse, and per sequence."""
+        live: dict[int, KVBlock] = {}
+        for seq in self.sequences.values():
+            for b in seq.blocks:
+                live[id(b)] = b
+        return {
+            "block_size": self.block_size,
+            "block_bytes": self.block_bytes,
+            "budget_bytes": self.n_slots * self.block_bytes,
+            "in_use_bytes": len(live) * self.block_bytes,
+            "shared_bytes": sum(self.block_bytes for b in live.values() if b.refs > 1),
+            "cached_bytes": len(self.lru) * self.block_bytes,
+            "free_bytes": len(self.free_slots) * self.block_bytes,
+            "per_sequence": {sid: len(s.blocks) * self.block_bytes for sid, s in self.sequences.items()},
+        }
+
+
+class KVSequence:
+    """The KV of one sequence: a list of blocks (all full but maybe the last) and its tokens."""
+
+    def __init__(self, pool: BlockPool, seq_id: int, n_ctx: int):
+        self.pool = pool
+        self.seq_id = seq_id
+        self.n_ctx = n_ctx
+        self.blocks: list[KVBlock] = []
         self.tokens: list[int] = []  # the token at each cached position
+        self.shifted = False  # after a context shift its KV is no longer that of a plain prefix
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    def write(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        # k, v [n_kv, T, hd] for consecutive positions
-        start, end = int(positions[0]), int(positions[-1]) + 1
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
+    # -- llama.cpp's sequence operations ----------------------------------------------------------
 
-    def read(self, layer: int, end: int, first: int = 0):
-        """Keys, values [n_kv, S, hd] and their positions [S] for positions first..end-1."""
-        first = max(first, 0)
-        return self.k[layer, :, first:end], self.v[layer, :, first:end], np.arange(first, end)
+    def fork(self) -> KVSequence:
+        """A new sequence sharing every block (seq_cp): O(blocks), no KV copied."""
+        child = self.pool.new_sequence(self.n_ctx)
+        child.blocks = [self.pool.acquire(b) for b in self.blocks]
+        child.tokens = list(self.tokens)
+        child.shifted = self.shifted
+        return child
 
     def truncate(self, n_tokens: int) -> None:
-        """Forget every position from n_tokens on (llama.cpp's seq_rm)."""
-        del self.tokens[max(n_tokens, 0) :]
+        """Forget every position from n_tokens on (seq_rm)."""
+        n_tokens = max(0, min(n_tokens, self.n_tokens))
+        keep = -(-n_tokens // self.pool.block_size)
+        for block in self.blocks[keep:]:
+            self.pool.release(block)
+        del self.blocks[keep:]
+        del self.tokens[n_tokens:]
 
-    def common_prefix(self, ids) -> int:
-        """How many leading tokens of ids this cache already holds."""
+    def free(self) -> None:
+        self.truncate(0)
+        self.pool.sequences.pop(self.seq_id, None)
+
+    def common_prefix(self, ids: Sequence[int]) -> int:
         n = 0
         for a, b in zip(self.tokens, ids):
             if a != b:
@@ -47,5 +213,87 @@ class KVCache:
             n += 1
         return n
 
-    def nbytes_used(self) -> int:
-        return 2 * self.k[:, :, : self.n_tokens].nbytes
+    def reuse_prefix(self, ids: Sequence[int]) -> int:
+        """Keep the longest prefix of ids this sequence holds, then take any further full blocks of ids
+        that the pool already has; return how many leading tokens of ids need no computing."""
+        self.truncate(self.common_prefix(ids))
+        B = self.pool.block_size
+        while not self.shifted and self.n_tokens % B == 0 and self.n_tokens + B <= len(ids):
+            chunk = tuple(ids[self.n_tokens : self.n_tokens + B])
+            parent = self.blocks[-1].key if self.blocks else None
+            if self.blocks and parent is None:
+                break
+            block = self.pool.lookup(prefix_key(self.pool.fingerprint, parent, chunk))
+            if block is None:
+                break
+            self.blocks.append(self.pool.acquire(block))
+            self.tokens.extend(chunk)
+        return self.n_tokens
+
+    # -- what the forward pass uses ---------------------------------------------------------------
+
+    def reserve(self, n_new: int) -> np.ndarray:
+        """Make room for n_new tokens after the current ones; return their arena positions."""
+        if self.n_tokens + n_new > self.n_ctx:
+            raise ValueError(f"context full: {self.n_tokens} + {n_new} tokens > {self.n_ctx}")
+        B = self.pool.block_size
+        n = self.n_tokens
+        if n % B and (self.blocks[-1].refs > 1 or self.blocks[-1].key is not None):
+            # the partial last block is shared (or a truncated full block): copy it before writing
+            old = self.blocks[-1]
+            after = self.blocks[-2].slot if len(self.blocks) > 1 else None
+            self.blocks[-1] = self.pool.copy_block(old, n % B, after)
+            self.pool.release(old)
+        while len(self.blocks) * B < n + n_new:
+            self.blocks.append(self.pool.allocate(self.blocks[-1].slot if self.blocks else None))
+        positions = np.arange(n, n + n_new)
+        slots = np.array([b.slot for b in self.blocks], dtype=np.int64)
+        return slots[positions // B] * B + positions % B
+
+    def write(self, layer: int, where: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        # k, v [n_kv, T, hd] for the arena positions `where` from reserve()
+        if len(where) and where[-1] - where[0] == len(where) - 1:
+            self.pool.k[layer, :, where[0] : where[-1] + 1] = k
+            self.pool.v[layer, :, where[0] : where[-1] + 1] = v
+        else:
+            self.pool.k[layer][:, where] = k  # (indexing [layer, :, where] would move the axes)
+            self.pool.v[layer][:, where] = v
+
+    def runs(self, first: int, end: int) -> list[tuple[int, int, int]]:
+        """Positions first..end-1 as runs of consecutive arena positions: (arena start, length, position)."""
+        B = self.pool.block_size
+        first = max(first, 0)
+        out: list[tuple[int, int, int]] = []
+        pos = first
+        while pos < end:
+            block_index = pos // B
+            start = self.blocks[block_index].slot * B + pos % B
+            length = min(B - pos % B, end - pos)
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1] = (out[-1][0], out[-1][1] + length, out[-1][2])
+            else:
+                out.append((start, length, pos))
+            pos += length
+        return out
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        """Record tokens whose KV was just written; register blocks they completed for sharing."""
+        B = self.pool.block_size
+        before = self.n_tokens
+        self.tokens.extend(int(t) for t in new_tokens)
+        if self.shifted:
+            return
+        for i in range(before // B, self.n_tokens // B):
+            block = self.blocks[i]
+            if block.key is not None:
+                continue
+            parent = self.blocks[i - 1].key if i else None
+            if i and parent is None:
+                return
+            chunk = tuple(self.tokens[i * B : (i + 1) * B])
+            self.blocks[i] = self.pool.register(
+                block, prefix_key(self.pool.fingerprint, parent, chunk), chunk
+            )
+
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.block_bytes

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .kv_cache import KVCache
+from .kv_cache import KVSequence
 from .weights import Config
 
 F32 = np.float32
@@ -49,28 +49,37 @@ def rope(
     return out
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+def softmax_(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in place (the scores are large in a long prefill)."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
 
 
-def attention(q, k, v, q_pos, k_pos, scale: float, window: int, softcap: float) -> np.ndarray:
-    """Grouped-query causal attention. q [n_head, T, hd], k/v [n_kv, S, hd] → [T, n_head·hd]."""
+def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
+    """Grouped-query attention. q [n_head, T, hd]; parts: (k, v) pieces of the cache, each [n_kv, S_i, hd],
+    in position order; mask [T, S] (0 or -inf) or None → [T, n_head·hd]."""
     n_head, T, hd = q.shape
-    n_kv, S = k.shape[0], k.shape[1]
+    n_kv = parts[0][0].shape[0]
     group = n_head // n_kv
     qg = q.reshape(n_kv, group * T, hd)  # query heads that share a kv head, stacked
-    scores = (qg @ k.transpose(0, 2, 1)).reshape(n_kv, group, T, S) * F32(scale)
+    pieces = [qg @ k.transpose(0, 2, 1) for k, _ in parts]  # the cache is read where it lies, not copied
+    scores = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+    S = scores.shape[-1]
+    scores = scores.reshape(n_kv, group, T, S)
+    scores *= F32(scale)
     if softcap:
         scores = np.tanh(scores / F32(softcap)) * F32(softcap)
-    dist = q_pos[:, None] - k_pos[None, :]  # [T, S]
-    visible = dist >= 0
-    if window:
-        visible &= dist < window
-    scores = np.where(visible, scores, F32(-np.inf))
-    probs = softmax(scores).reshape(n_kv, group * T, S)
-    out = (probs @ v).reshape(n_head, T, hd)
-    return out.transpose(1, 0, 2).reshape(T, n_head * hd)
+    if mask is not None:
+        scores += mask
+    probs = softmax_(scores).reshape(n_kv, group * T, S)
+    out, start = None, 0
+    for _, v in parts:
+        part = probs[:, :, start : start + v.shape[1]] @ v
+        out = part if out is None else out + part
+        start += v.shape[1]
+    return out.reshape(n_head, T, hd).transpose(1, 0, 2).reshape(T, n_head * hd)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -78,7 +87,9 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (F32(1.0) + np.exp(-x))
+    e = np.exp(-x)
+    e += F32(1.0)
+    return np.divide(x, e, out=e)
 
 
 def feed_forward(x: np.ndarray, w: dict, p: str, cfg: Config) -> np.ndarray:
@@ -88,7 +99,42 @@ def feed_forward(x: np.ndarray, w: dict, p: str, cfg: Config) -> np.ndarray:
     return (act * up) @ w[p + "ffn_down"].T  # [T, d]
 
 
-def self_attention(x: np.ndarray, w: dict, layer: int, cfg: Config, cache: KVCache, positions: np.ndarray):
+class Segment:
+    """The rows of a forward step that belong to one sequence, and where their KV goes."""
+
+    def __init__(self, seq: KVSequence, rows: slice, tokens: np.ndarray):
+        self.seq, self.rows, self.tokens = seq, rows, tokens
+        self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
+        self.where = seq.reserve(len(tokens))  # arena positions of the new tokens
+        self._views: dict[int, tuple] = {}
+
+    def view(self, window: int) -> tuple[list[tuple[int, int]], np.ndarray | None]:
+        """What these rows attend to: runs of the arena (start, length) and the mask (once per window)."""
+        if window not in self._views:
+            first = max(int(self.positions[0]) - window + 1, 0) if window else 0
+            end = int(self.positions[-1]) + 1
+            runs = [(a, n) for a, n, _ in self.seq.runs(first, end)]
+            dist = self.positions[:, None] - np.arange(first, end)[None, :]  # [T, S]
+            hidden = dist < 0
+            if window:
+                hidden |= dist >= window
+            mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
+            self._views[window] = (runs, mask)
+        return self._views[window]
+
+
+def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) -> np.ndarray:
+    """One sequence's attention over its cached blocks, read as slices of the arena."""
+    pool = seg.seq.pool
+    runs, mask = seg.view(window)
+    parts = [(pool.k[layer, :, a : a + n], pool.v[layer, :, a : a + n]) for a, n in runs]
+    scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
+    return attention(q, parts, mask, scale, cfg.attn_logit_softcap)
+
+
+def self_attention(
+    x: np.ndarray, w: dict, layer: int, cfg: Config, segments: list[Segment], positions: np.ndarray
+):
     p = f"blk.{layer}."
     T = x.shape[0]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
@@ -105,19 +151,17 @@ def self_attention(x: np.ndarray, w: dict, layer: int, cfg: Config, cache: KVCac
     base = cfg.rope_base_swa if sliding else cfg.rope_base
     q = rope(q, positions, base, cfg.rope_neox, w.get("rope_freqs"))
     k = rope(k, positions, base, cfg.rope_neox, w.get("rope_freqs"))
-    cache.write(layer, positions, k, v)
     window = cfg.sliding_window if sliding else 0
-    keys, values, key_pos = cache.read(
-        layer, int(positions[-1]) + 1, first=int(positions[0]) - window + 1 if window else 0
-    )
-    scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
-    out = attention(q, keys, values, positions, key_pos, scale, window, cfg.attn_logit_softcap)
+    out = np.empty((T, q_dim), dtype=F32)
+    for seg in segments:
+        seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
+        out[seg.rows] = attend(q[:, seg.rows], seg, layer, cfg, window)
     return out @ w[p + "attn_output"].T  # [T, d]
 
 
-def transformer_block(x: np.ndarray, w: dict, layer: int, cfg: Config, cache: KVCache, positions: np.ndarray):
+def transformer_block(x: np.ndarray, w: dict, layer: int, cfg: Config, segments: list[Segment], positions):
     p = f"blk.{layer}."
-    h = self_attention(rms_norm(x, w[p + "attn_norm"], cfg.norm_eps), w, layer, cfg, cache, positions)
+    h = self_attention(rms_norm(x, w[p + "attn_norm"], cfg.norm_eps), w, layer, cfg, segments, positions)
     if cfg.post_norms:
         h = rms_norm(h, w[p + "post_attention_norm"], cfg.norm_eps)
     x = x + h
@@ -135,25 +179,71 @@ def output_logits(x: np.ndarray, w: dict, cfg: Config) -> np.ndarray:
     return logits
 
 
-def forward(tokens, w: dict, cfg: Config, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-    """Run new tokens after what the cache holds; return logits [n, n_vocab] (all rows, or the last)."""
+def run_step(batch: list[tuple[KVSequence, np.ndarray]], w: dict, cfg: Config) -> np.ndarray:
+    """One forward step over new tokens of one or more sequences; returns the last hidden states [T, d]."""
+    segments, row = [], 0
+    for seq, tokens in batch:
+        segments.append(Segment(seq, slice(row, row + len(tokens)), tokens))
+        row += len(tokens)
+    tokens = np.concatenate([t for _, t in batch])
+    positions = np.concatenate([s.positions for s in segments])
+    x = np.asarray(w["token_embd"][tokens], dtype=F32)  # [T, d]
+    if cfg.embed_scale != 1.0:
+        x = x * F32(cfg.embed_scale)
+    for layer in range(cfg.n_layer):
+        x = transformer_block(x, w, layer, cfg, segments, positions)
+    for seg in segments:
+        seg.seq.commit(seg.tokens)
+    return x
+
+
+def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
+    """Run new tokens after what the sequence holds; return logits [n, n_vocab] (all rows, or the last)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) == 0:
         raise ValueError("forward needs at least one token")
-    if cache.n_tokens + len(tokens) > cache.n_ctx:
-        raise ValueError(f"context full: {cache.n_tokens} + {len(tokens)} tokens > {cache.n_ctx}")
+    if seq.n_tokens + len(tokens) > seq.n_ctx:
+        raise ValueError(f"context full: {seq.n_tokens} + {len(tokens)} tokens > {seq.n_ctx}")
     outputs = []
     for start in range(0, len(tokens), PREFILL_BATCH):
-        chunk = tokens[start : start + PREFILL_BATCH]
-        positions = np.arange(cache.n_tokens, cache.n_tokens + len(chunk))
-        x = np.asarray(w["token_embd"][chunk], dtype=F32)  # [T, d]
-        if cfg.embed_scale != 1.0:
-            x = x * F32(cfg.embed_scale)
-        for layer in range(cfg.n_layer):
-            x = transformer_block(x, w, layer, cfg, cache, positions)
-        cache.tokens.extend(chunk.tolist())
+        x = run_step([(seq, tokens[start : start + PREFILL_BATCH])], w, cfg)
         if all_logits:
             outputs.append(output_logits(x, w, cfg))
         elif start + PREFILL_BATCH >= len(tokens):
             outputs.append(output_logits(x[-1:], w, cfg))  # logits only where they are needed
     return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def decode_batch(tokens: list[int], w: dict, cfg: Config, seqs: list[KVSequence]) -> np.ndarray:
+    """One new token for each of several sequences in one pass: one [n, d] @ W per weight, not n."""
+    x = run_step([(s, np.array([t], dtype=np.int64)) for s, t in zip(seqs, tokens, strict=True)], w, cfg)
+    return output_logits(x, w, cfg)  # [n, n_vocab]
+
+
+def context_shift(seq: KVSequence, keep: int, drop: int, w: dict, cfg: Config) -> None:
+    """Forget positions keep..keep+drop-1 and move the later ones back by `drop`, re-rotating their keys
+    (RoPE is a rotation: one more rotation by -drop) instead of recomputing them, as llama.cpp's
+    seq_rm + seq_add do. The moved KV still saw the dropped tokens in deeper layers, so the sequence is
+    marked shifted and its blocks are never shared under a prefix key."""
+    pool = seq.pool
+    n = seq.n_tokens
+    if not (0 <= keep and drop > 0 and keep + drop <= n):
+        raise ValueError(f"cannot drop {drop} tokens after {keep} of {n}")
+    moved_tokens = seq.tokens[keep + drop :]
+    moved = (
+        np.concatenate([np.arange(a, a + m) for a, m, _ in seq.runs(keep + drop, n)]) if moved_tokens else []
+    )
+    k_moved = pool.k[:, :, moved].copy() if len(moved) else None  # [layer, kv_head, m, hd]
+    v_moved = pool.v[:, :, moved].copy() if len(moved) else None
+    seq.truncate(keep)
+    seq.shifted = True
+    if not moved_tokens:
+        return
+    new_positions = np.full(len(moved_tokens), -drop)
+    for layer in range(cfg.n_layer):
+        base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
+        k_moved[layer] = rope(k_moved[layer], new_positions, base, cfg.rope_neox, w.get("rope_freqs"))
+    where = seq.reserve(len(moved_tokens))
+    for layer in range(cfg.n_layer):
+        seq.write(layer, where, k_moved[layer], v_moved[layer])
+    seq.commit(moved_tokens)

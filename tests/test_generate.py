@@ -70,13 +70,11 @@ def test_a_seed_repeats_a_sampled_reply(qwen2):
 
 def test_a_cache_holding_an_earlier_turn_prefills_only_the_rest(qwen2):
     messages = [{"role": "user", "content": "hello the world"}]
-    cache = qwen2.new_cache(512)
-    first, stats1 = reply(
-        qwen2, chat_prompt_ids(qwen2, messages), cache=cache, sampling=GREEDY, max_tokens=10
-    )
+    cache = qwen2.new_sequence(512)
+    first, stats1 = reply(qwen2, chat_prompt_ids(qwen2, messages), seq=cache, sampling=GREEDY, max_tokens=10)
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "and then"}]
     ids = chat_prompt_ids(qwen2, messages)
-    second, stats2 = reply(qwen2, ids, cache=cache, sampling=GREEDY, max_tokens=10)
+    second, stats2 = reply(qwen2, ids, seq=cache, sampling=GREEDY, max_tokens=10)
     assert stats2.prefilled_tokens < stats2.prompt_tokens - stats1.prompt_tokens + 5
     fresh, _ = reply(qwen2, ids, sampling=GREEDY, max_tokens=10)
     assert second == fresh

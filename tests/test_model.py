@@ -26,12 +26,12 @@ def test_prefill_then_decode_equals_one_long_prefill(tiny_model_path):
     ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
     assert len(ids) > 20  # long enough to cross gemma3's sliding window of 8 in the tiny model
     full = model.logits(ids)
-    cache = model.new_cache(len(ids))
+    cache = model.new_sequence(len(ids))
     steps = [model.forward(ids[:7], cache, all_logits=True)]
     steps.append(model.forward(ids[7:12], cache, all_logits=True))
     steps += [model.forward([t], cache) for t in ids[12:]]
     stepwise = np.concatenate(steps)
-    assert cache.k.dtype == np.float32 and cache.v.dtype == np.float32
+    assert cache.pool.k.dtype == np.float32 and cache.pool.v.dtype == np.float32
     assert stepwise.dtype == np.float32
     assert np.abs(stepwise - full).max() <= 1e-4
 
@@ -39,7 +39,7 @@ def test_prefill_then_decode_equals_one_long_prefill(tiny_model_path):
 def test_cache_reuse_after_truncate_equals_fresh_prefill(tiny_model_path):
     model = load_model(tiny_model_path)
     ids = model.tokenizer.encode("hello the world and the sun")
-    cache = model.new_cache(64)
+    cache = model.new_sequence(64)
     model.forward(ids, cache)
     cache.truncate(3)  # as when a later message is edited
     other = model.tokenizer.encode(" is it")

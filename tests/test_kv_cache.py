@@ -1,0 +1,182 @@
+"""The paged KV cache: prefix sharing, fork, truncate, eviction, context shift, batched decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llama_chat.inference import (
+    GenerationStats,
+    SamplingParams,
+    generate,
+    generate_alternatives,
+    load_model,
+)
+from llama_chat.inference.kv_cache import CacheFullError
+from tiny_models import write_tiny_model
+
+B = 8  # a small block size, so tiny prompts span several blocks
+
+
+def tiny(path, ram_blocks: int = 64, arch_block: int = B):
+    model = load_model(path, block_size=arch_block)
+    model.pool.__init__(
+        model.config, model.fingerprint, arch_block, ram_blocks * model.pool.block_bytes / 2**20
+    )
+    return model
+
+
+@pytest.fixture
+def model(tiny_model_path):
+    return tiny(tiny_model_path)
+
+
+def ids_of(model, n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 200, size=n)]
+
+
+def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(model):
+    shared = ids_of(model, 3 * B + 5)
+    first = model.new_sequence(128)
+    model.forward(shared + ids_of(model, 4, seed=1), first)
+    second = model.new_sequence(128)
+    prompt = shared + ids_of(model, 6, seed=2)
+    held = second.reuse_prefix(prompt)
+    assert held == 3 * B  # the full blocks of the common prefix, not its partial tail
+    assert second.blocks == first.blocks[:3]
+    reused = model.forward(prompt[held:], second, all_logits=True)
+    fresh = model.logits(prompt)[held:]
+    assert np.abs(reused - fresh).max() <= 1e-4
+
+
+def test_the_same_code_path_gives_bitwise_equal_logits(model):
+    prompt = ids_of(model, 2 * B + 3)
+    a = model.new_sequence(64)
+    la = model.forward(prompt, a)
+    b = model.new_sequence(64)
+    b.reuse_prefix(prompt[: 2 * B])
+    assert b.n_tokens == 2 * B
+    lb = model.forward(prompt[2 * B :], b)
+    c = model.new_sequence(64)
+    model.forward(prompt[: 2 * B], c)
+    lc = model.forward(prompt[2 * B :], c)
+    assert np.array_equal(lb, lc)
+    assert np.abs(la - lb).max() <= 1e-4
+
+
+def test_fork_then_diverge_leaves_the_parent_unchanged(model):
+    prompt = ids_of(model, 2 * B + 3)  # ends inside a partial block, which both will write to
+    parent = model.new_sequence(64)
+    model.forward(prompt, parent)
+    before = model.pool.memory_breakdown()
+    child = parent.fork()
+    after = model.pool.memory_breakdown()
+    assert after["in_use_bytes"] == before["in_use_bytes"]  # no KV copied
+    assert after["shared_bytes"] == len(parent.blocks) * model.pool.block_bytes
+    model.forward(ids_of(model, 5, seed=3), child)  # copy-on-write of the shared partial block
+    nxt = ids_of(model, 2, seed=4)
+    assert np.abs(model.forward(nxt, parent) - model.logits(prompt + nxt)[-1:]).max() <= 1e-4
+
+
+def test_truncate_inside_a_shared_block_then_continue_equals_fresh_prefill(model):
+    prompt = ids_of(model, 3 * B)
+    seq = model.new_sequence(64)
+    model.forward(prompt, seq)
+    other = model.new_sequence(64)
+    other.reuse_prefix(prompt)  # shares all three full blocks
+    seq.truncate(B + 3)  # cut into a full, registered block that `other` still uses
+    tail = ids_of(model, 4, seed=5)
+    assert np.abs(model.forward(tail, seq) - model.logits(prompt[: B + 3] + tail)[-1:]).max() <= 1e-4
+    # the block `other` reads was not written over
+    more = ids_of(model, 2, seed=6)
+    assert np.abs(model.forward(more, other) - model.logits(prompt + more)[-1:]).max() <= 1e-4
+
+
+def test_lru_eviction_never_drops_a_block_a_live_sequence_uses(tiny_model_paths):
+    model = tiny(tiny_model_paths["qwen2"], ram_blocks=8)
+    live = model.new_sequence(64)
+    prompt = ids_of(model, 3 * B)
+    model.forward(prompt, live)
+    for seed in range(10):  # churn: finished conversations leave cached blocks behind
+        tmp = model.new_sequence(64)
+        model.forward(ids_of(model, 2 * B, seed=100 + seed), tmp)
+        tmp.free()
+        breakdown = model.pool.memory_breakdown()
+        assert breakdown["in_use_bytes"] + breakdown["cached_bytes"] <= breakdown["budget_bytes"]
+    more = ids_of(model, 3, seed=7)
+    assert np.abs(model.forward(more, live) - model.logits(prompt + more)[-1:]).max() <= 1e-4
+
+
+def test_a_full_pool_is_a_clear_error(tiny_model_paths):
+    model = tiny(tiny_model_paths["qwen2"], ram_blocks=3)
+    seq = model.new_sequence(64)
+    with pytest.raises(CacheFullError, match="KV cache full"):
+        model.forward(ids_of(model, 4 * B), seq)
+
+
+def test_fork_is_constant_time_and_free(model):
+    seq = model.new_sequence(256)
+    model.forward(ids_of(model, 200), seq)
+    used = model.pool.memory_breakdown()["in_use_bytes"]
+    forks = [seq.fork() for _ in range(5)]
+    assert model.pool.memory_breakdown()["in_use_bytes"] == used
+    assert all(f.tokens == seq.tokens for f in forks)
+
+
+def test_context_shift_equals_a_fresh_prefill_of_the_shortened_text(tmp_path):
+    """With one layer, a token's K and V depend only on the token and its position, so re-rotating the
+    kept keys must reproduce a fresh prefill exactly (deeper models get llama.cpp's approximation)."""
+    model = tiny(write_tiny_model(tmp_path / "one.gguf", "qwen2", n_layer=1))
+    system, old, recent = ids_of(model, 5, 1), ids_of(model, 13, 2), ids_of(model, 9, 3)
+    seq = model.new_sequence(64)
+    model.forward(system + old + recent, seq)
+    model.context_shift(seq, keep=len(system), drop=len(old))
+    assert seq.tokens == system + recent
+    nxt = ids_of(model, 3, 4)
+    assert (
+        np.abs(model.forward(nxt, seq, all_logits=True) - model.logits(system + recent + nxt)[-3:]).max()
+        <= 1e-3
+    )
+
+
+def test_context_shift_keeps_gemma3_and_llama_rotations_right(tmp_path):
+    for arch in ("gemma3", "llama"):
+        model = tiny(write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_layer=1))
+        a, b, c = ids_of(model, 4, 1), ids_of(model, 6, 2), ids_of(model, 5, 3)
+        seq = model.new_sequence(64)
+        model.forward(a + b + c, seq)
+        model.context_shift(seq, keep=len(a), drop=len(b))
+        nxt = ids_of(model, 2, 4)
+        assert np.abs(model.forward(nxt, seq) - model.logits(a + c + nxt)[-1:]).max() <= 1e-3
+
+
+def test_batched_decode_equals_one_sequence_at_a_time(model):
+    prompt = ids_of(model, 2 * B + 1)
+    base = model.new_sequence(64)
+    model.forward(prompt, base)
+    seqs = [base.fork() for _ in range(3)]
+    tokens = [5, 17, 42]
+    together = model.decode_batch(tokens, seqs)
+    for t, row in zip(tokens, together, strict=True):
+        assert np.abs(row - model.logits(prompt + [t])[-1]).max() <= 1e-4
+
+
+def test_alternatives_are_generated_together_and_match_single_runs(model):
+    prompt = ids_of(model, 12)
+    sampling = SamplingParams(temperature=5.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)  # flat: replies differ
+    alternatives = generate_alternatives(model, prompt, 3, sampling=sampling, max_tokens=6)
+    assert len({tuple(a.stats.token_ids) for a in alternatives}) > 1
+    for i, alt in enumerate(alternatives):
+        single = GenerationStats()
+        text = "".join(
+            generate(
+                model,
+                prompt,
+                sampling=SamplingParams(**{**sampling.__dict__, "seed": 11 + i}),
+                max_tokens=6,
+                stats=single,
+            )
+        )
+        assert alt.stats.token_ids == single.token_ids and alt.text == text
+        alt.seq.free()
