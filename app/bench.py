@@ -75,6 +75,58 @@ def measure_decode(model, context: int, n_tokens: int) -> float:
     return n_tokens / elapsed
 
 
+def measure_prefix_reuse(model, shared: int, extra: int) -> dict:
+    """A second conversation whose first `shared` tokens equal an earlier one's prefills only the rest."""
+    ids = sample_tokens(model.tokenizer, shared + extra)
+    first = model.new_sequence(shared + extra + 1)
+    model.forward(ids[:shared], first)
+    second = model.new_sequence(shared + extra + 1)
+    other = ids[:shared] + sample_tokens(model.tokenizer, extra + 7)[7:]  # same start, different end
+    t = time.perf_counter()
+    saved = second.reuse_prefix(other)
+    model.forward(other[saved:], second)
+    reuse_s = time.perf_counter() - t
+    third = model.new_sequence(shared + extra + 1)
+    t = time.perf_counter()
+    model.forward(other, third)
+    full_s = time.perf_counter() - t
+    for seq in (first, second, third):
+        seq.free()
+    return {"saved_tokens": saved, "reuse_ms": reuse_s * 1000, "full_ms": full_s * 1000}
+
+
+def measure_fork(model, n: int) -> dict:
+    seq = model.new_sequence(n + 1)
+    model.forward(sample_tokens(model.tokenizer, n), seq)
+    before = model.pool.memory_breakdown()["in_use_bytes"]
+    t = time.perf_counter()
+    child = seq.fork()
+    fork_ms = (time.perf_counter() - t) * 1000
+    added = model.pool.memory_breakdown()["in_use_bytes"] - before
+    child.free()
+    seq.free()
+    return {"fork_ms": fork_ms, "added_bytes": added}
+
+
+def measure_batch3(model, context: int, n_tokens: int) -> float:
+    """Time of 3 alternatives decoded together over the time of one, after a shared prompt."""
+    seq = model.new_sequence(context + n_tokens + 1)
+    model.forward(sample_tokens(model.tokenizer, context), seq)
+    one = seq.fork()
+    t = time.perf_counter()
+    for _ in range(n_tokens):
+        model.decode_batch([42], [one])
+    single = time.perf_counter() - t
+    three = [seq.fork() for _ in range(3)]
+    t = time.perf_counter()
+    for _ in range(n_tokens):
+        model.decode_batch([42, 43, 44], three)
+    batch = time.perf_counter() - t
+    for s in [seq, one, *three]:
+        s.free()
+    return batch / single
+
+
 def measure_tokenizer(tokenizer, n_tokens: int) -> tuple[int, float]:
     text = SAMPLE_TEXT * (n_tokens // 150 + 1)
     tokenizer.encode(SAMPLE_TEXT)  # warm any per-word cache with a different, shorter text
@@ -108,6 +160,30 @@ def run_bench(args) -> int:
     ctx = 64 if quick else 512
     decode = measure_decode(model, ctx, 4 if quick else 32)
     report("decode_tok_s", round(decode, 2), f"decode at context {ctx}:    {decode:.2f} tok/s")
+    long_ctx = 512 if quick else 4096
+    decode_long = measure_decode(model, long_ctx, 4 if quick else 16)
+    report(
+        "decode_tok_s_ctx4096",
+        round(decode_long, 2),
+        f"decode at context {long_ctx}:   {decode_long:.2f} tok/s",
+    )
+    reuse = measure_prefix_reuse(model, 100 if quick else 1000, 20 if quick else 100)
+    report(
+        "prefix_reuse_saved_tokens",
+        reuse["saved_tokens"],
+        f"prefix reuse: {reuse['saved_tokens']} tokens shared, {reuse['reuse_ms']:.0f} ms vs {reuse['full_ms']:.0f} ms",
+    )
+    results["prefix_reuse_ms"] = round(reuse["reuse_ms"], 1)
+    results["prefix_full_prefill_ms"] = round(reuse["full_ms"], 1)
+    fork = measure_fork(model, 512 if quick else 4096)
+    report(
+        "fork_ms",
+        round(fork["fork_ms"], 3),
+        f"fork of {512 if quick else 4096} tokens: {fork['fork_ms']:.3f} ms",
+    )
+    results["fork_added_kv_bytes"] = fork["added_bytes"]
+    ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
+    report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
     n_tok, secs = measure_tokenizer(model.tokenizer, 1000 if quick else 10000)
     report("tokenize_10k_s", round(secs * 10000 / n_tok, 3), f"tokenize {n_tok} tokens:     {secs:.3f} s")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -49,6 +49,28 @@ def rope(
     return out
 
 
+SMALL_BATCH = 8  # up to this many rows, `linear` avoids BLAS gemm
+CHUNK_ROWS = 2048  # rows of a weight matrix that stay in cache while each input row passes over them
+
+
+def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [n, in] @ weight[out, in].T → [n, out].
+
+    Decoding is bound by reading the weights. For one row BLAS runs a gemv at memory speed, but its
+    gemm for 2–8 rows costs about as much as that many separate passes over the weights. So a few rows
+    go one at a time over chunks of the matrix small enough to stay in cache: each weight is read from
+    memory once for all the rows (what "regenerate ×3" needs)."""
+    n = x.shape[0]
+    if n == 1 or n > SMALL_BATCH:
+        return x @ weight.T
+    out = np.empty((n, weight.shape[0]), dtype=F32)
+    for r in range(0, weight.shape[0], CHUNK_ROWS):
+        chunk = weight[r : r + CHUNK_ROWS]
+        for i in range(n):
+            np.matmul(chunk, x[i], out=out[i, r : r + CHUNK_ROWS])
+    return out
+
+
 def softmax_(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, in place (the scores are large in a long prefill)."""
     x -= x.max(axis=-1, keepdims=True)
@@ -93,10 +115,10 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def feed_forward(x: np.ndarray, w: dict, p: str, cfg: Config) -> np.ndarray:
-    gate_up = x @ w[p + "ffn_gate_up"].T  # [T, 2·n_ff]
+    gate_up = linear(x, w[p + "ffn_gate_up"])  # [T, 2·n_ff]
     gate, up = gate_up[:, : cfg.n_ff], gate_up[:, cfg.n_ff :]
     act = gelu_tanh(gate) if cfg.ffn_act == "gelu" else silu(gate)
-    return (act * up) @ w[p + "ffn_down"].T  # [T, d]
+    return linear(act * up, w[p + "ffn_down"])  # [T, d]
 
 
 class Segment:
@@ -138,7 +160,7 @@ def self_attention(
     p = f"blk.{layer}."
     T = x.shape[0]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    qkv = x @ w[p + "attn_qkv"].T  # [T, q_dim + 2·kv_dim]
+    qkv = linear(x, w[p + "attn_qkv"])  # [T, q_dim + 2·kv_dim]
     if p + "attn_qkv_bias" in w:
         qkv += w[p + "attn_qkv_bias"]
     q = qkv[:, :q_dim].reshape(T, cfg.n_head, cfg.head_dim).transpose(1, 0, 2)  # [n_head, T, hd]
@@ -156,7 +178,7 @@ def self_attention(
     for seg in segments:
         seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
         out[seg.rows] = attend(q[:, seg.rows], seg, layer, cfg, window)
-    return out @ w[p + "attn_output"].T  # [T, d]
+    return linear(out, w[p + "attn_output"])  # [T, d]
 
 
 def transformer_block(x: np.ndarray, w: dict, layer: int, cfg: Config, segments: list[Segment], positions):
@@ -173,7 +195,7 @@ def transformer_block(x: np.ndarray, w: dict, layer: int, cfg: Config, segments:
 
 def output_logits(x: np.ndarray, w: dict, cfg: Config) -> np.ndarray:
     x = rms_norm(x, w["output_norm"], cfg.norm_eps)
-    logits = x @ w.get("output", w["token_embd"]).T  # tied to the embeddings when output.weight is absent
+    logits = linear(x, w.get("output", w["token_embd"]))  # tied to the embeddings without output.weight
     if cfg.final_logit_softcap:
         logits = np.tanh(logits / F32(cfg.final_logit_softcap)) * F32(cfg.final_logit_softcap)
     return logits
