@@ -31,12 +31,21 @@ the wind dropped and the sea, grey and tired, lay down again like an old dog by 
 """
 
 
+def sample_text() -> str:
+    """Real, varied text: the source of a standard-library module (code, comments and docstrings),
+    after the prose above. Repeated text would let the model copy, which hides cache errors."""
+    import argparse
+
+    with open(argparse.__file__, encoding="utf-8") as f:
+        return SAMPLE_TEXT + f.read()
+
+
 def sample_tokens(tokenizer, n: int) -> list[int]:
-    ids: list[int] = []
-    text = SAMPLE_TEXT
+    text = sample_text()
+    ids = tokenizer.encode(text[: n * 6])
     while len(ids) < n:
-        ids = tokenizer.encode(text)
-        text += SAMPLE_TEXT
+        text += text
+        ids = tokenizer.encode(text[: n * 6])
     return ids[:n]
 
 
@@ -127,9 +136,106 @@ def measure_batch3(model, context: int, n_tokens: int) -> float:
     return batch / single
 
 
+RESUME_CHILD = """
+import json, sys, time
+from llama_chat.app.engine import ChatEngine
+from llama_chat.inference import load_model
+from llama_chat.storage import ChatStore
+model = load_model(sys.argv[1])
+engine = ChatEngine(model, ChatStore(sys.argv[2]))
+session = engine.store.get_session(sys.argv[3])
+t = time.perf_counter()
+seq, info = engine.open(session)
+resume = time.perf_counter() - t
+ids = engine.conversation_ids(session)
+fresh = model.new_sequence(len(ids) + 1)
+t = time.perf_counter()
+model.forward(ids, fresh)
+reprefill = time.perf_counter() - t
+print(json.dumps({"resume_ms": resume * 1000, "reprefill_ms": reprefill * 1000, "tokens": info.tokens,
+                  "restored": info.restored}))
+"""
+
+
+def measure_sessions(model, n_tokens: int, folder) -> dict:
+    """A stored conversation of about n_tokens: resume in a fresh process vs prefilling it again;
+    fork of it (time, bytes added to the database)."""
+    from llama_chat.inference import SamplingParams
+    from llama_chat.storage import ChatStore
+
+    from .engine import ChatEngine
+
+    db = folder / "bench.db"
+    engine = ChatEngine(model, ChatStore(db))
+    session = engine.new_session("bench")
+    text = model.tokenizer.decode(sample_tokens(model.tokenizer, n_tokens - 40))
+    "".join(engine.reply(session, text, sampling=SamplingParams(temperature=0), max_tokens=16))
+    session = engine.store.get_session(session.id)
+    out = subprocess.run(
+        [sys.executable, "-c", RESUME_CHILD, str(model.path), str(db), session.id],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stored_bytes():
+        sizes = engine.store.kv_bytes()
+        return sizes["blocks"] + sizes["tails"]
+
+    before = stored_bytes()
+    t = time.perf_counter()
+    engine.fork(session)
+    result["fork_ms"] = (time.perf_counter() - t) * 1000
+    result["fork_added_bytes"] = stored_bytes() - before
+    result["stored_block_bytes"] = engine.store.kv_bytes()["largest_block"]
+    engine.store.close()
+    return result
+
+
+def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
+    """Every codec on the model's real KV: size and speed (storage.codec.measure_codecs), KL divergence
+    of the next-token distribution against the live cache, and how many greedy tokens match live."""
+    from llama_chat.storage.codec import CODECS, decode_kv, encode_kv, measure_codecs
+
+    ids = sample_tokens(model.tokenizer, n_tokens + 1)
+    live = model.new_sequence(n_tokens + n_greedy + 2)
+    model.forward(ids[:n_tokens], live)
+    idx = np.concatenate([np.arange(a, a + n) for a, n, _ in live.runs(0, n_tokens)])
+    k, v = model.pool.k[:, :, idx], model.pool.v[:, :, idx]
+    table = measure_codecs(k, v)
+
+    def greedy(seq, first: int) -> tuple[np.ndarray, list[int]]:
+        logits = model.forward([first], seq)[-1]
+        out, row = [], logits
+        for _ in range(n_greedy):
+            out.append(int(np.argmax(row)))
+            row = model.forward([out[-1]], seq)[-1]
+        return logits, out
+
+    live_logits, live_tokens = greedy(live, ids[n_tokens])
+    p = live_logits.astype(np.float64) - live_logits.max()
+    p -= np.log(np.exp(p).sum())
+    B = model.pool.block_size
+    for codec in CODECS:
+        seq = model.new_sequence(n_tokens + n_greedy + 2)
+        seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
+        for start in range(0, n_tokens, B):
+            dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec))
+            seq.append_kv(ids[start : start + dk.shape[2]], dk, dv)
+        logits, tokens = greedy(seq, ids[n_tokens])
+        q = logits.astype(np.float64) - logits.max()
+        q -= np.log(np.exp(q).sum())
+        same = next((i for i, (a, b) in enumerate(zip(tokens, live_tokens, strict=True)) if a != b), n_greedy)
+        table[codec]["kl"] = float((np.exp(p) * (p - q)).sum())
+        table[codec]["greedy_match"] = f"{same}/{n_greedy}"
+        seq.free()
+    live.free()
+    return table
+
+
 def measure_tokenizer(tokenizer, n_tokens: int) -> tuple[int, float]:
-    text = SAMPLE_TEXT * (n_tokens // 150 + 1)
-    tokenizer.encode(SAMPLE_TEXT)  # warm any per-word cache with a different, shorter text
+    text = sample_text()[: n_tokens * 4]
     t = time.perf_counter()
     ids = tokenizer.encode(text)
     return len(ids), time.perf_counter() - t
@@ -184,6 +290,49 @@ def run_bench(args) -> int:
     results["fork_added_kv_bytes"] = fork["added_bytes"]
     ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
     report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
+    import tempfile
+    from pathlib import Path
+
+    from .engine import DEFAULT_CODEC
+
+    with tempfile.TemporaryDirectory() as folder:
+        n_conv = 256 if quick else 2048
+        sess = measure_sessions(model, n_conv, Path(folder))
+    report(
+        "resume_ms_2048",
+        round(sess["resume_ms"], 1),
+        f"resume of {sess['tokens']} tokens from SQLite, fresh process: {sess['resume_ms']:.1f} ms "
+        f"({sess['restored']} restored)",
+    )
+    report(
+        "reprefill_ms_2048",
+        round(sess["reprefill_ms"], 1),
+        f"prefilling them again:      {sess['reprefill_ms']:.0f} ms",
+    )
+    results["resume_speedup"] = round(sess["reprefill_ms"] / sess["resume_ms"], 1)
+    report(
+        "fork_session_ms", round(sess["fork_ms"], 2), f"fork of that session:       {sess['fork_ms']:.2f} ms"
+    )
+    report(
+        "fork_added_bytes",
+        sess["fork_added_bytes"],
+        f"database growth on fork:    {sess['fork_added_bytes']:,} bytes (one stored block: {sess['stored_block_bytes']:,})",
+    )
+    codecs = measure_codec_quality(model, 256 if quick else 1024, 4 if quick else 32)
+    results["default_codec"] = DEFAULT_CODEC
+    results["codecs"] = {
+        name: {
+            key: round(c[key], 4) if isinstance(c[key], float) else c[key]
+            for key in ("bytes_per_token", "encode_ms", "decode_ms", "kl", "greedy_match")
+        }
+        for name, c in codecs.items()
+    }
+    for name, c in codecs.items():
+        print(
+            f"codec {name:4} {c['bytes_per_token']:8.0f} B/token  encode {c['encode_ms']:6.1f} ms  "
+            f"decode {c['decode_ms']:6.1f} ms  KL {c['kl']:.2e}  greedy {c['greedy_match']}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     n_tok, secs = measure_tokenizer(model.tokenizer, 1000 if quick else 10000)
     report("tokenize_10k_s", round(secs * 10000 / n_tok, 3), f"tokenize {n_tok} tokens:     {secs:.3f} s")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -26,6 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--db", type=Path, default=None, help="conversation database (default: %(default)s)")
     parser.add_argument("--model", default=None, help="a known model name or the path of a .gguf file")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for matrix maths")
+    parser.add_argument(
+        "--cache-ram",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="RAM for the KV block pool (default %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("models", help="list known models: installed, assembled, verified").add_argument(
@@ -34,10 +41,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")
+    where = ask.add_mutually_exclusive_group()
+    where.add_argument("--session", metavar="ID", help="continue a stored session (id or unique prefix)")
+    where.add_argument("--new-session", action="store_true", help="start a stored session (prints its id)")
     add_sampling_options(ask)
 
     chat = sub.add_parser("chat", help="chat in the terminal, line by line (Ctrl+D ends)")
+    chat.add_argument("--session", metavar="ID", help="continue a stored session instead of starting one")
     add_sampling_options(chat)
+
+    sessions = sub.add_parser(
+        "sessions", help="stored conversations: list, show, fork, rename, rm, search, gc"
+    )
+    ssub = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ssub.add_parser("list", help="newest first").add_argument("--json", action="store_true")
+    show = ssub.add_parser("show", help="the messages of a session")
+    show.add_argument("id")
+    show.add_argument("--json", action="store_true")
+    fork = ssub.add_parser("fork", help="a new session sharing this one's messages and KV")
+    fork.add_argument("id")
+    fork.add_argument("--at", type=int, metavar="MESSAGE_ID", help="fork at this message (default: the head)")
+    fork.add_argument("--title")
+    rename = ssub.add_parser("rename", help="give a session a new title")
+    rename.add_argument("id")
+    rename.add_argument("title")
+    ssub.add_parser("rm", help="delete a session (messages other sessions reach stay)").add_argument("id")
+    ssub.add_parser("search", help="full-text search over messages").add_argument("text")
+    gc = ssub.add_parser("gc", help="drop stored KV no session needs")
+    gc.add_argument("--budget", type=int, metavar="MB", help="then keep at most this many MB of KV")
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text as JSON")
     tok.add_argument("text", help="the text; '-' reads it from stdin")
@@ -52,14 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--temp", type=float, default=0.7, help="temperature; 0 is greedy (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    # None means "not given": a stored session keeps its own settings
+    p.add_argument("--temp", type=float, help="temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, help="default 40; 0 is off")
+    p.add_argument("--top-p", type=float, help="default 0.95; 1 is off")
+    p.add_argument("--min-p", type=float, help="default 0.05; 0 is off")
+    p.add_argument("--repeat-penalty", type=float, help="default 1.0 (off)")
+    p.add_argument("--seed", type=int)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--ctx", type=int, default=4096, help="context window in tokens (default %(default)s)")
+    p.add_argument("--title", default=None, help="title of a new session")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[var] = str(args.threads)
     args.db = args.db or default_db_path()
     from llama_chat.inference import ModelError
+    from llama_chat.storage import StoreError
 
     try:
         return run_command(args)
-    except ModelError as e:
+    except (ModelError, StoreError) as e:
         print(f"llama-chat: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -1,9 +1,11 @@
-"""The headless sub-commands: models, ask, chat, tokenize, bench."""
+"""The headless sub-commands: models, ask, chat, tokenize, sessions, bench."""
 
 from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import asdict
+from datetime import datetime
 
 from llama_chat.inference import (
     KNOWN_MODELS,
@@ -14,6 +16,7 @@ from llama_chat.inference import (
     load_model,
 )
 from llama_chat.inference.catalog import model_status
+from llama_chat.storage import ChatStore
 
 from .cli import print_json
 from .progress import ProgressBar
@@ -35,72 +38,117 @@ def cmd_models(args) -> int:
 
 def open_model(args):
     with ProgressBar() as bar:
-        return load_model(args.model, progress=bar)
+        return load_model(args.model, progress=bar, cache_ram_mb=args.cache_ram)
 
 
 def read_text(value: str) -> str:
     return sys.stdin.read() if value == "-" else value
 
 
-def sampling_params(args) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
+SAMPLING_FLAGS = {
+    "temperature": "temp",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "seed": "seed",
+}
+
+
+def sampling_settings(args, stored: dict | None = None) -> dict:
+    """The session's stored settings, overridden by the flags given on this command line."""
+    settings = {k: v for k, v in (stored or {}).items() if k in SAMPLING_FLAGS}
+    settings.update(
+        {k: getattr(args, flag) for k, flag in SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
     )
+    return settings
 
 
-def stream_reply(model, messages, cache, args) -> tuple[str, GenerationStats]:
-    """Stream one reply to stdout; Ctrl+C stops it and keeps what was generated."""
-    ids = chat_prompt_ids(model, messages)
-    stats = GenerationStats()
-    cancel = threading.Event()
-    pieces = []
-    try:
-        for piece in generate(
-            model,
-            ids,
-            seq=cache,
-            sampling=sampling_params(args),
-            max_tokens=args.max_tokens,
-            cancel=cancel,
-            stats=stats,
-        ):
-            pieces.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        stats.stop_reason = "cancelled"
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+def print_stats(stats: GenerationStats) -> None:
     print(
         f"[{stats.prompt_tokens} prompt tokens, {stats.prefilled_tokens} prefilled at {stats.prefill_tok_s:.1f} tok/s; "
         f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s; stop: {stats.stop_reason}]",
         file=sys.stderr,
     )
-    return "".join(pieces), stats
 
 
-def first_messages(args) -> list[dict]:
-    return [{"role": "system", "content": args.system}] if args.system else []
+def stream(pieces) -> str:
+    """Write the reply to stdout as it comes; Ctrl+C stops it and keeps what was generated."""
+    out = []
+    try:
+        for piece in pieces:
+            out.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        pieces.close()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(out)
+
+
+def open_engine(args, store: ChatStore):
+    from .engine import ChatEngine
+
+    return ChatEngine(open_model(args), store, n_ctx=args.ctx)
 
 
 def cmd_ask(args) -> int:
     prompt = read_text(args.prompt)
-    model = open_model(args)
-    messages = first_messages(args) + [{"role": "user", "content": prompt}]
-    stream_reply(model, messages, model.new_sequence(args.ctx), args)
+    if not (args.session or args.new_session):  # a one-off question, nothing stored
+        model = open_model(args)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        stats = GenerationStats()
+        params = SamplingParams(**sampling_settings(args))
+        stream(
+            generate(
+                model,
+                chat_prompt_ids(model, messages),
+                sampling=params,
+                max_tokens=args.max_tokens,
+                stats=stats,
+            )
+        )
+        print_stats(stats)
+        return 0
+    store = ChatStore(args.db)
+    if args.session:
+        session = store.get_session(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, store)
+    if args.new_session:
+        title = args.title or " ".join(prompt.split())[:60] or "New chat"
+        session = engine.new_session(title, args.system, sampling_settings(args))
+        print(f"session {session.id}", file=sys.stderr)
+    elif args.system is not None:
+        store.update_session(session.id, system_prompt=args.system)
+        session = store.get_session(session.id)
+    _, info = engine.open(session)
+    print(f"[{info.describe()}]", file=sys.stderr)
+    stats = GenerationStats()
+    params = engine.sampling(session, **sampling_settings(args))
+    stream(engine.reply(session, prompt, sampling=params, max_tokens=args.max_tokens, stats=stats))
+    print_stats(stats)
     return 0
 
 
 def cmd_chat(args) -> int:
-    model = open_model(args)
-    cache = model.new_sequence(args.ctx)
-    messages = first_messages(args)
-    print(f"Chatting with {model.name}. Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
+    store = ChatStore(args.db)
+    if args.session:
+        store.get_session(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, store)
+    if args.session:
+        session = engine.store.get_session(args.session)
+        _, info = engine.open(session)
+        print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
+        for m in engine.store.path(session.head_id)[-4:]:
+            print(f"{m.role}: {m.content}", file=sys.stderr)
+    else:
+        session = engine.new_session(args.title or "Terminal chat", args.system, sampling_settings(args))
+        print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
+    print("Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
+    cancel = threading.Event()
     while True:
         try:
             line = input("> ")
@@ -109,9 +157,14 @@ def cmd_chat(args) -> int:
             return 0
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        reply, _ = stream_reply(model, messages, cache, args)
-        messages.append({"role": "assistant", "content": reply})
+        stats = GenerationStats()
+        params = engine.sampling(session, **sampling_settings(args))
+        stream(
+            engine.reply(
+                session, line, sampling=params, max_tokens=args.max_tokens, cancel=cancel, stats=stats
+            )
+        )
+        print_stats(stats)
 
 
 def cmd_tokenize(args) -> int:
@@ -120,6 +173,53 @@ def cmd_tokenize(args) -> int:
     print_json(
         model.tokenizer.encode(text, add_bos=args.bos and model.tokenizer.add_bos, special=args.special)
     )
+    return 0
+
+
+def when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+
+def cmd_sessions(args) -> int:
+    store = ChatStore(args.db)
+    action = args.action
+    if action == "list":
+        sessions = store.list_sessions()
+        if args.json:
+            print_json([s.to_json() for s in sessions])
+        for s in sessions if not args.json else []:
+            fork = f"  (fork of {s.forked_from})" if s.forked_from else ""
+            print(f"{s.id}  {when(s.updated)}  {s.n_tokens:>6} tok  {s.title}{fork}")
+    elif action == "show":
+        session = store.get_session(args.id)
+        messages = store.path(session.head_id)
+        if args.json:
+            print_json({**session.to_json(), "messages": [asdict(m) for m in messages]})
+            return 0
+        print(f"{session.title} ({session.id}, {session.model_name or 'no model yet'})")
+        if session.system_prompt:
+            print(f"  system: {session.system_prompt}")
+        for m in messages:
+            print(f"  [{m.id}] {m.role}: {m.content}")
+    elif action == "fork":
+        child = store.fork_session(store.get_session(args.id).id, args.at, args.title)
+        print(child.id)
+    elif action == "rename":
+        store.rename_session(store.get_session(args.id).id, args.title)
+    elif action == "rm":
+        session = store.get_session(args.id)
+        removed = store.delete_session(session.id)
+        print(f"deleted session {session.id} and {removed} message(s) only it reached")
+    elif action == "search":
+        for session, message in store.search(args.text):
+            print(f"{session.id}  {session.title}  [{message.id}] {message.role}: {message.content[:100]}")
+    elif action == "gc":
+        budget = None if args.budget is None else args.budget * 2**20
+        result = store.gc(budget)
+        print(
+            f"removed {result['blocks_removed']} block(s), {result['bytes_freed'] / 2**20:.1f} MB; "
+            f"{result['blocks']} block(s), {result['bytes'] / 2**20:.1f} MB kept"
+        )
     return 0
 
 

@@ -6,13 +6,23 @@ Knows nothing of SQLite or Textual, so it can be used as a library on its own.
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from .chat_template import ChatTemplate
 from .errors import ModelError
-from .generate import Alternative, GenerationStats, chat_prompt_ids, generate, generate_alternatives
+from .generate import (
+    Alternative,
+    GenerationStats,
+    chat_prompt_ids,
+    fit_messages,
+    generate,
+    generate_alternatives,
+    shift_to,
+)
 from .kv_cache import BlockPool, KVSequence
 from .llm import Model, load_model
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "fit_messages",
+    "shift_to",
     "Alternative",
     "generate_alternatives",
     "DEFAULT_MODEL",

@@ -6,3 +6,7 @@ class ModelError(Exception):
 
     The message names the thing and the problem in one line; the CLI prints it and exits with 2.
     """
+
+
+class ContextFullError(ModelError):
+    """More tokens than the context window holds."""

@@ -45,6 +45,38 @@ def chat_prompt_ids(model: Model, messages: list[dict], add_generation_prompt: b
     return tok.encode(text, add_bos=add_bos, special=True)
 
 
+def fit_messages(
+    model: Model, messages: list[dict], budget: int, add_generation_prompt: bool = True
+) -> tuple[list[dict], list[int]]:
+    """Drop the oldest turns after the system prompt until the prompt fits in `budget` tokens.
+    The last message always stays (a prompt longer than the window fails in forward)."""
+    messages = list(messages)
+    if not messages:
+        return [], []
+    ids = chat_prompt_ids(model, messages, add_generation_prompt)
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    while len(ids) > budget and len(messages) - first > 1:
+        del messages[first]
+        # a conversation does not start with the assistant's reply to a dropped question
+        while len(messages) - first > 1 and messages[first]["role"] == "assistant":
+            del messages[first]
+        ids = chat_prompt_ids(model, messages, add_generation_prompt)
+    return messages, ids
+
+
+def shift_to(model: Model, seq: KVSequence, ids: list[int]) -> None:
+    """If ids are the sequence's tokens with one stretch cut out (old turns dropped), cut that stretch
+    from the KV by context shift rather than recomputing what follows it."""
+    keep = seq.common_prefix(ids)
+    old = seq.tokens
+    if keep >= len(ids):
+        return
+    for j in range(keep + 1, len(old)):  # where the kept stretch of the old tokens starts again
+        if old[j] == ids[keep] and old[j:] == ids[keep : keep + len(old) - j]:
+            model.context_shift(seq, keep, j - keep)
+            return
+
+
 class _StopStrings:
     """Holds back text that may be the start of a stop string, so a stop string is never shown."""
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .errors import ContextFullError
 from .weights import Config
 
 DEFAULT_BLOCK_SIZE = 64
@@ -29,6 +31,16 @@ DEFAULT_CACHE_RAM_MB = 1024
 
 class CacheFullError(MemoryError):
     """Every block of the pool is in use by a live sequence: the RAM budget is too small."""
+
+
+def _arena(shape: tuple[int, ...]) -> np.ndarray:
+    """Zeroed float32 memory whose pages are only taken when written, in 2 MB pages where the kernel
+    allows: writing a resumed 2,048-token cache into 4 kB pages costs more page faults than decoding it."""
+    nbytes = int(np.prod(shape)) * 4
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 
 def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -65,13 +77,15 @@ class BlockPool:
         self.block_bytes = 2 * cfg.n_layer * cfg.n_head_kv * block_size * cfg.head_dim * 4
         self.n_slots = max(int(ram_mb * 2**20) // self.block_bytes, 2)
         shape = (cfg.n_layer, cfg.n_head_kv, self.n_slots * block_size, cfg.head_dim)
-        self.k = np.zeros(shape, dtype=np.float32)  # untouched pages cost no memory until written
-        self.v = np.zeros(shape, dtype=np.float32)
+        self.k = _arena(shape)
+        self.v = _arena(shape)
         self.free_slots: set[int] = set(range(self.n_slots))
         self.by_key: dict[bytes, KVBlock] = {}
         self.lru: OrderedDict[bytes, KVBlock] = OrderedDict()  # unreferenced full blocks, oldest first
         self._ids = itertools.count(1)
         self.sequences: dict[int, KVSequence] = {}
+        # Where blocks missing from RAM may be found (the conversation store): key → (k, v) or None.
+        self.source: Callable[[bytes], tuple[np.ndarray, np.ndarray] | None] | None = None
 
     # -- blocks ---------------------------------------------------------------------------------
 
@@ -121,11 +135,31 @@ class BlockPool:
         self.by_key[key] = block
         return block
 
-    def lookup(self, key: bytes) -> KVBlock | None:
+    def lookup(self, key: bytes, tokens: tuple[int, ...]) -> KVBlock | None:
+        """The shared full block with this prefix key: from RAM, else from `source` (then kept in RAM)."""
         block = self.by_key.get(key)
-        if block is not None and block.refs == 0:
-            self.lru.move_to_end(key)
+        if block is not None:
+            if block.refs == 0:
+                self.lru.move_to_end(key)
+            return block
+        found = self.source(key) if self.source is not None else None
+        if found is None:
+            return None
+        k, v = found
+        expected = (self.cfg.n_layer, self.cfg.n_head_kv, self.block_size, self.cfg.head_dim)
+        if k.shape != expected or v.shape != expected:
+            return None  # not a block of this model: recompute rather than trust it
+        block = self.allocate()
+        self._write_block(block, k, v)
+        block.refs = 0
+        self.register(block, key, tokens)
+        self.lru[key] = block
         return block
+
+    def _write_block(self, block: KVBlock, k: np.ndarray, v: np.ndarray) -> None:
+        s = block.slot * self.block_size
+        self.k[:, :, s : s + k.shape[2]] = k
+        self.v[:, :, s : s + v.shape[2]] = v
 
     def copy_block(self, src: KVBlock, n_tokens: int, after: int | None) -> KVBlock:
         dst = self.allocate(after)
@@ -176,7 +210,9 @@ class KVSequence:
         self.n_ctx = n_ctx
         self.blocks: list[KVBlock] = []
         self.tokens: list[int] = []  # the token at each cached position
-        self.shifted = False  # after a context shift its KV is no longer that of a plain prefix
+        # Private KV is not that of a plain prefix (after a context shift, or decoded by a lossy codec
+        # for a measurement): it is never shared under a prefix key, nor taken from the pool.
+        self.private = False
 
     @property
     def n_tokens(self) -> int:
@@ -189,7 +225,7 @@ class KVSequence:
         child = self.pool.new_sequence(self.n_ctx)
         child.blocks = [self.pool.acquire(b) for b in self.blocks]
         child.tokens = list(self.tokens)
-        child.shifted = self.shifted
+        child.private = self.private
         return child
 
     def truncate(self, n_tokens: int) -> None:
@@ -218,24 +254,48 @@ class KVSequence:
         that the pool already has; return how many leading tokens of ids need no computing."""
         self.truncate(self.common_prefix(ids))
         B = self.pool.block_size
-        while not self.shifted and self.n_tokens % B == 0 and self.n_tokens + B <= len(ids):
+        while not self.private and self.n_tokens % B == 0 and self.n_tokens + B <= len(ids):
             chunk = tuple(ids[self.n_tokens : self.n_tokens + B])
             parent = self.blocks[-1].key if self.blocks else None
             if self.blocks and parent is None:
                 break
-            block = self.pool.lookup(prefix_key(self.pool.fingerprint, parent, chunk))
+            block = self.pool.lookup(prefix_key(self.pool.fingerprint, parent, chunk), chunk)
             if block is None:
                 break
             self.blocks.append(self.pool.acquire(block))
             self.tokens.extend(chunk)
         return self.n_tokens
 
+    def append_kv(self, tokens: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Add tokens whose KV was computed elsewhere (a stored tail): k, v [layer, kv_head, n, head_dim]."""
+        where = self.reserve(len(tokens))
+        for layer in range(self.pool.cfg.n_layer):
+            self.write(layer, where, k[layer], v[layer])
+        self.commit(tokens)
+
+    def snapshot(self) -> tuple[list[KVBlock], tuple[list[int], np.ndarray, np.ndarray] | None]:
+        """What persisting this sequence needs: its shareable full blocks (read their KV with
+        pool.block_kv) and its tail — the tokens after them with their KV (copies), or None."""
+        B = self.pool.block_size
+        full = []
+        for i, block in enumerate(self.blocks):
+            if block.key is None or (i + 1) * B > self.n_tokens:
+                break
+            full.append(block)
+        start = len(full) * B
+        if start >= self.n_tokens:
+            return full, None
+        idx = np.concatenate([np.arange(a, a + n) for a, n, _ in self.runs(start, self.n_tokens)])
+        return full, (self.tokens[start:], self.pool.k[:, :, idx], self.pool.v[:, :, idx])
+
     # -- what the forward pass uses ---------------------------------------------------------------
 
     def reserve(self, n_new: int) -> np.ndarray:
         """Make room for n_new tokens after the current ones; return their arena positions."""
         if self.n_tokens + n_new > self.n_ctx:
-            raise ValueError(f"context full: {self.n_tokens} + {n_new} tokens > {self.n_ctx}")
+            raise ContextFullError(
+                f"{self.n_tokens + n_new:,} tokens do not fit in the context window of {self.n_ctx:,}"
+            )
         B = self.pool.block_size
         n = self.n_tokens
         if n % B and (self.blocks[-1].refs > 1 or self.blocks[-1].key is not None):
@@ -281,7 +341,7 @@ class KVSequence:
         B = self.pool.block_size
         before = self.n_tokens
         self.tokens.extend(int(t) for t in new_tokens)
-        if self.shifted:
+        if self.private:
             return
         for i in range(before // B, self.n_tokens // B):
             block = self.blocks[i]

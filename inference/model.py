@@ -11,6 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .errors import ContextFullError
 from .kv_cache import KVSequence
 from .weights import Config
 
@@ -225,7 +226,9 @@ def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = Fa
     if len(tokens) == 0:
         raise ValueError("forward needs at least one token")
     if seq.n_tokens + len(tokens) > seq.n_ctx:
-        raise ValueError(f"context full: {seq.n_tokens} + {len(tokens)} tokens > {seq.n_ctx}")
+        raise ContextFullError(
+            f"{seq.n_tokens + len(tokens):,} tokens do not fit in the context window of {seq.n_ctx:,} (raise --ctx)"
+        )
     outputs = []
     for start in range(0, len(tokens), PREFILL_BATCH):
         x = run_step([(seq, tokens[start : start + PREFILL_BATCH])], w, cfg)
@@ -246,7 +249,7 @@ def context_shift(seq: KVSequence, keep: int, drop: int, w: dict, cfg: Config) -
     """Forget positions keep..keep+drop-1 and move the later ones back by `drop`, re-rotating their keys
     (RoPE is a rotation: one more rotation by -drop) instead of recomputing them, as llama.cpp's
     seq_rm + seq_add do. The moved KV still saw the dropped tokens in deeper layers, so the sequence is
-    marked shifted and its blocks are never shared under a prefix key."""
+    marked private and its blocks are never shared under a prefix key."""
     pool = seq.pool
     n = seq.n_tokens
     if not (0 <= keep and drop > 0 and keep + drop <= n):
@@ -258,7 +261,7 @@ def context_shift(seq: KVSequence, keep: int, drop: int, w: dict, cfg: Config) -
     k_moved = pool.k[:, :, moved].copy() if len(moved) else None  # [layer, kv_head, m, hd]
     v_moved = pool.v[:, :, moved].copy() if len(moved) else None
     seq.truncate(keep)
-    seq.shifted = True
+    seq.private = True
     if not moved_tokens:
         return
     new_positions = np.full(len(moved_tokens), -drop)

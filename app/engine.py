@@ -1,0 +1,289 @@
+"""The chat engine: stored conversations driven through the model, with KV resumed from RAM or SQLite.
+
+No maths and no SQL here: it renders a session's messages (inference), finds the longest prefix
+whose KV is already held — in the RAM block pool, then among the stored blocks, then the session's
+stored tail — prefills only the rest, streams the reply, stores the message, and snapshots the new
+KV. The message tree is the truth: every block is checked, and one that is missing, corrupt or made
+by another model is simply recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from llama_chat.inference import (
+    GenerationStats,
+    KVSequence,
+    Model,
+    SamplingParams,
+    chat_prompt_ids,
+    fit_messages,
+    generate,
+    generate_alternatives,
+    shift_to,
+)
+from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv
+from llama_chat.storage.store import ChatStore, Session, StoredBlock, StoredTail
+
+DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
+DEFAULT_CTX = 4096
+
+
+@dataclass
+class ResumeInfo:
+    tokens: int  # tokens of the conversation so far
+    restored: int  # of those, how many came back without computing (RAM, stored blocks, tail)
+    seconds: float
+
+    def describe(self) -> str:
+        return f"{self.restored:,} of {self.tokens:,} tokens restored in {self.seconds * 1000:.0f} ms"
+
+
+class ChatEngine:
+    def __init__(self, model: Model, store: ChatStore, codec: str = DEFAULT_CODEC, n_ctx: int = DEFAULT_CTX):
+        self.model = model
+        self.store = store
+        self.codec = codec
+        self.n_ctx = min(n_ctx, model.config.n_ctx_train)
+        self.live: dict[str, KVSequence] = {}  # sessions opened in this process
+        self.lock = threading.RLock()  # one reply at a time per engine: the pool is not thread-safe
+        model.pool.source = self._fetch_block
+        store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def new_session(
+        self, title: str = "New chat", system_prompt: str | None = None, sampling: dict | None = None
+    ):
+        return self.store.create_session(
+            title,
+            model_fingerprint=self.model.fingerprint,
+            model_name=self.model.name,
+            system_prompt=system_prompt,
+            sampling=sampling,
+        )
+
+    def messages(self, session: Session) -> list[dict]:
+        """The conversation as the chat template wants it: system prompt, then the path to the head."""
+        out = [{"role": "system", "content": session.system_prompt}] if session.system_prompt else []
+        out += [{"role": m.role, "content": m.content} for m in self.store.path(session.head_id)]
+        return out
+
+    @property
+    def budget(self) -> int:
+        """Tokens the conversation may fill, keeping room for a reply."""
+        return self.n_ctx - min(512, self.n_ctx // 2)
+
+    def conversation_ids(self, session: Session) -> list[int]:
+        """The tokens of the stored conversation (its newest turns, when it outgrew the window)."""
+        return fit_messages(self.model, self.messages(session), self.budget, add_generation_prompt=False)[1]
+
+    def open(self, session: Session) -> tuple[KVSequence, ResumeInfo]:
+        """The session's KV, ready for its next reply: from RAM, stored blocks and tail; nothing computed."""
+        t0 = time.perf_counter()
+        with self.lock:
+            ids = self.conversation_ids(session)
+            seq = self.live.get(session.id)
+            if seq is None:
+                seq = self.live[session.id] = self.model.new_sequence(self.n_ctx)
+            if seq.private:
+                shift_to(self.model, seq, ids)
+            seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
+            self._restore_tail(session, seq, ids)
+            return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0)
+
+    def _restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
+        B = self.model.pool.block_size
+        if seq.n_tokens % B or seq.n_tokens >= len(ids):
+            return
+        tail = self.store.load_tail(session.id, self.model.fingerprint)
+        if tail is None:
+            return
+        parent = seq.blocks[-1].key if seq.blocks else None
+        want = ids[seq.n_tokens : seq.n_tokens + len(tail.tokens)]
+        n = 0
+        while n < len(want) and want[n] == tail.tokens[n]:
+            n += 1
+        if tail.parent_key != parent or n == 0:
+            return
+        kv = self._decode(tail.data, tail.checksum)
+        if kv is None or kv[0].shape[2] != len(tail.tokens):
+            return
+        k, v = kv
+        seq.append_kv(tail.tokens[:n], k[:, :, :n], v[:, :, :n])
+
+    def _fetch_block(self, key: bytes):
+        """The pool's source: a stored block, checked; a bad one is dropped so it gets recomputed."""
+        block = self.store.load_block(key, self.model.fingerprint)
+        if block is None:
+            return None
+        kv = self._decode(block.data, block.checksum)
+        if kv is None:
+            self.store.drop_block(key)
+        return kv
+
+    @staticmethod
+    def _decode(data: bytes, expected_checksum: str):
+        if checksum(data) != expected_checksum:
+            return None
+        try:
+            return decode_kv(data)
+        except CorruptBlockError:
+            return None
+
+    # -- replies ---------------------------------------------------------------------------------
+
+    def sampling(self, session: Session, **overrides) -> SamplingParams:
+        fields = {**session.sampling, **{k: v for k, v in overrides.items() if v is not None}}
+        known = SamplingParams.__dataclass_fields__
+        return SamplingParams(**{k: v for k, v in fields.items() if k in known})
+
+    def reply(
+        self,
+        session: Session,
+        user_text: str | None,
+        *,
+        sampling: SamplingParams | None = None,
+        max_tokens: int = 512,
+        cancel: threading.Event | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[str]:
+        """Store the user's message (if any), stream the reply, store it and snapshot the KV.
+
+        The user's message is saved before anything is computed; the reply is saved even when it is
+        cancelled (Esc) with what was generated so far."""
+        stats = stats if stats is not None else GenerationStats()
+        with self.lock:
+            if user_text is not None:
+                self.store.add_message(session.id, "user", user_text)
+            session = self.store.get_session(session.id)
+            seq, _ = self.open(session)
+            prompt = self.prompt(session, seq, max_tokens)
+            pieces: list[str] = []
+            try:
+                for piece in generate(
+                    self.model,
+                    prompt,
+                    seq=seq,
+                    sampling=sampling or self.sampling(session),
+                    max_tokens=max_tokens,
+                    cancel=cancel,
+                    stats=stats,
+                ):
+                    pieces.append(piece)
+                    yield piece
+            finally:
+                self._finish_reply(session, seq, "".join(pieces), stats)
+
+    def prompt(self, session: Session, seq: KVSequence, max_tokens: int) -> list[int]:
+        """The prompt for the next reply; when the conversation outgrows the window, the oldest turns
+        go and the cached KV follows by context shift. Room is kept for a reply of max_tokens."""
+        budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
+        messages, prompt = fit_messages(self.model, self.messages(session), budget)
+        if len(messages) < len(self.messages(session)):
+            shift_to(self.model, seq, prompt)
+        return prompt
+
+    def _finish_reply(self, session: Session, seq: KVSequence, text: str, stats: GenerationStats) -> None:
+        self.store.add_message(
+            session.id,
+            "assistant",
+            text,
+            token_ids=stats.token_ids,
+            stats={
+                "prompt_tokens": stats.prompt_tokens,
+                "prefilled_tokens": stats.prefilled_tokens,
+                "prefill_tok_s": round(stats.prefill_tok_s, 2),
+                "generated_tokens": stats.generated_tokens,
+                "decode_tok_s": round(stats.decode_tok_s, 2),
+                "stop_reason": stats.stop_reason,
+            },
+        )
+        self.snapshot(self.store.get_session(session.id), seq)
+
+    def snapshot(self, session: Session, seq: KVSequence) -> None:
+        """Bring the KV up to the end of the stored conversation, then store what is new, in one transaction."""
+        with self.lock:
+            ids = self.conversation_ids(session)
+            if seq.private:
+                shift_to(self.model, seq, ids)
+            held = seq.reuse_prefix(ids)
+            if held < len(ids) <= seq.n_ctx:
+                self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
+            full, tail = seq.snapshot()
+            keys = [b.key for b in full]
+            stored = self.store.stored_keys(keys)
+            new_blocks = []
+            for block in full:
+                if block.key in stored:
+                    continue
+                k, v = self.model.pool.block_kv(block)
+                data = encode_kv(k, v, self.codec)
+                new_blocks.append(
+                    StoredBlock(block.key, self.model.pool.block_size, self.codec, data, checksum(data))
+                )
+            stored_tail = None
+            if tail is not None:
+                tokens, k, v = tail
+                data = encode_kv(k, v, self.codec)
+                stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
+            self.store.save_snapshot(
+                session.id, self.model.fingerprint, keys, new_blocks, stored_tail, seq.n_tokens
+            )
+
+    # -- branching -------------------------------------------------------------------------------
+
+    def fork(self, session: Session, at_message: int | None = None, title: str | None = None) -> Session:
+        """A new session sharing this one's messages and KV up to `at_message` (default: the head)."""
+        with self.lock:
+            child = self.store.fork_session(session.id, at_message, title)
+            parent_seq = self.live.get(session.id)
+            if parent_seq is not None and child.head_id == session.head_id:
+                self.live[child.id] = parent_seq.fork()  # O(1): shares every block
+            return child
+
+    def regenerate(self, session: Session, n: int = 1, **kwargs) -> list[tuple[Session, str]]:
+        """New replies to the last user message, each in its own sibling branch (n at once, batched)."""
+        with self.lock:
+            head = self.store.message(session.head_id) if session.head_id else None
+            if head is None or head.role != "assistant" or head.parent_id is None:
+                raise ValueError("nothing to regenerate: the conversation does not end with a reply")
+            branches = [
+                self.fork(session, head.parent_id, f"{session.title} (regenerated)") for _ in range(n)
+            ]
+            if n == 1:
+                return [(branches[0], "".join(self.reply(branches[0], None, **kwargs)))]
+            base, _ = self.open(branches[0])
+            prompt = chat_prompt_ids(self.model, self.messages(branches[0]))
+            sampling = kwargs.get("sampling") or self.sampling(session)
+            alternatives = generate_alternatives(
+                self.model, prompt, n, seq=base, sampling=sampling, max_tokens=kwargs.get("max_tokens", 512)
+            )
+            out = []
+            for branch, alt in zip(branches, alternatives, strict=True):
+                old = self.live.get(branch.id)
+                if old is not None and old is not alt.seq:
+                    old.free()
+                self.live[branch.id] = alt.seq
+                self._finish_reply(branch, alt.seq, alt.text, alt.stats)
+                out.append((self.store.get_session(branch.id), alt.text))
+            return out
+
+    def edit(
+        self, session: Session, message_id: int, new_text: str, **kwargs
+    ) -> tuple[Session, Iterator[str]]:
+        """Change a past user message: a sibling branch with the new text, and its reply streaming."""
+        message = self.store.message(message_id)
+        if message.role != "user":
+            raise ValueError("only a user message can be edited")
+        branch = self.store.fork_session(session.id, message_id, f"{session.title} (edited)")
+        self.store.set_head(branch.id, message.parent_id)  # the new text goes beside the old one
+        return branch, self.reply(self.store.get_session(branch.id), new_text, **kwargs)
+
+    def close(self, session_id: str) -> None:
+        seq = self.live.pop(session_id, None)
+        if seq is not None:
+            seq.free()

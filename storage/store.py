@@ -1,0 +1,485 @@
+"""The conversation store: models, sessions, the message tree and KV blocks — the only place with SQL.
+
+A session is a pointer to a message of the tree (its head) plus settings. Forking, editing a past
+message or regenerating a reply makes a new session on a sibling branch; nothing is copied. Messages
+never depend on KV: blocks are a cache, written after the messages they belong to, and any block may
+be dropped at any time and recomputed from tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .db import StoreError, open_database
+
+
+@dataclass
+class Session:
+    id: str
+    title: str
+    head_id: int | None
+    model_fingerprint: str | None
+    model_name: str | None
+    system_prompt: str | None
+    sampling: dict
+    forked_from: str | None
+    n_tokens: int
+    created: float
+    updated: float
+
+    @classmethod
+    def from_row(cls, row: dict) -> Session:
+        return cls(
+            id=row["id"],
+            title=row["title"],
+            head_id=row["head_id"],
+            model_fingerprint=row["model_fingerprint"],
+            model_name=row["model_name"],
+            system_prompt=row["system_prompt"],
+            sampling=json.loads(row["sampling"] or "{}"),
+            forked_from=row["forked_from"],
+            n_tokens=row["n_tokens"],
+            created=row["created"],
+            updated=row["updated"],
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "forked_from": self.forked_from,
+            "head": self.head_id,
+            "updated": self.updated,
+            "created": self.created,
+            "n_tokens": self.n_tokens,
+            "model": self.model_name,
+            "system_prompt": self.system_prompt,
+            "sampling": self.sampling,
+        }
+
+
+@dataclass
+class Message:
+    id: int
+    parent_id: int | None
+    role: str
+    content: str
+    token_ids: list[int] | None
+    created: float
+    stats: dict | None
+
+    @classmethod
+    def from_row(cls, row: dict) -> Message:
+        ids = None if row["token_ids"] is None else np.frombuffer(row["token_ids"], dtype=np.int32).tolist()
+        return cls(
+            row["id"],
+            row["parent_id"],
+            row["role"],
+            row["content"],
+            ids,
+            row["created"],
+            json.loads(row["stats"]) if row["stats"] else None,
+        )
+
+
+@dataclass
+class StoredBlock:
+    key: bytes
+    n_tokens: int
+    codec: str
+    data: bytes
+    checksum: str
+
+
+@dataclass
+class StoredTail:
+    parent_key: bytes | None
+    tokens: list[int]
+    codec: str
+    data: bytes
+    checksum: str
+
+
+class ChatStore:
+    def __init__(self, path: str | Path):
+        self.db_path = Path(path)
+        self.db = open_database(self.db_path)
+        self._lock = threading.RLock()  # one connection, used from the UI's workers one at a time
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    @contextmanager
+    def transaction(self):
+        """All or nothing: a crash or an error inside leaves the database as it was."""
+        with self._lock:
+            conn = self.db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _insert(self, table: str, row: dict) -> None:
+        # plain SQL: sqlite-utils' writers commit on their own, which would end our transaction early
+        names = ", ".join(row)
+        self.db.conn.execute(
+            f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})", list(row.values())
+        )
+
+    def _rows(self, sql: str, params=()) -> list[dict]:
+        with self._lock:
+            cur = self.db.conn.execute(sql, params)
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    # -- models ----------------------------------------------------------------------------------
+
+    def add_model(self, fingerprint: str, name: str, architecture: str, path: str | None) -> None:
+        with self.transaction():
+            self.db.conn.execute(
+                "INSERT INTO models VALUES (?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO UPDATE SET path = excluded.path",
+                (fingerprint, name, architecture, path, time.time()),
+            )
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def create_session(
+        self,
+        title: str = "New chat",
+        *,
+        model_fingerprint: str | None = None,
+        model_name: str | None = None,
+        system_prompt: str | None = None,
+        sampling: dict | None = None,
+        head_id: int | None = None,
+        forked_from: str | None = None,
+        n_tokens: int = 0,
+    ) -> Session:
+        now = time.time()
+        row = {
+            "id": secrets.token_hex(6),
+            "title": title,
+            "head_id": head_id,
+            "model_fingerprint": model_fingerprint,
+            "model_name": model_name,
+            "system_prompt": system_prompt,
+            "sampling": json.dumps(sampling or {}),
+            "forked_from": forked_from,
+            "n_tokens": n_tokens,
+            "created": now,
+            "updated": now,
+        }
+        with self.transaction():
+            self._insert("sessions", row)
+        return Session.from_row(row)
+
+    def get_session(self, id_or_prefix: str) -> Session:
+        """A session by its id or a unique prefix of it."""
+        prefix = id_or_prefix.strip().lower()
+        if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+            raise StoreError(f"unknown session '{id_or_prefix}'")
+        rows = self._rows("SELECT * FROM sessions WHERE id >= ? AND id < ? LIMIT 2", (prefix, prefix + "g"))
+        if not rows:
+            raise StoreError(f"unknown session '{id_or_prefix}'")
+        if len(rows) > 1 and rows[0]["id"] != prefix:
+            raise StoreError(f"session '{id_or_prefix}' is ambiguous: give more of its id")
+        return Session.from_row(rows[0])
+
+    def list_sessions(self) -> list[Session]:
+        return [
+            Session.from_row(r)
+            for r in self._rows("SELECT * FROM sessions ORDER BY updated DESC, created DESC")
+        ]
+
+    def rename_session(self, session_id: str, title: str) -> None:
+        with self.transaction():
+            self.db.conn.execute(
+                "UPDATE sessions SET title = ?, updated = ? WHERE id = ?", (title, time.time(), session_id)
+            )
+
+    def update_session(self, session_id: str, **fields) -> None:
+        """Change settings (system_prompt, sampling, title, model_…) of a session."""
+        if "sampling" in fields:
+            fields["sampling"] = json.dumps(fields["sampling"] or {})
+        fields["updated"] = time.time()
+        allowed = {"title", "system_prompt", "sampling", "model_fingerprint", "model_name", "updated"}
+        if not set(fields) <= allowed:
+            raise ValueError(f"cannot update {sorted(set(fields) - allowed)} of a session")
+        with self.transaction():
+            assignments = ", ".join(f"{name} = ?" for name in fields)
+            self.db.conn.execute(
+                f"UPDATE sessions SET {assignments} WHERE id = ?", [*fields.values(), session_id]
+            )
+
+    def set_head(self, session_id: str, message_id: int | None) -> None:
+        """Point a session at another message of the tree (None: the empty conversation)."""
+        with self.transaction():
+            self.db.conn.execute(
+                "UPDATE sessions SET head_id = ?, n_tokens = 0, updated = ? WHERE id = ?",
+                (message_id, time.time(), session_id),
+            )
+            self.db.conn.execute("DELETE FROM session_tails WHERE session_id = ?", (session_id,))
+
+    def fork_session(
+        self, session_id: str, at_message: int | None = None, title: str | None = None
+    ) -> Session:
+        """A new session on the same tree, its head at `at_message` (default: the current head).
+
+        Nothing is copied but the session row and its list of block keys (KV is shared by key); a fork at
+        the head also shares the parent's stored tail, so it resumes just as fast."""
+        parent = self.get_session(session_id)
+        head = parent.head_id if at_message is None else at_message
+        if at_message is not None and at_message not in {m.id for m in self.path(parent.head_id)}:
+            raise StoreError(f"message {at_message} is not in session {parent.id}")
+        now = time.time()
+        row = {
+            "id": secrets.token_hex(6),
+            "title": title or f"{parent.title} (fork)",
+            "head_id": head,
+            "model_fingerprint": parent.model_fingerprint,
+            "model_name": parent.model_name,
+            "system_prompt": parent.system_prompt,
+            "sampling": json.dumps(parent.sampling),
+            "forked_from": parent.id,
+            "n_tokens": parent.n_tokens if head == parent.head_id else 0,
+            "created": now,
+            "updated": now,
+        }
+        with self.transaction():
+            self._insert("sessions", row)
+            self.db.conn.execute(
+                "INSERT INTO session_blocks (session_id, position, key) "
+                "SELECT ?, position, key FROM session_blocks WHERE session_id = ?",
+                (row["id"], parent.id),
+            )
+            if head == parent.head_id:
+                self.db.conn.execute(
+                    "INSERT INTO session_tails SELECT ?, fingerprint, parent_key, tokens, codec, data, checksum, "
+                    "updated FROM session_tails WHERE session_id = ?",
+                    (row["id"], parent.id),
+                )
+        return Session.from_row(row)
+
+    def delete_session(self, session_id: str) -> int:
+        """Delete a session, and those of its messages no other session reaches; returns how many."""
+        session = self.get_session(session_id)
+        with self.transaction():
+            self.db.conn.execute("DELETE FROM sessions WHERE id = ?", (session.id,))
+            reached = set()
+            for (head,) in self.db.conn.execute(
+                "SELECT head_id FROM sessions WHERE head_id IS NOT NULL"
+            ).fetchall():
+                reached.update(m.id for m in self.path(head))
+            doomed = [m.id for m in self.path(session.head_id) if m.id not in reached]
+            # children before parents, for the parent_id foreign key
+            for mid in reversed(doomed):
+                if self.db.conn.execute(
+                    "SELECT 1 FROM messages WHERE parent_id = ? LIMIT 1", (mid,)
+                ).fetchone():
+                    continue  # an abandoned branch hangs below it; keep the tree whole
+                self.db.conn.execute("DELETE FROM messages WHERE id = ?", (mid,))
+        return len(doomed)
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def add_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        *,
+        parent_id: int | None = None,
+        token_ids: list[int] | None = None,
+        stats: dict | None = None,
+    ) -> Message:
+        """Append a message under `parent_id` (default: the session's head) and move the head to it."""
+        with self.transaction():
+            if parent_id is None:
+                row = self.db.conn.execute(
+                    "SELECT head_id FROM sessions WHERE id = ?", (session_id,)
+                ).fetchone()
+                if row is None:
+                    raise StoreError(f"unknown session '{session_id}'")
+                parent_id = row[0]
+            blob = None if token_ids is None else np.asarray(token_ids, dtype=np.int32).tobytes()
+            now = time.time()
+            cur = self.db.conn.execute(
+                "INSERT INTO messages (parent_id, role, content, token_ids, created, stats) VALUES (?, ?, ?, ?, ?, ?)",
+                (parent_id, role, content, blob, now, json.dumps(stats) if stats else None),
+            )
+            mid = cur.lastrowid
+            self.db.conn.execute(
+                "UPDATE sessions SET head_id = ?, updated = ? WHERE id = ?", (mid, now, session_id)
+            )
+        return Message(mid, parent_id, role, content, token_ids, now, stats)
+
+    def message(self, message_id: int) -> Message:
+        rows = self._rows("SELECT * FROM messages WHERE id = ?", (message_id,))
+        if not rows:
+            raise StoreError(f"unknown message {message_id}")
+        return Message.from_row(rows[0])
+
+    def path(self, head_id: int | None) -> list[Message]:
+        """The messages from the root of the tree down to head_id."""
+        if head_id is None:
+            return []
+        rows = self._rows(
+            "WITH RECURSIVE up(id, depth) AS (SELECT ?, 0 UNION ALL "
+            "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id WHERE m.parent_id IS NOT NULL) "
+            "SELECT messages.* FROM up JOIN messages ON messages.id = up.id ORDER BY up.depth DESC",
+            (head_id,),
+        )
+        return [Message.from_row(r) for r in rows]
+
+    def children(self, message_id: int) -> list[Message]:
+        return [
+            Message.from_row(r)
+            for r in self._rows("SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,))
+        ]
+
+    def search(self, text: str, limit: int = 50) -> list[tuple[Session, Message]]:
+        """Sessions whose conversation contains the text (full-text search), with the matching message."""
+        words = [w for w in text.replace('"', " ").split() if w]
+        if not words:
+            return []
+        query = " ".join(f'"{w}"' for w in words)
+        try:
+            hits = self._rows(
+                "SELECT messages.* FROM messages_fts JOIN messages ON messages.id = messages_fts.rowid "
+                "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
+                (query, limit),
+            )
+        except sqlite3.OperationalError as e:
+            raise StoreError(f"cannot search for {text!r} ({e})") from None
+        found = []
+        sessions = self.list_sessions()
+        paths = {s.id: {m.id for m in self.path(s.head_id)} for s in sessions}
+        for row in hits:
+            for s in sessions:
+                if row["id"] in paths[s.id]:
+                    found.append((s, Message.from_row(row)))
+                    break
+        return found
+
+    # -- KV blocks -------------------------------------------------------------------------------
+
+    def stored_keys(self, keys: list[bytes]) -> set[bytes]:
+        if not keys:
+            return set()
+        marks = ",".join("?" * len(keys))
+        return {r["key"] for r in self._rows(f"SELECT key FROM kv_blocks WHERE key IN ({marks})", keys)}
+
+    def save_snapshot(
+        self,
+        session_id: str,
+        fingerprint: str,
+        block_keys: list[bytes],
+        new_blocks: list[StoredBlock],
+        tail: StoredTail | None,
+        n_tokens: int,
+    ) -> None:
+        """In one transaction: blocks not stored yet, the session's block list and its tail."""
+        now = time.time()
+        with self.transaction():
+            conn = self.db.conn
+            conn.executemany(
+                "INSERT OR IGNORE INTO kv_blocks (key, fingerprint, codec, n_tokens, data, checksum, last_used) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(b.key, fingerprint, b.codec, b.n_tokens, b.data, b.checksum, now) for b in new_blocks],
+            )
+            conn.execute("DELETE FROM session_blocks WHERE session_id = ?", (session_id,))
+            conn.executemany(
+                "INSERT INTO session_blocks (session_id, position, key) VALUES (?, ?, ?)",
+                [(session_id, i, k) for i, k in enumerate(block_keys)],
+            )
+            if block_keys:
+                marks = ",".join("?" * len(block_keys))
+                conn.execute(f"UPDATE kv_blocks SET last_used = ? WHERE key IN ({marks})", [now, *block_keys])
+            conn.execute("DELETE FROM session_tails WHERE session_id = ?", (session_id,))
+            if tail is not None:
+                conn.execute(
+                    "INSERT INTO session_tails VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        session_id,
+                        fingerprint,
+                        tail.parent_key,
+                        np.asarray(tail.tokens, dtype=np.int32).tobytes(),
+                        tail.codec,
+                        tail.data,
+                        tail.checksum,
+                        now,
+                    ),
+                )
+            conn.execute(
+                "UPDATE sessions SET n_tokens = ?, model_fingerprint = ? WHERE id = ?",
+                (n_tokens, fingerprint, session_id),
+            )
+
+    def load_block(self, key: bytes, fingerprint: str) -> StoredBlock | None:
+        rows = self._rows("SELECT * FROM kv_blocks WHERE key = ? AND fingerprint = ?", (key, fingerprint))
+        if not rows:
+            return None
+        r = rows[0]
+        return StoredBlock(r["key"], r["n_tokens"], r["codec"], r["data"], r["checksum"])
+
+    def drop_block(self, key: bytes) -> None:
+        """Forget a block that failed its checksum; it will be recomputed from tokens."""
+        with self.transaction():
+            self.db.conn.execute("DELETE FROM kv_blocks WHERE key = ?", (key,))
+
+    def load_tail(self, session_id: str, fingerprint: str) -> StoredTail | None:
+        rows = self._rows(
+            "SELECT * FROM session_tails WHERE session_id = ? AND fingerprint = ?", (session_id, fingerprint)
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        tokens = np.frombuffer(r["tokens"], dtype=np.int32).tolist()
+        return StoredTail(r["parent_key"], tokens, r["codec"], r["data"], r["checksum"])
+
+    def gc(self, budget_bytes: int | None = None) -> dict:
+        """Remove blocks no session needs; then, over the budget, the least recently used ones too
+        (sessions stay usable: what is missing is recomputed)."""
+        with self.transaction():
+            conn = self.db.conn
+            before = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM kv_blocks").fetchone()
+            conn.execute("DELETE FROM kv_blocks WHERE key NOT IN (SELECT key FROM session_blocks)")
+            if budget_bytes is not None:
+                total = 0
+                doomed = []
+                for key, size in conn.execute(
+                    "SELECT key, LENGTH(data) FROM kv_blocks ORDER BY last_used DESC, key"
+                ):
+                    total += size
+                    if total > budget_bytes:
+                        doomed.append((key,))
+                conn.executemany("DELETE FROM kv_blocks WHERE key = ?", doomed)
+            after = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM kv_blocks").fetchone()
+        with self._lock:
+            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return {
+            "blocks_removed": before[0] - after[0],
+            "bytes_freed": before[1] - after[1],
+            "blocks": after[0],
+            "bytes": after[1],
+        }
+
+    def kv_bytes(self) -> dict:
+        """Bytes of stored KV: shared blocks, per-session tails, and the largest single block."""
+        return self._rows(
+            "SELECT (SELECT COALESCE(SUM(LENGTH(data)), 0) FROM kv_blocks) AS blocks, "
+            "(SELECT COALESCE(SUM(LENGTH(data)), 0) FROM session_tails) AS tails, "
+            "(SELECT COALESCE(MAX(LENGTH(data)), 0) FROM kv_blocks) AS largest_block"
+        )[0]

@@ -1,0 +1,67 @@
+"""On the default model: a session resumed from SQLite with the default codec replies as the live one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import real_cache
+from llama_chat.app.engine import DEFAULT_CODEC, ChatEngine
+from llama_chat.inference import GenerationStats, Model, SamplingParams, chat_prompt_ids
+from llama_chat.inference.weights import prepare
+from llama_chat.storage import ChatStore
+
+pytestmark = pytest.mark.real_model
+
+CONVERSATIONS = [
+    (
+        "You are a concise coding assistant.",
+        ["Write a Python function that reverses a string.", "Now add type hints."],
+    ),
+    (None, ["What is a KV cache in a transformer?", "Why does it make decoding faster?"]),
+    ("Answer in one sentence.", ["Name three sorting algorithms.", "Which of them is stable?"]),
+]
+
+
+def fresh_model(path) -> Model:
+    """A new model object, with its own empty block pool: what a new process has."""
+    with real_cache():
+        return Model(prepare(path))
+
+
+@pytest.mark.parametrize("system, turns", CONVERSATIONS)
+def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_path, system, turns):
+    greedy = SamplingParams(temperature=0)
+    db = tmp_path / "chat.db"
+    live = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=DEFAULT_CODEC)
+    session = live.new_session("t", system_prompt=system)
+    "".join(live.reply(session, turns[0], sampling=greedy, max_tokens=48))
+    session = live.store.get_session(session.id)
+
+    resumed = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=DEFAULT_CODEC)
+    _, info = resumed.open(session)
+    assert info.restored == info.tokens  # all of it from the store, nothing recomputed
+
+    live_stats, resumed_stats = GenerationStats(), GenerationStats()
+    live_reply = "".join(
+        live.reply(live.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=live_stats)
+    )
+    resumed_reply = "".join(
+        resumed.reply(resumed.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=resumed_stats)
+    )
+    assert resumed_stats.prefilled_tokens == resumed_stats.prompt_tokens - info.tokens
+    if resumed_stats.token_ids != live_stats.token_ids:
+        # Lossy KV may only flip a genuine near-tie: somewhere up to the first difference, the live
+        # run's best two tokens must be within 0.1 (a float-noise tie, as between llama.cpp builds).
+        first = next(
+            i for i, (a, b) in enumerate(zip(live_stats.token_ids, resumed_stats.token_ids)) if a != b
+        )
+        prompt = chat_prompt_ids(
+            live.model,
+            live.messages(live.store.get_session(session.id)) + [{"role": "user", "content": turns[1]}],
+        )
+        logits = live.model.logits(prompt + live_stats.token_ids)[len(prompt) - 1 :]
+        margins = [float(np.diff(np.sort(row)[-2:])[0]) for row in logits[: first + 1]]
+        assert min(margins) < 0.1, f"diverged at {first} with no near-tie before it: {margins}"
+    else:
+        assert resumed_reply == live_reply

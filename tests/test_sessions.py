@@ -1,0 +1,231 @@
+"""Persistent sessions end to end on tiny models: resume, fork, corrupt KV, crashes, two writers."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llama_chat.app.cli import main
+from llama_chat.app.engine import ChatEngine
+from llama_chat.inference import GenerationStats, SamplingParams, load_model
+from llama_chat.storage import ChatStore
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def engine_for(path, db, block_size=8):
+    """A fresh model object and store: what a new process sees."""
+    return ChatEngine(load_model(path, block_size=block_size), ChatStore(db))
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return tiny_model_paths["qwen2"]
+
+
+def chat(engine, session, text, max_tokens=12):
+    stats = GenerationStats()
+    reply = "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats))
+    return reply, stats
+
+
+def test_a_session_resumes_in_a_new_process_without_recomputing(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    first = engine_for(qwen2, db)
+    session = first.new_session("resume me", system_prompt="the sun")
+    chat(first, session, "hello the world " * 2, max_tokens=6)
+    chat(first, session, "and then", max_tokens=6)
+    session = first.store.get_session(session.id)
+
+    again = engine_for(qwen2, db)
+    seq, info = again.open(session)
+    assert info.tokens > 3 * 8 and info.restored == info.tokens  # every token back, nothing computed
+    live_reply, _ = chat(first, first.fork(session), "is it", max_tokens=6)
+    resumed_reply, stats = chat(again, again.fork(session), "is it", max_tokens=6)
+    assert resumed_reply == live_reply
+    assert stats.prefilled_tokens == stats.prompt_tokens - info.tokens  # only the new user turn was computed
+
+
+def test_ask_with_sessions_on_the_command_line(qwen2, tmp_path, capsys):
+    db = ["--db", str(tmp_path / "chat.db"), "--model", str(qwen2)]
+    assert main([*db, "ask", "--new-session", "--temp", "0", "--max-tokens", "5", "hello the world"]) == 0
+    err = capsys.readouterr().err
+    session_id = next(line.split()[1] for line in err.splitlines() if line.startswith("session "))
+    assert main([*db, "ask", "--session", session_id[:6], "--max-tokens", "5", "and then"]) == 0
+    err = capsys.readouterr().err
+    assert "restored" in err
+    store = ChatStore(tmp_path / "chat.db")
+    roles = [m.role for m in store.path(store.get_session(session_id).head_id)]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert store.get_session(session_id).sampling == {"temperature": 0.0}  # settings persist
+    assert main([*db, "ask", "--session", "0000ffff", "hi"]) == 2
+    assert "unknown session '0000ffff'" in capsys.readouterr().err
+
+
+def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tmp_path):
+    db = tmp_path / "chat.db"
+    first = engine_for(qwen2, db)
+    session = first.new_session("x")
+    chat(first, session, "hello the world " * 8)
+    session = first.store.get_session(session.id)
+    expected, _ = chat(engine_for(qwen2, db), first.store.fork_session(session.id), "then")
+
+    conn = sqlite3.connect(db)
+    n_blocks = conn.execute("SELECT COUNT(*) FROM kv_blocks").fetchone()[0]
+    assert n_blocks >= 3
+    # one flipped byte in the middle of the second block's data
+    key, data = conn.execute("SELECT key, data FROM kv_blocks ORDER BY rowid LIMIT 1 OFFSET 1").fetchone()
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0x40
+    conn.execute("UPDATE kv_blocks SET data = ? WHERE key = ?", (bytes(bad), key))
+    conn.commit()
+    fresh = engine_for(qwen2, db)
+    _, info = fresh.open(session)
+    assert 0 < info.restored < info.tokens
+    assert conn.execute("SELECT COUNT(*) FROM kv_blocks WHERE key = ?", (key,)).fetchone()[0] == 0
+    reply, _ = chat(fresh, fresh.store.fork_session(session.id), "then")
+    assert reply == expected
+
+    conn.execute("DELETE FROM kv_blocks")
+    conn.execute("DELETE FROM session_tails")
+    conn.commit()
+    nothing = engine_for(qwen2, db)
+    _, info = nothing.open(session)
+    assert info.restored == 0
+    assert chat(nothing, nothing.store.fork_session(session.id), "then")[0] == expected
+
+    other = engine_for(tiny_model_paths["qwen3"], db)  # same vocabulary, other model: other fingerprint
+    _, info = other.open(session)
+    assert info.restored == 0
+
+
+def test_fork_is_quick_and_adds_at_most_one_block(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    engine = engine_for(qwen2, db)
+    session = engine.new_session("x")
+    chat(engine, session, "hello the world " * 4)
+    session = engine.store.get_session(session.id)
+    conn = sqlite3.connect(db)
+
+    def stored():
+        return conn.execute(
+            "SELECT (SELECT COUNT(*) FROM kv_blocks), (SELECT COUNT(*) FROM session_tails)"
+        ).fetchone()
+
+    blocks, tails = stored()
+    fork = engine.fork(session)
+    assert stored() == (blocks, tails + 1)  # no block copied; the fork shares the tail record
+    again = engine_for(qwen2, db)
+    _, info = again.open(again.store.get_session(fork.id))
+    assert info.restored == info.tokens
+
+
+def test_regenerate_and_edit_make_sibling_branches(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("x")
+    chat(engine, session, "hello the world")
+    session = engine.store.get_session(session.id)
+    original = engine.store.path(session.head_id)
+    branches = engine.regenerate(session, n=3, sampling=SamplingParams(temperature=5.0, seed=1), max_tokens=6)
+    assert len(branches) == 3
+    for branch, text in branches:
+        path = engine.store.path(branch.head_id)
+        assert path[0].id == original[0].id  # the same user message
+        assert path[1].id != original[1].id and path[1].content == text  # a sibling reply
+    assert engine.store.path(engine.store.get_session(session.id).head_id) == original  # untouched
+    branch, pieces = engine.edit(session, original[0].id, "the water")
+    "".join(pieces)
+    path = engine.store.path(engine.store.get_session(branch.id).head_id)
+    assert [m.content for m in path][0] == "the water" and path[0].parent_id is None
+    assert len(engine.store.list_sessions()) == 5
+
+
+CHILD = """
+import sys
+from llama_chat.app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_cli(args, env):
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    env = {**os.environ}
+    base = ["--db", str(db), "--model", str(qwen2)]
+    engine = engine_for(qwen2, db, block_size=64)
+    sessions = [engine.new_session(f"s{i}") for i in range(2)]
+    rng = random.Random(0)
+    completed = []
+    for i in range(20):
+        s = sessions[i % 2]
+        text = f"question number {i} " + "hello the world " * rng.randint(1, 12)
+        proc = run_cli([*base, "ask", "--session", s.id, "--temp", "0", "--max-tokens", "40", text], env)
+        time.sleep(rng.uniform(0.05, 1.2))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.returncode == 0:
+            completed.append(text)
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert 0 < len(completed) < 20  # some runs were killed, some finished
+    for text in completed:
+        found = conn.execute(
+            "SELECT id FROM messages WHERE role = 'user' AND content = ?", (text,)
+        ).fetchall()
+        assert found, text
+        replies = conn.execute(
+            "SELECT COUNT(*) FROM messages WHERE parent_id = ? AND role = 'assistant'", found[0]
+        )
+        assert replies.fetchone()[0] == 1, text
+    fresh = engine_for(qwen2, db, block_size=64)
+    for s in sessions:
+        session = fresh.store.get_session(s.id)
+        _, info = fresh.open(session)
+        assert info.tokens > 0
+        assert chat(fresh, session, "still there?", max_tokens=3)[0] is not None
+
+
+def test_two_processes_writing_different_sessions_lose_nothing(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    engine = engine_for(qwen2, db, block_size=64)
+    a, b = engine.new_session("a"), engine.new_session("b")
+    base = ["--db", str(db), "--model", str(qwen2)]
+    for round_ in range(3):
+        procs = [
+            run_cli(
+                [
+                    *base,
+                    "ask",
+                    "--session",
+                    s.id,
+                    "--temp",
+                    "0",
+                    "--max-tokens",
+                    "20",
+                    f"round {round_} for {s.title}",
+                ],
+                os.environ,
+            )
+            for s in (a, b)
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode()
+    store = ChatStore(db)
+    for s in (a, b):
+        path = store.path(store.get_session(s.id).head_id)
+        assert [m.content for m in path if m.role == "user"] == [f"round {r} for {s.title}" for r in range(3)]
+        assert [m.role for m in path] == ["user", "assistant"] * 3

@@ -1,0 +1,162 @@
+"""The conversation store: schema versions, sessions, the message tree, search, block bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from llama_chat.app.cli import main
+from llama_chat.storage import SCHEMA_VERSION, ChatStore, StoreError
+from llama_chat.storage.store import StoredBlock, StoredTail
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ChatStore(tmp_path / "chat.db")
+
+
+def conversation(store, turns=2, title="chat"):
+    s = store.create_session(title, system_prompt="be brief")
+    for i in range(turns):
+        store.add_message(s.id, "user", f"question {i}")
+        store.add_message(s.id, "assistant", f"answer {i}")
+    return store.get_session(s.id)
+
+
+def test_a_new_database_has_the_schema_and_pragmas(tmp_path):
+    store = ChatStore(tmp_path / "new" / "chat.db")
+    conn = store.db.conn
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    assert {"models", "messages", "sessions", "kv_blocks", "session_tails"} <= set(store.db.table_names())
+
+
+def test_a_database_from_a_newer_version_is_refused_and_left_untouched(tmp_path, capsys):
+    path = tmp_path / "future.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE future (x)")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="written by a newer llama-chat"):
+        ChatStore(path)
+    assert main(["--db", str(path), "sessions", "list"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llama-chat: error: ") and "newer llama-chat" in err and "\n" not in err
+    assert path.read_bytes() == before
+    assert not (tmp_path / "future.db-wal").exists()
+
+
+def test_a_file_that_is_not_a_database_is_one_clear_line(tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    path.write_text("just some notes, not SQLite " * 100)
+    assert main(["--db", str(path), "sessions", "list"]) == 2
+    assert "not a llama-chat database" in capsys.readouterr().err
+    assert path.read_text().startswith("just some notes")
+
+
+def test_messages_form_a_tree_and_sessions_point_into_it(store):
+    s = conversation(store)
+    path = store.path(s.head_id)
+    assert [m.role for m in path] == ["user", "assistant"] * 2
+    assert [m.content for m in path][-1] == "answer 1"
+    assert path[0].parent_id is None and all(b.parent_id == a.id for a, b in zip(path, path[1:]))
+
+
+def test_fork_shares_messages_and_diverges(store):
+    s = conversation(store)
+    at = store.path(s.head_id)[1].id  # after the first answer
+    fork = store.fork_session(s.id, at)
+    assert fork.forked_from == s.id and fork.head_id == at
+    store.add_message(fork.id, "user", "a different question")
+    assert [m.content for m in store.path(store.get_session(fork.id).head_id)] == [
+        "question 0",
+        "answer 0",
+        "a different question",
+    ]
+    assert store.path(store.get_session(s.id).head_id)[-1].content == "answer 1"  # the parent is unchanged
+    with pytest.raises(StoreError, match="not in session"):
+        store.fork_session(s.id, 10_000)
+
+
+def test_sessions_by_unique_prefix(store):
+    a = store.create_session("a")
+    assert store.get_session(a.id[:6]).id == a.id
+    with pytest.raises(StoreError, match="unknown session 'zz'"):
+        store.get_session("zz")
+    with pytest.raises(StoreError, match="unknown session"):
+        store.get_session("'; DROP TABLE sessions; --")
+
+
+def test_delete_keeps_messages_other_sessions_reach(store):
+    s = conversation(store)
+    fork = store.fork_session(s.id, store.path(s.head_id)[1].id)
+    store.add_message(fork.id, "user", "fork only")
+    removed = store.delete_session(s.id)
+    assert removed == 2  # question 1 and answer 1; the first two belong to the fork too
+    assert [m.content for m in store.path(store.get_session(fork.id).head_id)] == [
+        "question 0",
+        "answer 0",
+        "fork only",
+    ]
+    with pytest.raises(StoreError):
+        store.get_session(s.id)
+
+
+def test_search_finds_the_session_of_a_message(store):
+    s = conversation(store, title="first")
+    other = store.create_session("second")
+    store.add_message(other.id, "user", "tell me about zstandard compression")
+    hits = store.search("zstandard")
+    assert [(h[0].id, h[1].content) for h in hits] == [(other.id, "tell me about zstandard compression")]
+    assert store.search("question")[0][0].id == s.id
+    assert store.search('"unbalanced') == []  # quotes in the query are not an error
+
+
+def test_snapshot_bookkeeping_and_gc(store):
+    s = conversation(store)
+    blocks = [StoredBlock(bytes([i]) * 16, 64, "q8", b"x" * 1000, "c") for i in range(3)]
+    tail = StoredTail(blocks[-1].key, [1, 2, 3], "q8", b"t" * 50, "c")
+    store.save_snapshot(s.id, "fp", [b.key for b in blocks], blocks, tail, 195)
+    assert store.get_session(s.id).n_tokens == 195
+    assert store.stored_keys([b.key for b in blocks] + [b"nope"]) == {b.key for b in blocks}
+    assert store.load_tail(s.id, "fp").tokens == [1, 2, 3]
+    assert store.load_tail(s.id, "other model") is None
+    assert store.load_block(blocks[0].key, "other model") is None
+    fork = store.fork_session(s.id)
+    assert store.load_tail(fork.id, "fp").tokens == [1, 2, 3]  # a fork at the head shares the tail
+    # a newer snapshot that needs only the first block leaves two for gc
+    store.save_snapshot(s.id, "fp", [blocks[0].key], [], None, 64)
+    store.delete_session(fork.id)
+    result = store.gc()
+    assert result["blocks_removed"] == 2 and result["blocks"] == 1
+    assert store.gc(budget_bytes=0)["blocks"] == 0  # over budget even needed blocks go (recomputed later)
+
+
+def test_sessions_cli(store, capsys, tmp_path):
+    s = conversation(store, title="about caches")
+    db = ["--db", str(store.db_path)]
+    assert main([*db, "sessions", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed[0]["id"] == s.id and {"id", "title", "forked_from", "head", "updated", "n_tokens"} <= set(
+        listed[0]
+    )
+    assert main([*db, "sessions", "fork", s.id[:5]]) == 0
+    fork_id = capsys.readouterr().out.strip()
+    assert main([*db, "sessions", "rename", fork_id, "renamed"]) == 0
+    assert main([*db, "sessions", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed[0]["id"] == fork_id and listed[0]["forked_from"] == s.id and listed[0]["title"] == "renamed"
+    assert main([*db, "sessions", "show", fork_id]) == 0
+    assert "answer 1" in capsys.readouterr().out
+    assert main([*db, "sessions", "search", "question"]) == 0
+    found = capsys.readouterr().out
+    assert "question 0" in found and "question 1" in found
+    assert main([*db, "sessions", "rm", fork_id]) == 0
+    capsys.readouterr()
+    assert main([*db, "sessions", "show", "abcdef"]) == 2
+    assert "unknown session 'abcdef'" in capsys.readouterr().err
