@@ -27,6 +27,7 @@ from .weights import Config
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CACHE_RAM_MB = 1024
+PREFAULT_TOKENS = 4096
 
 
 class CacheFullError(MemoryError):
@@ -34,12 +35,8 @@ class CacheFullError(MemoryError):
 
 
 def _arena(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeroed float32 memory whose pages are only taken when written, in 2 MB pages where the kernel
-    allows: writing a resumed 2,048-token cache into 4 kB pages costs more page faults than decoding it."""
-    nbytes = int(np.prod(shape)) * 4
-    buf = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
+    """Zeroed float32 memory whose pages are only taken when first written (anonymous mmap)."""
+    buf = mmap.mmap(-1, int(np.prod(shape)) * 4)
     return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 
@@ -79,6 +76,11 @@ class BlockPool:
         shape = (cfg.n_layer, cfg.n_head_kv, self.n_slots * block_size, cfg.head_dim)
         self.k = _arena(shape)
         self.v = _arena(shape)
+        # Fault in the first slots now, as llama.cpp allocates its KV buffer when a context is made:
+        # the kernel's page faults would otherwise cost a resumed conversation more than decoding it.
+        warm = min(self.n_slots, -(-PREFAULT_TOKENS // block_size)) * block_size
+        self.k[:, :, :warm] = 0
+        self.v[:, :, :warm] = 0
         self.free_slots: set[int] = set(range(self.n_slots))
         self.by_key: dict[bytes, KVBlock] = {}
         self.lru: OrderedDict[bytes, KVBlock] = OrderedDict()  # unreferenced full blocks, oldest first
