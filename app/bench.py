@@ -322,7 +322,7 @@ def run_bench(args) -> int:
     results["default_codec"] = DEFAULT_CODEC
     results["codecs"] = {
         name: {
-            key: round(c[key], 4) if isinstance(c[key], float) else c[key]
+            key: float(f"{c[key]:.3g}") if isinstance(c[key], float) else c[key]
             for key in ("bytes_per_token", "encode_ms", "decode_ms", "kl", "greedy_match")
         }
         for name, c in codecs.items()

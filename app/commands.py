@@ -125,7 +125,8 @@ def cmd_ask(args) -> int:
         store.update_session(session.id, system_prompt=args.system)
         session = store.get_session(session.id)
     _, info = engine.open(session)
-    print(f"[{info.describe()}]", file=sys.stderr)
+    if info.tokens:
+        print(f"[{info.describe()}]", file=sys.stderr)
     stats = GenerationStats()
     params = engine.sampling(session, **sampling_settings(args))
     stream(engine.reply(session, prompt, sampling=params, max_tokens=args.max_tokens, stats=stats))

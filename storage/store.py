@@ -350,7 +350,7 @@ class ChatStore:
         ]
 
     def search(self, text: str, limit: int = 50) -> list[tuple[Session, Message]]:
-        """Sessions whose conversation contains the text (full-text search), with the matching message."""
+        """Sessions whose conversation contains the text (full-text search), with each matching message."""
         words = [w for w in text.replace('"', " ").split() if w]
         if not words:
             return []
@@ -367,10 +367,8 @@ class ChatStore:
         sessions = self.list_sessions()
         paths = {s.id: {m.id for m in self.path(s.head_id)} for s in sessions}
         for row in hits:
-            for s in sessions:
-                if row["id"] in paths[s.id]:
-                    found.append((s, Message.from_row(row)))
-                    break
+            # a message shared by forks belongs to each of them
+            found += [(s, Message.from_row(row)) for s in sessions if row["id"] in paths[s.id]]
         return found
 
     # -- KV blocks -------------------------------------------------------------------------------
@@ -483,3 +481,111 @@ class ChatStore:
             "(SELECT COALESCE(SUM(LENGTH(data)), 0) FROM session_tails) AS tails, "
             "(SELECT COALESCE(MAX(LENGTH(data)), 0) FROM kv_blocks) AS largest_block"
         )[0]
+
+    # -- export and import (storage/exchange.py writes and checks the files) ---------------------
+
+    def message_tree(self, root_id: int) -> list[Message]:
+        """Every message under root_id, itself included, parents before children."""
+        rows = self._rows(
+            "WITH RECURSIVE down(id) AS (SELECT ? UNION ALL "
+            "SELECT m.id FROM messages m JOIN down ON m.parent_id = down.id) "
+            "SELECT messages.* FROM down JOIN messages ON messages.id = down.id ORDER BY messages.id",
+            (root_id,),
+        )
+        return [Message.from_row(r) for r in rows]  # ids grow, so a parent's id is below its children's
+
+    def block_keys(self, session_id: str) -> list[bytes]:
+        """The keys of a session's full KV blocks, in order (some may have been dropped since)."""
+        rows = self._rows(
+            "SELECT key FROM session_blocks WHERE session_id = ? ORDER BY position", (session_id,)
+        )
+        return [r["key"] for r in rows]
+
+    def add_imported(
+        self,
+        messages: list[Message],
+        sessions: list[Session],
+        blocks: list[tuple[str, StoredBlock]],
+        block_lists: dict[str, list[bytes]],
+        tails: dict[str, StoredTail],
+    ) -> tuple[dict[str, str], int]:
+        """Add sessions read from a file, in one transaction, under new ids; nothing is overwritten.
+
+        Ids in the arguments are the file's: messages' id and parent_id (parents first), sessions'
+        id, head_id and forked_from; block_lists and tails are keyed by the file's session id.
+        blocks are (model fingerprint, block); one already stored under its key is kept as it is.
+        Returns ({file session id: new id}, how many blocks were new)."""
+        now = time.time()
+        with self.transaction():
+            conn = self.db.conn
+            new_message: dict[int, int] = {}
+            for m in messages:
+                blob = None if m.token_ids is None else np.asarray(m.token_ids, dtype=np.int32).tobytes()
+                cur = conn.execute(
+                    "INSERT INTO messages (parent_id, role, content, token_ids, created, stats) VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        None if m.parent_id is None else new_message[m.parent_id],
+                        m.role,
+                        m.content,
+                        blob,
+                        m.created,
+                        json.dumps(m.stats) if m.stats else None,
+                    ),
+                )
+                new_message[m.id] = cur.lastrowid
+            new_session: dict[str, str] = {}
+            for s in sessions:
+                new_id = secrets.token_hex(6)
+                while conn.execute("SELECT 1 FROM sessions WHERE id = ?", (new_id,)).fetchone():
+                    new_id = secrets.token_hex(6)
+                new_session[s.id] = new_id
+                self._insert(
+                    "sessions",
+                    {
+                        "id": new_id,
+                        "title": s.title,
+                        "head_id": None if s.head_id is None else new_message[s.head_id],
+                        "model_fingerprint": s.model_fingerprint,
+                        "model_name": s.model_name,
+                        "system_prompt": s.system_prompt,
+                        "sampling": json.dumps(s.sampling),
+                        "forked_from": None,  # set below, once every session of the file exists
+                        "n_tokens": s.n_tokens,
+                        "created": s.created,
+                        "updated": now,  # an imported session comes first in the list
+                    },
+                )
+            for s in sessions:
+                if s.forked_from is not None:
+                    conn.execute(
+                        "UPDATE sessions SET forked_from = ? WHERE id = ?",
+                        (new_session[s.forked_from], new_session[s.id]),
+                    )
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR IGNORE INTO kv_blocks (key, fingerprint, codec, n_tokens, data, checksum, last_used) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(b.key, fp, b.codec, b.n_tokens, b.data, b.checksum, now) for fp, b in blocks],
+            )
+            added = conn.total_changes - before
+            for file_id, keys in block_lists.items():
+                conn.executemany(
+                    "INSERT INTO session_blocks (session_id, position, key) VALUES (?, ?, ?)",
+                    [(new_session[file_id], i, k) for i, k in enumerate(keys)],
+                )
+            fingerprints = {s.id: s.model_fingerprint for s in sessions}
+            for file_id, tail in tails.items():
+                conn.execute(
+                    "INSERT INTO session_tails VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        new_session[file_id],
+                        fingerprints[file_id],
+                        tail.parent_key,
+                        np.asarray(tail.tokens, dtype=np.int32).tobytes(),
+                        tail.codec,
+                        tail.data,
+                        tail.checksum,
+                        now,
+                    ),
+                )
+        return new_session, added
