@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelError
+from .gguf_file import check_gguf_path
 
 # progress(label, done, total): called as long work advances (bytes or items).
 Progress = Callable[[str, int, int], None]
@@ -86,15 +87,7 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: Progr
         return ensure_model(KNOWN_MODELS[name], progress)
     path = Path(name).expanduser()
     if path.exists() or name.endswith(".gguf") or os.sep in name:
-        if not path.exists():
-            raise ModelError(f"{path}: no such file")
-        if path.is_dir():
-            raise ModelError(f"{path}: is a directory, not a GGUF file")
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ModelError(f"{path}: not a GGUF file")
-        return path
+        return check_gguf_path(path)
     known = ", ".join(KNOWN_MODELS)
     raise ModelError(f"unknown model '{name}' (known: {known}; or give the path of a .gguf file)")
 

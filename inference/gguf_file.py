@@ -23,8 +23,8 @@ class TensorInfo:
     data: np.ndarray  # the raw, still quantized bytes (a view into the memory-mapped file)
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open a GGUF file, turning every way it can be unusable into a ModelError naming the file."""
+def check_gguf_path(path: str | os.PathLike) -> Path:
+    """The path, if it names a file that starts like a GGUF file; else a ModelError naming it."""
     path = Path(path)
     if not path.exists():
         raise ModelError(f"{path}: no such file")
@@ -34,6 +34,12 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path}: not a GGUF file (wrong magic {magic!r})")
+    return path
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Open a GGUF file, turning every way it can be unusable into a ModelError naming the file."""
+    path = check_gguf_path(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises many kinds of errors on a damaged file
