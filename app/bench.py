@@ -162,6 +162,7 @@ def measure_sessions(model, n_tokens: int, folder) -> dict:
     fork of it (time, bytes added to the database)."""
     from llama_chat.inference import SamplingParams
     from llama_chat.storage import ChatStore
+    from llama_chat.storage.exchange import measure_exchange
 
     from .engine import ChatEngine
 
@@ -189,6 +190,7 @@ def measure_sessions(model, n_tokens: int, folder) -> dict:
     result["fork_ms"] = (time.perf_counter() - t) * 1000
     result["fork_added_bytes"] = stored_bytes() - before
     result["stored_block_bytes"] = engine.store.kv_bytes()["largest_block"]
+    result["exchange"] = measure_exchange(engine.store, session.id, folder)
     engine.store.close()
     return result
 
@@ -317,6 +319,14 @@ def run_bench(args) -> int:
         "fork_added_bytes",
         sess["fork_added_bytes"],
         f"database growth on fork:    {sess['fork_added_bytes']:,} bytes (one stored block: {sess['stored_block_bytes']:,})",
+    )
+    ex = sess["exchange"]
+    report("export_ms_2048", round(ex["export_ms"], 1), f"export of that session:     {ex['export_ms']:.0f} ms")
+    report("import_ms_2048", round(ex["import_ms"], 1), f"import into an empty db:    {ex['import_ms']:.0f} ms")
+    report(
+        "export_size_ratio",
+        round(ex["size_ratio"], 4),
+        f"file / stored size:         {ex['file_bytes']:,} / {ex['stored_bytes']:,} = {ex['size_ratio']:.3f}",
     )
     codecs = measure_codec_quality(model, 256 if quick else 1024, 4 if quick else 32)
     results["default_codec"] = DEFAULT_CODEC

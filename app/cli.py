@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--session", metavar="ID", help="continue a stored session instead of starting one")
     add_sampling_options(chat)
 
+    tui = sub.add_parser("tui", help="the full-screen chat (what no command opens)")
+    tui.add_argument("--session", metavar="ID", help="open this session (default: the last one)")
+
     sessions = sub.add_parser(
         "sessions", help="stored conversations: list, show, fork, rename, rm, search, gc"
     )
@@ -78,6 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench.add_argument("--quick", action="store_true", help="fewer tokens: a smoke test, not a measurement")
+
+    export = sub.add_parser("export", help="write a session, with its KV, to a .llamachat file")
+    export.add_argument("id", help="session id or unique prefix")
+    export.add_argument("-o", "--output", type=Path, metavar="FILE", help="default: <title>-<id>.llamachat")
+    kv = export.add_mutually_exclusive_group()
+    kv.add_argument("--with-kv", dest="with_kv", action="store_true", default=True, help="with KV (default)")
+    kv.add_argument("--no-kv", dest="with_kv", action="store_false", help="messages only: a small file")
+    export.add_argument("--codec", metavar="C", help="re-encode KV: f32, f16, q8, q6 or q4 (default: kept)")
+    scope = export.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--branch", dest="tree", action="store_false", default=False, help="this branch (default)"
+    )
+    scope.add_argument("--tree", dest="tree", action="store_true", help="every session on its message tree")
+    export.add_argument("--markdown", action="store_true", help="a Markdown transcript ('-o -': stdout)")
+
+    imp = sub.add_parser("import", help="add the session(s) of a .llamachat file; prints the new id")
+    imp.add_argument("file", type=Path)
     return parser
 
 
@@ -99,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:  # no command: chat with the default model
-        args = parser.parse_args([*argv, "chat"])
+    if args.command is None:  # no command: the full-screen chat on the default model
+        args = parser.parse_args([*argv, "tui"])
     if args.threads:
         # Must be set before NumPy loads its BLAS, which is why inference is imported below.
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -124,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args) -> int:
     from . import commands
 
-    handler = getattr(commands, f"cmd_{args.command}")
+    if args.command == "tui":
+        from .tui import cmd_tui as handler
+    else:
+        handler = getattr(commands, f"cmd_{args.command}")
     return handler(args) or 0
 
 

@@ -1,11 +1,13 @@
-"""The headless sub-commands: models, ask, chat, tokenize, sessions, bench."""
+"""The headless sub-commands: models, ask, chat, tokenize, sessions, bench, export, import."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from dataclasses import asdict
 from datetime import datetime
+from pathlib import Path
 
 from llama_chat.inference import (
     KNOWN_MODELS,
@@ -16,7 +18,7 @@ from llama_chat.inference import (
     load_model,
 )
 from llama_chat.inference.catalog import model_status
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, StoreError
 
 from .cli import print_json
 from .progress import ProgressBar
@@ -228,3 +230,75 @@ def cmd_bench(args) -> int:
     from .bench import run_bench
 
     return run_bench(args)
+
+
+def progress_bar():
+    """A progress bar on a terminal; none when stderr is a file or a pipe, which keeps errors one line."""
+    return ProgressBar() if sys.stderr.isatty() else contextlib.nullcontext()
+
+
+def cmd_export(args) -> int:
+    from llama_chat.storage.exchange import (
+        SUFFIX,
+        default_file_name,
+        export_markdown,
+        export_session,
+        markdown_transcript,
+    )
+
+    store = ChatStore(args.db)
+    session = store.get_session(args.id)
+    to_stdout = str(args.output) == "-"
+    if args.markdown and (args.tree or args.codec):
+        raise StoreError("--markdown writes one branch as text: --tree and --codec do not apply")
+    if to_stdout and not args.markdown:
+        raise StoreError("a .llamachat file is binary: give -o FILE (only --markdown goes to stdout)")
+    if args.markdown and to_stdout:
+        sys.stdout.write(markdown_transcript(store, session.id))
+        return 0
+    name = default_file_name(session, ".md" if args.markdown else SUFFIX)
+    out = args.output or Path(name)
+    if out.is_dir():
+        out = out / name
+    if args.markdown:
+        export_markdown(store, session.id, out)
+        print(out)
+        return 0
+    with progress_bar() as bar:
+        summary = export_session(
+            store, session.id, out, with_kv=args.with_kv, codec=args.codec, tree=args.tree, progress=bar
+        )
+    print(summary.describe(), file=sys.stderr)
+    print(out)
+    return 0
+
+
+def model_here(args) -> tuple[str | None, str | None]:
+    """The fingerprint of the model this command line chats with (--model, or the default), read
+    without building a model; (None, why) when there is no usable one."""
+    from llama_chat.inference import ModelError, resolve_model
+    from llama_chat.inference.weights import prepare
+
+    try:
+        with ProgressBar() as bar:  # draws only when the model must first be assembled or prepared
+            return prepare(resolve_model(args.model, bar), bar).fingerprint, None
+    except ModelError as e:
+        return None, str(e)
+
+
+def cmd_import(args) -> int:
+    from llama_chat.storage.exchange import import_session, read_session_file
+
+    with progress_bar() as bar:
+        exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
+    fingerprint, why = model_here(args) if exported.has_kv else (None, None)
+    store = ChatStore(args.db)
+    try:
+        result = import_session(store, exported, model_fingerprint=fingerprint)
+    finally:
+        store.close()
+    print(result.describe(), file=sys.stderr)
+    if why and result.kv == "recompute":
+        print(f"(no usable model here: {why})", file=sys.stderr)
+    print("\n".join(result.session_ids))
+    return 0

@@ -72,14 +72,13 @@ class ChatEngine:
         out += [{"role": m.role, "content": m.content} for m in self.store.path(session.head_id)]
         return out
 
-    @property
-    def budget(self) -> int:
-        """Tokens the conversation may fill, keeping room for a reply."""
-        return self.n_ctx - min(512, self.n_ctx // 2)
-
     def conversation_ids(self, session: Session) -> list[int]:
-        """The tokens of the stored conversation (its newest turns, when it outgrew the window)."""
-        return fit_messages(self.model, self.messages(session), self.budget, add_generation_prompt=False)[1]
+        """The tokens of the stored conversation (its newest turns, when it outgrew the window).
+
+        As much as the window holds: the next prompt never needs more of it, and when it needs less
+        (room for a long reply), prompt() cuts the restored KV down by context shift."""
+        messages = self.messages(session)
+        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False)[1]
 
     def open(self, session: Session) -> tuple[KVSequence, ResumeInfo]:
         """The session's KV, ready for its next reply: from RAM, stored blocks and tail; nothing computed."""
@@ -180,7 +179,8 @@ class ChatEngine:
 
     def prompt(self, session: Session, seq: KVSequence, max_tokens: int) -> list[int]:
         """The prompt for the next reply; when the conversation outgrows the window, the oldest turns
-        go and the cached KV follows by context shift. Room is kept for a reply of max_tokens."""
+        go and the cached KV follows by context shift. A reply may use what the window has left."""
+        # Room for the reply; what open() restored (up to a full window) is cut down by context shift.
         budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
         messages, prompt = fit_messages(self.model, self.messages(session), budget)
         if len(messages) < len(self.messages(session)):

@@ -198,6 +198,18 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     return flat[0::2] | (flat[1::2] << 4)
 
 
+def block_info(data: bytes) -> tuple[str, tuple[int, int, int, int]] | None:
+    """The codec and the (n_layer, n_kv_head, n_tokens, head_dim) a block's header declares, without
+    decoding it; None when the bytes do not start like a block of this format version."""
+    if len(data) < _HEADER.size:
+        return None
+    magic, version, codec_id, *dims = _HEADER.unpack_from(data)
+    codec = _CODEC_NAMES.get(codec_id)
+    if magic != MAGIC or version != VERSION or codec is None:
+        return None
+    return codec, tuple(dims)
+
+
 # -- decoding ------------------------------------------------------------------------------------
 
 

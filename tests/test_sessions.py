@@ -229,3 +229,19 @@ def test_two_processes_writing_different_sessions_lose_nothing(qwen2, tmp_path):
         path = store.path(store.get_session(s.id).head_id)
         assert [m.content for m in path if m.role == "user"] == [f"round {r} for {s.title}" for r in range(3)]
         assert [m.role for m in path] == ["user", "assistant"] * 3
+
+
+def test_a_conversation_longer_than_the_window_shifts_instead_of_recomputing(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")  # the tiny model's window is 256 tokens
+    session = engine.new_session("long", system_prompt="be brief")
+    shifted = False
+    for i in range(12):
+        _, stats = chat(engine, session, f"turn {i}: hello the world", max_tokens=8)
+        assert stats.prompt_tokens <= 256 - 8
+        seq = engine.live[session.id]
+        if seq.private:  # old turns were dropped and the kept KV moved back
+            shifted = True
+            assert stats.prefilled_tokens < stats.prompt_tokens // 2
+    assert shifted
+    messages = engine.messages(engine.store.get_session(session.id))
+    assert len(messages) == 1 + 2 * 12  # every turn is still stored, only the window moved

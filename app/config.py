@@ -1,0 +1,145 @@
+"""The TUI's settings: config.toml (model, theme, keymap, defaults for new chats), themes, remembered state."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from textual.theme import Theme
+
+DEFAULT_THEME = "llama-dark"
+# themes/ sits beside app/ in a checkout, and beside llama_chat/app/ once installed
+BUILTIN_THEMES = Path(__file__).resolve().parent.parent / "themes"
+SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"}
+THEME_KEYS = {f.name for f in fields(Theme)}
+
+EXAMPLE = """\
+# llama-chat settings. Every key is optional.
+# model = "qwen2.5-coder-0.5b-instruct-q4_k_m"   # a known name or the path of a .gguf file
+# theme = "llama-dark"                           # set from the app too (command palette: Theme)
+# max_tokens = 512                               # longest reply
+# n_ctx = 4096                                   # context window in tokens
+# system_prompt = "You are a concise assistant." # for new chats
+#
+# [sampling]                                     # for new chats
+# temperature = 0.7
+#
+# [keymap]                                       # binding id = keys (F1 lists the ids)
+# fork = "ctrl+k"
+"""
+
+
+class ConfigError(Exception):
+    """A config or theme file a user wrote that cannot be used; the message names the file."""
+
+
+def config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "llama-chat"
+
+
+def state_path() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "llama-chat" / "state.json"
+
+
+@dataclass
+class Config:
+    path: Path
+    model: str | None = None
+    theme: str = DEFAULT_THEME
+    max_tokens: int = 512
+    n_ctx: int = 4096
+    system_prompt: str | None = None
+    sampling: dict = field(default_factory=dict)
+    keymap: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> Config:
+        path = path or config_dir() / "config.toml"
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+        types = {"model": str, "theme": str, "max_tokens": int, "n_ctx": int, "system_prompt": str}
+        types |= {"sampling": dict, "keymap": dict}
+        for key, value in data.items():
+            if key not in types:
+                raise ConfigError(f"{path}: unknown setting '{key}' (known: {', '.join(types)})")
+            if not isinstance(value, types[key]) or isinstance(value, bool):
+                raise ConfigError(f"{path}: '{key}' must be a {types[key].__name__}, not {value!r}")
+        unknown = set(data.get("sampling", {})) - SAMPLING_KEYS
+        if unknown:
+            raise ConfigError(f"{path}: unknown sampling setting(s) {', '.join(sorted(unknown))}")
+        if not all(isinstance(v, str) for v in data.get("keymap", {}).values()):
+            raise ConfigError(f'{path}: [keymap] values must be key strings such as "ctrl+k"')
+        return cls(path=path, **data)
+
+    def save_setting(self, key: str, value: str) -> None:
+        """Write one top-level `key = "value"` into the file, keeping everything else as the user wrote it."""
+        setattr(self, key, value)
+        text = self.path.read_text(encoding="utf-8") if self.path.exists() else EXAMPLE
+        line = f"{key} = {json.dumps(value, ensure_ascii=False)}"
+        table = re.search(r"^\s*\[", text, re.M)  # top-level keys must come before the first [table]
+        head, tail = (text[: table.start()], text[table.start() :]) if table else (text, "")
+        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=.*$", re.M)
+        if pattern.search(head):
+            head = pattern.sub(lambda _: line, head, count=1)
+        else:
+            head = head.rstrip("\n") + ("\n" if head.strip() else "") + line + "\n" + ("\n" if tail else "")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(head + tail, encoding="utf-8")
+
+
+def load_theme(path: Path) -> Theme:
+    """A Textual theme from a TOML file whose keys are Theme's fields (name, primary, background, …)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    unknown = set(data) - THEME_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown theme key(s) {', '.join(sorted(unknown))}")
+    if "name" not in data or "primary" not in data:
+        raise ConfigError(f"{path}: a theme needs at least 'name' and 'primary'")
+    try:
+        return Theme(**data)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def load_themes() -> tuple[list[Theme], list[str]]:
+    """The built-in themes, then the user's (config dir, themes/*.toml); and a line per bad file."""
+    themes, problems = [], []
+    for folder in (BUILTIN_THEMES, config_dir() / "themes"):
+        for path in sorted(folder.glob("*.toml")) if folder.is_dir() else []:
+            try:
+                themes.append(load_theme(path))
+            except ConfigError as e:
+                problems.append(str(e))
+    return themes, problems
+
+
+class State:
+    """What the app remembers between runs that is not a setting: the open session of each database."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or state_path()
+        try:
+            self.data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            self.data = {}  # a lost or damaged state file only costs which session opens first
+
+    def last_session(self, db: Path) -> str | None:
+        return self.data.get("last_session", {}).get(str(Path(db).resolve()))
+
+    def remember_session(self, db: Path, session_id: str | None) -> None:
+        self.data.setdefault("last_session", {})[str(Path(db).resolve())] = session_id
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")
+        tmp.replace(self.path)

@@ -1,0 +1,787 @@
+"""Session export and import files (.llamachat): a conversation and its KV, checked, bounded, portable."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import zstandard
+
+from llama_chat import __version__
+
+from . import codec as block_codec  # for the layout of a block's header
+from .codec import CODECS, MAX_ELEMENTS, CorruptBlockError, checksum, decode_kv, encode_kv
+from .db import StoreError
+from .store import ChatStore, Message, Session, StoredBlock, StoredTail
+
+Progress = Callable[[str, int, int], None]  # (label, done, total), as app/progress.py draws it
+
+# File layout (integers little-endian):
+#   header    MAGIC, format version u16, manifest size u32, data size u64
+#   manifest  one zstd frame (with its content size and checksum) of UTF-8 JSON: format name and
+#             version, model, messages, sessions, and one entry per KV block and per tail
+#   data      the KV blocks, then the sessions' tails, back to back in the manifest's order, as the
+#             database stores them (already quantized and compressed, so not compressed again)
+#   digest    blake2b-256 of everything before it
+# PNG-style magic: a text-mode transfer that changes line ends or the high bit shows up at once.
+MAGIC = b"\x89LLAMACHAT\r\n\x1a\n"
+FORMAT = "llama-chat-session"
+VERSION = 1
+SUFFIX = ".llamachat"
+_HEADER = struct.Struct("<14sHIQ")
+_DIGEST_SIZE = 32
+
+# Hard caps, checked against the sizes the header declares before anything is read or decompressed.
+MAX_MANIFEST_BYTES = 64 << 20  # JSON of messages and block entries; a very long tree is a few MB
+MAX_DATA_BYTES = 2 << 30  # KV bytes; a full 4,096-token context in f32 is about 80 MB per session
+# Decoded float32 bytes per stored byte of a block. Real blocks stay near 20 (q4); a block of zeros
+# declaring a huge shape (a decompression bomb) is refused before it is decoded.
+MAX_EXPANSION = 256
+MAX_TOKEN_ID = 2**31 - 1
+ROLES = ("system", "user", "assistant", "tool")  # what a chat template is written to render
+
+
+class ExchangeError(StoreError):
+    """A session file that cannot be written or read: one line naming the file and the problem."""
+
+
+class _Invalid(Exception):
+    """Something in a file's manifest or data that is missing, of the wrong kind or inconsistent."""
+
+
+def _digest() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=_DIGEST_SIZE)
+
+
+def _entry_checksum(data: bytes) -> str:
+    """The file's own checksum of each block (blake2b-128), independent of how the database checks them."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# -- what a file holds -----------------------------------------------------------------------------
+
+
+@dataclass
+class SessionFile:
+    """The checked content of a .llamachat file; reading it touched no database.
+
+    Ids are the file's own (the exporting database's): messages' id and parent_id, sessions' id,
+    head_id and forked_from; block_lists and tails are keyed by the file's session id."""
+
+    path: Path
+    size: int
+    exported: float
+    model_name: str | None
+    model_fingerprint: str | None
+    messages: list[Message]  # parents before children
+    sessions: list[Session]  # the exported session first
+    blocks: list[tuple[str, StoredBlock]]  # (model fingerprint, block)
+    block_lists: dict[str, list[bytes]]
+    tails: dict[str, StoredTail]
+
+    @property
+    def has_kv(self) -> bool:
+        return bool(self.blocks or self.tails)
+
+
+@dataclass
+class ExportSummary:
+    path: Path
+    bytes: int
+    sessions: int
+    messages: int
+    blocks: int  # full KV blocks written
+    tails: int  # sessions' last, partial blocks written
+    kv_bytes: int
+
+    def describe(self) -> str:
+        kv = "no KV"
+        if self.blocks or self.tails:
+            kv = f"{self.blocks} KV block(s) and {self.tails} tail(s), {self.kv_bytes / 2**20:.1f} MB"
+        return (
+            f"wrote {self.path}: {self.sessions} session(s), {self.messages} message(s), {kv}; "
+            f"{self.bytes / 2**20:.1f} MB in all"
+        )
+
+
+@dataclass
+class ImportResult:
+    session_ids: list[str]  # the new ids, the exported session's first
+    title: str
+    messages: int
+    kv: str  # "imported"; "none": the file has no KV; "recompute": made by a model not here
+    blocks_added: int
+    blocks_reused: int  # blocks of the file this database already held
+    model_name: str | None
+
+    def describe(self) -> str:
+        head = f"imported '{self.title}' as {self.session_ids[0]}"
+        if len(self.session_ids) > 1:
+            head += f" (and {len(self.session_ids) - 1} more session(s) of its tree)"
+        head += f": {self.messages} message(s)"
+        if self.kv == "imported":
+            return f"{head}, {self.blocks_added} new KV block(s), {self.blocks_reused} already stored"
+        if self.kv == "none":
+            return f"{head}; the file holds no KV, so the first reply computes it"
+        return (
+            f"{head}; its KV was made by {self.model_name or 'another model'}, which is not the model "
+            f"here: it will be recomputed on first use"
+        )
+
+
+# -- export ------------------------------------------------------------------------------------------
+
+
+def export_session(
+    store: ChatStore,
+    session_id: str,
+    path: str | Path,
+    *,
+    with_kv: bool = True,
+    codec: str | None = None,
+    tree: bool = False,
+    progress: Progress | None = None,
+) -> ExportSummary:
+    """Write a session (its branch, or with tree=True every session on the tree under its root) to
+    `path`. KV blocks are copied as stored, or re-encoded when `codec` differs; blocks that fail their
+    checksum are left out (the importer recomputes them). The file appears whole or not at all."""
+    if codec is not None and codec not in CODECS:
+        raise ExchangeError(f"unknown KV codec '{codec}'; expected one of {', '.join(CODECS)}")
+    path = Path(path)
+    # one consistent snapshot, even while a reply of the same session is being saved
+    with store.transaction():
+        manifest, block_blobs, tail_blobs = _collect(store, session_id, with_kv, codec, tree)
+    blobs = block_blobs + tail_blobs
+    size = _write_file(path, manifest, blobs, progress)
+    return ExportSummary(
+        path,
+        size,
+        len(manifest["sessions"]),
+        len(manifest["messages"]),
+        len(block_blobs),
+        len(tail_blobs),
+        sum(map(len, blobs)),
+    )
+
+
+def _collect(
+    store: ChatStore, session_id: str, with_kv: bool, codec: str | None, tree: bool
+) -> tuple[dict, list[bytes], list[bytes]]:
+    """The manifest, the blocks' bytes and the tails' bytes of an export."""
+    main = store.get_session(session_id)
+    if tree:
+        messages = _tree_messages(store, main)
+        in_tree = {m.id for m in messages}
+        sessions = [main] + [s for s in store.list_sessions() if s.head_id in in_tree and s.id != main.id]
+    else:
+        messages, sessions = store.path(main.head_id), [main]
+    file_ids = {s.id for s in sessions}
+
+    keys = {s.id: store.block_keys(s.id) if with_kv and s.model_fingerprint else [] for s in sessions}
+    block_blobs: list[bytes] = []  # the data section: blocks, then tails
+    tail_blobs: list[bytes] = []
+    block_entries: list[dict] = []
+    tails: dict[str, dict] = {}
+    seen: set[bytes] = set()
+    for s in sessions:
+        for key in keys[s.id]:
+            if key in seen:
+                continue
+            seen.add(key)
+            block = store.load_block(key, s.model_fingerprint)
+            data = block and _export_bytes(block.data, block.checksum, block.codec, codec)
+            if data:
+                block_blobs.append(data)
+                block_entries.append(
+                    {
+                        "key": key.hex(),
+                        "fingerprint": s.model_fingerprint,
+                        "codec": codec or block.codec,
+                        "n_tokens": block.n_tokens,
+                        "size": len(data),
+                        "checksum": _entry_checksum(data),
+                    }
+                )
+        tail = store.load_tail(s.id, s.model_fingerprint) if with_kv and s.model_fingerprint else None
+        data = tail and _export_bytes(tail.data, tail.checksum, tail.codec, codec)
+        if data:
+            tail_blobs.append(data)
+            tails[s.id] = {
+                "parent_key": tail.parent_key.hex() if tail.parent_key else None,
+                "tokens": tail.tokens,
+                "codec": codec or tail.codec,
+                "size": len(data),
+                "checksum": _entry_checksum(data),
+            }
+
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "app": f"llama-chat {__version__}",
+        "exported": time.time(),
+        "model": {"name": main.model_name, "fingerprint": main.model_fingerprint},
+        "messages": [
+            {
+                "id": m.id,
+                "parent": m.parent_id,
+                "role": m.role,
+                "content": m.content,
+                "token_ids": m.token_ids,
+                "created": m.created,
+                "stats": m.stats,
+            }
+            for m in messages
+        ],
+        "sessions": [
+            {
+                "id": s.id,
+                "title": s.title,
+                "head": s.head_id,
+                "model_name": s.model_name,
+                "model_fingerprint": s.model_fingerprint,
+                "system_prompt": s.system_prompt,
+                "sampling": s.sampling,
+                "forked_from": s.forked_from if s.forked_from in file_ids else None,
+                "n_tokens": s.n_tokens if with_kv else 0,
+                "created": s.created,
+                "updated": s.updated,
+                "blocks": [k.hex() for k in keys[s.id]],
+                "tail": tails.get(s.id),
+            }
+            for s in sessions
+        ],
+        "blocks": block_entries,
+    }
+    return manifest, block_blobs, tail_blobs
+
+
+def _tree_messages(store: ChatStore, main: Session) -> list[Message]:
+    """The messages of every tree the session's fork family reaches, parents first: editing a first
+    message starts a new root, and that branch belongs to the conversation all the same."""
+    everyone = store.list_sessions()
+    family, grew = {main.id}, True
+    while grew:
+        linked = {s.id for s in everyone if s.forked_from in family or s.id in family}
+        linked |= {s.forked_from for s in everyone if s.id in family and s.forked_from}
+        grew, family = linked != family, linked
+    roots = set()
+    for s in everyone:
+        if s.id in family and s.head_id is not None:
+            roots.add(store.path(s.head_id)[0].id)
+    messages = {m.id: m for root in roots for m in store.message_tree(root)}
+    return [messages[i] for i in sorted(messages)]  # ids grow, so parents come first
+
+
+def _export_bytes(data: bytes, expected_checksum: str, stored_codec: str, codec: str | None) -> bytes | None:
+    """A stored block's bytes for the file: as stored, or re-encoded; None when it is damaged."""
+    data = bytes(data)
+    if checksum(data) != expected_checksum:
+        return None
+    if codec is None or codec == stored_codec:
+        return data
+    try:
+        return encode_kv(*decode_kv(data), codec)
+    except (CorruptBlockError, ValueError):
+        return None  # e.g. non-finite values q8 cannot hold: leave the block to be recomputed
+
+
+def _write_file(path: Path, manifest: dict, blobs: list[bytes], progress: Progress | None) -> int:
+    packed = zstandard.ZstdCompressor(level=9, write_checksum=True).compress(json.dumps(manifest).encode())
+    data_size = sum(map(len, blobs))
+    if len(packed) > MAX_MANIFEST_BYTES or data_size > MAX_DATA_BYTES:
+        raise ExchangeError(f"{path}: the session is too large for one file")
+    parts = [_HEADER.pack(MAGIC, VERSION, len(packed), data_size), packed, *blobs]
+    digest = _digest()
+
+    def chunks():
+        for i, part in enumerate(parts):
+            digest.update(part)
+            yield part
+            if progress:
+                progress(f"writing {path.name}", i + 1, len(parts))
+        yield digest.digest()
+
+    return _write_whole(path, chunks())
+
+
+def _write_whole(path: Path, chunks) -> int:
+    """Write through a temporary file renamed into place, so a failed export leaves no half file."""
+    if not path.parent.is_dir():
+        raise ExchangeError(f"{path}: no such folder {path.parent}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                size += len(chunk)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ExchangeError(f"{path}: cannot write ({e.strerror or e})") from None
+    return size
+
+
+# -- Markdown transcript -----------------------------------------------------------------------------
+
+
+def markdown_transcript(store: ChatStore, session_id: str) -> str:
+    """The session's branch as Markdown for people, with YAML front matter (not for re-import)."""
+    session = store.get_session(session_id)
+    messages = store.path(session.head_id)
+
+    def when(ts: float) -> str:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+    # JSON strings and objects are valid YAML scalars and flow mappings, with every escape YAML needs.
+    front = {
+        "title": session.title,
+        "session": session.id,
+        "model": session.model_name,
+        "model_fingerprint": session.model_fingerprint,
+        "created": when(session.created),
+        "exported": when(time.time()),
+        "system_prompt": session.system_prompt,
+        "sampling": session.sampling,
+        "messages": len(messages),
+    }
+    lines = ["---", *(f"{k}: {json.dumps(v, ensure_ascii=False)}" for k, v in front.items()), "---", ""]
+    lines += [f"# {session.title}", ""]
+    if session.system_prompt:
+        lines += ["## System", "", session.system_prompt, ""]
+    for m in messages:
+        lines += [f"## {m.role.capitalize()}", "", m.content, ""]
+    return "\n".join(lines)
+
+
+def export_markdown(store: ChatStore, session_id: str, path: str | Path) -> int:
+    """Write markdown_transcript() to `path`, whole or not at all; returns its size in bytes."""
+    return _write_whole(Path(path), [markdown_transcript(store, session_id).encode()])
+
+
+def default_file_name(session: Session, suffix: str = SUFFIX) -> str:
+    """`<title>-<id><suffix>`, the title cut to letters, digits and hyphens."""
+    slug = re.sub(r"[^a-z0-9]+", "-", session.title.lower()).strip("-")[:40].strip("-")
+    return f"{slug or 'session'}-{session.id}{suffix}"
+
+
+# -- import --------------------------------------------------------------------------------------------
+
+
+def read_session_file(path: str | Path, progress: Progress | None = None) -> SessionFile:
+    """Read and check a whole .llamachat file: sizes against hard caps before reading, the digest
+    before parsing, every block's checksum and layout before decoding it. Raises ExchangeError."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_HEADER.size)
+            data_size = _check_header(path, head, size)
+            content = bytearray(head)
+            while len(content) < size:
+                chunk = f.read(min(8 << 20, size - len(content)))
+                if not chunk:
+                    raise ExchangeError(
+                        f"{path}: truncated while reading ({len(content):,} of {size:,} bytes)"
+                    )
+                content += chunk
+                if progress:
+                    progress(f"reading {path.name}", len(content), size)
+    except IsADirectoryError:
+        raise ExchangeError(f"{path}: is a directory, not a session file") from None
+    except FileNotFoundError:
+        raise ExchangeError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ExchangeError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(content) != size:
+        raise ExchangeError(f"{path}: changed while it was read")
+    content = bytes(content)
+    body = memoryview(content)[: size - _DIGEST_SIZE]
+    digest = _digest()
+    digest.update(body)
+    if digest.digest() != content[size - _DIGEST_SIZE :]:
+        raise ExchangeError(f"{path}: checksum mismatch: the file is damaged or incomplete")
+    manifest_end = size - _DIGEST_SIZE - data_size
+    try:
+        manifest = _decompress_manifest(body[_HEADER.size : manifest_end])
+        return _parse(path, size, manifest, body[manifest_end:], progress)
+    except _Invalid as e:
+        raise ExchangeError(f"{path}: invalid session file: {e}") from None
+
+
+def _check_header(path: Path, head: bytes, size: int) -> int:
+    """The data size the header declares, once magic, version and sizes are plausible."""
+    if not head:
+        raise ExchangeError(f"{path}: an empty file, not a llama-chat session file")
+    if not head.startswith(MAGIC[: len(head)]):
+        raise ExchangeError(f"{path}: not a llama-chat session file")
+    if len(head) < _HEADER.size:
+        raise ExchangeError(f"{path}: truncated ({size:,} bytes, shorter than the header)")
+    _, version, manifest_size, data_size = _HEADER.unpack(head)
+    if version != VERSION:
+        newer = " (written by a newer llama-chat)" if version > VERSION else ""
+        raise ExchangeError(
+            f"{path}: format version {version} is not supported{newer}; this llama-chat reads {VERSION}"
+        )
+    if manifest_size > MAX_MANIFEST_BYTES:
+        raise ExchangeError(
+            f"{path}: declares a {manifest_size:,}-byte manifest, over the limit of {MAX_MANIFEST_BYTES:,}"
+        )
+    if data_size > MAX_DATA_BYTES:
+        raise ExchangeError(
+            f"{path}: declares {data_size:,} bytes of KV, over the limit of {MAX_DATA_BYTES:,}"
+        )
+    expected = _HEADER.size + manifest_size + data_size + _DIGEST_SIZE
+    if size < expected:
+        raise ExchangeError(f"{path}: truncated ({size:,} of {expected:,} bytes)")
+    if size > expected:
+        raise ExchangeError(
+            f"{path}: damaged ({size:,} bytes, {size - expected:,} more than its header declares)"
+        )
+    return data_size
+
+
+def _decompress_manifest(packed) -> dict:
+    packed = bytes(packed)
+    try:
+        params = zstandard.get_frame_parameters(packed)
+    except zstandard.ZstdError as e:
+        raise _Invalid(f"the manifest is not a zstd frame ({e})") from None
+    # zstd never writes more than the frame declares, so bounding the declaration bounds memory
+    if params.content_size == zstandard.CONTENTSIZE_UNKNOWN or params.content_size > MAX_MANIFEST_BYTES:
+        raise _Invalid(f"the manifest declares {params.content_size:,} bytes (limit {MAX_MANIFEST_BYTES:,})")
+    d = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        raw = d.decompress(packed)
+    except zstandard.ZstdError as e:
+        raise _Invalid(f"the manifest does not decompress ({e})") from None
+    if not d.eof or d.unused_data or len(raw) != params.content_size:
+        raise _Invalid("the manifest is truncated or followed by stray bytes")
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _Invalid(f"the manifest is not JSON ({str(e)[:80]})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise _Invalid(f"the manifest is not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise _Invalid(f"the manifest has version {manifest.get('version')!r}, the header {VERSION}")
+    return manifest
+
+
+# Kinds of manifest values: a check and the name an error message gives it.
+def _is_text(v) -> bool:
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode()  # a lone surrogate would fail inside the database transaction
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(v) -> bool:
+    return type(v) is int
+
+
+def _is_number(v) -> bool:
+    # bounded so that SQLite (64-bit integers) and float() take it without overflowing
+    return (type(v) is float and math.isfinite(v)) or (type(v) is int and abs(v) < 2**53)
+
+
+def _is_token_list(v) -> bool:
+    return isinstance(v, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in v)
+
+
+def _is_hex(n: int):
+    return lambda v: isinstance(v, str) and len(v) == 2 * n and re.fullmatch("[0-9a-f]*", v) is not None
+
+
+_KINDS = {
+    "text": _is_text,
+    "integer": _is_int,
+    "number": _is_number,
+    "object": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "token list": _is_token_list,
+    "16-byte hex key": _is_hex(16),
+    "checksum": _is_hex(16),
+    "fingerprint": lambda v: _is_text(v) and 0 < len(v) <= 128,
+}
+
+
+def _get(obj: dict, name: str, kind: str, where: str, optional: bool = False):
+    if name not in obj:
+        raise _Invalid(f"{where} has no '{name}'")
+    value = obj[name]
+    if value is None and optional:
+        return None
+    if not _KINDS[kind](value):
+        raise _Invalid(f"{where}.{name} is not a {kind}")
+    return value
+
+
+def _objects(manifest: dict, name: str) -> list[dict]:
+    items = _get(manifest, name, "list", "the manifest")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _Invalid(f"{name}[{i}] is not an object")
+    return items
+
+
+def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Progress | None) -> SessionFile:
+    """Turn a manifest and its data section into checked records; nothing inconsistent gets through."""
+    model = _get(manifest, "model", "object", "the manifest")
+    exported = _get(manifest, "exported", "number", "the manifest")
+
+    messages: list[Message] = []
+    ids: set[int] = set()
+    for i, m in enumerate(_objects(manifest, "messages")):
+        where = f"messages[{i}]"
+        mid = _get(m, "id", "integer", where)
+        parent = _get(m, "parent", "integer", where, optional=True)
+        if mid in ids:
+            raise _Invalid(f"{where} repeats message id {mid}")
+        if parent is not None and parent not in ids:  # parents first: also rules out cycles
+            raise _Invalid(f"{where} has parent {parent}, not a message before it")
+        role = _get(m, "role", "text", where)
+        if role not in ROLES:
+            raise _Invalid(f"{where}.role is {role[:20]!r}, not one of {', '.join(ROLES)}")
+        stats = _get(m, "stats", "object", where, optional=True)
+        messages.append(
+            Message(
+                mid,
+                parent,
+                role,
+                _get(m, "content", "text", where),
+                _get(m, "token_ids", "token list", where, optional=True),
+                _get(m, "created", "number", where),
+                stats,
+            )
+        )
+        ids.add(mid)
+
+    entries = _objects(manifest, "blocks")
+    blocks: dict[bytes, tuple[str, StoredBlock]] = {}
+    for i, b in enumerate(entries):
+        where = f"blocks[{i}]"
+        key = bytes.fromhex(_get(b, "key", "16-byte hex key", where))
+        if key in blocks:
+            raise _Invalid(f"{where} repeats block {key.hex()}")
+        codec = _get(b, "codec", "text", where)
+        if codec not in CODECS:
+            raise _Invalid(f"{where} has unknown codec {codec[:20]!r}")
+        n_tokens = _get(b, "n_tokens", "integer", where)
+        if not 0 < n_tokens <= MAX_ELEMENTS:
+            raise _Invalid(f"{where}.n_tokens is {n_tokens}")
+        _get(b, "size", "integer", where)
+        block = StoredBlock(key, n_tokens, codec, b"", _get(b, "checksum", "checksum", where))
+        blocks[key] = (_get(b, "fingerprint", "fingerprint", where), block)
+
+    sessions: list[Session] = []
+    block_lists: dict[str, list[bytes]] = {}
+    tails: dict[str, StoredTail] = {}
+    tail_entries: list[dict] = []
+    listed: set[bytes] = set()
+    for i, s in enumerate(_objects(manifest, "sessions")):
+        where = f"sessions[{i}]"
+        sid = _get(s, "id", "text", where)
+        if not 0 < len(sid) <= 64 or sid in block_lists:
+            raise _Invalid(f"{where}.id is empty, too long or repeated")
+        head = _get(s, "head", "integer", where, optional=True)
+        if head is not None and head not in ids:
+            raise _Invalid(f"{where}.head {head} is not a message of the file")
+        sampling = _get(s, "sampling", "object", where)
+        if not all(v is None or type(v) is bool or _is_number(v) for v in sampling.values()):
+            raise _Invalid(f"{where}.sampling holds something other than numbers")
+        fingerprint = _get(s, "model_fingerprint", "fingerprint", where, optional=True)
+        keys = _get(s, "blocks", "list", where)
+        if not all(_KINDS["16-byte hex key"](k) for k in keys):
+            raise _Invalid(f"{where}.blocks holds something other than 16-byte hex keys")
+        keys = [bytes.fromhex(k) for k in keys]
+        for key in keys:
+            if key in blocks and blocks[key][0] != fingerprint:
+                raise _Invalid(f"{where} lists block {key.hex()} of another model")
+        listed.update(keys)
+        tail = _get(s, "tail", "object", where, optional=True)
+        if (keys or tail) and fingerprint is None:
+            raise _Invalid(f"{where} has KV but no model fingerprint")
+        n_tokens = _get(s, "n_tokens", "integer", where)
+        if not 0 <= n_tokens <= MAX_TOKEN_ID:
+            raise _Invalid(f"{where}.n_tokens is {n_tokens}")
+        sessions.append(
+            Session(
+                id=sid,
+                title=_get(s, "title", "text", where),
+                head_id=head,
+                model_fingerprint=fingerprint,
+                model_name=_get(s, "model_name", "text", where, optional=True),
+                system_prompt=_get(s, "system_prompt", "text", where, optional=True),
+                sampling=sampling,
+                forked_from=_get(s, "forked_from", "text", where, optional=True),
+                n_tokens=n_tokens,
+                created=_get(s, "created", "number", where),
+                updated=_get(s, "updated", "number", where),
+            )
+        )
+        block_lists[sid] = keys
+        if tail is not None:
+            tw = f"{where}.tail"
+            parent_key = _get(tail, "parent_key", "16-byte hex key", tw, optional=True)
+            tokens = _get(tail, "tokens", "token list", tw)
+            codec = _get(tail, "codec", "text", tw)
+            if not tokens or codec not in CODECS:
+                raise _Invalid(f"{tw} has no tokens or an unknown codec")
+            _get(tail, "size", "integer", tw)
+            parent = bytes.fromhex(parent_key) if parent_key else None
+            tails[sid] = StoredTail(parent, tokens, codec, b"", _get(tail, "checksum", "checksum", tw))
+            tail_entries.append(tail)
+    if not sessions:
+        raise _Invalid("the file holds no session")
+    for s in sessions:
+        if s.forked_from is not None and s.forked_from not in block_lists:
+            raise _Invalid(f"session {s.id[:64]!r} is forked from a session not in the file")
+    unlisted = set(blocks) - listed
+    if unlisted:
+        raise _Invalid(f"block {min(unlisted).hex()} belongs to no session")
+
+    # The data section: entries back to back, in manifest order, filling it exactly.
+    sizes = [e["size"] for e in entries] + [t["size"] for t in tail_entries]
+    if any(n <= 0 for n in sizes) or sum(sizes) != len(data):
+        raise _Invalid(f"the manifest's entries add up to {sum(sizes):,} bytes, the file holds {len(data):,}")
+    pieces = []
+    offset = 0
+    for n in sizes:
+        pieces.append(bytes(data[offset : offset + n]))
+        offset += n
+    shapes: dict[str, tuple[int, int, int]] = {}
+    fingerprints = {s.id: s.model_fingerprint for s in sessions}
+    checked = [(f"block {k.hex()}", fp, b, b.n_tokens) for k, (fp, b) in blocks.items()]
+    checked += [
+        (f"the tail of session {sid!r}", fingerprints[sid], t, len(t.tokens)) for sid, t in tails.items()
+    ]
+    for i, ((what, fp, record, n_tokens), piece) in enumerate(zip(checked, pieces, strict=True)):
+        if _entry_checksum(piece) != record.checksum:
+            raise _Invalid(f"{what} fails its checksum")
+        record.checksum = checksum(piece)  # as the database checks it
+        dims = _check_block(what, piece, record.codec, n_tokens)
+        if shapes.setdefault(fp, dims) != dims:
+            raise _Invalid(f"{what} has a shape unlike the other blocks of its model")
+        record.data = piece
+        if progress:
+            progress(f"checking {path.name}", i + 1, len(checked))
+    return SessionFile(
+        path=path,
+        size=size,
+        exported=exported,
+        model_name=_get(model, "name", "text", "the manifest's model", optional=True),
+        model_fingerprint=_get(model, "fingerprint", "fingerprint", "the manifest's model", optional=True),
+        messages=messages,
+        sessions=sessions,
+        blocks=list(blocks.values()),
+        block_lists=block_lists,
+        tails=tails,
+    )
+
+
+def _check_block(what: str, data: bytes, codec: str, n_tokens: int) -> tuple[int, int, int]:
+    """A block's (n_layer, n_kv_head, head_dim), once its header agrees with the manifest, its
+    decoded size is within MAX_EXPANSION of its stored size, and it decodes."""
+    info = block_codec.block_info(data)
+    if info is None or info[0] != codec:
+        raise _Invalid(f"{what} is not a {codec} KV block")
+    n_layer, n_head, tokens, head_dim = info[1]
+    if tokens != n_tokens:
+        raise _Invalid(f"{what} holds {tokens} tokens, the manifest says {n_tokens}")
+    decoded = 8 * n_layer * n_head * tokens * head_dim  # float32 keys and values
+    if decoded > MAX_EXPANSION * len(data):
+        raise _Invalid(f"{what} would decode to {decoded:,} bytes from {len(data):,}")
+    try:
+        decode_kv(data)
+    except CorruptBlockError as e:
+        raise _Invalid(f"{what} does not decode ({e})") from None
+    return n_layer, n_head, head_dim
+
+
+def import_session(
+    store: ChatStore,
+    source: SessionFile | str | Path,
+    *,
+    model_fingerprint: str | None,
+    progress: Progress | None = None,
+) -> ImportResult:
+    """Add the session(s) of a file under new ids, in one transaction; never overwrites anything.
+
+    `model_fingerprint` is the model that will resume them here (None: no model). KV made by
+    another model is left out: the messages come in, and the first reply recomputes it. A file is
+    read and checked whole before the database is touched, so a bad file leaves it as it was."""
+    file = source if isinstance(source, SessionFile) else read_session_file(source, progress)
+    keep = {s.id for s in file.sessions if model_fingerprint and s.model_fingerprint == model_fingerprint}
+    sessions = [s if s.id in keep else replace(s, n_tokens=0) for s in file.sessions]
+    blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint]
+    block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
+    tails = {sid: t for sid, t in file.tails.items() if sid in keep}
+    if progress:
+        progress(f"importing {file.path.name}", 0, 1)
+    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails)
+    if progress:
+        progress(f"importing {file.path.name}", 1, 1)
+    main = file.sessions[0]
+    if not file.has_kv:
+        kv = "none"
+    else:
+        kv = "imported" if blocks or tails else "recompute"
+    return ImportResult(
+        session_ids=[new_ids[s.id] for s in file.sessions],
+        title=main.title,
+        messages=len(file.messages),
+        kv=kv,
+        blocks_added=added,
+        blocks_reused=len(blocks) - added,
+        model_name=main.model_name,
+    )
+
+
+# -- measurement (for the benchmark) -----------------------------------------------------------------
+
+
+def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> dict:
+    """Export a stored session with its KV, then read and import the file into an empty database in
+    `folder`: milliseconds of each, file bytes, and the bytes the session holds in the store (its
+    blocks, tail, message text and token ids) for the size ratio."""
+    folder = Path(folder)
+    session = store.get_session(session_id)
+    path = folder / default_file_name(session)
+    t0 = time.perf_counter()
+    summary = export_session(store, session.id, path)
+    t1 = time.perf_counter()
+    target = ChatStore(folder / "imported.db")
+    t2 = time.perf_counter()
+    result = import_session(target, path, model_fingerprint=session.model_fingerprint)
+    t3 = time.perf_counter()
+    target.close()
+    stored = 0
+    for key in store.block_keys(session.id):
+        block = store.load_block(key, session.model_fingerprint)
+        stored += len(block.data) if block else 0
+    tail = store.load_tail(session.id, session.model_fingerprint)
+    stored += len(tail.data) if tail else 0
+    for m in store.path(session.head_id):
+        stored += len(m.content.encode()) + 4 * len(m.token_ids or [])
+    return {
+        "tokens": session.n_tokens,
+        "export_ms": (t1 - t0) * 1000,
+        "import_ms": (t3 - t2) * 1000,
+        "file_bytes": summary.bytes,
+        "stored_bytes": stored,
+        "size_ratio": summary.bytes / stored if stored else float("nan"),
+        "kv": result.kv,
+    }

@@ -1,0 +1,749 @@
+"""The TUI driven through Pilot on a tiny model: every action a user has, checked against the store."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+from textual import events
+from textual.widgets import Input, TextArea
+
+from llama_chat.app.cli import main
+from llama_chat.app.config import Config, State
+from llama_chat.app.screens import AlternativesScreen, ConfirmScreen, HelpScreen, SettingsScreen, TextScreen
+from llama_chat.app.tui import ChatApp
+from llama_chat.app.widgets import ChatInput, MessageView, SessionTree
+from llama_chat.inference import Model
+from llama_chat.storage import ChatStore
+
+SIZE = (110, 34)
+
+
+def aio(test):
+    """Run an async test in its own event loop (no pytest async plugin needed)."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return tiny_model_paths["qwen2"]
+
+
+def greedy_config(tmp_path, **settings) -> Config:
+    """Greedy replies of a few tokens: the same text on every run."""
+    settings = {"sampling": {"temperature": 0}, "max_tokens": 8, **settings}
+    return Config(path=tmp_path / "config" / "llama-chat" / "config.toml", **settings)
+
+
+def chat_app(tmp_path, model, **settings) -> ChatApp:
+    return ChatApp(tmp_path / "chat.db", model=str(model), config=greedy_config(tmp_path, **settings))
+
+
+@pytest.fixture
+def slow_decode(monkeypatch):
+    """Each forward pass also waits, as a real model's matrix maths would (without holding the GIL)."""
+
+    def slow(delay: float):
+        forward = Model.forward
+
+        def slowed(self, tokens, seq, all_logits=False):
+            time.sleep(delay)
+            return forward(self, tokens, seq, all_logits)
+
+        monkeypatch.setattr(Model, "forward", slowed)
+
+    return slow
+
+
+async def until(pilot, condition, timeout: float = 20.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def ready(pilot) -> None:
+    """The model is loaded, the last session resumed, and nothing is running."""
+    app = pilot.app
+    await until(pilot, lambda: app.chat.engine_ready.is_set(), what="the model")
+    await idle(pilot)
+
+
+async def idle(pilot) -> None:
+    app = pilot.app
+    await until(
+        pilot,
+        lambda: app.chat.reply is None and not app.chat.busy and all(w.is_finished for w in app.workers),
+        what="the workers",
+    )
+    await pilot.pause()
+
+
+async def say(pilot, text: str) -> None:
+    """Type a message, send it, wait for the whole reply."""
+    pilot.app.chat.query_one(ChatInput).focus()
+    await pilot.press(*text, "enter")
+    await until(pilot, lambda: pilot.app.chat.reply is not None or pilot.app.chat.views(), what="the send")
+    await idle(pilot)
+
+
+def roles_and_text(app) -> list[tuple[str, str]]:
+    return [(v.role, v.content) for v in app.chat.views()]
+
+
+def stored_path(app, session_id=None) -> list[tuple[str, str]]:
+    store = app.store
+    session = store.get_session(session_id or app.chat.session.id)
+    return [(m.role, m.content) for m in store.path(session.head_id)]
+
+
+def tree_labels(app) -> list[tuple[int, str]]:
+    """The sidebar as (depth, label) in display order."""
+    tree = app.chat.query_one(SessionTree)
+    out = []
+
+    def walk(node, depth):
+        for child in node.children:
+            out.append((depth, str(child.label)))
+            walk(child, depth + 1)
+
+    walk(tree.root, 0)
+    return out
+
+
+# -- sending and streaming ---------------------------------------------------------------------------
+
+
+@aio
+async def test_a_message_streams_in_and_everything_is_stored(qwen2, tmp_path, slow_decode):
+    slow_decode(0.02)
+    app = chat_app(tmp_path, qwen2, max_tokens=12)
+    appended = []
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        original_append = MessageView.append
+
+        async def spy(view, text):
+            appended.append((view, text))
+            await original_append(view, text)
+
+        MessageView.append = spy
+        try:
+            await say(pilot, "hello the world")
+        finally:
+            MessageView.append = original_append
+        shown = roles_and_text(app)
+        assert shown == stored_path(app)  # what is on screen is what was stored
+        assert [r for r, _ in shown] == ["user", "assistant"] and shown[0][1] == "hello the world"
+        reply_view = app.chat.views()[1]
+        assert len(appended) > 1 and {v for v, _ in appended} == {reply_view}  # streamed in pieces
+        assert "".join(t for _, t in appended) == reply_view.content != ""
+        assert all(v.message is not None for v in app.chat.views())  # ids known: forkable, editable
+        status = app.chat.status.fields
+        assert status["model"] == "tiny-qwen2" and "decode" in status["speed"]
+        assert status["context"].startswith("ctx ") and status["context"].endswith("/256")
+        assert tree_labels(app) == [(0, "● hello the world")]
+
+
+@aio
+async def test_ctrl_j_adds_a_line_and_enter_sends(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"one", "ctrl+j", *"two")
+        assert app.chat.query_one(ChatInput).text == "one\ntwo"
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.views(), what="the send")
+        await idle(pilot)
+        assert stored_path(app)[0] == ("user", "one\ntwo")
+        assert app.chat.query_one(ChatInput).text == ""
+
+
+@aio
+async def test_a_message_sent_while_the_model_loads_waits_for_it(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(*"early", "enter")  # at once, before the model is ready
+        await until(pilot, lambda: app.chat.views(), what="the send")
+        await idle(pilot)
+        assert [r for r, _ in stored_path(app)] == ["user", "assistant"]
+
+
+@aio
+async def test_a_first_load_shows_its_progress_and_the_screen_works_meanwhile(qwen2, tmp_path, monkeypatch):
+    from llama_chat.app.widgets import StatusLine
+
+    shown = []
+    progress = StatusLine.progress
+    monkeypatch.setattr(StatusLine, "progress", lambda self, *a: (shown.append(a), progress(self, *a))[1])
+    app = chat_app(tmp_path, qwen2)  # a fresh cache: the weights are prepared now
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(*"typed while loading")
+        await ready(pilot)
+        assert app.chat.query_one(ChatInput).text == "typed while loading"
+        assert "work" not in app.chat.status.fields  # the bar is gone once loaded
+    loader = [a for a in shown if a[0].endswith("tiny-qwen2.gguf") and not a[0].startswith("loading")]
+    assert loader and any(total and done < total for _, done, total in loader)  # the loader's own steps
+
+
+@aio
+async def test_escape_stops_the_reply_at_once_and_keeps_it(qwen2, tmp_path, slow_decode):
+    slow_decode(0.05)
+    app = chat_app(tmp_path, qwen2, max_tokens=100)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"hello the world", "enter")  # greedy: 120 tokens, no early end
+        await until(pilot, lambda: len(app.chat.views()) == 2 and app.chat.views()[1].content, what="tokens")
+        start = time.monotonic()
+        await pilot.press("escape")
+        await idle(pilot)
+        assert time.monotonic() - start < 1.0
+        view = app.chat.views()[1]
+        assert view.note == "stopped"
+        stored = app.store.path(app.chat.session.head_id)[-1]
+        assert stored.role == "assistant" and stored.content == view.content != ""
+        assert stored.stats["stop_reason"] == "cancelled" and stored.stats["generated_tokens"] < 100
+
+
+@aio
+async def test_quitting_during_a_reply_stores_what_was_written(qwen2, tmp_path, slow_decode):
+    slow_decode(0.05)
+    app = chat_app(tmp_path, qwen2, max_tokens=100)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"hello the world", "enter")  # greedy: 120 tokens, no early end
+        await until(pilot, lambda: len(app.chat.views()) == 2 and app.chat.views()[1].content, what="tokens")
+        await pilot.press("ctrl+q")
+    session = ChatStore(tmp_path / "chat.db").list_sessions()[0]
+    messages = ChatStore(tmp_path / "chat.db").path(session.head_id)
+    assert [m.role for m in messages] == ["user", "assistant"] and messages[1].content
+
+
+@aio
+async def test_enter_on_an_empty_input_answers_a_message_left_without_reply(qwen2, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("interrupted")
+    store.add_message(session.id, "user", "hello the world")  # e.g. a crash before the reply
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("enter")
+        await until(pilot, lambda: len(app.chat.views()) == 2, what="the reply")
+        await idle(pilot)
+        assert [r for r, _ in stored_path(app)] == ["user", "assistant"]
+
+
+# -- sessions: automatic, resumed -----------------------------------------------------------------
+
+
+@aio
+async def test_starting_again_returns_to_the_same_conversation_resumed(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await say(pilot, "and then")
+        first_id, shown = app.chat.session.id, roles_and_text(app)
+        await pilot.press("ctrl+q")
+    assert State().last_session(tmp_path / "chat.db") == first_id
+
+    again = chat_app(tmp_path, qwen2)
+    async with again.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await until(pilot, lambda: "resumed" in again.chat.status.fields, what="the resume line")
+        assert again.chat.session.id == first_id and roles_and_text(again) == shown
+        resumed = again.chat.status.fields["resumed"]
+        tokens = int(resumed.split(" of ")[1].split()[0].replace(",", ""))
+        assert resumed.startswith(f"{tokens:,} of {tokens:,} tokens restored in ")  # nothing recomputed
+
+
+@aio
+async def test_new_chat_is_stored_with_its_first_message(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "first chat")
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert app.chat.session is None and app.chat.views() == []
+        assert len(app.store.list_sessions()) == 1  # an empty chat is not stored
+        await say(pilot, "second chat")
+        titles = [s.title for s in app.store.list_sessions()]
+        assert titles == ["second chat", "first chat"]
+        assert tree_labels(app) == [(0, "● second chat"), (0, "first chat")]
+
+
+@aio
+async def test_selecting_a_chat_in_the_sidebar_opens_it(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "first chat")
+        first = app.chat.session.id
+        await pilot.press("ctrl+n")
+        await say(pilot, "second chat")
+        tree = app.chat.query_one(SessionTree)
+        tree.focus()
+        tree.move_cursor(next(n for n in tree.root.children if n.data == first))
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.session.id == first, what="the switch")
+        await idle(pilot)
+        assert roles_and_text(app) == stored_path(app, first)
+        assert tree_labels(app)[1] == (0, "● first chat")
+
+
+@aio
+async def test_rename(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await pilot.press("f2")
+        assert isinstance(app.screen, TextScreen)
+        app.screen.query_one(Input).value = "Greetings"
+        await pilot.press("enter")
+        await idle(pilot)
+        assert app.store.get_session(app.chat.session.id).title == "Greetings"
+        assert tree_labels(app) == [(0, "● Greetings")]
+
+
+@aio
+async def test_delete_asks_first(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "keep me")
+        await pilot.press("ctrl+n")
+        await say(pilot, "delete me")
+        doomed = app.chat.session.id
+        app.chat.query_one(SessionTree).focus()
+        await pilot.press("delete")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+        await pilot.press("escape")  # changed my mind
+        await idle(pilot)
+        assert len(app.store.list_sessions()) == 2
+        await pilot.press("delete")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+        await pilot.press("y")
+        await idle(pilot)
+        assert [s.title for s in app.store.list_sessions()] == ["keep me"]
+        assert app.chat.session.id != doomed and roles_and_text(app)[0] == ("user", "keep me")
+        assert tree_labels(app) == [(0, "● keep me")]
+
+
+# -- branching -----------------------------------------------------------------------------------
+
+
+@aio
+async def test_the_fork_key_forks_at_the_head_and_opens_the_branch(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        parent = app.chat.session
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: app.chat.session.id != parent.id, what="the fork")
+        await idle(pilot)
+        child = app.chat.session
+        assert child.forked_from == parent.id and child.head_id == parent.head_id
+        assert roles_and_text(app) == stored_path(app, parent.id)
+        assert tree_labels(app) == [(0, "hello the world"), (1, "● (fork)")]
+        await say(pilot, "only in the fork")
+        assert len(stored_path(app)) == 4 and len(stored_path(app, parent.id)) == 2  # parent untouched
+
+
+@aio
+async def test_the_fork_key_on_a_selected_earlier_message_forks_there(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await say(pilot, "and then")
+        parent = app.chat.session
+        await pilot.press("up", "up", "up")  # input → last reply → "and then" → first reply
+        first_reply = app.chat.views()[1]
+        assert app.focused is first_reply
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: app.chat.session.id != parent.id, what="the fork")
+        await idle(pilot)
+        assert app.chat.session.head_id == first_reply.message.id
+        assert roles_and_text(app) == stored_path(app, parent.id)[:2]
+
+
+@aio
+async def test_editing_a_past_message_makes_a_sibling_branch(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await say(pilot, "and then")
+        parent = app.chat.session
+        before = stored_path(app)
+        await pilot.press("up", "up", "up", "up")  # the first user message
+        first = app.chat.views()[0]
+        assert app.focused is first
+        await pilot.press("e")
+        assert isinstance(app.screen, TextScreen)
+        app.screen.query_one(TextArea).load_text("hello the sun")
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: app.chat.session.id != parent.id, what="the branch")
+        await idle(pilot)
+        branch = app.chat.session
+        assert [m for m in stored_path(app)][0] == ("user", "hello the sun") and len(stored_path(app)) == 2
+        assert roles_and_text(app) == stored_path(app)
+        assert stored_path(app, parent.id) == before  # history kept
+        assert branch.forked_from == parent.id
+        new_first = app.store.path(branch.head_id)[0]
+        assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
+        assert (1, "● (edited)") in tree_labels(app)
+
+
+@aio
+async def test_regenerate_makes_a_sibling_reply(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2, sampling={"temperature": 1.0, "seed": 1})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        parent = app.chat.session
+        old = app.store.message(parent.head_id)
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: app.chat.session.id != parent.id, what="the branch")
+        await idle(pilot)
+        new = app.store.message(app.chat.session.head_id)
+        assert new.id != old.id and new.parent_id == old.parent_id and new.role == "assistant"
+        assert app.store.get_session(parent.id).head_id == old.id  # the first reply is still there
+        assert roles_and_text(app) == stored_path(app)
+        assert (1, "● (regenerated)") in tree_labels(app)
+
+
+@aio
+async def test_regenerate_three_offers_three_branches(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2, sampling={"temperature": 1.0, "seed": 3})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        parent = app.chat.session
+        user_id = app.store.message(parent.head_id).parent_id
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, AlternativesScreen), what="the alternatives")
+        alternatives = app.screen.alternatives
+        assert len(alternatives) == 3
+        await pilot.press("2")
+        await until(pilot, lambda: app.chat.session.id == alternatives[1][0], what="the switch")
+        await idle(pilot)
+        assert app.chat.views()[-1].content == alternatives[1][1]
+        branches = [s for s in app.store.list_sessions() if s.forked_from == parent.id]
+        assert len(branches) == 3
+        assert all(app.store.message(s.head_id).parent_id == user_id for s in branches)
+        assert sum(1 for depth, _ in tree_labels(app) if depth == 1) == 3
+
+
+# -- copy, settings, model, search -----------------------------------------------------------------
+
+CODE_REPLY = "Two ways:\n\n```python\nprint('one')\n```\n\nand\n\n```sh\necho two\n```\n"
+
+
+def stored_conversation(tmp_path, reply=CODE_REPLY, title="code"):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session(title)
+    store.add_message(session.id, "user", "show me code")
+    store.add_message(session.id, "assistant", reply)
+    return store, session
+
+
+@aio
+async def test_copy_a_message_and_its_code_blocks(qwen2, tmp_path):
+    stored_conversation(tmp_path)
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("up")
+        assert isinstance(app.focused, MessageView) and app.focused.role == "assistant"
+        await pilot.press("c")
+        assert app.clipboard == CODE_REPLY
+        await pilot.press("y")
+        assert app.clipboard == "print('one')\n"
+        await pilot.press("y")
+        assert app.clipboard == "echo two\n"
+
+
+@aio
+async def test_settings_store_a_system_prompt_and_sampling_per_session(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#system-prompt", TextArea).load_text("Answer in one word.")
+        app.screen.query_one("#temperature", Input).value = "0.5"
+        app.screen.query_one("#top_k", Input).value = "7"
+        app.screen.query_one("#max_tokens", Input).value = "5"
+        await pilot.press("ctrl+s")
+        await idle(pilot)
+        session = app.store.get_session(app.chat.session.id)
+        assert session.system_prompt == "Answer in one word."
+        assert session.sampling["temperature"] == 0.5 and session.sampling["top_k"] == 7
+        assert app.chat.query_one(".system-prompt").content == "system: Answer in one word."
+        await say(pilot, "and then")
+        assert app.store.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
+
+
+@aio
+async def test_settings_refuse_bad_values(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+s")
+        app.screen.query_one("#top_p", Input).value = "3"
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsScreen)  # still open, with the reason
+        assert "top_p" in str(app.screen.query_one("#error").content)
+
+
+@aio
+async def test_choose_another_model(qwen2, tmp_path, tiny_model_paths):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await pilot.press("ctrl+l")
+        app.screen.query_one("#path", Input).value = str(tiny_model_paths["llama"])
+        app.screen.query_one("#path", Input).focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.engine.model.name == "tiny-llama", what="the new model")
+        await idle(pilot)
+        assert app.chat.status.fields["model"] == "tiny-llama"
+        assert Config.load(app.config.path).model == str(tiny_model_paths["llama"])  # opens next time
+        await say(pilot, "and then")  # the conversation goes on with the new model
+        assert len(stored_path(app)) == 4
+
+
+@aio
+async def test_a_missing_model_file_is_one_line_in_the_app(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+l")
+        app.screen.query_one("#path", Input).value = str(tmp_path / "nothing.gguf")
+        app.screen.query_one("#path", Input).focus()
+        await pilot.press("enter")
+        await idle(pilot)
+        assert app.chat.engine.model.name == "tiny-qwen2"  # the loaded model stays
+        assert any("no such file" in n.message for n in app._notifications)
+
+
+@aio
+async def test_search_finds_titles_and_message_text(qwen2, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    for title, text in [("Apples", "red fruit"), ("Weather", "rain tomorrow"), ("Boats", "sailing in rain")]:
+        s = store.create_session(title)
+        store.add_message(s.id, "user", text)
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+f", *"rain")
+        await until(pilot, lambda: "Apples" not in str(tree_labels(app)), what="the search")
+        roots = [label for depth, label in tree_labels(app) if depth == 0]
+        assert sorted(roots) == ["Boats", "Weather"]
+        await pilot.press("enter")  # to the results
+        tree = app.chat.query_one(SessionTree)
+        weather = next(n for n in tree.root.children if str(n.label) == "Weather")
+        tree.move_cursor(weather)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.session.title == "Weather", what="the switch")
+        await pilot.press("ctrl+f", *["backspace"] * 4)
+        await until(pilot, lambda: len(tree_labels(app)) == 3, what="the whole list")
+
+
+@aio
+async def test_export_and_import_a_chat(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        original = app.chat.session
+        app.chat.action_export()
+        await pilot.pause()
+        assert isinstance(app.screen, TextScreen) and app.screen.query_one(Input).value.endswith(".llamachat")
+        exported = tmp_path / "out" / "hello.llamachat"
+        exported.parent.mkdir()
+        app.screen.query_one(Input).value = str(exported)
+        await pilot.press("enter")
+        await idle(pilot)
+        assert exported.exists()
+        app.chat.action_export()
+        await pilot.pause()
+        app.screen.query_one(Input).value = str(tmp_path / "out" / "hello.md")
+        await pilot.press("enter")
+        await idle(pilot)
+        assert "hello the world" in (tmp_path / "out" / "hello.md").read_text()
+
+        app.chat.action_import()
+        await pilot.pause()
+        app.screen.query_one(Input).value = str(exported)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.session.id != original.id, what="the imported chat")
+        await idle(pilot)
+        assert stored_path(app) == stored_path(app, original.id) and roles_and_text(app) == stored_path(app)
+        assert len(app.store.list_sessions()) == 2
+        await until(pilot, lambda: "resumed" in app.chat.status.fields, what="the resume line")
+        restored = app.chat.status.fields["resumed"]
+        tokens = restored.split(" of ")[1].split()[0]
+        assert restored.startswith(f"{tokens} of {tokens} tokens restored")  # its KV came with it
+
+        app.chat.action_import()
+        await pilot.pause()
+        app.screen.query_one(Input).value = str(tmp_path / "out" / "hello.md")  # not a session file
+        await pilot.press("enter")
+        await idle(pilot)
+        assert any("hello.md" in n.message for n in app._notifications)
+        assert len(app.store.list_sessions()) == 2
+
+
+# -- keys, palette, help, themes -------------------------------------------------------------------
+
+
+@aio
+async def test_help_lists_every_key_with_its_id(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2, keymap={"fork": "ctrl+k"})
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        text = "\n".join(f"{k} {d} {i}" for _, rows in app.screen.sections for k, d, i in rows)
+        for needle in ["ctrl+k Fork fork", "enter Send send", "ctrl+j, shift+enter New line newline"]:
+            assert needle in text
+        for needle in ["e Edit edit_message", "c Copy copy_message", "y Copy code copy_code"]:
+            assert needle in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@aio
+async def test_every_action_is_in_the_command_palette(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        titles = {c.title for c in app.get_system_commands(app.chat)}
+        wanted = {"New chat", "Fork", "Regenerate", "Regenerate ×3", "Edit message", "Stop reply"}
+        wanted |= {"Rename chat", "Delete chat", "Chat settings", "Choose model", "Search chats"}
+        wanted |= {"Copy message", "Copy code block", "Export chat", "Import chat", "Help", "Theme", "Quit"}
+        assert wanted <= titles
+        await say(pilot, "hello the world")
+        parent = app.chat.session.id
+        await pilot.press("ctrl+p", *"Fork")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.session.id != parent, what="the fork")
+
+
+@aio
+async def test_every_binding_has_an_id_and_a_keymap_remaps_it(qwen2, tmp_path):
+    from llama_chat.app import screens, tui, widgets
+
+    classes = [tui.ChatApp, tui.ChatScreen, widgets.ChatInput, widgets.MessageView, widgets.SessionTree]
+    classes += [screens.Dialog, screens.ConfirmScreen, screens.TextScreen, screens.SettingsScreen]
+    classes += [screens.AlternativesScreen, screens.HelpScreen]
+    assert all(b.id for cls in classes for b in cls.BINDINGS)
+    app = chat_app(tmp_path, qwen2, keymap={"fork": "ctrl+k"})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        parent = app.chat.session.id
+        await pilot.press("ctrl+o")  # no longer the fork key
+        await idle(pilot)
+        assert app.chat.session.id == parent
+        await pilot.press("ctrl+k")
+        await until(pilot, lambda: app.chat.session.id != parent, what="the fork")
+
+
+@aio
+async def test_themes_from_files_and_the_choice_persists(qwen2, tmp_path):
+    user_themes = tmp_path / "config" / "llama-chat" / "themes"
+    user_themes.mkdir(parents=True)
+    (user_themes / "mine.toml").write_text('name = "mine"\nprimary = "#00FF00"\ndark = true\n')
+    (user_themes / "broken.toml").write_text('name = "broken"\nprimry = "#00FF00"\n')
+    config_file = tmp_path / "config" / "llama-chat" / "config.toml"
+    config_file.write_text("# my settings\nmax_tokens = 8\n\n[sampling]\ntemperature = 0\n")
+    app = ChatApp(tmp_path / "chat.db", model=str(qwen2))
+    async with app.run_test(size=SIZE) as pilot:
+        assert {"llama-dark", "llama-light", "llama-amber", "mine"} <= set(app.available_themes)
+        assert "broken" not in app.available_themes
+        assert app.theme == "llama-dark"
+        assert any("primry" in n.message for n in app._notifications)  # the bad file is named
+        app.theme = "llama-light"
+        await pilot.pause()
+    text = config_file.read_text()
+    assert 'theme = "llama-light"' in text and "# my settings" in text and "temperature = 0" in text
+    assert Config.load().theme == "llama-light" and Config.load().sampling == {"temperature": 0}
+    again = ChatApp(tmp_path / "chat.db", model=str(qwen2))
+    async with again.run_test(size=SIZE):
+        assert again.theme == "llama-light"
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys, qwen2):
+    db = ["--db", str(tmp_path / "chat.db")]
+    assert main([*db, "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert main([*db, "--model", str(qwen2), "tui", "--session", "abcdef"]) == 2
+    config = tmp_path / "config" / "llama-chat" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text("theme = \n")
+    assert main([*db, "--model", str(qwen2)]) == 2
+    config.write_text('colour = "red"\n')
+    assert main([*db, "--model", str(qwen2)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and all(line.startswith("llama-chat: error: ") for line in lines)
+    assert "missing.gguf: no such file" in lines[0] and "unknown session 'abcdef'" in lines[1]
+    assert "config.toml" in lines[2] and "unknown setting 'colour'" in lines[3]
+
+
+# -- responsiveness --------------------------------------------------------------------------------
+
+
+@aio
+async def test_keys_answer_within_100_ms_while_a_reply_streams(qwen2, tmp_path, slow_decode):
+    """Type while a reply streams: each key is on screen within 100 ms. A real model's decode step
+    is emulated by a wait that releases the GIL; the tiny model's Python work per token still runs.
+    Keys go in as the terminal driver sends them: Pilot.press also waits for the whole process to
+    go idle, which it never does while a reply is computed, so its own time says nothing here."""
+    slow_decode(0.02)
+    app = chat_app(tmp_path, qwen2, max_tokens=120)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"hello the world")  # greedy: 120 tokens, no early end
+        app.post_message(events.Key("enter", None))
+        while not (len(app.chat.views()) == 2 and app.chat.views()[1].content):
+            await asyncio.sleep(0.005)
+        chat_input = app.chat.query_one(ChatInput)
+        latencies = []
+        for ch in "abcdefghijkl":
+            assert app.chat.reply is not None  # still streaming
+            start = time.perf_counter()
+            app.post_message(events.Key(ch, ch))
+            while not chat_input.text.endswith(ch):
+                await asyncio.sleep(0.001)
+            latencies.append(time.perf_counter() - start)
+            await asyncio.sleep(0.03)  # a fast typist
+        streamed = len(app.chat.views()[1].content)
+        await idle(pilot)
+        assert chat_input.text == "abcdefghijkl"
+        assert len(app.chat.views()[1].content) > streamed  # the reply went on while we typed
+        print(f"key latencies (ms): {[round(x * 1000, 1) for x in latencies]}")
+        assert max(latencies) < 0.1, f"slowest key {max(latencies) * 1000:.0f} ms"

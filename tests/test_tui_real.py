@@ -1,0 +1,169 @@
+"""The real `llama-chat` in tmux on the default model: chat, fork, quit, start again; and key latency."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from textual import events
+
+import conftest
+from conftest import real_cache
+from llama_chat.app.config import Config
+from llama_chat.app.tui import ChatApp
+from llama_chat.app.widgets import ChatInput
+
+pytestmark = pytest.mark.real_model
+
+PLACEHOLDER = "Message (Enter sends"
+MODEL_NAME = "Qwen2.5 Coder 0.5B"
+
+
+class Tmux:
+    """A private tmux server (its own socket): start a command in a pane, type, read the screen."""
+
+    def __init__(self, socket: str, env: dict[str, str]):
+        self.socket, self.env = socket, env
+
+    def run(self, *args: str) -> str:
+        return subprocess.run(
+            ["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=True, env=self.env
+        ).stdout
+
+    def start(self, command: list[str], name: str) -> None:
+        shell = " ".join(f"'{c}'" for c in command) + "; echo LLAMA-CHAT-EXITED $?; sleep 600"
+        self.run("new-session", "-d", "-s", name, "-x", "120", "-y", "36", shell)
+        self.name = name
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", self.name)
+
+    def keys(self, *keys: str, literal: bool = False) -> None:
+        self.run("send-keys", "-t", self.name, *(["-l"] if literal else []), *keys)
+
+    def wait_for(self, predicate, timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; the screen:\n{screen}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, env=self.env)
+
+
+def status_line(screen: str) -> str:
+    return screen.rstrip("\n").splitlines()[-2]
+
+
+def reply_text(screen: str) -> str:
+    """The text of the last reply on screen (the lines after its "assistant" heading)."""
+    lines = [line.partition("▕")[2].strip(" ▎") for line in screen.splitlines()]
+    if not any(line.startswith("assistant") for line in lines):
+        return ""
+    start = max(i for i, line in enumerate(lines) if line.startswith("assistant"))
+    return " ".join(line for line in lines[start + 1 :] if line and not line.startswith("▊"))  # not the input
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
+    config_home = tmp_path / "config"
+    (config_home / "llama-chat").mkdir(parents=True)
+    (config_home / "llama-chat" / "config.toml").write_text(
+        "max_tokens = 40\n\n[sampling]\ntemperature = 0\n"
+    )
+    env = {
+        **os.environ,
+        "XDG_CONFIG_HOME": str(config_home),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "XDG_CACHE_HOME": str(conftest.REAL_CACHE),  # the default model, assembled and prepared once
+        "TERM": "xterm-256color",
+    }
+    env.pop("TMUX", None)
+    command = [str(Path(sys.executable).parent / "llama-chat"), "--db", str(tmp_path / "chat.db")]
+    tmux = Tmux(f"llama-chat-test-{os.getpid()}", env)
+    try:
+        tmux.start(command, "first")
+        screen = tmux.wait_for(lambda s: PLACEHOLDER in s, 30, "the chat screen")
+        tmux.wait_for(lambda s: MODEL_NAME in status_line(s), 60, "the model")
+
+        tmux.keys("Write a haiku about caches.", literal=True)
+        time.sleep(0.2)
+        tmux.keys("Enter")
+        # streamed: the reply grows on screen while the status says it is being written
+        first = reply_text(tmux.wait_for(lambda s: reply_text(s), 60, "the first words of the reply"))
+        time.sleep(1.0)
+        second = tmux.screen()
+        assert "writing a reply" in status_line(second) and len(reply_text(second)) > len(first)
+        screen = tmux.wait_for(
+            lambda s: "writing a reply" not in s and "decode" in s, 120, "the reply to end"
+        )
+        assert "you" in screen and "Write a haiku about caches." in screen and "tok/s" in status_line(screen)
+
+        tmux.keys("C-o")  # the fork key
+        screen = tmux.wait_for(lambda s: "● (fork)" in s, 15, "the fork in the sidebar")
+        assert "Write a haiku about caches." in screen  # the branch has the whole conversation
+        tmux.keys("C-q")
+        tmux.wait_for(lambda s: "LLAMA-CHAT-EXITED 0" in s, 30, "llama-chat to quit")
+
+        # a warm second start: interactive at once, on the fork, resumed from the stored KV
+        start = time.monotonic()
+        tmux.start(command, "second")
+        tmux.wait_for(lambda s: PLACEHOLDER in s and "● (fork)" in s, 30, "the chat screen")
+        startup = time.monotonic() - start
+        screen = tmux.wait_for(lambda s: "restored in" in status_line(s), 60, "the resumed session")
+        assert "Write a haiku about caches." in screen and "assistant" in screen
+        restored = status_line(screen).split(" · ")[-1]
+        tokens = restored.split(" of ")[1].split()[0]
+        nothing_recomputed = f"{tokens} of {tokens} tokens restored in "
+        assert restored.startswith(nothing_recomputed), restored
+        print(f"warm start to an interactive screen: {startup:.2f} s; {restored}")
+        assert startup <= 1.5, f"warm start took {startup:.2f} s"
+        tmux.keys("C-q")
+        tmux.wait_for(lambda s: "LLAMA-CHAT-EXITED 0" in s, 30, "llama-chat to quit")
+    finally:
+        tmux.kill()
+
+
+def test_keys_answer_within_100_ms_while_the_default_model_streams(qwen_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    config = Config(path=tmp_path / "config.toml", max_tokens=60, sampling={"temperature": 0})
+
+    async def run() -> list[float]:
+        app = ChatApp(tmp_path / "chat.db", model=str(qwen_model_path), config=config)
+        async with app.run_test(size=(110, 34)) as pilot:
+            while not app.chat.engine_ready.is_set():
+                await pilot.pause(0.05)
+            await pilot.press(*"Explain what a KV cache is.")
+            app.post_message(events.Key("enter", None))
+            while not (len(app.chat.views()) == 2 and app.chat.views()[1].content):
+                await asyncio.sleep(0.01)
+            chat_input = app.chat.query_one(ChatInput)
+            latencies = []
+            for ch in "abcdefghij":
+                assert app.chat.reply is not None  # still streaming
+                start = time.perf_counter()
+                app.post_message(events.Key(ch, ch))  # as the terminal driver sends it
+                while not chat_input.text.endswith(ch):
+                    await asyncio.sleep(0.001)
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.1)
+            app.chat.action_stop()
+            while app.chat.reply is not None:
+                await asyncio.sleep(0.05)
+            return latencies
+
+    with real_cache():
+        latencies = asyncio.run(run())
+    print(f"key latencies while streaming (ms): {[round(x * 1000, 1) for x in latencies]}")
+    assert max(latencies) < 0.1

@@ -1,0 +1,103 @@
+"""How the TUI looks, pinned as SVG snapshots: the main screen, a fork in the sidebar, help, each theme.
+
+Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`, and look
+at the report before committing. The numbers of the status line are fixed so the pictures never
+depend on timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_chat.app.config import Config
+from llama_chat.app.tui import ChatApp
+from llama_chat.storage import ChatStore
+
+SIZE = (100, 30)
+REPLY = """Here is a function that adds two numbers:
+
+```python
+def add(a: int, b: int) -> int:
+    return a + b
+```
+
+- it takes **two** arguments
+- it returns their sum
+"""
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+def conversation(store: ChatStore, title: str, reply: str = REPLY):
+    session = store.create_session(title, system_prompt="You are a concise coding assistant.")
+    store.add_message(session.id, "user", "Write a Python function that adds two numbers.")
+    store.add_message(session.id, "assistant", reply)
+    return store.get_session(session.id)
+
+
+def app_on(tmp_path, tiny_model_paths, theme: str = "llama-dark", session_id: str | None = None) -> ChatApp:
+    config = Config(path=tmp_path / "config" / "llama-chat" / "config.toml", theme=theme)
+    return ChatApp(
+        tmp_path / "chat.db", model=str(tiny_model_paths["qwen2"]), session_id=session_id, config=config
+    )
+
+
+async def settled(pilot) -> None:
+    """Model loaded, session resumed, workers done; then the timing figures fixed."""
+    app = pilot.app
+    for _ in range(1000):
+        if app.chat.engine_ready.is_set() and all(w.is_finished for w in app.workers):
+            break
+        await pilot.pause(0.02)
+    await pilot.pause()
+    app.chat.status.set(
+        context="ctx 61/256",
+        speed="prefill 1,234 · decode 56.7 tok/s",
+        resumed="61 of 61 tokens restored in 3 ms",
+    )
+    app.clear_notifications()
+    await pilot.pause()
+
+
+def test_main_screen(snap_compare, tmp_path, tiny_model_paths):
+    conversation(ChatStore(tmp_path / "chat.db"), "Adding numbers")
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_sidebar_with_a_fork(snap_compare, tmp_path, tiny_model_paths):
+    store = ChatStore(tmp_path / "chat.db")
+    conversation(store, "Weather report", reply="Rain tomorrow.")
+    parent = conversation(store, "Adding numbers")
+    first_user = store.path(parent.head_id)[0].id
+    store.fork_session(parent.id, first_user, "Adding numbers (edited)")
+    fork = store.fork_session(parent.id, None, "Adding numbers (fork)")
+    app = app_on(tmp_path, tiny_model_paths, session_id=fork.id)
+    assert snap_compare(app, terminal_size=SIZE, run_before=settled)
+
+
+def test_help_screen(snap_compare, tmp_path, tiny_model_paths):
+    async def open_help(pilot):
+        await settled(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=(100, 40), run_before=open_help)
+
+
+@pytest.mark.parametrize("theme", ["llama-dark", "llama-light", "llama-amber"])
+def test_each_theme(snap_compare, tmp_path, tiny_model_paths, theme):
+    store = ChatStore(tmp_path / "chat.db")
+    parent = conversation(store, "Adding numbers")
+    store.fork_session(parent.id, None, "Adding numbers (fork)")
+    app = app_on(tmp_path, tiny_model_paths, theme=theme, session_id=parent.id)
+
+    async def select_reply(pilot):  # a focused message shows the accent colour too
+        await settled(pilot)
+        await pilot.press("up")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=select_reply)
