@@ -321,8 +321,12 @@ def run_bench(args) -> int:
         f"database growth on fork:    {sess['fork_added_bytes']:,} bytes (one stored block: {sess['stored_block_bytes']:,})",
     )
     ex = sess["exchange"]
-    report("export_ms_2048", round(ex["export_ms"], 1), f"export of that session:     {ex['export_ms']:.0f} ms")
-    report("import_ms_2048", round(ex["import_ms"], 1), f"import into an empty db:    {ex['import_ms']:.0f} ms")
+    report(
+        "export_ms_2048", round(ex["export_ms"], 1), f"export of that session:     {ex['export_ms']:.0f} ms"
+    )
+    report(
+        "import_ms_2048", round(ex["import_ms"], 1), f"import into an empty db:    {ex['import_ms']:.0f} ms"
+    )
     report(
         "export_size_ratio",
         round(ex["size_ratio"], 4),

@@ -42,8 +42,8 @@ class ConfirmScreen(Dialog):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.dialog_title, classes="dialog-title")
-            yield Label(self.question)
+            yield Label(self.dialog_title, classes="dialog-title", markup=False)
+            yield Label(self.question, markup=False)
             with Horizontal(classes="buttons"):
                 yield Button(self.yes, variant="error", id="yes")
                 yield Button("Cancel", id="no")
@@ -72,7 +72,7 @@ class TextScreen(Dialog):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.dialog_title, classes="dialog-title")
+            yield Label(self.dialog_title, classes="dialog-title", markup=False)
             if self.multiline:
                 yield TextArea(self.text, soft_wrap=True, id="text")
             else:
@@ -179,7 +179,7 @@ class ModelScreen(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
             yield Label(self.dialog_title, classes="dialog-title")
-            yield Label(f"Now: {self.current or 'none loaded'}")
+            yield Label(f"Now: {self.current or 'none loaded'}", markup=False)
             yield OptionList(*[Option(Text(f"{name}  ({state})"), id=name) for name, state in self.models])
             yield Label("or the path of a .gguf file:")
             yield Input(placeholder="/path/to/model.gguf", id="path")
@@ -208,12 +208,11 @@ class AlternativesScreen(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
             yield Label(self.dialog_title, classes="dialog-title")
-            yield OptionList(
-                *[
-                    Option(Text(f"{i}. ", style="bold") + Text(text.strip() or "(empty)"), id=sid)
-                    for i, (sid, text) in enumerate(self.alternatives, 1)
-                ]
-            )
+            options = []
+            for i, (sid, text) in enumerate(self.alternatives, 1):
+                options += [None] if options else []  # a rule between alternatives
+                options.append(Option(Text(f"{i}. ", style="bold") + Text(text.strip() or "(empty)"), id=sid))
+            yield OptionList(*options)
             yield Label(
                 "Enter or 1–3 opens that branch; Esc stays here (all three are in the sidebar)",
                 classes="hint",

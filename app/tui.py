@@ -28,12 +28,15 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from .config import DEFAULT_THEME, Config, ConfigError, State, load_themes
-from .engine import ChatEngine
+from .engine import ChatEngine, ResumeInfo
 from .screens import AlternativesScreen, ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .widgets import ChatInput, MessageView, SearchHit, SessionTree, StatusLine
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
 SEARCH_DELAY_S = 0.2  # wait for typing to pause before searching
+# Drawing a message costs about 2 ms of the UI thread (Markdown widgets): a very long conversation
+# shows its newest messages only, so opening it never holds the screen for long.
+MAX_SHOWN = 100
 USER_ERRORS = (ModelError, StoreError, ValueError, OSError)
 REPLYING = "writing a reply (Esc stops)"
 
@@ -46,6 +49,16 @@ def speed_text(prefill_tok_s: float, decode_tok_s: float) -> str | None:
     if not (prefill_tok_s or decode_tok_s):
         return None
     return f"prefill {prefill_tok_s:,.0f} · decode {decode_tok_s:,.1f} tok/s"
+
+
+NEW_CHAT_HINT = "A new chat: it is saved as you go. Ctrl+O forks it, F1 lists every key, Ctrl+P every action."
+
+
+def resume_text(info: ResumeInfo) -> str:
+    """How a session came back: "2,048 tokens restored in 38 ms" (or "… of …" when some were not)."""
+    if info.restored != info.tokens:
+        return info.describe()
+    return f"{info.tokens:,} tokens restored in {info.seconds * 1000:.0f} ms"
 
 
 COMMANDS = [  # (title, help, action): the command palette's entries for the chat
@@ -250,7 +263,7 @@ class ChatScreen(Screen):
                 if other != session.id:
                     engine.close(other)
             _, info = engine.open(self.store.get_session(session.id))
-        self.post_message(Resumed(session.id, info.describe(), info.tokens))
+        self.post_message(Resumed(session.id, resume_text(info), info.tokens))
 
     @work(thread=True, exit_on_error=False, group="engine")
     def switch_to(self, session_id: str) -> None:
@@ -291,11 +304,16 @@ class ChatScreen(Screen):
         with self.app.batch_update():
             await conversation.remove_children()
             widgets = []
+            if len(path) > MAX_SHOWN:
+                hidden = f"⋯ {len(path) - MAX_SHOWN:,} earlier messages (Export chat as .md shows them all)"
+                widgets.append(Static(hidden, classes="system-prompt", markup=False))
             if session is not None and session.system_prompt:
                 widgets.append(
                     Static(f"system: {session.system_prompt}", classes="system-prompt", markup=False)
                 )
-            widgets += [self.message_view(m) for m in path]
+            widgets += [self.message_view(m) for m in path[-MAX_SHOWN:]]
+            if session is None:
+                widgets.append(Static(NEW_CHAT_HINT, classes="system-prompt new-chat-hint", markup=False))
             await conversation.mount_all(widgets)
         conversation.scroll_end(animate=False)
         conversation.anchor()
@@ -379,6 +397,7 @@ class ChatScreen(Screen):
                 )
             return
         self.query_one(ChatInput).clear()
+        await self.conversation.query(".new-chat-hint").remove()
         session = self.session
         config = self.config
         view = MessageView("assistant")
@@ -471,8 +490,9 @@ class ChatScreen(Screen):
             return
         self.session = event.session
         views = self.views()
-        if [v.role for v in views] == [m.role for m in event.path]:
-            for v, m in zip(views, event.path):
+        shown = event.path[-len(views) :] if views else []
+        if [v.role for v in views] == [m.role for m in shown]:
+            for v, m in zip(views, shown):
                 v.message = m
         else:  # e.g. the stored text differs from what was shown: show what is stored
             await self.show_session(event.session, event.path)

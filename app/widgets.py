@@ -43,7 +43,7 @@ class MessageView(Vertical, can_focus=True):
         self._next_code_block = 0
 
     def compose(self) -> ComposeResult:
-        yield Label(self._heading(), classes="author")
+        yield Label(self._heading(), classes="author", markup=False)
         yield Markdown(self.content)
 
     def _heading(self) -> str:

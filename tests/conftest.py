@@ -23,9 +23,11 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def isolated_user_dirs(tmp_path, monkeypatch):
-    """No test reads or writes the user's cache, data or database."""
+    """No test reads or writes the user's cache, data, config, state or database."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.delenv("LLAMA_CHAT_DB", raising=False)
 
 

@@ -57,7 +57,7 @@ async def settled(pilot) -> None:
     app.chat.status.set(
         context="ctx 61/256",
         speed="prefill 1,234 · decode 56.7 tok/s",
-        resumed="61 of 61 tokens restored in 3 ms",
+        resumed="61 tokens restored in 3 ms",
     )
     app.clear_notifications()
     await pilot.pause()

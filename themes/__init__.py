@@ -1,0 +1,1 @@
+"""The TUI's colour themes, as data files (*.toml)."""
