@@ -407,23 +407,26 @@ class ChatStore:
                 conn.execute(f"UPDATE kv_blocks SET last_used = ? WHERE key IN ({marks})", [now, *block_keys])
             conn.execute("DELETE FROM session_tails WHERE session_id = ?", (session_id,))
             if tail is not None:
-                conn.execute(
-                    "INSERT INTO session_tails VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        session_id,
-                        fingerprint,
-                        tail.parent_key,
-                        np.asarray(tail.tokens, dtype=np.int32).tobytes(),
-                        tail.codec,
-                        tail.data,
-                        tail.checksum,
-                        now,
-                    ),
-                )
+                self._insert_tail(session_id, fingerprint, tail, now)
             conn.execute(
                 "UPDATE sessions SET n_tokens = ?, model_fingerprint = ? WHERE id = ?",
                 (n_tokens, fingerprint, session_id),
             )
+
+    def _insert_tail(self, session_id: str, fingerprint: str, tail: StoredTail, now: float) -> None:
+        self.db.conn.execute(
+            "INSERT INTO session_tails VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                session_id,
+                fingerprint,
+                tail.parent_key,
+                np.asarray(tail.tokens, dtype=np.int32).tobytes(),
+                tail.codec,
+                tail.data,
+                tail.checksum,
+                now,
+            ),
+        )
 
     def load_block(self, key: bytes, fingerprint: str) -> StoredBlock | None:
         rows = self._rows("SELECT * FROM kv_blocks WHERE key = ? AND fingerprint = ?", (key, fingerprint))
@@ -575,17 +578,5 @@ class ChatStore:
                 )
             fingerprints = {s.id: s.model_fingerprint for s in sessions}
             for file_id, tail in tails.items():
-                conn.execute(
-                    "INSERT INTO session_tails VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        new_session[file_id],
-                        fingerprints[file_id],
-                        tail.parent_key,
-                        np.asarray(tail.tokens, dtype=np.int32).tobytes(),
-                        tail.codec,
-                        tail.data,
-                        tail.checksum,
-                        now,
-                    ),
-                )
+                self._insert_tail(new_session[file_id], fingerprints[file_id], tail, now)
         return new_session, added
