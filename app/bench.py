@@ -84,6 +84,25 @@ def measure_decode(model, context: int, n_tokens: int) -> float:
     return n_tokens / elapsed
 
 
+def measure_decode_contexts(model, contexts: tuple[int, ...], n_tokens: int) -> list[float]:
+    """Decode tokens/s at several context lengths, one token of each in turn, so that a busy moment
+    of this shared machine slows every context alike and their ratio stays meaningful."""
+    ids = sample_tokens(model.tokenizer, max(contexts))
+    seqs, logits = [], []
+    for n in contexts:
+        seqs.append(model.new_sequence(n + n_tokens + 1))
+        logits.append(model.forward(ids[:n], seqs[-1])[-1])
+    elapsed = [0.0] * len(contexts)
+    for _ in range(n_tokens):
+        for i, seq in enumerate(seqs):
+            t = time.perf_counter()
+            logits[i] = model.forward([int(np.argmax(logits[i]))], seq)[-1]
+            elapsed[i] += time.perf_counter() - t
+    for seq in seqs:
+        seq.free()
+    return [n_tokens / e for e in elapsed]
+
+
 def measure_prefix_reuse(model, shared: int, extra: int) -> dict:
     """A second conversation whose first `shared` tokens equal an earlier one's prefills only the rest."""
     ids = sample_tokens(model.tokenizer, shared + extra)
@@ -265,16 +284,16 @@ def run_bench(args) -> int:
     n_prefill = 64 if quick else 512
     prefill = measure_prefill(model, n_prefill, 1 if quick else 2)
     report("prefill_tok_s", round(prefill, 1), f"prefill, {n_prefill} tokens:     {prefill:.1f} tok/s")
-    ctx = 64 if quick else 512
-    decode = measure_decode(model, ctx, 4 if quick else 32)
+    ctx, long_ctx = (64, 512) if quick else (512, 4096)
+    decode, decode_long = measure_decode_contexts(model, (ctx, long_ctx), 4 if quick else 24)
     report("decode_tok_s", round(decode, 2), f"decode at context {ctx}:    {decode:.2f} tok/s")
-    long_ctx = 512 if quick else 4096
-    decode_long = measure_decode(model, long_ctx, 4 if quick else 16)
     report(
         "decode_tok_s_ctx4096",
         round(decode_long, 2),
         f"decode at context {long_ctx}:   {decode_long:.2f} tok/s",
     )
+    ratio = decode_long / decode
+    report("decode_ctx4096_vs_512", round(ratio, 3), f"decode {long_ctx} / {ctx}:      {ratio:.2f}")
     reuse = measure_prefix_reuse(model, 100 if quick else 1000, 20 if quick else 100)
     report(
         "prefix_reuse_saved_tokens",

@@ -80,20 +80,30 @@ def softmax_(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _join(pieces: list[np.ndarray], axis: int) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
+
+
 def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
     """Grouped-query attention. q [n_head, T, hd]; parts: (k, v) pieces of the cache, each [n_kv, S_i, hd],
     in position order; mask [T, S] (0 or -inf) or None → [T, n_head·hd]."""
     n_head, T, hd = q.shape
     n_kv = parts[0][0].shape[0]
     group = n_head // n_kv
-    qg = q.reshape(n_kv, group * T, hd)  # query heads that share a kv head, stacked
-    # keys @ queries rather than queries @ keys: BLAS is far faster with the long side (S) as rows
-    # than with the 2-14 query rows of a decode step. The cache is read where it lies, not copied.
-    pieces = [(k @ qg.transpose(0, 2, 1)).transpose(0, 2, 1) for k, _ in parts]
-    scores = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+    # query heads that share a kv head, stacked; scaled here, where there are fewer numbers than scores
+    qg = q.reshape(n_kv, group * T, hd) * F32(scale)
+    # The cache is read where it lies, not copied. For one new token, keys @ queries is the faster BLAS
+    # shape (the long side S as rows, not 2-14 query rows); for many, queries @ keys is (5x at T=512).
+    if T == 1:
+        pieces = [k @ qg.transpose(0, 2, 1) for k, _ in parts]  # [n_kv, S_i, group]
+        scores = _join(pieces, axis=1).transpose(0, 2, 1)
+    else:
+        scores = _join([qg @ k.transpose(0, 2, 1) for k, _ in parts], axis=2)  # [n_kv, group·T, S]
+    # Contiguous rows for the softmax: over a strided view it costs more than the matmul itself
+    # (np.concatenate keeps its inputs' memory order, so a joined view needs this too).
+    scores = np.ascontiguousarray(scores)
     S = scores.shape[-1]
     scores = scores.reshape(n_kv, group, T, S)
-    scores *= F32(scale)
     if softcap:
         scores = np.tanh(scores / F32(softcap)) * F32(softcap)
     if mask is not None:
