@@ -122,7 +122,8 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-x)
+    e = np.negative(x)  # x / (1 + e^-x), in one fresh array: these are the largest activations
+    np.exp(e, out=e)
     e += F32(1.0)
     return np.divide(x, e, out=e)
 
@@ -131,7 +132,8 @@ def feed_forward(x: np.ndarray, w: dict, p: str, cfg: Config) -> np.ndarray:
     gate_up = linear(x, w[p + "ffn_gate_up"])  # [T, 2·n_ff]
     gate, up = gate_up[:, : cfg.n_ff], gate_up[:, cfg.n_ff :]
     act = gelu_tanh(gate) if cfg.ffn_act == "gelu" else silu(gate)
-    return linear(act * up, w[p + "ffn_down"])  # [T, d]
+    act *= up
+    return linear(act, w[p + "ffn_down"])  # [T, d]
 
 
 class Segment:
@@ -159,17 +161,27 @@ class Segment:
 
 
 def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) -> np.ndarray:
-    """One sequence's attention over its cached blocks, read as slices of the arena."""
+    """One sequence's attention over its cached blocks, read as slices of the arena. q holds all the
+    segment's rows, or only its last one."""
     pool = seg.seq.pool
     runs, mask = seg.view(window)
+    if mask is not None and q.shape[1] < len(seg.tokens):
+        mask = mask[-q.shape[1] :]
     parts = [(pool.k[layer, :, a : a + n], pool.v[layer, :, a : a + n]) for a, n in runs]
     scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
     return attention(q, parts, mask, scale, cfg.attn_logit_softcap)
 
 
 def self_attention(
-    x: np.ndarray, w: dict, layer: int, cfg: Config, segments: list[Segment], positions: np.ndarray
+    x: np.ndarray,
+    w: dict,
+    layer: int,
+    cfg: Config,
+    segments: list[Segment],
+    positions: np.ndarray,
+    last_only: bool,
 ):
+    """Writes every row's K and V; returns the attention output of every row, or of each segment's last."""
     p = f"blk.{layer}."
     T = x.shape[0]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
@@ -187,16 +199,33 @@ def self_attention(
     q = rope(q, positions, base, cfg.rope_neox, w.get("rope_freqs"))
     k = rope(k, positions, base, cfg.rope_neox, w.get("rope_freqs"))
     window = cfg.sliding_window if sliding else 0
-    out = np.empty((T, q_dim), dtype=F32)
-    for seg in segments:
+    out = np.empty((len(segments) if last_only else T, q_dim), dtype=F32)
+    for i, seg in enumerate(segments):
         seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
-        out[seg.rows] = attend(q[:, seg.rows], seg, layer, cfg, window)
+        if last_only:
+            out[i] = attend(q[:, seg.rows.stop - 1 : seg.rows.stop], seg, layer, cfg, window)
+        else:
+            out[seg.rows] = attend(q[:, seg.rows], seg, layer, cfg, window)
     return linear(out, w[p + "attn_output"])  # [T, d]
 
 
-def transformer_block(x: np.ndarray, w: dict, layer: int, cfg: Config, segments: list[Segment], positions):
+def transformer_block(
+    x: np.ndarray,
+    w: dict,
+    layer: int,
+    cfg: Config,
+    segments: list[Segment],
+    positions,
+    last_only: bool = False,
+):
+    """last_only: go on with each segment's last row only (llama.cpp's skipping of unused outputs in the
+    last layer: nothing reads the other rows there but their K and V)."""
     p = f"blk.{layer}."
-    h = self_attention(rms_norm(x, w[p + "attn_norm"], cfg.norm_eps), w, layer, cfg, segments, positions)
+    h = self_attention(
+        rms_norm(x, w[p + "attn_norm"], cfg.norm_eps), w, layer, cfg, segments, positions, last_only
+    )
+    if last_only:
+        x = x[[seg.rows.stop - 1 for seg in segments]]
     if cfg.post_norms:
         h = rms_norm(h, w[p + "post_attention_norm"], cfg.norm_eps)
     x = x + h
@@ -214,8 +243,9 @@ def output_logits(x: np.ndarray, w: dict, cfg: Config) -> np.ndarray:
     return logits
 
 
-def run_step(batch: list[tuple[KVSequence, np.ndarray]], w: dict, cfg: Config) -> np.ndarray:
-    """One forward step over new tokens of one or more sequences; returns the last hidden states [T, d]."""
+def run_step(batch: list[tuple[KVSequence, np.ndarray]], w: dict, cfg: Config, last_only: bool) -> np.ndarray:
+    """One forward step over new tokens of one or more sequences; returns the final hidden states of
+    every row [T, d], or (last_only) of each sequence's last row [n_seqs, d]."""
     segments, row = [], 0
     for seq, tokens in batch:
         segments.append(Segment(seq, slice(row, row + len(tokens)), tokens))
@@ -226,7 +256,7 @@ def run_step(batch: list[tuple[KVSequence, np.ndarray]], w: dict, cfg: Config) -
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)
     for layer in range(cfg.n_layer):
-        x = transformer_block(x, w, layer, cfg, segments, positions)
+        x = transformer_block(x, w, layer, cfg, segments, positions, last_only and layer == cfg.n_layer - 1)
     for seg in segments:
         seg.seq.commit(seg.tokens)
     return x
@@ -243,17 +273,19 @@ def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = Fa
         )
     outputs = []
     for start in range(0, len(tokens), PREFILL_BATCH):
-        x = run_step([(seq, tokens[start : start + PREFILL_BATCH])], w, cfg)
+        x = run_step([(seq, tokens[start : start + PREFILL_BATCH])], w, cfg, last_only=not all_logits)
         if all_logits:
             outputs.append(output_logits(x, w, cfg))
         elif start + PREFILL_BATCH >= len(tokens):
-            outputs.append(output_logits(x[-1:], w, cfg))  # logits only where they are needed
+            outputs.append(output_logits(x, w, cfg))  # logits only where they are needed
     return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def decode_batch(tokens: list[int], w: dict, cfg: Config, seqs: list[KVSequence]) -> np.ndarray:
     """One new token for each of several sequences in one pass: one [n, d] @ W per weight, not n."""
-    x = run_step([(s, np.array([t], dtype=np.int64)) for s, t in zip(seqs, tokens, strict=True)], w, cfg)
+    x = run_step(
+        [(s, np.array([t], dtype=np.int64)) for s, t in zip(seqs, tokens, strict=True)], w, cfg, True
+    )
     return output_logits(x, w, cfg)  # [n, n_vocab]
 
 

@@ -36,6 +36,17 @@ def test_prefill_then_decode_equals_one_long_prefill(tiny_model_path):
     assert np.abs(stepwise - full).max() <= 1e-4
 
 
+def test_prefill_of_last_logits_equals_all_logits(tiny_model_path):
+    """forward() computes the last layer for the last row only; that row must not change (sliding
+    windows included: the prompt is longer than gemma3's window of 8)."""
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
+    seq = model.new_sequence(len(ids))
+    last = model.forward(ids, seq)
+    assert last.shape == (1, model.config.n_vocab)
+    assert np.abs(last - model.logits(ids)[-1:]).max() <= 1e-4
+
+
 def test_cache_reuse_after_truncate_equals_fresh_prefill(tiny_model_path):
     model = load_model(tiny_model_path)
     ids = model.tokenizer.encode("hello the world and the sun")
