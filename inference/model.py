@@ -72,12 +72,12 @@ def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return out
 
 
-def softmax_(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, in place (the scores are large in a long prefill)."""
+def exp_shifted_(x: np.ndarray) -> np.ndarray:
+    """exp(x - max) over the last axis, in place (the scores are large in a long prefill); returns the
+    row sums. Softmax without its division: the caller divides the S-times-smaller attention output."""
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
-    return x
+    return x.sum(axis=-1, keepdims=True)
 
 
 def _join(pieces: list[np.ndarray], axis: int) -> np.ndarray:
@@ -108,12 +108,14 @@ def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
         scores = np.tanh(scores / F32(softcap)) * F32(softcap)
     if mask is not None:
         scores += mask
-    probs = softmax_(scores).reshape(n_kv, group * T, S)
+    total = exp_shifted_(scores).reshape(n_kv, group * T, 1)
+    weights = scores.reshape(n_kv, group * T, S)
     out, start = None, 0
     for _, v in parts:
-        part = probs[:, :, start : start + v.shape[1]] @ v
+        part = weights[:, :, start : start + v.shape[1]] @ v
         out = part if out is None else out + part
         start += v.shape[1]
+    out /= total  # softmax's normalisation, on [.., hd] rather than [.., S]
     return out.reshape(n_head, T, hd).transpose(1, 0, 2).reshape(T, n_head * hd)
 
 
@@ -143,33 +145,44 @@ class Segment:
         self.seq, self.rows, self.tokens = seq, rows, tokens
         self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
         self.where = seq.reserve(len(tokens))  # arena positions of the new tokens
-        self._views: dict[int, tuple] = {}
+        self._views: dict[tuple[int, int, int], tuple] = {}
 
-    def view(self, window: int) -> tuple[list[tuple[int, int]], np.ndarray | None]:
-        """What these rows attend to: runs of the arena (start, length) and the mask (once per window)."""
-        if window not in self._views:
-            first = max(int(self.positions[0]) - window + 1, 0) if window else 0
-            end = int(self.positions[-1]) + 1
+    def view(self, window: int, lo: int, hi: int) -> tuple[list[tuple[int, int]], np.ndarray | None]:
+        """What rows lo..hi-1 attend to: runs of the arena (start, length), from the first key any of
+        them sees to the last row's own, and their mask (made once per window)."""
+        if (window, lo, hi) not in self._views:
+            positions = self.positions[lo:hi]
+            first = max(int(positions[0]) - window + 1, 0) if window else 0
+            end = int(positions[-1]) + 1
             runs = [(a, n) for a, n, _ in self.seq.runs(first, end)]
-            dist = self.positions[:, None] - np.arange(first, end)[None, :]  # [T, S]
+            dist = positions[:, None] - np.arange(first, end)[None, :]  # [rows, S]
             hidden = dist < 0
             if window:
                 hidden |= dist >= window
             mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
-            self._views[window] = (runs, mask)
-        return self._views[window]
+            self._views[window, lo, hi] = (runs, mask)
+        return self._views[window, lo, hi]
+
+
+ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row
 
 
 def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) -> np.ndarray:
-    """One sequence's attention over its cached blocks, read as slices of the arena. q holds all the
-    segment's rows, or only its last one."""
+    """One sequence's attention over its cached blocks, read as slices of the arena. q holds the
+    segment's last rows (all of them, or only the last one). A long prefill goes in groups of rows:
+    causal attention lets the early rows skip the later keys, a quarter to a third of the work."""
     pool = seg.seq.pool
-    runs, mask = seg.view(window)
-    if mask is not None and q.shape[1] < len(seg.tokens):
-        mask = mask[-q.shape[1] :]
-    parts = [(pool.k[layer, :, a : a + n], pool.v[layer, :, a : a + n]) for a, n in runs]
     scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
-    return attention(q, parts, mask, scale, cfg.attn_logit_softcap)
+    T, rows = len(seg.tokens), q.shape[1]
+    out = []
+    for lo in range(T - rows, T, ATTENTION_ROWS):
+        hi = min(lo + ATTENTION_ROWS, T)
+        runs, mask = seg.view(window, lo, hi)
+        parts = [(pool.k[layer, :, a : a + n], pool.v[layer, :, a : a + n]) for a, n in runs]
+        out.append(
+            attention(q[:, lo - (T - rows) : hi - (T - rows)], parts, mask, scale, cfg.attn_logit_softcap)
+        )
+    return _join(out, axis=0)
 
 
 def self_attention(

@@ -8,6 +8,7 @@ import pytest
 
 from llama_chat.app.cli import main
 from llama_chat.inference import ModelError, load_model
+from llama_chat.inference import model as model_module
 from llama_chat.inference.model import rope
 from tiny_models import write_tiny_model
 
@@ -45,6 +46,18 @@ def test_prefill_of_last_logits_equals_all_logits(tiny_model_path):
     last = model.forward(ids, seq)
     assert last.shape == (1, model.config.n_vocab)
     assert np.abs(last - model.logits(ids)[-1:]).max() <= 1e-4
+
+
+def test_attention_in_groups_of_rows_equals_all_rows_at_once(tiny_model_path, monkeypatch):
+    """A long prefill attends in groups of ATTENTION_ROWS rows, each reading keys only up to its last
+    row; groups of 5 rows (several per prompt, across gemma3's window of 8) must equal one group."""
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
+    monkeypatch.setattr(model_module, "ATTENTION_ROWS", 10_000)
+    whole = model.logits(ids)
+    monkeypatch.setattr(model_module, "ATTENTION_ROWS", 5)
+    grouped = model.logits(ids)
+    assert np.abs(grouped - whole).max() <= 1e-5
 
 
 def test_cache_reuse_after_truncate_equals_fresh_prefill(tiny_model_path):
