@@ -263,5 +263,6 @@ def _save_prepared(prepared: Prepared, target: Path) -> None:
 def _load_prepared(path: Path, target: Path) -> Prepared:
     info = json.loads((target / "info.json").read_text())
     meta = json.loads((target / "metadata.json").read_text())
-    weights = {name: np.load(target / f"{name}.npy", mmap_mode="r") for name in info["weights"]}
+    # plain ndarray views of the mapped files: np.memmap's subclass hooks cost on every slice, per token
+    weights = {name: np.asarray(np.load(target / f"{name}.npy", mmap_mode="r")) for name in info["weights"]}
     return Prepared(path, meta, Config(**info["config"]), info["tensor_types"], weights)
