@@ -24,6 +24,21 @@ from .cli import print_json
 from .progress import ProgressBar
 
 
+def prefill_bar():
+    """on_prefill for a terminal: a bar on stderr while a long prompt is read, erased before the reply."""
+    if not sys.stderr.isatty():
+        return None
+    bar = ProgressBar()
+
+    def report(done: int, total: int) -> None:
+        bar("reading the prompt", done, total)
+        if done >= total:
+            sys.stderr.write("\r\033[K")
+            bar.drawn = False
+
+    return report
+
+
 def cmd_models(args) -> int:
     statuses = [model_status(m) for m in KNOWN_MODELS.values()]
     if args.json:
@@ -111,6 +126,7 @@ def cmd_ask(args) -> int:
                 sampling=params,
                 max_tokens=args.max_tokens,
                 stats=stats,
+                on_prefill=prefill_bar(),
             )
         )
         print_stats(stats)
@@ -131,7 +147,16 @@ def cmd_ask(args) -> int:
         print(f"[{info.describe()}]", file=sys.stderr)
     stats = GenerationStats()
     params = engine.sampling(session, **sampling_settings(args))
-    stream(engine.reply(session, prompt, sampling=params, max_tokens=args.max_tokens, stats=stats))
+    stream(
+        engine.reply(
+            session,
+            prompt,
+            sampling=params,
+            max_tokens=args.max_tokens,
+            stats=stats,
+            on_prefill=prefill_bar(),
+        )
+    )
     print_stats(stats)
     return 0
 
@@ -164,7 +189,13 @@ def cmd_chat(args) -> int:
         params = engine.sampling(session, **sampling_settings(args))
         stream(
             engine.reply(
-                session, line, sampling=params, max_tokens=args.max_tokens, cancel=cancel, stats=stats
+                session,
+                line,
+                sampling=params,
+                max_tokens=args.max_tokens,
+                cancel=cancel,
+                stats=stats,
+                on_prefill=prefill_bar(),
             )
         )
         print_stats(stats)

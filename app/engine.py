@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from llama_chat.inference import (
@@ -149,6 +149,7 @@ class ChatEngine:
         max_tokens: int = 512,
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> Iterator[str]:
         """Store the user's message (if any), stream the reply, store it and snapshot the KV.
 
@@ -171,6 +172,7 @@ class ChatEngine:
                     max_tokens=max_tokens,
                     cancel=cancel,
                     stats=stats,
+                    on_prefill=on_prefill,
                 ):
                     pieces.append(piece)
                     yield piece
@@ -260,7 +262,14 @@ class ChatEngine:
             prompt = chat_prompt_ids(self.model, self.messages(branches[0]))
             sampling = kwargs.get("sampling") or self.sampling(session)
             alternatives = generate_alternatives(
-                self.model, prompt, n, seq=base, sampling=sampling, max_tokens=kwargs.get("max_tokens", 512)
+                self.model,
+                prompt,
+                n,
+                seq=base,
+                sampling=sampling,
+                max_tokens=kwargs.get("max_tokens", 512),
+                cancel=kwargs.get("cancel"),
+                on_prefill=kwargs.get("on_prefill"),
             )
             out = []
             for branch, alt in zip(branches, alternatives, strict=True):

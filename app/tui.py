@@ -157,6 +157,8 @@ class ChatScreen(Screen):
         self.session: Session | None = None  # None: a new chat, stored when its first message is sent
         self.reply: Reply | None = None
         self.busy: str | None = None  # other engine work running (regenerate ×3, model load)
+        self.three_cancel: threading.Event | None = None  # set by Esc to stop regenerate ×3
+        self.report_prefill = self.progress_reporter()
         self._search_timer = None
 
     @property
@@ -238,6 +240,12 @@ class ChatScreen(Screen):
                 self.post_message(Progress(label, done, total))
 
         return report
+
+    def prefill_progress(self, done: int, total: int) -> None:
+        """From an engine worker: how far a long prompt's prefill is, as a bar in the status line."""
+        self.report_prefill("reading the conversation", done, total)
+        if done >= total:  # back to the work that follows it
+            self.post_message(Progress(f"{self.busy} (Esc stops)" if self.busy else REPLYING))
 
     def on_model_ready(self, event: ModelReady) -> None:
         self.status.done()
@@ -389,7 +397,14 @@ class ChatScreen(Screen):
                 self.start_reply(
                     lambda engine, stats, cancel: (
                         session,
-                        engine.reply(session, None, max_tokens=max_tokens, cancel=cancel, stats=stats),
+                        engine.reply(
+                            session,
+                            None,
+                            max_tokens=max_tokens,
+                            cancel=cancel,
+                            stats=stats,
+                            on_prefill=self.prefill_progress,
+                        ),
                         None,
                         None,
                     ),
@@ -408,7 +423,14 @@ class ChatScreen(Screen):
             target = session or engine.new_session(
                 title_for(text), config.system_prompt, dict(config.sampling)
             )
-            pieces = engine.reply(target, text, max_tokens=max_tokens, cancel=cancel, stats=stats)
+            pieces = engine.reply(
+                target,
+                text,
+                max_tokens=max_tokens,
+                cancel=cancel,
+                stats=stats,
+                on_prefill=self.prefill_progress,
+            )
             return target, pieces, None, None
 
         self.start_reply(prepare, view)
@@ -472,6 +494,8 @@ class ChatScreen(Screen):
     async def on_chunk(self, event: Chunk) -> None:
         if event.view.note and event.view.note != "stopped":
             event.view.set_note("")
+            self.status.done()  # the prefill's bar, if the prompt was long
+            self.status.set(work=REPLYING)
         await event.view.append(event.text)
 
     async def on_reply_done(self, event: ReplyDone) -> None:
@@ -479,7 +503,7 @@ class ChatScreen(Screen):
         if view is not None:
             await view.finish()
         self.reply = None
-        self.status.set(work=None)
+        self.status.done()
         if event.error:
             self.notify(event.error, title="No reply", severity="error", timeout=10)
             session = event.session or self.session
@@ -508,6 +532,9 @@ class ChatScreen(Screen):
             self.reply.cancel.set()
             if self.reply.view is not None:
                 self.reply.view.set_note("stopped")
+            return
+        if self.three_cancel is not None:  # the alternatives written so far are kept, in their branches
+            self.three_cancel.set()
             return
         search = self.query_one("#search", Input)
         if search.has_focus and search.value:
@@ -565,7 +592,14 @@ class ChatScreen(Screen):
 
         def prepare(engine: ChatEngine, stats, cancel):
             branch = engine.fork(session, target.parent_id, f"{session.title} (regenerated)")
-            pieces = engine.reply(branch, None, max_tokens=max_tokens, cancel=cancel, stats=stats)
+            pieces = engine.reply(
+                branch,
+                None,
+                max_tokens=max_tokens,
+                cancel=cancel,
+                stats=stats,
+                on_prefill=self.prefill_progress,
+            )
             return branch, pieces, engine.store.path(branch.head_id), None
 
         self.start_reply(prepare)
@@ -582,14 +616,21 @@ class ChatScreen(Screen):
             self.notify("The model is not loaded yet.", severity="warning")
             return
         self.busy = "writing three alternatives"
-        self.status.progress("writing three alternatives")
-        self.three_worker(self.session)
+        self.status.progress("writing three alternatives (Esc stops)")
+        self.three_cancel = threading.Event()
+        self.three_worker(self.session, self.three_cancel)
 
     @work(thread=True, exit_on_error=False, group="engine")
-    def three_worker(self, session: Session) -> None:
+    def three_worker(self, session: Session, cancel: threading.Event) -> None:
         results = None
         try:
-            results = self.engine.regenerate(session, n=3, max_tokens=self.max_tokens(session))
+            results = self.engine.regenerate(
+                session,
+                n=3,
+                max_tokens=self.max_tokens(session),
+                cancel=cancel,
+                on_prefill=self.prefill_progress,
+            )
         except USER_ERRORS as e:
             self.notify(str(e), severity="error")
         finally:
@@ -597,6 +638,7 @@ class ChatScreen(Screen):
 
     def three_done(self, results: list[tuple[Session, str]] | None) -> None:
         self.busy = None
+        self.three_cancel = None
         self.status.done()
         self.refresh_sidebar()
         if results:
@@ -627,7 +669,13 @@ class ChatScreen(Screen):
 
             def prepare(engine: ChatEngine, stats, cancel):
                 branch, pieces = engine.edit(
-                    session, message.id, new_text, max_tokens=max_tokens, cancel=cancel, stats=stats
+                    session,
+                    message.id,
+                    new_text,
+                    max_tokens=max_tokens,
+                    cancel=cancel,
+                    stats=stats,
+                    on_prefill=self.prefill_progress,
                 )
                 return branch, pieces, engine.store.path(message.parent_id), new_text
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .chat_template import completion_prompt
 from .kv_cache import KVSequence
 from .llm import Model
+from .model import PREFILL_BATCH
 from .sampling import Sampler, SamplingParams
 
 
@@ -158,13 +159,18 @@ class _Reply:
         return self.stats.token_ids[-1]
 
 
-def _prefill(model: Model, prompt_ids: list[int], seq: KVSequence, stats: GenerationStats):
-    """Prefill what the sequence does not hold yet; the last prompt token always runs, for its logits."""
+Progress = Callable[[int, int], None]
+
+
+def _prefill(model: Model, prompt_ids: list[int], seq: KVSequence, stats: GenerationStats, on_prefill=None):
+    """Prefill what the sequence does not hold yet; the last prompt token always runs, for its logits.
+    on_prefill(done, total) hears of a prompt long enough to take several forward batches."""
     seq.reuse_prefix(prompt_ids[:-1])
     stats.prompt_tokens = len(prompt_ids)
     stats.prefilled_tokens = len(prompt_ids) - seq.n_tokens
+    long = stats.prefilled_tokens > PREFILL_BATCH
     t0 = time.perf_counter()
-    logits = model.forward(prompt_ids[seq.n_tokens :], seq)[-1]
+    logits = model.forward(prompt_ids[seq.n_tokens :], seq, progress=on_prefill if long else None)[-1]
     stats.prefill_s = time.perf_counter() - t0
     return logits
 
@@ -179,12 +185,14 @@ def generate(
     stop: Sequence[str] = (),
     cancel: threading.Event | None = None,
     stats: GenerationStats | None = None,
+    on_prefill: Progress | None = None,
 ) -> Iterator[str]:
     """Yield the reply as text pieces (never half a UTF-8 character).
 
     `seq` may hold an earlier turn: the longest common prefix is kept, full blocks other sequences
     already computed are shared, and only the rest is prefilled. Without `seq` a temporary one is used.
-    Setting `cancel` stops the loop before the next token. `stats` is filled in as it goes.
+    Setting `cancel` stops the loop before the next token. `stats` is filled in as it goes;
+    on_prefill(done, total) hears how a long prompt's prefill advances.
     """
     stats = stats if stats is not None else GenerationStats()
     prompt_ids = list(prompt_ids)
@@ -200,7 +208,7 @@ def generate(
             min(max_tokens, seq.n_ctx - len(prompt_ids)),
             stats,
         )
-        logits = _prefill(model, prompt_ids, seq, stats)
+        logits = _prefill(model, prompt_ids, seq, stats, on_prefill)
         t0 = time.perf_counter()
         while True:
             if cancel is not None and cancel.is_set():
@@ -239,6 +247,7 @@ def generate_alternatives(
     max_tokens: int = 512,
     stop: Sequence[str] = (),
     cancel: threading.Event | None = None,
+    on_prefill: Progress | None = None,
 ) -> list[Alternative]:
     """n replies to one prompt, decoded together: the prompt is prefilled once, then each step runs
     one token of every unfinished reply in a single forward pass ("regenerate ×n").
@@ -248,7 +257,7 @@ def generate_alternatives(
     prompt_ids = list(prompt_ids)
     base = seq if seq is not None else model.new_sequence(len(prompt_ids) + max_tokens + 1)
     first = GenerationStats()
-    logits = _prefill(model, prompt_ids, base, first)
+    logits = _prefill(model, prompt_ids, base, first, on_prefill)
     seqs = [base.fork() for _ in range(n)]  # each shares the prompt's blocks: no KV is copied
     if seq is None:
         base.free()

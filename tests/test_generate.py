@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import threading
 
 import pytest
@@ -78,6 +79,27 @@ def test_a_cache_holding_an_earlier_turn_prefills_only_the_rest(qwen2):
     assert stats2.prefilled_tokens < stats2.prompt_tokens - stats1.prompt_tokens + 5
     fresh, _ = reply(qwen2, ids, sampling=GREEDY, max_tokens=10)
     assert second == fresh
+
+
+def test_a_long_prompt_reports_its_prefill_batch_by_batch(qwen2, monkeypatch):
+    generate_module = sys.modules[
+        "llama_chat.inference.generate"
+    ]  # the package re-exports a function of that name
+    model_module = sys.modules["llama_chat.inference.model"]
+    monkeypatch.setattr(model_module, "PREFILL_BATCH", 8)
+    monkeypatch.setattr(generate_module, "PREFILL_BATCH", 8)
+    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello the world and the sun " * 4}])
+    seen = []
+    text, stats = reply(
+        qwen2, ids, sampling=GREEDY, max_tokens=4, on_prefill=lambda d, t: seen.append((d, t))
+    )
+    assert len(ids) > 24 and stats.prefilled_tokens == len(ids)
+    assert [t for _, t in seen] == [len(ids)] * -(-len(ids) // 8)  # one report per batch
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == len(ids)
+    assert text == reply(qwen2, ids, sampling=GREEDY, max_tokens=4)[0]  # batching changes nothing
+    seen.clear()
+    reply(qwen2, ids[:6], sampling=GREEDY, max_tokens=2, on_prefill=lambda d, t: seen.append((d, t)))
+    assert seen == []  # a prompt of one batch has nothing to report
 
 
 def test_ask_streams_the_reply_to_stdout_and_stats_to_stderr(tiny_model_paths, capsys, monkeypatch):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import sys
 import time
 
 import pytest
 from textual import events
-from textual.widgets import Input, TextArea
+from textual.widgets import Input, ProgressBar, TextArea
 
 from llama_chat.app.cli import main
 from llama_chat.app.config import Config, State
@@ -60,11 +61,18 @@ def slow_decode(monkeypatch):
     def slow(delay: float):
         forward = Model.forward
 
-        def slowed(self, tokens, seq, all_logits=False):
+        def slowed(self, tokens, seq, all_logits=False, progress=None):
             time.sleep(delay)
-            return forward(self, tokens, seq, all_logits)
+            return forward(self, tokens, seq, all_logits, progress)
+
+        decode_batch = Model.decode_batch
+
+        def slowed_batch(self, tokens, seqs):
+            time.sleep(delay)
+            return decode_batch(self, tokens, seqs)
 
         monkeypatch.setattr(Model, "forward", slowed)
+        monkeypatch.setattr(Model, "decode_batch", slowed_batch)
 
     return slow
 
@@ -468,6 +476,52 @@ async def test_regenerate_three_offers_three_branches(qwen2, tmp_path):
         assert len(branches) == 3
         assert all(app.store.message(s.head_id).parent_id == user_id for s in branches)
         assert sum(1 for depth, _ in tree_labels(app) if depth == 1) == 3
+
+
+@aio
+async def test_esc_stops_regenerate_three_and_keeps_what_was_written(qwen2, tmp_path, slow_decode):
+    app = chat_app(tmp_path, qwen2, sampling={"temperature": 1.0, "seed": 3}, max_tokens=200)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        slow_decode(0.05)  # 200 tokens would take 10 s
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: app.chat.busy is not None, what="the alternatives to start")
+        await pilot.pause(0.3)
+        started = time.monotonic()
+        await pilot.press("escape")
+        await until(pilot, lambda: isinstance(app.screen, AlternativesScreen), what="the alternatives")
+        assert time.monotonic() - started < 3
+        assert len(app.screen.alternatives) == 3 and app.chat.busy is None
+        stored = [
+            app.store.message(app.store.get_session(s).head_id).stats for s, _ in app.screen.alternatives
+        ]
+        assert all(s["stop_reason"] == "cancelled" and s["generated_tokens"] < 200 for s in stored)
+
+
+@aio
+async def test_a_long_prompt_shows_its_prefill_as_a_bar(qwen2, tmp_path, monkeypatch):
+    generate_module = sys.modules[
+        "llama_chat.inference.generate"
+    ]  # the package re-exports a function of that name
+    model_module = sys.modules["llama_chat.inference.model"]
+    monkeypatch.setattr(model_module, "PREFILL_BATCH", 4)
+    monkeypatch.setattr(generate_module, "PREFILL_BATCH", 4)
+    app = chat_app(tmp_path, qwen2, max_tokens=4)
+    shown = []
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        progress = app.chat.status.progress
+
+        def spy(label, done=None, total=None):
+            shown.append((label, done, total))
+            progress(label, done, total)
+
+        app.chat.status.progress = spy
+        await say(pilot, "hello the world, then the water and the sun")
+        bars = [(d, t) for label, d, t in shown if label == "reading the conversation"]
+        assert bars and bars[-1][0] == bars[-1][1] > 4  # reached the end of a prompt of several batches
+        assert not app.chat.status.query_one(ProgressBar).display  # gone once the reply is written
 
 
 # -- copy, settings, model, search -----------------------------------------------------------------
