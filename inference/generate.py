@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from .chat_template import completion_prompt
 from .kv_cache import KVSequence
 from .llm import Model
-from .model import PREFILL_BATCH
 from .sampling import Sampler, SamplingParams
 
 
@@ -168,9 +167,8 @@ def _prefill(model: Model, prompt_ids: list[int], seq: KVSequence, stats: Genera
     seq.reuse_prefix(prompt_ids[:-1])
     stats.prompt_tokens = len(prompt_ids)
     stats.prefilled_tokens = len(prompt_ids) - seq.n_tokens
-    long = stats.prefilled_tokens > PREFILL_BATCH
     t0 = time.perf_counter()
-    logits = model.forward(prompt_ids[seq.n_tokens :], seq, progress=on_prefill if long else None)[-1]
+    logits = model.forward(prompt_ids[seq.n_tokens :], seq, progress=on_prefill)[-1]
     stats.prefill_s = time.perf_counter() - t0
     return logits
 

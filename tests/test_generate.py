@@ -82,12 +82,7 @@ def test_a_cache_holding_an_earlier_turn_prefills_only_the_rest(qwen2):
 
 
 def test_a_long_prompt_reports_its_prefill_batch_by_batch(qwen2, monkeypatch):
-    generate_module = sys.modules[
-        "llama_chat.inference.generate"
-    ]  # the package re-exports a function of that name
-    model_module = sys.modules["llama_chat.inference.model"]
-    monkeypatch.setattr(model_module, "PREFILL_BATCH", 8)
-    monkeypatch.setattr(generate_module, "PREFILL_BATCH", 8)
+    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
     ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello the world and the sun " * 4}])
     seen = []
     text, stats = reply(

@@ -501,12 +501,7 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(qwen2, tmp_
 
 @aio
 async def test_a_long_prompt_shows_its_prefill_as_a_bar(qwen2, tmp_path, monkeypatch):
-    generate_module = sys.modules[
-        "llama_chat.inference.generate"
-    ]  # the package re-exports a function of that name
-    model_module = sys.modules["llama_chat.inference.model"]
-    monkeypatch.setattr(model_module, "PREFILL_BATCH", 4)
-    monkeypatch.setattr(generate_module, "PREFILL_BATCH", 4)
+    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 4)
     app = chat_app(tmp_path, qwen2, max_tokens=4)
     shown = []
     async with app.run_test(size=SIZE) as pilot:
