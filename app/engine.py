@@ -204,16 +204,18 @@ class ChatEngine:
                 "stop_reason": stats.stop_reason,
             },
         )
-        self.snapshot(self.store.get_session(session.id), seq)
+        # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
+        self.snapshot(self.store.get_session(session.id), seq, complete=stats.stop_reason != "cancelled")
 
-    def snapshot(self, session: Session, seq: KVSequence) -> None:
-        """Bring the KV up to the end of the stored conversation, then store what is new, in one transaction."""
+    def snapshot(self, session: Session, seq: KVSequence, complete: bool = True) -> None:
+        """Bring the KV up to the end of the stored conversation (unless not `complete`: then what it holds
+        of it), then store what is new, in one transaction."""
         with self.lock:
             ids = self.conversation_ids(session)
             if seq.private:
                 shift_to(self.model, seq, ids)
             held = seq.reuse_prefix(ids)
-            if held < len(ids) <= seq.n_ctx:
+            if complete and held < len(ids) <= seq.n_ctx:
                 self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
             full, tail = seq.snapshot()
             keys = [b.key for b in full]

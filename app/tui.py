@@ -46,9 +46,10 @@ def title_for(text: str) -> str:
 
 
 def speed_text(prefill_tok_s: float, decode_tok_s: float) -> str | None:
-    if not (prefill_tok_s or decode_tok_s):
-        return None
-    return f"prefill {prefill_tok_s:,.0f} · decode {decode_tok_s:,.1f} tok/s"
+    """The last reply's speeds; a part that did not run (a reply stopped while it read) is left out."""
+    parts = [f"prefill {prefill_tok_s:,.0f}"] if prefill_tok_s else []
+    parts += [f"decode {decode_tok_s:,.1f}"] if decode_tok_s else []
+    return " · ".join(parts) + " tok/s" if parts else None
 
 
 NEW_CHAT_HINT = "A new chat: it is saved as you go. Ctrl+O forks it, F1 lists every key, Ctrl+P every action."

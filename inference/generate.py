@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from . import model as forward_pass
 from .chat_template import completion_prompt
 from .kv_cache import KVSequence
 from .llm import Model
@@ -161,16 +164,32 @@ class _Reply:
 Progress = Callable[[int, int], None]
 
 
-def _prefill(model: Model, prompt_ids: list[int], seq: KVSequence, stats: GenerationStats, on_prefill=None):
+def _prefill(
+    model: Model,
+    prompt_ids: list[int],
+    seq: KVSequence,
+    stats: GenerationStats,
+    on_prefill: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> np.ndarray | None:
     """Prefill what the sequence does not hold yet; the last prompt token always runs, for its logits.
-    on_prefill(done, total) hears of a prompt long enough to take several forward batches."""
+    A long prompt goes one forward batch at a time: on_prefill(done, total) hears of each, and a cancel
+    stops it between two (None then; the sequence keeps the batches done, for the next turn)."""
     seq.reuse_prefix(prompt_ids[:-1])
     stats.prompt_tokens = len(prompt_ids)
-    stats.prefilled_tokens = len(prompt_ids) - seq.n_tokens
+    todo = prompt_ids[seq.n_tokens :]
+    logits = None
     t0 = time.perf_counter()
-    logits = model.forward(prompt_ids[seq.n_tokens :], seq, progress=on_prefill)[-1]
+    batch = forward_pass.PREFILL_BATCH
+    for start in range(0, len(todo), batch):
+        if start and cancel is not None and cancel.is_set():
+            break
+        logits = model.forward(todo[start : start + batch], seq)[-1]
+        stats.prefilled_tokens = min(start + batch, len(todo))
+        if on_prefill is not None and len(todo) > batch:
+            on_prefill(stats.prefilled_tokens, len(todo))
     stats.prefill_s = time.perf_counter() - t0
-    return logits
+    return logits if stats.prefilled_tokens == len(todo) else None
 
 
 def generate(
@@ -206,7 +225,7 @@ def generate(
             min(max_tokens, seq.n_ctx - len(prompt_ids)),
             stats,
         )
-        logits = _prefill(model, prompt_ids, seq, stats, on_prefill)
+        logits = _prefill(model, prompt_ids, seq, stats, on_prefill, cancel)
         t0 = time.perf_counter()
         while True:
             if cancel is not None and cancel.is_set():
@@ -255,7 +274,7 @@ def generate_alternatives(
     prompt_ids = list(prompt_ids)
     base = seq if seq is not None else model.new_sequence(len(prompt_ids) + max_tokens + 1)
     first = GenerationStats()
-    logits = _prefill(model, prompt_ids, base, first, on_prefill)
+    logits = _prefill(model, prompt_ids, base, first, on_prefill, cancel)
     seqs = [base.fork() for _ in range(n)]  # each shares the prompt's blocks: no KV is copied
     if seq is None:
         base.free()

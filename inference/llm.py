@@ -43,10 +43,9 @@ class Model:
         """An empty sequence in the model's block pool; `free()` it when done."""
         return self.pool.new_sequence(min(n_ctx, self.config.n_ctx_train))
 
-    def forward(self, tokens, seq: KVSequence, all_logits: bool = False, progress=None) -> np.ndarray:
-        """Append tokens to a sequence; logits of the last new token ([1, n_vocab]) or of all of them.
-        progress(done, total), if given, hears after each batch of a long prompt."""
-        return forward(tokens, self.weights, self.config, seq, all_logits, progress)
+    def forward(self, tokens, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
+        """Append tokens to a sequence; logits of the last new token ([1, n_vocab]) or of all of them."""
+        return forward(tokens, self.weights, self.config, seq, all_logits)
 
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
         """One token for each sequence, in one pass; logits [len(seqs), n_vocab]."""

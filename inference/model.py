@@ -280,12 +280,8 @@ def run_step(batch: list[tuple[KVSequence, np.ndarray]], w: dict, cfg: Config, l
     return x
 
 
-def forward(
-    tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = False, progress=None
-) -> np.ndarray:
-    """Run new tokens after what the sequence holds; return logits [n, n_vocab] (all rows, or the last).
-    A long prompt runs PREFILL_BATCH tokens at a time; progress(done, total) hears of each (when there
-    are several)."""
+def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
+    """Run new tokens after what the sequence holds; return logits [n, n_vocab] (all rows, or the last)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) == 0:
         raise ValueError("forward needs at least one token")
@@ -300,8 +296,6 @@ def forward(
             outputs.append(output_logits(x, w, cfg))
         elif start + PREFILL_BATCH >= len(tokens):
             outputs.append(output_logits(x, w, cfg))  # logits only where they are needed
-        if progress is not None and len(tokens) > PREFILL_BATCH:
-            progress(min(start + PREFILL_BATCH, len(tokens)), len(tokens))
     return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
 
 

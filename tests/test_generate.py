@@ -59,6 +59,28 @@ def test_cancel_from_another_thread_stops_within_one_token(qwen2):
     assert len(rest) <= 2  # at most the token in flight and what the decoder still held
 
 
+def test_cancel_during_a_long_prefill_stops_between_batches(qwen2, monkeypatch):
+    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
+    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello the world and the sun " * 4}])
+    cancel = threading.Event()
+    seq = qwen2.new_sequence(256)
+    text, stats = reply(
+        qwen2,
+        ids,
+        seq=seq,
+        sampling=GREEDY,
+        max_tokens=10,
+        cancel=cancel,
+        on_prefill=lambda d, t: cancel.set(),
+    )
+    assert text == "" and stats.stop_reason == "cancelled" and stats.generated_tokens == 0
+    assert stats.prefilled_tokens == seq.n_tokens == 8  # one batch ran; it stays, for the next turn
+    cancel.clear()
+    resumed, stats = reply(qwen2, ids, seq=seq, sampling=GREEDY, max_tokens=10)
+    assert stats.prefilled_tokens == len(ids) - 8
+    assert resumed == reply(qwen2, ids, sampling=GREEDY, max_tokens=10)[0]
+
+
 def test_a_seed_repeats_a_sampled_reply(qwen2):
     ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "the world"}])
     sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)

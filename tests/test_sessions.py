@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -104,6 +105,41 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     other = engine_for(tiny_model_paths["qwen3"], db)  # same vocabulary, other model: other fingerprint
     _, info = other.open(session)
     assert info.restored == 0
+
+
+def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path, monkeypatch):
+    """Esc during a long prompt: the snapshot keeps the batches already read and computes nothing more;
+    the next reply picks up from there and matches a conversation that was never stopped."""
+    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("stopped")
+    cancel = threading.Event()
+    stopped = "".join(
+        engine.reply(
+            session,
+            "hello the world and the sun " * 4,
+            sampling=GREEDY,
+            cancel=cancel,
+            on_prefill=lambda d, t: cancel.set(),
+        )
+    )
+    assert stopped == ""
+    stored = engine.store.path(engine.store.get_session(session.id).head_id)
+    assert [m.role for m in stored] == ["user", "assistant"] and stored[-1].stats[
+        "stop_reason"
+    ] == "cancelled"
+    seq, _ = engine.open(engine.store.get_session(session.id))
+    assert seq.n_tokens == 8  # the one batch read before the stop, not the whole prompt
+    _, info = engine_for(qwen2, tmp_path / "chat.db").open(engine.store.get_session(session.id))
+    assert info.restored == 8  # and that is what was stored
+    after, stats = chat(engine, engine.store.get_session(session.id), "and then")
+    assert stats.prefilled_tokens < stats.prompt_tokens
+
+    other = engine_for(qwen2, tmp_path / "other.db")  # the same conversation, never stopped
+    twin = other.new_session("twin")
+    other.store.add_message(twin.id, "user", "hello the world and the sun " * 4)
+    other.store.add_message(twin.id, "assistant", "")
+    assert chat(other, other.store.get_session(twin.id), "and then")[0] == after
 
 
 def test_fork_is_quick_and_adds_at_most_one_block(qwen2, tmp_path):

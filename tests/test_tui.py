@@ -61,9 +61,9 @@ def slow_decode(monkeypatch):
     def slow(delay: float):
         forward = Model.forward
 
-        def slowed(self, tokens, seq, all_logits=False, progress=None):
+        def slowed(self, tokens, seq, all_logits=False):
             time.sleep(delay)
-            return forward(self, tokens, seq, all_logits, progress)
+            return forward(self, tokens, seq, all_logits)
 
         decode_batch = Model.decode_batch
 
