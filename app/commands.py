@@ -33,8 +33,7 @@ def prefill_bar():
     def report(done: int, total: int) -> None:
         bar("reading the prompt", done, total)
         if done >= total:
-            sys.stderr.write("\r\033[K")
-            bar.drawn = False
+            bar.clear()
 
     return report
 

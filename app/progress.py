@@ -32,6 +32,13 @@ class ProgressBar:
             self.stream.write(f"\r{label} [{bar}] {100 * done // total:3d}%")
         self.stream.flush()
 
+    def clear(self) -> None:
+        """Erase the bar's line, so that what follows starts on a clean one."""
+        if self.drawn:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+        self.drawn = False
+
     def __enter__(self):
         return self
 

@@ -288,7 +288,7 @@ def generate_alternatives(
                 model, prompt_ids, SamplingParams(**{**sampling.__dict__, "seed": seed}), stop, limit, stats
             )
         )
-    rows = [logits] * n
+    rows = [logits] * n  # None when the prefill was cancelled: the loop below stops before reading them
     active = list(range(n))
     t0 = time.perf_counter()
     while active:
