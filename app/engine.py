@@ -26,7 +26,7 @@ from llama_chat.inference import (
     shift_to,
 )
 from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv
-from llama_chat.storage.store import ChatStore, Session, StoredBlock, StoredTail
+from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
 
 DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
 DEFAULT_CTX = 4096
@@ -40,6 +40,13 @@ class ResumeInfo:
 
     def describe(self) -> str:
         return f"{self.restored:,} of {self.tokens:,} tokens restored in {self.seconds * 1000:.0f} ms"
+
+
+def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
+    """A new session on `session`'s tree that ends just before `message` (empty, before the first)."""
+    branch = store.fork_session(session.id, message.id, title)
+    store.set_head(branch.id, message.parent_id)
+    return store.get_session(branch.id)
 
 
 class ChatEngine:
@@ -290,9 +297,8 @@ class ChatEngine:
         message = self.store.message(message_id)
         if message.role != "user":
             raise ValueError("only a user message can be edited")
-        branch = self.store.fork_session(session.id, message_id, f"{session.title} (edited)")
-        self.store.set_head(branch.id, message.parent_id)  # the new text goes beside the old one
-        return branch, self.reply(self.store.get_session(branch.id), new_text, **kwargs)
+        branch = fork_before(self.store, session, message, f"{session.title} (edited)")
+        return branch, self.reply(branch, new_text, **kwargs)  # the new text goes beside the old one
 
     def close(self, session_id: str) -> None:
         seq = self.live.pop(session_id, None)

@@ -28,7 +28,7 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from .config import DEFAULT_THEME, Config, ConfigError, State, load_themes
-from .engine import ChatEngine, ResumeInfo
+from .engine import ChatEngine, ResumeInfo, fork_before
 from .screens import AlternativesScreen, ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .widgets import ChatInput, MessageView, SearchHit, SessionTree, StatusLine
 
@@ -545,31 +545,47 @@ class ChatScreen(Screen):
     # -- branching -------------------------------------------------------------------------------
 
     def action_fork(self) -> None:
-        """Fork at the head into a new session and open it; on a selected earlier message, fork there."""
+        """Fork at the head into a new session and open it; at a selected reply, fork after it; at a
+        selected message of yours, fork before it with its text in the input, ready to change and send
+        (a fork that kept it would end on a question without its answer)."""
         if not self.can_start("fork"):
             return
         if self.session is None or self.session.head_id is None:
             self.notify("Nothing to fork yet: send a message first.", severity="warning")
             return
         view = self.selected()
-        at = view.message.id if view and view.message and view.message.id != self.session.head_id else None
-        self.fork_worker(self.session, at)
+        self.fork_worker(self.session, view.message if view else None)
 
     @work(thread=True, exit_on_error=False, group="engine")
-    def fork_worker(self, session: Session, at: int | None) -> None:
+    def fork_worker(self, session: Session, at: Message | None) -> None:
         try:
-            if self.engine is not None:
-                child = self.engine.fork(session, at)
+            if at is not None and at.role == "user":
+                child, draft = fork_before(self.store, session, at), at.content
+                done = "Forked “{}” before your message: change it, then Enter sends it"
             else:
-                child = self.store.fork_session(session.id, at)
+                at_id = at.id if at is not None and at.id != session.head_id else None
+                if self.engine is not None:
+                    child = self.engine.fork(session, at_id)
+                else:
+                    child = self.store.fork_session(session.id, at_id)
+                draft, done = None, "Forked “{}” after this reply" if at_id else "Forked into “{}”"
             path = self.store.path(child.head_id)
         except USER_ERRORS as e:
             self.notify(str(e), severity="error")
             return
-        self.app.call_from_thread(self.show_session, child, path)
-        self.notify(f"Forked into “{child.title}”", timeout=3)
+        self.app.call_from_thread(self.forked, child, path, draft)
+        self.notify(done.format(child.title), timeout=5)
         if self.engine_ready.is_set():
             self.open_in_engine(child)
+
+    async def forked(self, child: Session, path: list[Message], draft: str | None) -> None:
+        """Show the new branch; what the user types next goes to the input (with the draft, if any)."""
+        await self.show_session(child, path)
+        chat_input = self.query_one(ChatInput)
+        if draft is not None:
+            chat_input.load_text(draft)
+            chat_input.move_cursor(chat_input.document.end)
+        chat_input.focus()
 
     def reply_target(self) -> Message | None:
         """The reply to regenerate: the selected one, else the last one."""

@@ -408,6 +408,34 @@ async def test_the_fork_key_on_a_selected_earlier_message_forks_there(qwen2, tmp
         await idle(pilot)
         assert app.chat.session.head_id == first_reply.message.id
         assert roles_and_text(app) == stored_path(app, parent.id)[:2]
+        assert any("after this reply" in n.message for n in app._notifications)
+        await pilot.press(*"typed next")  # goes to the input, not to the message selected before
+        assert app.chat.query_one(ChatInput).text == "typed next"
+
+
+@aio
+async def test_the_fork_key_on_a_message_of_yours_forks_before_it_with_its_text_to_send(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await say(pilot, "and then")
+        parent = app.chat.session
+        await pilot.press("up", "up")  # input → last reply → "and then"
+        assert app.focused is app.chat.views()[2]
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: app.chat.session.id != parent.id, what="the fork")
+        await idle(pilot)
+        assert stored_path(app) == stored_path(app, parent.id)[:2]  # the branch ends on a reply
+        assert roles_and_text(app) == stored_path(app)
+        assert app.chat.query_one(ChatInput).text == "and then"  # ready to change and send
+        assert any("before your message" in n.message for n in app._notifications)
+        await pilot.press(*" now", "enter")
+        await until(pilot, lambda: len(app.chat.views()) == 4, what="the send")
+        await idle(pilot)
+        assert [r for r, _ in stored_path(app)] == ["user", "assistant", "user", "assistant"]
+        assert stored_path(app)[2] == ("user", "and then now")
+        assert len(stored_path(app, parent.id)) == 4  # the original keeps its own turn
 
 
 @aio
