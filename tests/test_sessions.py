@@ -208,15 +208,16 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
         s = sessions[i % 2]
         text = f"question number {i} " + "hello the world " * rng.randint(1, 12)
         proc = run_cli([*base, "ask", "--session", s.id, "--temp", "0", "--max-tokens", "40", text], env)
-        time.sleep(rng.uniform(0.05, 1.2))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+        if i % 4:  # a kill at a random moment; every fourth run finishes, however busy the machine is
+            time.sleep(rng.uniform(0.05, 1.2))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
         proc.wait()
         if proc.returncode == 0:
             completed.append(text)
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    assert 0 < len(completed) < 20  # some runs were killed, some finished
+    assert 5 <= len(completed) < 20  # some runs were killed, some finished
     for text in completed:
         found = conn.execute(
             "SELECT id FROM messages WHERE role = 'user' AND content = ?", (text,)

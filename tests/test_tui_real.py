@@ -1,4 +1,4 @@
-"""The real `llama-chat` in tmux on the default model: chat, fork, quit, start again; and key latency."""
+"""The real `llama-chat` in tmux on the default model: chat, fork, quit, start again; typing while it writes."""
 
 from __future__ import annotations
 
@@ -105,9 +105,8 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
         tmux.keys("Enter")
         # streamed: the reply grows on screen while the status says it is being written
         first = reply_text(tmux.wait_for(lambda s: reply_text(s), 60, "the first words of the reply"))
-        time.sleep(1.0)
-        second = tmux.screen()
-        assert "writing a reply" in status_line(second) and len(reply_text(second)) > len(first)
+        second = tmux.wait_for(lambda s: len(reply_text(s)) > len(first), 60, "more of the reply")
+        assert "writing a reply" in status_line(second)
         screen = tmux.wait_for(
             lambda s: "writing a reply" not in s and "decode" in s, 120, "the reply to end"
         )
@@ -119,29 +118,26 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
         tmux.keys("C-q")
         tmux.wait_for(lambda s: "LLAMA-CHAT-EXITED 0" in s, 30, "llama-chat to quit")
 
-        # a warm second start: interactive at once, on the fork, resumed from the stored KV
-        start = time.monotonic()
+        # a second start: on the fork, resumed from the stored KV (how fast: `llama-chat bench`)
         tmux.start(command, "second")
         tmux.wait_for(lambda s: PLACEHOLDER in s and "● (fork)" in s, 30, "the chat screen")
-        startup = time.monotonic() - start
         screen = tmux.wait_for(lambda s: "restored in" in status_line(s), 60, "the resumed session")
         assert "Write a haiku about caches." in screen and "assistant" in screen
         restored = status_line(screen).split(" · ")[-1]
         assert re.fullmatch(r"[1-9][\d,]* tokens restored in \d+ ms", restored), restored  # none recomputed
-        print(f"warm start to an interactive screen: {startup:.2f} s; {restored}")
-        assert startup <= 1.5, f"warm start took {startup:.2f} s"
         tmux.keys("C-q")
         tmux.wait_for(lambda s: "LLAMA-CHAT-EXITED 0" in s, 30, "llama-chat to quit")
     finally:
         tmux.kill()
 
 
-def test_keys_answer_within_100_ms_while_the_default_model_streams(qwen_model_path, tmp_path, monkeypatch):
+def test_keys_typed_while_the_default_model_streams_reach_the_input(qwen_model_path, tmp_path, monkeypatch):
+    """Every key reaches the input while the real model writes (how fast: `llama-chat bench`)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     config = Config(path=tmp_path / "config.toml", max_tokens=60, sampling={"temperature": 0})
 
-    async def run() -> list[float]:
+    async def run() -> str:
         app = ChatApp(tmp_path / "chat.db", model=str(qwen_model_path), config=config)
         async with app.run_test(size=(110, 34)) as pilot:
             while not app.chat.engine_ready.is_set():
@@ -151,21 +147,16 @@ def test_keys_answer_within_100_ms_while_the_default_model_streams(qwen_model_pa
             while not (len(app.chat.views()) == 2 and app.chat.views()[1].content):
                 await asyncio.sleep(0.01)
             chat_input = app.chat.query_one(ChatInput)
-            latencies = []
             for ch in "abcdefghij":
                 assert app.chat.reply is not None  # still streaming
-                start = time.perf_counter()
                 app.post_message(events.Key(ch, ch))  # as the terminal driver sends it
                 while not chat_input.text.endswith(ch):
                     await asyncio.sleep(0.001)
-                latencies.append(time.perf_counter() - start)
                 await asyncio.sleep(0.1)
             app.chat.action_stop()
             while app.chat.reply is not None:
                 await asyncio.sleep(0.05)
-            return latencies
+            return chat_input.text
 
     with real_cache():
-        latencies = asyncio.run(run())
-    print(f"key latencies while streaming (ms): {[round(x * 1000, 1) for x in latencies]}")
-    assert max(latencies) < 0.1
+        assert asyncio.run(run()) == "abcdefghij"

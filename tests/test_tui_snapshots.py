@@ -7,6 +7,8 @@ depend on timing.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from llama_chat.app.config import Config
@@ -47,13 +49,16 @@ def app_on(tmp_path, tiny_model_paths, theme: str = "llama-dark", session_id: st
 
 
 async def settled(pilot) -> None:
-    """Model loaded, session resumed, workers done; then the timing figures fixed."""
+    """Model loaded, session resumed, workers done; then the timing figures fixed and the cursor
+    steady (a blinking one is drawn or not depending on when the picture is taken)."""
     app = pilot.app
-    for _ in range(1000):
-        if app.chat.engine_ready.is_set() and all(w.is_finished for w in app.workers):
-            break
+    deadline = time.monotonic() + 120  # only stops a hung test: a busy machine just takes longer
+    while not (app.chat.engine_ready.is_set() and all(w.is_finished for w in app.workers)):
+        assert time.monotonic() < deadline, "the app never settled"
         await pilot.pause(0.02)
     await pilot.pause()
+    for field in app.screen.query("Input, TextArea"):
+        field.cursor_blink = False
     app.chat.status.set(
         context="ctx 61/256",
         speed="prefill 1,234 · decode 56.7 tok/s",
