@@ -13,6 +13,10 @@ from llama_chat import __version__
 EXIT_USAGE = 2
 
 
+class UsageError(Exception):
+    """Input on the command line or stdin that cannot be used (empty, not UTF-8): one line, exit 2."""
+
+
 def default_db_path() -> Path:
     if os.environ.get("LLAMA_CHAT_DB"):
         return Path(os.environ["LLAMA_CHAT_DB"])
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run_command(args)
-    except (ModelError, StoreError) as e:
+    except (ModelError, StoreError, UsageError) as e:
         print(f"llama-chat: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

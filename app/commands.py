@@ -20,7 +20,7 @@ from llama_chat.inference import (
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, StoreError
 
-from .cli import print_json
+from .cli import UsageError, print_json
 from .progress import ProgressBar
 
 
@@ -58,7 +58,23 @@ def open_model(args):
 
 
 def read_text(value: str) -> str:
-    return sys.stdin.read() if value == "-" else value
+    """The argument, or stdin for '-'; bytes that are not UTF-8 are refused here, before anything is
+    stored (Python hands them on as lone surrogates, which SQLite and the tokenizer cannot take)."""
+    where = "stdin" if value == "-" else "the argument"
+    try:
+        text = sys.stdin.read() if value == "-" else value
+        text.encode("utf-8")
+    except UnicodeError:
+        raise UsageError(f"{where}: not UTF-8 text") from None
+    return text
+
+
+def read_prompt(value: str) -> str:
+    """The text of a question: read_text's, and not empty (an empty turn is not a question)."""
+    text = read_text(value)
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
 
 
 SAMPLING_FLAGS = {
@@ -110,20 +126,25 @@ def open_engine(args, store: ChatStore):
 
 
 def cmd_ask(args) -> int:
-    prompt = read_text(args.prompt)
+    prompt = read_prompt(args.prompt)
     if not (args.session or args.new_session):  # a one-off question, nothing stored
+        from .engine import check_fits
+
         model = open_model(args)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
+        ids = chat_prompt_ids(model, messages)
+        n_ctx = min(args.ctx, model.config.n_ctx_train)
+        check_fits(ids, n_ctx)
         stats = GenerationStats()
         params = SamplingParams(**sampling_settings(args))
         stream(
             generate(
                 model,
-                chat_prompt_ids(model, messages),
+                ids,
                 sampling=params,
-                max_tokens=args.max_tokens,
+                max_tokens=min(args.max_tokens, n_ctx - len(ids)),
                 stats=stats,
                 on_prefill=prefill_bar(),
             )
@@ -134,6 +155,9 @@ def cmd_ask(args) -> int:
     if args.session:
         session = store.get_session(args.session)  # an unknown session fails before the model loads
     engine = open_engine(args, store)
+    # before the session is made or changed: a refused prompt leaves nothing behind
+    system = args.system if args.system is not None or args.new_session else session.system_prompt
+    engine.check_message(system, prompt)
     if args.new_session:
         title = args.title or " ".join(prompt.split())[:60] or "New chat"
         session = engine.new_session(title, args.system, sampling_settings(args))

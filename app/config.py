@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from textual.keys import KEY_ALIASES, REPLACED_KEYS, Keys, key_to_character
 from textual.theme import Theme
 
 DEFAULT_THEME = "llama-dark"
@@ -16,6 +17,11 @@ DEFAULT_THEME = "llama-dark"
 BUILTIN_THEMES = Path(__file__).resolve().parent.parent / "themes"
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"}
 THEME_KEYS = {f.name for f in fields(Theme)}
+MODIFIERS = {"ctrl", "shift", "alt", "meta", "super", "hyper"}
+# Keys Textual names rather than spells as a character ("f2", "escape", "newline"); "<any>" and the like are
+# placeholders of its own, not keys.
+NAMED_KEYS = {k.value for k in Keys if "+" not in k.value and not k.value.startswith("<")}
+NAMED_KEYS |= {a for aliases in KEY_ALIASES.values() for a in aliases if "+" not in a}
 
 EXAMPLE = """\
 # llama-chat settings. Every key is optional.
@@ -31,6 +37,15 @@ EXAMPLE = """\
 # [keymap]                                       # binding id = keys (F1 lists the ids)
 # fork = "ctrl+k"
 """
+
+
+def is_key(key: str) -> bool:
+    """Whether Textual can report this key: modifiers, then a named key or a character by itself or by
+    name ("ctrl+k", "f2", "shift+enter", "question_mark", "é")."""
+    *modifiers, base = key.strip().split("+")
+    if not base or not set(modifiers) <= MODIFIERS:
+        return False
+    return base in NAMED_KEYS or key_to_character(REPLACED_KEYS.get(base, base)) is not None
 
 
 class ConfigError(Exception):
@@ -57,6 +72,18 @@ class Config:
     system_prompt: str | None = None
     sampling: dict = field(default_factory=dict)
     keymap: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # settings left out, a line each, for the app to show
+
+    def __post_init__(self) -> None:
+        # A binding to a key no terminal sends would make its action unreachable: keep the default instead.
+        self.keymap = dict(self.keymap)
+        for binding, keys in list(self.keymap.items()):
+            bad = [k.strip() for k in keys.split(",") if not is_key(k)]
+            if bad:
+                del self.keymap[binding]
+                self.problems.append(
+                    f"{self.path}: [keymap] {binding}: {bad[0]!r} is not a key; its default key stays"
+                )
 
     @classmethod
     def load(cls, path: Path | None = None) -> Config:

@@ -25,6 +25,7 @@ from llama_chat.inference import (
     generate_alternatives,
     shift_to,
 )
+from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv
 from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
 
@@ -47,6 +48,19 @@ def fork_before(store: ChatStore, session: Session, message: Message, title: str
     branch = store.fork_session(session.id, message.id, title)
     store.set_head(branch.id, message.parent_id)
     return store.get_session(branch.id)
+
+
+def system_message(system_prompt: str | None) -> list[dict]:
+    """A system prompt as the first message of a conversation, if there is one."""
+    return [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+
+def check_fits(prompt: list[int], n_ctx: int) -> None:
+    """Refuse a prompt that leaves no room for a reply, before anything is stored or computed."""
+    if len(prompt) >= n_ctx:
+        raise ContextFullError(
+            f"the prompt is {len(prompt):,} tokens; the context window holds {n_ctx:,} (--ctx)"
+        )
 
 
 class ChatEngine:
@@ -75,9 +89,9 @@ class ChatEngine:
 
     def messages(self, session: Session) -> list[dict]:
         """The conversation as the chat template wants it: system prompt, then the path to the head."""
-        out = [{"role": "system", "content": session.system_prompt}] if session.system_prompt else []
-        out += [{"role": m.role, "content": m.content} for m in self.store.path(session.head_id)]
-        return out
+        return system_message(session.system_prompt) + [
+            {"role": m.role, "content": m.content} for m in self.store.path(session.head_id)
+        ]
 
     def conversation_ids(self, session: Session) -> list[int]:
         """The tokens of the stored conversation (its newest turns, when it outgrew the window).
@@ -165,6 +179,7 @@ class ChatEngine:
         stats = stats if stats is not None else GenerationStats()
         with self.lock:
             if user_text is not None:
+                self.check_message(session.system_prompt, user_text)
                 self.store.add_message(session.id, "user", user_text)
             session = self.store.get_session(session.id)
             seq, _ = self.open(session)
@@ -185,6 +200,14 @@ class ChatEngine:
                     yield piece
             finally:
                 self._finish_reply(session, seq, "".join(pieces), stats)
+
+    def check_message(self, system_prompt: str | None, user_text: str) -> None:
+        """Refuse a message that is empty, or too long even with every older turn dropped (the system
+        prompt stays), so that nothing is stored and nothing computed for it."""
+        if not user_text.strip():
+            raise ValueError("the message is empty")
+        alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
+        check_fits(chat_prompt_ids(self.model, alone), self.n_ctx)
 
     def prompt(self, session: Session, seq: KVSequence, max_tokens: int) -> list[int]:
         """The prompt for the next reply; when the conversation outgrows the window, the oldest turns

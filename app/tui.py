@@ -1026,6 +1026,8 @@ class ChatApp(App, inherit_bindings=False):
         self.theme_changed_signal.subscribe(self, self.theme_chosen)
         for problem in self.theme_problems:
             self.notify(problem, title="Theme not loaded", severity="warning")
+        for problem in self.config.problems:
+            self.notify(problem, title="Setting left out", severity="warning")
         if self.config.theme not in self.available_themes:
             self.notify(f"unknown theme '{self.config.theme}' in {self.config.path}", severity="warning")
         unknown = set(self.config.keymap) - {bid for _, rows in self.key_help() for _, _, bid in rows}

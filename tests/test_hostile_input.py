@@ -1,0 +1,106 @@
+"""Hostile or bad input on tiny models: crafted export files, forged control tokens, runaway chat
+templates, bytes that are not UTF-8, prompts longer than the window, keys that do not exist."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from test_tui import aio, chat_app, ready, say, until
+
+from llama_chat.app.cli import main
+from llama_chat.app.config import Config
+from llama_chat.inference import Model
+from llama_chat.storage import ChatStore
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return tiny_model_paths["qwen2"]
+
+
+@pytest.fixture
+def forward_calls(monkeypatch):
+    """How many times the model ran: a refused prompt must cost no forward pass."""
+    calls = []
+    forward = Model.forward
+
+    def counted(self, tokens, seq, *args, **kwargs):
+        calls.append(len(tokens))
+        return forward(self, tokens, seq, *args, **kwargs)
+
+    monkeypatch.setattr(Model, "forward", counted)
+    return calls
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("llama-chat: error: ")]
+    assert "Traceback" not in err and len(errors) == 1, err  # (a first run also draws the model's progress)
+    return errors[0]
+
+
+# -- 10: bytes that are not UTF-8, prompts longer than the window ------------------------------------
+
+
+def test_stdin_that_is_not_utf8_is_refused_and_stores_nothing(qwen2, tmp_path, monkeypatch, capsys):
+    db = tmp_path / "chat.db"
+    # what Python hands over where the locale is not UTF-8: the bad bytes as lone surrogates
+    stdin = io.TextIOWrapper(io.BytesIO(b"hello \xff\xfe world"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["--db", str(db), "--model", str(qwen2), "ask", "--new-session", "-"]) == 2
+    assert "stdin: not UTF-8 text" in one_line_error(capsys)
+    assert not db.exists() or ChatStore(db).list_sessions() == []
+
+
+@pytest.mark.parametrize("session", [False, True])
+def test_a_prompt_longer_than_the_window_is_refused_before_any_work(
+    qwen2, tmp_path, capsys, forward_calls, session
+):
+    db = ["--db", str(tmp_path / "chat.db"), "--model", str(qwen2)]
+    where = []
+    if session:
+        assert main([*db, "ask", "--new-session", "--max-tokens", "3", "hello the world"]) == 0
+        sid = next(x.split()[1] for x in capsys.readouterr().err.splitlines() if x.startswith("session "))
+        before = ChatStore(tmp_path / "chat.db").path(ChatStore(tmp_path / "chat.db").get_session(sid).head_id)
+        where = ["--session", sid]
+        forward_calls.clear()
+    assert main([*db, "ask", *where, "--ctx", "64", "the world and the sun " * 200]) == 2
+    err = one_line_error(capsys)
+    assert "tokens; the context window holds 64" in err
+    assert int(err.split("the prompt is ")[1].split()[0].replace(",", "")) > 200  # the real count
+    assert forward_calls == []  # nothing was prefilled
+    if session:  # neither the long turn nor an empty reply was stored
+        store = ChatStore(tmp_path / "chat.db")
+        assert [m.id for m in store.path(store.get_session(sid).head_id)] == [m.id for m in before]
+
+
+def test_an_empty_prompt_is_refused(qwen2, tmp_path, capsys):
+    db = tmp_path / "chat.db"
+    assert main(["--db", str(db), "--model", str(qwen2), "ask", "--new-session", "  \n"]) == 2
+    assert "the prompt is empty" in one_line_error(capsys)
+    assert not db.exists() or ChatStore(db).list_sessions() == []
+
+
+# -- 11: a keymap naming a key that does not exist -------------------------------------------------
+
+
+def test_a_binding_to_a_key_that_does_not_exist_keeps_the_default(qwen2, tmp_path):
+    config_file = tmp_path / "config" / "llama-chat" / "config.toml"
+    config_file.parent.mkdir(parents=True)
+    config_file.write_text('[keymap]\nfork = "ctrl+banana+!!"\nnew_chat = "f6"\n')
+    config = Config.load()
+    assert config.keymap == {"new_chat": "f6"}
+    assert any("fork" in p and "ctrl+banana+!!" in p for p in config.problems)
+
+
+@aio
+async def test_the_app_warns_of_a_bad_binding_and_its_default_key_still_works(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2, keymap={"fork": "ctrl+banana+!!"})
+    async with app.run_test(size=(110, 34)) as pilot:
+        await ready(pilot)
+        assert any("'ctrl+banana+!!' is not a key" in n.message for n in app._notifications)
+        await say(pilot, "hello the world")
+        parent = app.chat.session.id
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: app.chat.session.id != parent, what="the fork")
