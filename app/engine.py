@@ -43,6 +43,11 @@ class ResumeInfo:
         return f"{self.restored:,} of {self.tokens:,} tokens restored in {self.seconds * 1000:.0f} ms"
 
 
+def session_title(text: str) -> str:
+    """A title as it is stored: one line, single spaces, none at either end."""
+    return " ".join(text.split())
+
+
 def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
     """A new session on `session`'s tree that ends just before `message` (empty, before the first)."""
     branch = store.fork_session(session.id, message.id, title)
@@ -80,7 +85,7 @@ class ChatEngine:
         self, title: str = "New chat", system_prompt: str | None = None, sampling: dict | None = None
     ):
         return self.store.create_session(
-            title,
+            session_title(title) or "New chat",
             model_fingerprint=self.model.fingerprint,
             model_name=self.model.name,
             system_prompt=system_prompt,

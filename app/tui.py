@@ -28,9 +28,9 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from .config import DEFAULT_THEME, Config, ConfigError, State, load_themes
-from .engine import ChatEngine, ResumeInfo, fork_before
+from .engine import ChatEngine, ResumeInfo, fork_before, session_title
 from .screens import AlternativesScreen, ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
-from .widgets import ChatInput, MessageView, SearchHit, SessionTree, StatusLine
+from .widgets import ChatInput, ChatRef, MessageView, SearchHit, SessionTree, StatusLine
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
 SEARCH_DELAY_S = 0.2  # wait for typing to pause before searching
@@ -42,7 +42,27 @@ REPLYING = "writing a reply (Esc stops)"
 
 
 def title_for(text: str) -> str:
-    return " ".join(text.split())[:48] or "New chat"
+    """A chat's title from its first message: one line, single spaces, no space left at the cut."""
+    return session_title(text)[:48].rstrip() or "New chat"
+
+
+def branch_points(store: ChatStore, sessions: list[Session]) -> dict[str, int]:
+    """For each fork among `sessions`: how many messages it shares with the session it came from."""
+    by_id = {s.id: s for s in sessions}
+    paths: dict[str, list[int]] = {}
+
+    def path(session: Session) -> list[int]:
+        if session.id not in paths:
+            paths[session.id] = [m.id for m in store.path(session.head_id)]
+        return paths[session.id]
+
+    points = {}
+    for s in sessions:
+        parent = by_id.get(s.forked_from)
+        if parent is not None:
+            pairs = list(zip(path(s), path(parent)))
+            points[s.id] = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    return points
 
 
 def speed_text(prefill_tok_s: float, decode_tok_s: float) -> str | None:
@@ -204,7 +224,7 @@ class ChatScreen(Screen):
         wanted = self.wanted_session or self.app.state.last_session(self.store.db_path)
         session = next((s for s in sessions if s.id == wanted), sessions[0] if sessions else None)
         path = self.store.path(session.head_id) if session else []
-        self.app.call_from_thread(self.show_session, session, path, sessions)
+        self.app.call_from_thread(self.show_session, session, path)
         self.load_engine(self.model_name)
 
     def load_engine(self, name: str | None) -> bool:
@@ -275,7 +295,8 @@ class ChatScreen(Screen):
         self.post_message(Resumed(session.id, resume_text(info), info.tokens))
 
     @work(thread=True, exit_on_error=False, group="engine")
-    def switch_to(self, session_id: str) -> None:
+    def switch_to(self, session_id: str, message_id: int | None = None) -> None:
+        """Open a session (at one of its messages: a search hit) and resume it."""
         try:
             session = self.store.get_session(session_id)
             path = self.store.path(session.head_id)
@@ -283,6 +304,8 @@ class ChatScreen(Screen):
             self.notify(str(e), severity="error")
             return
         self.app.call_from_thread(self.show_session, session, path)
+        if message_id is not None:
+            self.app.call_from_thread(self.show_message, message_id)
         if self.engine_ready.is_set():
             self.open_in_engine(session)
 
@@ -297,16 +320,28 @@ class ChatScreen(Screen):
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def sessions_worker(self) -> None:
         sessions = self.store.list_sessions()
-        self.app.call_from_thread(self.show_sessions, sessions)
+        points = branch_points(self.store, sessions)
+        self.app.call_from_thread(self.show_sessions, sessions, points)
 
-    def show_sessions(self, sessions: list[Session]) -> None:
-        self.query_one(SessionTree).show_sessions(sessions, self.session.id if self.session else None)
+    def show_sessions(
+        self, sessions: list[Session], points: dict[str, int], hits: dict[str, list[SearchHit]] | None = None
+    ) -> None:
+        current = self.session.id if self.session else None
+        self.query_one(SessionTree).show_sessions(sessions, current, points, hits)
+
+    def show_message(self, message_id: int) -> None:
+        """Scroll to a message of the open conversation (a search hit) and select it."""
+        view = next((v for v in self.views() if v.message and v.message.id == message_id), None)
+        if view is None:  # among the earliest messages of a very long conversation, not drawn
+            self.notify("That message is further back than the chat shows; Export chat shows it all.")
+            return
+        self.conversation.anchor(False)  # stay at the message, not at the end
+        view.focus(scroll_visible=False)
+        self.call_after_refresh(self.conversation.scroll_to_widget, view, animate=False, top=True)
 
     # -- showing a conversation ------------------------------------------------------------------
 
-    async def show_session(
-        self, session: Session | None, path: list[Message], sessions: list[Session] | None = None
-    ) -> None:
+    async def show_session(self, session: Session | None, path: list[Message]) -> None:
         """Draw a whole conversation (on switching, forking, branching); replies stream in afterwards."""
         self.session = session
         conversation = self.conversation
@@ -332,10 +367,7 @@ class ChatScreen(Screen):
         self.status.set(speed=speed, resumed=None)
         self.show_context(session.n_tokens if session else 0)
         self.app.title = f"llama-chat · {session.title}" if session else "llama-chat"
-        if sessions is not None:
-            self.show_sessions(sessions)
-        else:
-            self.refresh_sidebar()
+        self.refresh_sidebar()
         self.app.state.remember_session(self.store.db_path, session.id if session else None)
 
     @staticmethod
@@ -418,7 +450,7 @@ class ChatScreen(Screen):
         config = self.config
         view = MessageView("assistant")
         await self.conversation.mount_all([MessageView("user", text), view])
-        self.conversation.scroll_end(animate=False)
+        self.conversation.anchor()  # follow the reply (opening a search hit let go of the end)
 
         def prepare(engine: ChatEngine, stats, cancel):
             target = session or engine.new_session(
@@ -713,11 +745,14 @@ class ChatScreen(Screen):
 
     @on(Tree.NodeSelected, "#sessions")
     def session_selected(self, event: Tree.NodeSelected) -> None:
-        session_id = event.node.data
-        if not session_id or (self.session is not None and session_id == self.session.id):
+        ref: ChatRef | None = event.node.data
+        if ref is None:
             return
-        if self.can_start("switch chats"):
-            self.switch_to(session_id)
+        if self.session is not None and ref.session_id == self.session.id:
+            if ref.message_id is not None:
+                self.show_message(ref.message_id)
+        elif self.can_start("switch chats"):
+            self.switch_to(ref.session_id, ref.message_id)
 
     def action_rename(self) -> None:
         session = self.session
@@ -726,8 +761,9 @@ class ChatScreen(Screen):
             return
 
         def renamed(title: str | None) -> None:
-            if title and title.strip() and title.strip() != session.title:
-                self.rename_worker(session.id, title.strip())
+            title = session_title(title or "")
+            if title and title != session.title:
+                self.rename_worker(session.id, title)
 
         self.app.push_screen(TextScreen("Rename chat", session.title), renamed)
 
@@ -790,7 +826,7 @@ class ChatScreen(Screen):
             sessions = self.store.list_sessions()
             session = sessions[0] if sessions else None
             path = self.store.path(session.head_id) if session else []
-            self.app.call_from_thread(self.show_session, session, path, sessions)
+            self.app.call_from_thread(self.show_session, session, path)
             if session is not None and self.engine_ready.is_set():
                 self.open_in_engine(session)
         else:
@@ -807,6 +843,7 @@ class ChatScreen(Screen):
 
     @work(thread=True, exit_on_error=False, group="engine")
     def settings_worker(self, session: Session | None, settings: dict) -> None:
+        settings = {**settings, "title": session_title(settings["title"]) or "New chat"}
         if session is None:
             if self.engine is not None:
                 session = self.engine.new_session(settings["title"])
@@ -834,21 +871,25 @@ class ChatScreen(Screen):
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def search_worker(self, query: str) -> None:
-        """Titles that contain the words, then full-text hits in the messages."""
+        """Sessions whose title contains the words or whose messages match, as a tree (forks under
+        their parent); each matching message once, under the first session that had it."""
         words = query.lower().split()
-        hits = [
-            SearchHit(s, "") for s in self.store.list_sessions() if all(w in s.title.lower() for w in words)
-        ]
-        seen = {h.session.id for h in hits}
+        sessions = self.store.list_sessions()
         try:
             found = self.store.search(query)
         except StoreError:
             found = []
+        first: dict[int, tuple[Session, Message]] = {}  # a message forks share is one hit
         for session, message in found:
-            if session.id not in seen:
-                seen.add(session.id)
-                hits.append(SearchHit(session, f"{message.role}: {' '.join(message.content.split())[:60]}"))
-        self.app.call_from_thread(lambda: self.query_one(SessionTree).show_hits(hits))
+            if message.id not in first or session.created < first[message.id][0].created:
+                first[message.id] = (session, message)
+        hits: dict[str, list[SearchHit]] = {}
+        for session, message in first.values():
+            snippet = f"{message.role}: {' '.join(message.content.split())[:60]}"
+            hits.setdefault(session.id, []).append(SearchHit(message.id, snippet))
+        matching = [s for s in sessions if s.id in hits or all(w in s.title.lower() for w in words)]
+        points = branch_points(self.store, sessions)
+        self.app.call_from_thread(self.show_sessions, matching, points, hits)
 
     # -- model -----------------------------------------------------------------------------------
 

@@ -137,14 +137,35 @@ class ChatInput(TextArea):
             super().action_cursor_up(select)
 
 
+@dataclass(frozen=True)
+class ChatRef:
+    """What a sidebar line opens: a session and, on a search hit, the message that matched."""
+
+    session_id: str
+    message_id: int | None = None
+
+
 @dataclass
 class SearchHit:
-    session: Session
+    message_id: int
     snippet: str
 
 
-class SessionTree(Tree[str]):
-    """The conversations, newest first, each fork under the session it came from; node data is the id."""
+def branch_label(session: Session, parent_title: str, shared: int | None) -> Text:
+    """A session's line: a branch under its parent by what it adds to the title ("(fork)") and
+    where it left the parent, so that the original and its forks never look the same."""
+    title = session.title
+    if parent_title and title.startswith(parent_title) and title != parent_title:
+        title = title[len(parent_title) :].strip() or title
+    label = Text(" ".join(title.split()))  # titles stored before they were tidied
+    if shared is not None:
+        label.append(f" · after msg {shared}" if shared else " · from the start", style="dim")
+    return label
+
+
+class SessionTree(Tree[ChatRef]):
+    """The conversations, newest first, each fork under the session it came from; in search results,
+    the matching messages under their session."""
 
     BINDINGS = [Binding("delete,d", "delete", "Delete", id="delete_session")]
 
@@ -158,7 +179,15 @@ class SessionTree(Tree[str]):
         self.show_root = False
         self.guide_depth = 2
 
-    def show_sessions(self, sessions: list[Session], current: str | None) -> None:
+    def show_sessions(
+        self,
+        sessions: list[Session],
+        current: str | None,
+        branch_points: dict[str, int],
+        hits: dict[str, list[SearchHit]] | None = None,
+    ) -> None:
+        """Draw the sessions as a tree; `branch_points`: how many messages a fork shares with its
+        parent; `hits`: search results to list under their session (None: not a search)."""
         ids = {s.id for s in sessions}
         children: dict[str | None, list[Session]] = {}
         for s in sessions:
@@ -171,38 +200,33 @@ class SessionTree(Tree[str]):
 
         def add(parent, session: Session, parent_title: str = "") -> None:
             nonlocal current_node
-            title = session.title
-            if parent_title and title.startswith(parent_title) and title != parent_title:
-                title = title[len(parent_title) :].strip() or title  # "X (fork)" under X: "(fork)"
-            label = Text(title, style="bold" if session.id == current else "")
+            label = branch_label(session, parent_title, branch_points.get(session.id))
             if session.id == current:
                 label = Text("● ", style="bold") + label
+                label.stylize("bold")
             kids = children.get(session.id, [])
-            node = parent.add(label, data=session.id, expand=True) if kids else None
-            node = node or parent.add_leaf(label, data=session.id)
+            session_hits = (hits or {}).get(session.id, [])
+            ref = ChatRef(session.id)
+            node = parent.add(label, data=ref, expand=True) if kids or session_hits else None
+            node = node or parent.add_leaf(label, data=ref)
             if session.id == current:
                 current_node = node
+            for hit in session_hits:
+                node.add_leaf(Text(hit.snippet, style="dim"), data=ChatRef(session.id, hit.message_id))
             for kid in kids:
                 add(node, kid, session.title)
 
         for root in children.get(None, []):
             add(self.root, root)
-        if current_node is not None:  # once drawn: a node has no line before
-            self.call_after_refresh(self.move_cursor, current_node)
-
-    def show_hits(self, hits: list[SearchHit]) -> None:
-        self.clear()
-        for hit in hits:
-            node = self.root.add(Text(hit.session.title), data=hit.session.id, expand=True)
-            if hit.snippet:
-                node.add_leaf(Text(hit.snippet, style="dim"), data=hit.session.id)
-        if not hits:
+        if hits is not None and not sessions:
             self.root.add_leaf(Text("nothing found", style="dim"))
+        if current_node is not None and hits is None:  # once drawn: a node has no line before
+            self.call_after_refresh(self.move_cursor, current_node)
 
     def action_delete(self) -> None:
         node = self.cursor_node
         if node is not None and node.data:
-            self.post_message(self.Delete(node.data))
+            self.post_message(self.Delete(node.data.session_id))
 
 
 class StatusLine(Horizontal):

@@ -323,7 +323,7 @@ async def test_selecting_a_chat_in_the_sidebar_opens_it(qwen2, tmp_path):
         await say(pilot, "second chat")
         tree = app.chat.query_one(SessionTree)
         tree.focus()
-        tree.move_cursor(next(n for n in tree.root.children if n.data == first))
+        tree.move_cursor(next(n for n in tree.root.children if n.data.session_id == first))
         await pilot.press("enter")
         await until(pilot, lambda: app.chat.session.id == first, what="the switch")
         await idle(pilot)
@@ -386,7 +386,7 @@ async def test_the_fork_key_forks_at_the_head_and_opens_the_branch(qwen2, tmp_pa
         child = app.chat.session
         assert child.forked_from == parent.id and child.head_id == parent.head_id
         assert roles_and_text(app) == stored_path(app, parent.id)
-        assert tree_labels(app) == [(0, "hello the world"), (1, "● (fork)")]
+        assert tree_labels(app) == [(0, "hello the world"), (1, "● (fork) · after msg 2")]
         await say(pilot, "only in the fork")
         assert len(stored_path(app)) == 4 and len(stored_path(app, parent.id)) == 2  # parent untouched
 
@@ -462,7 +462,7 @@ async def test_editing_a_past_message_makes_a_sibling_branch(qwen2, tmp_path):
         assert branch.forked_from == parent.id
         new_first = app.store.path(branch.head_id)[0]
         assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
-        assert (1, "● (edited)") in tree_labels(app)
+        assert (1, "● (edited) · from the start") in tree_labels(app)
 
 
 @aio
@@ -480,7 +480,7 @@ async def test_regenerate_makes_a_sibling_reply(qwen2, tmp_path):
         assert new.id != old.id and new.parent_id == old.parent_id and new.role == "assistant"
         assert app.store.get_session(parent.id).head_id == old.id  # the first reply is still there
         assert roles_and_text(app) == stored_path(app)
-        assert (1, "● (regenerated)") in tree_labels(app)
+        assert (1, "● (regenerated) · after msg 1") in tree_labels(app)
 
 
 @aio
@@ -651,7 +651,7 @@ async def test_search_finds_titles_and_message_text(qwen2, tmp_path):
         await pilot.press("ctrl+f", *"rain")
         await until(pilot, lambda: "Apples" not in str(tree_labels(app)), what="the search")
         roots = [label for depth, label in tree_labels(app) if depth == 0]
-        assert sorted(roots) == ["Boats", "Weather"]
+        assert roots == ["● Boats", "Weather"]  # the open chat is marked
         await pilot.press("enter")  # to the results
         tree = app.chat.query_one(SessionTree)
         weather = next(n for n in tree.root.children if str(n.label) == "Weather")
@@ -660,6 +660,79 @@ async def test_search_finds_titles_and_message_text(qwen2, tmp_path):
         await until(pilot, lambda: app.chat.session.title == "Weather", what="the switch")
         await pilot.press("ctrl+f", *["backspace"] * 4)
         await until(pilot, lambda: len(tree_labels(app)) == 3, what="the whole list")
+
+
+LONG_TITLE = "Planning the garden for next spring"  # longer than the sidebar is wide
+
+
+def conversation_with_forks(tmp_path):
+    """A conversation of two exchanges, forked at its head and after its first reply."""
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session(LONG_TITLE)
+    for question, answer in [("tomatoes in rain", "first answer"), ("and the roses", "second answer")]:
+        store.add_message(session.id, "user", question)
+        store.add_message(session.id, "assistant", answer)
+    session = store.get_session(session.id)
+    first_reply = store.path(session.head_id)[1].id
+    store.fork_session(session.id, None)
+    store.fork_session(session.id, first_reply)
+    return store, session
+
+
+@aio
+async def test_the_original_and_its_forks_are_told_apart_in_the_sidebar(qwen2, tmp_path):
+    store, original = conversation_with_forks(tmp_path)
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        labels = [(depth, label.removeprefix("● ")) for depth, label in tree_labels(app)]
+        assert labels == [(0, LONG_TITLE), (1, "(fork) · after msg 4"), (1, "(fork) · after msg 2")]
+
+
+@aio
+async def test_search_lists_a_message_forks_share_once_and_opens_it_scrolled_to(qwen2, tmp_path):
+    store, original = conversation_with_forks(tmp_path)
+    for i in range(30):  # more conversation than the screen holds, after the message searched for
+        store.add_message(original.id, "user", f"question {i}\n\nwith a second paragraph")
+        store.add_message(original.id, "assistant", f"answer {i}\n\nalso long")
+    other = store.create_session("Something else")
+    store.add_message(other.id, "user", "hello")
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.chat.session.id == other.id
+        await pilot.press("ctrl+f", *"tomatoes")
+        await until(pilot, lambda: "Something else" not in str(tree_labels(app)), what="the search")
+        labels = tree_labels(app)
+        hits = [label for _, label in labels if "tomatoes in rain" in label]
+        assert hits == ["user: tomatoes in rain"]  # once, though three sessions reach it
+        assert labels[0] == (0, LONG_TITLE) and labels[1] == (1, "user: tomatoes in rain")
+        await pilot.press("enter")  # to the results
+        tree = app.chat.query_one(SessionTree)
+        tree.move_cursor(tree.root.children[0].children[0])
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.session.id == original.id, what="the switch")
+        await idle(pilot)
+        hit = app.chat.views()[0]
+        assert hit.content == "tomatoes in rain" and app.focused is hit
+        conversation = app.chat.conversation
+        top, bottom = conversation.scroll_y, conversation.scroll_y + conversation.size.height
+        assert top <= hit.virtual_region.y < bottom  # on screen, not left at the end
+
+
+@aio
+async def test_titles_are_one_line_with_single_spaces(qwen2, tmp_path):
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await say(pilot, "a message   whose title is cut right after a word boundary here")
+        assert app.chat.session.title == "a message whose title is cut right after a word"
+        await pilot.press("f2")
+        app.screen.query_one(Input).value = "  Spaced   out  title "
+        await pilot.press("enter")
+        await idle(pilot)
+        assert app.store.get_session(app.chat.session.id).title == "Spaced out title"
+        assert tree_labels(app) == [(0, "● Spaced out title")]
 
 
 @aio
