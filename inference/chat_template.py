@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -178,6 +179,31 @@ def completion_prompt(messages: list[dict]) -> str:
             parts.append("\n\n")
         parts.append(text)
     return "".join(parts)
+
+
+def content_texts(messages: list[dict]) -> list[str]:
+    """The text of every message's content."""
+    return [_content_text(m.get("content")) for m in messages]
+
+
+def map_contents(messages: list[dict], change: Callable[[str], str]) -> list[dict]:
+    """Copies of the messages with `change` applied to the text of their contents (a string, or the
+    text parts of a list); everything else as it was."""
+
+    def part(p: Any) -> Any:
+        return (
+            {**p, "text": change(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+        )
+
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            m = {**m, "content": change(content)}
+        elif isinstance(content, list):
+            m = {**m, "content": [change(p) if isinstance(p, str) else part(p) for p in content]}
+        out.append(m)
+    return out
 
 
 def _content_text(content: Any) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import model as forward_pass
-from .chat_template import completion_prompt
+from .chat_template import completion_prompt, content_texts, map_contents
 from .kv_cache import KVSequence
 from .llm import Model
 from .sampling import Sampler, SamplingParams
@@ -37,15 +37,18 @@ class GenerationStats:
 
 
 def chat_prompt_ids(model: Model, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Render messages with the model's chat template (plain completion for base models) and tokenize."""
+    """Render messages with the model's chat template (plain completion for base models) and tokenize.
+    Only the template's markup becomes control tokens: contents are text, so none can forge a turn."""
     tok = model.tokenizer
+    shield = tok.control_text_shield(content_texts(messages))
+    messages = map_contents(messages, shield.hide)
     if model.has_chat_template:
         text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
     else:
         text = completion_prompt(messages)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
     add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))  # templates often write BOS
-    return tok.encode(text, add_bos=add_bos, special=True)
+    return tok.encode(text, add_bos=add_bos, special=True, shield=shield)
 
 
 def fit_messages(

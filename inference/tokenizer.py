@@ -33,6 +33,43 @@ _TYPE_TO_ATTR = {
 # llama.cpp's isspace() in the "C" locale, used when stripping around lstrip/rstrip special tokens.
 _C_SPACE = " \t\n\v\f\r"
 
+# Unicode's private-use code points: no tokenizer gives them a meaning, so they can stand in for text.
+_PRIVATE_USE = (*range(0xE000, 0xF900), *range(0xF0000, 0xFFFFE))
+
+
+class ControlTextShield:
+    """Control-token text (``<|im_start|>``) inside message contents, hidden behind private-use
+    characters while a chat template renders, so that only the template's own markup becomes control
+    tokens and a message cannot forge a turn. encode(..., shield=) turns the hidden text back into
+    text, tokenized as llama.cpp tokenizes with parse_special off.
+
+    Each hidden token text gets a private-use character found in none of the messages, so what the
+    user wrote comes back exactly; the template sees no control text in contents (nor their length).
+    """
+
+    def __init__(self, control_texts: list[str], taken: set[str]):
+        free = (chr(c) for c in _PRIVATE_USE if chr(c) not in taken)
+        self._placeholder = dict(zip(control_texts, free, strict=False))
+        if len(self._placeholder) < len(control_texts):
+            raise ModelError(
+                "a message uses every private-use character; it cannot be told from the template"
+            )
+        self._text = {ord(ch): text for text, ch in self._placeholder.items()}
+        # longest first, as llama.cpp cuts special tokens out of a text
+        alternatives = sorted(control_texts, key=len, reverse=True)
+        self._pattern = regex.compile("|".join(map(regex.escape, alternatives))) if alternatives else None
+
+    def hide(self, text: str) -> str:
+        if self._pattern is None:
+            return text
+        return self._pattern.sub(lambda m: self._placeholder[m.group()], text)
+
+    def hides_in(self, text: str) -> bool:
+        return bool(self._text) and any(ch in text for ch in self._placeholder.values())
+
+    def reveal(self, text: str) -> str:
+        return text.translate(self._text)
+
 
 # --- pre-tokenizer regexes ------------------------------------------------------------------------
 #
@@ -553,6 +590,7 @@ class Tokenizer:
         special.sort(key=lambda i: (-len(tokens[i].encode("utf-8", "surrogatepass")), i))
         self._special_all = special
         self._special_user = [i for i in special if not attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+        self._control_texts = [tokens[i] for i in special if attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
         self._pieces: dict[int, bytes] = {}
 
     @classmethod
@@ -561,8 +599,17 @@ class Tokenizer:
 
     # --- encoding ---
 
-    def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
-        """Token ids for text; add_bos prepends BOS, special=True turns control-token text into its id."""
+    def control_text_shield(self, texts: list[str]) -> ControlTextShield:
+        """A shield for the control-token text found in `texts` (message contents), for encode()."""
+        joined = "\n".join(texts)
+        present = [t for t in self._control_texts if t in joined]
+        return ControlTextShield(present, set(joined) if present else set())
+
+    def encode(
+        self, text: str, add_bos: bool = False, special: bool = False, shield: ControlTextShield | None = None
+    ) -> list[int]:
+        """Token ids for text; add_bos prepends BOS, special=True turns control-token text into its id;
+        text a `shield` hid comes back as text, tokenized as with special=False."""
         out: list[int] = []
         if add_bos:
             if self.bos_id is None:
@@ -571,7 +618,7 @@ class Tokenizer:
         if not text:
             return out
         prev_special = True  # SPM adds the space prefix at the start and after each special token
-        for frag in self._partition(text, special):
+        for frag in self._partition(text, special, shield):
             if isinstance(frag, int):
                 out.append(frag)
                 prev_special = True
@@ -584,11 +631,20 @@ class Tokenizer:
             prev_special = False
         return out
 
-    def _partition(self, text: str, special: bool) -> list[str | int]:
+    def _partition(
+        self, text: str, special: bool, shield: ControlTextShield | None = None
+    ) -> list[str | int]:
         """llama.cpp's tokenizer_st_partition: cut special tokens out of the text, longest token first.
 
-        User-defined tokens are always cut out; control and unknown ones only when special is set.
+        User-defined tokens are always cut out; control and unknown ones only when special is set, and
+        never from text a shield hid (revealed here, in the fragment it sits in).
         """
+        if shield is not None:
+            parts: list[str | int] = []
+            for frag in self._partition(text, special):
+                hidden = isinstance(frag, str) and shield.hides_in(frag)
+                parts += self._partition(shield.reveal(frag), False) if hidden else [frag]
+            return parts
         tokens, attrs = self._vocab.tokens, self._vocab.attrs
         frags: list[str | int] = [text]
         for tid in self._special_all if special else self._special_user:
