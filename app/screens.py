@@ -250,8 +250,8 @@ class HelpScreen(Dialog):
                     table.add_row(keys, what, binding_id)
                 yield Static(table)
             yield Label(
-                f"Every action is also in the command palette (Ctrl+P). Keys change in {self.config_path}:\n"
-                '[keymap] then a line such as  fork = "ctrl+k"',
+                "Every action is also in the command palette (Ctrl+P). Keys change in the [keymap] "
+                f'table of\n{self.config_path}\nwith lines such as  fork = "ctrl+k"',
                 classes="hint",
                 markup=False,
             )

@@ -23,7 +23,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, Static, Tree
 from textual.worker import Worker, WorkerState
 
-from llama_chat.inference import KNOWN_MODELS, GenerationStats, ModelError, load_model, resolve_model
+from llama_chat.inference import KNOWN_MODELS, GenerationStats, Model, ModelError, load_model, resolve_model
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Message, Session, StoreError
 
@@ -44,6 +44,17 @@ REPLYING = "writing a reply (Esc stops)"
 def title_for(text: str) -> str:
     """A chat's title from its first message: one line, single spaces, no space left at the cut."""
     return session_title(text)[:48].rstrip() or "New chat"
+
+
+def context_used(stats: GenerationStats) -> int:
+    """Tokens of the context a reply has filled so far: its prompt and what it wrote."""
+    return stats.prompt_tokens + stats.generated_tokens
+
+
+def model_label(model: Model) -> str:
+    """The model as it was chosen: its file's stem, which for a known model is its short name. The
+    GGUF's own general.name can describe another build ("… AWQ" on the default Q4_K_M file)."""
+    return model.path.stem
 
 
 def branch_points(store: ChatStore, sessions: list[Session]) -> dict[str, int]:
@@ -122,9 +133,9 @@ class ModelReady(UIMessage):
 
 
 class Chunk(UIMessage):
-    def __init__(self, view: MessageView, text: str):
+    def __init__(self, view: MessageView, text: str, tokens: int):
         super().__init__()
-        self.view, self.text = view, text
+        self.view, self.text, self.tokens = view, text, tokens  # tokens: the context, reply so far included
 
 
 class ReplyDone(UIMessage):
@@ -273,10 +284,10 @@ class ChatScreen(Screen):
         if self.reply is not None:  # sent while the model loaded
             self.status.set(work=REPLYING)
         if event.error:
-            self.status.set(model=self.engine.model.name if self.engine else f"no model: {event.error}")
+            self.status.set(model=model_label(self.engine.model) if self.engine else f"no model: {event.error}")
             self.notify(event.error, title="The model did not load", severity="error", timeout=10)
         else:
-            self.status.set(model=self.engine.model.name)
+            self.status.set(model=model_label(self.engine.model))
             self.show_context(self.session.n_tokens if self.session else 0)
 
     def on_work_done(self) -> None:
@@ -496,10 +507,10 @@ class ChatScreen(Screen):
             for piece in pieces:
                 batch.append(piece)
                 if time.monotonic() - flushed >= FLUSH_S:
-                    self.post_message(Chunk(view, "".join(batch)))
+                    self.post_message(Chunk(view, "".join(batch), context_used(stats)))
                     batch, flushed = [], time.monotonic()
             if batch:
-                self.post_message(Chunk(view, "".join(batch)))
+                self.post_message(Chunk(view, "".join(batch), context_used(stats)))
             session = self.store.get_session(session.id)
             done = ReplyDone(view, session, self.store.path(session.head_id), stats)
         except USER_ERRORS as e:
@@ -529,6 +540,7 @@ class ChatScreen(Screen):
             event.view.set_note("")
             self.status.done()  # the prefill's bar, if the prompt was long
             self.status.set(work=REPLYING)
+        self.show_context(event.tokens)
         await event.view.append(event.text)
 
     async def on_reply_done(self, event: ReplyDone) -> None:
@@ -556,7 +568,7 @@ class ChatScreen(Screen):
         if view is not None:
             view.set_note("stopped" if event.stats.stop_reason == "cancelled" else "")
         self.status.set(speed=speed_text(event.stats.prefill_tok_s, event.stats.decode_tok_s))
-        self.show_context(event.stats.prompt_tokens + event.stats.generated_tokens)
+        self.show_context(context_used(event.stats))
         self.refresh_sidebar()
 
     def action_stop(self) -> None:
@@ -906,7 +918,7 @@ class ChatScreen(Screen):
                     state if status["packages_installed"] or status["assembled"] else "not installed",
                 )
             )
-        current = self.engine.model.name if self.engine else None
+        current = model_label(self.engine.model) if self.engine else None
 
         def chosen(name: str | None) -> None:
             if name and self.can_start("change the model"):

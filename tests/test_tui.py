@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import shutil
 import sys
 import time
 
 import pytest
 from textual import events
+from textual.geometry import Region
 from textual.widgets import Input, ProgressBar, TextArea
 
 from llama_chat.app.cli import main
@@ -167,6 +169,38 @@ async def test_a_message_streams_in_and_everything_is_stored(qwen2, tmp_path, sl
         assert status["model"] == "tiny-qwen2" and "decode" in status["speed"]
         assert status["context"].startswith("ctx ") and status["context"].endswith("/256")
         assert tree_labels(app) == [(0, "● hello the world")]
+
+
+@aio
+async def test_the_context_count_grows_while_a_reply_streams(qwen2, tmp_path, slow_decode):
+    slow_decode(0.02)
+    app = chat_app(tmp_path, qwen2, max_tokens=30)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        shown = []
+        status_set = app.chat.status.set
+
+        def spy(**fields):
+            if "context" in fields and app.chat.reply is not None:
+                shown.append(int(fields["context"].split()[1].split("/")[0].replace(",", "")))
+            status_set(**fields)
+
+        app.chat.status.set = spy
+        await say(pilot, "hello the world")
+        assert len(set(shown)) > 2 and shown == sorted(shown)  # it moved, up, while the reply was written
+        assert app.chat.status.fields["context"] == f"ctx {shown[-1]:,}/256"
+
+
+@aio
+async def test_the_model_is_named_as_its_file(qwen2, tmp_path):
+    """The GGUF's general.name can name another build: the default Q4_K_M file says "… AWQ"."""
+    renamed = tmp_path / "my-build-q4_k_m.gguf"
+    shutil.copyfile(qwen2, renamed)
+    app = chat_app(tmp_path, renamed)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.chat.engine.model.name == "tiny-qwen2"  # what the file says of itself
+        assert app.chat.status.fields["model"] == "my-build-q4_k_m"
 
 
 @aio
@@ -795,6 +829,18 @@ async def test_help_lists_every_key_with_its_id(qwen2, tmp_path):
             assert needle in text
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
+
+
+@aio
+async def test_help_shows_the_whole_config_path_on_a_narrow_terminal(qwen2, tmp_path):
+    deep = tmp_path / "a-long-home-directory" / "with-nested-folders" / "config" / "llama-chat" / "config.toml"
+    app = ChatApp(tmp_path / "chat.db", model=str(qwen2), config=Config(path=deep))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f1")
+        assert app.screen.query_one(".dialog").region.right <= 80  # the box fits: nothing cut at the right
+        hint = next(w for w in app.screen.query(".hint") if "keymap" in str(w.content))
+        lines = hint.render_lines(Region(0, 0, hint.size.width, hint.size.height))
+        assert str(deep) in "".join(line.text.strip() for line in lines)  # folded, every character there
 
 
 @aio

@@ -23,7 +23,7 @@ from llama_chat.app.widgets import ChatInput
 pytestmark = pytest.mark.real_model
 
 PLACEHOLDER = "Message (Enter sends"
-MODEL_NAME = "Qwen2.5 Coder 0.5B"
+MODEL_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m"  # the file, not its general.name ("… AWQ")
 
 
 class Tmux:
