@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--branch", dest="tree", action="store_false", default=False, help="this branch (default)"
     )
     scope.add_argument("--tree", dest="tree", action="store_true", help="every session on its message tree")
-    export.add_argument("--markdown", action="store_true", help="a Markdown transcript ('-o -': stdout)")
+    export.add_argument("--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)")
 
     imp = sub.add_parser("import", help="add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)

@@ -302,7 +302,8 @@ def cmd_export(args) -> int:
 
     store = ChatStore(args.db)
     session = store.get_session(args.id)
-    to_stdout = str(args.output) == "-"
+    # a transcript is text for people: to the terminal (or a pipe) unless -o names a file
+    to_stdout = str(args.output) == "-" or (args.markdown and args.output is None)
     if args.markdown and (args.tree or args.codec):
         raise StoreError("--markdown writes one branch as text: --tree and --codec do not apply")
     if to_stdout and not args.markdown:

@@ -383,8 +383,7 @@ class ChatScreen(Screen):
 
     @staticmethod
     def message_view(m: Message) -> MessageView:
-        stopped = m.role == "assistant" and (m.stats or {}).get("stop_reason") == "cancelled"
-        return MessageView(m.role, m.content, m, note="stopped" if stopped else "")
+        return MessageView(m.role, m.content, m, note="stopped" if m.stopped else "")
 
     def show_context(self, tokens: int) -> None:
         if self.engine is not None:

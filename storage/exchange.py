@@ -359,8 +359,28 @@ def markdown_transcript(store: ChatStore, session_id: str) -> str:
     if session.system_prompt:
         lines += ["## System", "", session.system_prompt, ""]
     for m in messages:
-        lines += [f"## {m.role.capitalize()}", "", m.content, ""]
+        heading = f"## {m.role.capitalize()}" + (" (stopped)" if m.stopped else "")
+        lines += [heading, "", close_fences(m.content), ""]
     return "\n".join(lines)
+
+
+FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")  # a code fence's line, as CommonMark reads it
+
+
+def close_fences(text: str) -> str:
+    """The text with the code block it leaves open (a reply stopped mid-block) closed, so that what
+    follows it in a transcript is not read as code."""
+    fence = None
+    for line in text.splitlines():
+        m = FENCE.match(line)
+        if m is None:
+            continue
+        rest = line[m.end() :]
+        if fence is None and not (m[1][0] == "`" and "`" in rest):  # backticks after ``` open no block
+            fence = m[1]
+        elif fence is not None and m[1][0] == fence[0] and len(m[1]) >= len(fence) and not rest.strip():
+            fence = None
+    return text if fence is None else text.rstrip("\n") + "\n" + fence
 
 
 def export_markdown(store: ChatStore, session_id: str, path: str | Path) -> int:

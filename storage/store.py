@@ -90,6 +90,11 @@ class Message:
             json.loads(row["stats"]) if row["stats"] else None,
         )
 
+    @property
+    def stopped(self) -> bool:
+        """A reply the user stopped (Esc, Ctrl+C) before it ended by itself."""
+        return self.role == "assistant" and (self.stats or {}).get("stop_reason") == "cancelled"
+
 
 @dataclass
 class StoredBlock:

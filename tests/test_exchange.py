@@ -312,6 +312,32 @@ def test_a_markdown_transcript_is_for_people(source, tmp_path):
     assert code == 2 and "--tree" in err
 
 
+def test_a_markdown_transcript_goes_to_stdout_unless_a_file_is_named(source, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run("--db", source.db, "export", source.session.id, "--markdown")
+    assert code == 0, err
+    assert out.startswith('---\ntitle: "a chat"') and list(tmp_path.iterdir()) == []  # no file left behind
+
+
+def test_a_stopped_reply_is_marked_and_its_code_block_closed_in_the_transcript(tmp_path):
+    from markdown_it import MarkdownIt
+
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("code")
+    store.add_message(session.id, "user", "show me code")
+    stopped = {"stop_reason": "cancelled", "generated_tokens": 9}
+    store.add_message(session.id, "assistant", "Here:\n\n```python\ndef add(a, b):\n    ret", stats=stopped)
+    store.add_message(session.id, "user", "go on")
+    store.add_message(session.id, "assistant", "~~~\n```\n~~~\ndone", stats={"stop_reason": "eog"})
+    code, out, err = run("--db", tmp_path / "chat.db", "export", session.id, "--markdown")
+    assert code == 0, err
+    tokens = MarkdownIt().parse(out.split("---\n", 2)[2])
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert headings == ["code", "User", "Assistant (stopped)", "User", "Assistant"]  # none swallowed as code
+    code_blocks = [t.content for t in tokens if t.type == "fence"]
+    assert code_blocks == ["def add(a, b):\n    ret\n", "```\n"]  # a closed block is left as it was
+
+
 def test_the_file_layout_is_as_documented(source):
     data = source.data
     magic, version, manifest_size, data_size = HEADER.unpack_from(data)
