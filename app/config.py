@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import tomlkit
+import tomlkit.exceptions
 from textual.keys import KEY_ALIASES, REPLACED_KEYS, Keys, key_to_character
 from textual.theme import Theme
 
@@ -107,19 +108,16 @@ class Config:
         return cls(path=path, **data)
 
     def save_setting(self, key: str, value: str) -> None:
-        """Write one top-level `key = "value"` into the file, keeping everything else as the user wrote it."""
+        """Set one top-level key in the file; tomlkit keeps everything else as the user wrote it."""
         setattr(self, key, value)
         text = self.path.read_text(encoding="utf-8") if self.path.exists() else EXAMPLE
-        line = f"{key} = {json.dumps(value, ensure_ascii=False)}"
-        table = re.search(r"^\s*\[", text, re.M)  # top-level keys must come before the first [table]
-        head, tail = (text[: table.start()], text[table.start() :]) if table else (text, "")
-        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=.*$", re.M)
-        if pattern.search(head):
-            head = pattern.sub(lambda _: line, head, count=1)
-        else:
-            head = head.rstrip("\n") + ("\n" if head.strip() else "") + line + "\n" + ("\n" if tail else "")
+        try:
+            document = tomlkit.parse(text)
+        except tomlkit.exceptions.ParseError as e:  # changed by hand since it was loaded
+            raise ConfigError(f"{self.path}: {e}") from None
+        document[key] = value  # top-level: before the first [table], a comment on its line kept
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(head + tail, encoding="utf-8")
+        self.path.write_text(tomlkit.dumps(document), encoding="utf-8")
 
 
 def load_theme(path: Path) -> Theme:

@@ -37,7 +37,7 @@ SEARCH_DELAY_S = 0.2  # wait for typing to pause before searching
 # Drawing a message costs about 2 ms of the UI thread (Markdown widgets): a very long conversation
 # shows its newest messages only, so opening it never holds the screen for long.
 MAX_SHOWN = 100
-USER_ERRORS = (ModelError, StoreError, ValueError, OSError)
+USER_ERRORS = (ModelError, StoreError, ConfigError, ValueError, OSError)
 REPLYING = "writing a reply (Esc stops)"
 
 
@@ -1094,6 +1094,8 @@ class ChatApp(App, inherit_bindings=False):
                 self.config.save_setting("theme", theme.name)
             except OSError as e:
                 self.notify(f"{self.config.path}: {e}", severity="error")
+            except ConfigError as e:  # the file was changed by hand into bad TOML meanwhile
+                self.notify(str(e), severity="error")
 
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)

@@ -905,6 +905,32 @@ async def test_themes_from_files_and_the_choice_persists(qwen2, tmp_path):
         assert again.theme == "llama-light"
 
 
+HAND_WRITTEN = '''# my settings
+"model" = "qwen2.5-coder-0.5b-instruct-q4_k_m"   # the one I like
+max_tokens   =  8
+system_prompt = """
+theme = "is not a setting here"
+"""
+
+[sampling]
+temperature = 0  # greedy
+'''
+
+
+def test_saving_a_setting_keeps_the_file_as_the_user_wrote_it(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text(HAND_WRITTEN)
+    config = Config.load(path)
+    config.save_setting("theme", "llama-light")
+    config.save_setting("model", "gemma-3-270m-q4_k_m")
+    expected = HAND_WRITTEN.replace("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
+    expected = expected.replace('"""\n\n[sampling]', '"""\ntheme = "llama-light"\n\n[sampling]')
+    assert path.read_text() == expected  # one key changed in place, one added before the first table
+    again = Config.load(path)
+    assert (again.model, again.theme) == ("gemma-3-270m-q4_k_m", "llama-light")
+    assert again.system_prompt == 'theme = "is not a setting here"\n'
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 
