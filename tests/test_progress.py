@@ -1,0 +1,43 @@
+"""The progress lines on stderr: whole on a narrow terminal, and nothing at all in a file or a pipe."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from llama_chat.app.progress import ProgressBar
+
+LONG_LABEL = "assembling " + "qwen2.5-coder-0.5b-instruct-q4_k_m-" * 3 + ".gguf"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def screen_lines(output: str) -> list[str]:
+    """What was written, without the escape sequences that move the cursor and colour the text."""
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output)
+    return [line for line in re.split(r"[\r\n]", plain) if line.strip()]
+
+
+def test_each_step_fits_a_narrow_terminal_with_its_percent(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "48")
+    terminal = Terminal()
+    with ProgressBar(terminal) as bar:
+        bar(LONG_LABEL, 0, 1000)
+        bar(LONG_LABEL, 1000, 1000)
+        bar("preparing weights", 3, 0)  # a step whose size is not known
+    lines = screen_lines(terminal.getvalue())
+    assert lines and all(len(line) <= 48 for line in lines)  # nothing wraps or is cut by the terminal
+    assert any(line.startswith("✓ assembling qwen") and " 100% " in line for line in lines)  # the label gave way
+    assert "preparing weights" in lines[-1] and " 100% " in lines[-1]  # shown as done when it ended
+
+
+def test_nothing_is_drawn_into_a_file_or_a_pipe():
+    log = io.StringIO()
+    with ProgressBar(log) as bar:
+        bar(LONG_LABEL, 500, 1000)
+        bar.clear()
+        bar("reading the prompt", 512, 1024)
+    assert log.getvalue() == ""
