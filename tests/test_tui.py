@@ -245,6 +245,20 @@ async def test_a_first_load_shows_its_progress_and_the_screen_works_meanwhile(qw
 
 
 @aio
+async def test_the_status_bar_shows_its_percent_sign_whole(qwen2, tmp_path):
+    from textual.widgets._progress_bar import PercentageStatus
+
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.chat.status.progress("loading a model", 64, 100)
+        await pilot.pause()
+        bar = app.chat.status.query_one(ProgressBar)
+        percent = bar.query_one(PercentageStatus)
+        assert str(percent.render()) == "64%" and bar.region.contains_region(percent.region)
+
+
+@aio
 async def test_escape_stops_the_reply_at_once_and_keeps_it(qwen2, tmp_path, slow_decode):
     slow_decode(0.05)
     app = chat_app(tmp_path, qwen2, max_tokens=100)
