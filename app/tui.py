@@ -604,20 +604,20 @@ class ChatScreen(Screen):
         try:
             if at is not None and at.role == "user":
                 child, draft = fork_before(self.store, session, at), at.content
-                done = "Forked “{}” before your message: change it, then Enter sends it"
+                done = "Forked before your message: change it, then Enter sends it"
             else:
                 at_id = at.id if at is not None and at.id != session.head_id else None
                 if self.engine is not None:
                     child = self.engine.fork(session, at_id)
                 else:
                     child = self.store.fork_session(session.id, at_id)
-                draft, done = None, "Forked “{}” after this reply" if at_id else "Forked into “{}”"
+                draft, done = None, "Forked after this reply" if at_id else f"Forked into “{child.title}”"
             path = self.store.path(child.head_id)
         except USER_ERRORS as e:
             self.notify(str(e), severity="error")
             return
         self.app.call_from_thread(self.forked, child, path, draft)
-        self.notify(done.format(child.title), timeout=5)
+        self.notify(done, timeout=5)
         if self.engine_ready.is_set():
             self.open_in_engine(child)
 
