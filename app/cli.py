@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--session", metavar="ID", help="open this session (default: the last one)")
 
     sessions = sub.add_parser(
-        "sessions", help="stored conversations: list, show, fork, rename, rm, search, gc"
+        "sessions", help="stored conversations: list, show, fork, rename, rm, search, gc, check"
     )
     ssub = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     ssub.add_parser("list", help="newest first").add_argument("--json", action="store_true")
@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     rename.add_argument("title")
     ssub.add_parser("rm", help="delete a session (messages other sessions reach stay)").add_argument("id")
     ssub.add_parser("search", help="full-text search over messages").add_argument("text")
+    check = ssub.add_parser("check", help="check the database file; recover what can be read if damaged")
+    check.add_argument("-o", "--output", type=Path, metavar="FILE", help="recover into (default: beside it)")
     gc = ssub.add_parser("gc", help="drop stored KV no session needs")
     gc.add_argument("--budget", type=int, metavar="MB", help="then keep at most this many MB of KV")
 

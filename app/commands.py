@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -18,10 +17,12 @@ from llama_chat.inference import (
     load_model,
 )
 from llama_chat.inference.catalog import model_status
-from llama_chat.storage import ChatStore, StoreError
+from llama_chat.storage import ChatStore, Session, StoreError
 
 from .cli import UsageError, print_json
+from .engine import SavedReply
 from .progress import ProgressBar
+from .signals import ReplySignals
 
 
 def prefill_bar():
@@ -96,27 +97,103 @@ def sampling_settings(args, stored: dict | None = None) -> dict:
     return settings
 
 
-def print_stats(stats: GenerationStats) -> None:
-    print(
+def print_stats(stats: GenerationStats, stop: str | None = None) -> None:
+    say(
         f"[{stats.prompt_tokens} prompt tokens, {stats.prefilled_tokens} prefilled at {stats.prefill_tok_s:.1f} tok/s; "
-        f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s; stop: {stats.stop_reason}]",
-        file=sys.stderr,
+        f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s; stop: {stop or stats.stop_reason}]"
     )
 
 
+def say(line: str) -> None:
+    """A line on stderr, where a closed terminal (SIGHUP) must not turn a stored reply into a traceback."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def write(text: str) -> bool:
+    """Text on stdout; False once no one reads it (a closed terminal or pipe)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except OSError:
+        return False
+
+
 def stream(pieces) -> str:
-    """Write the reply to stdout as it comes; Ctrl+C stops it and keeps what was generated."""
+    """Write the reply to stdout as it comes. However it ends (its end, a cancel, a closed terminal,
+    a second signal), the generator is closed here, which stores a stored reply with what it wrote."""
     out = []
     try:
         for piece in pieces:
             out.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
+            if not write(piece):
+                break
+    finally:
         pieces.close()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+        write("\n")
     return "".join(out)
+
+
+def open_store(args) -> ChatStore:
+    store = ChatStore(args.db)
+    store.on_wait = waiting_notice(store)
+    return store
+
+
+def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
+    """on_wait for the store: say once that another process holds the write lock; with `signals`
+    (while a reply is stored), a signal during the wait gives up waiting."""
+    seen = None
+
+    def on_wait(waited: float) -> None:
+        nonlocal seen
+        if seen is None:
+            seen = signals.count if signals else 0
+            say(f"waiting for {store.db_path}: another process is writing to it (Ctrl+C gives up)")
+        elif signals is not None and signals.count > seen:
+            raise KeyboardInterrupt
+
+    return on_wait
+
+
+def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Session, int]:
+    """Stream a reply that is stored with its question; SIGINT, SIGTERM and SIGHUP stop it and keep it
+    (see signals.py). Returns the session that now ends with it (a new branch when the session moved
+    on meanwhile) and the exit code a signal asks for (0 if none came)."""
+    stats, saved = GenerationStats(), SavedReply()
+    params = engine.sampling(session, **sampling_settings(args))
+    with ReplySignals() as signals:
+        engine.store.on_wait = waiting_notice(engine.store, signals)
+        try:
+            stream(
+                engine.reply(
+                    session,
+                    text,
+                    sampling=params,
+                    max_tokens=args.max_tokens,
+                    cancel=signals.cancel,
+                    stats=stats,
+                    on_prefill=prefill_bar(),
+                    saved=saved,
+                )
+            )
+        except KeyboardInterrupt:
+            pass  # a second signal: whether the reply was stored is said below
+        finally:
+            engine.store.on_wait = waiting_notice(engine.store)
+    print_stats(stats, signals.stop_reason(stats.stop_reason))
+    if saved.session is None:
+        say("llama-chat: the reply was not stored: stopped while it was being stored")
+        return session, signals.exit_code or 130
+    if saved.branched:
+        say(
+            f"session {session.id} moved on while this reply was written (another reply was stored in it): "
+            f"stored on a new branch, session {saved.session.id}"
+        )
+    if saved.kv_skipped:
+        say(f"(its KV cache was not saved: {saved.kv_skipped}; it is recomputed when needed)")
+    return saved.session, signals.exit_code
 
 
 def open_engine(args, store: ChatStore):
@@ -151,7 +228,8 @@ def cmd_ask(args) -> int:
         )
         print_stats(stats)
         return 0
-    store = ChatStore(args.db)
+    store = open_store(args)
+    store.check_writable()  # a reply that could not be stored is not worth computing
     if args.session:
         session = store.get_session(args.session)  # an unknown session fails before the model loads
     engine = open_engine(args, store)
@@ -168,24 +246,12 @@ def cmd_ask(args) -> int:
     _, info = engine.open(session)
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
-    stats = GenerationStats()
-    params = engine.sampling(session, **sampling_settings(args))
-    stream(
-        engine.reply(
-            session,
-            prompt,
-            sampling=params,
-            max_tokens=args.max_tokens,
-            stats=stats,
-            on_prefill=prefill_bar(),
-        )
-    )
-    print_stats(stats)
-    return 0
+    return stored_reply(engine, session, prompt, args)[1]
 
 
 def cmd_chat(args) -> int:
-    store = ChatStore(args.db)
+    store = open_store(args)
+    store.check_writable()
     if args.session:
         store.get_session(args.session)  # an unknown session fails before the model loads
     engine = open_engine(args, store)
@@ -199,7 +265,6 @@ def cmd_chat(args) -> int:
         session = engine.new_session(args.title or "Terminal chat", args.system, sampling_settings(args))
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
-    cancel = threading.Event()
     while True:
         try:
             line = input("> ")
@@ -208,20 +273,9 @@ def cmd_chat(args) -> int:
             return 0
         if not line.strip():
             continue
-        stats = GenerationStats()
-        params = engine.sampling(session, **sampling_settings(args))
-        stream(
-            engine.reply(
-                session,
-                line,
-                sampling=params,
-                max_tokens=args.max_tokens,
-                cancel=cancel,
-                stats=stats,
-                on_prefill=prefill_bar(),
-            )
-        )
-        print_stats(stats)
+        session, code = stored_reply(engine, session, line, args)
+        if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
+            return code
 
 
 def cmd_tokenize(args) -> int:
@@ -238,8 +292,10 @@ def when(ts: float) -> str:
 
 
 def cmd_sessions(args) -> int:
-    store = ChatStore(args.db)
     action = args.action
+    if action == "check":  # before opening the database: a damaged one is not opened at all
+        return check_database_file(args.db, args.output)
+    store = open_store(args)
     if action == "list":
         sessions = store.list_sessions()
         if args.json:
@@ -278,6 +334,23 @@ def cmd_sessions(args) -> int:
             f"{result['blocks']} block(s), {result['bytes'] / 2**20:.1f} MB kept"
         )
     return 0
+
+
+def check_database_file(db: Path, out: Path | None) -> int:
+    """`sessions check`: 0 when the file is sound; 1 when damaged, with what could be read recovered."""
+    from llama_chat.storage.repair import check_database
+
+    report = check_database(db, out)
+    if not report.problems:
+        print(f"{db}: ok (integrity check passed)")
+        return 0
+    for problem in report.problems[:10]:
+        print(f"{db}: damaged: {problem}")
+    print(
+        f"recovered {report.sessions} session(s), {report.messages} message(s) into {report.recovered_to}, "
+        f"by {report.method}; the damaged file was left as it was"
+    )
+    return 1
 
 
 def cmd_bench(args) -> int:

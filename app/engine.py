@@ -27,10 +27,20 @@ from llama_chat.inference import (
 )
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv
+from llama_chat.storage.db import StoreError
 from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
 
 DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
 DEFAULT_CTX = 4096
+
+
+@dataclass
+class SavedReply:
+    """Where a reply was stored, filled in by ChatEngine.reply() as GenerationStats is."""
+
+    session: Session | None = None  # the session ending with the reply; None: not stored (an error says why)
+    branched: bool = False  # the session had moved on meanwhile: the reply went on a new branch of it
+    kv_skipped: str | None = None  # why the KV snapshot was not stored (it is recomputed when needed)
 
 
 @dataclass
@@ -53,6 +63,18 @@ def fork_before(store: ChatStore, session: Session, message: Message, title: str
     branch = store.fork_session(session.id, message.id, title)
     store.set_head(branch.id, message.parent_id)
     return store.get_session(branch.id)
+
+
+def reply_stats(stats: GenerationStats) -> dict:
+    """What is stored with a reply about how it was made."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "prefilled_tokens": stats.prefilled_tokens,
+        "prefill_tok_s": round(stats.prefill_tok_s, 2),
+        "generated_tokens": stats.generated_tokens,
+        "decode_tok_s": round(stats.decode_tok_s, 2),
+        "stop_reason": stats.stop_reason,
+    }
 
 
 def system_message(system_prompt: str | None) -> list[dict]:
@@ -176,19 +198,26 @@ class ChatEngine:
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
+        saved: SavedReply | None = None,
     ) -> Iterator[str]:
-        """Store the user's message (if any), stream the reply, store it and snapshot the KV.
+        """Stream the reply to the user's message (if any), then store both and snapshot the KV.
 
-        The user's message is saved before anything is computed; the reply is saved even when it is
-        cancelled (Esc) with what was generated so far."""
+        The message and its reply are stored together, in one transaction, when the reply ends —
+        also when it is cancelled (Esc), with what was generated so far — so an error or a crash
+        leaves no question without its answer. `saved` hears where they went: a new branch when the
+        session moved on meanwhile (another process replied in it). A failure to store them raises
+        StoreError; a failure to store the KV snapshot only notes it in `saved`."""
         stats = stats if stats is not None else GenerationStats()
+        saved = saved if saved is not None else SavedReply()
         with self.lock:
+            session = self.store.get_session(session.id)
             if user_text is not None:
                 self.check_message(session.system_prompt, user_text)
-                self.store.add_message(session.id, "user", user_text)
-            session = self.store.get_session(session.id)
             seq, _ = self.open(session)
-            prompt = self.prompt(session, seq, max_tokens)
+            messages = self.messages(session)
+            if user_text is not None:
+                messages.append({"role": "user", "content": user_text})
+            prompt = self.prompt(messages, seq, max_tokens)
             pieces: list[str] = []
             try:
                 for piece in generate(
@@ -204,7 +233,8 @@ class ChatEngine:
                     pieces.append(piece)
                     yield piece
             finally:
-                self._finish_reply(session, seq, "".join(pieces), stats)
+                stats.stop_reason = stats.stop_reason or "cancelled"  # closed or interrupted from outside
+                self._finish_reply(session, user_text, seq, "".join(pieces), stats, saved)
 
     def check_message(self, system_prompt: str | None, user_text: str) -> None:
         """Refuse a message that is empty, or too long even with every older turn dropped (the system
@@ -214,33 +244,41 @@ class ChatEngine:
         alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
         check_fits(chat_prompt_ids(self.model, alone), self.n_ctx)
 
-    def prompt(self, session: Session, seq: KVSequence, max_tokens: int) -> list[int]:
-        """The prompt for the next reply; when the conversation outgrows the window, the oldest turns
+    def prompt(self, messages: list[dict], seq: KVSequence, max_tokens: int) -> list[int]:
+        """The prompt for the next reply to `messages`; when they outgrow the window, the oldest turns
         go and the cached KV follows by context shift. A reply may use what the window has left."""
         # Room for the reply; what open() restored (up to a full window) is cut down by context shift.
         budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
-        messages, prompt = fit_messages(self.model, self.messages(session), budget)
-        if len(messages) < len(self.messages(session)):
+        kept, prompt = fit_messages(self.model, messages, budget)
+        if len(kept) < len(messages):
             shift_to(self.model, seq, prompt)
         return prompt
 
-    def _finish_reply(self, session: Session, seq: KVSequence, text: str, stats: GenerationStats) -> None:
-        self.store.add_message(
-            session.id,
-            "assistant",
-            text,
-            token_ids=stats.token_ids,
-            stats={
-                "prompt_tokens": stats.prompt_tokens,
-                "prefilled_tokens": stats.prefilled_tokens,
-                "prefill_tok_s": round(stats.prefill_tok_s, 2),
-                "generated_tokens": stats.generated_tokens,
-                "decode_tok_s": round(stats.decode_tok_s, 2),
-                "stop_reason": stats.stop_reason,
-            },
-        )
-        # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
-        self.snapshot(self.store.get_session(session.id), seq, complete=stats.stop_reason != "cancelled")
+    def _finish_reply(
+        self,
+        session: Session,
+        user_text: str | None,
+        seq: KVSequence,
+        text: str,
+        stats: GenerationStats,
+        saved: SavedReply,
+    ) -> None:
+        """Store the turn below the head the reply was computed from (`session` as it was), then the KV."""
+        reply = Message(0, None, "assistant", text, stats.token_ids, time.time(), reply_stats(stats))
+        asked = [] if user_text is None else [Message(0, None, "user", user_text, None, time.time(), None)]
+        turn = [*asked, reply]
+        try:
+            stored, saved.branched = self.store.append_turn(session.id, session.head_id, turn)
+        except StoreError as e:
+            raise StoreError(f"the reply was not stored: {e}") from None
+        saved.session = stored
+        if stored.id != session.id:  # the KV computed belongs to the new branch now
+            self.live[stored.id] = self.live.pop(session.id, seq)
+        try:
+            # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
+            self.snapshot(stored, seq, complete=stats.stop_reason != "cancelled")
+        except (StoreError, KeyboardInterrupt) as e:  # KV is a cache; a second Ctrl+C may skip it
+            saved.kv_skipped = str(e) or "interrupted"
 
     def snapshot(self, session: Session, seq: KVSequence, complete: bool = True) -> None:
         """Bring the KV up to the end of the stored conversation (unless not `complete`: then what it holds
@@ -314,7 +352,7 @@ class ChatEngine:
                 if old is not None and old is not alt.seq:
                     old.free()
                 self.live[branch.id] = alt.seq
-                self._finish_reply(branch, alt.seq, alt.text, alt.stats)
+                self._finish_reply(branch, None, alt.seq, alt.text, alt.stats, SavedReply())
                 out.append((self.store.get_session(branch.id), alt.text))
             return out
 

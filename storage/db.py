@@ -6,7 +6,11 @@ anything is written to it, so an older program never alters what a newer one sav
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import sqlite3
+import struct
 from pathlib import Path
 
 import sqlite_utils
@@ -105,29 +109,146 @@ def _v1(conn: sqlite3.Connection) -> None:
 MIGRATIONS = [_v1]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
+BUSY_S = 1.0  # SQLite's own wait for a lock, per try; ChatStore.transaction() keeps trying, and says so
+LOW_SPACE = 1 << 20  # bytes free under which an I/O error is put down to a full disk
+WAL_MAGIC, WAL_VERSION = 0x377F0682, 3007000  # from SQLite's file format: the -wal header
+WAL_HEADER, WAL_FRAME_HEADER = 32, 24
+
+
+def describe(e: BaseException) -> str:
+    """What went wrong with the database file, in a few words a user can act on: SQLite's own message
+    names the symptom ("disk I/O error"), not the cause (a full disk) nor what to do (a damaged file)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    primary = None if code is None else code & 0xFF  # extended codes carry the primary one in the low byte
+    if primary == sqlite3.SQLITE_FULL or getattr(e, "errno", None) == errno.ENOSPC:
+        return "the disk is full"
+    if primary == sqlite3.SQLITE_BUSY:
+        return "another process holds its write lock"
+    if primary in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM) or isinstance(e, PermissionError):
+        return "it is read-only here"
+    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "decode" in str(e):
+        return f"it is damaged ({e}); `llama-chat sessions check` recovers what can be read"
+    return str(e)
+
+
+def store_error(path: Path, e: BaseException, consequence: str = "nothing was changed") -> StoreError:
+    """The one line for a failed database operation: the file, why, and what it means for the user."""
+    why = describe(e)
+    if why == str(e) and getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_IOERR:
+        if shutil.disk_usage(path.parent).free < LOW_SPACE:  # an I/O error on a full disk is the disk
+            why = "the disk is full"
+    return StoreError(f"{path}: {why}; {consequence}")
+
+
+def writable(path: Path) -> bool:
+    """Whether we may write the database and the -wal/-shm files beside it (SQLite creates those)."""
+    folder_ok = os.access(path.parent, os.W_OK)
+    return folder_ok and (not path.exists() or os.access(path, os.W_OK))
+
+
+def wal_damage(path: Path) -> str | None:
+    """Why the -wal file beside the database is damaged, or None when it is absent or sound.
+
+    SQLite silently ignores a WAL from its first bad frame on, and the first connection to close then
+    writes that shortened history into the main file: committed turns vanish without a word. So the
+    file is checked here, before SQLite sees it. A torn last frame is not damage (a crash while writing
+    it leaves that, and SQLite rightly ignores it); a bad frame with frames of the same generation after
+    it, or a bad header, is."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        data = wal.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"its -wal file cannot be read ({e.strerror})"
+    if not data:
+        return None
+    if len(data) < WAL_HEADER:
+        return "its -wal file is truncated"
+    magic, version, page_size, _, salt1, salt2, c1, c2 = struct.unpack(">8I", data[:WAL_HEADER])
+    if magic not in (WAL_MAGIC, WAL_MAGIC | 1) or version != WAL_VERSION:
+        return "its -wal file has a damaged header"
+    order = ">" if magic & 1 else "<"  # the checksums' byte order, named by the magic's last bit
+    sums = _wal_checksum(data[:24], order, (0, 0))
+    if sums != (c1, c2):
+        return "its -wal file has a damaged header"
+    frame = WAL_FRAME_HEADER + page_size
+    n_frames = (len(data) - WAL_HEADER) // frame
+    bad = None
+    for i in range(n_frames):
+        at = WAL_HEADER + i * frame
+        _, _, fsalt1, fsalt2, f1, f2 = struct.unpack(">6I", data[at : at + WAL_FRAME_HEADER])
+        if (fsalt1, fsalt2) != (salt1, salt2):
+            break  # frames of an earlier generation, left after a checkpoint: not part of the log
+        if bad is not None:
+            return f"its -wal file is damaged at frame {bad + 1} of {n_frames}"
+        sums = _wal_checksum(data[at : at + 8] + data[at + WAL_FRAME_HEADER : at + frame], order, sums)
+        if sums != (f1, f2):
+            bad = i
+    return None
+
+
+def _wal_checksum(data: bytes, order: str, sums: tuple[int, int]) -> tuple[int, int]:
+    """SQLite's WAL checksum (a Fletcher-like sum over pairs of 32-bit words), continued from `sums`."""
+    s0, s1 = sums
+    words = struct.unpack(f"{order}{len(data) // 4}I", data)
+    for x0, x1 in zip(words[::2], words[1::2], strict=True):
+        s0 = (s0 + x0 + s1) & 0xFFFFFFFF
+        s1 = (s1 + x1 + s0) & 0xFFFFFFFF
+    return s0, s1
+
+
+def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
+    if not read_only:
+        return sqlite3.connect(path, timeout=BUSY_S, check_same_thread=False, isolation_level=None)
+    # Read-only: nothing may be created beside the file. With no -wal content to read, `immutable`
+    # opens it without a -shm; otherwise SQLite needs the -shm to read the -wal.
+    wal = path.with_name(path.name + "-wal")
+    has_wal = wal.exists() and wal.stat().st_size > 0
+    uri = f"{path.absolute().as_uri()}?mode=ro" + ("" if has_wal else "&immutable=1")
+    return sqlite3.connect(uri, uri=True, timeout=BUSY_S, check_same_thread=False, isolation_level=None)
+
 
 def open_database(path: str | Path) -> sqlite_utils.Database:
-    """Open (creating if needed) and upgrade the database; refuse one from a newer version."""
+    """Open (creating if needed) and upgrade the database; refuse one from a newer version, and one
+    whose -wal file is damaged. A database we may not write is opened read-only (PRAGMA query_only)."""
     path = Path(path)
     if path.is_dir():
         raise StoreError(f"{path}: is a directory, not a database")
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        conn = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"{path}: cannot create its folder ({e.strerror})") from None
+    read_only = not writable(path)
+    if read_only and not path.exists():
+        raise StoreError(f"{path}: no database there, and its folder is read-only")
+    damage = wal_damage(path)
+    if damage:
+        raise StoreError(
+            f"{path}: {damage}; it was left untouched: `llama-chat sessions check` recovers what can be read"
+        )
+    try:
+        conn = _connect(path, read_only)
         version = conn.execute("PRAGMA user_version").fetchone()[0]
     except sqlite3.DatabaseError as e:
-        raise StoreError(f"{path}: not a llama-chat database ({e})") from None
+        if e.sqlite_errorcode & 0xFF == sqlite3.SQLITE_NOTADB:
+            raise StoreError(f"{path}: not a llama-chat database ({e})") from None
+        raise store_error(path, e, "it cannot be opened") from None
     if version > SCHEMA_VERSION:
         conn.close()
         raise StoreError(
             f"{path}: written by a newer llama-chat (schema {version}; this version knows up to "
             f"{SCHEMA_VERSION}); it was left untouched"
         )
+    if read_only and version < SCHEMA_VERSION:
+        conn.close()
+        raise StoreError(f"{path}: read-only here, and its schema needs an upgrade to be read")
     try:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA busy_timeout = 30000")
+        if not read_only:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")  # WAL keeps the database consistent through a crash
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_S * 1000)}")
         conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute("PRAGMA synchronous = NORMAL")  # WAL keeps the database consistent through a crash
         if version < SCHEMA_VERSION:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -140,7 +261,9 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
+        if read_only:
+            conn.execute("PRAGMA query_only = ON")  # the connection itself says so: see ChatStore.read_only
         return sqlite_utils.Database(conn)
     except sqlite3.DatabaseError as e:
         conn.close()
-        raise StoreError(f"{path}: cannot use the database ({e})") from None
+        raise store_error(path, e, "it cannot be used") from None

@@ -13,13 +13,16 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .db import StoreError, open_database
+from .db import BUSY_S, StoreError, open_database, store_error
+
+BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
 
 
 @dataclass
@@ -119,22 +122,100 @@ class ChatStore:
         self.db_path = Path(path)
         self.db = open_database(self.db_path)
         self._lock = threading.RLock()  # one connection, used from the UI's workers one at a time
+        # open_database() opens a file we may not write read-only, and marks the connection so
+        self.read_only = bool(self.db.conn.execute("PRAGMA query_only").fetchone()[0])
+        # Damaged pages may read as fewer rows, without an error: look before showing or writing anything.
+        self.damage = self._quick_check()  # why the file is not fit to be used, once found
+        if self.damage:
+            self.close()
+            raise self._damaged()
+        # Called as on_wait(seconds) while another process holds the write lock; it may raise to give up.
+        self.on_wait: Callable[[float], None] | None = None
 
     def close(self) -> None:
         self.db.conn.close()
 
     @contextmanager
     def transaction(self):
-        """All or nothing: a crash or an error inside leaves the database as it was."""
+        """All or nothing: a crash or an error inside leaves the database as it was. Waits as long as
+        another process holds the write lock (telling on_wait), and refuses a damaged or read-only file."""
         with self._lock:
+            self.check_writable()
             conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
+            self._begin()
             try:
                 yield
-            except BaseException:
-                conn.execute("ROLLBACK")
+                conn.execute("COMMIT")
+            except BaseException as e:
+                if conn.in_transaction:  # a failed COMMIT (a full disk) leaves it open
+                    conn.execute("ROLLBACK")
+                if isinstance(e, sqlite3.Error):
+                    raise self._error(e, "nothing was changed") from None
                 raise
-            conn.execute("COMMIT")
+            self._checkpoint()
+
+    def _begin(self) -> None:
+        waited = 0.0
+        while True:
+            try:
+                self.db.conn.execute("BEGIN IMMEDIATE")  # SQLite itself waits BUSY_S for the lock
+                return
+            except sqlite3.OperationalError as e:
+                if e.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                    raise self._error(e, "nothing was changed") from None
+            waited += BUSY_S
+            if self.on_wait is not None:
+                self.on_wait(waited)
+
+    def _checkpoint(self) -> None:
+        """Copy what was committed into the main file and empty the -wal: a -wal lost or damaged later
+        (a crash, a copy made without it) then takes nothing committed with it."""
+        conn = self.db.conn
+        conn.execute("PRAGMA busy_timeout = 0")  # never wait for it: readers elsewhere may hold the -wal
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error:
+            pass  # the commit stands; the next commit or the last connection to close checkpoints
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_S * 1000)}")
+
+    def check_writable(self) -> None:
+        """Nothing is written into a read-only or damaged file."""
+        if self.read_only:
+            raise StoreError(f"{self.db_path}: read-only here (the file or its folder); nothing was changed")
+        if self.damage:
+            raise self._damaged()
+
+    def _quick_check(self) -> str | None:
+        """PRAGMA quick_check of the tables that hold conversations (cheap: the KV tables, the bulk of
+        the file, are checked block by block against their checksums as they are read)."""
+        conn = self.db.conn
+        try:
+            tables = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND sql NOT LIKE 'CREATE VIRTUAL%'"
+            ).fetchall()
+            for (table,) in tables:
+                found = (
+                    [] if table in BULK_TABLES else conn.execute(f'PRAGMA quick_check("{table}")').fetchall()
+                )
+                if found and found != [("ok",)]:  # several lines, the first a heading: one line of it
+                    detail = " ".join(" ".join(r[0] for r in found).split("***")[-1].split())
+                    return f"table {table} is damaged ({detail[:120]})"
+        except sqlite3.Error as e:
+            return f"it is damaged ({e})"
+        return None
+
+    def _damaged(self) -> StoreError:
+        return StoreError(
+            f"{self.db_path}: {self.damage}; it was left untouched: `llama-chat sessions check` "
+            "recovers what can be read"
+        )
+
+    def _error(self, e: sqlite3.Error, consequence: str) -> StoreError:
+        """One line for a failed query; a damaged file found this way is not written to again."""
+        if getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_CORRUPT or "decode" in str(e):
+            self.damage = self.damage or str(e)
+        return store_error(self.db_path, e, consequence)
 
     def _insert(self, table: str, row: dict) -> None:
         # plain SQL: sqlite-utils' writers commit on their own, which would end our transaction early
@@ -145,9 +226,12 @@ class ChatStore:
 
     def _rows(self, sql: str, params=()) -> list[dict]:
         with self._lock:
-            cur = self.db.conn.execute(sql, params)
-            names = [d[0] for d in cur.description]
-            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            try:
+                cur = self.db.conn.execute(sql, params)
+                names = [d[0] for d in cur.description]
+                return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            except sqlite3.Error as e:
+                raise self._error(e, "it cannot be read") from None
 
     # -- models ----------------------------------------------------------------------------------
 
@@ -248,20 +332,7 @@ class ChatStore:
         head = parent.head_id if at_message is None else at_message
         if at_message is not None and at_message not in {m.id for m in self.path(parent.head_id)}:
             raise StoreError(f"message {at_message} is not in session {parent.id}")
-        now = time.time()
-        row = {
-            "id": secrets.token_hex(6),
-            "title": title or f"{parent.title} (fork)",
-            "head_id": head,
-            "model_fingerprint": parent.model_fingerprint,
-            "model_name": parent.model_name,
-            "system_prompt": parent.system_prompt,
-            "sampling": json.dumps(parent.sampling),
-            "forked_from": parent.id,
-            "n_tokens": parent.n_tokens if head == parent.head_id else 0,
-            "created": now,
-            "updated": now,
-        }
+        row = self._fork_row(parent, head, title)
         with self.transaction():
             self._insert("sessions", row)
             self.db.conn.execute(
@@ -276,6 +347,23 @@ class ChatStore:
                     (row["id"], parent.id),
                 )
         return Session.from_row(row)
+
+    @staticmethod
+    def _fork_row(parent: Session, head: int | None, title: str | None) -> dict:
+        now = time.time()
+        return {
+            "id": secrets.token_hex(6),
+            "title": title or f"{parent.title} (fork)",
+            "head_id": head,
+            "model_fingerprint": parent.model_fingerprint,
+            "model_name": parent.model_name,
+            "system_prompt": parent.system_prompt,
+            "sampling": json.dumps(parent.sampling),
+            "forked_from": parent.id,
+            "n_tokens": parent.n_tokens if head == parent.head_id else 0,
+            "created": now,
+            "updated": now,
+        }
 
     def delete_session(self, session_id: str) -> int:
         """Delete a session, and those of its messages no other session reaches; returns how many."""
@@ -312,23 +400,53 @@ class ChatStore:
         """Append a message under `parent_id` (default: the session's head) and move the head to it."""
         with self.transaction():
             if parent_id is None:
-                row = self.db.conn.execute(
-                    "SELECT head_id FROM sessions WHERE id = ?", (session_id,)
-                ).fetchone()
-                if row is None:
-                    raise StoreError(f"unknown session '{session_id}'")
-                parent_id = row[0]
-            blob = None if token_ids is None else np.asarray(token_ids, dtype=np.int32).tobytes()
-            now = time.time()
-            cur = self.db.conn.execute(
-                "INSERT INTO messages (parent_id, role, content, token_ids, created, stats) VALUES (?, ?, ?, ?, ?, ?)",
-                (parent_id, role, content, blob, now, json.dumps(stats) if stats else None),
+                parent_id = self._head(session_id)
+            message = self._insert_message(
+                parent_id, Message(0, None, role, content, token_ids, time.time(), stats)
             )
-            mid = cur.lastrowid
-            self.db.conn.execute(
-                "UPDATE sessions SET head_id = ?, updated = ? WHERE id = ?", (mid, now, session_id)
-            )
-        return Message(mid, parent_id, role, content, token_ids, now, stats)
+            self._move_head(session_id, message.id)
+        return message
+
+    def append_turn(
+        self, session_id: str, expected_head: int | None, turn: list[Message]
+    ) -> tuple[Session, bool]:
+        """Append messages (a user turn and its reply), all or nothing, below `expected_head`: the head
+        the reply was computed from. If the session moved on meanwhile (another process replied in it),
+        they go on a new branch from there instead, so no reply lands under another run's question.
+        The messages' id and parent_id are ignored. Returns (the session now ending with them, whether
+        it is a new branch)."""
+        with self.transaction():
+            head = self._head(session_id)
+            target = session_id
+            if head != expected_head:
+                row = self._fork_row(self.get_session(session_id), expected_head, None)
+                self._insert("sessions", row)
+                target = row["id"]
+            parent = expected_head
+            for m in turn:
+                parent = self._insert_message(parent, m).id
+            self._move_head(target, parent)
+        return self.get_session(target), target != session_id
+
+    def _head(self, session_id: str) -> int | None:
+        row = self.db.conn.execute("SELECT head_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"unknown session '{session_id}'")
+        return row[0]
+
+    def _insert_message(self, parent_id: int | None, m: Message) -> Message:
+        """m below parent_id (m's own id and parent_id are not used): the stored message."""
+        blob = None if m.token_ids is None else np.asarray(m.token_ids, dtype=np.int32).tobytes()
+        cur = self.db.conn.execute(
+            "INSERT INTO messages (parent_id, role, content, token_ids, created, stats) VALUES (?, ?, ?, ?, ?, ?)",
+            (parent_id, m.role, m.content, blob, m.created, json.dumps(m.stats) if m.stats else None),
+        )
+        return Message(cur.lastrowid, parent_id, m.role, m.content, m.token_ids, m.created, m.stats)
+
+    def _move_head(self, session_id: str, message_id: int) -> None:
+        self.db.conn.execute(
+            "UPDATE sessions SET head_id = ?, updated = ? WHERE id = ?", (message_id, time.time(), session_id)
+        )
 
     def message(self, message_id: int) -> Message:
         rows = self._rows("SELECT * FROM messages WHERE id = ?", (message_id,))
@@ -473,8 +591,6 @@ class ChatStore:
                         doomed.append((key,))
                 conn.executemany("DELETE FROM kv_blocks WHERE key = ?", doomed)
             after = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM kv_blocks").fetchone()
-        with self._lock:
-            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return {
             "blocks_removed": before[0] - after[0],
             "bytes_freed": before[1] - after[1],

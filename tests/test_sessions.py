@@ -214,11 +214,11 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
                 proc.send_signal(signal.SIGKILL)
         proc.wait()
         if proc.returncode == 0:
-            completed.append(text)
+            completed.append((s.id, text))
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert 5 <= len(completed) < 20  # some runs were killed, some finished
-    for text in completed:
+    for _, text in completed:
         found = conn.execute(
             "SELECT id FROM messages WHERE role = 'user' AND content = ?", (text,)
         ).fetchall()
@@ -227,11 +227,16 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
             "SELECT COUNT(*) FROM messages WHERE parent_id = ? AND role = 'assistant'", found[0]
         )
         assert replies.fetchone()[0] == 1, text
+    unanswered = conn.execute(  # a killed run stores nothing: its question and reply go in together
+        "SELECT COUNT(*) FROM messages q WHERE role = 'user' "
+        "AND NOT EXISTS (SELECT 1 FROM messages a WHERE a.parent_id = q.id)"
+    )
+    assert unanswered.fetchone()[0] == 0
     fresh = engine_for(qwen2, db, block_size=64)
     for s in sessions:
         session = fresh.store.get_session(s.id)
         _, info = fresh.open(session)
-        assert info.tokens > 0
+        assert (info.tokens > 0) == any(sid == s.id for sid, _ in completed)
         assert chat(fresh, session, "still there?", max_tokens=3)[0] is not None
 
 
