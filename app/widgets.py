@@ -220,8 +220,11 @@ class SessionTree(Tree[ChatRef]):
             add(self.root, root)
         if hits is not None and not sessions:
             self.root.add_leaf(Text("nothing found", style="dim"))
-        if current_node is not None and hits is None:  # once drawn: a node has no line before
-            self.call_after_refresh(self.move_cursor, current_node)
+        # search results from the first one, not from where the cursor was; else at the open chat
+        first = self.root.children[0] if self.root.children else None
+        target = first if hits is not None else current_node
+        if target is not None:  # once drawn: a node has no line before
+            self.call_after_refresh(self.move_cursor, target)
 
     def action_delete(self) -> None:
         node = self.cursor_node

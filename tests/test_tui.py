@@ -749,6 +749,8 @@ async def test_search_lists_a_message_forks_share_once_and_opens_it_scrolled_to(
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert app.chat.session.id == other.id
+        tree = app.chat.query_one(SessionTree)
+        tree.move_cursor(tree.root.children[-1].children[-1])  # browsed the sidebar before searching
         await pilot.press("ctrl+f", *"tomatoes")
         await until(pilot, lambda: "Something else" not in str(tree_labels(app)), what="the search")
         labels = tree_labels(app)
@@ -756,9 +758,8 @@ async def test_search_lists_a_message_forks_share_once_and_opens_it_scrolled_to(
         assert hits == ["user: tomatoes in rain"]  # once, though three sessions reach it
         assert labels[0] == (0, LONG_TITLE) and labels[1] == (1, "user: tomatoes in rain")
         await pilot.press("enter")  # to the results
-        tree = app.chat.query_one(SessionTree)
-        tree.move_cursor(tree.root.children[0].children[0])
-        await pilot.press("enter")
+        assert tree.cursor_line == 0  # from the first, not where the sidebar was left
+        await pilot.press("down", "enter")  # the hit
         await until(pilot, lambda: app.chat.session.id == original.id, what="the switch")
         await idle(pilot)
         hit = app.chat.views()[0]
