@@ -158,7 +158,7 @@ def export_session(
         raise ExchangeError(f"unknown KV codec '{codec}'; expected one of {', '.join(CODECS)}")
     path = Path(path)
     # one consistent snapshot, even while a reply of the same session is being saved
-    with store.transaction():
+    with store.reading():
         manifest, block_blobs, tail_blobs = _collect(store, session_id, with_kv, codec, tree)
     blobs = block_blobs + tail_blobs
     size = _write_file(path, manifest, blobs, progress)

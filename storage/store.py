@@ -154,6 +154,18 @@ class ChatStore:
                 raise
             self._checkpoint()
 
+    @contextmanager
+    def reading(self):
+        """One consistent view for several reads, even while another process writes: a read
+        transaction, which takes no write lock and works on a read-only file."""
+        with self._lock:
+            conn = self.db.conn
+            conn.execute("BEGIN")  # deferred: the view is fixed by the first read
+            try:
+                yield
+            finally:
+                conn.execute("COMMIT")
+
     def _begin(self) -> None:
         waited = 0.0
         while True:

@@ -474,6 +474,9 @@ def test_a_read_only_database_reads_and_refuses_writes_in_one_line(qwen2, tmp_pa
     target = db if what == "file" else folder
     rc, out, err = run_read_only(target, ["--db", str(db), "sessions", "list"])
     assert rc == 0 and session_id in out, err
+    exported = tmp_path / "out.llamachat"
+    rc, _, err = run_read_only(target, ["--db", str(db), "export", session_id, "-o", str(exported)])
+    assert rc == 0 and exported.stat().st_size > 0, err
     for command in (["sessions", "rename", session_id, "new"], ["ask", "--session", session_id, "hi"]):
         rc, out, err = run_read_only(target, cli_args(db, qwen2, *command))
         assert rc == 2, err
