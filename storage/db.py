@@ -134,10 +134,16 @@ def describe(e: BaseException) -> str:
 def store_error(path: Path, e: BaseException, consequence: str = "nothing was changed") -> StoreError:
     """The one line for a failed database operation: the file, why, and what it means for the user."""
     why = describe(e)
-    if why == str(e) and getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_IOERR:
-        if shutil.disk_usage(path.parent).free < LOW_SPACE:  # an I/O error on a full disk is the disk
-            why = "the disk is full"
+    if why == str(e) and getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_IOERR and disk_full(path):
+        why = "the disk is full"  # SQLite only knows that a write (of its -shm, its -wal) failed
     return StoreError(f"{path}: {why}; {consequence}")
+
+
+def disk_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path.parent).free < LOW_SPACE
+    except OSError:
+        return False
 
 
 def writable(path: Path) -> bool:
@@ -209,9 +215,10 @@ def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
     return sqlite3.connect(uri, uri=True, timeout=BUSY_S, check_same_thread=False, isolation_level=None)
 
 
-def open_database(path: str | Path) -> sqlite_utils.Database:
+def open_database(path: str | Path, read_only: bool | None = None) -> sqlite_utils.Database:
     """Open (creating if needed) and upgrade the database; refuse one from a newer version, and one
-    whose -wal file is damaged. A database we may not write is opened read-only (PRAGMA query_only)."""
+    whose -wal file is damaged. A database we may not write, or cannot for a full disk, is opened
+    read-only (and marked so: PRAGMA query_only)."""
     path = Path(path)
     if path.is_dir():
         raise StoreError(f"{path}: is a directory, not a database")
@@ -219,7 +226,7 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise StoreError(f"{path}: cannot create its folder ({e.strerror})") from None
-    read_only = not writable(path)
+    read_only = not writable(path) if read_only is None else read_only
     if read_only and not path.exists():
         raise StoreError(f"{path}: no database there, and its folder is read-only")
     damage = wal_damage(path)
@@ -231,6 +238,8 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
         conn = _connect(path, read_only)
         version = conn.execute("PRAGMA user_version").fetchone()[0]
     except sqlite3.DatabaseError as e:
+        if not read_only and path.exists() and disk_full(path):
+            return open_database(path, read_only=True)  # reading needs no room, writing SQLite's -shm does
         if e.sqlite_errorcode & 0xFF == sqlite3.SQLITE_NOTADB:
             raise StoreError(f"{path}: not a llama-chat database ({e})") from None
         raise store_error(path, e, "it cannot be opened") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .db import BUSY_S, StoreError, open_database, store_error
+from .db import BUSY_S, StoreError, disk_full, open_database, store_error
 
 BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
 
@@ -194,7 +194,8 @@ class ChatStore:
     def check_writable(self) -> None:
         """Nothing is written into a read-only or damaged file."""
         if self.read_only:
-            raise StoreError(f"{self.db_path}: read-only here (the file or its folder); nothing was changed")
+            why = "the disk is full" if disk_full(self.db_path) else "read-only here (the file or its folder)"
+            raise StoreError(f"{self.db_path}: {why}; nothing was changed")
         if self.damage:
             raise self._damaged()
 

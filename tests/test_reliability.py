@@ -200,12 +200,14 @@ def fill(folder: Path, leave: int) -> None:
         os.fsync(f.fileno())
 
 
-def test_a_full_filesystem_is_named_as_such(qwen2, small_filesystem, capsys):
+def test_a_full_filesystem_is_named_as_such_and_can_still_be_read(qwen2, small_filesystem, capsys):
     db = small_filesystem / "chat.db"
     session_id = a_database(qwen2, db)
     fill(small_filesystem, 0)
     base = cli_args(db, qwen2)
-    for command in (["sessions", "list"], ["ask", "--session", session_id, "and then"]):
+    assert main([*base, "sessions", "list"]) == 0  # reading needs no room
+    assert session_id in capsys.readouterr().out
+    for command in (["ask", "--session", session_id, "and then"], ["sessions", "rename", session_id, "x"]):
         assert main([*base, *command]) == 2
         line = one_line_error(capsys.readouterr().err)
         assert "disk is full" in line and "not a llama-chat database" not in line
