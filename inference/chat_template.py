@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -11,7 +15,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.exceptions import SecurityError
+from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 
 from .errors import ModelError
 
@@ -24,8 +30,154 @@ CHATML_TEMPLATE = (
 )
 
 
+# Bounds on one render, so that a hostile template in a GGUF fails in one line instead of running for
+# minutes or taking gigabytes. Steps are loop iterations, calls, filters and tests (nested range()
+# loops, recursion); characters are every string or list a template builds, reads in a call or a
+# comparison, or writes (repetition, the new part of a concatenation, slices, replace(), the output);
+# the time limit catches what neither counts (a string grown a little at every step is copied whole
+# each time). Real templates use a few thousand steps, a few times their messages' length in
+# characters, and milliseconds.
+MAX_STEPS = 1_000_000
+TIME_LIMIT_S = 10.0
+MACRO_STEPS = 16  # a macro call takes as long as this many loop steps
+MAX_CHARS = 64 << 20  # plus CHARS_PER_INPUT for each character of the messages
+CHARS_PER_INPUT = 16
+MAX_ARGUMENT = 100_000  # the largest count or width a call may ask for (Jinja's own cap on range())
+
+
 class TemplateError(ModelError):
     """A chat template that cannot be compiled or rendered; the message names the template in one line."""
+
+
+class _OverBudget(Exception):
+    """A render that went past one of the bounds above; render() names the template and the bound."""
+
+
+class _Budget:
+    """What one render may still spend: steps, characters and time."""
+
+    def __init__(self, chars: int, seconds: float):
+        self.steps = MAX_STEPS
+        self.chars = self.limit = chars
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def step(self, n: int = 1) -> None:
+        self.steps -= n
+        if self.steps < 0:
+            raise _OverBudget(f"more than {MAX_STEPS:,} loop steps and calls")
+        if time.monotonic() >= self.deadline:
+            raise _OverBudget(f"still running after {self.seconds:g} s")
+
+    def afford(self, size: int) -> None:
+        if size > self.chars:
+            raise _OverBudget(f"it would build more than {self.limit:,} characters")
+
+    def charge(self, size: int) -> None:
+        self.afford(size)
+        self.chars -= size
+
+    def spend(self, value: Any) -> Any:
+        self.charge(_size(value))
+        return value
+
+
+# The budget of the render running in this thread; a context variable, out of the template's reach.
+_BUDGET: ContextVar[_Budget] = ContextVar("chat_template_budget")
+
+
+def _size(value: Any) -> int:
+    """Characters (or items) a value holds, as far as building it costs; 0 for anything else."""
+    if isinstance(value, str | bytes | list | tuple | dict):
+        return len(value)
+    return 0
+
+
+def _check_size(number: int) -> int:
+    if number > MAX_ARGUMENT:
+        raise _OverBudget(f"asks for a size of {number:,} (at most {MAX_ARGUMENT:,})")
+    return number
+
+
+def _check_format(fmt: str) -> None:
+    """A format string's widths and precisions count as sizes asked for: '%999999999s', '{:>999999999}'."""
+    for digits in re.findall(r"\d{6,}", fmt):  # only long runs of digits can be over the cap
+        _check_size(int(digits))
+
+
+def _largest_argument(values: Iterable[Any]) -> int:
+    """The largest size among a call's arguments (a count, a width, a string's length), once none of
+    the numbers asks for more than the cap."""
+    largest = 0
+    for v in values:
+        number = abs(v) if isinstance(v, int) and not isinstance(v, bool) else 0
+        largest = max(largest, _check_size(number), _size(v))
+    return largest
+
+
+def _guarded_call(value: Any, run: Callable[[], Any], arguments: list[Any], name: str, steps: int = 1) -> Any:
+    """Run a call, filter or test on `value` within the budget: what it can make at most (its value's
+    size times its largest argument: replace(), join(), indent(), center()) must fit before it runs;
+    reading the value and what it made are spent."""
+    budget = _BUDGET.get()
+    budget.step(steps)
+    if name in ("format", "format_map") and isinstance(value, str):
+        _check_format(value)
+    budget.afford(_size(value) * (1 + _largest_argument(arguments)))
+    budget.spend(value)
+    return budget.spend(run())
+
+
+def _counted(iterable: Iterable[Any]) -> Iterator[Any]:
+    """A loop's items, each one step."""
+    budget = _BUDGET.get()
+    for item in iterable:
+        budget.step()
+        yield item
+
+
+def _spent(value: Any) -> Any:
+    return _BUDGET.get().spend(value)
+
+
+def _concat(*parts: Any) -> str:
+    """`a ~ b ~ ...`, spending what is new: all but the longest part (a string grown piece by piece
+    spends each piece once; one doubled at each step spends its whole length)."""
+    texts = [str(p) for p in parts]  # as Jinja's own `~` does
+    sizes = [len(t) for t in texts]
+    _BUDGET.get().charge(sum(sizes) - max(sizes, default=0))
+    return "".join(texts)
+
+
+class _Metered(NodeTransformer):
+    """Makes loops count their items, and `~`, slices and comparisons spend the characters they build
+    or read: plain Jinja runs them without calling anything the sandbox could watch."""
+
+    def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        node = self.generic_visit(node)
+        node.iter = jinja2.nodes.Filter(node.iter, "_counted", [], [], None, None, lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
+        node = self.generic_visit(node)
+        first, *rest = node.nodes
+        return jinja2.nodes.Filter(first, "_concat", rest, [], None, None, lineno=node.lineno)
+
+    def visit_Getitem(self, node: jinja2.nodes.Getitem) -> jinja2.nodes.Node:
+        node = self.generic_visit(node)
+        return _spending(node) if isinstance(node.arg, jinja2.nodes.Slice) else node  # a slice is a copy
+
+    def visit_Compare(self, node: jinja2.nodes.Compare) -> jinja2.nodes.Node:
+        # `a in b` and `a == b` read both strings: each operand spends its size as it is evaluated
+        node = self.generic_visit(node)
+        node.expr = _spending(node.expr)
+        for operand in node.ops:
+            operand.expr = _spending(operand.expr)
+        return node
+
+
+def _spending(node: jinja2.nodes.Expr) -> jinja2.nodes.Expr:
+    return jinja2.nodes.Filter(node, "_spent", [], [], None, None, lineno=node.lineno)
 
 
 class _RaisedByTemplate(Exception):
@@ -69,7 +221,39 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox: templates can neither change their inputs nor reach Python internals."""
+    """The immutable sandbox: templates can neither change their inputs nor reach Python internals,
+    and spend no more than a render's budget."""
+
+    intercepted_binops = frozenset({"*", "+", "%", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        budget = _BUDGET.get()
+        if operator == "*":
+            times = right if isinstance(right, int) else left if isinstance(left, int) else 1
+            budget.charge((_size(left) + _size(right)) * max(times, 0))  # 'A' * 4000000000
+        elif operator == "+":
+            budget.charge(min(_size(left), _size(right)))  # what is new, as for `~`
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            budget.charge(max(right, 0) * abs(left).bit_length() // 8)  # the result's bytes
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left)
+            _largest_argument(right if isinstance(right, tuple) else [right])  # '%*s' % (999999999, x)
+            return budget.spend(super().call_binop(context, operator, left, right))
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        if isinstance(__obj, LoopContext) and args:  # loop(children) in a recursive loop: count those too
+            args = (_counted(args[0]), *args[1:])
+        # a bound method's object is what it works on ('x'.center(n)); str.format comes wrapped by Jinja
+        method = getattr(__obj, "__wrapped__", __obj)
+        run = functools.partial(super().call, __context, __obj, *args, **kwargs)
+        target, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+        steps = MACRO_STEPS if isinstance(__obj, Macro) else 1
+        return _guarded_call(target, run, [*args, *kwargs.values()], name, steps)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        item = super().getitem(obj, argument)
+        return _spent(item) if isinstance(argument, slice) else item  # a slice is a copy
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         # Jinja's sandbox answers an unsafe attribute (``x.__class__``) with an undefined value that prints as
@@ -86,9 +270,28 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
+    env.tests = {name: _guarded_filter(name, f) for name, f in env.tests.items()}
+    del env.globals["lipsum"]  # pages of made-up Latin, slow to make: no chat template writes any
+    env.filters["_counted"] = _counted
+    env.filters["_spent"] = _spent
+    env.filters["_concat"] = _concat
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def _guarded_filter(name: str, f: Callable) -> Callable:
+    """A filter (or test) that runs within the render's budget, as calls do."""
+    skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1  # (context or environment,) value
+
+    @functools.wraps(f)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        value = args[skip - 1] if len(args) >= skip else None
+        arguments = [*args[skip:], *kwargs.values()]
+        return _guarded_call(value, lambda: f(*args, **kwargs), arguments, name)
+
+    return guarded
 
 
 # One environment serves every template: it holds no per-template state.
@@ -97,6 +300,8 @@ _ENV = _make_environment()
 
 class ChatTemplate:
     """A compiled chat template; render() turns a list of messages into the prompt text."""
+
+    time_limit_s = TIME_LIMIT_S  # how long one render may run
 
     def __init__(
         self, source: str | None, *, bos_token: str = "", eos_token: str = "", name: str = "chat template"
@@ -109,7 +314,7 @@ class ChatTemplate:
             # An empty template would render an empty prompt, and the model would answer nothing sensible.
             raise TemplateError(f"{name}: is empty")
         try:
-            self._template = _ENV.from_string(self.source)
+            self._template = _ENV.from_string(_Metered().visit(_ENV.parse(self.source)))
         except jinja2.TemplateSyntaxError as e:
             reason = f"{_one_line(e.message or '')} (line {e.lineno})"
             raise TemplateError(f"{name}: does not compile: {reason}") from None
@@ -133,8 +338,14 @@ class ChatTemplate:
             "eos_token": self.eos_token,
         }
         context.update(extra)
+        budget = _Budget(
+            MAX_CHARS + CHARS_PER_INPUT * sum(map(len, content_texts(messages))), self.time_limit_s
+        )
+        token = _BUDGET.set(budget)
         try:
-            return self._template.render(context)
+            return "".join(budget.spend(piece) for piece in self._template.generate(context))
+        except _OverBudget as e:
+            raise TemplateError(f"{self.name}: stopped{self._where(e)}: {e}") from None
         except _RaisedByTemplate as e:
             raise TemplateError(f"{self.name}: {_one_line(str(e)) or 'raised an exception'}") from None
         except SecurityError as e:
@@ -142,6 +353,8 @@ class ChatTemplate:
             raise TemplateError(f"{self.name}: blocked by the sandbox{where}: {_reason(e)}") from None
         except Exception as e:  # a template can fail in any Python way (TypeError, UndefinedError, ...)
             raise TemplateError(f"{self.name}: failed to render{self._where(e)}: {_reason(e)}") from None
+        finally:
+            _BUDGET.reset(token)
 
     def _where(self, e: BaseException) -> str:
         """Where in the template `e` happened, " at line N (source text)", so the error says where to look."""

@@ -6,13 +6,15 @@ from __future__ import annotations
 import io
 
 import pytest
+from test_chat_template import EXCHANGE, TEMPLATES
 from test_tui import aio, chat_app, ready, say, until
 
 from llama_chat.app.cli import main
 from llama_chat.app.config import Config
 from llama_chat.inference import Model, chat_prompt_ids, load_model
-from llama_chat.inference.chat_template import ChatTemplate
+from llama_chat.inference.chat_template import ChatTemplate, TemplateError
 from llama_chat.storage import ChatStore
+from tiny_models import write_tiny_model
 
 
 @pytest.fixture
@@ -151,3 +153,50 @@ def test_plain_messages_tokenize_as_before(qwen2):
     ]
     text = model.chat_template.render(messages)
     assert chat_prompt_ids(model, messages) == model.tokenizer.encode(text, special=True)
+
+
+# -- 9: chat templates that would run for minutes or take gigabytes --------------------------------
+
+RUNAWAY = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "repetition": "{{ 'A' * 4000000000 }}",
+    "doubling": "{% set ns = namespace(s='AB') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s }}",
+    "padding": "{{ 'x'.center(4000000000) }}{{ 'x'|indent(4000000000) }}",
+    "format width": "{{ '{:>999999999}'.format('x') }}",
+    "replace": "{{ ('a' * 100000).replace('a', 'a' * 100000) }}",
+    "recursion": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("source", RUNAWAY.values(), ids=RUNAWAY.keys())
+def test_a_runaway_template_is_stopped_in_one_line(source):
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate(source, name="chat template of evil.gguf").render([{"role": "user", "content": "hi"}])
+    message = str(e.value)
+    assert message.startswith("chat template of evil.gguf: stopped") and "\n" not in message
+
+
+def test_a_template_that_runs_too_long_is_stopped():
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", name="slow")
+    template.time_limit_s = 0  # what a template growing a string a little at every step runs into
+    with pytest.raises(TemplateError, match=r"^slow: stopped .*: still running after 0 s$"):
+        template.render([{"role": "user", "content": "hi"}])
+
+
+def test_ask_with_a_runaway_template_in_the_model_fails_in_one_line(tmp_path, capsys):
+    path = write_tiny_model(tmp_path / "evil.gguf", "qwen2", chat_template=RUNAWAY["nested loops"])
+    assert main(["--db", str(tmp_path / "chat.db"), "--model", str(path), "ask", "hi"]) == 2
+    assert "chat template of evil.gguf: stopped" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("path", sorted(TEMPLATES.glob("*.jinja")), ids=lambda p: p.stem)
+def test_fixture_templates_render_a_long_conversation_within_the_bounds(path):
+    try:
+        template = ChatTemplate(path.read_text(encoding="utf-8"), name=path.name)
+        template.render(EXCHANGE)
+    except TemplateError:
+        pytest.skip("does not render an exchange (test_chat_template says why)")
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "hello the world " * 50} for i in range(200)]
+    assert "hello the world" in template.render([{"role": "system", "content": "be brief"}, *turns])

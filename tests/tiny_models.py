@@ -99,9 +99,10 @@ def write_tiny_model(
     shapes: dict | None = None,
     arch_name: str | None = None,
     raw_types: dict | None = None,
+    chat_template: str = CHATML,
 ) -> Path:
-    """Write a tiny model; `drop`, `shapes`, `arch_name` and `raw_types` (name → GGML type, data left
-    unreadable) make broken variants for the error tests."""
+    """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
+    unreadable) and `chat_template` make broken or hostile variants for the error tests."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -141,7 +142,7 @@ def write_tiny_model(
         w.add_bos_token_id(bos)
         w.add_eos_token_id(eos)
         w.add_add_bos_token(arch == "llama")
-        w.add_chat_template(CHATML)
+        w.add_chat_template(chat_template)
     n_vocab = len(tokens)
 
     def tensor(name, shape, scale=0.2, quant=None):
