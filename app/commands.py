@@ -246,7 +246,19 @@ def cmd_ask(args) -> int:
     _, info = engine.open(session)
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
-    return stored_reply(engine, session, prompt, args)[1]
+    try:
+        return stored_reply(engine, session, prompt, args)[1]
+    finally:
+        if args.new_session:
+            forget_if_empty(store, session)
+
+
+def forget_if_empty(store: ChatStore, session: Session) -> None:
+    """A session this command made for a reply that was not stored goes again: a failed command
+    leaves nothing behind (where the disk lets us: on a full one, even a delete may fail)."""
+    with contextlib.suppress(StoreError):
+        if store.get_session(session.id).head_id is None:
+            store.delete_session(session.id)
 
 
 def cmd_chat(args) -> int:

@@ -170,6 +170,10 @@ def test_a_full_disk_stores_the_whole_turn_or_nothing_and_says_so(qwen2, tmp_pat
     assert out.strip()  # the reply was shown...
     line = one_line_error(err)  # ...and the user is told it was not stored, and why
     assert "the reply was not stored" in line and "disk is full" in line
+    new = ["ask", "--new-session", "--temp", "0", "--max-tokens", "150", "hello the world"]
+    assert main(cli_args(db, qwen2, *new)) == 2
+    assert "the reply was not stored" in one_line_error(capsys.readouterr().err)
+    assert [s.id for s in ChatStore(db).list_sessions()] == [session_id]  # no empty session left behind
     monkeypatch.undo()  # space again
     assert roles(db, session_id) == ["user", "assistant"]  # no question left without its answer
     assert main(cli_args(db, qwen2, *ask)) == 0
