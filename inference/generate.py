@@ -13,6 +13,7 @@ from . import model as forward_pass
 from .chat_template import completion_prompt, content_texts, map_contents
 from .kv_cache import KVSequence
 from .llm import Model
+from .lookup import PromptLookup
 from .sampling import Sampler, SamplingParams
 
 
@@ -22,8 +23,10 @@ class GenerationStats:
     prefilled_tokens: int = 0  # of those, the ones computed now (the rest came from the cache)
     prefill_s: float = 0.0
     generated_tokens: int = 0
-    decoded_tokens: int = 0  # one-token forward passes run while generating
+    decoded_tokens: int = 0  # tokens decoded after the prefill (each one forward row)
     decode_s: float = 0.0
+    drafted_tokens: int = 0  # tokens guessed by prompt lookup and checked by the model
+    accepted_tokens: int = 0  # of those, the ones the model produced itself
     stop_reason: str = ""  # "eog", "length", "stop", "cancelled"
     token_ids: list[int] = field(default_factory=list)  # what was generated, end token excluded
 
@@ -206,13 +209,16 @@ def generate(
     cancel: threading.Event | None = None,
     stats: GenerationStats | None = None,
     on_prefill: Progress | None = None,
+    lookup: bool = True,
 ) -> Iterator[str]:
     """Yield the reply as text pieces (never half a UTF-8 character).
 
     `seq` may hold an earlier turn: the longest common prefix is kept, full blocks other sequences
     already computed are shared, and only the rest is prefilled. Without `seq` a temporary one is used.
     Setting `cancel` stops the loop before the next token. `stats` is filled in as it goes;
-    on_prefill(done, total) hears how a long prompt's prefill advances.
+    on_prefill(done, total) hears how a long prompt's prefill advances. `lookup` guesses runs of tokens
+    from the conversation (prompt lookup) and lets the model check them in one pass; the reply is the
+    same token for token, seeded sampling included.
     """
     stats = stats if stats is not None else GenerationStats()
     prompt_ids = list(prompt_ids)
@@ -228,26 +234,62 @@ def generate(
             min(max_tokens, seq.n_ctx - len(prompt_ids)),
             stats,
         )
-        logits = _prefill(model, prompt_ids, seq, stats, on_prefill, cancel)
-        t0 = time.perf_counter()
-        while True:
-            if cancel is not None and cancel.is_set():
-                stats.stop_reason = "cancelled"
-                break
-            text, going = reply.take(logits)
-            if text:
-                yield text
-            if not going:
-                break
-            logits = model.forward([reply.last_token], seq)[-1]
-            stats.decoded_tokens += 1
-            stats.decode_s = time.perf_counter() - t0
+        rows = [_prefill(model, prompt_ids, seq, stats, on_prefill, cancel)]
+        yield from _decode(model, seq, reply, rows, cancel, PromptLookup(prompt_ids) if lookup else None)
         rest = reply.finish()
         if rest:
             yield rest
     finally:
         if own_seq:
             seq.free()
+
+
+def _decode(
+    model: Model,
+    seq: KVSequence,
+    reply: _Reply,
+    rows: list,
+    cancel: threading.Event | None,
+    lookup: PromptLookup | None,
+) -> Iterator[str]:
+    """Sample from each logits row in turn. A forward pass computes the row of the token just sampled
+    and, with prompt lookup, of a guessed run after it (`queued`, KV written but not yet taken): while
+    the sampled tokens follow the guess, their rows are already there; where they part, the rest of the
+    guess is dropped. Every row is computed as decoding its token alone would compute it."""
+    stats = reply.stats
+    queued: list[int] = []
+    drafted = 0
+    t0 = time.perf_counter()
+    try:
+        while True:
+            if cancel is not None and cancel.is_set():
+                stats.stop_reason = "cancelled"
+                return
+            text, going = reply.take(rows.pop(0))
+            if text:
+                yield text
+            if not going:
+                return
+            token = reply.last_token
+            if lookup is not None:
+                lookup.push(token)
+            if queued and queued[0] == token:  # the guess held: this token's KV and row are ready
+                seq.commit([queued.pop(0)])
+                stats.accepted_tokens += 1
+            else:
+                if lookup is not None:
+                    lookup.taken(drafted, drafted - len(queued))
+                seq.truncate(seq.n_tokens)  # the KV of a guess that broke off is given back
+                room = min(seq.n_ctx - seq.n_tokens, reply.max_tokens - stats.generated_tokens) - 1
+                queued = lookup.propose()[: max(room, 0)] if lookup is not None else []
+                drafted = len(queued)
+                stats.drafted_tokens += drafted
+                rows = list(model.verify_draft([token, *queued], seq))
+                seq.commit([token])
+            stats.decoded_tokens += 1
+            stats.decode_s = time.perf_counter() - t0
+    finally:
+        seq.truncate(seq.n_tokens)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, KVSequence
-from .model import context_shift, decode_batch, forward
+from .model import context_shift, decode_batch, forward, verify_draft
 from .tokenizer import Tokenizer
 from .weights import Config, prepare
 
@@ -46,6 +46,11 @@ class Model:
     def forward(self, tokens, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
         """Append tokens to a sequence; logits of the last new token ([1, n_vocab]) or of all of them."""
         return forward(tokens, self.weights, self.config, seq, all_logits)
+
+    def verify_draft(self, tokens: list[int], seq: KVSequence) -> np.ndarray:
+        """Logits of each of a few tokens after the sequence, each row as decoding it alone would give;
+        their KV is written, not taken: commit the accepted ones, then truncate (see model.verify_draft)."""
+        return verify_draft(tokens, self.weights, self.config, seq)
 
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
         """One token for each sequence, in one pass; logits [len(seqs), n_vocab]."""

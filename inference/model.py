@@ -1,4 +1,5 @@
-"""The transformer forward pass in plain NumPy: one function per idea, float32 throughout.
+"""The transformer forward pass in plain NumPy: one function per idea, float32 activations throughout
+(the weights stay quantized; their matrix products are compiled kernels, see kernels.py).
 
 Shapes in comments: T new tokens, S cached positions, d = n_embd, hd = head_dim.
 Architecture differences (QKV bias, q/k norms, post-norms, sliding windows, GELU vs SiLU,
@@ -11,6 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import kernels
 from .errors import ContextFullError
 from .kv_cache import KVSequence
 from .weights import Config
@@ -55,26 +57,10 @@ def rope(
     return out
 
 
-SMALL_BATCH = 8  # up to this many rows, `linear` avoids BLAS gemm
-CHUNK_ROWS = 2048  # rows of a weight matrix that stay in cache while each input row passes over them
-
-
-def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x [n, in] @ weight[out, in].T → [n, out].
-
-    Decoding is bound by reading the weights. For one row BLAS runs a gemv at memory speed, but its
-    gemm for 2–8 rows costs about as much as that many separate passes over the weights. So a few rows
-    go one at a time over chunks of the matrix small enough to stay in cache: each weight is read from
-    memory once for all the rows (what "regenerate ×3" needs)."""
-    n = x.shape[0]
-    if n == 1 or n > SMALL_BATCH:
-        return x @ weight.T
-    out = np.empty((n, weight.shape[0]), dtype=F32)
-    for r in range(0, weight.shape[0], CHUNK_ROWS):
-        chunk = weight[r : r + CHUNK_ROWS]
-        for i in range(n):
-            np.matmul(chunk, x[i], out=out[i, r : r + CHUNK_ROWS])
-    return out
+def linear(x: np.ndarray, weight) -> np.ndarray:
+    """x [n, in] @ weight[out, in].T → [n, out], weight packed from the GGUF (kernels.py: 1–8 rows read
+    each weight once for all rows; more go to BLAS on dequantized tiles)."""
+    return kernels.matmul(x, weight)
 
 
 def exp_shifted_(x: np.ndarray) -> np.ndarray:
@@ -146,8 +132,9 @@ def feed_forward(x: np.ndarray, w: dict, p: str, cfg: Config) -> np.ndarray:
 class Segment:
     """The rows of a forward step that belong to one sequence, and where their KV goes."""
 
-    def __init__(self, seq: KVSequence, rows: slice, tokens: np.ndarray):
+    def __init__(self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int):
         self.seq, self.rows, self.tokens = seq, rows, tokens
+        self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)
         self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
         self.where = seq.reserve(len(tokens))  # arena positions of the new tokens
         self._views: dict[tuple[int, int, int], tuple] = {}
@@ -180,8 +167,8 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) ->
     scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
     T, rows = len(seg.tokens), q.shape[1]
     out = []
-    for lo in range(T - rows, T, ATTENTION_ROWS):
-        hi = min(lo + ATTENTION_ROWS, T)
+    for lo in range(T - rows, T, seg.attention_rows):
+        hi = min(lo + seg.attention_rows, T)
         runs, mask = seg.view(window, lo, hi)
         parts = [(pool.k[layer, :, a : a + n], pool.v[layer, :, a : a + n]) for a, n in runs]
         out.append(
@@ -255,29 +242,45 @@ def transformer_block(
 
 def output_logits(x: np.ndarray, w: dict, cfg: Config) -> np.ndarray:
     x = rms_norm(x, w["output_norm"], cfg.norm_eps)
-    logits = linear(x, w.get("output", w["token_embd"]))  # tied to the embeddings without output.weight
+    logits = linear(x, w["output"])  # [n, n_vocab]
     if cfg.final_logit_softcap:
         logits = np.tanh(logits / F32(cfg.final_logit_softcap)) * F32(cfg.final_logit_softcap)
     return logits
 
 
-def run_step(batch: list[tuple[KVSequence, np.ndarray]], w: dict, cfg: Config, last_only: bool) -> np.ndarray:
+def run_step(
+    batch: list[tuple[KVSequence, np.ndarray]],
+    w: dict,
+    cfg: Config,
+    last_only: bool,
+    commit: bool = True,
+    attention_rows: int = ATTENTION_ROWS,
+) -> np.ndarray:
     """One forward step over new tokens of one or more sequences; returns the final hidden states of
-    every row [T, d], or (last_only) of each sequence's last row [n_seqs, d]."""
+    every row [T, d], or (last_only) of each sequence's last row [n_seqs, d]. Without `commit` the new
+    tokens' KV is written but the sequences do not take them yet (see verify_draft)."""
     segments, row = [], 0
     for seq, tokens in batch:
-        segments.append(Segment(seq, slice(row, row + len(tokens)), tokens))
+        segments.append(Segment(seq, slice(row, row + len(tokens)), tokens, attention_rows))
         row += len(tokens)
     tokens = np.concatenate([t for _, t in batch])
     positions = np.concatenate([s.positions for s in segments])
-    x = np.asarray(w["token_embd"][tokens], dtype=F32)  # [T, d]
+    x = w["token_embd"].rows(tokens)  # [T, d]
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)
     for layer in range(cfg.n_layer):
         x = transformer_block(x, w, layer, cfg, segments, positions, last_only and layer == cfg.n_layer - 1)
-    for seg in segments:
-        seg.seq.commit(seg.tokens)
+    if commit:
+        for seg in segments:
+            seg.seq.commit(seg.tokens)
     return x
+
+
+def _check_room(seq: KVSequence, n_new: int) -> None:
+    if seq.n_tokens + n_new > seq.n_ctx:
+        raise ContextFullError(
+            f"{seq.n_tokens + n_new:,} tokens do not fit in the context window of {seq.n_ctx:,} (raise --ctx)"
+        )
 
 
 def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
@@ -285,10 +288,7 @@ def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = Fa
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) == 0:
         raise ValueError("forward needs at least one token")
-    if seq.n_tokens + len(tokens) > seq.n_ctx:
-        raise ContextFullError(
-            f"{seq.n_tokens + len(tokens):,} tokens do not fit in the context window of {seq.n_ctx:,} (raise --ctx)"
-        )
+    _check_room(seq, len(tokens))
     outputs = []
     for start in range(0, len(tokens), PREFILL_BATCH):
         x = run_step([(seq, tokens[start : start + PREFILL_BATCH])], w, cfg, last_only=not all_logits)
@@ -297,6 +297,17 @@ def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = Fa
         elif start + PREFILL_BATCH >= len(tokens):
             outputs.append(output_logits(x, w, cfg))  # logits only where they are needed
     return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def verify_draft(tokens, w: dict, cfg: Config, seq: KVSequence) -> np.ndarray:
+    """Logits [n, n_vocab] of a few tokens after the sequence (its next token and a guessed run after
+    it), each row computed exactly as decoding that token alone would: same kernels per row, attention
+    row by row. Their KV is written but not taken: the caller commits the rows it accepts
+    (`seq.commit(tokens[:m])`), then `seq.truncate(seq.n_tokens)` gives back the rest."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    _check_room(seq, len(tokens))
+    x = run_step([(seq, tokens)], w, cfg, last_only=False, commit=False, attention_rows=1)
+    return output_logits(x, w, cfg)
 
 
 def decode_batch(tokens: list[int], w: dict, cfg: Config, seqs: list[KVSequence]) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""GGUF file → hyperparameters and float32 weights, prepared once and cached for fast later starts.
+"""GGUF file → hyperparameters and weights as the kernels read them, still quantized as the GGUF has them.
 
-Reading a GGUF's metadata with gguf.GGUFReader costs seconds for a 150k-token vocabulary, and
-dequantizing every tensor costs more, so the first load writes what it computed (metadata as JSON,
-fused float32 weights as .npy) into `$XDG_CACHE_HOME/llama-chat/prepared/<key>/`, keyed by the file's
-path, size and mtime. Later loads memory-map those arrays and start in well under a second.
+Reading a GGUF's metadata with gguf.GGUFReader costs seconds for a 150k-token vocabulary, so the first
+load writes it, with the table of tensors (type, shape, where the bytes lie), as JSON into
+`$XDG_CACHE_HOME/llama-chat/prepared/<key>/` (keyed by the file's path, size and mtime; a few MB).
+Weights are read from the GGUF itself at every load and packed for the kernels (quants.py) in well
+under a second: no copy of them is kept on disk.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from . import kernels, quants
 from .catalog import cache_dir
 from .errors import ModelError
 from .gguf_file import open_gguf, read_metadata, read_tensors
 
-PREPARED_FORMAT = 1
+PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 Progress = Callable[[str, int, int], None]
@@ -62,6 +64,16 @@ class Config:
         )
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where a tensor's bytes lie in the GGUF file."""
+
+    type_name: str
+    shape: tuple[int, ...]  # rows first
+    offset: int  # from the start of the file
+    nbytes: int
+
+
 @dataclass
 class Prepared:
     """Everything a model needs from its GGUF file, independent of how it was obtained."""
@@ -70,7 +82,8 @@ class Prepared:
     metadata: dict
     config: Config
     tensor_types: dict[str, list]  # name → [type name, shape] of the GGUF's tensors (for the fingerprint)
-    weights: dict[str, np.ndarray] = field(repr=False)  # fused float32 weights, often memory-mapped
+    tensors: dict[str, TensorEntry] = field(repr=False)
+    weights: dict = field(default_factory=dict, repr=False)  # filled by load_weights
 
     @property
     def fingerprint(self) -> str:
@@ -156,80 +169,154 @@ def expected_shapes(cfg: Config, layer: int) -> dict[str, tuple[int, ...]]:
 OPTIONAL_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
 
-def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True) -> Prepared:
-    """Load a GGUF's metadata and weights, from the prepared cache when it is there."""
+class TokenEmbeddings:
+    """The embedding table, dequantized one row at a time as tokens need it: read from the GGUF through a
+    memory map (only the rows used are ever paged in), or from the packed output matrix it is tied to."""
+
+    def __init__(self, raw: np.ndarray | None, type_name: str = "F32", tied=None):
+        self.raw, self.qtype, self.tied = raw, gguf.GGMLQuantizationType[type_name], tied
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [len(ids), n_embd]"""
+        if self.tied is not None:
+            return kernels.rows(self.tied, ids)
+        return np.asarray(gguf.quants.dequantize(self.raw[ids], self.qtype), dtype=np.float32)
+
+
+def model_info(path: Path, progress: Progress | None = None, use_cache: bool = True) -> Prepared:
+    """A GGUF's metadata, hyperparameters and tensor table, without its weights (from the cache if there)."""
     path = Path(path)
     target = _prepared_dir(path) if use_cache else None
-    if target is not None and (target / "complete").exists():
-        try:
-            return _load_prepared(path, target)
-        except (OSError, ValueError, KeyError):
-            shutil.rmtree(target, ignore_errors=True)  # a damaged cache entry is rebuilt from the GGUF
-    prepared = _prepare_from_gguf(path, progress)
     if target is not None:
-        _save_prepared(prepared, target)
-    return prepared
+        _remove_old_entries(target.parent)
+        if (target / "complete").exists():
+            try:
+                return _load_prepared(path, target)
+            except (OSError, ValueError, KeyError, TypeError):
+                shutil.rmtree(target, ignore_errors=True)  # a damaged cache entry is rebuilt from the GGUF
+    info = _read_gguf(path, progress)
+    if target is not None:
+        _save_prepared(info, target)
+    return info
 
 
-def _prepare_from_gguf(path: Path, progress: Progress | None) -> Prepared:
+def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True) -> Prepared:
+    """Metadata and weights: everything a Model needs."""
+    info = model_info(path, progress, use_cache)
+    info.weights = load_weights(info, progress)
+    return info
+
+
+def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
     if progress:
         progress(f"reading {path.name}", 0, 1)
     reader = open_gguf(path)
     meta = read_metadata(reader)
     cfg = read_config(meta, path)
     tensors = read_tensors(reader)
+    entries = {
+        t.name: TensorEntry(t.type_name, t.shape, int(r.data_offset), int(r.n_bytes))
+        for t, r in zip(tensors.values(), reader.tensors, strict=True)
+    }
+    tensor_types = {t.name: [t.type_name, list(t.shape)] for t in tensors.values()}
+    if progress:
+        progress(f"reading {path.name}", 1, 1)
+    return Prepared(path, meta, cfg, tensor_types, entries)
 
-    def need(name: str, shape: tuple[int, ...]):
-        t = tensors.get(name)
+
+def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
+    """Read the weights from the GGUF and pack them for the kernels: matrices stay in their integer
+    formats (int8 values with their scales), small tensors (norms, biases) become float32, the
+    embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
+    path, cfg = info.path, info.config
+
+    def need(name: str, shape: tuple[int, ...]) -> TensorEntry:
+        t = info.tensors.get(name)
         if t is None:
             raise ModelError(f"{path}: missing tensor {name}")
-        if t.shape != shape:
+        if tuple(t.shape) != shape:
             raise ModelError(f"{path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
-    def dequantize(t) -> np.ndarray:
+    def qtype(name: str, t: TensorEntry) -> gguf.GGMLQuantizationType:
         try:
-            qtype = gguf.GGMLQuantizationType[t.type_name]
-            return np.ascontiguousarray(gguf.quants.dequantize(t.data, qtype), dtype=np.float32).reshape(
-                t.shape
-            )
+            qt = gguf.GGMLQuantizationType[t.type_name]
+            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qt][1]), np.uint8), qt)  # one block
+            return qt
         except (NotImplementedError, KeyError, ValueError) as e:
             raise ModelError(
-                f"{path}: tensor {t.name} has unsupported quantization type {t.type_name} ({e})"
+                f"{path}: tensor {name} has unsupported quantization type {t.type_name} ({e})"
             ) from None
 
-    weights: dict[str, np.ndarray] = {}
-    total = cfg.n_layer + 2
-    emb = need("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
-    weights["token_embd"] = dequantize(emb)
-    if "output.weight" in tensors:
-        weights["output"] = dequantize(need("output.weight", (cfg.n_vocab, cfg.n_embd)))
-    weights["output_norm"] = dequantize(need("output_norm.weight", (cfg.n_embd,)))
-    if "rope_freqs.weight" in tensors:
-        weights["rope_freqs"] = dequantize(need("rope_freqs.weight", (cfg.head_dim // 2,)))
-    if progress:
-        progress(f"dequantizing {path.name}", 1, total)
-    for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        w = {name[len(p) :]: dequantize(need(name, shape)) for name, shape in expected_shapes(cfg, i).items()}
-        # Fused matrices: one GEMM for q/k/v and one for gate/up instead of three and two.
-        weights[p + "attn_qkv"] = np.concatenate(
-            [w.pop("attn_q.weight"), w.pop("attn_k.weight"), w.pop("attn_v.weight")]
-        )
-        weights[p + "ffn_gate_up"] = np.concatenate([w.pop("ffn_gate.weight"), w.pop("ffn_up.weight")])
-        biases = [p + b for b in OPTIONAL_BIASES]
-        if any(b in tensors for b in biases):
-            q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-            dims = (q_dim, kv_dim, kv_dim)
-            weights[p + "attn_qkv_bias"] = np.concatenate(
-                [dequantize(need(b, (d,))) for b, d in zip(biases, dims)]
+    with open(path, "rb") as f:
+
+        def raw(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            t = need(name, shape)
+            qtype(name, t)
+            f.seek(t.offset)
+            data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
+            if data.size != t.nbytes:
+                raise ModelError(f"{path}: truncated GGUF file (tensor {name} is cut short)")
+            return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+
+        def vector(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            t = need(name, shape)
+            return np.ascontiguousarray(
+                gguf.quants.dequantize(raw(name, shape), qtype(name, t)), dtype=np.float32
+            ).reshape(shape)
+
+        def matrix(*names: str, shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
+            parts = [
+                quants.unpack(raw(n, s), qtype(n, info.tensors[n]), s)
+                for n, s in zip(names, shapes, strict=True)
+            ]
+            return quants.pack(quants.join_rows(parts))
+
+        total = cfg.n_layer + 1
+        weights: dict = {"output_norm": vector("output_norm.weight", (cfg.n_embd,))}
+        emb_shape = (cfg.n_vocab, cfg.n_embd)
+        emb = need("token_embd.weight", emb_shape)
+        if "output.weight" in info.tensors:
+            weights["output"] = matrix("output.weight", shapes=[emb_shape])
+            row_bytes = emb.nbytes // cfg.n_vocab
+            table = np.memmap(
+                path, dtype=np.uint8, mode="r", offset=emb.offset, shape=(cfg.n_vocab, row_bytes)
             )
-        for name, value in w.items():
-            weights[p + name.removesuffix(".weight")] = value
+            qtype("token_embd.weight", emb)
+            weights["token_embd"] = TokenEmbeddings(table, emb.type_name)
+        else:  # tied: the output matrix is the embedding table
+            weights["output"] = matrix("token_embd.weight", shapes=[emb_shape])
+            weights["token_embd"] = TokenEmbeddings(None, tied=weights["output"])
+        if "rope_freqs.weight" in info.tensors:
+            weights["rope_freqs"] = vector("rope_freqs.weight", (cfg.head_dim // 2,))
         if progress:
-            progress(f"dequantizing {path.name}", i + 2, total)
-    tensor_types = {t.name: [t.type_name, list(t.shape)] for t in tensors.values()}
-    return Prepared(path, meta, cfg, tensor_types, weights)
+            progress(f"loading {path.name}", 1, total)
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            shapes = expected_shapes(cfg, i)
+            weights[p + "attn_qkv"] = matrix(
+                *(p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
+                shapes=[shapes[p + n] for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")],
+            )
+            weights[p + "ffn_gate_up"] = matrix(
+                p + "ffn_gate.weight",
+                p + "ffn_up.weight",
+                shapes=[shapes[p + "ffn_gate.weight"], shapes[p + "ffn_up.weight"]],
+            )
+            for n in ("attn_output", "ffn_down"):
+                weights[p + n] = matrix(p + n + ".weight", shapes=[shapes[p + n + ".weight"]])
+            for name, shape in shapes.items():
+                if len(shape) == 1:
+                    weights[p + name[len(p) :].removesuffix(".weight")] = vector(name, shape)
+            biases = [p + b for b in OPTIONAL_BIASES]
+            if any(b in info.tensors for b in biases):
+                q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+                weights[p + "attn_qkv_bias"] = np.concatenate(
+                    [vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
+                )
+            if progress:
+                progress(f"loading {path.name}", i + 2, total)
+    return weights
 
 
 def _prepared_dir(path: Path) -> Path:
@@ -238,21 +325,34 @@ def _prepared_dir(path: Path) -> Path:
     return cache_dir() / "prepared" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _save_prepared(prepared: Prepared, target: Path) -> None:
+def _remove_old_entries(folder: Path) -> None:
+    """Entries of older formats (2.4 GB of float32 weights each) are of no use any more."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        info = entry / "info.json"
+        try:
+            stale = entry.is_dir() and json.loads(info.read_text()).get("format") != PREPARED_FORMAT
+        except (OSError, ValueError):
+            stale = entry.is_dir() and not entry.name.startswith(".")
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _save_prepared(info: Prepared, target: Path) -> None:
     """Write the cache entry into a temporary folder and rename it, so a crash leaves no half entry."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        info = {
-            "config": asdict(prepared.config),
-            "tensor_types": prepared.tensor_types,
-            "weights": sorted(prepared.weights),
+        table = {
+            "format": PREPARED_FORMAT,
+            "config": asdict(info.config),
+            "tensor_types": info.tensor_types,
+            "tensors": {name: asdict(t) for name, t in info.tensors.items()},
         }
-        (tmp / "metadata.json").write_text(json.dumps(prepared.metadata, ensure_ascii=False))
-        (tmp / "info.json").write_text(json.dumps(info))
-        for name, array in prepared.weights.items():
-            np.save(tmp / f"{name}.npy", array)
+        (tmp / "metadata.json").write_text(json.dumps(info.metadata, ensure_ascii=False))
+        (tmp / "info.json").write_text(json.dumps(table))
         (tmp / "complete").write_text("ok")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
@@ -261,8 +361,10 @@ def _save_prepared(prepared: Prepared, target: Path) -> None:
 
 
 def _load_prepared(path: Path, target: Path) -> Prepared:
-    info = json.loads((target / "info.json").read_text())
+    table = json.loads((target / "info.json").read_text())
     meta = json.loads((target / "metadata.json").read_text())
-    # plain ndarray views of the mapped files: np.memmap's subclass hooks cost on every slice, per token
-    weights = {name: np.asarray(np.load(target / f"{name}.npy", mmap_mode="r")) for name in info["weights"]}
-    return Prepared(path, meta, Config(**info["config"]), info["tensor_types"], weights)
+    tensors = {
+        name: TensorEntry(t["type_name"], tuple(t["shape"]), t["offset"], t["nbytes"])
+        for name, t in table["tensors"].items()
+    }
+    return Prepared(path, meta, Config(**table["config"]), table["tensor_types"], tensors)

@@ -143,3 +143,22 @@ def test_tokenize_prints_ids_as_json(tiny_model_paths, capsys):
     assert model.tokenizer.decode(ids) == "<|im_start|>hello"
     assert main(["--model", path, "tokenize", "<|im_start|>"]) == 0
     assert len(json.loads(capsys.readouterr().out)) > 1  # without --special it is plain text
+
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5], ids=["greedy", "seeded"])
+def test_prompt_lookup_changes_no_token(tiny_model_path, temperature):
+    """Guessed runs are checked by the model and kept only where it would have produced them itself:
+    the same tokens as plain decoding, greedy or with the same draw per position for a seed."""
+    model = load_model(tiny_model_path)
+    text = "the hello world is in the air, then the water and the sun. " * 4
+    ids = chat_prompt_ids(model, [{"role": "user", "content": text}])
+    drafted = 0
+    for seed in range(4):
+        sampling = SamplingParams(temperature=temperature, seed=seed)
+        plain, plain_stats = reply(model, ids, sampling=sampling, max_tokens=80, lookup=False)
+        looked, stats = reply(model, ids, sampling=sampling, max_tokens=80)
+        assert stats.token_ids == plain_stats.token_ids and looked == plain
+        assert plain_stats.drafted_tokens == 0
+        drafted += stats.drafted_tokens
+    assert drafted > 0  # guesses were made and checked

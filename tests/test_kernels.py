@@ -1,0 +1,85 @@
+"""The packed weight formats and the compiled kernels, against gguf.quants' own dequantization."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from llama_chat.inference import kernels, quants
+
+T = gguf.GGMLQuantizationType
+FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+def raw_tensor(qtype: T, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """A tensor's GGUF bytes: quantized by gguf.quants where it can, else random blocks (every bit
+    pattern of a K-quant block is a valid block) with small, finite scales."""
+    rng = np.random.default_rng(seed)
+    if qtype not in (T.Q4_K, T.Q5_K, T.Q6_K):
+        data = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+        return data.view(np.uint8).reshape(shape[0], -1)
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(shape[0], shape[1] // block_len * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, block_bytes)
+    scales = (rng.random((blocks.shape[0], 2)) * 0.02).astype(np.float16).view(np.uint8)
+    if qtype == T.Q6_K:
+        blocks[:, 208:210] = scales[:, :2]  # d
+    else:
+        blocks[:, 0:4] = scales  # d, dmin
+    return raw
+
+
+def reference(qtype: T, raw: np.ndarray, shape) -> np.ndarray:
+    return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_unpacking_keeps_every_weight_exactly(qtype):
+    shape = (70, 512)  # rows not a multiple of the 64 lanes: the last group is padded
+    raw = raw_tensor(qtype, shape)
+    assert np.array_equal(quants.dequantize(quants.unpack(raw, qtype, shape)), reference(qtype, raw, shape))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 3, 8, 20])
+def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n):
+    shape = (130, 512)
+    raw = raw_tensor(qtype, shape)
+    w = quants.pack(quants.unpack(raw, qtype, shape))
+    x = np.random.default_rng(1).standard_normal((n, shape[1])).astype(np.float32)
+    expected = x.astype(np.float64) @ reference(qtype, raw, shape).T.astype(np.float64)
+    got = kernels.matmul(x, w)
+    assert got.shape == (n, shape[0]) and got.dtype == np.float32
+    # float32 sums of 512 products, in another order than float64's
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32], ids=lambda t: t.name)
+def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
+    """Prompt-lookup verification relies on it: row i of an n-row product is the 1-row product."""
+    shape = (128, 256)
+    w = quants.pack(quants.unpack(raw_tensor(qtype, shape), qtype, shape))
+    x = np.random.default_rng(2).standard_normal((kernels.SMALL_BATCH, shape[1])).astype(np.float32)
+    together = kernels.matmul(x, w)
+    for i in range(len(x)):
+        assert np.array_equal(together[i], kernels.matmul(x[i : i + 1], w)[0])
+
+
+def test_joined_matrices_of_different_formats_multiply_as_each_alone():
+    """q/k/v or gate/up are fused into one matrix even when their formats differ (Q5_0 beside Q6_K)."""
+    parts = [(T.Q5_0, (64, 256)), (T.Q6_K, (32, 256)), (T.Q4_K, (40, 256))]
+    raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
+    joined = quants.pack(quants.join_rows([quants.unpack(r, t, s) for r, (t, s) in zip(raws, parts)]))
+    x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
+    expected = np.concatenate([x @ reference(t, r, s).T for r, (t, s) in zip(raws, parts)], axis=1)
+    assert np.allclose(kernels.matmul(x, joined), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.BF16], ids=lambda t: t.name)
+def test_rows_of_a_packed_matrix_are_its_dequantized_rows(qtype):
+    shape = (200, 256)
+    raw = raw_tensor(qtype, shape)
+    w = quants.pack(quants.unpack(raw, qtype, shape))
+    ids = np.array([0, 63, 64, 199, 5])
+    assert np.array_equal(kernels.rows(w, ids), reference(qtype, raw, shape)[ids])
