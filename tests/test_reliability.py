@@ -98,6 +98,7 @@ class Child:
     def __init__(self, args: list[str], prefill_batch: int = 512, slow: float = 0.0, prefix=()):
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-c", CHILD, str(prefill_batch), str(slow), *args],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -276,6 +277,27 @@ def test_a_signal_during_a_reply_stores_what_was_shown_and_exits_as_shells_expec
     assert [m.role for m in stored] == ["user", "assistant"] * 2
     assert stored[-1].content == child.stdout.removesuffix("\n")
     assert 0 < len(stored[-1].content) and stored[-1].stats["stop_reason"] == "cancelled"
+
+
+def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    session_id = a_database(qwen2, db)
+    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "200"]
+    child = Child(cli_args(db, qwen2, *chat_cli), slow=0.1)
+    child.proc.stdin.write(b"hello the world\n")
+    child.proc.stdin.flush()
+    child.wait_until(lambda: child.stdout.strip(), "the reply")
+    child.proc.send_signal(signal.SIGINT)
+    child.wait_until(lambda: "stop: cancelled by SIGINT" in child.stderr, "the reply stopped")
+    child.proc.stdin.write(b"and then\n")
+    child.proc.stdin.close()  # Ctrl+D after the next reply
+    assert child.finish() == 0, child.stderr
+    assert "Traceback" not in child.stderr
+    store = ChatStore(db)
+    stored = store.path(store.get_session(session_id).head_id)
+    assert [m.content for m in stored if m.role == "user"][1:] == ["hello the world", "and then"]
+    assert [m.role for m in stored] == ["user", "assistant"] * 3
+    assert stored[3].stats["stop_reason"] == "cancelled" and stored[5].stats["stop_reason"] != "cancelled"
 
 
 def test_ctrl_c_during_a_long_prompt_stops_between_prefill_batches(qwen2, tmp_path):
