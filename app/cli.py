@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="RAM for the KV block pool (default %(default)s)",
     )
+    parser.add_argument(
+        "--no-lookup",
+        action="store_true",
+        help="decode one token at a time (no prompt lookup: the replies are the same, only slower or faster)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("models", help="list known models: installed, assembled, verified").add_argument(
@@ -128,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # no command: the full-screen chat on the default model
         args = parser.parse_args([*argv, "tui"])
     if args.threads:
-        # Must be set before NumPy loads its BLAS, which is why inference is imported below.
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        # Must be set before NumPy loads its BLAS and numba its thread pool, which is why inference is
+        # imported below.
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
             os.environ[var] = str(args.threads)
     args.db = args.db or default_db_path()
     from llama_chat.inference import ModelError

@@ -55,7 +55,9 @@ def cmd_models(args) -> int:
 
 def open_model(args):
     with ProgressBar() as bar:
-        return load_model(args.model, progress=bar, cache_ram_mb=args.cache_ram)
+        return load_model(
+            args.model, progress=bar, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup
+        )
 
 
 def read_text(value: str) -> str:
@@ -100,8 +102,16 @@ def sampling_settings(args, stored: dict | None = None) -> dict:
 def print_stats(stats: GenerationStats, stop: str | None = None) -> None:
     say(
         f"[{stats.prompt_tokens} prompt tokens, {stats.prefilled_tokens} prefilled at {stats.prefill_tok_s:.1f} tok/s; "
-        f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s; stop: {stop or stats.stop_reason}]"
+        f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s{lookup_text(stats)}; "
+        f"stop: {stop or stats.stop_reason}]"
     )
+
+
+def lookup_text(stats: GenerationStats) -> str:
+    """How prompt lookup did, when it guessed anything: tokens drafted and accepted."""
+    if not stats.drafted_tokens:
+        return ""
+    return f" ({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted)"
 
 
 def say(line: str) -> None:
@@ -417,11 +427,11 @@ def model_here(args) -> tuple[str | None, str | None]:
     """The fingerprint of the model this command line chats with (--model, or the default), read
     without building a model; (None, why) when there is no usable one."""
     from llama_chat.inference import ModelError, resolve_model
-    from llama_chat.inference.weights import prepare
+    from llama_chat.inference.weights import model_info
 
     try:
-        with ProgressBar() as bar:  # draws only when the model must first be assembled or prepared
-            return prepare(resolve_model(args.model, bar), bar).fingerprint, None
+        with ProgressBar() as bar:  # draws only when the model must first be assembled or read
+            return model_info(resolve_model(args.model, bar), bar).fingerprint, None
     except ModelError as e:
         return None, str(e)
 

@@ -89,6 +89,8 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
             f"the prompt is {len(prompt):,} tokens; the context window holds {n_ctx:,} (--ctx)"
         )
 
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
 
 class ChatEngine:
     def __init__(self, model: Model, store: ChatStore, codec: str = DEFAULT_CODEC, n_ctx: int = DEFAULT_CTX):

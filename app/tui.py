@@ -76,11 +76,13 @@ def branch_points(store: ChatStore, sessions: list[Session]) -> dict[str, int]:
     return points
 
 
-def speed_text(prefill_tok_s: float, decode_tok_s: float) -> str | None:
-    """The last reply's speeds; a part that did not run (a reply stopped while it read) is left out."""
+def speed_text(prefill_tok_s: float, decode_tok_s: float, drafted: int = 0, accepted: int = 0) -> str | None:
+    """The last reply's speeds and, when prompt lookup guessed, how many guessed tokens were kept; a
+    part that did not run (a reply stopped while it read) is left out."""
     parts = [f"prefill {prefill_tok_s:,.0f}"] if prefill_tok_s else []
     parts += [f"decode {decode_tok_s:,.1f}"] if decode_tok_s else []
-    return " · ".join(parts) + " tok/s" if parts else None
+    text = " · ".join(parts) + " tok/s" if parts else None
+    return f"{text} · lookup {accepted}/{drafted}" if text and drafted else text
 
 
 NEW_CHAT_HINT = "A new chat: it is saved as you go. Ctrl+O forks it, F1 lists every key, Ctrl+P every action."
@@ -243,7 +245,12 @@ class ChatScreen(Screen):
         self.engine_ready.clear()
         self.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
         try:
-            model = load_model(name, progress=self.progress_reporter(), cache_ram_mb=self.app.cache_ram_mb)
+            model = load_model(
+                name,
+                progress=self.progress_reporter(),
+                cache_ram_mb=self.app.cache_ram_mb,
+                prompt_lookup=self.app.prompt_lookup,
+            )
             engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx)
         except USER_ERRORS as e:
             self.engine_ready.set()  # a waiting reply finds the error
@@ -374,7 +381,12 @@ class ChatScreen(Screen):
         conversation.anchor()
         last_reply = next((m for m in reversed(path) if m.role == "assistant" and m.stats), None)
         stats = last_reply.stats if last_reply else {}
-        speed = speed_text(stats.get("prefill_tok_s", 0), stats.get("decode_tok_s", 0))
+        speed = speed_text(
+            stats.get("prefill_tok_s", 0),
+            stats.get("decode_tok_s", 0),
+            stats.get("drafted_tokens", 0),
+            stats.get("accepted_tokens", 0),
+        )
         self.status.set(speed=speed, resumed=None)
         self.show_context(session.n_tokens if session else 0)
         self.app.title = f"llama-chat · {session.title}" if session else "llama-chat"
@@ -566,7 +578,8 @@ class ChatScreen(Screen):
             await self.show_session(event.session, event.path)
         if view is not None:
             view.set_note("stopped" if event.stats.stop_reason == "cancelled" else "")
-        self.status.set(speed=speed_text(event.stats.prefill_tok_s, event.stats.decode_tok_s))
+        s = event.stats
+        self.status.set(speed=speed_text(s.prefill_tok_s, s.decode_tok_s, s.drafted_tokens, s.accepted_tokens))
         self.show_context(context_used(event.stats))
         self.refresh_sidebar()
 
@@ -1057,8 +1070,10 @@ class ChatApp(App, inherit_bindings=False):
         session_id: str | None = None,
         config: Config | None = None,
         cache_ram_mb: int = 1024,
+        prompt_lookup: bool = True,
     ):
         super().__init__()
+        self.prompt_lookup = prompt_lookup
         self.config = config or Config.load()
         self.store = ChatStore(db)
         self.state = State()
@@ -1141,7 +1156,7 @@ def cmd_tui(args) -> int:
     model = args.model or config.model
     if model is not None and model not in KNOWN_MODELS:
         resolve_model(model)  # a missing or foreign file: one line and exit 2, before the screen opens
-    app = ChatApp(args.db, model, args.session, config, args.cache_ram)
+    app = ChatApp(args.db, model, args.session, config, args.cache_ram, not args.no_lookup)
     app.run()
     work = app.chat.busy or (None if app.chat.engine_ready.is_set() else "loading the model")
     if work:  # a worker thread cannot be stopped; the process ends when it does

@@ -209,7 +209,7 @@ def generate(
     cancel: threading.Event | None = None,
     stats: GenerationStats | None = None,
     on_prefill: Progress | None = None,
-    lookup: bool = True,
+    lookup: bool | None = None,
 ) -> Iterator[str]:
     """Yield the reply as text pieces (never half a UTF-8 character).
 
@@ -218,7 +218,7 @@ def generate(
     Setting `cancel` stops the loop before the next token. `stats` is filled in as it goes;
     on_prefill(done, total) hears how a long prompt's prefill advances. `lookup` guesses runs of tokens
     from the conversation (prompt lookup) and lets the model check them in one pass; the reply is the
-    same token for token, seeded sampling included.
+    same token for token, seeded sampling included (None: as the model was loaded, on by default).
     """
     stats = stats if stats is not None else GenerationStats()
     prompt_ids = list(prompt_ids)
@@ -235,6 +235,7 @@ def generate(
             stats,
         )
         rows = [_prefill(model, prompt_ids, seq, stats, on_prefill, cancel)]
+        lookup = model.prompt_lookup if lookup is None else lookup
         yield from _decode(model, seq, reply, rows, cancel, PromptLookup(prompt_ids) if lookup else None)
         rest = reply.finish()
         if rest:

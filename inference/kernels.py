@@ -33,16 +33,25 @@ def _matvec_int8(values, scales, offsets, has_offsets, x, xsum, out):
     n = x.shape[0]
     for g in prange(n_groups):
         acc = np.zeros((n, LANES), F32)
-        part = np.empty(LANES, F32)
+        part = np.empty((n, LANES), F32)
+        w = np.empty(LANES, F32)
         for b in range(n_blocks):
-            for i in range(n):
-                part[:] = 0
-                for j in range(b * size, (b + 1) * size):
-                    xj = x[i, j]
+            part[:] = 0
+            for j in range(b * size, (b + 1) * size):
+                if n == 1:
+                    xj = x[0, j]
                     for r in range(LANES):
-                        part[r] += F32(values[g, j, r]) * xj
+                        part[0, r] += F32(values[g, j, r]) * xj
+                else:  # each weight converted once, then used by every row (the same products)
+                    for r in range(LANES):
+                        w[r] = F32(values[g, j, r])
+                    for i in range(n):
+                        xj = x[i, j]
+                        for r in range(LANES):
+                            part[i, r] += w[r] * xj
+            for i in range(n):
                 for r in range(LANES):
-                    acc[i, r] += part[r] * scales[g, b, r]
+                    acc[i, r] += part[i, r] * scales[g, b, r]
                 if has_offsets:
                     for r in range(LANES):
                         acc[i, r] += offsets[g, b, r] * xsum[i, b]
@@ -82,6 +91,8 @@ def _dequantize_int8(values, scales, offsets, has_offsets, g0, g1, out):
                     w += offsets[g, b, r]
                 out[j, c + r] = w
 
+
+COMPILED = (_matvec_int8, _matvec_f32, _dequantize_int8)
 
 _scratch = threading.local()
 

@@ -16,9 +16,14 @@ from .weights import Config, prepare
 
 class Model:
     def __init__(
-        self, prepared, cache_ram_mb: float = DEFAULT_CACHE_RAM_MB, block_size: int = DEFAULT_BLOCK_SIZE
+        self,
+        prepared,
+        cache_ram_mb: float = DEFAULT_CACHE_RAM_MB,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prompt_lookup: bool = True,
     ):
         self.path = prepared.path
+        self.prompt_lookup = prompt_lookup  # generate()'s default: guess runs from the conversation
         self.config: Config = prepared.config
         self.weights = prepared.weights
         self.metadata = prepared.metadata
@@ -77,9 +82,11 @@ def load_model(
     progress: Progress | None = None,
     cache_ram_mb: float = DEFAULT_CACHE_RAM_MB,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    prompt_lookup: bool = True,
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
-    `cache_ram_mb` bounds the KV block pool; `block_size` is the tokens per KV block."""
+    `cache_ram_mb` bounds the KV block pool; `block_size` is the tokens per KV block; `prompt_lookup`
+    is whether replies guess runs of tokens from the conversation (the text is the same either way)."""
     path = resolve_model(name_or_path, progress)
-    return Model(prepare(path, progress), cache_ram_mb, block_size)
+    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup)

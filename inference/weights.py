@@ -229,6 +229,7 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
     formats (int8 values with their scales), small tensors (norms, biases) become float32, the
     embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
     path, cfg = info.path, info.config
+    quants.compile_kernels(progress)
 
     def need(name: str, shape: tuple[int, ...]) -> TensorEntry:
         t = info.tensors.get(name)
@@ -266,11 +267,9 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
             ).reshape(shape)
 
         def matrix(*names: str, shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
-            parts = [
-                quants.unpack(raw(n, s), qtype(n, info.tensors[n]), s)
-                for n, s in zip(names, shapes, strict=True)
-            ]
-            return quants.pack(quants.join_rows(parts))
+            return quants.pack(
+                [(raw(n, s), qtype(n, info.tensors[n]), s) for n, s in zip(names, shapes, strict=True)]
+            )
 
         total = cfg.n_layer + 1
         weights: dict = {"output_norm": vector("output_norm.weight", (cfg.n_embd,))}

@@ -35,10 +35,11 @@ def reference(qtype: T, raw: np.ndarray, shape) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_unpacking_keeps_every_weight_exactly(qtype):
+def test_packing_keeps_every_weight_exactly(qtype):
     shape = (70, 512)  # rows not a multiple of the 64 lanes: the last group is padded
     raw = raw_tensor(qtype, shape)
-    assert np.array_equal(quants.dequantize(quants.unpack(raw, qtype, shape)), reference(qtype, raw, shape))
+    w = quants.pack([(raw, qtype, shape)])
+    assert np.array_equal(kernels.rows(w, np.arange(shape[0])), reference(qtype, raw, shape))
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
@@ -46,7 +47,7 @@ def test_unpacking_keeps_every_weight_exactly(qtype):
 def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n):
     shape = (130, 512)
     raw = raw_tensor(qtype, shape)
-    w = quants.pack(quants.unpack(raw, qtype, shape))
+    w = quants.pack([(raw, qtype, shape)])
     x = np.random.default_rng(1).standard_normal((n, shape[1])).astype(np.float32)
     expected = x.astype(np.float64) @ reference(qtype, raw, shape).T.astype(np.float64)
     got = kernels.matmul(x, w)
@@ -59,7 +60,7 @@ def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n):
 def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
     """Prompt-lookup verification relies on it: row i of an n-row product is the 1-row product."""
     shape = (128, 256)
-    w = quants.pack(quants.unpack(raw_tensor(qtype, shape), qtype, shape))
+    w = quants.pack([(raw_tensor(qtype, shape), qtype, shape)])
     x = np.random.default_rng(2).standard_normal((kernels.SMALL_BATCH, shape[1])).astype(np.float32)
     together = kernels.matmul(x, w)
     for i in range(len(x)):
@@ -70,16 +71,15 @@ def test_joined_matrices_of_different_formats_multiply_as_each_alone():
     """q/k/v or gate/up are fused into one matrix even when their formats differ (Q5_0 beside Q6_K)."""
     parts = [(T.Q5_0, (64, 256)), (T.Q6_K, (32, 256)), (T.Q4_K, (40, 256))]
     raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
-    joined = quants.pack(quants.join_rows([quants.unpack(r, t, s) for r, (t, s) in zip(raws, parts)]))
+    joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
     x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
     expected = np.concatenate([x @ reference(t, r, s).T for r, (t, s) in zip(raws, parts)], axis=1)
     assert np.allclose(kernels.matmul(x, joined), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.BF16], ids=lambda t: t.name)
-def test_rows_of_a_packed_matrix_are_its_dequantized_rows(qtype):
-    shape = (200, 256)
-    raw = raw_tensor(qtype, shape)
-    w = quants.pack(quants.unpack(raw, qtype, shape))
-    ids = np.array([0, 63, 64, 199, 5])
-    assert np.array_equal(kernels.rows(w, ids), reference(qtype, raw, shape)[ids])
+def test_a_float_part_makes_the_joined_matrix_float():
+    parts = [(T.Q8_0, (64, 256)), (T.F16, (32, 256))]
+    raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
+    joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
+    expected = np.concatenate([reference(t, r, s) for r, (t, s) in zip(raws, parts)])
+    assert joined.scales is None and np.array_equal(kernels.rows(joined, np.arange(96)), expected)

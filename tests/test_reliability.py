@@ -467,6 +467,36 @@ def test_two_replies_at_once_in_one_session_never_interleave(qwen2, tmp_path):
     assert branch[2].content == "hello the world" and branch[3].content == shown  # each under its question
 
 
+def test_a_reply_whose_session_moved_on_meanwhile_goes_on_a_new_branch_and_says_so(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    session_id = a_database(qwen2, db)
+    ask = ["ask", "--session", session_id, "--temp", "0", "--max-tokens", "30", "hello the world"]
+    child = Child(cli_args(db, qwen2, *ask), slow=0.1)
+    child.wait_until(lambda: child.stdout.strip(), "the reply")
+    other = sqlite3.connect(db, isolation_level=None)  # another process answers in the same session
+    other.execute("BEGIN IMMEDIATE")
+    head = other.execute("SELECT head_id FROM sessions WHERE id = ?", (session_id,)).fetchone()[0]
+    for role in ("user", "assistant"):
+        head = other.execute(
+            "INSERT INTO messages (parent_id, role, content, created) VALUES (?, ?, ?, 0)",
+            (head, role, f"the other {role}"),
+        ).lastrowid
+    other.execute("UPDATE sessions SET head_id = ? WHERE id = ?", (head, session_id))
+    child.wait_until(lambda: "another process is writing to it" in child.stderr, "the child waiting")
+    other.execute("COMMIT")
+    assert child.finish() == 0, child.stderr
+    assert "stored on a new branch" in child.stderr
+    store = ChatStore(db)
+    assert [m.content for m in store.path(store.get_session(session_id).head_id)][2:] == [
+        "the other user",
+        "the other assistant",
+    ]
+    branch = next(s for s in store.list_sessions() if s.forked_from == session_id)
+    stored = store.path(branch.head_id)
+    assert [m.role for m in stored] == ["user", "assistant"] * 2
+    assert stored[2].content == "hello the world" and stored[3].content == child.stdout.removesuffix("\n")
+
+
 # -- 6. read-only files ------------------------------------------------------------------------------
 
 
