@@ -106,7 +106,34 @@ def _v1(conn: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS = [_v1]  # step i brings user_version from i to i + 1
+def _v2(conn: sqlite3.Connection) -> None:
+    """KV blocks carry their token ids, checked on every hit, and a namespace: '' for blocks computed
+    (or verified) here, which every session shares; an import's own for the blocks it brought, which
+    only its sessions and their forks (sessions.kv_namespace) read until `sessions verify`. Blocks
+    stored so far are dropped: they have no tokens to check, and some may come from files imported
+    before imports had namespaces. KV is a cache; they are recomputed when next needed."""
+    _run_script(
+        conn,
+        """
+        ALTER TABLE sessions ADD COLUMN kv_namespace BLOB;
+        DROP TABLE kv_blocks;
+        CREATE TABLE kv_blocks (
+            namespace BLOB NOT NULL,
+            key BLOB NOT NULL,
+            fingerprint TEXT NOT NULL,
+            codec TEXT NOT NULL,
+            n_tokens INTEGER NOT NULL,
+            data BLOB NOT NULL,
+            checksum TEXT NOT NULL,
+            last_used REAL NOT NULL,
+            tokens BLOB NOT NULL,
+            PRIMARY KEY (namespace, key)
+        );
+        """,
+    )
+
+
+MIGRATIONS = [_v1, _v2]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 BUSY_S = 1.0  # SQLite's own wait for a lock, per try; ChatStore.transaction() keeps trying, and says so
@@ -126,9 +153,16 @@ def describe(e: BaseException) -> str:
         return "another process holds its write lock"
     if primary in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM) or isinstance(e, PermissionError):
         return "it is read-only here"
-    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "decode" in str(e):
+    if is_damage(e):
         return f"it is damaged ({e}); `llama-chat sessions check` recovers what can be read"
     return str(e)
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether an error means damaged pages: SQLite's own codes, or text that is not UTF-8 (Python's
+    sqlite3 raises that one itself, with no SQLite code: "Could not decode to UTF-8 column …")."""
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "decode to UTF-8" in str(e)
 
 
 def store_error(path: Path, e: BaseException, consequence: str = "nothing was changed") -> StoreError:

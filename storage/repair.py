@@ -15,9 +15,6 @@ from pathlib import Path
 
 from .db import StoreError, open_database, wal_damage
 
-# Copied in this order, so a message's parent, a session's head and a block before its users come first.
-TABLES = ("models", "messages", "sessions", "kv_blocks", "session_blocks", "session_tails")
-
 
 @dataclass
 class CheckReport:
@@ -99,13 +96,21 @@ def _recover_with_sqlite3_command(damaged: Path, out: Path) -> bool:
 def _copy_readable_rows(damaged: Path, out: Path) -> None:
     src = sqlite3.connect(damaged)
     src.text_factory = lambda b: b.decode("utf-8", "replace")  # a damaged string is kept, marked, not lost
-    dst = open_database(out).conn
+    dst = open_database(out).conn  # today's schema: a damaged file of an older one comes back upgraded
     dst.execute("PRAGMA foreign_keys = OFF")  # a message's parent may be among what was lost
     try:
-        for table in TABLES:
+        # Every table but the full-text index, which its triggers fill as messages come in.
+        tables = dst.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'messages_fts%' "
+            "AND name NOT LIKE 'sqlite_%'"
+        ).fetchall()
+        for (table,) in tables:
             try:
-                names = [r[1] for r in src.execute(f"PRAGMA table_info({table})")]
+                theirs = {r[1] for r in src.execute(f'PRAGMA table_info("{table}")')}
             except sqlite3.DatabaseError:
+                continue  # its schema is lost with the page that held it
+            names = [r[1] for r in dst.execute(f'PRAGMA table_info("{table}")') if r[1] in theirs]
+            if not names:
                 continue
             marks = ", ".join("?" * len(names))
             dst.execute("BEGIN")

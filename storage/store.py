@@ -15,12 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .db import BUSY_S, StoreError, disk_full, open_database, store_error
+from .db import BUSY_S, StoreError, disk_full, is_damage, open_database, store_error
 
 BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
 
@@ -38,6 +38,10 @@ class Session:
     n_tokens: int
     created: float
     updated: float
+    # The namespace of the KV blocks it reads and makes (vLLM's cache_salt): an import's own, until
+    # `sessions verify` recomputes them; None: the blocks computed here, shared by every session.
+    # Forks inherit it.
+    kv_namespace: bytes | None = None
 
     @classmethod
     def from_row(cls, row: dict) -> Session:
@@ -53,6 +57,7 @@ class Session:
             n_tokens=row["n_tokens"],
             created=row["created"],
             updated=row["updated"],
+            kv_namespace=row.get("kv_namespace"),
         )
 
     def to_json(self) -> dict:
@@ -67,6 +72,7 @@ class Session:
             "model": self.model_name,
             "system_prompt": self.system_prompt,
             "sampling": self.sampling,
+            "kv_verified": self.kv_namespace is None,
         }
 
 
@@ -106,6 +112,7 @@ class StoredBlock:
     codec: str
     data: bytes
     checksum: str
+    tokens: list[int] = field(default_factory=list)  # its token ids, checked on every hit (none: no hit)
 
 
 @dataclass
@@ -226,7 +233,7 @@ class ChatStore:
 
     def _error(self, e: sqlite3.Error, consequence: str) -> StoreError:
         """One line for a failed query; a damaged file found this way is not written to again."""
-        if getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_CORRUPT or "decode" in str(e):
+        if is_damage(e):
             self.damage = self.damage or str(e)
         return store_error(self.db_path, e, consequence)
 
@@ -376,6 +383,7 @@ class ChatStore:
             "n_tokens": parent.n_tokens if head == parent.head_id else 0,
             "created": now,
             "updated": now,
+            "kv_namespace": parent.kv_namespace,
         }
 
     def delete_session(self, session_id: str) -> int:
@@ -509,11 +517,14 @@ class ChatStore:
 
     # -- KV blocks -------------------------------------------------------------------------------
 
-    def stored_keys(self, keys: list[bytes]) -> set[bytes]:
+    def stored_keys(self, keys: list[bytes], namespace: bytes | None = None) -> set[bytes]:
         if not keys:
             return set()
         marks = ",".join("?" * len(keys))
-        return {r["key"] for r in self._rows(f"SELECT key FROM kv_blocks WHERE key IN ({marks})", keys)}
+        rows = self._rows(
+            f"SELECT key FROM kv_blocks WHERE namespace = ? AND key IN ({marks})", [_shared(namespace), *keys]
+        )
+        return {r["key"] for r in rows}
 
     def save_snapshot(
         self,
@@ -523,16 +534,14 @@ class ChatStore:
         new_blocks: list[StoredBlock],
         tail: StoredTail | None,
         n_tokens: int,
+        namespace: bytes | None = None,
     ) -> None:
-        """In one transaction: blocks not stored yet, the session's block list and its tail."""
+        """In one transaction: blocks not stored yet (in the session's namespace), the session's block
+        list and its tail."""
         now = time.time()
         with self.transaction():
             conn = self.db.conn
-            conn.executemany(
-                "INSERT OR IGNORE INTO kv_blocks (key, fingerprint, codec, n_tokens, data, checksum, last_used) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(b.key, fingerprint, b.codec, b.n_tokens, b.data, b.checksum, now) for b in new_blocks],
-            )
+            self._insert_blocks([(fingerprint, b) for b in new_blocks], namespace, now)
             conn.execute("DELETE FROM session_blocks WHERE session_id = ?", (session_id,))
             conn.executemany(
                 "INSERT INTO session_blocks (session_id, position, key) VALUES (?, ?, ?)",
@@ -540,7 +549,10 @@ class ChatStore:
             )
             if block_keys:
                 marks = ",".join("?" * len(block_keys))
-                conn.execute(f"UPDATE kv_blocks SET last_used = ? WHERE key IN ({marks})", [now, *block_keys])
+                conn.execute(
+                    f"UPDATE kv_blocks SET last_used = ? WHERE namespace = ? AND key IN ({marks})",
+                    [now, _shared(namespace), *block_keys],
+                )
             conn.execute("DELETE FROM session_tails WHERE session_id = ?", (session_id,))
             if tail is not None:
                 self._insert_tail(session_id, fingerprint, tail, now)
@@ -549,6 +561,19 @@ class ChatStore:
                 (n_tokens, fingerprint, session_id),
             )
 
+    def _insert_blocks(self, blocks: list[tuple[str, StoredBlock]], namespace: bytes | None, now: float) -> int:
+        """Store (model fingerprint, block)s not stored yet in the namespace; returns how many were new."""
+        before = self.db.conn.total_changes
+        self.db.conn.executemany(
+            "INSERT OR IGNORE INTO kv_blocks (namespace, key, fingerprint, codec, n_tokens, data, checksum, "
+            "last_used, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (_shared(namespace), b.key, fp, b.codec, b.n_tokens, b.data, b.checksum, now, _token_blob(b.tokens))
+                for fp, b in blocks
+            ],
+        )
+        return self.db.conn.total_changes - before
+
     def _insert_tail(self, session_id: str, fingerprint: str, tail: StoredTail, now: float) -> None:
         self.db.conn.execute(
             "INSERT INTO session_tails VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -556,7 +581,7 @@ class ChatStore:
                 session_id,
                 fingerprint,
                 tail.parent_key,
-                np.asarray(tail.tokens, dtype=np.int32).tobytes(),
+                _token_blob(tail.tokens),
                 tail.codec,
                 tail.data,
                 tail.checksum,
@@ -564,17 +589,23 @@ class ChatStore:
             ),
         )
 
-    def load_block(self, key: bytes, fingerprint: str) -> StoredBlock | None:
-        rows = self._rows("SELECT * FROM kv_blocks WHERE key = ? AND fingerprint = ?", (key, fingerprint))
+    def load_block(self, key: bytes, fingerprint: str, namespace: bytes | None = None) -> StoredBlock | None:
+        rows = self._rows(
+            "SELECT * FROM kv_blocks WHERE namespace = ? AND key = ? AND fingerprint = ?",
+            (_shared(namespace), key, fingerprint),
+        )
         if not rows:
             return None
         r = rows[0]
-        return StoredBlock(r["key"], r["n_tokens"], r["codec"], r["data"], r["checksum"])
+        tokens = np.frombuffer(r["tokens"], dtype=np.int32).tolist()
+        return StoredBlock(r["key"], r["n_tokens"], r["codec"], r["data"], r["checksum"], tokens)
 
-    def drop_block(self, key: bytes) -> None:
-        """Forget a block that failed its checksum; it will be recomputed from tokens."""
+    def drop_block(self, key: bytes, namespace: bytes | None = None) -> None:
+        """Forget a block that failed its checksum or its tokens; it will be recomputed from tokens."""
         with self.transaction():
-            self.db.conn.execute("DELETE FROM kv_blocks WHERE key = ?", (key,))
+            self.db.conn.execute(
+                "DELETE FROM kv_blocks WHERE namespace = ? AND key = ?", (_shared(namespace), key)
+            )
 
     def load_tail(self, session_id: str, fingerprint: str) -> StoredTail | None:
         rows = self._rows(
@@ -592,7 +623,10 @@ class ChatStore:
         with self.transaction():
             conn = self.db.conn
             before = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM kv_blocks").fetchone()
-            conn.execute("DELETE FROM kv_blocks WHERE key NOT IN (SELECT key FROM session_blocks)")
+            conn.execute(
+                "DELETE FROM kv_blocks WHERE (namespace, key) NOT IN (SELECT COALESCE(s.kv_namespace, x''), b.key "
+                "FROM session_blocks b JOIN sessions s ON s.id = b.session_id)"
+            )
             if budget_bytes is not None:
                 total = 0
                 doomed = []
@@ -645,12 +679,14 @@ class ChatStore:
         blocks: list[tuple[str, StoredBlock]],
         block_lists: dict[str, list[bytes]],
         tails: dict[str, StoredTail],
+        namespace: bytes | None,
     ) -> tuple[dict[str, str], int]:
         """Add sessions read from a file, in one transaction, under new ids; nothing is overwritten.
 
         Ids in the arguments are the file's: messages' id and parent_id (parents first), sessions'
         id, head_id and forked_from; block_lists and tails are keyed by the file's session id.
-        blocks are (model fingerprint, block); one already stored under its key is kept as it is.
+        blocks are (model fingerprint, block), stored in the import's own `namespace`, which the
+        sessions get; one already stored there under its key is kept as it is.
         Returns ({file session id: new id}, how many blocks were new)."""
         now = time.time()
         with self.transaction():
@@ -690,6 +726,7 @@ class ChatStore:
                         "n_tokens": s.n_tokens,
                         "created": s.created,
                         "updated": now,  # an imported session comes first in the list
+                        "kv_namespace": namespace,
                     },
                 )
             for s in sessions:
@@ -698,13 +735,7 @@ class ChatStore:
                         "UPDATE sessions SET forked_from = ? WHERE id = ?",
                         (new_session[s.forked_from], new_session[s.id]),
                     )
-            before = conn.total_changes
-            conn.executemany(
-                "INSERT OR IGNORE INTO kv_blocks (key, fingerprint, codec, n_tokens, data, checksum, last_used) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(b.key, fp, b.codec, b.n_tokens, b.data, b.checksum, now) for fp, b in blocks],
-            )
-            added = conn.total_changes - before
+            added = self._insert_blocks(blocks, namespace, now)
             for file_id, keys in block_lists.items():
                 conn.executemany(
                     "INSERT INTO session_blocks (session_id, position, key) VALUES (?, ?, ?)",
@@ -714,3 +745,25 @@ class ChatStore:
             for file_id, tail in tails.items():
                 self._insert_tail(new_session[file_id], fingerprints[file_id], tail, now)
         return new_session, added
+
+    def promote_session(self, session_id: str, fingerprint: str, trusted: list[StoredBlock]) -> int:
+        """After `sessions verify`: the session leaves its import's namespace and `trusted` (blocks
+        that matched their recomputed KV, under their keys computed here) join the shared blocks. Its
+        block list and tail, imported too, go; the next snapshot stores them anew. Returns how many
+        blocks were new."""
+        with self.transaction():
+            added = self._insert_blocks([(fingerprint, b) for b in trusted], None, time.time())
+            conn = self.db.conn
+            conn.execute("UPDATE sessions SET kv_namespace = NULL WHERE id = ?", (session_id,))
+            conn.execute("DELETE FROM session_tails WHERE session_id = ?", (session_id,))
+            conn.execute("DELETE FROM session_blocks WHERE session_id = ?", (session_id,))
+        return added
+
+
+def _shared(namespace: bytes | None) -> bytes:
+    """A namespace as stored: b"" for the blocks every session shares."""
+    return namespace or b""
+
+
+def _token_blob(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype=np.int32).tobytes()
