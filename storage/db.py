@@ -11,6 +11,7 @@ import os
 import shutil
 import sqlite3
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import sqlite_utils
@@ -173,6 +174,23 @@ def store_error(path: Path, e: BaseException, consequence: str = "nothing was ch
     return StoreError(f"{path}: {why}; {consequence}")
 
 
+def begin_immediate(conn: sqlite3.Connection, on_wait: Callable[[float], None] | None = None) -> None:
+    """Start a write transaction, waiting as long as another process holds the write lock: SQLite's
+    own wait (busy_timeout) ends in an error, which would lose a reply already shown. on_wait(seconds)
+    hears of the wait after each try, and may raise to give up."""
+    waited = 0.0
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # SQLite itself waits BUSY_S for the lock
+            return
+        except sqlite3.OperationalError as e:
+            if e.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                raise
+        waited += BUSY_S
+        if on_wait is not None:
+            on_wait(waited)
+
+
 def disk_full(path: Path) -> bool:
     try:
         return shutil.disk_usage(path.parent).free < LOW_SPACE
@@ -293,7 +311,7 @@ def open_database(path: str | Path, read_only: bool | None = None) -> sqlite_uti
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_S * 1000)}")
         conn.execute("PRAGMA foreign_keys = ON")
         if version < SCHEMA_VERSION:
-            conn.execute("BEGIN IMMEDIATE")
+            begin_immediate(conn)
             try:
                 # another process may have upgraded while we waited for the lock
                 version = conn.execute("PRAGMA user_version").fetchone()[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .db import BUSY_S, StoreError, disk_full, is_damage, open_database, store_error
+from .db import BUSY_S, StoreError, begin_immediate, disk_full, is_damage, open_database, store_error
 
 BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
 
@@ -149,7 +149,10 @@ class ChatStore:
         with self._lock:
             self.check_writable()
             conn = self.db.conn
-            self._begin()
+            try:
+                begin_immediate(conn, self.on_wait)
+            except sqlite3.Error as e:
+                raise self._error(e, "nothing was changed") from None
             try:
                 yield
                 conn.execute("COMMIT")
@@ -172,19 +175,6 @@ class ChatStore:
                 yield
             finally:
                 conn.execute("COMMIT")
-
-    def _begin(self) -> None:
-        waited = 0.0
-        while True:
-            try:
-                self.db.conn.execute("BEGIN IMMEDIATE")  # SQLite itself waits BUSY_S for the lock
-                return
-            except sqlite3.OperationalError as e:
-                if e.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
-                    raise self._error(e, "nothing was changed") from None
-            waited += BUSY_S
-            if self.on_wait is not None:
-                self.on_wait(waited)
 
     def _checkpoint(self) -> None:
         """Copy what was committed into the main file and empty the -wal: a -wal lost or damaged later
@@ -561,14 +551,26 @@ class ChatStore:
                 (n_tokens, fingerprint, session_id),
             )
 
-    def _insert_blocks(self, blocks: list[tuple[str, StoredBlock]], namespace: bytes | None, now: float) -> int:
+    def _insert_blocks(
+        self, blocks: list[tuple[str, StoredBlock]], namespace: bytes | None, now: float
+    ) -> int:
         """Store (model fingerprint, block)s not stored yet in the namespace; returns how many were new."""
         before = self.db.conn.total_changes
         self.db.conn.executemany(
             "INSERT OR IGNORE INTO kv_blocks (namespace, key, fingerprint, codec, n_tokens, data, checksum, "
             "last_used, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
-                (_shared(namespace), b.key, fp, b.codec, b.n_tokens, b.data, b.checksum, now, _token_blob(b.tokens))
+                (
+                    _shared(namespace),
+                    b.key,
+                    fp,
+                    b.codec,
+                    b.n_tokens,
+                    b.data,
+                    b.checksum,
+                    now,
+                    _token_blob(b.tokens),
+                )
                 for fp, b in blocks
             ],
         )
