@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     ssub.add_parser("search", help="full-text search over messages").add_argument("text")
     check = ssub.add_parser("check", help="check the database file; recover what can be read if damaged")
     check.add_argument("-o", "--output", type=Path, metavar="FILE", help="recover into (default: beside it)")
+    verify = ssub.add_parser(
+        "verify", help="recompute an imported session's KV; blocks that match are shared from then on"
+    )
+    verify.add_argument("id")
+    verify.add_argument(
+        "--ctx", type=int, default=4096, help="context window in tokens (default %(default)s)"
+    )
     gc = ssub.add_parser("gc", help="drop stored KV no session needs")
     gc.add_argument("--budget", type=int, metavar="MB", help="then keep at most this many MB of KV")
 
@@ -105,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--branch", dest="tree", action="store_false", default=False, help="this branch (default)"
     )
     scope.add_argument("--tree", dest="tree", action="store_true", help="every session on its message tree")
-    export.add_argument("--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)")
+    export.add_argument(
+        "--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)"
+    )
 
     imp = sub.add_parser("import", help="add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)

@@ -348,6 +348,9 @@ def cmd_sessions(args) -> int:
     elif action == "search":
         for session, message in store.search(args.text):
             print(f"{session.id}  {session.title}  [{message.id}] {message.role}: {message.content[:100]}")
+    elif action == "verify":
+        session = store.get_session(args.id)  # an unknown session fails before the model loads
+        print(f"session {session.id}: {open_engine(args, store).verify(session).describe()}")
     elif action == "gc":
         budget = None if args.budget is None else args.budget * 2**20
         result = store.gc(budget)

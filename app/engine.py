@@ -26,7 +26,8 @@ from llama_chat.inference import (
     shift_to,
 )
 from llama_chat.inference.errors import ContextFullError
-from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv
+from llama_chat.inference.kv_cache import prefix_key
+from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
 
@@ -41,6 +42,21 @@ class SavedReply:
     session: Session | None = None  # the session ending with the reply; None: not stored (an error says why)
     branched: bool = False  # the session had moved on meanwhile: the reply went on a new branch of it
     kv_skipped: str | None = None  # why the KV snapshot was not stored (it is recomputed when needed)
+
+
+@dataclass
+class VerifyResult:
+    imported: bool  # whether the session read imported KV (else there was nothing to verify)
+    matched: int = 0  # imported blocks equal to their recomputed KV, now shared
+    differed: int = 0  # imported blocks that were not: replaced by the recomputed KV
+
+    def describe(self) -> str:
+        if not self.imported:
+            return "nothing to verify: its KV was computed here"
+        text = f"{self.matched} imported KV block(s) matched the recomputed KV and are now shared"
+        if self.differed:
+            text += f"; {self.differed} did not (altered or made by another program) and were replaced"
+        return text
 
 
 @dataclass
@@ -73,6 +89,8 @@ def reply_stats(stats: GenerationStats) -> dict:
         "prefill_tok_s": round(stats.prefill_tok_s, 2),
         "generated_tokens": stats.generated_tokens,
         "decode_tok_s": round(stats.decode_tok_s, 2),
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
         "stop_reason": stats.stop_reason,
     }
 
@@ -89,8 +107,6 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
             f"the prompt is {len(prompt):,} tokens; the context window holds {n_ctx:,} (--ctx)"
         )
 
-        "drafted_tokens": stats.drafted_tokens,
-        "accepted_tokens": stats.accepted_tokens,
 
 class ChatEngine:
     def __init__(self, model: Model, store: ChatStore, codec: str = DEFAULT_CODEC, n_ctx: int = DEFAULT_CTX):
@@ -136,8 +152,11 @@ class ChatEngine:
         with self.lock:
             ids = self.conversation_ids(session)
             seq = self.live.get(session.id)
-            if seq is None:
+            if seq is None or seq.namespace != session.kv_namespace:  # (verify moves it to the shared one)
+                if seq is not None:
+                    seq.free()
                 seq = self.live[session.id] = self.model.new_sequence(self.n_ctx)
+                seq.namespace = session.kv_namespace
             if seq.private:
                 shift_to(self.model, seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
@@ -164,14 +183,15 @@ class ChatEngine:
         k, v = kv
         seq.append_kv(tail.tokens[:n], k[:, :, :n], v[:, :, :n])
 
-    def _fetch_block(self, key: bytes):
-        """The pool's source: a stored block, checked; a bad one is dropped so it gets recomputed."""
-        block = self.store.load_block(key, self.model.fingerprint)
+    def _fetch_block(self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None):
+        """The pool's source: a stored block of the namespace, checked against its checksum and the
+        tokens it stands for; a bad one is dropped so it gets recomputed."""
+        block = self.store.load_block(key, self.model.fingerprint, namespace)
         if block is None:
             return None
-        kv = self._decode(block.data, block.checksum)
+        kv = self._decode(block.data, block.checksum) if block.tokens == list(tokens) else None
         if kv is None:
-            self.store.drop_block(key)
+            self.store.drop_block(key, namespace)
         return kv
 
     @staticmethod
@@ -294,7 +314,7 @@ class ChatEngine:
                 self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
             full, tail = seq.snapshot()
             keys = [b.key for b in full]
-            stored = self.store.stored_keys(keys)
+            stored = self.store.stored_keys(keys, seq.namespace)
             new_blocks = []
             for block in full:
                 if block.key in stored:
@@ -302,7 +322,9 @@ class ChatEngine:
                 k, v = self.model.pool.block_kv(block)
                 data = encode_kv(k, v, self.codec)
                 new_blocks.append(
-                    StoredBlock(block.key, self.model.pool.block_size, self.codec, data, checksum(data))
+                    StoredBlock(
+                        block.key, len(block.tokens), self.codec, data, checksum(data), list(block.tokens)
+                    )
                 )
             stored_tail = None
             if tail is not None:
@@ -310,8 +332,42 @@ class ChatEngine:
                 data = encode_kv(k, v, self.codec)
                 stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
             self.store.save_snapshot(
-                session.id, self.model.fingerprint, keys, new_blocks, stored_tail, seq.n_tokens
+                session.id, self.model.fingerprint, keys, new_blocks, stored_tail, seq.n_tokens, seq.namespace
             )
+
+    def verify(self, session: Session) -> VerifyResult:
+        """Recompute the KV of a session resumed from imported blocks and compare each block with it.
+        Blocks that match (same tokens, same KV up to their codec's rounding) join the shared blocks as
+        they are; the others are never read again: the recomputed KV takes their place. The session
+        (not its forks, which verify on their own) then reads only blocks computed or verified here."""
+        with self.lock:
+            namespace = session.kv_namespace
+            if namespace is None:
+                return VerifyResult(imported=False)
+            ids = self.conversation_ids(session)
+            fresh = self.model.new_sequence(self.n_ctx)
+            fresh.private = True  # all of it computed now: no block taken from RAM or the store
+            self.model.forward(ids, fresh)
+            B, parent = self.model.pool.block_size, None
+            matched, differed = [], 0
+            for i, block in enumerate(fresh.blocks[: len(ids) // B]):
+                tokens = ids[i * B : (i + 1) * B]
+                parent = prefix_key(self.model.fingerprint, parent, tokens)
+                stored = self.store.load_block(parent, self.model.fingerprint, namespace)
+                if stored is None:
+                    continue  # nothing imported to compare: it is computed here anyway
+                k, v = self.model.pool.block_kv(block)
+                intact = self._decode(stored.data, stored.checksum) is not None
+                if intact and stored.tokens == tokens and kv_matches(stored.data, k, v):
+                    matched.append(stored)
+                else:
+                    differed += 1
+            fresh.free()
+            self.store.promote_session(session.id, self.model.fingerprint, matched)
+            session = self.store.get_session(session.id)
+            seq, _ = self.open(session)  # now in the shared namespace, with the blocks that matched
+            self.snapshot(session, seq)  # and the others computed again, and the tail
+            return VerifyResult(True, len(matched), differed)
 
     # -- branching -------------------------------------------------------------------------------
 

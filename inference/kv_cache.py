@@ -48,14 +48,26 @@ def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) ->
     return h.digest()
 
 
+BlockName = tuple[bytes | None, bytes | None]  # (namespace, prefix key): what the pool shares a block under
+# (key, its tokens, namespace) → (k, v) or None; it checks that what it holds under the key was made
+# from those tokens.
+BlockSource = Callable[[bytes, tuple[int, ...], bytes | None], tuple[np.ndarray, np.ndarray] | None]
+
+
 class KVBlock:
-    __slots__ = ("slot", "key", "tokens", "refs")
+    __slots__ = ("slot", "key", "tokens", "refs", "namespace")
 
     def __init__(self, slot: int):
         self.slot = slot  # where its B positions sit in the pool's arena
         self.key: bytes | None = None  # set once the block is full and registered for sharing
         self.tokens: tuple[int, ...] = ()  # the tokens of a full block
         self.refs = 0  # live sequences using it
+        self.namespace: bytes | None = None  # whose blocks it is shared among (KVSequence.namespace)
+
+    @property
+    def name(self) -> BlockName:
+        """What the pool shares it under: its namespace and its prefix key."""
+        return self.namespace, self.key
 
 
 class BlockPool:
@@ -82,12 +94,13 @@ class BlockPool:
         self.k[:, :, :warm] = 0
         self.v[:, :, :warm] = 0
         self.free_slots: set[int] = set(range(self.n_slots))
-        self.by_key: dict[bytes, KVBlock] = {}
-        self.lru: OrderedDict[bytes, KVBlock] = OrderedDict()  # unreferenced full blocks, oldest first
+        # Full blocks by name (namespace, prefix key): a namespace's blocks are shared only within it.
+        self.by_key: dict[BlockName, KVBlock] = {}
+        self.lru: OrderedDict[BlockName, KVBlock] = OrderedDict()  # unreferenced full blocks, oldest first
         self._ids = itertools.count(1)
         self.sequences: dict[int, KVSequence] = {}
-        # Where blocks missing from RAM may be found (the conversation store): key → (k, v) or None.
-        self.source: Callable[[bytes], tuple[np.ndarray, np.ndarray] | None] | None = None
+        # Where blocks missing from RAM may be found (the conversation store).
+        self.source: BlockSource | None = None
 
     # -- blocks ---------------------------------------------------------------------------------
 
@@ -107,13 +120,13 @@ class BlockPool:
                 f"KV cache full: all {self.n_slots} blocks ({self.n_slots * self.block_bytes >> 20} MB) are in use; "
                 "raise --cache-ram"
             )
-        key, block = self.lru.popitem(last=False)
-        del self.by_key[key]
+        name, block = self.lru.popitem(last=False)
+        del self.by_key[name]
         self.free_slots.add(block.slot)
 
     def acquire(self, block: KVBlock) -> KVBlock:
         if block.refs == 0 and block.key is not None:
-            self.lru.pop(block.key, None)
+            self.lru.pop(block.name, None)
         block.refs += 1
         return block
 
@@ -121,30 +134,36 @@ class BlockPool:
         block.refs -= 1
         if block.refs > 0:
             return
-        if block.key is not None and self.by_key.get(block.key) is block:
-            self.lru[block.key] = block  # stays cached until the budget needs its slot
+        if block.key is not None and self.by_key.get(block.name) is block:
+            self.lru[block.name] = block  # stays cached until the budget needs its slot
         else:
             self.free_slots.add(block.slot)
 
-    def register(self, block: KVBlock, key: bytes, tokens: tuple[int, ...]) -> KVBlock:
-        """Make a full block shareable under its prefix key; if an equal block exists, use that one."""
-        existing = self.by_key.get(key)
+    def register(
+        self, block: KVBlock, key: bytes, tokens: tuple[int, ...], namespace: bytes | None = None
+    ) -> KVBlock:
+        """Make a full block shareable under its prefix key (within its namespace); if an equal block
+        exists, use that one."""
+        existing = self.by_key.get((namespace, key))
         if existing is not None and existing is not block:
             self.acquire(existing)
             self.release(block)
             return existing
-        block.key, block.tokens = key, tokens
-        self.by_key[key] = block
+        block.key, block.tokens, block.namespace = key, tokens, namespace
+        self.by_key[block.name] = block
         return block
 
-    def lookup(self, key: bytes, tokens: tuple[int, ...]) -> KVBlock | None:
-        """The shared full block with this prefix key: from RAM, else from `source` (then kept in RAM)."""
-        block = self.by_key.get(key)
+    def lookup(self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None = None) -> KVBlock | None:
+        """The shared full block with this prefix key in this namespace: from RAM, else from `source`
+        (then kept in RAM). A hit is confirmed against its tokens (as nano-vllm's block manager does)."""
+        block = self.by_key.get((namespace, key))
         if block is not None:
+            if block.tokens != tokens:
+                return None
             if block.refs == 0:
-                self.lru.move_to_end(key)
+                self.lru.move_to_end(block.name)
             return block
-        found = self.source(key) if self.source is not None else None
+        found = self.source(key, tokens, namespace) if self.source is not None else None
         if found is None:
             return None
         k, v = found
@@ -154,8 +173,8 @@ class BlockPool:
         block = self.allocate()
         self._write_block(block, k, v)
         block.refs = 0
-        self.register(block, key, tokens)
-        self.lru[key] = block
+        self.register(block, key, tokens, namespace)
+        self.lru[block.name] = block
         return block
 
     def _write_block(self, block: KVBlock, k: np.ndarray, v: np.ndarray) -> None:
@@ -212,6 +231,9 @@ class KVSequence:
         self.n_ctx = n_ctx
         self.blocks: list[KVBlock] = []
         self.tokens: list[int] = []  # the token at each cached position
+        # Whose blocks it shares (vLLM's cache_salt): None, every sequence's; a session resumed from an
+        # imported file reads and makes blocks in that import's namespace, which no other session reaches.
+        self.namespace: bytes | None = None
         # Private KV is not that of a plain prefix (after a context shift, or decoded by a lossy codec
         # for a measurement): it is never shared under a prefix key, nor taken from the pool.
         self.private = False
@@ -228,6 +250,7 @@ class KVSequence:
         child.blocks = [self.pool.acquire(b) for b in self.blocks]
         child.tokens = list(self.tokens)
         child.private = self.private
+        child.namespace = self.namespace
         return child
 
     def truncate(self, n_tokens: int) -> None:
@@ -261,7 +284,7 @@ class KVSequence:
             parent = self.blocks[-1].key if self.blocks else None
             if self.blocks and parent is None:
                 break
-            block = self.pool.lookup(prefix_key(self.pool.fingerprint, parent, chunk), chunk)
+            block = self.pool.lookup(prefix_key(self.pool.fingerprint, parent, chunk), chunk, self.namespace)
             if block is None:
                 break
             self.blocks.append(self.pool.acquire(block))
@@ -354,7 +377,7 @@ class KVSequence:
                 return
             chunk = tuple(self.tokens[i * B : (i + 1) * B])
             self.blocks[i] = self.pool.register(
-                block, prefix_key(self.pool.fingerprint, parent, chunk), chunk
+                block, prefix_key(self.pool.fingerprint, parent, chunk), chunk, self.namespace
             )
 
     def nbytes(self) -> int:

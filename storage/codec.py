@@ -34,6 +34,8 @@ _CODEC_NAMES = {i: name for name, i in _CODEC_IDS.items()}
 MAX_ELEMENTS = 2**26
 
 GROUP = 32  # values sharing one quantization scale
+# How far (relative) a stored block may lie from its KV computed again and put through the same codec.
+MATCH_TOLERANCE = 0.02
 # On real KV, levels 3, 5 and 9 compress no better than level 1 (within 1%) and encode f32 2-5x
 # slower. The frame checksum (4 bytes) makes a flipped payload byte fail loudly, not decode to noise.
 _ZSTD_LEVEL = 1
@@ -267,6 +269,27 @@ def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
         k = _dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1)).transpose(0, 1, 3, 2)
         v = _dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1))
     return _native_f32(k), _native_f32(v)
+
+
+def kv_matches(data: bytes, k: np.ndarray, v: np.ndarray, tolerance: float = MATCH_TOLERANCE) -> bool:
+    """Whether a stored block holds this KV, up to its codec's rounding: the KV is put through the
+    block's own codec, and each half must then lie within `tolerance` of the block's (relative to the
+    KV's size). The same tokens computed again differ by float rounding, which moves a quantized value
+    one step at most; a block made from other tokens, or forged, is off by the KV's whole size."""
+    codec = block_info(data)
+    if codec is None:
+        return False
+    try:
+        stored = decode_kv(data)
+    except CorruptBlockError:
+        return False
+    if stored[0].shape != k.shape or stored[1].shape != v.shape:
+        return False
+    again = decode_kv(encode_kv(k, v, codec[0]))
+    for a, b, exact in zip(stored, again, (k, v), strict=True):
+        if np.linalg.norm(a - b) > tolerance * (np.linalg.norm(exact) + 1e-30):
+            return False
+    return True
 
 
 def _n_groups(dims) -> tuple[int, int]:

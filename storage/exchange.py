@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import secrets
 import struct
 import time
 from collections.abc import Callable
@@ -119,8 +120,7 @@ class ImportResult:
     title: str
     messages: int
     kv: str  # "imported"; "none": the file has no KV; "recompute": made by a model not here
-    blocks_added: int
-    blocks_reused: int  # blocks of the file this database already held
+    blocks_added: int  # in the import's own namespace
     model_name: str | None
 
     def describe(self) -> str:
@@ -129,7 +129,10 @@ class ImportResult:
             head += f" (and {len(self.session_ids) - 1} more session(s) of its tree)"
         head += f": {self.messages} message(s)"
         if self.kv == "imported":
-            return f"{head}, {self.blocks_added} new KV block(s), {self.blocks_reused} already stored"
+            return (
+                f"{head}, {self.blocks_added} new KV block(s), which only these sessions and their forks "
+                f"use until `llama-chat sessions verify {self.session_ids[0]}` recomputes and compares them"
+            )
         if self.kv == "none":
             return f"{head}; the file holds no KV, so the first reply computes it"
         return (
@@ -197,7 +200,7 @@ def _collect(
             if key in seen:
                 continue
             seen.add(key)
-            block = store.load_block(key, s.model_fingerprint)
+            block = store.load_block(key, s.model_fingerprint, s.kv_namespace)
             data = block and _export_bytes(block.data, block.checksum, block.codec, codec)
             if data:
                 block_blobs.append(data)
@@ -207,6 +210,7 @@ def _collect(
                         "fingerprint": s.model_fingerprint,
                         "codec": codec or block.codec,
                         "n_tokens": block.n_tokens,
+                        "tokens": block.tokens,
                         "size": len(data),
                         "checksum": _entry_checksum(data),
                     }
@@ -603,7 +607,11 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
         if not 0 < n_tokens <= MAX_ELEMENTS:
             raise _Invalid(f"{where}.n_tokens is {n_tokens}")
         _get(b, "size", "integer", where)
-        block = StoredBlock(key, n_tokens, codec, b"", _get(b, "checksum", "checksum", where))
+        # (files written before blocks carried their tokens have none: such blocks are recomputed)
+        tokens = _get(b, "tokens", "token list", where, optional=True) or []
+        if tokens and len(tokens) != n_tokens:
+            raise _Invalid(f"{where} lists {len(tokens)} tokens, n_tokens is {n_tokens}")
+        block = StoredBlock(key, n_tokens, codec, b"", _get(b, "checksum", "checksum", where), tokens)
         blocks[key] = (_get(b, "fingerprint", "fingerprint", where), block)
 
     sessions: list[Session] = []
@@ -742,16 +750,23 @@ def import_session(
 
     `model_fingerprint` is the model that will resume them here (None: no model). KV made by
     another model is left out: the messages come in, and the first reply recomputes it. A file is
-    read and checked whole before the database is touched, so a bad file leaves it as it was."""
+    read and checked whole before the database is touched, so a bad file leaves it as it was.
+
+    A file's KV is not trusted: its blocks could hold anything under any key, and a block stored
+    under a key other sessions use would change their replies. So they go into a namespace of this
+    import's own (vLLM's cache_salt), which only its sessions and their forks read, until `sessions
+    verify` recomputes and compares them. Blocks without their tokens (files from before blocks
+    carried them) are left out: a block is used only where its tokens match."""
     file = source if isinstance(source, SessionFile) else read_session_file(source, progress)
     keep = {s.id for s in file.sessions if model_fingerprint and s.model_fingerprint == model_fingerprint}
     sessions = [s if s.id in keep else replace(s, n_tokens=0) for s in file.sessions]
-    blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint]
+    blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint and b.tokens]
     block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
     tails = {sid: t for sid, t in file.tails.items() if sid in keep}
+    namespace = secrets.token_bytes(16) if blocks or tails else None
     if progress:
         progress(f"importing {file.path.name}", 0, 1)
-    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails)
+    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails, namespace)
     if progress:
         progress(f"importing {file.path.name}", 1, 1)
     main = file.sessions[0]
@@ -765,7 +780,6 @@ def import_session(
         messages=len(file.messages),
         kv=kv,
         blocks_added=added,
-        blocks_reused=len(blocks) - added,
         model_name=main.model_name,
     )
 
@@ -790,7 +804,7 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
     target.close()
     stored = 0
     for key in store.block_keys(session.id):
-        block = store.load_block(key, session.model_fingerprint)
+        block = store.load_block(key, session.model_fingerprint, session.kv_namespace)
         stored += len(block.data) if block else 0
     tail = store.load_tail(session.id, session.model_fingerprint)
     stored += len(tail.data) if tail else 0

@@ -11,9 +11,11 @@ from test_tui import aio, chat_app, ready, say, until
 
 from llama_chat.app.cli import main
 from llama_chat.app.config import Config
-from llama_chat.inference import Model, chat_prompt_ids, load_model
+from llama_chat.app.engine import ChatEngine
+from llama_chat.inference import Model, SamplingParams, chat_prompt_ids, load_model
 from llama_chat.inference.chat_template import ChatTemplate, TemplateError
 from llama_chat.storage import ChatStore
+from llama_chat.storage.exchange import export_session, import_session
 from tiny_models import write_tiny_model
 
 
@@ -200,3 +202,97 @@ def test_fixture_templates_render_a_long_conversation_within_the_bounds(path):
         pytest.skip("does not render an exchange (test_chat_template says why)")
     turns = [{"role": ("user", "assistant")[i % 2], "content": "hello the world " * 50} for i in range(200)]
     assert "hello the world" in template.render([{"role": "system", "content": "be brief"}, *turns])
+
+
+# -- 7: KV blocks forged in an export file ------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = ("the sun", "hello the world and the sun " * 3)  # the system prompt and question a victim shares
+
+
+def engine_for(path, db) -> ChatEngine:
+    return ChatEngine(load_model(path, block_size=8), ChatStore(db))
+
+
+def ask(engine, session, text, max_tokens=10) -> str:
+    return "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens))
+
+
+def forged_export(path, folder):
+    """What an attacker sends: a session starting as the victim's will, whose KV blocks hold the KV of
+    another conversation; every checksum and the file's digest are right (the export makes them).
+    Returns the file and how many blocks were forged."""
+    engine = engine_for(path, folder / "attacker.db")
+    bait = engine.new_session("bait", system_prompt=PROMPT[0])
+    ask(engine, bait, PROMPT[1])
+    pirate = engine.new_session("pirate", system_prompt="You are a pirate. Arr, the sea, the sea!")
+    ask(engine, pirate, "who are you, and where is the gold hidden now? " * 3)
+    store = engine.store
+    # all but the last two blocks (or as many as the pirate has), but for a first block both share
+    pairs = zip(store.block_keys(bait.id)[:-2], store.block_keys(pirate.id), strict=False)
+    pairs = [(victim_key, forged_key) for victim_key, forged_key in pairs if victim_key != forged_key]
+    for victim_key, forged_key in pairs:
+        forged = store.load_block(forged_key, engine.model.fingerprint)
+        store.db.conn.execute(
+            "UPDATE kv_blocks SET data = ?, checksum = ? WHERE key = ?",
+            (forged.data, forged.checksum, victim_key),
+        )
+    export_session(store, bait.id, folder / "gift.llamachat")
+    store.close()
+    return folder / "gift.llamachat", len(pairs)
+
+
+@pytest.mark.parametrize("victim_had_blocks", [False, True], ids=["fresh database", "after gc"])
+def test_forged_kv_in_an_import_changes_no_other_session(qwen2, tmp_path, victim_had_blocks):
+    gift, n_forged = forged_export(qwen2, tmp_path)
+    clean = engine_for(qwen2, tmp_path / "clean.db")
+    expected = ask(clean, clean.new_session("clean", system_prompt=PROMPT[0]), PROMPT[1])
+
+    engine = engine_for(qwen2, tmp_path / "victim.db")
+    if victim_had_blocks:  # the victim's blocks were stored, then collected
+        engine.store.delete_session(ask_in_new(engine, PROMPT).id)
+        engine.store.gc(budget_bytes=0)
+    imported = import_session(engine.store, gift, model_fingerprint=engine.model.fingerprint).session_ids[0]
+    victim = engine_for(qwen2, tmp_path / "victim.db")  # a later process: nothing held in RAM
+    assert ask(victim, victim.new_session("mine", system_prompt=PROMPT[0]), PROMPT[1]) == expected
+    # in the process that holds the forged block in RAM too
+    session = engine.store.get_session(imported)
+    poisoned = ask(engine, engine.fork(session), "and then?")
+    assert ask(engine, engine.new_session("mine", system_prompt=PROMPT[0]), PROMPT[1]) == expected
+    honest = ask(clean, clean.fork(clean.store.get_session(clean.store.list_sessions()[0].id)), "and then?")
+    assert poisoned != honest  # the forged block is read by the imported session alone
+
+    result = engine.verify(session)
+    assert result.differed == n_forged and result.matched > 0  # only the untouched blocks are shared
+    assert f"{n_forged} did not" in result.describe()
+    assert ask(engine, engine.fork(engine.store.get_session(imported)), "and then?") == honest
+    later = engine_for(qwen2, tmp_path / "victim.db")
+    assert ask(later, later.new_session("again", system_prompt=PROMPT[0]), PROMPT[1]) == expected
+
+
+def ask_in_new(engine, prompt):
+    session = engine.new_session("first", system_prompt=prompt[0])
+    ask(engine, session, prompt[1])
+    return session
+
+
+def test_a_stored_block_is_used_only_for_the_tokens_it_was_made_from(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = ask_in_new(engine, PROMPT)
+    key = engine.store.block_keys(session.id)[0]
+    engine.store.db.conn.execute("UPDATE kv_blocks SET tokens = ? WHERE key = ?", (b"\0" * 32, key))
+    again = engine_for(qwen2, tmp_path / "chat.db")
+    _, info = again.open(again.store.get_session(session.id))
+    assert info.restored == 0  # the block under that key does not say it holds these tokens
+
+
+def test_sessions_verify_on_the_command_line(qwen2, tmp_path, capsys):
+    gift, _ = forged_export(qwen2, tmp_path)
+    db = ["--db", str(tmp_path / "chat.db"), "--model", str(qwen2)]
+    assert main([*db, "import", str(gift)]) == 0
+    imported = capsys.readouterr().out.split()[0]
+    assert main([*db, "sessions", "verify", imported]) == 0
+    assert capsys.readouterr().out.startswith(f"session {imported}: ")
+    assert ChatStore(tmp_path / "chat.db").get_session(imported).kv_namespace is None
+    assert main([*db, "sessions", "verify", imported]) == 0
+    assert "nothing to verify" in capsys.readouterr().out
