@@ -31,6 +31,38 @@ the wind dropped and the sea, grey and tired, lay down again like an old dog by 
 """
 
 
+# A reply that repeats code from the prompt with small edits: where prompt lookup pays.
+CODE_EDIT = [
+    {
+        "role": "user",
+        "content": """Rename `area` to `rectangle_area` everywhere and change nothing else:
+
+```python
+def area(width, height):
+    \"\"\"The area of a rectangle.\"\"\"
+    if width < 0 or height < 0:
+        raise ValueError("negative size")
+    return width * height
+
+
+def describe(width, height):
+    return f"{width} x {height} = {area(width, height)}"
+
+
+def total_area(shapes):
+    total = 0
+    for width, height in shapes:
+        total += area(width, height)
+    return total
+
+
+def largest(shapes):
+    return max(shapes, key=lambda s: area(*s))
+```""",
+    }
+]
+
+
 def sample_text() -> str:
     """Real, varied text: the source of a standard-library module (code, comments and docstrings),
     after the prose above. Repeated text would let the model copy, which hides cache errors."""
@@ -49,15 +81,71 @@ def sample_tokens(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+def _child(code: str, *args: str, env: dict | None = None) -> str:
+    """The last line a Python child process prints: timings and RSS of a start of its own."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, env=env
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
 def measure_cold_load(model_arg) -> float:
-    """Load from the GGUF without the prepared cache, in a child process so RSS here stays honest."""
-    path = resolve_model(model_arg)
+    """Load from the GGUF without the prepared cache (metadata read again, weights packed), in a child
+    process so RSS here stays honest; compiled kernels come from their cache (see measure_compile)."""
     code = (
         "import sys, time; from llama_chat.inference.weights import prepare; "
         "t = time.perf_counter(); prepare(sys.argv[1], use_cache=False); print(time.perf_counter() - t)"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return float(_child(code, str(resolve_model(model_arg))))
+
+
+def measure_compile() -> float:
+    """Seconds a first start spends compiling the kernels (an empty numba cache, in a child process)."""
+    import os
+    import tempfile
+
+    code = "from llama_chat.inference.quants import compile_kernels; print(compile_kernels())"
+    with tempfile.TemporaryDirectory() as folder:
+        return float(_child(code, env={**os.environ, "NUMBA_CACHE_DIR": folder}))
+
+
+ASK_CHILD = """
+import resource, sys
+from llama_chat.app.cli import main
+main(sys.argv[1:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def measure_ask_rss(model_arg, folder) -> float:
+    """Peak RSS (MB) of `llama-chat ask` answering a short question, in a process of its own."""
+    path = str(resolve_model(model_arg))
+    args = ["--model", path, "--db", str(folder / "rss.db"), "ask", "Say hello.", "--max-tokens", "16"]
+    return float(_child(ASK_CHILD, *args))
+
+
+def measure_lookup(model, max_tokens: int) -> dict:
+    """Greedy decode of a reply that edits code from the prompt, with and without prompt lookup."""
+    from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate
+
+    ids = chat_prompt_ids(model, CODE_EDIT)
+    runs = {}
+    for lookup in (False, True):
+        stats = GenerationStats()
+        greedy = SamplingParams(temperature=0)
+        text = "".join(
+            generate(model, ids, sampling=greedy, max_tokens=max_tokens, stats=stats, lookup=lookup)
+        )
+        runs[lookup] = (text, stats)
+    (plain, plain_stats), (looked, stats) = runs[False], runs[True]
+    return {
+        "plain_tok_s": plain_stats.decode_tok_s,
+        "lookup_tok_s": stats.decode_tok_s,
+        "drafted": stats.drafted_tokens,
+        "accepted": stats.accepted_tokens,
+        "same_text": looked == plain,
+        "token_ids": stats.token_ids,
+    }
 
 
 def measure_prefill(model, n: int, repeats: int) -> float:
@@ -272,12 +360,20 @@ def run_bench(args) -> int:
 
     with ProgressBar() as bar:
         load_model(args.model, progress=bar)  # make sure the model is assembled and prepared
+    import tempfile
+    from pathlib import Path
+
+    compile_s = measure_compile()
+    report("compile_s", round(compile_s, 2), f"compile kernels (first start only): {compile_s:.2f} s")
     cold = measure_cold_load(args.model)
-    report("load_s_cold", round(cold, 3), f"load, cold (from GGUF):      {cold:.2f} s")
+    report("load_s_cold", round(cold, 3), f"load, cold (GGUF read anew):  {cold:.2f} s")
     t = time.perf_counter()
     model = load_model(args.model)
     warm = time.perf_counter() - t
-    report("load_s_warm", round(warm, 3), f"load, warm (prepared cache): {warm:.2f} s")
+    report("load_s_warm", round(warm, 3), f"load, warm (metadata cached): {warm:.2f} s")
+    with tempfile.TemporaryDirectory() as folder:
+        rss = measure_ask_rss(args.model, Path(folder))
+    report("peak_rss_mb", round(rss, 1), f"peak RSS of `ask`:           {rss:.0f} MB")
     results["model"] = model.name
     results["fingerprint"] = model.fingerprint
 
@@ -294,6 +390,16 @@ def run_bench(args) -> int:
     )
     ratio = decode_long / decode
     report("decode_ctx4096_vs_512", round(ratio, 3), f"decode {long_ctx} / {ctx}:      {ratio:.2f}")
+    look = measure_lookup(model, 32 if quick else 160)
+    report(
+        "decode_lookup_tok_s",
+        round(look["lookup_tok_s"], 2),
+        f"decode with prompt lookup, a code edit: {look['lookup_tok_s']:.2f} tok/s "
+        f"(plain {look['plain_tok_s']:.2f}; {look['accepted']} of {look['drafted']} guessed tokens kept; "
+        f"same text: {look['same_text']})",
+    )
+    results["decode_lookup_plain_tok_s"] = round(look["plain_tok_s"], 2)
+    results["lookup_same_text"] = look["same_text"]
     reuse = measure_prefix_reuse(model, 100 if quick else 1000, 20 if quick else 100)
     report(
         "prefix_reuse_saved_tokens",
@@ -311,9 +417,6 @@ def run_bench(args) -> int:
     results["fork_added_kv_bytes"] = fork["added_bytes"]
     ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
     report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
-    import tempfile
-    from pathlib import Path
-
     from .engine import DEFAULT_CODEC
 
     with tempfile.TemporaryDirectory() as folder:
@@ -369,7 +472,7 @@ def run_bench(args) -> int:
     n_tok, secs = measure_tokenizer(model.tokenizer, 1000 if quick else 10000)
     report("tokenize_10k_s", round(secs * 10000 / n_tok, 3), f"tokenize {n_tok} tokens:     {secs:.3f} s")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report("peak_rss_mb", round(peak, 1), f"peak RSS:                   {peak:.0f} MB")
+    report("bench_peak_rss_mb", round(peak, 1), f"peak RSS of this benchmark: {peak:.0f} MB")
     if args.json:
         print(json.dumps(results))
     return 0

@@ -19,6 +19,9 @@ def pytest_configure(config):
     from llama_chat.inference.catalog import cache_dir
 
     REAL_CACHE = cache_dir().parent
+    # Compiled kernels are shared by every test and every process a test starts (each with its own
+    # isolated cache folder): compiled once per machine, as for a user, not once per subprocess.
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
 
 
 @pytest.fixture(autouse=True)

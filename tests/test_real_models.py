@@ -128,28 +128,11 @@ def test_gemma_completion_continues_text(gemma_model):
     assert [int(t) for t in forced[len(ids) - 1 : -1].argmax(axis=1)] == stats.token_ids
 
 
-CODE_EDIT = [
-    {
-        "role": "user",
-        "content": "Rename the function `area` to `rectangle_area` and change nothing else:\n\n```python\n"
-        "def area(width, height):\n    \"\"\"The area of a rectangle.\"\"\"\n    if width < 0 or height < 0:\n"
-        "        raise ValueError(\"negative size\")\n    return width * height\n\n\n"
-        "def describe(width, height):\n    return f\"{width} x {height} = {area(width, height)}\"\n```",
-    }
-]
-
-
 def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model):
     """A reply that copies code from the prompt: lookup guesses most of it, and the text is unchanged."""
-    ids = chat_prompt_ids(qwen_model, CODE_EDIT)
-    runs = {}
-    for lookup in (False, True):
-        stats = GenerationStats()
-        text = "".join(
-            generate(qwen_model, ids, sampling=SamplingParams(temperature=0), max_tokens=96, stats=stats, lookup=lookup)
-        )
-        runs[lookup] = text, stats
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1].token_ids == runs[False][1].token_ids
-    assert "rectangle_area" in runs[True][0]
-    assert runs[True][1].accepted_tokens >= runs[True][1].generated_tokens // 3
+    from llama_chat.app.bench import measure_lookup
+
+    run = measure_lookup(qwen_model, 96)
+    assert run["same_text"]
+    assert "rectangle_area" in qwen_model.tokenizer.decode(run["token_ids"])
+    assert run["accepted"] >= len(run["token_ids"]) // 3
