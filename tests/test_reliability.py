@@ -83,12 +83,14 @@ import sys, time
 from llama_chat.inference import llm, model as forward_pass
 forward_pass.PREFILL_BATCH = int(sys.argv[1])
 slow = float(sys.argv[2])
-real = llm.Model.forward
-def forward(self, *args, **kwargs):
-    print("(forward)", file=sys.stderr, flush=True)
-    time.sleep(slow)
-    return real(self, *args, **kwargs)
-llm.Model.forward = forward
+def slowed(real):
+    def run(self, *args, **kwargs):
+        print("(forward)", file=sys.stderr, flush=True)
+        time.sleep(slow)
+        return real(self, *args, **kwargs)
+    return run
+llm.Model.forward = slowed(llm.Model.forward)  # prefill
+llm.Model.verify_draft = slowed(llm.Model.verify_draft)  # decode
 from llama_chat.app.cli import main
 sys.exit(main(sys.argv[3:]))
 """

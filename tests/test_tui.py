@@ -73,8 +73,15 @@ def slow_decode(monkeypatch):
             time.sleep(delay)
             return decode_batch(self, tokens, seqs)
 
+        verify_draft = Model.verify_draft
+
+        def slowed_decode(self, tokens, seq):
+            time.sleep(delay)
+            return verify_draft(self, tokens, seq)
+
         monkeypatch.setattr(Model, "forward", slowed)
         monkeypatch.setattr(Model, "decode_batch", slowed_batch)
+        monkeypatch.setattr(Model, "verify_draft", slowed_decode)
 
     return slow
 
