@@ -152,3 +152,18 @@ def test_load_model_raises_model_error(tmp_path):
     path.write_bytes(b"not a model at all")
     with pytest.raises(ModelError, match="not a GGUF file"):
         load_model(path)
+
+
+def test_a_load_removes_the_float32_weights_older_versions_prepared(tiny_model_paths):
+    """Older versions kept a 2.4 GB float32 copy of each model's weights in the cache: gone on first load."""
+    from llama_chat.inference.catalog import cache_dir
+
+    old = cache_dir() / "prepared" / "0123456789abcdef01234567"
+    old.mkdir(parents=True)
+    (old / "info.json").write_text('{"config": {}, "weights": ["token_embd"]}')
+    (old / "token_embd.npy").write_bytes(b"\0" * 4096)
+    model = load_model(tiny_model_paths["qwen2"])
+    assert not old.exists()
+    kept = list((cache_dir() / "prepared").iterdir())
+    assert len(kept) == 1 and not list(kept[0].glob("*.npy"))  # metadata only
+    assert model.logits(model.tokenizer.encode("hello")).shape[1] == model.config.n_vocab
