@@ -58,30 +58,20 @@ def chat_app(tmp_path, model, **settings) -> ChatApp:
 
 @pytest.fixture
 def slow_decode(monkeypatch):
-    """Each forward pass also waits, as a real model's matrix maths would (without holding the GIL)."""
+    """Each forward pass (a prefill batch, a decode step, a checked draft, a batch of replies) also
+    waits, as a real model's matrix maths would (without holding the GIL)."""
 
     def slow(delay: float):
-        forward = Model.forward
+        def slowed(method):
+            @functools.wraps(method)
+            def waiting(self, *args, **kwargs):
+                time.sleep(delay)
+                return method(self, *args, **kwargs)
 
-        def slowed(self, tokens, seq, all_logits=False):
-            time.sleep(delay)
-            return forward(self, tokens, seq, all_logits)
+            return waiting
 
-        decode_batch = Model.decode_batch
-
-        def slowed_batch(self, tokens, seqs):
-            time.sleep(delay)
-            return decode_batch(self, tokens, seqs)
-
-        verify_draft = Model.verify_draft
-
-        def slowed_decode(self, tokens, seq):
-            time.sleep(delay)
-            return verify_draft(self, tokens, seq)
-
-        monkeypatch.setattr(Model, "forward", slowed)
-        monkeypatch.setattr(Model, "decode_batch", slowed_batch)
-        monkeypatch.setattr(Model, "verify_draft", slowed_decode)
+        for name in ("forward", "verify_draft", "decode_batch"):
+            monkeypatch.setattr(Model, name, slowed(getattr(Model, name)))
 
     return slow
 
