@@ -20,7 +20,7 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Session, StoreError
 
 from .cli import UsageError, print_json
-from .engine import SavedReply
+from .engine import SavedReply, session_title
 from .progress import ProgressBar
 from .signals import ReplySignals
 
@@ -337,10 +337,11 @@ def cmd_sessions(args) -> int:
         for m in messages:
             print(f"  [{m.id}] {m.role}: {m.content}")
     elif action == "fork":
-        child = store.fork_session(store.get_session(args.id).id, args.at, args.title)
+        title = session_title(args.title) if args.title else None
+        child = store.fork_session(store.get_session(args.id).id, args.at, title)
         print(child.id)
     elif action == "rename":
-        store.rename_session(store.get_session(args.id).id, args.title)
+        store.rename_session(store.get_session(args.id).id, session_title(args.title))
     elif action == "rm":
         session = store.get_session(args.id)
         removed = store.delete_session(session.id)
@@ -384,11 +385,6 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
-def progress_bar():
-    """A progress bar on a terminal; none when stderr is a file or a pipe, which keeps errors one line."""
-    return ProgressBar() if sys.stderr.isatty() else contextlib.nullcontext()
-
-
 def cmd_export(args) -> int:
     from llama_chat.storage.exchange import (
         SUFFIX,
@@ -417,7 +413,7 @@ def cmd_export(args) -> int:
         export_markdown(store, session.id, out)
         print(out)
         return 0
-    with progress_bar() as bar:
+    with ProgressBar() as bar:
         summary = export_session(
             store, session.id, out, with_kv=args.with_kv, codec=args.codec, tree=args.tree, progress=bar
         )
@@ -442,7 +438,7 @@ def model_here(args) -> tuple[str | None, str | None]:
 def cmd_import(args) -> int:
     from llama_chat.storage.exchange import import_session, read_session_file
 
-    with progress_bar() as bar:
+    with ProgressBar() as bar:
         exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
     fingerprint, why = model_here(args) if exported.has_kv else (None, None)
     store = ChatStore(args.db)

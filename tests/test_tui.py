@@ -917,6 +917,16 @@ async def test_themes_from_files_and_the_choice_persists(qwen2, tmp_path):
         assert again.theme == "llama-light"
 
 
+def test_titles_given_on_the_command_line_are_one_line_with_single_spaces(tmp_path, capsys):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("x")
+    store.add_message(session.id, "user", "hello")
+    db = ["--db", str(tmp_path / "chat.db")]
+    assert main([*db, "sessions", "rename", session.id, " Spaced   out\ttitle "]) == 0
+    assert main([*db, "sessions", "fork", session.id, "--title", "a  fork "]) == 0
+    assert [s.title for s in ChatStore(tmp_path / "chat.db").list_sessions()] == ["a fork", "Spaced out title"]
+
+
 HAND_WRITTEN = '''# my settings
 "model" = "qwen2.5-coder-0.5b-instruct-q4_k_m"   # the one I like
 max_tokens   =  8
