@@ -20,7 +20,7 @@ from llama_chat.app.screens import AlternativesScreen, ConfirmScreen, HelpScreen
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.widgets import ChatInput, MessageView, SessionTree
 from llama_chat.inference import Model
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, Message, Session
 
 SIZE = (110, 34)
 
@@ -436,21 +436,27 @@ async def test_the_fork_key_forks_at_the_head_and_opens_the_branch(qwen2, tmp_pa
         assert len(stored_path(app)) == 4 and len(stored_path(app, parent.id)) == 2  # parent untouched
 
 
+async def fork_two_exchanges_at(pilot, ups: int) -> tuple[Session, Message]:
+    """Two exchanges, then ↑ `ups` times from the input and Ctrl+O: the parent, the message selected."""
+    app = pilot.app
+    await ready(pilot)
+    await say(pilot, "hello the world")
+    await say(pilot, "and then")
+    parent = app.chat.session
+    await pilot.press(*["up"] * ups)
+    selected = app.focused.message
+    await pilot.press("ctrl+o")
+    await until(pilot, lambda: app.chat.session.id != parent.id, what="the fork")
+    await idle(pilot)
+    return parent, selected
+
+
 @aio
 async def test_the_fork_key_on_a_selected_earlier_message_forks_there(qwen2, tmp_path):
     app = chat_app(tmp_path, qwen2)
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await say(pilot, "hello the world")
-        await say(pilot, "and then")
-        parent = app.chat.session
-        await pilot.press("up", "up", "up")  # input → last reply → "and then" → first reply
-        first_reply = app.chat.views()[1]
-        assert app.focused is first_reply
-        await pilot.press("ctrl+o")
-        await until(pilot, lambda: app.chat.session.id != parent.id, what="the fork")
-        await idle(pilot)
-        assert app.chat.session.head_id == first_reply.message.id
+        parent, first_reply = await fork_two_exchanges_at(pilot, 3)  # last reply, "and then", first reply
+        assert first_reply.role == "assistant" and app.chat.session.head_id == first_reply.id
         assert roles_and_text(app) == stored_path(app, parent.id)[:2]
         assert any("after this reply" in n.message for n in app._notifications)
         await pilot.press(*"typed next")  # goes to the input, not to the message selected before
@@ -461,15 +467,8 @@ async def test_the_fork_key_on_a_selected_earlier_message_forks_there(qwen2, tmp
 async def test_the_fork_key_on_a_message_of_yours_forks_before_it_with_its_text_to_send(qwen2, tmp_path):
     app = chat_app(tmp_path, qwen2)
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await say(pilot, "hello the world")
-        await say(pilot, "and then")
-        parent = app.chat.session
-        await pilot.press("up", "up")  # input → last reply → "and then"
-        assert app.focused is app.chat.views()[2]
-        await pilot.press("ctrl+o")
-        await until(pilot, lambda: app.chat.session.id != parent.id, what="the fork")
-        await idle(pilot)
+        parent, selected = await fork_two_exchanges_at(pilot, 2)  # the last reply, then "and then"
+        assert (selected.role, selected.content) == ("user", "and then")
         assert stored_path(app) == stored_path(app, parent.id)[:2]  # the branch ends on a reply
         assert roles_and_text(app) == stored_path(app)
         assert app.chat.query_one(ChatInput).text == "and then"  # ready to change and send
