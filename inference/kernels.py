@@ -76,20 +76,24 @@ def _matvec_f32(values, x, out):
                 out[i, g * LANES + r] = acc[i, r]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=True)
 def _dequantize_int8(values, scales, offsets, has_offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies."""
     _, n_cols, _ = values.shape
-    size = n_cols // scales.shape[1]
+    n_blocks = scales.shape[1]
+    size = n_cols // n_blocks
     for g in prange(g0, g1):
         c = (g - g0) * LANES
-        for j in range(n_cols):
-            b = j // size
-            for r in range(LANES):
-                w = F32(values[g, j, r]) * scales[g, b, r]
-                if has_offsets:
-                    w += offsets[g, b, r]
-                out[j, c + r] = w
+        for b in range(n_blocks):
+            s, o = scales[g, b], offsets[g, b]
+            for j in range(b * size, (b + 1) * size):
+                row, v = out[j, c : c + LANES], values[g, j]
+                if has_offsets:  # two loops, so that each vectorizes without a branch inside
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r] + o[r]
+                else:
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r]
 
 
 COMPILED = (_matvec_int8, _matvec_f32, _dequantize_int8)
