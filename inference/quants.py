@@ -78,13 +78,22 @@ def _at(i, row0, per_row, block_len):
     return row // LANES, (i % per_row) * block_len, row % LANES
 
 
+@njit(cache=True)
+def _put(out, g, group, lane, repeat, value):
+    """A scale (or offset) of source group `group` of a row, `repeat` times: a part whose groups are
+    larger than the packed matrix's (32 beside Q6_K's 16) repeats each, which changes no weight."""
+    for k in range(repeat):
+        out[g, group * repeat + k, lane] = value
+
+
 @njit(cache=True, parallel=True)
-def _unpack_q4_0(blocks, row0, per_row, values):
+def _unpack_q4_0(blocks, row0, per_row, values, d, scales, repeat):
     for t in prange(_n_tiles(blocks, per_row)):
         first, end, cb = _tile_rows(t, blocks, per_row)
         for row in range(first, end):
             i = row * per_row + cb
             g, c, lane = _at(i, row0, per_row, 32)
+            _put(scales, g, cb, lane, repeat, d[i])
             for j in range(16):
                 b = blocks[i, 2 + j]
                 values[g, c + j, lane] = (b & 0xF) - 8
@@ -92,12 +101,14 @@ def _unpack_q4_0(blocks, row0, per_row, values):
 
 
 @njit(cache=True, parallel=True)
-def _unpack_q4_1(blocks, row0, per_row, values):
+def _unpack_q4_1(blocks, row0, per_row, values, d, m, scales, offsets, repeat):
     for t in prange(_n_tiles(blocks, per_row)):
         first, end, cb = _tile_rows(t, blocks, per_row)
         for row in range(first, end):
             i = row * per_row + cb
             g, c, lane = _at(i, row0, per_row, 32)
+            _put(scales, g, cb, lane, repeat, d[i])
+            _put(offsets, g, cb, lane, repeat, m[i])
             for j in range(16):
                 b = blocks[i, 4 + j]
                 values[g, c + j, lane] = b & 0xF
@@ -105,13 +116,17 @@ def _unpack_q4_1(blocks, row0, per_row, values):
 
 
 @njit(cache=True, parallel=True)
-def _unpack_q5(blocks, row0, per_row, values, at_qh, bias):
-    """Q5_0 (qh at byte 2, bias 16) and Q5_1 (qh at byte 4, no bias): 4 low bits in qs, the 5th in qh."""
+def _unpack_q5(blocks, row0, per_row, values, d, m, scales, offsets, repeat, at_qh, bias):
+    """Q5_0 (qh at byte 2, bias 16) and Q5_1 (qh at byte 4, no bias, an offset m): 4 low bits in qs,
+    the 5th in qh. Q5_0 passes no offsets (an empty array)."""
     for t in prange(_n_tiles(blocks, per_row)):
         first, end, cb = _tile_rows(t, blocks, per_row)
         for row in range(first, end):
             i = row * per_row + cb
             g, c, lane = _at(i, row0, per_row, 32)
+            _put(scales, g, cb, lane, repeat, d[i])
+            if offsets.size:
+                _put(offsets, g, cb, lane, repeat, m[i])
             qh = (
                 np.uint32(blocks[i, at_qh])
                 | (np.uint32(blocks[i, at_qh + 1]) << 8)
@@ -127,12 +142,13 @@ def _unpack_q5(blocks, row0, per_row, values, at_qh, bias):
 
 
 @njit(cache=True, parallel=True)
-def _unpack_q8_0(blocks, row0, per_row, values):
+def _unpack_q8_0(blocks, row0, per_row, values, d, scales, repeat):
     for t in prange(_n_tiles(blocks, per_row)):
         first, end, cb = _tile_rows(t, blocks, per_row)
         for row in range(first, end):
             i = row * per_row + cb
             g, c, lane = _at(i, row0, per_row, 32)
+            _put(scales, g, cb, lane, repeat, d[i])
             for j in range(32):
                 values[g, c + j, lane] = np.int8(blocks[i, 2 + j])  # two's complement byte
 
@@ -149,7 +165,7 @@ def _scale_min_k4(j, blocks, i):
 
 
 @njit(cache=True, parallel=True)
-def _unpack_qk(blocks, row0, per_row, values, d, dmin, scales, offsets, five_bits):
+def _unpack_qk(blocks, row0, per_row, values, d, dmin, scales, offsets, repeat, five_bits):
     """Q4_K (qs at byte 16) and Q5_K (qh at 16, qs at 48): 8 sub-blocks of 32, each d·sc·q − dmin·m."""
     at_qs = 48 if five_bits else 16
     for t in prange(_n_tiles(blocks, per_row)):
@@ -161,8 +177,8 @@ def _unpack_qk(blocks, row0, per_row, values, d, dmin, scales, offsets, five_bit
                 for half in range(2):
                     sub = 2 * j + half
                     sc, m = _scale_min_k4(sub, blocks, i)
-                    scales[i, sub] = d[i] * F32(sc)
-                    offsets[i, sub] = -(dmin[i] * F32(m))
+                    _put(scales, g, cb * 8 + sub, lane, repeat, d[i] * F32(sc))
+                    _put(offsets, g, cb * 8 + sub, lane, repeat, -(dmin[i] * F32(m)))
                     for l in range(32):
                         b = blocks[i, at_qs + 32 * j + l]
                         v = (b >> 4) if half else (b & 0xF)
@@ -172,7 +188,7 @@ def _unpack_qk(blocks, row0, per_row, values, d, dmin, scales, offsets, five_bit
 
 
 @njit(cache=True, parallel=True)
-def _unpack_q6_k(blocks, row0, per_row, values, d, scales):
+def _unpack_q6_k(blocks, row0, per_row, values, d, scales, repeat):
     """Q6_K: 16 sub-blocks of 16, each d·sc·(q − 32); 4 low bits in ql (byte 0), 2 high in qh (byte 128)."""
     for t in prange(_n_tiles(blocks, per_row)):
         first, end, cb = _tile_rows(t, blocks, per_row)
@@ -180,7 +196,7 @@ def _unpack_q6_k(blocks, row0, per_row, values, d, scales):
             i = row * per_row + cb
             g, c, lane = _at(i, row0, per_row, 256)
             for s in range(16):
-                scales[i, s] = d[i] * F32(np.int8(blocks[i, 192 + s]))
+                _put(scales, g, cb * 16 + s, lane, repeat, d[i] * F32(np.int8(blocks[i, 192 + s])))
             for n in range(2):  # two halves of 128
                 for l in range(32):
                     ql0 = blocks[i, 64 * n + l]
@@ -230,43 +246,34 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     offsets = np.zeros_like(scales) if with_offsets else None
     row0 = 0
     for raw, qtype, shape in parts:
-        part_scales, part_offsets = _unpack(raw, qtype, shape, row0, values)
         repeat = GROUP.get(qtype, 32) // group
-        _interleave_rows(np.repeat(part_scales.reshape(shape[0], -1), repeat, axis=1), row0, scales)
-        if part_offsets is not None:
-            _interleave_rows(np.repeat(part_offsets.reshape(shape[0], -1), repeat, axis=1), row0, offsets)
+        _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)
         row0 += shape[0]
     return PackedMatrix(values, scales, offsets, n_rows)
 
 
-def _unpack(raw, qtype: Q, shape, row0: int, values) -> tuple[np.ndarray, np.ndarray | None]:
-    """Write one integer-format tensor's values at rows row0…; return its scales and offsets
-    [n_blocks, groups_per_block] (offsets None for formats without a minimum)."""
+def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
+    """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
     per_row = shape[1] // block_len
-    n = blocks.shape[0]
+    d = _f16(blocks, 208 if qtype == Q.Q6_K else 0)
     if qtype in (Q.Q4_K, Q.Q5_K):
-        scales, offsets = np.empty((n, 8), F32), np.empty((n, 8), F32)
-        five_bits = qtype == Q.Q5_K
         _unpack_qk(
-            blocks, row0, per_row, values, _f16(blocks, 0), _f16(blocks, 2), scales, offsets, five_bits
+            blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat, qtype == Q.Q5_K
         )
-        return scales, offsets
-    if qtype == Q.Q6_K:
-        scales = np.empty((n, 16), F32)
-        _unpack_q6_k(blocks, row0, per_row, values, _f16(blocks, 208), scales)
-        return scales, None
-    if qtype == Q.Q4_0:
-        _unpack_q4_0(blocks, row0, per_row, values)
+    elif qtype == Q.Q6_K:
+        _unpack_q6_k(blocks, row0, per_row, values, d, scales, repeat)
+    elif qtype == Q.Q4_0:
+        _unpack_q4_0(blocks, row0, per_row, values, d, scales, repeat)
     elif qtype == Q.Q4_1:
-        _unpack_q4_1(blocks, row0, per_row, values)
+        _unpack_q4_1(blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat)
     elif qtype == Q.Q8_0:
-        _unpack_q8_0(blocks, row0, per_row, values)
+        _unpack_q8_0(blocks, row0, per_row, values, d, scales, repeat)
+    elif qtype == Q.Q5_0:
+        _unpack_q5(blocks, row0, per_row, values, d, d, scales, scales[:0], repeat, 2, 16)
     else:
-        _unpack_q5(blocks, row0, per_row, values, 2 if qtype == Q.Q5_0 else 4, 16 if qtype == Q.Q5_0 else 0)
-    offsets = _f16(blocks, 2)[:, None] if qtype in (Q.Q4_1, Q.Q5_1) else None
-    return _f16(blocks, 0)[:, None], offsets
+        _unpack_q5(blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat, 4, 0)
 
 
 def compile_kernels(progress=None) -> float:
