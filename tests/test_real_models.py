@@ -136,3 +136,55 @@ def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model):
     assert run["same_text"]
     assert "rectangle_area" in qwen_model.tokenizer.decode(run["token_ids"])
     assert run["accepted"] >= len(run["token_ids"]) // 3
+
+
+# Texts beyond the original fixtures (benchmarks/make_extra_reference.py, llama-cpp-python 0.3.36), so
+# the tolerances are not tuned to three texts. Where llama.cpp disagrees with itself (its f16 and f32
+# KV cache runs), ours may be as far from it as it is from itself, and no farther.
+EXTRA = json.loads((FIXTURES / "llamacpp" / "extra_reference.json").read_text())
+# Measured (float32 activations): Gemma lands 2.04 from llama.cpp's top-20 on 'shell' (llama.cpp's own
+# f16/f32-KV runs differ by 1.46 there) and 1.04 on 'french' (limit 1.0, llama.cpp's own spread 0.89);
+# argmax and KL hold on both. Qwen is within 0.5 everywhere.
+GEMMA_EXTRA_GAP = {"shell": 2.04, "french": 1.04}
+EXTRA_CASES = [
+    pytest.param(
+        name,
+        text,
+        marks=[
+            pytest.mark.xfail(
+                strict=True,
+                reason=f"gemma '{text}': top-20 off by {GEMMA_EXTRA_GAP[text]}, llama.cpp's own spread "
+                f"{EXTRA['models'][name][text]['f32_kv_top20_spread']}",
+            )
+        ]
+        if name == GEMMA and text in GEMMA_EXTRA_GAP
+        else [],
+    )
+    for name, texts in EXTRA["models"].items()
+    for text in sorted(texts)
+]
+
+
+@pytest.fixture(scope="module")
+def extra_logits(qwen_model, gemma_model):
+    models = {QWEN: qwen_model, GEMMA: gemma_model}
+    return {
+        (name, text): models[name].logits(EXTRA["models"][name][text]["ids"])
+        for name, texts in EXTRA["models"].items()
+        for text in texts
+    }
+
+
+@pytest.mark.parametrize("name, text", EXTRA_CASES)
+def test_more_texts_agree_with_llamacpp(extra_logits, name, text):
+    ref = EXTRA["models"][name][text]
+    logits = extra_logits[name, text]
+    worst = 0.0
+    for i, (ids, values) in enumerate(zip(ref["top20_ids"], ref["top20_logits"])):
+        if values[0] - values[1] >= 0.5:
+            assert int(np.argmax(logits[i])) == ids[0], f"position {i}"
+        worst = max(worst, float(np.abs(logits[i, ids] - np.asarray(values)).max()))
+    last = np.load(FIXTURES / "llamacpp" / f"extra.{name}.{text}.last.npy").astype(np.float32)
+    p, q = log_softmax(last), log_softmax(logits[-1])
+    assert float((np.exp(p) * (p - q)).sum()) <= 0.01
+    assert worst <= max(1.0, ref["f32_kv_top20_spread"])
