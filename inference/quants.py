@@ -276,9 +276,10 @@ def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: in
         _unpack_q5(blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat, 4, 0)
 
 
-def compile_kernels(progress=None) -> float:
-    """Compile (first start) or load from the cache (later starts) every kernel, on a tiny example of
-    each format, so no reply waits on the compiler. Returns the seconds it took."""
+def compile_kernels(progress=None, formats=None) -> float:
+    """Compile (first start) or load from the cache (later starts) the kernels of `formats` (every
+    format when None), on a tiny example of each, so that no reply waits on the compiler. Returns the
+    seconds it took."""
     t0 = time.perf_counter()
     shape = (LANES, 256)
     unpackers = [
@@ -292,16 +293,17 @@ def compile_kernels(progress=None) -> float:
     ]
     cached = all(in_cache(k) for k in (*unpackers, *kernels.COMPILED))
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
-    formats = [*INTEGER_FORMATS, Q.F32]
+    wanted = set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats)
+    formats = [q for q in INTEGER_FORMATS if q in wanted] + ([Q.F32] if wanted - set(INTEGER_FORMATS) else [])
     x = np.zeros((1, shape[1]), F32)
     for i, qtype in enumerate(formats):
         if progress:
-            progress(label, i, len(formats) + 1)
+            progress(label, i, len(formats))
         block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         w = pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
         kernels.matmul(x, w)  # the decode kernels, with and without offsets, float
-        if qtype == Q.Q4_K:
+        if i == 0:
             kernels.matmul(np.zeros((kernels.SMALL_BATCH + 1, shape[1]), F32), w)  # the prefill tiles
     if progress:
-        progress(label, len(formats) + 1, len(formats) + 1)
+        progress(label, len(formats), len(formats))
     return time.perf_counter() - t0

@@ -229,7 +229,8 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
     formats (int8 values with their scales), small tensors (norms, biases) become float32, the
     embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
     path, cfg = info.path, info.config
-    quants.compile_kernels(progress)
+    matrices = {t.type_name for t in info.tensors.values() if len(t.shape) == 2}
+    quants.compile_kernels(progress, [gguf.GGMLQuantizationType[name] for name in matrices])
 
     def need(name: str, shape: tuple[int, ...]) -> TensorEntry:
         t = info.tensors.get(name)
