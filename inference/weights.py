@@ -254,7 +254,6 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
 
         def raw(name: str, shape: tuple[int, ...]) -> np.ndarray:
             t = need(name, shape)
-            qtype(name, t)
             f.seek(t.offset)
             data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
             if data.size != t.nbytes:
