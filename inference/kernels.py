@@ -120,9 +120,8 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
         if w.scales is None:
             _matvec_f32(w.values, x, out)
         else:
-            offsets = w.offsets if w.offsets is not None else w.scales
             xsum = _block_sums(x, w.scales.shape[1]) if w.offsets is not None else x
-            _matvec_int8(w.values, w.scales, offsets, w.offsets is not None, x, xsum, out)
+            _matvec_int8(w.values, w.scales, *_offsets(w), x, xsum, out)
         return out[:, : w.n_rows]
     out = np.empty((n, w.n_rows), dtype=F32)
     tile = max(1, TILE_BYTES // (4 * n_cols * LANES))  # groups per tile
@@ -141,8 +140,13 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
     if w.scales is None:
         out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
     else:
-        offsets = w.offsets if w.offsets is not None else w.scales
-        _dequantize_int8(w.values, w.scales, offsets, w.offsets is not None, g0, g1, out)
+        _dequantize_int8(w.values, w.scales, *_offsets(w), g0, g1, out)
+
+
+def _offsets(w) -> tuple[np.ndarray, bool]:
+    """A kernel's offsets argument and whether to use it: a matrix without offsets passes its scales,
+    of the same type, so that one compiled kernel serves both."""
+    return (w.offsets, True) if w.offsets is not None else (w.scales, False)
 
 
 def _block_sums(x: np.ndarray, n_blocks: int) -> np.ndarray:
