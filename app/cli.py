@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     imp = sub.add_parser("import", help="add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server sharing one persistent KV cache")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; others need --api-key)")
+    serve.add_argument("--port", type=int, help="default 8080; 0 takes a free port (printed)")
+    serve.add_argument("--parallel", type=int, metavar="N", help="replies decoded together (default 4)")
+    serve.add_argument("--queue", type=int, metavar="N", help="requests waiting beyond those (default 64)")
+    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY)")
+    serve.add_argument("--ctx", type=int, help="context window in tokens (default 4096)")
     return parser
 
 

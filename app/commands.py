@@ -450,3 +450,12 @@ def cmd_import(args) -> int:
         print(f"(no usable model here: {why})", file=sys.stderr)
     print("\n".join(result.session_ids))
     return 0
+
+
+def cmd_serve(args) -> int:
+    from .serve.server import BindRefused, options_from, serve
+
+    try:
+        return serve(*options_from(args))
+    except BindRefused as e:
+        raise UsageError(str(e)) from None

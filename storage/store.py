@@ -42,6 +42,7 @@ class Session:
     # `sessions verify` recomputes them; None: the blocks computed here, shared by every session.
     # Forks inherit it.
     kv_namespace: bytes | None = None
+    origin: str | None = None  # who made it: None, a person; "api", a client of `llama-chat serve`
 
     @classmethod
     def from_row(cls, row: dict) -> Session:
@@ -58,6 +59,7 @@ class Session:
             created=row["created"],
             updated=row["updated"],
             kv_namespace=row.get("kv_namespace"),
+            origin=row.get("origin"),
         )
 
     def to_json(self) -> dict:
@@ -73,6 +75,7 @@ class Session:
             "system_prompt": self.system_prompt,
             "sampling": self.sampling,
             "kv_verified": self.kv_namespace is None,
+            "origin": self.origin,
         }
 
 
@@ -265,6 +268,7 @@ class ChatStore:
         head_id: int | None = None,
         forked_from: str | None = None,
         n_tokens: int = 0,
+        origin: str | None = None,
     ) -> Session:
         now = time.time()
         row = {
@@ -279,6 +283,7 @@ class ChatStore:
             "n_tokens": n_tokens,
             "created": now,
             "updated": now,
+            "origin": origin,
         }
         with self.transaction():
             self._insert("sessions", row)
@@ -301,6 +306,25 @@ class ChatStore:
             Session.from_row(r)
             for r in self._rows("SELECT * FROM sessions ORDER BY updated DESC, created DESC")
         ]
+
+    def session_ending_with(
+        self, origin: str, system_prompt: str | None, turns: list[tuple[str, str]]
+    ) -> Session | None:
+        """The newest session made by `origin` whose conversation is exactly `turns` ((role, text),
+        oldest first) after `system_prompt`: where a client that resends its history left off."""
+        if not turns:
+            return None
+        role, content = turns[-1]
+        rows = self._rows(
+            "SELECT s.* FROM sessions s JOIN messages m ON m.id = s.head_id WHERE s.origin = ? "
+            "AND m.role = ? AND m.content = ? AND s.system_prompt IS ? ORDER BY s.updated DESC",
+            (origin, role, content, system_prompt),
+        )
+        for row in rows:
+            session = Session.from_row(row)
+            if [(m.role, m.content) for m in self.path(session.head_id)] == turns:
+                return session
+        return None
 
     def rename_session(self, session_id: str, title: str) -> None:
         with self.transaction():
@@ -374,6 +398,7 @@ class ChatStore:
             "created": now,
             "updated": now,
             "kv_namespace": parent.kv_namespace,
+            "origin": parent.origin,
         }
 
     def delete_session(self, session_id: str) -> int:

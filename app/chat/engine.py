@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from llama_chat.inference import (
@@ -196,6 +196,7 @@ class ChatEngine:
         *,
         sampling: SamplingParams | None = None,
         max_tokens: int = 512,
+        stop: Sequence[str] = (),
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
@@ -230,6 +231,7 @@ class ChatEngine:
             prepare,
             sampling=sampling or self.sampling(session),
             max_tokens=max_tokens,
+            stop=stop,
             finish=finish,
             on_event=on_event,
             cancel=cancel,
