@@ -190,7 +190,9 @@ def test_a_stop_string_ends_the_reply_before_it(served):
 def test_models_and_health(served):
     assert [m.id for m in served.client.models.list()] == [MODEL]
     status, _, body = served.raw("GET", "/health")
-    assert status == 200 and json.loads(body)["status"] == "ok"
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ok" and health["active"] == health["queued"] == 0
+    assert health["kv"]["in_use_bytes"] == 0 and health["kv"]["budget_bytes"] > 0
 
 
 # -- refusals --------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import contextlib
 import hmac
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -40,7 +41,7 @@ class ApiKeyCheck:
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     state.ready()
-    return JSONResponse(state.health())
+    return JSONResponse(await run_in_threadpool(state.health))
 
 
 async def models(request: Request) -> Response:

@@ -150,8 +150,12 @@ class ServerState:
             self._session_locks[session_id] = lock, users - 1
 
     def health(self) -> dict:
-        load = self.engine.scheduler.load() if self.engine is not None else {}
-        return {"status": "ok", "model": self.options.model_id, **load}
+        """Replies running and waiting, and the KV pool's bytes: in use by replies, cached for reuse."""
+        engine = self.ready()
+        with engine.lock:  # the pool changes at every step
+            memory = engine.model.pool.memory_breakdown()
+        kv = {k: memory[k] for k in ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")}
+        return {"status": "ok", "model": self.options.model_id, **engine.scheduler.load(), "kv": kv}
 
 
 def open_model(options: ServeOptions) -> Model:
