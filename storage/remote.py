@@ -312,9 +312,12 @@ class RemoteTier:
         down or fails now."""
         if self.down:
             return None
-        t0 = time.perf_counter()
         try:
-            result, n_bytes = work(self._get_client())
+            client = self._get_client()
+            if threading.get_ident() not in self._measured_threads:
+                self._first_round_trip(client)
+            t0 = time.perf_counter()
+            result, n_bytes = work(client)
         except (redis.RedisError, OSError) as e:  # dead, slow, refused, a cluster that moved: all a miss
             self._count("failures")
             self._down_until = time.monotonic() + self.backoff_s
@@ -325,18 +328,21 @@ class RemoteTier:
                 f"and trying it again every {self.backoff_s:g} s",
             )
             return None
-        seconds = time.perf_counter() - t0
-        self._count("round_trips")
+        self._measure(time.perf_counter() - t0, n_bytes)
         self._count(moved, n_bytes)
-        # A thread's first round trip on a client also connects (and a cluster client learns its slots):
-        # that is not what later ones cost.
-        if threading.get_ident() in self._measured_threads:
-            self._measure(seconds, n_bytes)
-        else:
-            self._measured_threads.add(threading.get_ident())
         return result
 
+    def _first_round_trip(self, client) -> None:
+        """A thread's first use of a client connects (a cluster client also learns its slots): not timed,
+        as that is not what later round trips cost; then one PING measures the latency."""
+        client.ping()
+        t0 = time.perf_counter()
+        client.ping()
+        self._measure(time.perf_counter() - t0, 0)
+        self._measured_threads.add(threading.get_ident())
+
     def _measure(self, seconds: float, n_bytes: int) -> None:
+        self._count("round_trips")
         if n_bytes < SMALL_ROUND_TRIP:
             self.rtt_s.add(seconds)
         else:

@@ -61,6 +61,7 @@ class RedisServer:
                 break
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.kill()
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.02)
         client.close()
@@ -77,22 +78,29 @@ class RedisServer:
 
 
 def start_cluster(folder: Path, n: int = 3) -> list[RedisServer]:
-    """n masters sharing the 16,384 slots, no replicas."""
-    nodes = [RedisServer(folder / f"node{i}", cluster=True).start() for i in range(n)]
-    addresses = [f"127.0.0.1:{node.port}" for node in nodes]
-    subprocess.run(
-        [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        timeout=60,
-    )
-    client = nodes[0].client()
-    deadline = time.monotonic() + 20
-    while client.cluster("info").get("cluster_state") != "ok":  # the nodes agree on the slots
-        if time.monotonic() > deadline:
-            raise RuntimeError("the Redis Cluster did not come up")
-        time.sleep(0.05)
-    client.close()
+    """n masters sharing the 16,384 slots, no replicas (none left running if it fails)."""
+    nodes = [RedisServer(folder / f"node{i}", cluster=True) for i in range(n)]
+    try:
+        for node in nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in nodes]
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=60,
+        )
+        client = nodes[0].client()
+        deadline = time.monotonic() + 20
+        while client.cluster("info").get("cluster_state") != "ok":  # the nodes agree on the slots
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not come up")
+            time.sleep(0.05)
+        client.close()
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
     return nodes
 
 
