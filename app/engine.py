@@ -29,6 +29,7 @@ from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.kv_cache import prefix_key
 from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
 from llama_chat.storage.db import StoreError
+from llama_chat.storage.remote import MovingAverage, RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
 
 DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
@@ -64,9 +65,11 @@ class ResumeInfo:
     tokens: int  # tokens of the conversation so far
     restored: int  # of those, how many came back without computing (RAM, stored blocks, tail)
     seconds: float
+    remote: int = 0  # of those, how many were read from the remote tier
 
     def describe(self) -> str:
-        return f"{self.restored:,} of {self.tokens:,} tokens restored in {self.seconds * 1000:.0f} ms"
+        remote = f" ({self.remote:,} from the remote tier)" if self.remote else ""
+        return f"{self.restored:,} of {self.tokens:,} tokens restored{remote} in {self.seconds * 1000:.0f} ms"
 
 
 def session_title(text: str) -> str:
@@ -109,10 +112,19 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
 
 
 class ChatEngine:
-    def __init__(self, model: Model, store: ChatStore, codec: str = DEFAULT_CODEC, n_ctx: int = DEFAULT_CTX):
+    def __init__(
+        self,
+        model: Model,
+        store: ChatStore,
+        codec: str = DEFAULT_CODEC,
+        n_ctx: int = DEFAULT_CTX,
+        remote: RemoteTier | None = None,
+    ):
         self.model = model
         self.store = store
         self.codec = codec
+        self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
+        self.prefill_tok_s = MovingAverage()  # measured on replies: what reading from `remote` must beat
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.lock = threading.RLock()  # one reply at a time per engine: the pool is not thread-safe
@@ -159,9 +171,46 @@ class ChatEngine:
                 seq.namespace = session.kv_namespace
             if seq.private:
                 shift_to(self.model, seq, ids)
+            remote = self._read_remote(seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
             self._restore_tail(session, seq, ids)
-            return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0)
+            return seq, ResumeInfo(
+                len(ids), seq.n_tokens, time.perf_counter() - t0, min(remote, seq.n_tokens)
+            )
+
+    def _read_remote(self, seq: KVSequence, ids: list[int]) -> int:
+        """Before the pool looks for the blocks of `ids`: those neither RAM nor SQLite holds, read from
+        the remote tier in one round trip when that beats computing them, and kept in SQLite (the pool
+        then takes them as any stored block). Only blocks of the shared namespace (computed by this
+        model, here or on another server) travel; an import's stay here. Returns the tokens read."""
+        if self.remote is None or seq.namespace is not None or seq.private:
+            return 0
+        pool, B = self.model.pool, self.model.pool.block_size
+        run, parent = [], None
+        for i in range(len(ids) // B):
+            tokens = tuple(ids[i * B : (i + 1) * B])
+            parent = prefix_key(self.model.fingerprint, parent, tokens)
+            if (None, parent) not in pool.by_key:
+                run.append((parent, tokens))
+        stored = self.store.stored_keys([key for key, _ in run])
+        missing = [(key, tokens) for key, tokens in run if key not in stored]
+        n_bytes = self.remote.estimated_bytes(len(missing))
+        if not self.remote.worth_fetching(
+            len(missing), n_bytes, self.prefill_tok_s.value or 0.0, len(missing) * B
+        ):
+            return 0
+        found = []
+        for block in self.remote.fetch_run(missing, self.codec):
+            if block is None:
+                break  # the pool stops at the first missing block anyway
+            found.append(block)
+        if not found:
+            return 0
+        try:
+            self.store.add_blocks(self.model.fingerprint, found)
+        except StoreError:
+            return 0  # a store that cannot take them now: they are computed instead
+        return len(found) * B
 
     def _restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
         B = self.model.pool.block_size
@@ -294,6 +343,8 @@ class ChatEngine:
         except StoreError as e:
             raise StoreError(f"the reply was not stored: {e}") from None
         saved.session = stored
+        if stats.prefilled_tokens >= self.model.pool.block_size:  # shorter ones are mostly overhead
+            self.prefill_tok_s.add(stats.prefill_tok_s)
         if stored.id != session.id:  # the KV computed belongs to the new branch now
             self.live[stored.id] = self.live.pop(session.id, seq)
         try:
@@ -334,6 +385,9 @@ class ChatEngine:
             self.store.save_snapshot(
                 session.id, self.model.fingerprint, keys, new_blocks, stored_tail, seq.n_tokens, seq.namespace
             )
+            if self.remote is not None and seq.namespace is None:  # an import's blocks never leave
+                for block in new_blocks:
+                    self.remote.put(block)  # in the background: a full queue drops, nothing waits
 
     def verify(self, session: Session) -> VerifyResult:
         """Recompute the KV of a session resumed from imported blocks and compare each block with it.

@@ -90,13 +90,14 @@ def start_cluster(folder: Path, n: int = 3) -> list[RedisServer]:
             stdout=subprocess.DEVNULL,
             timeout=60,
         )
-        client = nodes[0].client()
         deadline = time.monotonic() + 20
-        while client.cluster("info").get("cluster_state") != "ok":  # the nodes agree on the slots
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Redis Cluster did not come up")
-            time.sleep(0.05)
-        client.close()
+        for node in nodes:  # until every node agrees the slots are covered
+            client = node.client()
+            while client.cluster("info").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not come up")
+                time.sleep(0.05)
+            client.close()
     except BaseException:
         for node in nodes:
             node.kill()

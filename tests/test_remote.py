@@ -4,11 +4,19 @@ a store that dies, stalls, forgets or lies never changes a reply nor loses anyth
 from __future__ import annotations
 
 import logging
+import re
+import time
 
 import numpy as np
 import pytest
 
+from llama_chat.app.cli import main
+from llama_chat.app.engine import ChatEngine
+from llama_chat.inference import GenerationStats, SamplingParams, load_model
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.storage import ChatStore, Session
 from llama_chat.storage.codec import checksum, encode_kv
+from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.remote import RemoteTier, RemoteTierError
 from llama_chat.storage.store import StoredBlock
 from redis_servers import REDIS_SERVER, RedisServer, SlowProxy, start_cluster
@@ -191,3 +199,199 @@ def test_a_flushed_or_evicted_store_is_a_miss(redis_server):
     redis_server.client().flushall()
     assert remote.fetch(block.key, tuple(block.tokens), "q6") is None
     assert remote.stats()["misses"] == 1 and remote.stats()["up"]
+
+
+# -- two servers sharing one store ---------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0)
+HISTORY = "hello the world, then the sun and the rain over the hills " * 3
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return tiny_model_paths["qwen2"]
+
+
+def server(model_path, db, url: str | None, secret: str = SECRET, **options) -> ChatEngine:
+    """A fresh process's engine on its own SQLite file, with the remote tier at `url` (None: none).
+    Blocks are stored lossless (f32), so a reply read from blocks is the reply computed in full: a
+    random tiny model flips a greedy choice on a lossy codec's rounding."""
+    model = load_model(model_path, block_size=8)
+    remote = RemoteTier.from_url(url, secret, model.fingerprint, **options) if url else None
+    return ChatEngine(model, ChatStore(db), codec="f32", remote=remote)
+
+
+def chat(
+    engine: ChatEngine, session, text: str, max_tokens: int = 8, **kwargs
+) -> tuple[str, GenerationStats]:
+    stats = GenerationStats()
+    reply = "".join(
+        engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats, **kwargs)
+    )
+    return reply, stats
+
+
+def move(source: ChatEngine, session_id: str, target: ChatEngine, tmp_path) -> Session:
+    """The session's messages (no KV) carried to another server, as `sessions export --no-kv` does."""
+    path = tmp_path / f"move-{session_id}.llamachat"
+    export_session(source.store, session_id, path, with_kv=False)
+    result = import_session(target.store, path, model_fingerprint=target.model.fingerprint)
+    path.unlink()
+    return target.store.get_session(result.session_ids[0])
+
+
+def test_a_conversation_goes_on_at_a_second_server_from_the_shared_store(
+    qwen2, tmp_path, redis_server, capsys
+):
+    shared = ["--model", str(qwen2), "--kv-remote", redis_server.url, "--kv-secret", SECRET]
+    ask = ["ask", "--temp", "0", "--max-tokens", "6"]
+    assert main(["--db", str(tmp_path / "a.db"), *shared, *ask, "--new-session", HISTORY]) == 0
+    session_id = next(w.split()[1] for w in capsys.readouterr().err.splitlines() if w.startswith("session "))
+    a = ChatStore(tmp_path / "a.db")
+    n_blocks = len(a.block_keys(session_id))
+    assert n_blocks >= 2
+    wait_for(lambda: redis_server.client().dbsize() >= n_blocks)  # written behind the reply
+
+    assert (
+        main(["--db", str(tmp_path / "a.db"), "export", "--no-kv", session_id, "-o", str(tmp_path / "s")])
+        == 0
+    )
+    assert main(["--db", str(tmp_path / "b.db"), "import", str(tmp_path / "s")]) == 0
+    moved = capsys.readouterr().out.split()[-1]
+    assert main(["--db", str(tmp_path / "b.db"), *shared, *ask, "--session", moved, "and then"]) == 0
+    out, err = capsys.readouterr()
+    restored = re.search(r"\[([\d,]+) of ([\d,]+) tokens restored \(([\d,]+) from the remote tier\)", err)
+    B = DEFAULT_BLOCK_SIZE  # what the command line uses
+    assert restored and int(restored[3]) == n_blocks * B == int(restored[1])  # every full block, from Redis
+    prompt, prefilled = map(int, re.search(r"\[(\d+) prompt tokens, (\d+) prefilled", err).groups())
+    assert prefilled == prompt - n_blocks * B  # only the tail and the new turn were computed
+
+    assert main(["--db", str(tmp_path / "c.db"), "import", str(tmp_path / "s")]) == 0
+    alone = capsys.readouterr().out.split()[-1]
+    assert (
+        main(["--db", str(tmp_path / "c.db"), "--model", str(qwen2), *ask, "--session", alone, "and then"])
+        == 0
+    )
+    assert capsys.readouterr().out == out  # the same reply as a server without the tier, computing it all
+
+
+def wait_for(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the background writes did not land"
+        time.sleep(0.02)
+
+
+def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_cluster):
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0].port}"
+    first, second = server(qwen2, tmp_path / "a.db", url), server(qwen2, tmp_path / "b.db", url)
+    session = first.new_session("shared", system_prompt="the sun")
+    chat(first, session, HISTORY)
+    first.remote.flush()
+    moved = move(first, session.id, second, tmp_path)
+    _, info = second.open(moved)
+    full = info.tokens // 8 * 8
+    assert info.remote == full >= 32 and info.restored == full
+    reply, stats = chat(second, moved, "and then")
+    assert stats.prefilled_tokens == stats.prompt_tokens - full
+    assert second.store.stored_keys(first.store.block_keys(session.id)) == set(
+        first.store.block_keys(session.id)
+    )
+    assert chat(first, first.store.get_session(session.id), "and then")[0] == reply
+    assert all(node.client().dbsize() > 0 for node in redis_cluster)
+
+
+def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
+    stranger = server(qwen2, tmp_path / "a.db", redis_server.url, secret="not our secret")
+    session = stranger.new_session("planted")
+    chat(stranger, session, HISTORY)
+    stranger.remote.flush()
+    assert redis_server.client().dbsize() > 0
+    ours = server(qwen2, tmp_path / "b.db", redis_server.url)
+    moved = move(stranger, session.id, ours, tmp_path)
+    _, info = ours.open(moved)
+    assert info.remote == 0 and info.restored == 0 and ours.remote.stats()["rejected"] > 0
+    alone = server(qwen2, tmp_path / "c.db", None)
+    assert (
+        chat(ours, moved, "and then")[0]
+        == chat(alone, move(stranger, session.id, alone, tmp_path), "and then")[0]
+    )
+
+
+def test_an_imported_sessions_blocks_never_travel(qwen2, tmp_path, redis_server):
+    first = server(qwen2, tmp_path / "a.db", None)
+    session = first.new_session("imported")
+    chat(first, session, HISTORY)
+    export_session(first.store, session.id, tmp_path / "with-kv.llamachat")  # with its KV: untrusted there
+    second = server(qwen2, tmp_path / "b.db", redis_server.url)
+    result = import_session(
+        second.store, tmp_path / "with-kv.llamachat", model_fingerprint=second.model.fingerprint
+    )
+    imported = second.store.get_session(result.session_ids[0])
+    assert imported.kv_namespace is not None
+    chat(second, imported, "and then")
+    second.remote.flush()
+    assert redis_server.client().dbsize() == 0  # nothing written from the import's namespace
+    assert second.remote.stats()["round_trips"] == 0  # nor read for it
+
+
+def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, tmp_path, redis_server):
+    """Turns of one conversation land on two servers in turn (a load balancer); between turns the
+    store is killed, restarted, flushed, filled with garbage and slowed. The replies are those of one
+    server without any tier, and every message and block stays where it was stored."""
+    link = SlowProxy(redis_server.port)
+    # (always_fetch: the tiny model computes a few blocks faster than a loaded machine reads them, and
+    # the point here is what reading does when the store misbehaves)
+    servers = [server(qwen2, tmp_path / f"{n}.db", link.url, backoff_s=0.05, always_fetch=True) for n in "ab"]
+    alone = server(qwen2, tmp_path / "alone.db", None)
+
+    def kill_mid_reply(done, total):
+        redis_server.kill()  # after the blocks were looked for, before new ones are written
+
+    def garbage():
+        raw = redis_server.client()
+        for name in raw.keys("*"):
+            raw.set(name, b"\x00not a block" * 40)
+
+    chaos = [
+        lambda: None,
+        lambda: None,
+        "kill mid-reply",
+        redis_server.start,
+        lambda: redis_server.client().flushall(),
+        garbage,
+        lambda: setattr(link, "delay_s", 1.0),  # far slower than the tier's timeouts
+        lambda: setattr(link, "delay_s", 0.0),
+    ]
+    expected_session = alone.new_session("alone", system_prompt="the sun")
+    session = servers[0].new_session("balanced", system_prompt="the sun")
+    try:
+        for turn, event in enumerate(chaos):
+            here = servers[turn % 2]
+            if turn:
+                session = move(servers[(turn - 1) % 2], session.id, here, tmp_path)
+            hook = {}
+            if event == "kill mid-reply":
+                hook = {"on_prefill": kill_mid_reply}
+            else:
+                event()
+            for tier in (s.remote for s in servers):
+                tier._down_until = 0  # (rather than sleeping through each backoff)
+            text = f"t{turn}"
+            _, info = here.open(session)
+            reply, stats = chat(here, session, text, max_tokens=4, **hook)
+            assert stats.prompt_tokens > info.tokens  # (no turn dropped from the window, nothing shifted)
+            expected, _ = chat(alone, expected_session, text, max_tokens=4)
+            assert reply == expected, f"turn {turn}"
+            here.remote.flush()
+            session = here.store.get_session(session.id)
+    finally:
+        link.close()
+    stats = [s.remote.stats() for s in servers]
+    assert sum(s["hits"] for s in stats) > 0  # the tier was used when it worked
+    assert sum(s["rejected"] for s in stats) > 0 and sum(s["failures"] for s in stats) > 0
+    for s in servers:  # nothing local lost: every session whole, every block it lists stored
+        for stored in s.store.list_sessions():
+            assert [m.role for m in s.store.path(stored.head_id)][-2:] == ["user", "assistant"]
+            keys = s.store.block_keys(stored.id)
+            assert s.store.stored_keys(keys) == set(keys)
