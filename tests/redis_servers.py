@@ -46,6 +46,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> RedisServer:
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"redis-server on port {self.port} is running already")
         self.folder.mkdir(parents=True, exist_ok=True)
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no"]

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
-from llama_chat.app.engine import ChatEngine
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.storage import ChatStore, Session
@@ -222,13 +222,17 @@ def server(model_path, db, url: str | None, secret: str = SECRET, **options) -> 
 
 
 def chat(
-    engine: ChatEngine, session, text: str, max_tokens: int = 8, **kwargs
+    engine: ChatEngine, session, text: str, max_tokens: int = 8, during=None
 ) -> tuple[str, GenerationStats]:
+    """A greedy reply; `during()` runs once its first piece is out (its blocks were looked for, the
+    new ones are not written yet)."""
     stats = GenerationStats()
-    reply = "".join(
-        engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats, **kwargs)
-    )
-    return reply, stats
+    pieces = []
+    for piece in engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats):
+        if not pieces and during is not None:
+            during()
+        pieces.append(piece)
+    return "".join(pieces), stats
 
 
 def move(source: ChatEngine, session_id: str, target: ChatEngine, tmp_path) -> Session:
@@ -287,7 +291,7 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
     first, second = server(qwen2, tmp_path / "a.db", url), server(qwen2, tmp_path / "b.db", url)
     session = first.new_session("shared", system_prompt="the sun")
     chat(first, session, HISTORY)
-    first.remote.flush()
+    first.kv.remote.flush()
     moved = move(first, session.id, second, tmp_path)
     _, info = second.open(moved)
     full = info.tokens // 8 * 8
@@ -305,12 +309,12 @@ def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
     stranger = server(qwen2, tmp_path / "a.db", redis_server.url, secret="not our secret")
     session = stranger.new_session("planted")
     chat(stranger, session, HISTORY)
-    stranger.remote.flush()
+    stranger.kv.remote.flush()
     assert redis_server.client().dbsize() > 0
     ours = server(qwen2, tmp_path / "b.db", redis_server.url)
     moved = move(stranger, session.id, ours, tmp_path)
     _, info = ours.open(moved)
-    assert info.remote == 0 and info.restored == 0 and ours.remote.stats()["rejected"] > 0
+    assert info.remote == 0 and info.restored == 0 and ours.kv.remote.stats()["rejected"] > 0
     alone = server(qwen2, tmp_path / "c.db", None)
     assert (
         chat(ours, moved, "and then")[0]
@@ -330,9 +334,9 @@ def test_an_imported_sessions_blocks_never_travel(qwen2, tmp_path, redis_server)
     imported = second.store.get_session(result.session_ids[0])
     assert imported.kv_namespace is not None
     chat(second, imported, "and then")
-    second.remote.flush()
+    second.kv.remote.flush()
     assert redis_server.client().dbsize() == 0  # nothing written from the import's namespace
-    assert second.remote.stats()["round_trips"] == 0  # nor read for it
+    assert second.kv.remote.stats()["round_trips"] == 0  # nor read for it
 
 
 def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, tmp_path, redis_server):
@@ -344,9 +348,6 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
     # the point here is what reading does when the store misbehaves)
     servers = [server(qwen2, tmp_path / f"{n}.db", link.url, backoff_s=0.05, always_fetch=True) for n in "ab"]
     alone = server(qwen2, tmp_path / "alone.db", None)
-
-    def kill_mid_reply(done, total):
-        redis_server.kill()  # after the blocks were looked for, before new ones are written
 
     def garbage():
         raw = redis_server.client()
@@ -370,24 +371,22 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
             here = servers[turn % 2]
             if turn:
                 session = move(servers[(turn - 1) % 2], session.id, here, tmp_path)
-            hook = {}
-            if event == "kill mid-reply":
-                hook = {"on_prefill": kill_mid_reply}
-            else:
+            during = redis_server.kill if event == "kill mid-reply" else None
+            if during is None:
                 event()
-            for tier in (s.remote for s in servers):
+            for tier in (s.kv.remote for s in servers):
                 tier._down_until = 0  # (rather than sleeping through each backoff)
             text = f"t{turn}"
             _, info = here.open(session)
-            reply, stats = chat(here, session, text, max_tokens=4, **hook)
+            reply, stats = chat(here, session, text, max_tokens=4, during=during)
             assert stats.prompt_tokens > info.tokens  # (no turn dropped from the window, nothing shifted)
             expected, _ = chat(alone, expected_session, text, max_tokens=4)
             assert reply == expected, f"turn {turn}"
-            here.remote.flush()
+            here.kv.remote.flush()
             session = here.store.get_session(session.id)
     finally:
         link.close()
-    stats = [s.remote.stats() for s in servers]
+    stats = [s.kv.remote.stats() for s in servers]
     assert sum(s["hits"] for s in stats) > 0  # the tier was used when it worked
     assert sum(s["rejected"] for s in stats) > 0 and sum(s["failures"] for s in stats) > 0
     for s in servers:  # nothing local lost: every session whole, every block it lists stored
