@@ -130,21 +130,22 @@ class RemoteTier:
         """A tier on the server at `url` (see the module's doc for the forms). Nothing is contacted
         yet: a server that is down now is tried again later, and meanwhile blocks are computed."""
         parts = urlsplit(url)
+        shown = url.replace(parts.password, "***") if parts.password else url  # messages name no password
         if parts.scheme not in SCHEMES or not parts.hostname:
             raise RemoteTierError(
-                f"--kv-remote {url!r}: expected redis://HOST:PORT[/DB], rediss://..., or redis+cluster://HOST:PORT"
+                f"--kv-remote {shown!r}: expected redis://HOST:PORT[/DB], rediss://..., or redis+cluster://HOST:PORT"
             )
         try:
             parts.port  # noqa: B018 (a port that is not a number raises here, not on first use)
         except ValueError:
-            raise RemoteTierError(f"--kv-remote {url!r}: the port is not a number") from None
+            raise RemoteTierError(f"--kv-remote {shown!r}: the port is not a number") from None
         cluster = SCHEMES[parts.scheme]
         plain = urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
         no_retry = Retry(NoBackoff(), 0)  # a failed call is a miss now, not three slower tries
         sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
         if cluster:
             if parts.path.strip("/"):
-                raise RemoteTierError(f"--kv-remote {url!r}: a Redis Cluster has no database number")
+                raise RemoteTierError(f"--kv-remote {shown!r}: a Redis Cluster has no database number")
 
             def connect():
                 return RedisCluster.from_url(plain, retry=no_retry, **sockets)

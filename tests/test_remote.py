@@ -146,9 +146,10 @@ def test_no_secret_or_a_bad_url_is_refused_with_one_line(redis_server):
         RemoteTier.from_url(redis_server.url, None, "fp")
     with pytest.raises(RemoteTierError, match="--kv-secret"):
         RemoteTier.from_url(redis_server.url, "", "fp")
-    for url in ("http://example.org", "redis://", "redis://host:port", "redis+cluster://h:1/3"):
-        with pytest.raises(RemoteTierError, match="--kv-remote"):
+    for url in ("http://example.org", "redis://", "redis://:pw@host:port", "redis+cluster://h:1/3"):
+        with pytest.raises(RemoteTierError, match="--kv-remote") as refused:
             RemoteTier.from_url(url, SECRET, "fp")
+        assert ":pw@" not in str(refused.value)
     assert "hunter2" not in tier(f"redis://:hunter2@127.0.0.1:{redis_server.port}/2").stats()["url"]
 
 
@@ -394,3 +395,17 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
             assert [m.role for m in s.store.path(stored.head_id)][-2:] == ["user", "assistant"]
             keys = s.store.block_keys(stored.id)
             assert s.store.stored_keys(keys) == set(keys)
+
+
+def test_the_command_line_refuses_a_tier_without_a_secret(qwen2, tmp_path, redis_server, capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_CHAT_KV_SECRET", raising=False)
+    db = ["--db", str(tmp_path / "a.db"), "--model", str(qwen2)]
+    assert main([*db, "--kv-remote", redis_server.url, "ask", "--new-session", "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kv-secret" in err[0] and "Traceback" not in err[0]
+    assert ChatStore(tmp_path / "a.db").list_sessions() == []  # nothing stored for it
+    monkeypatch.setenv("LLAMA_CHAT_KV_SECRET", SECRET)
+    assert (
+        main([*db, "--kv-remote", redis_server.url, "ask", "--new-session", "--max-tokens", "2", "hello"])
+        == 0
+    )
