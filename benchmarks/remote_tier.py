@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -192,6 +193,7 @@ def main() -> int:
             )
     finally:
         redis_server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
     if args.json:
         print(json.dumps(report))
     return 0
