@@ -145,6 +145,7 @@ def test_tokenize_prints_ids_as_json(tiny_model_paths, capsys):
     assert len(json.loads(capsys.readouterr().out)) > 1  # without --special it is plain text
 
 
+
 @pytest.mark.parametrize("temperature", [0.0, 0.5], ids=["greedy", "seeded"])
 def test_prompt_lookup_changes_no_token(tiny_model_path, temperature):
     """Guessed runs are checked by the model and kept only where it would have produced them itself:

@@ -30,9 +30,7 @@ def test_each_step_fits_a_narrow_terminal_with_its_percent(monkeypatch):
         bar("preparing weights", 3, 0)  # a step whose size is not known
     lines = screen_lines(terminal.getvalue())
     assert lines and all(len(line) <= 48 for line in lines)  # nothing wraps or is cut by the terminal
-    assert any(
-        line.startswith("✓ assembling qwen") and " 100% " in line for line in lines
-    )  # the label gave way
+    assert any(line.startswith("✓ assembling qwen") and " 100% " in line for line in lines)  # the label gave way
     assert "preparing weights" in lines[-1] and " 100% " in lines[-1]  # shown as done when it ended
 
 

@@ -844,9 +844,7 @@ async def test_help_lists_every_key_with_its_id(qwen2, tmp_path):
 
 @aio
 async def test_help_shows_the_whole_config_path_on_a_narrow_terminal(qwen2, tmp_path):
-    deep = (
-        tmp_path / "a-long-home-directory" / "with-nested-folders" / "config" / "llama-chat" / "config.toml"
-    )
+    deep = tmp_path / "a-long-home-directory" / "with-nested-folders" / "config" / "llama-chat" / "config.toml"
     app = ChatApp(tmp_path / "chat.db", model=str(qwen2), config=Config(path=deep))
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("f1")
@@ -925,10 +923,7 @@ def test_titles_given_on_the_command_line_are_one_line_with_single_spaces(tmp_pa
     db = ["--db", str(tmp_path / "chat.db")]
     assert main([*db, "sessions", "rename", session.id, " Spaced   out\ttitle "]) == 0
     assert main([*db, "sessions", "fork", session.id, "--title", "a  fork "]) == 0
-    assert [s.title for s in ChatStore(tmp_path / "chat.db").list_sessions()] == [
-        "a fork",
-        "Spaced out title",
-    ]
+    assert [s.title for s in ChatStore(tmp_path / "chat.db").list_sessions()] == ["a fork", "Spaced out title"]
 
 
 HAND_WRITTEN = '''# my settings
