@@ -94,7 +94,8 @@ def options_from(args) -> tuple[ServeOptions, str | None]:
     if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
         raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
     options = ServeOptions(
-        db=args.db, model=args.model, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup, **given
+        db=args.db, model=args.model, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup,
+        kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None), **given,
     )
     return options, api_key_from(args.api_key)
 

@@ -45,6 +45,8 @@ class ServeOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     prompt_lookup: bool = True
     max_body: int = MAX_BODY
+    kv_remote: str | None = None  # a Redis/Valkey URL: KV blocks shared with other servers
+    kv_secret: str | None = None  # what signs them there
 
     @property
     def model_id(self) -> str:
@@ -84,7 +86,8 @@ class ServerState:
             store = ChatStore(options.db)
             model = self._load(options)
             scheduler = Scheduler(model, options.parallel, options.queue)
-            engine = ChatEngine(model, store, n_ctx=options.ctx, scheduler=scheduler)
+            remote = open_remote(options, model.fingerprint)
+            engine = ChatEngine(model, store, n_ctx=options.ctx, scheduler=scheduler, remote=remote)
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
@@ -167,6 +170,15 @@ def open_model(options: ServeOptions) -> Model:
             block_size=options.block_size,
             prompt_lookup=options.prompt_lookup,
         )
+
+
+def open_remote(options: ServeOptions, fingerprint: str):
+    """The remote KV tier of --kv-remote, if one is named (RemoteTierError says what is wrong)."""
+    if not options.kv_remote:
+        return None
+    from llama_chat.storage.remote import RemoteTier
+
+    return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
 
 
 def api_key_from(flag: str | None) -> str | None:
