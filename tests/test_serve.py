@@ -344,7 +344,7 @@ def wait_for(condition, timeout_s: float = 20) -> None:
 # -- many clients, and clients that leave ------------------------------------------------------------
 
 
-def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, tiny):
+def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, tiny, monkeypatch):
     s = Served(tmp_path / "chat.db", tiny, parallel=8).wait_ready()
     try:
         asks = [(f"{word} the world", seed) for word, seed in zip("abcdefgh", range(20, 28))]
@@ -357,10 +357,13 @@ def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, tiny)
             together[i] = streamed(stream)[0][0] if i % 2 == 0 else stream.choices[0].message.content
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        jobs = []
+        submit = s.scheduler.submit
+        monkeypatch.setattr(s.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
         with s.scheduler.lock:  # hold every step until all eight wait: then they run together
             for t in threads:
                 t.start()
-            wait_for(lambda: s.scheduler.load()["queued"] == 7)  # (the first is taken, blocked on the lock)
+            wait_for(lambda: len(jobs) == 8)
         for t in threads:
             t.join(60)
         assert [together[i] for i in range(8)] == alone
@@ -510,3 +513,13 @@ def test_serve_on_the_command_line(tmp_path, tiny):
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+
+
+def test_the_cli_and_the_server_share_a_session_while_it_runs(served, tiny, capsys):
+    sid = json.loads(served.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+    served.ask("hello there", extra_body={"session": sid}, seed=1, max_tokens=4)
+    db = str(served.state.options.db)
+    assert main(["--db", db, "--model", str(tiny), "ask", "--session", sid, "--max-tokens", "4", "the water"]) == 0
+    served.ask("and the sun", extra_body={"session": sid}, seed=1, max_tokens=4)
+    messages = json.loads(served.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["hello there", "the water", "and the sun"]

@@ -157,7 +157,10 @@ class ChatEngine:
 
         As much as the window holds: the next prompt never needs more of it, and when it needs less
         (room for a long reply), prompt() cuts the restored KV down by context shift."""
-        messages = self.messages(session)
+        return self.window_ids(self.messages(session))
+
+    def window_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens of a conversation as it is stored: its newest turns that fit the window."""
         return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False)[1]
 
     def open(self, session: Session) -> tuple[KVSequence, ResumeInfo]:
@@ -319,21 +322,36 @@ class ChatEngine:
         """Bring the KV up to the end of the stored conversation (unless not `complete`: then what it holds
         of it), then store what is new, in one transaction."""
         with self.lock:
-            ids = self.conversation_ids(session)
-            if seq.private:
-                shift_to(self.model, seq, ids)
-            held = seq.reuse_prefix(ids)
-            if complete and held < len(ids) <= seq.n_ctx:
-                self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
-            full, tail = seq.snapshot()
+            held = self.hold_kv(seq, self.conversation_ids(session), complete)
+        self.store_kv(session.id, held)
+
+    def hold_kv(self, seq: KVSequence, ids: list[int], complete: bool = True) -> KVSequence:
+        """With the lock held: bring seq's KV up to `ids`, a stored conversation's tokens (unless not
+        `complete`: then what it holds of them), and return a fork of it that keeps its blocks for
+        store_kv. That one may run on another thread while the scheduler goes on: full blocks never
+        change, and the fork's last one is copied by whoever writes to it next."""
+        if seq.private:
+            shift_to(self.model, seq, ids)
+        held = seq.reuse_prefix(ids)
+        if complete and held < len(ids) <= seq.n_ctx:
+            self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
+        return seq.fork()
+
+    def store_kv(self, session_id: str, held: KVSequence) -> None:
+        """Store what hold_kv kept as the session's KV (encoding only blocks not stored yet), then free it."""
+        try:
+            full, tail = held.snapshot()
             self.kv.save(
-                session.id,
+                session_id,
                 [(b.key, b.tokens) for b in full],
                 lambda i: self.model.pool.block_kv(full[i]),
                 tail,
-                seq.n_tokens,
-                seq.namespace,
+                held.n_tokens,
+                held.namespace,
             )
+        finally:
+            with self.lock:
+                held.free()
 
     def verify(self, session: Session) -> VerifyResult:
         """Recompute the KV of a session resumed from imported blocks and compare each block with it.

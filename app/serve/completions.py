@@ -3,8 +3,10 @@ one JSON reply or as a stream of chunks (server-sent events). A client that leav
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -63,7 +65,7 @@ async def chat_completions(request: Request) -> Response:
         return Response(status_code=499)
     if job.state is not State.DONE:
         raise _failure(job)
-    session_id = kept_session(job)
+    session_id = await kept_session(job)
     if session_id is not None:
         headers["X-Session-Id"] = session_id
     texts = [job.text(i) for i in range(job.n)]
@@ -123,9 +125,11 @@ def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, e
         raise session_not_found(str(e)) from None
 
 
-def kept_session(job: Job) -> str | None:
-    """The session the reply was stored in, if it was."""
+async def kept_session(job: Job) -> str | None:
+    """The session the reply was stored in, if it was (waiting for the writer to store it)."""
     result = job.result
+    if isinstance(result, Future):
+        result = await asyncio.wrap_future(result)
     if isinstance(result, SavedReply):
         result = result.session
     return result.id if isinstance(result, Session) else None
@@ -149,7 +153,7 @@ async def _chunks(job: Job, events: JobEvents, reply: Reply, include_usage: bool
         if job.state is not State.DONE:
             yield _data(_failure(job).body())
             return
-        session_id = kept_session(job)
+        session_id = await kept_session(job)
         for i, stats in enumerate(job.stats):
             yield _data(reply.chunk(i, {}, finish_reason(stats), session=session_id))
         if include_usage:

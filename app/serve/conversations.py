@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from llama_chat.inference import KVSequence, SamplingParams, chat_prompt_ids
 from llama_chat.storage import Message, Session, StoreError
@@ -46,6 +47,8 @@ class Conversations:
     def __init__(self, engine: ChatEngine):
         self.engine = engine
         self.model = engine.model
+        # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The prompt of a conversation sent whole, as the model's chat template renders it."""
@@ -63,8 +66,8 @@ class Conversations:
         store: bool,
         on_event: Callable[[Event], None],
     ) -> Job:
-        """A conversation sent whole: n replies to its prompt, in one job; job.result is the session
-        it was kept in (None: not kept)."""
+        """A conversation sent whole: n replies to its prompt, in one job; job.result is the future of
+        the session it is kept in (None: not kept)."""
         engine = self.engine
         base: list[KVSequence] = []
 
@@ -72,10 +75,10 @@ class Conversations:
             base.append(self.model.new_sequence(engine.n_ctx))
             return prompt, base[0]
 
-        def finish(job: Job) -> Session | None:
+        def finish(job: Job) -> Future | None:
             if not store or job.stats[0].stop_reason not in ("eog", "stop", "length"):
                 return None  # cancelled or failed: the client has no reply to continue from
-            return self._keep(messages, sampling, job, job.seqs[0])
+            return self._keep(messages, sampling, job)
 
         def on_end(event: Event) -> None:
             if event.kind == "end":  # on the scheduler thread, which holds the pool: give the KV back
@@ -94,15 +97,24 @@ class Conversations:
         )
         return engine.scheduler.submit(job)
 
-    def _keep(self, messages: list[dict], sampling: dict, job: Job, seq: KVSequence) -> Session | None:
-        """Store the conversation and its reply (alternative 0; a new session keeps the request's
-        sampling settings), then its KV. A failure to store only costs the cache: the client has its
-        reply, so it is said on stderr and the reply goes out."""
-        store, stats = self.engine.store, job.stats[0]
+    def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
+        """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
+        (alternative 0) is brought up to its stored form and held; storing it, and the messages, is
+        left to the writer thread, so the replies streaming meanwhile do not wait on SQLite. Returns
+        the future of the session they go in (None: not stored)."""
+        stats = job.stats[0]
+        reply = Message(0, None, "assistant", job.text(0), stats.token_ids, time.time(), reply_stats(stats))
+        conversation = [*messages, {"role": "assistant", "content": reply.content}]
+        held = self.engine.hold_kv(job.seqs[0], self.engine.window_ids(conversation))
+        return self.writer.submit(self._store, messages, sampling, reply, held)
+
+    def _store(self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence) -> Session | None:
+        """The conversation and its reply stored — appended to the API session where the same history
+        left off, else in a new one (with the request's sampling settings) — then its KV. A failure
+        costs only the cache: the client has its reply, so it is said on stderr."""
+        store = self.engine.store
         system, turns = split_system(messages)
-        now = time.time()
-        asked = [Message(0, None, m["role"], m["content"], None, now, None) for m in turns]
-        reply = Message(0, None, "assistant", job.text(0), stats.token_ids, now, reply_stats(stats))
+        asked = [Message(0, None, m["role"], m["content"], None, reply.created, None) for m in turns]
         try:
             history = [(m["role"], m["content"]) for m in turns[:-1]]
             session = store.session_ending_with(API_ORIGIN, system, history)
@@ -119,11 +131,20 @@ class Conversations:
             else:
                 new = [*asked[-1:], reply]
             stored, _ = store.append_turn(session.id, session.head_id, new)
-            self.engine.snapshot(stored, seq)
-            return stored
         except StoreError as e:
+            with self.engine.lock:
+                held.free()
             print(f"llama-chat serve: a conversation was not stored: {e}", file=sys.stderr)
             return None
+        try:
+            self.engine.store_kv(stored.id, held)
+        except StoreError as e:
+            print(f"llama-chat serve: a conversation's KV was not stored: {e}", file=sys.stderr)
+        return stored
+
+    def close(self) -> None:
+        """Wait for what the writer has left to store."""
+        self.writer.shutdown(wait=True)
 
     def submit_turn(
         self,

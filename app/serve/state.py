@@ -114,6 +114,7 @@ class ServerState:
             self._thread.join()
         if self.engine is not None:
             self.engine.scheduler.close()
+            self.conversations.close()
             self.engine.store.close()
 
     # -- what requests ask -------------------------------------------------------------------------
