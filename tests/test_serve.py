@@ -523,3 +523,29 @@ def test_the_cli_and_the_server_share_a_session_while_it_runs(served, tiny, caps
     served.ask("and the sun", extra_body={"session": sid}, seed=1, max_tokens=4)
     messages = json.loads(served.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
     assert [m["content"] for m in messages if m["role"] == "user"] == ["hello there", "the water", "and the sun"]
+
+
+def test_clients_sending_one_system_prompt_at_once_compute_it_once(served, monkeypatch):
+    jobs = []
+    submit = served.scheduler.submit
+    monkeypatch.setattr(served.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
+    asks = [[{"role": "user", "content": "something else"}]]
+    asks += [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}] for text in ("hi", "the sun")]
+    replies = {}
+
+    def client(i):
+        replies[i] = served.ask(asks[i], seed=1)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    with served.scheduler.lock:  # nothing is computed until the two are admitted together
+        threads[0].start()
+        wait_for(lambda: len(jobs) == 1 and served.scheduler.load()["queued"] == 0)  # taken, waiting for the lock
+        threads[1].start()
+        threads[2].start()
+        wait_for(lambda: served.scheduler.load()["queued"] == 2)
+    for t in threads:
+        t.join(60)
+    ids = [chat_prompt_ids(served.model, a) for a in asks[1:]]
+    shared = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y) // BLOCK * BLOCK
+    cached = sorted(replies[i].usage.prompt_tokens_details.cached_tokens for i in (1, 2))
+    assert cached == [0, shared]  # the second took the first's blocks as they were computed

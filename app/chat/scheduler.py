@@ -138,18 +138,25 @@ class Scheduler:
                 self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
 
     def _prefill(self, run: _Run) -> None:
-        """One batch of the run's prompt; when it is all computed, its replies start."""
+        """One batch of the run's prompt; when it is all computed, its replies start. Blocks that
+        another job computed since this one was admitted (clients sending the same system prompt at
+        once) are taken first, not computed again."""
         job, stats = run.job, run.job.stats[0]
         batch = self.model.prefill_batch
         if run.done and job.cancelled:  # the sequence keeps the batches done, for the next turn
             return self._start(run)
+        held = run.seq.n_tokens
+        if run.seq.reuse_prefix(run.prompt[:-1]) > held:
+            run.todo, run.done = run.prompt[run.seq.n_tokens :], 0
+        chunk = run.todo[run.done : run.done + batch]
         t0 = time.perf_counter()
         try:
-            run.logits = self.model.forward(run.todo[run.done : run.done + batch], run.seq)[-1]
+            run.logits = self.model.forward(chunk, run.seq)[-1]
         except Exception as e:  # noqa: BLE001 — e.g. the context window is full
             return self._end(run, State.FAILED, e)
         stats.prefill_s += time.perf_counter() - t0
-        run.done = stats.prefilled_tokens = min(run.done + batch, len(run.todo))
+        run.done += len(chunk)
+        stats.prefilled_tokens += len(chunk)
         if len(run.todo) > batch:
             job.emit("prefill", done=run.done, total=len(run.todo))
         if run.done == len(run.todo):
