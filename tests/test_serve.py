@@ -505,7 +505,10 @@ def test_serve_on_the_command_line(tmp_path, tiny):
         assert "listening on http://127.0.0.1:" in line and "API key required" in line
         base = line.split("listening on ")[1].split()[0]
         client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
-        wait_for(lambda: "ready" in proc.stderr.readline(), 120)
+        for line in proc.stderr:  # until the model is loaded (or the server says why not, and ends)
+            assert "error" not in line
+            if "ready" in line:
+                break
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.usage.completion_tokens <= 4
         proc.send_signal(signal.SIGINT)
