@@ -1,4 +1,4 @@
-"""The TUI's dialogs: confirm, text entry, session settings, model choice, alternatives, help."""
+"""The chat's dialogs: confirm, text entry, session settings, model choice, alternatives, help."""
 
 from __future__ import annotations
 
