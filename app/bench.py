@@ -245,7 +245,7 @@ def measure_batch3(model, context: int, n_tokens: int) -> float:
 
 RESUME_CHILD = """
 import json, sys, time
-from llama_chat.app.engine import ChatEngine
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.inference import load_model
 from llama_chat.storage import ChatStore
 model = load_model(sys.argv[1])
@@ -271,7 +271,7 @@ def measure_sessions(model, n_tokens: int, folder) -> dict:
     from llama_chat.storage import ChatStore
     from llama_chat.storage.exchange import measure_exchange
 
-    from .engine import ChatEngine
+    from .chat.engine import ChatEngine
 
     db = folder / "bench.db"
     engine = ChatEngine(model, ChatStore(db))
@@ -417,7 +417,7 @@ def run_bench(args) -> int:
     results["fork_added_kv_bytes"] = fork["added_bytes"]
     ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
     report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
-    from .engine import DEFAULT_CODEC
+    from .chat.engine import DEFAULT_CODEC
 
     with tempfile.TemporaryDirectory() as folder:
         n_conv = 256 if quick else 2048

@@ -13,14 +13,15 @@ from llama_chat.inference import (
     GenerationStats,
     SamplingParams,
     chat_prompt_ids,
-    generate,
     load_model,
 )
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Session, StoreError
 
+from .chat.engine import SavedReply, session_title
+from .chat.jobs import Job, stream_text
+from .chat.scheduler import Scheduler
 from .cli import UsageError, print_json
-from .engine import SavedReply, session_title
 from .progress import ProgressBar
 from .signals import ReplySignals
 
@@ -130,19 +131,20 @@ def write(text: str) -> bool:
         return False
 
 
-def stream(pieces) -> str:
-    """Write the reply to stdout as it comes. However it ends (its end, a cancel, a closed terminal,
-    a second signal), the generator is closed here, which stores a stored reply with what it wrote."""
-    out = []
+def stream(job: Job) -> None:
+    """Write a job's reply to stdout as it comes. However the writing ends (the reply's end, a cancel, a
+    closed terminal, a second signal), the job is cancelled and waited for, so it keeps what it made;
+    what it made beyond what was written is written then, so the stored reply is the one shown."""
+    shown = 0
     try:
-        for piece in pieces:
-            out.append(piece)
+        for piece in stream_text(job, prefill_bar()):
             if not write(piece):
                 break
+            shown += len(piece)
     finally:
-        pieces.close()
+        if job.state.ended and len(job.text()) > shown:
+            write(job.text()[shown:])
         write("\n")
-    return "".join(out)
 
 
 def open_store(args) -> ChatStore:
@@ -162,7 +164,7 @@ def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
             seen = signals.count if signals else 0
             say(f"waiting for {store.db_path}: another process is writing to it (Ctrl+C gives up)")
         elif signals is not None and signals.count > seen:
-            raise KeyboardInterrupt
+            raise StoreError("stopped while waiting for it")
 
     return on_wait
 
@@ -176,20 +178,22 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
     with ReplySignals() as signals:
         engine.store.on_wait = waiting_notice(engine.store, signals)
         try:
-            stream(
-                engine.reply(
-                    session,
-                    text,
-                    sampling=params,
-                    max_tokens=args.max_tokens,
-                    cancel=signals.cancel,
-                    stats=stats,
-                    on_prefill=prefill_bar(),
-                    saved=saved,
-                )
+            job = engine.submit_reply(
+                session,
+                text,
+                sampling=params,
+                max_tokens=args.max_tokens,
+                cancel=signals.cancel,
+                stats=stats,
+                saved=saved,
             )
+            stream(job)
         except KeyboardInterrupt:
             pass  # a second signal: whether the reply was stored is said below
+        except StoreError:
+            if signals.received is None:
+                raise
+            # a signal gave up waiting for the database: said below
         finally:
             engine.store.on_wait = waiting_notice(engine.store)
     print_stats(stats, signals.stop_reason(stats.stop_reason))
@@ -207,7 +211,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
 
 
 def open_engine(args, store: ChatStore):
-    from .engine import ChatEngine
+    from .chat.engine import ChatEngine
 
     return ChatEngine(open_model(args), store, n_ctx=args.ctx)
 
@@ -215,7 +219,7 @@ def open_engine(args, store: ChatStore):
 def cmd_ask(args) -> int:
     prompt = read_prompt(args.prompt)
     if not (args.session or args.new_session):  # a one-off question, nothing stored
-        from .engine import check_fits
+        from .chat.engine import check_fits
 
         model = open_model(args)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -224,19 +228,14 @@ def cmd_ask(args) -> int:
         ids = chat_prompt_ids(model, messages)
         n_ctx = min(args.ctx, model.config.n_ctx_train)
         check_fits(ids, n_ctx)
-        stats = GenerationStats()
-        params = SamplingParams(**sampling_settings(args))
-        stream(
-            generate(
-                model,
-                ids,
-                sampling=params,
-                max_tokens=min(args.max_tokens, n_ctx - len(ids)),
-                stats=stats,
-                on_prefill=prefill_bar(),
-            )
+        job = Job(
+            lambda: (ids, model.new_sequence(n_ctx)),
+            sampling=SamplingParams(**sampling_settings(args)),
+            max_tokens=args.max_tokens,
+            finish=lambda job: [seq.free() for seq in job.seqs],
         )
-        print_stats(stats)
+        stream(Scheduler(model).submit(job))
+        print_stats(job.stats[0])
         return 0
     store = open_store(args)
     store.check_writable()  # a reply that could not be stored is not worth computing

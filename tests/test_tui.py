@@ -60,7 +60,7 @@ def slow_decode(monkeypatch):
 
             return waiting
 
-        for name in ("forward", "verify_draft", "decode_batch"):
+        for name in ("forward", "verify_draft", "verify_rows", "decode_batch"):
             monkeypatch.setattr(Model, name, slowed(getattr(Model, name)))
 
     return slow
@@ -108,7 +108,7 @@ async def test_the_context_count_grows_while_a_reply_streams(open_chat, slow_dec
         status_set = app.chat.status.set
 
         def spy(**fields):
-            if "context" in fields and app.chat.jobs:
+            if "context" in fields and app.chat.replies:
                 shown.append(int(fields["context"].split()[1].split("/")[0].replace(",", "")))
             status_set(**fields)
 
@@ -469,11 +469,11 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(open_chat, 
         await say(pilot, "hello the world")
         slow_decode(0.05)  # 200 tokens would take 10 s
         await pilot.press("ctrl+t")
-        await until(pilot, lambda: app.chat.jobs, what="the alternatives to start")
+        await until(pilot, lambda: app.chat.replies, what="the alternatives to start")
         await pilot.pause(0.3)
         await pilot.press("escape")
         await until(pilot, lambda: isinstance(app.screen, AlternativesScreen), what="the alternatives")
-        assert len(app.screen.alternatives) == 3 and not app.chat.jobs
+        assert len(app.screen.alternatives) == 3 and not app.chat.replies
         stored = [
             app.store.message(app.store.get_session(s).head_id).stats for s, _ in app.screen.alternatives
         ]
@@ -906,7 +906,7 @@ async def test_keys_typed_while_a_reply_streams_reach_the_input(open_chat, slow_
             await asyncio.sleep(0.005)
         chat_input = app.chat.query_one(ChatInput)
         for ch in "abcdefghijkl":
-            assert app.chat.jobs  # still streaming
+            assert app.chat.replies  # still streaming
             app.post_message(events.Key(ch, ch))
             while not chat_input.text.endswith(ch):
                 await asyncio.sleep(0.001)

@@ -145,13 +145,13 @@ def test_keys_typed_while_the_default_model_streams_reach_the_input(qwen_model_p
                 await asyncio.sleep(0.01)
             chat_input = app.chat.query_one(ChatInput)
             for ch in "abcdefghij":
-                assert app.chat.jobs  # still streaming
+                assert app.chat.replies  # still streaming
                 app.post_message(events.Key(ch, ch))  # as the terminal driver sends it
                 while not chat_input.text.endswith(ch):
                     await asyncio.sleep(0.001)
                 await asyncio.sleep(0.1)
             app.chat.action_stop()
-            while app.chat.jobs:
+            while app.chat.replies:
                 await asyncio.sleep(0.05)
             return chat_input.text
 

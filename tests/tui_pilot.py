@@ -72,7 +72,7 @@ async def idle(pilot) -> None:
     await until(
         pilot,
         lambda: (
-            not chat.jobs and chat.loading_model is None and all(w.is_finished for w in pilot.app.workers)
+            not chat.replies and chat.loading_model is None and all(w.is_finished for w in pilot.app.workers)
         ),
         what="the work to end",
     )

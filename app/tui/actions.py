@@ -1,5 +1,5 @@
-"""What the chat's keys do, beyond sending and stopping: branch (regenerate, edit, fork), rename,
-delete, settings, model, export, import, help, and the command palette built from the bindings.
+"""What the chat's keys do, beyond sending and stopping: open chats, branch (regenerate, edit, fork),
+rename, delete, settings, model, export, import, help, and the command palette built from the bindings.
 
 A part of ChatScreen (it is mixed into it): each action checks what it can, asks in a dialog, and
 leaves the store's work to `in_background` and a reply's to `submit`. Handlers are named `on_…`:
@@ -13,15 +13,16 @@ from functools import partial
 from pathlib import Path
 
 from textual.app import SystemCommand
+from textual.widgets import Tree
 
 from llama_chat.inference import KNOWN_MODELS
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
-from ..engine import fork_before, session_title
+from ..chat.engine import fork_before, session_title
 from .dialogs import ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
-from .replies import ReplyJob
-from .sidebar import SessionTree
+from .replies import Reply
+from .sidebar import ChatRef, SessionTree
 from .widgets import ChatInput, MessageView, WorkDone, model_label
 
 
@@ -46,6 +47,44 @@ class ChatActions:
 
         self.app.push_screen(ModelScreen(models, current), chosen)
 
+    # -- opening chats -------------------------------------------------------------------------
+
+    def switch_to(self, session_id: str, message_id: int | None = None) -> None:
+        """Open a session (at one of its messages: a search hit) and resume it."""
+
+        def read() -> tuple[Session, list[Message]]:
+            session = self.store.get_session(session_id)
+            return session, self.store.path(session.head_id)
+
+        async def opened(result: tuple[Session, list[Message]]) -> None:
+            await self.show_session(*result)
+            if message_id is not None:
+                self.show_message(message_id)
+            self.resume(result[0])
+
+        self.in_background(read, opened)
+
+    def on_tree_node_selected(self, event: Tree.NodeSelected) -> None:
+        ref: ChatRef | None = event.node.data
+        if ref is None:
+            return
+        if self.session is not None and ref.session_id == self.session.id:
+            if ref.message_id is not None:
+                self.show_message(ref.message_id)
+        elif self.can_start("switch chats"):
+            self.switch_to(ref.session_id, ref.message_id)
+
+    async def action_new_chat(self) -> None:
+        if not self.can_start("start a new chat"):
+            return
+        await self.show_session(None, [])
+        self.query_one(ChatInput).focus()
+
+    def action_search(self) -> None:
+        self.sidebar.search.focus()
+
+    # -- replies in a new branch -----------------------------------------------------------------
+
     def action_regenerate(self) -> None:
         """A new reply in a sibling branch: the old one stays in its own session."""
         target, session = self.conversation.reply_target(), self.session
@@ -54,7 +93,7 @@ class ChatActions:
         if target is None or session is None or target.parent_id is None:
             self.notify("There is no reply to regenerate.", severity="warning")
             return
-        self.submit(ReplyJob(session, max_tokens=self.max_tokens(session), regenerate=target))
+        self.submit(Reply(session, max_tokens=self.max_tokens(session), regenerate=target))
 
     def action_regenerate_three(self) -> None:
         """Three new replies to the last message, decoded together, each in its own branch."""
@@ -64,7 +103,7 @@ class ChatActions:
         if session is None or last is None or last.role != "assistant" or last.message is None:
             self.notify("Regenerate ×3 needs a conversation that ends with a reply.", severity="warning")
             return
-        self.submit(ReplyJob(session, max_tokens=self.max_tokens(session), regenerate=last.message, n=3))
+        self.submit(Reply(session, max_tokens=self.max_tokens(session), regenerate=last.message, n=3))
 
     def on_message_view_edit(self, event: MessageView.Edit) -> None:
         """Edit a past message of yours (on a reply: the message it answers); the new text and its
@@ -80,7 +119,7 @@ class ChatActions:
 
         def edited(new_text: str | None) -> None:
             if new_text and new_text.strip() and new_text != message.content and self.can_reply("edit"):
-                self.submit(ReplyJob(session, new_text, self.max_tokens(session), edited=message))
+                self.submit(Reply(session, new_text, self.max_tokens(session), edited=message))
 
         self.app.push_screen(
             TextScreen("Edit message (a new branch)", message.content, multiline=True), edited

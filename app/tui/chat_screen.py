@@ -1,9 +1,10 @@
 """The chat screen: the sidebar, the conversation, the input and the status line.
 
-The UI thread only draws. A reply is a job (replies.py): the screen submits it and, every FLUSH_S
-while one runs, renders the events it told, so a reply streams into a Markdown stream in batches and
-the whole message is never re-rendered per token. What reads or writes the store, or loads the
-model, runs in a thread worker that hands its result back to the UI thread.
+The UI thread only draws. A reply is a job of the chat layer's scheduler (app/chat/): the screen
+submits it (from a worker: that writes the store) and, every FLUSH_S while one runs, draws the events
+its job told, so a reply streams into a Markdown stream in batches and the whole message is never
+re-rendered per token. What reads or writes the store, or loads the model, runs in a thread worker
+that hands its result back to the UI thread.
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
 from textual.screen import Screen
-from textual.widgets import Footer, Tree
+from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
 from llama_chat.inference import load_model
 from llama_chat.storage import ChatStore, Message, Session
 
+from ..chat.engine import ChatEngine, session_title
+from ..chat.jobs import Event
 from ..config import Config
-from ..engine import ChatEngine, session_title
 from . import replies
 from .actions import ChatActions
 from .conversation import ConversationView
 from .dialogs import AlternativesScreen
-from .replies import USER_ERRORS, Branch, Failed, Piece, Prefill, ReplyJob, Stored, error_text
-from .sidebar import ChatRef, Sidebar
+from .replies import USER_ERRORS, Branch, Reply, error_text
+from .sidebar import Sidebar
 from .widgets import (
     ChatInput,
     MessageView,
@@ -54,8 +56,8 @@ def title_for(text: str) -> str:
     return session_title(text)[:48].rstrip() or "New chat"
 
 
-def work_label(job: ReplyJob) -> str:
-    return REPLYING if job.n == 1 else f"writing {job.n} alternatives (Esc stops)"
+def work_label(reply: Reply) -> str:
+    return REPLYING if reply.n == 1 else f"writing {reply.n} alternatives (Esc stops)"
 
 
 # -- what workers tell the screen ------------------------------------------------------------------
@@ -108,8 +110,8 @@ class ChatScreen(ChatActions, Screen):
         self.engine: ChatEngine | None = None
         self.loading_model: str | None = "loading the model"  # while a model loads, replies wait for it
         self.session: Session | None = None  # None: a new chat, stored when its first message is sent
-        self.jobs: dict[ReplyJob, MessageView | None] = {}  # replies being written, and where they show
-        self.alternatives: list[Stored] = []  # replies written side by side, offered once all are done
+        self.replies: list[Reply] = []  # replies being written
+        self.alternatives: list[tuple[Session, str]] = []  # replies written side by side, offered at the end
 
     @property
     def store(self) -> ChatStore:
@@ -150,13 +152,23 @@ class ChatScreen(ChatActions, Screen):
     # -- work off the UI thread ------------------------------------------------------------------
 
     @work(thread=True, exit_on_error=False, group="store")
-    def in_background(self, task: Callable, then: Callable | None = None, title: str | None = None) -> None:
-        """Run `task` on a worker thread (it reads or writes the store, or the model) and hand what it
-        returns to `then` on the UI thread; an error the user can cause becomes a notice."""
+    def in_background(
+        self,
+        task: Callable,
+        then: Callable | None = None,
+        title: str | None = None,
+        failed: Callable[[str], object] | None = None,
+    ) -> None:
+        """Run `task` on a worker thread (it reads or writes the store, or waits for the model) and
+        hand what it returns to `then` on the UI thread; an error the user can cause goes to `failed`
+        there, else becomes a notice."""
         try:
             result = task()
         except USER_ERRORS as e:
-            self.notify(str(e), title=title, severity="error", timeout=10)
+            if failed is not None:
+                self.app.call_from_thread(failed, str(e))
+            else:
+                self.notify(str(e), title=title, severity="error", timeout=10)
             return
         if then is not None:
             self.app.call_from_thread(then, result)
@@ -214,11 +226,12 @@ class ChatScreen(ChatActions, Screen):
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
-        if self.engine is not None:
-            with self.engine.lock:  # the old model's KV goes with it
-                for session_id in list(self.engine.live):
-                    self.engine.close(session_id)
-        self.engine = engine
+        old, self.engine = self.engine, engine
+        if old is not None:  # its KV goes with it; no reply runs on it (none starts while a model loads)
+            old.scheduler.close()
+            with old.lock:
+                for session_id in list(old.live):
+                    old.close(session_id)
         self.model_name = name
         if self.session is not None:
             self.open_in_engine(self.session)
@@ -241,9 +254,9 @@ class ChatScreen(ChatActions, Screen):
         else:
             self.status.set(model=model_label(self.engine.model))
             self.show_context(self.session.n_tokens if self.session else 0)
-        for job in self.jobs:  # (sent while it loaded: no reply runs while a model loads)
-            self.status.set(work=work_label(job))
-            replies.start(self.engine, job)
+        for reply in self.replies:  # (sent while it loaded: no reply starts while a model loads)
+            self.status.set(work=work_label(reply))
+            self.start(reply)
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -270,21 +283,6 @@ class ChatScreen(ChatActions, Screen):
             self.status.set(resumed=event.text)
             self.show_context(event.tokens)
 
-    def switch_to(self, session_id: str, message_id: int | None = None) -> None:
-        """Open a session (at one of its messages: a search hit) and resume it."""
-
-        def read() -> tuple[Session, list[Message]]:
-            session = self.store.get_session(session_id)
-            return session, self.store.path(session.head_id)
-
-        async def opened(result: tuple[Session, list[Message]]) -> None:
-            await self.show_session(*result)
-            if message_id is not None:
-                self.show_message(message_id)
-            self.resume(result[0])
-
-        self.in_background(read, opened)
-
     async def show_session(self, session: Session | None, path: list[Message]) -> None:
         """Draw a whole conversation (on switching, forking, branching); replies stream in afterwards."""
         self.session = session
@@ -309,31 +307,11 @@ class ChatScreen(ChatActions, Screen):
         if self.engine is not None:
             self.status.set(context=f"ctx {tokens:,}/{self.engine.n_ctx:,}")
 
-    @on(Tree.NodeSelected, "#sessions")
-    def session_selected(self, event: Tree.NodeSelected) -> None:
-        ref: ChatRef | None = event.node.data
-        if ref is None:
-            return
-        if self.session is not None and ref.session_id == self.session.id:
-            if ref.message_id is not None:
-                self.show_message(ref.message_id)
-        elif self.can_start("switch chats"):
-            self.switch_to(ref.session_id, ref.message_id)
-
-    async def action_new_chat(self) -> None:
-        if not self.can_start("start a new chat"):
-            return
-        await self.show_session(None, [])
-        self.query_one(ChatInput).focus()
-
-    def action_search(self) -> None:
-        self.sidebar.search.focus()
-
     # -- replies ---------------------------------------------------------------------------------
 
     def can_start(self, what: str) -> bool:
         """One reply at a time; say why not, rather than queue silently. A model load is waited for."""
-        if self.jobs:
+        if self.replies:
             self.notify(f"A reply is being written; Esc stops it, then {what}.", severity="warning")
             return False
         if self.loading_model and what == "change the model":
@@ -360,8 +338,8 @@ class ChatScreen(ChatActions, Screen):
             return
         if text.strip():
             self.query_one(ChatInput).clear()
-            job = ReplyJob(session, text, self.max_tokens(session))
-            job.new_chat = dict(
+            reply = Reply(session, text, self.max_tokens(session))
+            reply.new_chat = dict(
                 title=title_for(text),
                 system_prompt=self.config.system_prompt,
                 sampling=dict(self.config.sampling),
@@ -371,108 +349,133 @@ class ChatScreen(ChatActions, Screen):
             last = self.conversation.last()
             if session is None or last is None or last.role != "user":
                 return
-            job, sent = ReplyJob(session, None, self.max_tokens(session)), []
-        view = MessageView("assistant")
-        await self.conversation.add(*sent, view)
-        self.submit(job, view)
+            reply, sent = Reply(session, None, self.max_tokens(session)), []
+        reply.view = MessageView("assistant")
+        await self.conversation.add(*sent, reply.view)
+        self.submit(reply)
 
-    def submit(self, job: ReplyJob, view: MessageView | None = None) -> None:
-        """Start a reply (it waits for a model being loaded); `view`: the message it streams into, or
-        None when the reply makes a branch of its own, shown when it starts."""
-        self.jobs[job] = view
-        if view is not None:
-            view.set_note("waiting for the model" if self.loading_model else "reading the conversation…")
-        self.status.set(work=work_label(job))
-        if job.n > 1:  # no text streams before the end: a bar says it works
-            self.status.progress(work_label(job))
+    def submit(self, reply: Reply) -> None:
+        """Start a reply (it waits for a model being loaded): its job goes to the scheduler from a
+        worker, and its events are drawn every FLUSH_S until it ends."""
+        self.replies.append(reply)
+        if reply.view is not None:
+            reply.view.set_note(
+                "waiting for the model" if self.loading_model else "reading the conversation…"
+            )
+        self.status.set(work=work_label(reply))
+        if reply.n > 1:  # no text streams before the end: a bar says it works
+            self.status.progress(work_label(reply))
         if not self.loading_model:
-            replies.start(self.engine, job)
+            self.start(reply)
         self.flush_timer.resume()
 
+    def start(self, reply: Reply) -> None:
+        self.in_background(
+            partial(replies.submit, self.engine, reply),
+            partial(self.reply_started, reply),
+            failed=partial(self.reply_refused, reply),
+        )
+
+    async def reply_started(self, reply: Reply, branch: Branch | None) -> None:
+        """The job is submitted: show the new branch it goes to, or adopt a new chat."""
+        if branch is not None and reply.view is None:  # its messages, the new text, the reply to come
+            await self.show_session(branch.session, branch.path)
+            reply.view = MessageView("assistant")
+            sent = [MessageView("user", branch.user_text)] if branch.user_text is not None else []
+            await self.conversation.add(*sent, reply.view)
+        elif branch is not None and (self.session is None or self.session.id != branch.session.id):
+            self.opened(branch.session)  # a new chat, stored now
+        if reply.view is not None:
+            reply.view.set_note("reading the conversation…")
+        reply.started = True
+
+    async def reply_refused(self, reply: Reply, error: str) -> None:
+        """The job could not be submitted (an empty message, one longer than the context, no model)."""
+        if reply.view is not None and not reply.view.content:
+            await reply.view.remove()
+        self.notify(error, title="No reply", severity="error", timeout=10)
+        self.reply_done(reply)
+
     async def render_replies(self) -> None:
-        """Show what each reply told since the last time: text in one piece, the newest progress."""
-        for job in list(self.jobs):
-            ended = job.state in replies.ENDED  # (before taking: every event is told before it ends)
-            for kind, events in groupby(job.take_events(), type):
+        """Draw what each reply's job told since the last time: its text in one piece, the newest
+        progress of its prompt, its end."""
+        for reply in list(self.replies):
+            if not reply.started:
+                continue
+            for kind, events in groupby(reply.take_events(), lambda event: event.kind):
                 events = list(events)
-                if kind is Piece:
-                    await self.show_text(job, "".join(e.text for e in events), events[-1].context)
-                elif kind is Prefill:
-                    self.show_prefill(job, events[-1])
-                else:
-                    for event in events:
-                        await self.render_event(job, event)
-            if ended:
-                self.job_ended(job)
+                if kind == "text":
+                    await self.show_text(reply, "".join(e.text for e in events if e.alt == 0))
+                elif kind == "prefill":
+                    self.show_prefill(reply, events[-1])
+                elif kind == "end":
+                    await self.reply_ended(reply)
 
-    async def render_event(self, job: ReplyJob, event: Branch | Stored | Failed) -> None:
-        view = self.jobs[job]
-        if isinstance(event, Branch):
-            self.jobs[job] = await self.reply_started(event, view)
-        elif isinstance(event, Stored):
-            await self.reply_stored(event, view)
-        else:
-            await self.reply_failed(event, view)
-
-    async def reply_started(self, event: Branch, view: MessageView | None) -> MessageView:
-        """The reply's session is known: show a new branch, or adopt a new chat."""
-        if view is None:  # a branch of its own: its messages, the user's new text, the reply to come
-            await self.show_session(event.session, event.path)
-            view = MessageView("assistant")
-            sent = [MessageView("user", event.user_text)] if event.user_text is not None else []
-            await self.conversation.add(*sent, view)
-        elif self.session is None or self.session.id != event.session.id:
-            self.opened(event.session)  # a new chat, stored now
-        view.set_note("reading the conversation…")
-        return view
-
-    def show_prefill(self, job: ReplyJob, event: Prefill) -> None:
+    def show_prefill(self, reply: Reply, event: Event) -> None:
         """How far a long prompt has been read, as a bar; then back to the work that follows."""
         self.status.progress("reading the conversation", event.done, event.total)
         if event.done >= event.total:
-            self.status.progress(work_label(job))
+            self.status.progress(work_label(reply))
 
-    async def show_text(self, job: ReplyJob, text: str, context: int) -> None:
-        view = self.jobs[job]
+    async def show_text(self, reply: Reply, text: str) -> None:
+        view = reply.view
+        if not text or view is None:  # (alternatives show when all are written)
+            return
         if view.note and view.note != "stopped":
             view.set_note("")
             self.status.done()  # the prefill's bar, if the prompt was long
             self.status.set(work=REPLYING)
-        self.show_context(context)
+        stats = reply.job.stats[0]
+        self.show_context(stats.prompt_tokens + stats.generated_tokens)
         await view.append(text)
 
-    async def reply_stored(self, event: Stored, view: MessageView | None) -> None:
-        if view is None:  # one of several alternatives: offered once all are written
-            self.alternatives.append(event)
+    async def reply_ended(self, reply: Reply) -> None:
+        """The job ended: what it made is stored (also when stopped, and as far as it got when it failed)."""
+        job = reply.job
+        if reply.view is not None:
+            await reply.view.finish()
+        if job.error is not None:
+            self.notify(error_text(job.error), title="No reply", severity="error", timeout=10)
+        if reply.n > 1:
+            self.alternatives += job.result or []
+            return self.reply_done(reply)
+        stored = job.result.session if job.result else None
+        if job.error is None and stored is not None:
+            self.in_background(
+                partial(self.store.path, stored.head_id),
+                partial(self.reply_stored, reply, stored),
+                failed=lambda error: self.reply_done(reply),
+            )
             return
-        await view.finish()
-        stats = event.stats
-        if self.conversation.adopt(event.path):
-            view.set_note("stopped" if stats.get("stop_reason") == "cancelled" else "")
-            self.opened(event.session)
-        else:  # e.g. the stored text differs from what was shown: show what is stored
-            await self.show_session(event.session, event.path)
-        self.status.set(speed=speed_text(stats))
-        self.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
-
-    async def reply_failed(self, event: Failed, view: MessageView | None) -> None:
-        if view is not None:
-            await view.finish()
-        self.notify(event.error, title="No reply", severity="error", timeout=10)
-        session = event.session or self.session
+        session = stored or self.session
         if session is not None:
             self.switch_to(session.id)  # show what was stored
-        elif view is not None and not view.content:
-            await view.remove()
+        elif reply.view is not None and not reply.view.content:
+            await reply.view.remove()
+        self.reply_done(reply)
 
-    def job_ended(self, job: ReplyJob) -> None:
-        del self.jobs[job]
-        if self.jobs:
+    async def reply_stored(self, reply: Reply, session: Session, path: list[Message]) -> None:
+        """The stored reply: its message ids to the messages shown (or the conversation drawn again,
+        if what is stored differs), its speed and the context it filled."""
+        stats = (path[-1].stats or {}) if path else {}
+        if self.conversation.adopt(path):
+            reply.view.set_note("stopped" if stats.get("stop_reason") == "cancelled" else "")
+            self.opened(session)
+        else:
+            await self.show_session(session, path)
+        self.status.set(speed=speed_text(stats))
+        self.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
+        self.reply_done(reply)
+
+    def reply_done(self, reply: Reply) -> None:
+        if reply in self.replies:
+            self.replies.remove(reply)
+        if self.replies:
             return
         self.flush_timer.pause()
         self.status.done()
         if self.alternatives:
-            alternatives = [(s.session.id, s.path[-1].content) for s in self.alternatives]
+            alternatives = [(session.id, text) for session, text in self.alternatives]
             self.alternatives = []
             self.sidebar.show_chats(self.session.id if self.session else None)
             self.app.push_screen(AlternativesScreen(alternatives), self.open_picked)
@@ -483,20 +486,25 @@ class ChatScreen(ChatActions, Screen):
 
     def action_stop(self) -> None:
         """Esc: stop the replies at once (what was written is kept), else leave the search or a message."""
-        if self.jobs:
-            for job, view in self.jobs.items():
-                job.cancel.set()
-                if view is not None:
-                    view.set_note("stopped")
+        if self.replies:
+            for reply in self.replies:
+                reply.cancel.set()
+                if reply.view is not None:
+                    reply.view.set_note("stopped")
             return
         self.sidebar.leave_search()
         self.query_one(ChatInput).focus()
 
     async def stop_replies(self) -> None:
-        """Stop every reply and wait (without holding the screen) until what each wrote is stored."""
-        for job in self.jobs:
-            job.cancel.set()
-        while self.loading_model is None and any(job.state not in replies.ENDED for job in self.jobs):
+        """Stop every reply and wait (without holding the screen) until what each wrote is stored; one
+        waiting for a model being loaded is not written at all."""
+        for reply in self.replies:
+            reply.cancel.set()
+
+        def running(reply: Reply) -> bool:
+            return not reply.job.state.ended if reply.job else self.loading_model is None
+
+        while any(running(reply) for reply in self.replies):
             await asyncio.sleep(0.02)
 
     @on(ChatInput.LeaveUp)

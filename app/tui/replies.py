@@ -1,92 +1,48 @@
-"""Replies as jobs: what the screen asks for, the state a reply is in, and the events it renders.
+"""A reply the screen asked for, submitted as a job to the chat layer's scheduler.
 
-The screen submits a `ReplyJob` and renders the events it tells, never waiting for them; until the
-chat layer's scheduler runs jobs, each runs here on a thread of its own, through the engine.
+The screen makes a `Reply` on the UI thread, with its cancel and the queue the job's events go to (the
+scheduler's thread only puts them there); `submit` then runs on a worker thread, since it writes the
+store (a new chat, a branch) and waits for the scheduler's lock. The screen takes the events off the
+queue as it draws, never waiting for them.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 
-from llama_chat.inference import GenerationStats, ModelError
+from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
 
+from ..chat.engine import ChatEngine, fork_before
+from ..chat.jobs import Event, Job
 from ..config import ConfigError
-from ..engine import ChatEngine
+from .widgets import MessageView
 
 USER_ERRORS = (ModelError, StoreError, ConfigError, ValueError, OSError)
 
 
-def error_text(error: Exception) -> str:
+def error_text(error: BaseException) -> str:
     """An error as the user reads it: one the user can cause says what happened; a bug names itself."""
     return str(error) if isinstance(error, USER_ERRORS) else f"{type(error).__name__}: {error}"
 
 
-class State(Enum):
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    DONE = "done"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
-
-
-ENDED = (State.DONE, State.CANCELLED, State.FAILED)
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """How much of the prompt has been read."""
-
-    done: int
-    total: int
-
-
 @dataclass(frozen=True)
 class Branch:
-    """The session the reply goes to is known: the messages before it, and the user's new text."""
+    """Where a reply goes: its session (made now when it is a new chat or a new branch), the messages
+    it follows, and the user's new text (stored with the reply)."""
 
     session: Session
     path: list[Message]
     user_text: str | None
 
 
-@dataclass(frozen=True)
-class Piece:
-    text: str
-    context: int  # tokens of the context filled so far, the reply included
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A reply ended (also when stopped) and is stored: its session and the path that ends with it."""
-
-    session: Session
-    path: list[Message]
-
-    @property
-    def stats(self) -> dict:
-        return self.path[-1].stats or {}
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: str
-    session: Session | None  # where what was stored is, if the reply got that far
-
-
-Event = Prefill | Branch | Piece | Stored | Failed
-
-
 @dataclass(eq=False)
-class ReplyJob:
+class Reply:
     """A reply to ask for: to the user's new `text` in `session` (None: a new chat, made with
     `new_chat`), to its last message (no text), again (`regenerate`: n replies in sibling branches),
-    or to an `edited` message (a sibling branch with the new text)."""
+    or to an `edited` message of the user (a sibling branch with the new text)."""
 
     session: Session | None
     text: str | None = None
@@ -95,12 +51,14 @@ class ReplyJob:
     regenerate: Message | None = None  # the reply to write again
     edited: Message | None = None  # the message the text replaces
     n: int = 1
-    state: State = State.QUEUED
+    view: MessageView | None = None  # the message it streams into; None: shown once its branch is
     cancel: threading.Event = field(default_factory=threading.Event)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    job: Job | None = None  # once submitted
+    started: bool = False  # submitted, and its branch (if it makes one) is on screen
 
     def take_events(self) -> list[Event]:
-        """Every event told so far (never waits)."""
+        """Every event the job told since the last time (never waits)."""
         out = []
         while True:
             try:
@@ -109,51 +67,25 @@ class ReplyJob:
                 return out
 
 
-def start(engine: ChatEngine, job: ReplyJob) -> None:
-    threading.Thread(target=run, args=(engine, job), name="reply", daemon=True).start()
-
-
-def run(engine: ChatEngine, job: ReplyJob) -> None:
-    """Run a job to its end, telling its events; whatever happens, it ends in an ended state."""
-    tell = job.events.put
-    stats = GenerationStats()
-    branch: Session | None = None
-
-    def prefilled(done: int, total: int) -> None:
-        job.state = State.PREFILLING if done < total else State.DECODING
-        tell(Prefill(done, total))
-
-    options = dict(max_tokens=job.max_tokens, cancel=job.cancel, on_prefill=prefilled)
-    try:
-        if engine is None:
-            raise ModelError("no model is loaded (Ctrl+L chooses one)")
-        if job.n > 1:  # decoded together: the engine tells no piece before the end
-            for branch, _ in engine.regenerate(job.session, n=job.n, **options):
-                tell(Stored(branch, engine.store.path(branch.head_id)))
-        else:
-            branch, before, pieces = begin(engine, job, stats=stats, **options)
-            tell(Branch(branch, before, job.text))
-            for piece in pieces:
-                job.state = State.DECODING
-                tell(Piece(piece, stats.prompt_tokens + stats.generated_tokens))
-            branch = engine.store.get_session(branch.id)  # its head is the reply now
-            tell(Stored(branch, engine.store.path(branch.head_id)))
-    except Exception as e:  # a bug, too, ends the job: the screen gets its input back and says why
-        job.state = State.FAILED
-        tell(Failed(error_text(e), branch))
-    else:
-        job.state = State.CANCELLED if job.cancel.is_set() else State.DONE
-
-
-def begin(engine: ChatEngine, job: ReplyJob, **options) -> tuple[Session, list[Message], Iterator[str]]:
-    """A single reply: the session it goes to (made now when it is new), the messages before it, and
-    its pieces as they are written."""
+def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
+    """On a worker thread: submit the reply's job, after making the branch it goes to; where it goes
+    (None for several alternatives: each has its own branch, known when they end)."""
+    if engine is None:
+        raise ModelError("no model is loaded (Ctrl+L chooses one)")
+    options = dict(max_tokens=reply.max_tokens, cancel=reply.cancel, on_event=reply.events.put)
+    if reply.n > 1:  # one job of n replies, decoded together
+        reply.job = engine.submit_regenerate(reply.session, reply.n, **options)
+        return None
     store = engine.store
-    if job.edited is not None:
-        branch, pieces = engine.edit(job.session, job.edited.id, job.text, **options)
-        return branch, store.path(job.edited.parent_id), pieces
-    if job.regenerate is not None:
-        branch = engine.fork(job.session, job.regenerate.parent_id, f"{job.session.title} (regenerated)")
+    if reply.edited is not None:
+        branch = fork_before(store, reply.session, reply.edited, f"{reply.session.title} (edited)")
+        before = store.path(reply.edited.parent_id)
     else:
-        branch = job.session or engine.new_session(**job.new_chat)
-    return branch, store.path(branch.head_id), engine.reply(branch, job.text, **options)
+        if reply.regenerate is not None:
+            title = f"{reply.session.title} (regenerated)"
+            branch = engine.fork(reply.session, reply.regenerate.parent_id, title)
+        else:
+            branch = reply.session or engine.new_session(**reply.new_chat)
+        before = store.path(branch.head_id)
+    reply.job = engine.submit_reply(branch, reply.text, **options)
+    return Branch(branch, before, reply.text)
