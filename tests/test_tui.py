@@ -419,6 +419,7 @@ async def test_editing_a_past_message_makes_a_sibling_branch(open_chat):
         assert roles_and_text(app) == stored_path(app)
         assert stored_path(app, parent.id) == before  # history kept
         assert branch.forked_from == parent.id
+        assert app.focused is app.chat.query_one(ChatInput)  # the message edited is gone: back to typing
         new_first = app.store.path(branch.head_id)[0]
         assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
         assert (1, "● (edited) · from the start") in tree_labels(app)
@@ -688,7 +689,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         app = pilot.app
         await say(pilot, "hello the world")
         original = app.chat.session
-        app.chat.action_export()
+        await pilot.press("f3")
         await pilot.pause()
         assert isinstance(app.screen, TextScreen) and app.screen.query_one(Input).value.endswith(".llamachat")
         exported = tmp_path / "out" / "hello.llamachat"
@@ -697,14 +698,14 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         await pilot.press("enter")
         await idle(pilot)
         assert exported.exists()
-        app.chat.action_export()
+        await pilot.press("f3")
         await pilot.pause()
         app.screen.query_one(Input).value = str(tmp_path / "out" / "hello.md")
         await pilot.press("enter")
         await idle(pilot)
         assert "hello the world" in (tmp_path / "out" / "hello.md").read_text()
 
-        app.chat.action_import()
+        await pilot.press("f4")
         await pilot.pause()
         app.screen.query_one(Input).value = str(exported)
         await pilot.press("enter")
@@ -716,7 +717,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         restored = app.chat.status.fields["resumed"]  # its KV came with it: nothing recomputed
         assert re.fullmatch(r"[1-9][\d,]* tokens restored in \d+ ms", restored), restored
 
-        app.chat.action_import()
+        await pilot.press("f4")
         await pilot.pause()
         app.screen.query_one(Input).value = str(tmp_path / "out" / "hello.md")  # not a session file
         await pilot.press("enter")

@@ -383,6 +383,7 @@ class ChatScreen(ChatActions, Screen):
             reply.view = MessageView("assistant")
             sent = [MessageView("user", branch.user_text)] if branch.user_text is not None else []
             await self.conversation.add(*sent, reply.view)
+            self.query_one(ChatInput).focus()  # the message it was made from is gone with the old view
         elif branch is not None and (self.session is None or self.session.id != branch.session.id):
             self.opened(branch.session)  # a new chat, stored now
         if reply.view is not None:
