@@ -28,7 +28,7 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class Event:
-    """What happened to a job. kind: "state" (job.state changed), "prefill" (done of total prompt
+    """What happened to a job. kind: "state" (the job entered `state`), "prefill" (done of total prompt
     tokens computed), "text" (a piece of alternative `alt`), "end" (the job ended: see job.state,
     job.error, job.result)."""
 
@@ -38,6 +38,7 @@ class Event:
     text: str = ""
     done: int = 0
     total: int = 0
+    state: State | None = None
 
 
 # prepare() → (prompt token ids, the sequence to prefill them into), run by the scheduler when the job
@@ -123,7 +124,7 @@ class Job:
 
     def set_state(self, state: State) -> None:
         self.state = state
-        self.emit("state")
+        self.emit("state", state=state)
 
     def end(self, state: State, error: BaseException | None = None) -> None:
         self.state, self.error = state, error
