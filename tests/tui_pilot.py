@@ -14,6 +14,8 @@ import functools
 import time
 from pathlib import Path
 
+from textual import events
+
 from llama_chat.app.config import Config
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.sidebar import SessionTree
@@ -87,6 +89,25 @@ async def say(pilot, text: str) -> None:
     await pilot.press(*text, "enter")
     await until(pilot, lambda: len(chat.conversation.views()) >= shown + 2, what="the message and its reply")
     await idle(pilot)
+
+
+async def type_while_replying(pilot, message: str, keys: str, pause: float) -> str:
+    """Send `message`, then, while its reply streams, type `keys` one at a time, `pause` seconds apart,
+    as the terminal driver sends them (Pilot.press waits for the app to go idle, which it never does
+    while a reply is computed): each must reach the input before the next, the reply still going. What
+    the input holds then."""
+    app = pilot.app
+    await pilot.press(*message)
+    app.post_message(events.Key("enter", None))
+    await until(pilot, lambda: len(views(app)) == 2 and views(app)[1].content, what="the reply to stream")
+    chat_input = app.chat.query_one(ChatInput)
+    for key in keys:
+        assert app.chat.replies, "the reply ended before every key was typed"
+        app.post_message(events.Key(key, key))
+        while not chat_input.text.endswith(key):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(pause)
+    return chat_input.text
 
 
 def views(app) -> list:
