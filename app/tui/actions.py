@@ -264,17 +264,14 @@ class ChatActions:
         path = Path.cwd() / default_file_name(session)
         hint = "Enter writes it (a name ending in .md writes a Markdown transcript), Esc cancels"
         screen = TextScreen("Export chat", str(path), hint=hint)
-        self.app.push_screen(
-            screen,
-            lambda path: (
-                path
-                and self.in_background(
-                    partial(self.export_to, session.id, Path(path.strip()).expanduser()),
-                    lambda done: self.notify(done, title="Exported", timeout=8),
-                    title="Not exported",
-                )
-            ),
-        )
+
+        def write(path: str | None) -> None:
+            if path:
+                target = Path(path.strip()).expanduser()
+                written = partial(self.notify, title="Exported", timeout=8)
+                self.in_background(partial(self.export_to, session.id, target), written, title="Not exported")
+
+        self.app.push_screen(screen, write)
 
     def export_to(self, session_id: str, target: Path) -> str:
         """On a worker thread: write a session to a file; what was written."""
@@ -297,17 +294,13 @@ class ChatActions:
             self.notify("The model is loading; wait for it, then import.", severity="warning")
             return
         screen = TextScreen("Import chat", str(Path.cwd()) + "/", hint="The path of a .llamachat file")
-        self.app.push_screen(
-            screen,
-            lambda path: (
-                path
-                and self.in_background(
-                    partial(self.import_from, Path(path.strip()).expanduser()),
-                    self.imported,
-                    title="Not imported",
-                )
-            ),
-        )
+
+        def read(path: str | None) -> None:
+            if path:
+                source = Path(path.strip()).expanduser()
+                self.in_background(partial(self.import_from, source), self.imported, title="Not imported")
+
+        self.app.push_screen(screen, read)
 
     def import_from(self, path: Path):
         """On a worker thread: add the sessions of a file, with the KV this model made."""
