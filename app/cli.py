@@ -42,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="decode one token at a time (no prompt lookup: the replies are the same, only slower or faster)",
     )
+    parser.add_argument(
+        "--kv-remote",
+        metavar="URL",
+        default=os.environ.get("LLAMA_CHAT_KV_REMOTE"),
+        help="share KV blocks with other servers: redis://HOST:PORT[/DB], rediss://..., redis+cluster://HOST:PORT",
+    )
+    parser.add_argument(
+        "--kv-secret",
+        metavar="S",
+        default=os.environ.get("LLAMA_CHAT_KV_SECRET"),
+        help="the secret that signs blocks in --kv-remote (better: LLAMA_CHAT_KV_SECRET)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("models", help="list known models: installed, assembled, verified").add_argument(

@@ -213,7 +213,20 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
 def open_engine(args, store: ChatStore):
     from .chat.engine import ChatEngine
 
-    return ChatEngine(open_model(args), store, n_ctx=args.ctx)
+    model = open_model(args)
+    return ChatEngine(model, store, n_ctx=args.ctx, remote=open_remote(args, model.fingerprint))
+
+
+def open_remote(args, fingerprint: str):
+    """The remote KV tier of --kv-remote, if one is named; a bad URL or a missing secret is one line."""
+    if not args.kv_remote:
+        return None
+    from llama_chat.storage.remote import RemoteTier, RemoteTierError
+
+    try:
+        return RemoteTier.from_url(args.kv_remote, args.kv_secret, fingerprint)
+    except RemoteTierError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_ask(args) -> int:
