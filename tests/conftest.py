@@ -40,6 +40,11 @@ def tiny_model_paths(tmp_path_factory) -> dict[str, Path]:
     return {arch: write_tiny_model(folder / f"tiny-{arch}.gguf", arch) for arch in ARCHS}
 
 
+@pytest.fixture
+def qwen2(tiny_model_paths) -> Path:
+    return tiny_model_paths["qwen2"]
+
+
 @pytest.fixture(params=ARCHS)
 def tiny_model_path(request, tiny_model_paths) -> Path:
     return tiny_model_paths[request.param]

@@ -20,11 +20,6 @@ from tui_pilot import aio, say, until
 
 
 @pytest.fixture
-def qwen2(tiny_model_paths):
-    return tiny_model_paths["qwen2"]
-
-
-@pytest.fixture
 def forward_calls(monkeypatch):
     """How many times the model ran: a refused prompt must cost no forward pass."""
     calls = []
