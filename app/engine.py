@@ -116,7 +116,7 @@ class ChatEngine:
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.lock = threading.RLock()  # one reply at a time per engine: the pool is not thread-safe
-        model.pool.source = self._fetch_block
+        model.pool.attach_source(self)
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
     # -- sessions --------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class ChatEngine:
         k, v = kv
         seq.append_kv(tail.tokens[:n], k[:, :, :n], v[:, :, :n])
 
-    def _fetch_block(self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None):
+    def fetch(self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None):
         """The pool's source: a stored block of the namespace, checked against its checksum and the
         tokens it stands for; a bad one is dropped so it gets recomputed."""
         block = self.store.load_block(key, self.model.fingerprint, namespace)
