@@ -103,7 +103,7 @@ class Model:
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
         """One new token for each of several sequences (of any lengths, related or not), in one pass:
         one [n, d] @ W per weight, not n. Logits [len(seqs), n_vocab]; up to kernels.SMALL_BATCH
-        sequences, each row has the bits decoding its sequence alone would give."""
+        sequences, each row has the bits decoding its sequence alone would give (see model.step)."""
         batch = [(s, [t]) for s, t in zip(seqs, tokens, strict=True)]
         return forward_pass.step(batch, self.weights, self.config)
 

@@ -209,15 +209,8 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) ->
     for lo in range(T - rows, T, seg.attention_rows):
         hi = min(lo + seg.attention_rows, T)
         views, mask = seg.view(window, lo, hi)
-        out.append(
-            attention(
-                q[:, lo - (T - rows) : hi - (T - rows)],
-                views.layer(layer),
-                mask,
-                scale,
-                cfg.attn_logit_softcap,
-            )
-        )
+        q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
+        out.append(attention(q_rows, views.layer(layer), mask, scale, cfg.attn_logit_softcap))
     return _join(out, axis=0)
 
 
@@ -336,7 +329,8 @@ def step(
     """One forward pass over new tokens of one or more sequences (a prompt's batch, one token of each of
     several replies, or both): logits of every row [T, n_vocab], or of each sequence's last row
     [n_seqs, n_vocab]. A row gets the same bits whatever else is in the step as long as the step has at
-    most kernels.SMALL_BATCH rows (more go to BLAS, equal within float32 rounding)."""
+    most kernels.SMALL_BATCH rows (more go to BLAS, equal within float32 rounding) and its sequence's KV
+    lies in the same slots (attention sums the history piece by piece as it lies in the arena)."""
     batch = [(seq, np.asarray(tokens, dtype=np.int64)) for seq, tokens in batch]
     for seq, tokens in batch:
         if len(tokens) == 0:
