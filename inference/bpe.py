@@ -4,6 +4,7 @@ tokenizer.ggml.pre, the GPT-2 byte <-> unicode mapping, and the merges."""
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import regex
 
@@ -264,30 +265,38 @@ class BPE:
     def _merge_long(self, word: str) -> list[str]:
         """The same merges with llama.cpp's priority queue, O(n log n) for long words."""
         ranks = self.ranks
-        syms = list(word)  # a merged-away symbol becomes ""
-        n = len(syms)
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        heap: list[tuple[int, int, int, str]] = []
+        return merge_symbols(list(word), lambda left, right: ranks.get((left, right)))
 
-        def add_pair(left: int, right: int) -> None:
-            if left >= 0 and right >= 0:
-                rank = ranks.get((syms[left], syms[right]))
-                if rank is not None:
-                    heapq.heappush(heap, (rank, left, right, syms[left] + syms[right]))
 
-        for i in range(1, n):
-            add_pair(i - 1, i)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or syms[left] + syms[right] != merged:
-                continue  # stale: one side was merged since this pair was queued
-            syms[left] = merged
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            add_pair(prev[left], left)
-            add_pair(left, nxt[left])
-        return [s for s in syms if s]
+def merge_symbols(syms: list[str], priority: Callable[[str, str], float | None]) -> list[str]:
+    """Merge adjacent symbols, the pair of lowest priority first (the left-most on ties), until no pair
+    has one (priority None): llama.cpp's queue of candidate pairs over a linked list of symbols, as both
+    its BPE (priority: the merge's rank) and SPM (minus the merged token's score) tokenizers run it."""
+    n = len(syms)  # a merged-away symbol becomes ""
+    if n == 0:
+        return []
+    prev = list(range(-1, n - 1))
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    heap: list[tuple[float, int, int, str]] = []
+
+    def add_pair(left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            rank = priority(syms[left], syms[right])
+            if rank is not None:
+                heapq.heappush(heap, (rank, left, right, syms[left] + syms[right]))
+
+    for i in range(1, n):
+        add_pair(i - 1, i)
+    while heap:
+        _, left, right, merged = heapq.heappop(heap)
+        if not syms[left] or not syms[right] or syms[left] + syms[right] != merged:
+            continue  # stale: one side was merged since this pair was queued
+        syms[left] = merged
+        syms[right] = ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prev[nxt[right]] = left
+        add_pair(prev[left], left)
+        add_pair(left, nxt[left])
+    return [s for s in syms if s]

@@ -4,13 +4,12 @@ GGUF metadata: vocabulary, special tokens, encoding with control text kept apart
 from __future__ import annotations
 
 import codecs
-import heapq
 import os
 from typing import Any
 
 import regex
 
-from .bpe import ADD_BOS, BPE, CHAR_TO_BYTE, NO_BOS, PRE_TYPES
+from .bpe import ADD_BOS, BPE, CHAR_TO_BYTE, NO_BOS, PRE_TYPES, merge_symbols
 from .errors import ModelError
 from .gguf_file import open_gguf, read_metadata
 
@@ -91,54 +90,24 @@ class _SPM:
             self.byte_ids.append(tid)
 
     def tokenize(self, text: str, out: list[int]) -> None:
-        n = len(text)
-        if n == 0:
-            return
         vocab, scores = self.token_to_id, self.scores
-        syms = list(text)  # a merged-away symbol becomes ""
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        heap: list[tuple[float, int, int, int]] = []
 
-        def try_add(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            merged = syms[left] + syms[right]
-            tid = vocab.get(merged)
-            if tid is not None:
-                heapq.heappush(heap, (-scores[tid], left, right, len(merged)))
+        def priority(left: str, right: str) -> float | None:
+            tid = vocab.get(left + right)
+            return None if tid is None else -scores[tid]
 
-        for i in range(1, n):
-            try_add(i - 1, i)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            lsym, rsym = syms[left], syms[right]
-            if not lsym or not rsym or len(lsym) + len(rsym) != size:
-                continue  # stale: one side was merged since this pair was queued
-            syms[left] = lsym + rsym
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            try_add(prev[left], left)
-            try_add(left, nxt[left])
-
-        i = 0
-        while i != -1:
-            sym = syms[i]
+        for sym in merge_symbols(list(text), priority):
             tid = vocab.get(sym)
             if tid is not None:
                 out.append(tid)
-            else:
-                # Only single characters can be missing (merges always form vocab entries): byte fallback.
-                for b in sym.encode("utf-8", "surrogatepass"):
-                    tid = self.byte_ids[b]
-                    if tid is None:
-                        tid = self.unk_id
-                    if tid is not None:
-                        out.append(tid)
-            i = nxt[i]
+                continue
+            # Only single characters can be missing (merges always form vocab entries): byte fallback.
+            for b in sym.encode("utf-8", "surrogatepass"):
+                tid = self.byte_ids[b]
+                if tid is None:
+                    tid = self.unk_id
+                if tid is not None:
+                    out.append(tid)
 
 
 # --- vocabulary --------------------------------------------------------------------------------------
