@@ -6,7 +6,6 @@ import asyncio
 import functools
 import re
 import shutil
-import sys
 import time
 
 import pytest
@@ -569,12 +568,12 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(qwen2, tmp_
 
 
 @aio
-async def test_a_long_prompt_shows_its_prefill_as_a_bar(qwen2, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 4)
+async def test_a_long_prompt_shows_its_prefill_as_a_bar(qwen2, tmp_path):
     app = chat_app(tmp_path, qwen2, max_tokens=4)
     shown = []
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        app.chat.engine.model.prefill_batch = 4
         progress = app.chat.status.progress
 
         def spy(label, done=None, total=None):
