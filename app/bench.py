@@ -348,8 +348,7 @@ def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
     ids = sample_tokens(model.tokenizer, n_tokens + 1)
     live = model.new_sequence(n_tokens + n_greedy + 2)
     model.forward(ids[:n_tokens], live)
-    idx = np.concatenate([np.arange(a, a + n) for a, n, _ in live.runs(0, n_tokens)])
-    k, v = model.pool.k[:, :, idx], model.pool.v[:, :, idx]
+    k, v = live.gather(0, n_tokens)
     table = measure_codecs(k, v)
 
     def greedy(seq, first: int) -> tuple[np.ndarray, list[int]]:

@@ -80,8 +80,7 @@ def digest(*paths: Path) -> list[str | None]:
 # reply is being read or written; the prefill batch made small, so that a short prompt has several.
 CHILD = """
 import sys, time
-from llama_chat.inference import llm, model as forward_pass
-forward_pass.PREFILL_BATCH = int(sys.argv[1])
+from llama_chat.inference import llm
 slow = float(sys.argv[2])
 def slowed(real):
     def run(self, *args, **kwargs):
@@ -89,8 +88,14 @@ def slowed(real):
         time.sleep(slow)
         return real(self, *args, **kwargs)
     return run
-llm.Model.forward = slowed(llm.Model.forward)  # prefill
-llm.Model.verify_draft = slowed(llm.Model.verify_draft)  # decode
+def small_batches(real):
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.prefill_batch = int(sys.argv[1])
+    return init
+llm.Model.__init__ = small_batches(llm.Model.__init__)
+llm.Model.step = slowed(llm.Model.step)  # each forward pass of a prompt
+llm.Model.verify_rows = slowed(llm.Model.verify_rows)  # decode (every reply, every pass)
 from llama_chat.app.cli import main
 sys.exit(main(sys.argv[3:]))
 """

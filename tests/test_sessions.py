@@ -106,11 +106,11 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     assert info.restored == 0
 
 
-def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path, monkeypatch):
+def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path):
     """Esc during a long prompt: the snapshot keeps the batches already read and computes nothing more;
     the next reply picks up from there and matches a conversation that was never stopped."""
-    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
     engine = engine_for(qwen2, tmp_path / "chat.db")
+    engine.model.prefill_batch = 8
     session = engine.new_session("stopped")
     # Esc as the first batch is reported: the scheduler hears the cancel before its next batch
     job = engine.submit_reply(

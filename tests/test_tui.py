@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import re
 import shutil
-import sys
 import time
 
 import pytest
@@ -468,11 +467,11 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(open_chat, 
 
 
 @aio
-async def test_a_long_prompt_shows_its_prefill_as_a_bar(open_chat, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 4)
-    shown = []
+async def test_a_long_prompt_shows_its_prefill_as_a_bar(open_chat):
     async with open_chat(max_tokens=4) as pilot:
         app = pilot.app
+        app.chat.engine.model.prefill_batch = 4
+        shown = []
         progress = app.chat.status.progress
 
         def spy(label, done=None, total=None):

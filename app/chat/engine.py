@@ -130,7 +130,7 @@ class ChatEngine:
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.scheduler = scheduler or Scheduler(model)
         self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
-        model.pool.source = self.kv.fetch
+        model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
     # -- sessions --------------------------------------------------------------------------------
