@@ -31,8 +31,7 @@ from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, enc
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
 
-DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
-DEFAULT_CTX = 4096
+from .chat.settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
 
 
 @dataclass
@@ -109,7 +108,7 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
 
 
 class ChatEngine:
-    def __init__(self, model: Model, store: ChatStore, codec: str = DEFAULT_CODEC, n_ctx: int = DEFAULT_CTX):
+    def __init__(self, model: Model, store: ChatStore, codec: str = CODEC, n_ctx: int = N_CTX):
         self.model = model
         self.store = store
         self.codec = codec
@@ -205,10 +204,8 @@ class ChatEngine:
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def sampling(self, session: Session, **overrides) -> SamplingParams:
-        fields = {**session.sampling, **{k: v for k, v in overrides.items() if v is not None}}
-        known = SamplingParams.__dataclass_fields__
-        return SamplingParams(**{k: v for k, v in fields.items() if k in known})
+    def sampling(self, session: Session) -> SamplingParams:
+        return sampling_params(session.sampling)
 
     def reply(
         self,
@@ -216,7 +213,7 @@ class ChatEngine:
         user_text: str | None,
         *,
         sampling: SamplingParams | None = None,
-        max_tokens: int = 512,
+        max_tokens: int = MAX_TOKENS,
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
@@ -400,7 +397,7 @@ class ChatEngine:
                 n,
                 seq=base,
                 sampling=sampling,
-                max_tokens=kwargs.get("max_tokens", 512),
+                max_tokens=kwargs.get("max_tokens", MAX_TOKENS),
                 cancel=kwargs.get("cancel"),
                 on_prefill=kwargs.get("on_prefill"),
             )
