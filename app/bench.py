@@ -245,6 +245,44 @@ def measure_batch3(model, context: int, n_tokens: int) -> float:
     return batch / single
 
 
+def measure_two_jobs(model, context: int, n_tokens: int) -> float:
+    """Two conversations replying at once through the scheduler (one batch per step) over one alone:
+    decode time per token of the slower of the two over that of the one."""
+    from .chat.jobs import Job
+    from .chat.scheduler import Scheduler
+
+    scheduler = Scheduler(model)
+    prompts, held = [], []
+    for offset in range(3):  # a different conversation each, its prompt read before the clock starts
+        ids = sample_tokens(model.tokenizer, context + offset)[offset:]
+        seq = model.new_sequence(len(ids) + n_tokens + 1)
+        model.forward(ids[:-1], seq)
+        prompts.append(ids)
+        held.append(seq)
+
+    def job(i: int) -> Job:
+        return Job(
+            lambda: (prompts[i], held[i].fork()),
+            max_tokens=n_tokens,
+            lookup=False,  # the same work per token for every reply
+            finish=lambda job: [s.free() for s in job.seqs],
+        )
+
+    def per_token(jobs: list[Job]) -> float:
+        for j in jobs:
+            scheduler.submit(j)
+        for j in jobs:
+            j.wait()
+        return max(j.stats[0].decode_s / max(j.stats[0].generated_tokens, 1) for j in jobs)
+
+    one = per_token([job(0)])
+    two = per_token([job(1), job(2)])
+    scheduler.close()
+    for seq in held:
+        seq.free()
+    return two / one
+
+
 def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
     """Every codec on the model's real KV: size and speed (measure.measure_codecs), KL divergence
     of the next-token distribution against the live cache, and how many greedy tokens match live."""
@@ -360,6 +398,12 @@ def run_bench(args) -> int:
     results["fork_added_kv_bytes"] = fork["added_bytes"]
     ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
     report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
+    ratio = measure_two_jobs(model, 64 if quick else 512, 4 if quick else 32)
+    report(
+        "two_jobs_vs_one_time_ratio",
+        round(ratio, 2),
+        f"2 conversations at once / 1, time per token: {ratio:.2f}",
+    )
     with tempfile.TemporaryDirectory() as folder:
         text = model.tokenizer.decode(sample_tokens(model.tokenizer, (256 if quick else 2048) - 40))
         sess = measure_sessions(model, text, Path(folder))

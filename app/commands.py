@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids, generate, load_model
+from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids, load_model
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Session, StoreError
 
+from .chat.engine import SavedReply, check_fits, system_message
+from .chat.jobs import Job
+from .chat.scheduler import Scheduler
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_params
-from .engine import SavedReply, check_fits, system_message
 from .progress import ProgressBar
 from .signals import ReplySignals
 from .terminal import print_json, read_prompt, read_text, say, stream_reply
@@ -64,13 +66,13 @@ def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
             seen = signals.count if signals else 0
             say(f"waiting for {store.db_path}: another process is writing to it (Ctrl+C gives up)")
         elif signals is not None and signals.count > seen:
-            raise KeyboardInterrupt
+            raise StoreError("stopped while waiting for it")  # on the scheduler's thread: the job fails
 
     return on_wait
 
 
 def open_engine(args, store: ChatStore):
-    from .engine import ChatEngine
+    from .chat.engine import ChatEngine
 
     return ChatEngine(open_model(args), store, n_ctx=args.ctx)
 
@@ -84,18 +86,15 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
     with ReplySignals() as signals:
         engine.store.on_wait = waiting_notice(engine.store, signals)
         try:
-            stream_reply(
-                lambda **progress: engine.reply(
-                    session,
-                    text,
-                    sampling=sampling_params(settings),
-                    max_tokens=max_tokens(settings),
-                    cancel=signals.cancel,
-                    saved=saved,
-                    **progress,
-                ),
-                signals,
+            job = engine.submit_reply(
+                session,
+                text,
+                sampling=sampling_params(settings),
+                max_tokens=max_tokens(settings),
+                cancel=signals.cancel,
+                saved=saved,
             )
+            stream_reply(job, signals)
         finally:
             engine.store.on_wait = waiting_notice(engine.store)
     if saved.session is None:
@@ -148,17 +147,14 @@ def ask_once(args, prompt: str) -> int:
     check_fits(ids, n_ctx)
     settings = reply_settings(args)
     with ReplySignals() as signals:
-        stream_reply(
-            lambda **progress: generate(
-                model,
-                ids,
-                sampling=sampling_params(settings),
-                max_tokens=min(max_tokens(settings), n_ctx - len(ids)),
-                cancel=signals.cancel,
-                **progress,
-            ),
-            signals,
+        job = Job(
+            lambda: (ids, model.new_sequence(n_ctx)),
+            sampling=sampling_params(settings),
+            max_tokens=min(max_tokens(settings), n_ctx - len(ids)),
+            finish=lambda job: [seq.free() for seq in job.seqs],
+            cancel=signals.cancel,
         )
+        stream_reply(Scheduler(model).submit(job), signals)
     return signals.exit_code
 
 

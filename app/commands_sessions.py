@@ -10,8 +10,8 @@ from pathlib import Path
 
 from llama_chat.storage import ChatStore, StoreError
 
+from .chat.engine import session_title
 from .commands import open_engine, open_store
-from .engine import session_title
 from .progress import ProgressBar
 from .terminal import print_json
 

@@ -21,7 +21,7 @@ from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
 from llama_chat.storage.exchange import default_file_name, export_session, import_session
 
-from .engine import ChatEngine
+from .chat.engine import ChatEngine
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -93,7 +93,7 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
 
 RESUME_CHILD = """
 import json, sys, time
-from llama_chat.app.engine import ChatEngine
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.inference import load_model
 from llama_chat.storage import ChatStore
 model = load_model(sys.argv[1])
@@ -148,36 +148,26 @@ def measure_stop(model, text: str, folder: Path, max_tokens: int) -> dict:
     wrote, for one reply and for regenerate ×3 (three replies decoded together)."""
     engine = ChatEngine(model, ChatStore(folder / "stop.db"))
     session = engine.new_session("stop")
-    cancel = threading.Event()
-    pieces = engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, cancel=cancel)
-    next(pieces), next(pieces)  # the reply is under way
-    cancel.set()
-    t = time.perf_counter()
-    for _ in pieces:
-        pass
-    one_ms = (time.perf_counter() - t) * 1000
 
-    cancel, prefilled = threading.Event(), threading.Event()
-    session = engine.store.get_session(session.id)
+    def stopped_ms(submit) -> float:
+        writing = threading.Event()
+        job = submit(on_event=lambda e: e.kind == "text" and writing.set())
+        writing.wait()  # the reply is under way
+        t = time.perf_counter()
+        job.cancel()
+        job.wait()
+        return (time.perf_counter() - t) * 1000
 
-    def on_prefill(done: int, total: int) -> None:
-        if done >= total:
-            prefilled.set()
-
-    three = threading.Thread(
-        target=engine.regenerate,
-        args=(session, 3),
-        kwargs={"sampling": GREEDY, "max_tokens": max_tokens, "cancel": cancel, "on_prefill": on_prefill},
+    one = stopped_ms(
+        lambda **kw: engine.submit_reply(session, text, sampling=GREEDY, max_tokens=max_tokens, **kw)
     )
-    three.start()
-    prefilled.wait()
-    time.sleep(0.2)  # a few tokens of each
-    cancel.set()
-    t = time.perf_counter()
-    three.join()
-    three_ms = (time.perf_counter() - t) * 1000
+    session = engine.store.get_session(session.id)
+    three = stopped_ms(
+        lambda **kw: engine.submit_regenerate(session, 3, sampling=GREEDY, max_tokens=max_tokens, **kw)
+    )
+    engine.scheduler.close()
     engine.store.close()
-    return {"stop_ms": one_ms, "stop_three_ms": three_ms}
+    return {"stop_ms": one, "stop_three_ms": three}
 
 
 APP_CHILD = """

@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
 
 from llama_chat.inference import GenerationStats
+from llama_chat.storage import StoreError
 
+from .chat.jobs import Job, stream_text
 from .progress import ProgressBar
 from .signals import ReplySignals
 
@@ -71,29 +72,31 @@ def prefill_bar():
     return report
 
 
-def stream_reply(start: Callable[..., Iterator[str]], signals: ReplySignals) -> GenerationStats:
+def stream_reply(job: Job, signals: ReplySignals) -> None:
     """One reply on the terminal: a bar on stderr while its prompt is read, its text on stdout as it
-    comes, then a line of stats on stderr. `start(stats=, on_prefill=)` begins the reply and returns
-    its pieces; it should stop at `signals.cancel`."""
-    stats = GenerationStats()
+    comes, then a line of stats on stderr. The job should stop at `signals.cancel`. However the writing
+    ends (the reply's end, a cancel, a closed terminal, a second signal), the job is cancelled and
+    waited for, so it keeps what it made; what it made beyond what was written is written then, so a
+    stored reply is the one shown."""
+    shown = 0
     try:
-        write_all(start(stats=stats, on_prefill=prefill_bar()))
+        try:
+            for piece in stream_text(job, prefill_bar()):
+                if not write(piece):
+                    break
+                shown += len(piece)
+        finally:
+            if job.state.ended and len(job.text()) > shown:
+                write(job.text()[shown:])
+            write("\n")
     except KeyboardInterrupt:
         pass  # a second signal: the caller says what became of the reply
+    except StoreError:
+        if signals.received is None:
+            raise
+        # a signal gave up waiting for the database: the caller says what became of the reply
+    stats = job.stats[0]
     print_stats(stats, signals.stop_reason(stats.stop_reason))
-    return stats
-
-
-def write_all(pieces: Iterator[str]) -> None:
-    """Write the reply to stdout as it comes. However it ends (its end, a cancel, a closed terminal,
-    a second signal), the generator is closed here, which stores a stored reply with what it wrote."""
-    try:
-        for piece in pieces:
-            if not write(piece):
-                break
-    finally:
-        pieces.close()
-        write("\n")
 
 
 def print_stats(stats: GenerationStats, stop: str | None = None) -> None:

@@ -27,9 +27,9 @@ from llama_chat.inference import KNOWN_MODELS, GenerationStats, Model, ModelErro
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Message, Session, StoreError
 
+from .chat.engine import ChatEngine, ResumeInfo, fork_before, session_title
 from .chat.settings import CACHE_RAM_MB
 from .config import DEFAULT_THEME, Config, ConfigError, State, load_themes
-from .engine import ChatEngine, ResumeInfo, fork_before, session_title
 from .screens import AlternativesScreen, ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .widgets import ChatInput, ChatRef, MessageView, SearchHit, SessionTree, StatusLine
 

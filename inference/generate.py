@@ -5,15 +5,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from . import model as forward_pass
 from .chat_template import completion_prompt, content_texts, map_contents
+from .kernels import SMALL_BATCH
 from .kv_cache import KVSequence
 from .llm import Model
-from .lookup import PromptLookup
+from .lookup import MAX_DRAFT, PromptLookup
 from .sampling import Sampler, SamplingParams
 
 
@@ -226,71 +227,148 @@ def generate(
     if own_seq:
         seq = model.new_sequence(len(prompt_ids) + max_tokens + 1)
     try:
-        reply = _Reply(
+        logits = _prefill(model, prompt_ids, seq, stats, on_prefill, cancel)
+        lookup = model.prompt_lookup if lookup is None else lookup
+        (stream,) = start_streams(
             model,
             prompt_ids,
-            sampling or SamplingParams(),
-            stop,
-            min(max_tokens, seq.n_ctx - len(prompt_ids)),
-            stats,
+            seq,
+            logits,
+            [stats],
+            sampling=sampling or SamplingParams(),
+            stop=stop,
+            max_tokens=max_tokens,
+            lookup=lookup,
         )
-        rows = [_prefill(model, prompt_ids, seq, stats, on_prefill, cancel)]
-        lookup = model.prompt_lookup if lookup is None else lookup
-        yield from _decode(model, seq, reply, rows, cancel, PromptLookup(prompt_ids) if lookup else None)
-        rest = reply.finish()
-        if rest:
-            yield rest
+        yield from _decode(model, stream, cancel)
     finally:
         if own_seq:
             seq.free()
 
 
-def _decode(
-    model: Model,
-    seq: KVSequence,
-    reply: _Reply,
-    rows: list,
-    cancel: threading.Event | None,
-    lookup: PromptLookup | None,
-) -> Iterator[str]:
-    """Sample from each logits row in turn. A forward pass computes the row of the token just sampled
-    and, with prompt lookup, of a guessed run after it (`queued`, KV written but not yet taken): while
-    the sampled tokens follow the guess, their rows are already there; where they part, the rest of the
-    guess is dropped. Every row is computed as decoding its token alone would compute it."""
-    stats = reply.stats
-    queued: list[int] = []
-    drafted = 0
-    t0 = time.perf_counter()
-    try:
+class ReplyStream:
+    """One reply decoding, a forward pass at a time, alone or in a batch with others (run_streams).
+
+    Each pass computes the row of the token just sampled and, with prompt lookup, of a guessed run
+    after it (`queued`: KV written but not yet taken). While the sampled tokens follow the guess, their
+    rows are already there; where they part, the rest of the guess is dropped. Every row is computed as
+    decoding its token alone would compute it, so the text never depends on the guess or the batch."""
+
+    def __init__(self, model: Model, seq: KVSequence, reply: _Reply, logits, lookup: PromptLookup | None):
+        self.model = model
+        self.seq = seq
+        self.reply = reply
+        self.stats = reply.stats
+        self.lookup = lookup
+        self.rows = [logits]  # logits computed and not sampled yet: rows[0] is for the next token
+        self.queued: list[int] = []
+        self.drafted = 0
+        self.pending: list[int] = []  # tokens for the next forward pass: the sampled one, then a guess
+        self.done = False
+        self.t0 = time.perf_counter()
+
+    def advance(self, cancel: threading.Event | None, draft_room: int = MAX_DRAFT) -> list[str]:
+        """Sample every token whose row is ready; return their text. Then the stream is done, or
+        `pending` holds the tokens its next pass needs (at most draft_room guessed ones)."""
+        stats, reply, seq = self.stats, self.reply, self.seq
+        out: list[str] = []
         while True:
             if cancel is not None and cancel.is_set():
                 stats.stop_reason = "cancelled"
-                return
-            text, going = reply.take(rows.pop(0))
+                return self._finish(out)
+            text, going = reply.take(self.rows.pop(0))
             if text:
-                yield text
+                out.append(text)
             if not going:
-                return
+                return self._finish(out)
             token = reply.last_token
-            if lookup is not None:
-                lookup.push(token)
-            if queued and queued[0] == token:  # the guess held: this token's KV and row are ready
-                seq.commit([queued.pop(0)])
-                stats.accepted_tokens += 1
-            else:
-                if lookup is not None:
-                    lookup.taken(drafted, drafted - len(queued))
-                seq.truncate(seq.n_tokens)  # the KV of a guess that broke off is given back
-                room = min(seq.n_ctx - seq.n_tokens, reply.max_tokens - stats.generated_tokens) - 1
-                queued = lookup.propose()[: max(room, 0)] if lookup is not None else []
-                drafted = len(queued)
-                stats.drafted_tokens += drafted
-                rows = list(model.verify_draft([token, *queued], seq))
-                seq.commit([token])
+            if self.lookup is not None:
+                self.lookup.push(token)
             stats.decoded_tokens += 1
-            stats.decode_s = time.perf_counter() - t0
+            if self.queued and self.queued[0] == token:  # the guess held: this token's KV and row are ready
+                seq.commit([self.queued.pop(0)])
+                stats.accepted_tokens += 1
+                continue
+            if self.lookup is not None:
+                self.lookup.taken(self.drafted, self.drafted - len(self.queued))
+            seq.truncate(seq.n_tokens)  # the KV of a guess that broke off is given back
+            room = (
+                min(seq.n_ctx - seq.n_tokens, reply.max_tokens - stats.generated_tokens, draft_room + 1) - 1
+            )
+            self.queued = self.lookup.propose()[: max(room, 0)] if self.lookup is not None else []
+            self.drafted = len(self.queued)
+            stats.drafted_tokens += self.drafted
+            self.pending = [token, *self.queued]
+            return out
+
+    def computed(self, rows) -> None:
+        """The logits of `pending` arrived: the sampled token is taken, the guess waits to be checked."""
+        self.rows = list(rows)
+        self.seq.commit(self.pending[:1])
+        self.pending = []
+        self.stats.decode_s = time.perf_counter() - self.t0
+
+    def _finish(self, out: list[str]) -> list[str]:
+        self.done = True
+        self.seq.truncate(self.seq.n_tokens)
+        self.stats.decode_s = time.perf_counter() - self.t0
+        rest = self.reply.finish()
+        return [*out, rest] if rest else out
+
+
+def run_streams(model: Model, streams: Sequence[ReplyStream]) -> None:
+    """One forward pass for every stream that waits for one: weights read once for all of them."""
+    waiting = [s for s in streams if s.pending]
+    for s, rows in zip(waiting, model.verify_rows([(s.seq, s.pending) for s in waiting]), strict=True):
+        s.computed(rows)
+
+
+def draft_rooms(n_streams: int) -> int:
+    """Guessed tokens each stream may add to a pass of n streams: a pass of the decode kernels takes
+    SMALL_BATCH rows for the price of one, so guesses fill what the streams leave of it."""
+    return max(0, (SMALL_BATCH - n_streams) // max(n_streams, 1))
+
+
+def start_streams(
+    model: Model,
+    prompt_ids: list[int],
+    seq: KVSequence,
+    logits,
+    stats: list[GenerationStats],
+    *,
+    sampling: SamplingParams,
+    stop: Sequence[str],
+    max_tokens: int,
+    lookup: bool,
+) -> list[ReplyStream]:
+    """The replies to a prompt prefilled in `seq` (logits: its last row; None when the prefill was
+    cancelled: the streams stop before reading it): one in `seq` itself, or one per stats in forks of it,
+    each sharing the prompt's blocks. Reply i samples with seed + i: reproducible, and they differ."""
+    n = len(stats)
+    seqs = [seq] if n == 1 else [seq.fork() for _ in range(n)]
+    limit = min(max_tokens, seq.n_ctx - len(prompt_ids))
+    streams = []
+    for i, (s, st) in enumerate(zip(seqs, stats, strict=True)):
+        st.prompt_tokens, st.prefilled_tokens, st.prefill_s = (
+            stats[0].prompt_tokens,
+            stats[0].prefilled_tokens,
+            stats[0].prefill_s,
+        )
+        params = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
+        reply = _Reply(model, prompt_ids, params, stop, limit, st)
+        streams.append(ReplyStream(model, s, reply, logits, PromptLookup(prompt_ids) if lookup else None))
+    return streams
+
+
+def _decode(model: Model, stream: ReplyStream, cancel: threading.Event | None) -> Iterator[str]:
+    try:
+        while True:
+            yield from stream.advance(cancel)
+            if stream.done:
+                return
+            run_streams(model, [stream])
     finally:
-        seq.truncate(seq.n_tokens)
+        stream.seq.truncate(stream.seq.n_tokens)
 
 
 @dataclass
@@ -321,37 +399,24 @@ def generate_alternatives(
     base = seq if seq is not None else model.new_sequence(len(prompt_ids) + max_tokens + 1)
     first = GenerationStats()
     logits = _prefill(model, prompt_ids, base, first, on_prefill, cancel)
-    seqs = [base.fork() for _ in range(n)]  # each shares the prompt's blocks: no KV is copied
-    if seq is None:
+    stats = [first] + [GenerationStats() for _ in range(n - 1)]
+    streams = start_streams(
+        model,
+        prompt_ids,
+        base,
+        logits,
+        stats,
+        sampling=sampling,
+        stop=stop,
+        max_tokens=max_tokens,
+        lookup=False,
+    )
+    if seq is None and n > 1:
         base.free()
-    replies = []
-    for i in range(n):
-        seed = None if sampling.seed is None else sampling.seed + i
-        stats = GenerationStats(first.prompt_tokens, first.prefilled_tokens, first.prefill_s)
-        limit = min(max_tokens, base.n_ctx - len(prompt_ids))
-        replies.append(
-            _Reply(
-                model, prompt_ids, SamplingParams(**{**sampling.__dict__, "seed": seed}), stop, limit, stats
-            )
-        )
-    rows = [logits] * n  # None when the prefill was cancelled: the loop below stops before reading them
-    active = list(range(n))
-    t0 = time.perf_counter()
-    while active:
-        if cancel is not None and cancel.is_set():
-            for i in active:
-                replies[i].stats.stop_reason = "cancelled"
-            break
-        active = [i for i in active if replies[i].take(rows[i])[1]]
-        if active:
-            out = model.decode_batch([replies[i].last_token for i in active], [seqs[i] for i in active])
-            for row, i in zip(out, active, strict=True):
-                rows[i] = row
-                replies[i].stats.decoded_tokens += 1
-    elapsed = time.perf_counter() - t0
-    result = []
-    for reply, s in zip(replies, seqs, strict=True):
-        reply.stats.decode_s = elapsed
-        reply.finish()
-        result.append(Alternative("".join(reply.pieces), reply.stats, s))
-    return result
+    texts: list[list[str]] = [[] for _ in streams]
+    while not all(s.done for s in streams):
+        for s, text in zip(streams, texts, strict=True):
+            if not s.done:
+                text += s.advance(cancel)
+        run_streams(model, streams)
+    return [Alternative("".join(t), s.stats, s.seq) for s, t in zip(streams, texts, strict=True)]

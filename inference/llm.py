@@ -6,10 +6,11 @@ import os
 
 import numpy as np
 
+from . import model as forward_pass
 from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, KVSequence
-from .model import context_shift, decode_batch, forward, verify_draft
+from .model import context_shift, decode_batch, forward, verify_draft, verify_rows
 from .tokenizer import Tokenizer
 from .weights import Config, prepare
 
@@ -44,6 +45,11 @@ class Model:
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
 
+    @property
+    def prefill_batch(self) -> int:
+        """Prompt tokens per forward pass."""
+        return forward_pass.PREFILL_BATCH
+
     def new_sequence(self, n_ctx: int = 4096) -> KVSequence:
         """An empty sequence in the model's block pool; `free()` it when done."""
         return self.pool.new_sequence(min(n_ctx, self.config.n_ctx_train))
@@ -56,6 +62,10 @@ class Model:
         """Logits of each of a few tokens after the sequence, each row as decoding it alone would give;
         their KV is written, not taken: commit the accepted ones, then truncate (see model.verify_draft)."""
         return verify_draft(tokens, self.weights, self.config, seq)
+
+    def verify_rows(self, batch: list[tuple[KVSequence, list[int]]]) -> list[np.ndarray]:
+        """verify_draft for several sequences in as few passes as keep every row as decoded alone."""
+        return verify_rows(batch, self.weights, self.config)
 
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
         """One token for each sequence, in one pass; logits [len(seqs), n_vocab]."""

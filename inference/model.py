@@ -304,10 +304,35 @@ def verify_draft(tokens, w: dict, cfg: Config, seq: KVSequence) -> np.ndarray:
     it), each row computed exactly as decoding that token alone would: same kernels per row, attention
     row by row. Their KV is written but not taken: the caller commits the rows it accepts
     (`seq.commit(tokens[:m])`), then `seq.truncate(seq.n_tokens)` gives back the rest."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    _check_room(seq, len(tokens))
-    x = run_step([(seq, tokens)], w, cfg, last_only=False, commit=False, attention_rows=1)
-    return output_logits(x, w, cfg)
+    return verify_rows([(seq, tokens)], w, cfg)[0]
+
+
+def verify_rows(batch: list[tuple[KVSequence, list[int]]], w: dict, cfg: Config) -> list[np.ndarray]:
+    """verify_draft for several sequences at once: logits [n_i, n_vocab] per sequence, each row as
+    decoding its token alone computes it. Passes hold at most kernels.SMALL_BATCH rows, the most the
+    decode kernels take (more would go to BLAS, whose rounding depends on the batch), so what one
+    conversation gets never depends on what else is being decoded."""
+    for seq, tokens in batch:
+        _check_room(seq, len(tokens))
+    out: list[np.ndarray] = []
+    group: list[tuple[KVSequence, np.ndarray]] = []
+
+    def run() -> None:
+        x = run_step(group, w, cfg, last_only=False, commit=False, attention_rows=1)
+        logits, row = output_logits(x, w, cfg), 0
+        for _, tokens in group:
+            out.append(logits[row : row + len(tokens)])
+            row += len(tokens)
+        group.clear()
+
+    for seq, tokens in batch:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if group and sum(len(t) for _, t in group) + len(tokens) > kernels.SMALL_BATCH:
+            run()
+        group.append((seq, tokens))
+    if group:
+        run()
+    return out
 
 
 def decode_batch(tokens: list[int], w: dict, cfg: Config, seqs: list[KVSequence]) -> np.ndarray:

@@ -9,9 +9,9 @@ import pytest
 from test_chat_template import EXCHANGE, TEMPLATES
 from test_tui import aio, chat_app, ready, say, until
 
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
 from llama_chat.app.config import Config
-from llama_chat.app.engine import ChatEngine
 from llama_chat.inference import Model, SamplingParams, chat_prompt_ids, load_model
 from llama_chat.inference.chat_template import ChatTemplate, TemplateError
 from llama_chat.storage import ChatStore

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import real_cache
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.chat.settings import CODEC
-from llama_chat.app.engine import ChatEngine
 from llama_chat.inference import GenerationStats, Model, SamplingParams, chat_prompt_ids
 from llama_chat.inference.weights import prepare
 from llama_chat.storage import ChatStore

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from llama_chat.app.chat.engine import ChatEngine, SavedReply
 from llama_chat.app.cli import main
-from llama_chat.app.engine import ChatEngine, SavedReply
 from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore, open_database
 
@@ -90,7 +90,8 @@ def slowed(real):
         return real(self, *args, **kwargs)
     return run
 llm.Model.forward = slowed(llm.Model.forward)  # prefill
-llm.Model.verify_draft = slowed(llm.Model.verify_draft)  # decode
+llm.Model.verify_draft = slowed(llm.Model.verify_draft)  # decode, one reply alone
+llm.Model.verify_rows = slowed(llm.Model.verify_rows)  # decode, the scheduler's step
 from llama_chat.app.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -454,10 +455,20 @@ def test_two_replies_at_once_in_one_session_never_interleave(qwen2, tmp_path):
     first, second = engine_for(qwen2, db), engine_for(qwen2, db)  # two processes, as far as SQLite knows
     session = first.store.get_session(session_id)
     saved = SavedReply()
-    slow = first.reply(session, "hello the world", sampling=GREEDY, max_tokens=8, saved=saved)
-    shown = next(slow)  # the first reply is under way...
+    other_ended = threading.Event()
+    # the first reply is under way (its first piece out, its scheduler held there)...
+    slow = first.submit_reply(
+        session,
+        "hello the world",
+        sampling=GREEDY,
+        max_tokens=8,
+        saved=saved,
+        on_event=lambda e: e.kind == "text" and other_ended.wait(60),
+    )
     chat(second, second.store.get_session(session_id), "second question")  # ...when another one ends
-    shown += "".join(slow)
+    other_ended.set()
+    slow.wait()
+    shown = slow.text()
 
     assert saved.branched and saved.session.id != session_id and saved.session.forked_from == session_id
     store = ChatStore(db)

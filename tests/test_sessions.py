@@ -8,13 +8,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
-from llama_chat.app.engine import ChatEngine
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
 
@@ -113,16 +112,15 @@ def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path
     monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
     engine = engine_for(qwen2, tmp_path / "chat.db")
     session = engine.new_session("stopped")
-    cancel = threading.Event()
-    stopped = "".join(
-        engine.reply(
-            session,
-            "hello the world and the sun " * 4,
-            sampling=GREEDY,
-            cancel=cancel,
-            on_prefill=lambda d, t: cancel.set(),
-        )
+    # Esc as the first batch is reported: the scheduler hears the cancel before its next batch
+    job = engine.submit_reply(
+        session,
+        "hello the world and the sun " * 4,
+        sampling=GREEDY,
+        on_event=lambda e: e.kind == "prefill" and e.job.cancel(),
     )
+    job.wait()
+    stopped = job.text()
     assert stopped == ""
     stored = engine.store.path(engine.store.get_session(session.id).head_id)
     assert [m.role for m in stored] == ["user", "assistant"] and stored[-1].stats[

@@ -70,7 +70,7 @@ def slow_decode(monkeypatch):
 
             return waiting
 
-        for name in ("forward", "verify_draft", "decode_batch"):
+        for name in ("forward", "verify_draft", "verify_rows", "decode_batch"):
             monkeypatch.setattr(Model, name, slowed(getattr(Model, name)))
 
     return slow

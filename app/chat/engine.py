@@ -1,9 +1,10 @@
 """The chat engine: stored conversations driven through the model, with KV resumed from RAM or SQLite.
 
-No maths and no SQL here: it renders a session's messages (inference), finds the longest prefix
-whose KV is already held — in the RAM block pool, then among the stored blocks, then the session's
-stored tail — prefills only the rest, streams the reply, stores the message, and snapshots the new
-KV. The message tree is the truth: every block is checked, and one that is missing, corrupt or made
+No maths, no SQL and no bytes of KV here: it renders a session's messages (inference), finds the
+longest prefix whose KV is already held — in the RAM block pool, then among the stored blocks
+(storage.kv_store), then the session's stored tail — and submits the reply as a job to the scheduler,
+which prefills only the rest and streams it; when it ends, the engine stores the turn and snapshots the
+new KV. The message tree is the truth: every block is checked, and one that is missing, corrupt or made
 by another model is simply recomputed.
 """
 
@@ -21,17 +22,17 @@ from llama_chat.inference import (
     SamplingParams,
     chat_prompt_ids,
     fit_messages,
-    generate,
-    generate_alternatives,
     shift_to,
 )
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.kv_cache import prefix_key
-from llama_chat.storage.codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
 from llama_chat.storage.db import StoreError
-from llama_chat.storage.store import ChatStore, Message, Session, StoredBlock, StoredTail
+from llama_chat.storage.kv_store import KVStore
+from llama_chat.storage.store import ChatStore, Message, Session
 
-from .chat.settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
+from .jobs import Event, Job, stream_text
+from .scheduler import Scheduler
+from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
 
 
 @dataclass
@@ -108,14 +109,22 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
 
 
 class ChatEngine:
-    def __init__(self, model: Model, store: ChatStore, codec: str = CODEC, n_ctx: int = N_CTX):
+    def __init__(
+        self,
+        model: Model,
+        store: ChatStore,
+        codec: str = CODEC,
+        n_ctx: int = N_CTX,
+        scheduler: Scheduler | None = None,
+    ):
         self.model = model
         self.store = store
-        self.codec = codec
+        self.kv = KVStore(store, model.fingerprint, codec)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
-        self.lock = threading.RLock()  # one reply at a time per engine: the pool is not thread-safe
-        model.pool.source = self._fetch_block
+        self.scheduler = scheduler or Scheduler(model)
+        self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
+        model.pool.source = self.kv.fetch
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
     # -- sessions --------------------------------------------------------------------------------
@@ -163,97 +172,77 @@ class ChatEngine:
             return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0)
 
     def _restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
-        B = self.model.pool.block_size
-        if seq.n_tokens % B or seq.n_tokens >= len(ids):
-            return
-        tail = self.store.load_tail(session.id, self.model.fingerprint)
-        if tail is None:
+        if seq.n_tokens % self.model.pool.block_size or seq.n_tokens >= len(ids):
             return
         parent = seq.blocks[-1].key if seq.blocks else None
-        want = ids[seq.n_tokens : seq.n_tokens + len(tail.tokens)]
-        n = 0
-        while n < len(want) and want[n] == tail.tokens[n]:
-            n += 1
-        if tail.parent_key != parent or n == 0:
-            return
-        kv = self._decode(tail.data, tail.checksum)
-        if kv is None or kv[0].shape[2] != len(tail.tokens):
-            return
-        k, v = kv
-        seq.append_kv(tail.tokens[:n], k[:, :, :n], v[:, :, :n])
-
-    def _fetch_block(self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None):
-        """The pool's source: a stored block of the namespace, checked against its checksum and the
-        tokens it stands for; a bad one is dropped so it gets recomputed."""
-        block = self.store.load_block(key, self.model.fingerprint, namespace)
-        if block is None:
-            return None
-        kv = self._decode(block.data, block.checksum) if block.tokens == list(tokens) else None
-        if kv is None:
-            self.store.drop_block(key, namespace)
-        return kv
-
-    @staticmethod
-    def _decode(data: bytes, expected_checksum: str):
-        if checksum(data) != expected_checksum:
-            return None
-        try:
-            return decode_kv(data)
-        except CorruptBlockError:
-            return None
+        found = self.kv.tail(session.id, parent, ids[seq.n_tokens :])
+        if found is not None:
+            tokens, (k, v) = found
+            seq.append_kv(tokens, k, v)
 
     # -- replies ---------------------------------------------------------------------------------
 
     def sampling(self, session: Session) -> SamplingParams:
         return sampling_params(session.sampling)
 
-    def reply(
+    def submit_reply(
         self,
         session: Session,
         user_text: str | None,
         *,
         sampling: SamplingParams | None = None,
         max_tokens: int = MAX_TOKENS,
+        on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
-        on_prefill: Callable[[int, int], None] | None = None,
         saved: SavedReply | None = None,
-    ) -> Iterator[str]:
-        """Stream the reply to the user's message (if any), then store both and snapshot the KV.
+    ) -> Job:
+        """The reply to the user's message (if any), as a job on the scheduler; when it ends, both are
+        stored and the KV snapshotted, and job.result is a SavedReply.
 
         The message and its reply are stored together, in one transaction, when the reply ends —
         also when it is cancelled (Esc), with what was generated so far — so an error or a crash
-        leaves no question without its answer. `saved` hears where they went: a new branch when the
-        session moved on meanwhile (another process replied in it). A failure to store them raises
-        StoreError; a failure to store the KV snapshot only notes it in `saved`."""
-        stats = stats if stats is not None else GenerationStats()
+        leaves no question without its answer. The SavedReply tells where they went: a new branch when
+        the session moved on meanwhile (another process replied in it). A failure to store them fails
+        the job with StoreError; a failure to store the KV snapshot only notes it in the SavedReply."""
+        session = self.store.get_session(session.id)
+        if user_text is not None:
+            self.check_message(session.system_prompt, user_text)
         saved = saved if saved is not None else SavedReply()
-        with self.lock:
-            session = self.store.get_session(session.id)
-            if user_text is not None:
-                self.check_message(session.system_prompt, user_text)
+
+        def prepare() -> tuple[list[int], KVSequence]:
             seq, _ = self.open(session)
             messages = self.messages(session)
             if user_text is not None:
                 messages.append({"role": "user", "content": user_text})
-            prompt = self.prompt(messages, seq, max_tokens)
-            pieces: list[str] = []
-            try:
-                for piece in generate(
-                    self.model,
-                    prompt,
-                    seq=seq,
-                    sampling=sampling or self.sampling(session),
-                    max_tokens=max_tokens,
-                    cancel=cancel,
-                    stats=stats,
-                    on_prefill=on_prefill,
-                ):
-                    pieces.append(piece)
-                    yield piece
-            finally:
-                stats.stop_reason = stats.stop_reason or "cancelled"  # closed or interrupted from outside
-                self._finish_reply(session, user_text, seq, "".join(pieces), stats, saved)
+            return self.prompt(messages, seq, max_tokens), seq
+
+        def finish(job: Job) -> SavedReply:
+            seq = job.seqs[0] if job.seqs else self.live[session.id]
+            self._finish_reply(session, user_text, seq, job.text(), job.stats[0], saved)
+            return saved
+
+        job = Job(
+            prepare,
+            sampling=sampling or self.sampling(session),
+            max_tokens=max_tokens,
+            finish=finish,
+            on_event=on_event,
+            cancel=cancel,
+            stats=stats,
+        )
+        return self.scheduler.submit(job)
+
+    def reply(
+        self,
+        session: Session,
+        user_text: str | None,
+        *,
+        on_prefill: Callable[[int, int], None] | None = None,
+        **kwargs,
+    ) -> Iterator[str]:
+        """submit_reply, streamed as text pieces (see jobs.stream_text); arguments as submit_reply's."""
+        yield from stream_text(self.submit_reply(session, user_text, **kwargs), on_prefill)
 
     def check_message(self, system_prompt: str | None, user_text: str) -> None:
         """Refuse a message that is empty, or too long even with every older turn dropped (the system
@@ -310,26 +299,13 @@ class ChatEngine:
             if complete and held < len(ids) <= seq.n_ctx:
                 self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
             full, tail = seq.snapshot()
-            keys = [b.key for b in full]
-            stored = self.store.stored_keys(keys, seq.namespace)
-            new_blocks = []
-            for block in full:
-                if block.key in stored:
-                    continue
-                k, v = self.model.pool.block_kv(block)
-                data = encode_kv(k, v, self.codec)
-                new_blocks.append(
-                    StoredBlock(
-                        block.key, len(block.tokens), self.codec, data, checksum(data), list(block.tokens)
-                    )
-                )
-            stored_tail = None
-            if tail is not None:
-                tokens, k, v = tail
-                data = encode_kv(k, v, self.codec)
-                stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
-            self.store.save_snapshot(
-                session.id, self.model.fingerprint, keys, new_blocks, stored_tail, seq.n_tokens, seq.namespace
+            self.kv.save(
+                session.id,
+                [(b.key, b.tokens) for b in full],
+                lambda i: self.model.pool.block_kv(full[i]),
+                tail,
+                seq.n_tokens,
+                seq.namespace,
             )
 
     def verify(self, session: Session) -> VerifyResult:
@@ -350,12 +326,10 @@ class ChatEngine:
             for i, block in enumerate(fresh.blocks[: len(ids) // B]):
                 tokens = ids[i * B : (i + 1) * B]
                 parent = prefix_key(self.model.fingerprint, parent, tokens)
-                stored = self.store.load_block(parent, self.model.fingerprint, namespace)
+                stored = self.kv.load(parent, namespace)
                 if stored is None:
                     continue  # nothing imported to compare: it is computed here anyway
-                k, v = self.model.pool.block_kv(block)
-                intact = self._decode(stored.data, stored.checksum) is not None
-                if intact and stored.tokens == tokens and kv_matches(stored.data, k, v):
+                if self.kv.matches(stored, tokens, self.model.pool.block_kv(block)):
                     matched.append(stored)
                 else:
                     differed += 1
@@ -377,8 +351,18 @@ class ChatEngine:
                 self.live[child.id] = parent_seq.fork()  # O(1): shares every block
             return child
 
-    def regenerate(self, session: Session, n: int = 1, **kwargs) -> list[tuple[Session, str]]:
-        """New replies to the last user message, each in its own sibling branch (n at once, batched)."""
+    def submit_regenerate(
+        self,
+        session: Session,
+        n: int = 1,
+        *,
+        sampling: SamplingParams | None = None,
+        max_tokens: int = MAX_TOKENS,
+        on_event: Callable[[Event], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Job:
+        """New replies to the last user message, each in its own sibling branch: one job of n replies,
+        decoded in one batch. job.result: [(branch, text)] once it ended."""
         with self.lock:
             head = self.store.message(session.head_id) if session.head_id else None
             if head is None or head.role != "assistant" or head.parent_id is None:
@@ -386,30 +370,42 @@ class ChatEngine:
             branches = [
                 self.fork(session, head.parent_id, f"{session.title} (regenerated)") for _ in range(n)
             ]
-            if n == 1:
-                return [(branches[0], "".join(self.reply(branches[0], None, **kwargs)))]
+
+        def prepare() -> tuple[list[int], KVSequence]:
             base, _ = self.open(branches[0])
-            prompt = chat_prompt_ids(self.model, self.messages(branches[0]))
-            sampling = kwargs.get("sampling") or self.sampling(session)
-            alternatives = generate_alternatives(
-                self.model,
-                prompt,
-                n,
-                seq=base,
-                sampling=sampling,
-                max_tokens=kwargs.get("max_tokens", MAX_TOKENS),
-                cancel=kwargs.get("cancel"),
-                on_prefill=kwargs.get("on_prefill"),
-            )
+            return self.prompt(self.messages(branches[0]), base, max_tokens), base
+
+        def finish(job: Job) -> list[tuple[Session, str]]:
             out = []
-            for branch, alt in zip(branches, alternatives, strict=True):
+            seqs = job.seqs or [self.live[branches[0].id]] * n
+            for i, (branch, seq) in enumerate(zip(branches, seqs, strict=True)):
                 old = self.live.get(branch.id)
-                if old is not None and old is not alt.seq:
+                if old is not None and old is not seq:
                     old.free()
-                self.live[branch.id] = alt.seq
-                self._finish_reply(branch, None, alt.seq, alt.text, alt.stats, SavedReply())
-                out.append((self.store.get_session(branch.id), alt.text))
+                self.live[branch.id] = seq
+                self._finish_reply(branch, None, seq, job.text(i), job.stats[i], SavedReply())
+                out.append((self.store.get_session(branch.id), job.text(i)))
             return out
+
+        job = Job(
+            prepare,
+            n=n,
+            sampling=sampling or self.sampling(session),
+            max_tokens=max_tokens,
+            finish=finish,
+            on_event=on_event,
+            cancel=cancel,
+        )
+        return self.scheduler.submit(job)
+
+    def regenerate(
+        self, session: Session, n: int = 1, on_prefill: Callable[[int, int], None] | None = None, **kwargs
+    ) -> list[tuple[Session, str]]:
+        """submit_regenerate, waited for: [(branch, text)]."""
+        job = self.submit_regenerate(session, n, **kwargs)
+        for _ in stream_text(job, on_prefill):
+            pass
+        return job.result
 
     def edit(
         self, session: Session, message_id: int, new_text: str, **kwargs

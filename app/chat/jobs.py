@@ -1,0 +1,150 @@
+"""A job: one reply being made (or n alternatives of it), as a front end sees it — a state, a cancel,
+and a stream of events. The scheduler (scheduler.py) runs it; front ends only submit and render."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llama_chat.inference import GenerationStats, KVSequence, SamplingParams
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def ended(self) -> bool:
+        return self in (State.DONE, State.CANCELLED, State.FAILED)
+
+
+@dataclass(frozen=True)
+class Event:
+    """What happened to a job. kind: "state" (the job entered `state`), "prefill" (done of total prompt
+    tokens computed), "text" (a piece of alternative `alt`), "end" (the job ended: see job.state,
+    job.error, job.result)."""
+
+    kind: str
+    job: Job
+    alt: int = 0
+    text: str = ""
+    done: int = 0
+    total: int = 0
+    state: State | None = None
+
+
+# prepare() → (prompt token ids, the sequence to prefill them into), run by the scheduler when the job
+# is admitted; finish(job) → job.result, run by the scheduler when decoding ended (also when cancelled).
+Prepare = Callable[[], tuple[list[int], KVSequence]]
+Finish = Callable[["Job"], Any]
+
+
+class Job:
+    def __init__(
+        self,
+        prepare: Prepare,
+        *,
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        lookup: bool | None = None,
+        finish: Finish | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        cancel: threading.Event | None = None,
+        stats: GenerationStats | None = None,
+    ):
+        self.prepare = prepare
+        self.finish = finish
+        self.n = n
+        self.sampling = sampling or SamplingParams()
+        self.max_tokens = max_tokens
+        self.stop = tuple(stop)
+        self.lookup = lookup  # None: as the model was loaded
+        self.state = State.QUEUED
+        self.stats = [stats or GenerationStats()] + [GenerationStats() for _ in range(n - 1)]
+        self.pieces: list[list[str]] = [[] for _ in range(n)]
+        self.seqs: list[KVSequence] = []  # one per alternative, once decoding starts
+        self.result: Any = None  # what finish() returned
+        self.error: BaseException | None = None  # why it failed
+        self._cancel = cancel or threading.Event()
+        self._ended = threading.Event()
+        self._on_event = on_event
+        self._queue: queue.SimpleQueue[Event] | None = queue.SimpleQueue() if on_event is None else None
+
+    # -- what front ends call ----------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop before the next token (or between two prefill batches); what was made is kept."""
+        self._cancel.set()
+
+    @property
+    def cancel_event(self) -> threading.Event:
+        return self._cancel
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def text(self, alt: int = 0) -> str:
+        return "".join(self.pieces[alt])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the job ended (True) or the timeout passed (False)."""
+        return self._ended.wait(timeout)
+
+    def events(self) -> Iterator[Event]:
+        """The job's events as they come, up to its end (for a job submitted without on_event)."""
+        if self._queue is None:
+            raise RuntimeError("this job's events go to its on_event callback")
+        while True:
+            event = self._queue.get()
+            yield event
+            if event.kind == "end":
+                return
+
+    # -- what the scheduler calls ------------------------------------------------------------------
+
+    def emit(self, kind: str, **fields) -> None:
+        event = Event(kind, self, **fields)
+        if kind == "text":
+            self.pieces[event.alt].append(event.text)
+        if self._on_event is not None:
+            self._on_event(event)
+        else:
+            self._queue.put(event)
+
+    def set_state(self, state: State) -> None:
+        self.state = state
+        self.emit("state", state=state)
+
+    def end(self, state: State, error: BaseException | None = None) -> None:
+        self.state, self.error = state, error
+        self._ended.set()  # before the event: whoever hears "end" may wait() on it
+        self.emit("end")
+
+
+def stream_text(job: Job, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[str]:
+    """A job's first reply as text pieces, as they come; on_prefill(done, total) hears of a long
+    prompt's progress. Leaving early (an exception, Ctrl+C) cancels the job and waits for it to end,
+    so what it made is kept; a job that failed raises its error at the end."""
+    try:
+        for event in job.events():
+            if event.kind == "text" and event.alt == 0:
+                yield event.text
+            elif event.kind == "prefill" and on_prefill is not None:
+                on_prefill(event.done, event.total)
+    finally:
+        if not job.state.ended:
+            job.cancel()
+            job.wait()
+    if job.error is not None:
+        raise job.error

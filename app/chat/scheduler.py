@@ -1,0 +1,185 @@
+"""The scheduler: one thread owns the model and advances every admitted job a step at a time.
+
+A step computes one prefill batch of the oldest job still reading its prompt, then one forward pass
+for every reply being decoded, of every job together: the weights are read once for all of them.
+So regenerate ×3 is one job of three replies in one batch, and two conversations replying at once
+share each step. New prompts are cut into batches between decode steps, so a long prompt never stalls
+the replies already streaming for more than one batch.
+
+Front ends submit a Job (jobs.py) and render its events. Whoever else touches the model's KV (opening
+a session, a snapshot, a fork) holds `scheduler.lock`, which each step holds too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from llama_chat.inference import Model
+from llama_chat.inference.generate import ReplyStream, draft_rooms, run_streams, start_streams
+
+from .jobs import Job, State
+
+DEFAULT_PARALLEL = 4  # replies decoded together; more wait in the queue
+DEFAULT_QUEUE = 64  # jobs waiting beyond those; more are refused (QueueFull)
+
+
+class QueueFull(Exception):
+    """Too many jobs wait already: try again later."""
+
+
+@dataclass
+class _Run:
+    """An admitted job: its prompt, where its prefill is, then its replies."""
+
+    job: Job
+    prompt: list[int]
+    seq: object
+    todo: list[int]
+    done: int = 0
+    logits: object = None
+    streams: list[ReplyStream] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, model: Model, parallel: int = DEFAULT_PARALLEL, max_queued: int = DEFAULT_QUEUE):
+        self.model = model
+        self.parallel = parallel
+        self.max_queued = max_queued
+        self.lock = threading.RLock()
+        self._wake = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._runs: list[_Run] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- front ends --------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> Job:
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            if len(self._queue) >= self.max_queued:
+                raise QueueFull(f"{len(self._queue)} replies are waiting already")
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return job
+
+    def load(self) -> dict:
+        """How busy it is: replies being made and jobs waiting."""
+        with self._wake:
+            return {"active": len(self._runs), "queued": len(self._queue)}
+
+    def close(self) -> None:
+        """Cancel every job, let them end (their replies are kept), and stop the thread."""
+        with self._wake:
+            self._closed = True
+            for job in [*self._queue, *(r.job for r in self._runs)]:
+                job.cancel()
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._runs and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._queue and not self._runs:
+                    return
+                admit = []
+                while self._queue and len(self._runs) + len(admit) < self.parallel:
+                    admit.append(self._queue.popleft())
+            with self.lock:
+                for job in admit:
+                    self._admit(job)
+                self._step()
+
+    def _admit(self, job: Job) -> None:
+        # A job cancelled while it waited still runs its first batch and ends at once: its finish()
+        # keeps what it was for (the user's message, in a chat).
+        job.set_state(State.PREFILLING)
+        try:
+            prompt, seq = job.prepare()
+            seq.reuse_prefix(prompt[:-1])  # blocks any sequence computed before are shared
+        except Exception as e:  # noqa: BLE001 — whatever the job's own setup raises is its failure
+            return job.end(State.FAILED, e)
+        job.stats[0].prompt_tokens = len(prompt)
+        run = _Run(job, prompt, seq, prompt[seq.n_tokens :])
+        with self._wake:
+            self._runs.append(run)
+
+    def _step(self) -> None:
+        prefilling = [r for r in self._runs if not r.streams]
+        if prefilling:
+            self._prefill(prefilling[0])
+        decoding = [r for r in self._runs if r.streams]
+        streams = [s for r in decoding for s in r.streams if not s.done]
+        room = draft_rooms(len(streams))
+        for run in decoding:
+            for alt, stream in enumerate(run.streams):
+                if not stream.done:
+                    for piece in stream.advance(run.job.cancel_event, room):
+                        run.job.emit("text", alt=alt, text=piece)
+        try:
+            run_streams(self.model, streams)
+        except Exception as e:  # noqa: BLE001 — e.g. the block pool is full: these replies cannot go on
+            for run in decoding:
+                self._end(run, State.FAILED, e)
+        for run in decoding:
+            if all(s.done for s in run.streams):
+                self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
+
+    def _prefill(self, run: _Run) -> None:
+        """One batch of the run's prompt; when it is all computed, its replies start."""
+        job, stats = run.job, run.job.stats[0]
+        batch = self.model.prefill_batch
+        if run.done and job.cancelled:  # the sequence keeps the batches done, for the next turn
+            return self._start(run)
+        t0 = time.perf_counter()
+        try:
+            run.logits = self.model.forward(run.todo[run.done : run.done + batch], run.seq)[-1]
+        except Exception as e:  # noqa: BLE001 — e.g. the context window is full
+            return self._end(run, State.FAILED, e)
+        stats.prefill_s += time.perf_counter() - t0
+        run.done = stats.prefilled_tokens = min(run.done + batch, len(run.todo))
+        if len(run.todo) > batch:
+            job.emit("prefill", done=run.done, total=len(run.todo))
+        if run.done == len(run.todo):
+            self._start(run)
+
+    def _start(self, run: _Run) -> None:
+        job = run.job
+        complete = run.done == len(run.todo)
+        lookup = self.model.prompt_lookup if job.lookup is None else job.lookup
+        run.streams = start_streams(
+            self.model, run.prompt, run.seq, run.logits if complete else None, job.stats,
+            sampling=job.sampling, stop=job.stop, max_tokens=job.max_tokens, lookup=lookup,
+        )  # fmt: skip
+        job.seqs = [s.seq for s in run.streams]
+        job.set_state(State.DECODING)
+
+    def _end(self, run: _Run, state: State, error: BaseException | None = None) -> None:
+        with self._wake:
+            if run in self._runs:
+                self._runs.remove(run)
+            else:
+                return
+        for stream in run.streams:
+            stream.seq.truncate(stream.seq.n_tokens)  # a guess's KV is given back
+        job = run.job
+        for stats in job.stats:
+            stats.stop_reason = stats.stop_reason or "cancelled"  # a reply cut short by a failure
+        if job.finish is not None:  # also after a failure: what was made so far is kept
+            try:
+                job.result = job.finish(job)
+            except Exception as e:  # noqa: BLE001 — e.g. the reply could not be stored: the job says so
+                state, error = (State.FAILED, e) if error is None else (state, error)
+        job.end(state, error)

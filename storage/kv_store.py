@@ -1,0 +1,103 @@
+"""One model's KV blocks in the chat store: the block pool's source on a miss, and where snapshots go.
+
+Everything about blocks as bytes lives here: the codec, the checksums, the check that a stored block
+stands for the tokens asked for. A block that fails any check is dropped and reported missing, so the
+caller recomputes it from tokens: the message tree is the truth, the KV only a cache of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
+from .store import ChatStore, StoredBlock, StoredTail
+
+KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_dim]
+
+
+def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
+    """The KV of stored bytes, or None when they are not what was written."""
+    if checksum(data) != expected_checksum:
+        return None
+    try:
+        return decode_kv(data)
+    except CorruptBlockError:
+        return None
+
+
+class KVStore:
+    def __init__(self, store: ChatStore, fingerprint: str, codec: str):
+        self.store = store
+        self.fingerprint = fingerprint
+        self.codec = codec
+
+    def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
+        """A stored block of the namespace, checked against its checksum and the tokens it stands for;
+        a bad one is dropped so it gets recomputed."""
+        block = self.store.load_block(key, self.fingerprint, namespace)
+        if block is None:
+            return None
+        kv = decode_checked(block.data, block.checksum) if block.tokens == list(tokens) else None
+        if kv is None:
+            self.store.drop_block(key, namespace)
+        return kv
+
+    def tail(
+        self, session_id: str, parent_key: bytes | None, want: Sequence[int]
+    ) -> tuple[list[int], KV] | None:
+        """The stored tail of a session (the KV after its last full block) as far as it matches `want`,
+        the tokens that follow `parent_key`; None when it does not fit or is damaged."""
+        tail = self.store.load_tail(session_id, self.fingerprint)
+        if tail is None or tail.parent_key != parent_key:
+            return None
+        n = 0
+        while n < min(len(want), len(tail.tokens)) and want[n] == tail.tokens[n]:
+            n += 1
+        kv = decode_checked(tail.data, tail.checksum) if n else None
+        if kv is None or kv[0].shape[2] != len(tail.tokens):
+            return None
+        k, v = kv
+        return tail.tokens[:n], (k[:, :, :n], v[:, :, :n])
+
+    def save(
+        self,
+        session_id: str,
+        blocks: Sequence[tuple[bytes, Sequence[int]]],
+        block_kv: Callable[[int], KV],
+        tail: tuple[list[int], np.ndarray, np.ndarray] | None,
+        n_tokens: int,
+        namespace: bytes | None,
+    ) -> list[StoredBlock]:
+        """Store a session's KV in one transaction: its full blocks (key, tokens) — encoding only those
+        not stored yet, block_kv(i) gives the i-th one's KV — and its tail. Returns the new blocks."""
+        keys = [key for key, _ in blocks]
+        stored = self.store.stored_keys(keys, namespace)
+        new_blocks = []
+        for i, (key, tokens) in enumerate(blocks):
+            if key not in stored:
+                data = encode_kv(*block_kv(i), self.codec)
+                new_blocks.append(
+                    StoredBlock(key, len(tokens), self.codec, data, checksum(data), list(tokens))
+                )
+        stored_tail = None
+        if tail is not None:
+            tokens, k, v = tail
+            data = encode_kv(k, v, self.codec)
+            stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
+        self.store.save_snapshot(
+            session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace
+        )
+        return new_blocks
+
+    def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
+        return self.store.load_block(key, self.fingerprint, namespace)
+
+    @staticmethod
+    def matches(stored: StoredBlock, tokens: Sequence[int], kv: KV) -> bool:
+        """Whether a stored block is intact, stands for `tokens` and holds `kv` (freshly computed) up to
+        its codec's rounding."""
+        if stored.tokens != list(tokens) or decode_checked(stored.data, stored.checksum) is None:
+            return False
+        return kv_matches(stored.data, *kv)
