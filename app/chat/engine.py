@@ -222,15 +222,13 @@ class ChatEngine:
             self._finish_reply(session, user_text, seq, job.text(), job.stats[0], saved)
             return saved
 
-        job = Job(
-            prepare,
-            sampling=sampling or self.sampling(session),
-            max_tokens=max_tokens,
-            finish=finish,
-            on_event=on_event,
-            cancel=cancel,
-            stats=stats,
+        return self._submit(
+            session, prepare, finish, sampling, max_tokens=max_tokens, on_event=on_event, cancel=cancel, stats=stats
         )
+
+    def _submit(self, session: Session, prepare, finish, sampling: SamplingParams | None, **job_args) -> Job:
+        """A job for the scheduler, sampling as the session's settings say unless told otherwise."""
+        job = Job(prepare, finish=finish, sampling=sampling or self.sampling(session), **job_args)
         return self.scheduler.submit(job)
 
     def reply(
@@ -387,16 +385,9 @@ class ChatEngine:
                 out.append((self.store.get_session(branch.id), job.text(i)))
             return out
 
-        job = Job(
-            prepare,
-            n=n,
-            sampling=sampling or self.sampling(session),
-            max_tokens=max_tokens,
-            finish=finish,
-            on_event=on_event,
-            cancel=cancel,
+        return self._submit(
+            session, prepare, finish, sampling, n=n, max_tokens=max_tokens, on_event=on_event, cancel=cancel
         )
-        return self.scheduler.submit(job)
 
     def regenerate(
         self, session: Session, n: int = 1, on_prefill: Callable[[int, int], None] | None = None, **kwargs
