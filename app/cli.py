@@ -47,6 +47,18 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         default=default(False),
         help="decode one token at a time (no prompt lookup: the replies are the same, only slower or faster)",
     )
+    group.add_argument(
+        "--kv-remote",
+        metavar="URL",
+        default=default(os.environ.get("LLAMA_CHAT_KV_REMOTE")),
+        help="share KV blocks with other servers: redis://HOST:PORT[/DB], rediss://..., redis+cluster://HOST:PORT",
+    )
+    group.add_argument(
+        "--kv-secret",
+        metavar="S",
+        default=default(os.environ.get("LLAMA_CHAT_KV_SECRET")),
+        help="the secret that signs blocks in --kv-remote (better: LLAMA_CHAT_KV_SECRET)",
+    )
 
 
 def add_threads_option(parser, default=None) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
+from .db import StoreError
+from .remote import MovingAverage, RemoteTier
 from .store import ChatStore, StoredBlock, StoredTail
 
 KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_dim]
@@ -28,10 +30,12 @@ def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
 
 
 class KVStore:
-    def __init__(self, store: ChatStore, fingerprint: str, codec: str):
+    def __init__(self, store: ChatStore, fingerprint: str, codec: str, remote: RemoteTier | None = None):
         self.store = store
         self.fingerprint = fingerprint
         self.codec = codec
+        self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
+        self.prefill_tok_s = MovingAverage()  # the model's, measured on replies: what `remote` must beat
 
     def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
         """A stored block of the namespace, checked against its checksum and the tokens it stands for;
@@ -89,7 +93,36 @@ class KVStore:
         self.store.save_snapshot(
             session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace
         )
+        if self.remote is not None and namespace is None:  # an import's blocks never leave
+            for block in new_blocks:
+                self.remote.put(block)  # in the background: a full queue drops, nothing waits
         return new_blocks
+
+    def read_remote(self, missing: Sequence[tuple[bytes, tuple[int, ...]]]) -> int:
+        """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite
+        lacks too are read from the remote tier in one round trip, when its measured round trips and
+        bytes per second beat computing them at the measured prefill speed, and kept in SQLite (the pool
+        then takes them as any stored block). Returns how many tokens were read."""
+        if self.remote is None or not missing:
+            return 0
+        stored = self.store.stored_keys([key for key, _ in missing])
+        missing = [(key, tokens) for key, tokens in missing if key not in stored]
+        n_bytes = self.remote.estimated_bytes(len(missing))
+        n_tokens = sum(len(tokens) for _, tokens in missing)
+        if not self.remote.worth_fetching(len(missing), n_bytes, self.prefill_tok_s.value or 0.0, n_tokens):
+            return 0
+        found = []
+        for block in self.remote.fetch_run(list(missing), self.codec):
+            if block is None:
+                break  # the pool stops at the first missing block anyway
+            found.append(block)
+        if not found:
+            return 0
+        try:
+            self.store.add_blocks(self.fingerprint, found)
+        except StoreError:
+            return 0  # a store that cannot take them now: they are computed instead
+        return sum(block.n_tokens for block in found)
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
         return self.store.load_block(key, self.fingerprint, namespace)

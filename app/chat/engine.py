@@ -28,6 +28,7 @@ from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.kv_cache import prefix_key
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_store import KVStore
+from llama_chat.storage.remote import RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session
 
 from .jobs import Event, Job, stream_text
@@ -64,9 +65,11 @@ class ResumeInfo:
     tokens: int  # tokens of the conversation so far
     restored: int  # of those, how many came back without computing (RAM, stored blocks, tail)
     seconds: float
+    remote: int = 0  # of those, how many were read from the remote tier
 
     def describe(self) -> str:
-        return f"{self.restored:,} of {self.tokens:,} tokens restored in {self.seconds * 1000:.0f} ms"
+        remote = f" ({self.remote:,} from the remote tier)" if self.remote else ""
+        return f"{self.restored:,} of {self.tokens:,} tokens restored{remote} in {self.seconds * 1000:.0f} ms"
 
 
 def session_title(text: str) -> str:
@@ -116,10 +119,11 @@ class ChatEngine:
         codec: str = CODEC,
         n_ctx: int = N_CTX,
         scheduler: Scheduler | None = None,
+        remote: RemoteTier | None = None,
     ):
         self.model = model
         self.store = store
-        self.kv = KVStore(store, model.fingerprint, codec)
+        self.kv = KVStore(store, model.fingerprint, codec, remote)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.scheduler = scheduler or Scheduler(model)
@@ -167,9 +171,26 @@ class ChatEngine:
                 seq.namespace = session.kv_namespace
             if seq.private:
                 shift_to(self.model, seq, ids)
+            remote = self._read_remote(seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
             self._restore_tail(session, seq, ids)
-            return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0)
+            restored = seq.n_tokens
+            return seq, ResumeInfo(len(ids), restored, time.perf_counter() - t0, min(remote, restored))
+
+    def _read_remote(self, seq: KVSequence, ids: list[int]) -> int:
+        """The full blocks of `ids` that RAM lacks, read from the remote tier into SQLite where it holds
+        them and that beats computing them (KVStore.read_remote); returns the tokens read. Only blocks of
+        the shared namespace travel: an import's stay here."""
+        if self.kv.remote is None or seq.namespace is not None or seq.private:
+            return 0
+        pool, B = self.model.pool, self.model.pool.block_size
+        missing, parent = [], None
+        for i in range(len(ids) // B):
+            tokens = tuple(ids[i * B : (i + 1) * B])
+            parent = prefix_key(self.model.fingerprint, parent, tokens)
+            if (None, parent) not in pool.by_key:
+                missing.append((parent, tokens))
+        return self.kv.read_remote(missing)
 
     def _restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
         if seq.n_tokens % self.model.pool.block_size or seq.n_tokens >= len(ids):
@@ -278,6 +299,8 @@ class ChatEngine:
         except StoreError as e:
             raise StoreError(f"the reply was not stored: {e}") from None
         saved.session = stored
+        if stats.prefilled_tokens >= self.model.pool.block_size:  # shorter ones are mostly overhead
+            self.kv.prefill_tok_s.add(stats.prefill_tok_s)
         if stored.id != session.id:  # the KV computed belongs to the new branch now
             self.live[stored.id] = self.live.pop(session.id, seq)
         try:

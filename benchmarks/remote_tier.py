@@ -1,0 +1,207 @@
+"""A conversation continued on a second server through Redis (not CI): time to first token with its
+blocks read from the remote tier vs recomputed, bytes moved vs stored, and the fetch-or-compute rule
+on links made slow by a delaying proxy.
+
+    .venv/bin/python benchmarks/remote_tier.py [--tokens 2000] [--model NAME] [--json]
+
+Server A computes and stores a conversation of about --tokens tokens (its blocks go to a local
+redis-server); each "server" after it is a fresh block pool over a new SQLite file holding only the
+messages, as a load balancer's next server would. For every link it measures the reply with the
+blocks forced from Redis and the reply recomputed, asks the rule (with the measured round trips,
+bytes per second and prefill speed) which is faster, then runs the rule itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from llama_chat.app.chat.engine import ChatEngine  # noqa: E402
+from llama_chat.inference import GenerationStats, SamplingParams, load_model  # noqa: E402
+from llama_chat.inference.kv_cache import BlockPool  # noqa: E402
+from llama_chat.storage import ChatStore  # noqa: E402
+from llama_chat.storage.exchange import export_session, import_session  # noqa: E402
+from llama_chat.storage.remote import RemoteTier  # noqa: E402
+from llama_chat.storage.store import Message  # noqa: E402
+from redis_servers import REDIS_SERVER, RedisServer, SlowProxy  # noqa: E402
+
+SECRET = "benchmark secret"
+QUESTION = "Tell me more about how the river shaped the valley and the town."
+ANSWER = (
+    "The river came down from the hills in spring, wide and brown with snowmelt, and over thousands of "
+    "years it cut the valley into the long curve the town now follows. The old mill stood where the "
+    "water ran fastest; the bridge was built where the banks were rock rather than clay. Farmers kept "
+    "to the terraces above the flood line, and the market moved twice before it settled on the square, "
+    "which has not flooded since the levee was raised after the great storm. "
+)
+NEXT = "Sum that up in one sentence."
+# (name, one-way delay s, bytes/s or None): a round trip costs twice the delay
+LINKS = [("loopback", 0.0, None), ("50 ms, 10 MB/s", 0.025, 10e6)]
+# and 50 ms links at these multiples of the rate at which reading the blocks takes as long as computing
+# them here (measured first): either side of where the rule has to switch to recomputing
+BREAK_EVEN = (2.0, 0.5)
+
+
+def build(engine: ChatEngine, n_tokens: int):
+    """A stored conversation of about n_tokens, its KV computed once and stored (and sent to the tier)."""
+    session = engine.new_session("remote tier benchmark", system_prompt="You are a helpful assistant.")
+    while len(engine.conversation_ids(session)) < n_tokens:
+        turn = [
+            Message(0, None, "user", QUESTION, None, time.time(), None),
+            Message(0, None, "assistant", ANSWER, None, time.time(), None),
+        ]
+        engine.store.append_turn(session.id, session.head_id, turn)
+        session = engine.store.get_session(session.id)
+    seq, _ = engine.open(session)
+    t0 = time.perf_counter()
+    engine.snapshot(session, seq)
+    return session, time.perf_counter() - t0
+
+
+def fresh_server(model, folder: Path, exported: Path, tier: RemoteTier | None, prefill_tok_s: float | None):
+    """What a new server process sees: an empty block pool, a database holding only the messages."""
+    model.pool = BlockPool(model.config, model.fingerprint, model.pool.block_size)
+    folder.mkdir(parents=True)
+    store = ChatStore(folder / "chat.db")
+    session_id = import_session(store, exported, model_fingerprint=model.fingerprint).session_ids[0]
+    engine = ChatEngine(model, store, remote=tier)
+    if prefill_tok_s:
+        engine.kv.prefill_tok_s.add(prefill_tok_s)  # as measured by its earlier replies
+    return engine, store.get_session(session_id)
+
+
+def first_token(engine: ChatEngine, session) -> dict:
+    """The next turn's time to first token, with how much of the conversation came back and from where."""
+    t0 = time.perf_counter()
+    _, info = engine.open(session)
+    restore_s = time.perf_counter() - t0
+    stats = GenerationStats()
+    pieces = engine.reply(session, NEXT, sampling=SamplingParams(temperature=0), max_tokens=2, stats=stats)
+    next(pieces)
+    ttft = time.perf_counter() - t0
+    for _ in pieces:
+        pass
+    engine.scheduler.close()
+    return {
+        "ttft_s": round(ttft, 3),
+        "restore_s": round(restore_s, 3),
+        "restored": info.restored,
+        "from_remote": info.remote,
+        "prefilled": stats.prefilled_tokens,
+        "prefill_tok_s": stats.prefill_tok_s,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if REDIS_SERVER is None:
+        print("remote_tier: redis-server is not installed (apt-get install redis-server)", file=sys.stderr)
+        return 2
+    folder = Path(tempfile.mkdtemp(prefix="remote-tier-"))
+    redis_server = RedisServer(folder / "redis").start()
+    report: dict = {"links": []}
+    try:
+        model = load_model(args.model)
+        a = ChatEngine(
+            model,
+            ChatStore(folder / "a.db"),
+            remote=RemoteTier.from_url(redis_server.url, SECRET, model.fingerprint),
+        )
+        session, compute_s = build(a, args.tokens)
+        a.kv.remote.flush(60)
+        a.scheduler.close()
+        keys = a.store.block_keys(session.id)
+        stored_bytes = sum(len(a.store.load_block(k, model.fingerprint).data) for k in keys)
+        n_tokens = len(a.conversation_ids(session))
+        exported = folder / "conversation.llamachat"
+        export_session(a.store, session.id, exported, with_kv=False)
+        report.update(
+            model=model.name,
+            conversation_tokens=n_tokens,
+            blocks=len(keys),
+            block_tokens=len(keys) * model.pool.block_size,
+            stored_bytes=stored_bytes,
+            bytes_per_token=round(stored_bytes / (len(keys) * model.pool.block_size)),
+            redis_used_memory=redis_server.client().info("memory")["used_memory"],
+            first_compute_s=round(compute_s, 2),
+        )
+        recompute = first_token(*fresh_server(model, folder / "recompute", exported, None, None))
+        report["recompute"] = recompute
+        prefill = recompute["prefill_tok_s"]
+        say(
+            args,
+            f"{n_tokens} tokens, {len(keys)} blocks, {stored_bytes / 1e6:.2f} MB stored ({report['bytes_per_token']} B/token)",
+        )
+        say(
+            args,
+            f"recomputed: TTFT {recompute['ttft_s']:.2f} s ({recompute['prefilled']} tokens at {prefill:.0f} tok/s)",
+        )
+        break_even = stored_bytes / (len(keys) * model.pool.block_size / prefill)
+        report["break_even_mb_s"] = round(break_even / 1e6, 3)
+        links = LINKS + [(f"50 ms, {f:g}x break-even", 0.025, f * break_even) for f in BREAK_EVEN]
+        for i, (name, delay, rate) in enumerate(links):
+            proxy = SlowProxy(redis_server.port, delay, rate)
+            try:
+                # timeouts as a far store needs them: a read waits for one delayed, paced 64 KB chunk
+                timeout = max(1.0, 4 * 65536 / rate) if rate else 1.0
+                tier = RemoteTier.from_url(
+                    proxy.url, SECRET, model.fingerprint, timeout_s=timeout, always_fetch=True
+                )
+                fetched = first_token(*fresh_server(model, folder / f"fetch{i}", exported, tier, prefill))
+                fetched["bytes_read"] = tier.stats()["bytes_read"]
+                n_blocks = len(keys)
+                estimate = tier.fetch_seconds(tier.estimated_bytes(n_blocks))
+                tier.always_fetch = False
+                choice = tier.worth_fetching(
+                    n_blocks, tier.estimated_bytes(n_blocks), prefill, n_blocks * model.pool.block_size
+                )
+                auto = first_token(*fresh_server(model, folder / f"auto{i}", exported, tier, prefill))
+                tier.close()
+            finally:
+                proxy.close()
+            better = min(fetched["ttft_s"], recompute["ttft_s"])
+            row = {
+                "link": name,
+                "mb_s": rate and round(rate / 1e6, 3),
+                "fetch": fetched,
+                "auto": auto,
+                "rule_fetches": choice,
+                "estimated_fetch_s": round(estimate or 0.0, 3),
+                "estimated_compute_s": round(n_blocks * model.pool.block_size / prefill, 3),
+                "rule_right": choice == (fetched["ttft_s"] < recompute["ttft_s"]),
+                "auto_vs_better": round(auto["ttft_s"] / better, 2),
+            }
+            report["links"].append(row)
+            say(
+                args,
+                f"{name:24} fetch TTFT {fetched['ttft_s']:6.2f} s ({fetched['from_remote']} tokens, "
+                f"{fetched['bytes_read'] / 1e6:.2f} MB read; restore {fetched['restore_s']:.2f} s) | "
+                f"rule: {'fetch' if choice else 'compute'} (est. {row['estimated_fetch_s']:.2f} s vs "
+                f"{row['estimated_compute_s']:.2f} s) {'right' if row['rule_right'] else 'WRONG'} | "
+                f"auto TTFT {auto['ttft_s']:.2f} s = {row['auto_vs_better']:.2f}x the better",
+            )
+    finally:
+        redis_server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def say(args, text: str) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

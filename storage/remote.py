@@ -1,0 +1,425 @@
+"""The remote KV tier: full blocks shared by every server through Redis (or Valkey), signed with a secret.
+
+It sits under RAM and SQLite. A block stored locally is also written here, in the background; a block
+missing from both lower tiers is looked for here. A block read back is used only when its HMAC-SHA256
+(over its Redis key, its token ids, its checksum and its bytes) proves a holder of the secret wrote it,
+its token ids are the ones its prefix key stands for, and its checksum holds. Anything else — a dead,
+slow, flushed or lying server, an evicted or altered block — is a miss: the block is recomputed, and
+nothing held locally is touched.
+
+URLs (`--kv-remote`, LLAMA_CHAT_KV_REMOTE):
+  redis://[:PASSWORD@]HOST:PORT[/DB]      one server (Valkey speaks the same protocol)
+  rediss://...                            the same over TLS
+  redis+cluster://HOST:PORT               a Redis Cluster, reached through any one of its nodes
+  rediss+cluster://HOST:PORT              the same over TLS
+Bound it on the server side with `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`; every block is
+also written with a TTL (refreshed on each read), so an unbounded server forgets what nobody reads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import hmac
+import logging
+import queue
+import struct
+import threading
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from .codec import block_info, checksum
+from .store import StoredBlock
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 7 * 24 * 3600  # a week: a conversation nobody continues within it is recomputed
+DEFAULT_TIMEOUT_S = 0.25  # connect and read: a store slower than this is no faster than computing
+DEFAULT_BACKOFF_S = 30.0  # after a failure the tier is skipped this long (a plain circuit breaker)
+DEFAULT_QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond it new ones are dropped
+WRITE_BATCH = 32  # blocks written in one round trip
+SMALL_ROUND_TRIP = 64 * 1024  # bytes under which a round trip measures latency, above it throughput
+MAX_VALUE_BYTES = 64 * 2**20  # a value beyond any real block: not read into a block
+KEY_PREFIX = "llama-chat:kv1"  # the layout version: a new value format gets a new prefix
+SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}  # → cluster?
+
+_MAC = 32  # bytes of an HMAC-SHA256
+_BODY = struct.Struct("<4sI")  # magic, number of token ids
+_MAGIC = b"LCRB"
+_CHECKSUM = 8  # hex digits of codec.checksum
+
+
+class RemoteTierError(ValueError):
+    """A remote tier that cannot be set up as asked: one line for the user."""
+
+
+class MovingAverage:
+    """An exponentially weighted mean: recent round trips count most."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+
+
+class RemoteTier:
+    """Signed KV blocks in Redis: `fetch_run` reads a run of blocks in one round trip, `put` queues a
+    block for the writer thread, `worth_fetching` says whether reading beats computing."""
+
+    def __init__(
+        self,
+        connect,
+        fingerprint: str,
+        secret: str | bytes,
+        *,
+        where: str = "redis",
+        ttl_s: int = DEFAULT_TTL_S,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
+        always_fetch: bool = False,
+    ):
+        if not secret:
+            raise RemoteTierError(
+                "--kv-remote needs --kv-secret (or LLAMA_CHAT_KV_SECRET): without a shared secret anyone "
+                "who can write to the store could feed this server wrong KV"
+            )
+        self._connect = connect  # () -> a redis client; called again after a failure
+        self.fingerprint = fingerprint
+        self.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+        self.where = where  # the URL without its password, for messages
+        self.ttl_s = ttl_s
+        self.backoff_s = backoff_s
+        self.always_fetch = always_fetch  # skip the rule: read whatever is missing (benchmarks, tests)
+        self._client = None
+        self._client_lock = threading.Lock()
+        self._measured_threads: set[int] = set()  # threads whose connection is made: their round trips count
+        self._down_until = 0.0
+        self._warned: set[str] = set()
+        self._counts_lock = threading.Lock()
+        self.counts = dict.fromkeys(
+            ("round_trips", "hits", "misses", "rejected", "failures", "written", "dropped_writes",
+             "bytes_read", "bytes_written"),
+            0,
+        )  # fmt: skip
+        self.rtt_s = MovingAverage()
+        self.bytes_per_s = MovingAverage()
+        self.block_bytes = MovingAverage()  # a stored block's size, to estimate a fetch before it
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(queue_blocks)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-remote-writer", daemon=True)
+        self._writer.start()
+        atexit.register(self.close)  # a process that ends (`llama-chat ask`) first writes what it queued
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        secret: str | bytes | None,
+        fingerprint: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **options,
+    ) -> RemoteTier:
+        """A tier on the server at `url` (see the module's doc for the forms). Nothing is contacted
+        yet: a server that is down now is tried again later, and meanwhile blocks are computed."""
+        parts = urlsplit(url)
+        shown = url.replace(parts.password, "***") if parts.password else url  # messages name no password
+        if parts.scheme not in SCHEMES or not parts.hostname:
+            raise RemoteTierError(
+                f"--kv-remote {shown!r}: expected redis://HOST:PORT[/DB], rediss://..., or redis+cluster://HOST:PORT"
+            )
+        try:
+            parts.port  # noqa: B018 (a port that is not a number raises here, not on first use)
+        except ValueError:
+            raise RemoteTierError(f"--kv-remote {shown!r}: the port is not a number") from None
+        cluster = SCHEMES[parts.scheme]
+        plain = urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
+        no_retry = Retry(NoBackoff(), 0)  # a failed call is a miss now, not three slower tries
+        sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        if cluster:
+            if parts.path.strip("/"):
+                raise RemoteTierError(f"--kv-remote {shown!r}: a Redis Cluster has no database number")
+
+            def connect():
+                return RedisCluster.from_url(plain, retry=no_retry, **sockets)
+        else:
+
+            def connect():
+                return redis.Redis.from_url(plain, retry=no_retry, **sockets)
+
+        where = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{parts.port or 6379}"))
+        return cls(connect, fingerprint, secret or b"", where=where, **options)
+
+    # -- names and signatures ----------------------------------------------------------------------
+
+    def block_name(self, key: bytes, codec: str) -> bytes:
+        """A block's Redis key: the model, the codec and its prefix key (which hashes every token before
+        it and its own); one model's blocks under one codec are found under one pattern."""
+        return f"{KEY_PREFIX}:{self.fingerprint}:{codec}:{key.hex()}".encode()
+
+    def _mac(self, name: bytes, body: bytes) -> bytes:
+        return hmac.new(self.secret, struct.pack("<I", len(name)) + name + body, hashlib.sha256).digest()
+
+    def seal(self, block: StoredBlock) -> tuple[bytes, bytes]:
+        """(Redis key, value) for a block: its HMAC, then its token ids, checksum and encoded KV."""
+        name = self.block_name(block.key, block.codec)
+        tokens = np.asarray(block.tokens, dtype="<i4").tobytes()
+        body = _BODY.pack(_MAGIC, len(block.tokens)) + tokens + block.checksum.encode("ascii") + block.data
+        return name, self._mac(name, body) + body
+
+    def unseal(self, name: bytes, key: bytes, codec: str, tokens: tuple[int, ...], value: bytes):
+        """The block in a value read under `name`, or None unless it is signed with the secret, holds
+        the token ids its key stands for, and its bytes match their checksum and the codec."""
+        head = _MAC + _BODY.size
+        if len(value) < head:
+            return None
+        body = memoryview(value)[_MAC:]
+        if not hmac.compare_digest(value[:_MAC], self._mac(name, body)):
+            return None
+        magic, n = _BODY.unpack_from(value, _MAC)
+        data_at = head + 4 * n + _CHECKSUM
+        if magic != _MAGIC or n != len(tokens) or len(value) < data_at:
+            return None
+        if np.frombuffer(value, dtype="<i4", count=n, offset=head).tolist() != list(tokens):
+            return None
+        expected = value[head + 4 * n : data_at].decode("ascii", "replace")
+        data = value[data_at:]
+        info = block_info(data)
+        if checksum(data) != expected or info is None or info[0] != codec or info[1][2] != n:
+            return None
+        return StoredBlock(key, n, codec, data, expected, list(tokens))
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def fetch(self, key: bytes, tokens: tuple[int, ...], codec: str) -> StoredBlock | None:
+        return self.fetch_run([(key, tokens)], codec)[0]
+
+    def fetch_run(self, blocks: list[tuple[bytes, tuple[int, ...]]], codec: str) -> list[StoredBlock | None]:
+        """The blocks (prefix key, token ids) that the store holds intact, read in one round trip
+        (each read refreshes the block's TTL); None for each one missing, rejected or unreachable."""
+        if not blocks:
+            return []
+        names = [self.block_name(key, codec) for key, _ in blocks]
+        values = self._round_trip(lambda client: self._read(client, names), "bytes_read")
+        if values is None:
+            return [None] * len(blocks)
+        out: list[StoredBlock | None] = []
+        for name, (key, tokens), value in zip(names, blocks, values):
+            block = None
+            if isinstance(value, bytes) and len(value) <= MAX_VALUE_BYTES:
+                block = self.unseal(name, key, codec, tokens, value)
+                if block is None:
+                    self._count("rejected")
+                    self._warn_once(
+                        "rejected",
+                        f"remote KV tier {self.where}: ignored a block that was unsigned, signed with "
+                        "another secret, or not the tokens its key names (it is computed here instead)",
+                    )
+                else:
+                    self._count("hits")
+                    self.block_bytes.add(len(value))
+            elif value is None:
+                self._count("misses")
+            else:
+                self._count("rejected")
+            out.append(block)
+        return out
+
+    def _read(self, client, names: list[bytes]) -> tuple[list, int]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.getex(name, ex=self.ttl_s)
+        # A key holding something else (a list, say) answers with an error in its place: that block is
+        # rejected, the others still count. A lost connection fails the whole round trip.
+        values = pipe.execute(raise_on_error=False)
+        for value in values:
+            if isinstance(value, redis.ConnectionError | redis.TimeoutError):
+                raise value
+        return values, sum(len(v) for v in values if isinstance(v, bytes))
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def put(self, block: StoredBlock) -> bool:
+        """Queue a block for the writer thread; never waits. False (and counted) when it is dropped:
+        the queue is full or the tier is backing off."""
+        if self.down:
+            self._count("dropped_writes")
+            return False
+        try:
+            self._queue.put_nowait(self.seal(block))
+        except queue.Full:
+            self._count("dropped_writes")
+            return False
+        return True
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued block has been written (or dropped); False on timeout."""
+        with self._queue.all_tasks_done:
+            return self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the writer after what is queued (within timeout_s) and let go of the connections."""
+        if self._writer.is_alive():
+            self.flush(timeout_s)
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                pass
+            self._writer.join(timeout_s)
+        self._drop_client()
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                self._queue.task_done()
+                return
+            batch = [first]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:  # put it back for the outer loop to end on
+                    self._queue.task_done()
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+            done = self._round_trip(lambda client, batch=batch: self._write(client, batch), "bytes_written")
+            self._count("written" if done is not None else "dropped_writes", len(batch))
+            for _ in batch:
+                self._queue.task_done()
+
+    def _write(self, client, batch: list[tuple[bytes, bytes]]) -> tuple[bool, int]:
+        pipe = client.pipeline(transaction=False)
+        for name, value in batch:
+            pipe.set(name, value, ex=self.ttl_s)
+            self.block_bytes.add(len(value))
+        pipe.execute()
+        return True, sum(len(v) for _, v in batch)
+
+    # -- failures and measurements ---------------------------------------------------------------------
+
+    @property
+    def down(self) -> bool:
+        """Backing off after a failure: reads miss and writes drop without touching the network."""
+        return time.monotonic() < self._down_until
+
+    def _round_trip(self, work, moved: str):
+        """work(client) -> (result, bytes moved), timed and counted under `moved`; None when the tier is
+        down or fails now."""
+        if self.down:
+            return None
+        try:
+            client = self._get_client()
+            if threading.get_ident() not in self._measured_threads:
+                self._first_round_trip(client)
+            t0 = time.perf_counter()
+            result, n_bytes = work(client)
+        except (redis.RedisError, OSError) as e:  # dead, slow, refused, a cluster that moved: all a miss
+            self._count("failures")
+            self._down_until = time.monotonic() + self.backoff_s
+            self._drop_client()
+            self._warn_once(
+                "unreachable",
+                f"remote KV tier {self.where} failed ({type(e).__name__}: {_reason(e)}); computing instead, "
+                f"and trying it again every {self.backoff_s:g} s",
+            )
+            return None
+        self._measure(time.perf_counter() - t0, n_bytes)
+        self._count(moved, n_bytes)
+        return result
+
+    def _first_round_trip(self, client) -> None:
+        """A thread's first use of a client connects (a cluster client also learns its slots): not timed,
+        as that is not what later round trips cost; then one PING measures the latency."""
+        client.ping()
+        t0 = time.perf_counter()
+        client.ping()
+        self._measure(time.perf_counter() - t0, 0)
+        self._measured_threads.add(threading.get_ident())
+
+    def _measure(self, seconds: float, n_bytes: int) -> None:
+        self._count("round_trips")
+        if n_bytes < SMALL_ROUND_TRIP:
+            self.rtt_s.add(seconds)
+        else:
+            transfer = max(seconds - (self.rtt_s.value or 0.0), 1e-6)
+            self.bytes_per_s.add(n_bytes / transfer)
+
+    def _get_client(self):
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._connect()
+                self._measured_threads = set()
+            return self._client
+
+    def _drop_client(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+            self._measured_threads = set()
+        if client is not None:
+            try:
+                client.close()
+            except (redis.RedisError, OSError):
+                pass
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self.counts[name] += n
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message)
+
+    # -- the rule --------------------------------------------------------------------------------
+
+    def estimated_bytes(self, n_blocks: int) -> int:
+        """What reading n_blocks would move, from the blocks seen so far (0 before any)."""
+        return int(n_blocks * (self.block_bytes.value or 0))
+
+    def fetch_seconds(self, n_bytes: int) -> float | None:
+        """One round trip plus the bytes at the measured rate; None before anything is measured."""
+        if self.rtt_s.value is None:
+            return None
+        rate = self.bytes_per_s.value
+        return self.rtt_s.value + (n_bytes / rate if rate else 0.0)
+
+    def worth_fetching(self, n_blocks: int, n_bytes: int, prefill_tok_s: float, n_tokens: int) -> bool:
+        """Whether reading n_blocks (n_bytes) is faster than computing their n_tokens at prefill_tok_s.
+        Before anything is measured, fetch: the fetch itself measures (a miss costs one round trip)."""
+        if n_blocks <= 0 or self.down:
+            return False
+        if self.always_fetch:
+            return True
+        fetch_s = self.fetch_seconds(n_bytes)
+        if fetch_s is None or not prefill_tok_s or prefill_tok_s <= 0:
+            return True
+        return fetch_s < n_tokens / prefill_tok_s
+
+    def stats(self) -> dict:
+        """The tier's numbers for status lines and `usage`."""
+        with self._counts_lock:
+            counts = dict(self.counts)
+        rtt, rate = self.rtt_s.value, self.bytes_per_s.value
+        return {
+            "url": self.where,
+            "up": not self.down,
+            **counts,
+            "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
+            "mb_per_s": None if rate is None else round(rate / 1e6, 1),
+            "queued_writes": self._queue.qsize(),
+        }
+
+
+def _reason(error: Exception) -> str:
+    """An error's message without the command a pipeline failed on (it would print a block's bytes)."""
+    return str(error).rpartition("caused error: ")[2][:200]

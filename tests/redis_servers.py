@@ -1,0 +1,171 @@
+"""Real redis-server processes on loopback ports for the remote-tier tests and benchmark, and a TCP proxy
+that makes a store far away (a delay per direction and a bandwidth cap)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+
+
+def free_port() -> int:
+    """A loopback port free now whose cluster bus port (port + 10,000) is free too."""
+    while True:
+        port = random.randrange(20000, 50000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+
+
+class RedisServer:
+    """One redis-server on 127.0.0.1, nothing saved to disk; stop/start keep its port."""
+
+    def __init__(self, folder: Path, port: int | None = None, cluster: bool = False):
+        self.folder = Path(folder)
+        self.port = port or free_port()
+        self.cluster = cluster
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisServer:
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"redis-server on port {self.port} is running already")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
+        args += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
+        args += ["--logfile", str(self.folder / f"redis-{self.port}.log")]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.kill()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+def start_cluster(folder: Path, n: int = 3) -> list[RedisServer]:
+    """n masters sharing the 16,384 slots, no replicas (none left running if it fails)."""
+    nodes = [RedisServer(folder / f"node{i}", cluster=True) for i in range(n)]
+    try:
+        for node in nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in nodes]
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 20
+        for node in nodes:  # until every node agrees the slots are covered
+            client = node.client()
+            while client.cluster("info").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not come up")
+                time.sleep(0.05)
+            client.close()
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return nodes
+
+
+class SlowProxy:
+    """Forwards 127.0.0.1:port to a redis-server, each byte arriving `delay_s` late in each direction
+    (a round trip costs 2 × delay_s) and at most `bytes_per_s`: a store far away, or a slow link."""
+
+    def __init__(self, target_port: int, delay_s: float = 0.0, bytes_per_s: float | None = None):
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.bytes_per_s = bytes_per_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        self.running = True
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while self.running:
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                continue
+            self.sockets += [client, server]
+            for src, dst in ((client, server), (server, client)):
+                line: queue.Queue = queue.Queue()
+                threading.Thread(target=self._receive, args=(src, line), daemon=True).start()
+                threading.Thread(target=self._send, args=(dst, line), daemon=True).start()
+
+    def _receive(self, src: socket.socket, line: queue.Queue) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            line.put((time.monotonic(), data))
+            if not data:
+                return
+
+    def _send(self, dst: socket.socket, line: queue.Queue) -> None:
+        free_at = 0.0  # when the link has sent what it was given so far
+        while True:
+            arrived, data = line.get()
+            if not data:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            start = max(arrived + self.delay_s, free_at)
+            free_at = start + (len(data) / self.bytes_per_s if self.bytes_per_s else 0.0)
+            time.sleep(max(0.0, free_at - time.monotonic()))
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.running = False
+        for s in [self.listener, *self.sockets]:
+            with contextlib.suppress(OSError):
+                s.close()

@@ -1,0 +1,411 @@
+"""The remote KV tier against real redis-server processes: blocks shared between servers, signed, and
+a store that dies, stalls, forgets or lies never changes a reply nor loses anything local."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import numpy as np
+import pytest
+
+from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.cli import main
+from llama_chat.inference import GenerationStats, SamplingParams, load_model
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.storage import ChatStore, Session
+from llama_chat.storage.codec import checksum, encode_kv
+from llama_chat.storage.exchange import export_session, import_session
+from llama_chat.storage.remote import RemoteTier, RemoteTierError
+from llama_chat.storage.store import StoredBlock
+from redis_servers import REDIS_SERVER, RedisServer, SlowProxy, start_cluster
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
+)
+
+SECRET = "a secret the servers share"
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    nodes = start_cluster(tmp_path / "cluster")
+    yield nodes
+    for node in nodes:
+        node.kill()
+
+
+def make_block(i: int, n_tokens: int = 8, scale: int = 1) -> StoredBlock:
+    rng = np.random.default_rng(i)
+    k = rng.standard_normal((2, 2, n_tokens, 16 * scale)).astype(np.float32)
+    data = encode_kv(k, -k, "q6")
+    return StoredBlock(bytes([i]) * 16, n_tokens, "q6", data, checksum(data), list(range(i, i + n_tokens)))
+
+
+def run_of(blocks):
+    return [(b.key, tuple(b.tokens)) for b in blocks]
+
+
+def tier(url: str, secret: str = SECRET, **options) -> RemoteTier:
+    return RemoteTier.from_url(url, secret, "model-fingerprint", **options)
+
+
+def test_a_block_written_by_one_server_is_read_by_another(redis_server):
+    writer, reader = tier(redis_server.url), tier(redis_server.url)
+    blocks = [make_block(i) for i in range(5)]
+    assert all(writer.put(b) for b in blocks)
+    assert writer.flush()
+    got = reader.fetch_run(run_of(blocks) + [(b"\xff" * 16, tuple(range(8)))], "q6")
+    assert [g.data for g in got[:5]] == [b.data for b in blocks]
+    assert got[0].tokens == blocks[0].tokens and got[5] is None
+    assert reader.fetch(blocks[0].key, tuple(blocks[0].tokens), "q4") is None  # another codec: another key
+    stats = reader.stats()
+    assert (stats["hits"], stats["misses"], stats["rejected"]) == (5, 2, 0)
+    assert stats["bytes_read"] > sum(len(b.data) for b in blocks)
+    assert redis_server.client().ttl(writer.block_name(blocks[0].key, "q6")) > 0  # bounded by a TTL
+
+
+def test_blocks_not_signed_with_the_secret_or_not_of_their_tokens_are_ignored(redis_server, caplog):
+    ours, theirs = tier(redis_server.url), tier(redis_server.url, secret="another secret")
+    raw = redis_server.client()
+    good = make_block(1)
+    name = ours.block_name(good.key, "q6")
+
+    def planted(value) -> StoredBlock | None:
+        raw.delete(name)
+        if isinstance(value, list):
+            raw.rpush(name, *value)
+        else:
+            raw.set(name, value)
+        return ours.fetch(good.key, tuple(good.tokens), "q6")
+
+    with caplog.at_level(logging.WARNING):
+        assert planted(ours.seal(good)[1]).data == good.data  # signed by us: used
+        assert planted(good.data) is None  # unsigned: the bare encoded block
+        assert planted(theirs.seal(good)[1]) is None  # signed with another secret
+        other_tokens = StoredBlock(good.key, 8, "q6", good.data, good.checksum, list(range(100, 108)))
+        assert planted(ours.seal(other_tokens)[1]) is None  # signed, but not the tokens its key names
+        elsewhere = make_block(2)
+        assert planted(ours.seal(elsewhere)[1]) is None  # a signed block copied under another key
+        bad_sum = StoredBlock(good.key, 8, "q6", good.data, "00000000", good.tokens)
+        assert planted(ours.seal(bad_sum)[1]) is None  # signed, but its bytes fail their checksum
+        assert planted(b"\x00garbage" * 50) is None
+        assert planted(["a", "list"]) is None  # not even a string (the server answers WRONGTYPE)
+    assert ours.stats()["rejected"] == 7 and ours.stats()["hits"] == 1 and ours.stats()["up"]
+    warnings = [r for r in caplog.records if "ignored a block" in r.getMessage()]
+    assert len(warnings) == 1  # once, not once per block
+
+
+def test_a_dead_server_is_a_miss_and_the_tier_comes_back_after_its_backoff(redis_server, caplog):
+    remote = tier(redis_server.url, backoff_s=0.3)
+    block = make_block(3)
+    remote.put(block)
+    remote.flush()
+    redis_server.kill()
+    with caplog.at_level(logging.WARNING):
+        assert remote.fetch(block.key, tuple(block.tokens), "q6") is None
+        assert remote.fetch(block.key, tuple(block.tokens), "q6") is None  # skipped: not tried again yet
+        assert not remote.put(block)  # dropped while backing off, not queued
+    stats = remote.stats()
+    assert stats["failures"] == 1 and not stats["up"] and stats["dropped_writes"] == 1
+    assert not remote.worth_fetching(4, 10_000, 100.0, 256)
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+
+    redis_server.start()  # restarted empty (nothing saved): a miss, then written again
+    remote._down_until = 0  # the backoff ends (rather than sleeping through it)
+    assert remote.fetch(block.key, tuple(block.tokens), "q6") is None and remote.stats()["up"]
+    remote.put(block)
+    remote.flush()
+    assert remote.fetch(block.key, tuple(block.tokens), "q6").data == block.data
+
+
+def test_a_stalled_server_times_out_and_writes_never_wait(redis_server):
+    proxy = SlowProxy(redis_server.port, delay_s=2.0)
+    try:
+        remote = tier(proxy.url, queue_blocks=2)
+        block = make_block(4)
+        assert remote.fetch(block.key, tuple(block.tokens), "q6") is None
+        assert remote.stats()["failures"] == 1  # a timeout (0.25 s), not a two-second wait
+        remote._down_until = 0
+        accepted = [remote.put(make_block(i)) for i in range(10)]  # the writer is stuck on the first
+        assert not all(accepted) and remote.stats()["dropped_writes"] >= 1
+    finally:
+        proxy.close()
+
+
+def test_no_secret_or_a_bad_url_is_refused_with_one_line(redis_server):
+    with pytest.raises(RemoteTierError, match="--kv-secret"):
+        RemoteTier.from_url(redis_server.url, None, "fp")
+    with pytest.raises(RemoteTierError, match="--kv-secret"):
+        RemoteTier.from_url(redis_server.url, "", "fp")
+    for url in ("http://example.org", "redis://", "redis://:pw@host:port", "redis+cluster://h:1/3"):
+        with pytest.raises(RemoteTierError, match="--kv-remote") as refused:
+            RemoteTier.from_url(url, SECRET, "fp")
+        assert ":pw@" not in str(refused.value)
+    assert "hunter2" not in tier(f"redis://:hunter2@127.0.0.1:{redis_server.port}/2").stats()["url"]
+
+
+def test_fetch_or_compute_follows_the_measured_link(redis_server):
+    far = SlowProxy(redis_server.port, delay_s=0.02, bytes_per_s=2e6)  # 40 ms round trips, 2 MB/s
+    try:
+        remote = tier(far.url, timeout_s=2.0)
+        blocks = [make_block(i, n_tokens=64, scale=8) for i in range(4)]
+        assert remote.worth_fetching(4, 10**6, 500.0, 256)  # nothing measured: fetching measures
+        for b in blocks:
+            remote.put(b)
+        remote.flush()
+        for _ in range(3):
+            assert all(remote.fetch_run(run_of(blocks), "q6"))
+        rtt, rate = remote.rtt_s.value, remote.bytes_per_s.value
+        assert 0.04 <= rtt < 0.5 and 0.5e6 < rate < 2.5e6  # what the link is, as measured
+        n_bytes = remote.estimated_bytes(4)
+        assert n_bytes == pytest.approx(remote.stats()["bytes_read"] / 3, rel=0.01)  # four blocks, as read
+        fetch_s = rtt + n_bytes / rate
+        assert remote.worth_fetching(4, n_bytes, 256 / fetch_s / 2, 256)  # computing takes twice as long
+        assert not remote.worth_fetching(4, n_bytes, 256 / fetch_s * 2, 256)  # computing takes half
+        assert not remote.worth_fetching(0, 0, 1.0, 0)
+        stats = remote.stats()
+        assert stats["rtt_ms"] == pytest.approx(rtt * 1000, abs=0.01) and stats["mb_per_s"] > 0
+    finally:
+        far.close()
+
+
+def test_a_cluster_spreads_the_blocks_over_its_nodes(redis_cluster):
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[1].port}"
+    writer, reader = tier(url), tier(url)
+    blocks = [make_block(i) for i in range(24)]
+    for b in blocks:
+        writer.put(b)
+    assert writer.flush()
+    assert [g.data for g in reader.fetch_run(run_of(blocks), "q6")] == [b.data for b in blocks]
+    assert all(node.client().dbsize() > 0 for node in redis_cluster)
+    redis_cluster[2].kill()  # a node dies: a miss, then backing off
+    assert reader.fetch_run(run_of(blocks), "q6") == [None] * 24
+    assert reader.stats()["failures"] == 1
+
+
+def test_a_flushed_or_evicted_store_is_a_miss(redis_server):
+    remote = tier(redis_server.url)
+    block = make_block(5)
+    remote.put(block)
+    remote.flush()
+    redis_server.client().flushall()
+    assert remote.fetch(block.key, tuple(block.tokens), "q6") is None
+    assert remote.stats()["misses"] == 1 and remote.stats()["up"]
+
+
+# -- two servers sharing one store ---------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0)
+HISTORY = "hello the world, then the sun and the rain over the hills " * 3
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return tiny_model_paths["qwen2"]
+
+
+def server(model_path, db, url: str | None, secret: str = SECRET, **options) -> ChatEngine:
+    """A fresh process's engine on its own SQLite file, with the remote tier at `url` (None: none).
+    Blocks are stored lossless (f32), so a reply read from blocks is the reply computed in full: a
+    random tiny model flips a greedy choice on a lossy codec's rounding."""
+    model = load_model(model_path, block_size=8)
+    remote = RemoteTier.from_url(url, secret, model.fingerprint, **options) if url else None
+    return ChatEngine(model, ChatStore(db), codec="f32", remote=remote)
+
+
+def chat(
+    engine: ChatEngine, session, text: str, max_tokens: int = 8, during=None
+) -> tuple[str, GenerationStats]:
+    """A greedy reply; `during()` runs once its first piece is out (its blocks were looked for, the
+    new ones are not written yet)."""
+    stats = GenerationStats()
+    pieces = []
+    for piece in engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats):
+        if not pieces and during is not None:
+            during()
+        pieces.append(piece)
+    return "".join(pieces), stats
+
+
+def move(source: ChatEngine, session_id: str, target: ChatEngine, tmp_path) -> Session:
+    """The session's messages (no KV) carried to another server, as `sessions export --no-kv` does."""
+    path = tmp_path / f"move-{session_id}.llamachat"
+    export_session(source.store, session_id, path, with_kv=False)
+    result = import_session(target.store, path, model_fingerprint=target.model.fingerprint)
+    path.unlink()
+    return target.store.get_session(result.session_ids[0])
+
+
+def test_a_conversation_goes_on_at_a_second_server_from_the_shared_store(
+    qwen2, tmp_path, redis_server, capsys
+):
+    shared = ["--model", str(qwen2), "--kv-remote", redis_server.url, "--kv-secret", SECRET]
+    ask = ["ask", "--temp", "0", "--max-tokens", "6"]
+    assert main(["--db", str(tmp_path / "a.db"), *shared, *ask, "--new-session", HISTORY]) == 0
+    session_id = next(w.split()[1] for w in capsys.readouterr().err.splitlines() if w.startswith("session "))
+    a = ChatStore(tmp_path / "a.db")
+    n_blocks = len(a.block_keys(session_id))
+    assert n_blocks >= 2
+    wait_for(lambda: redis_server.client().dbsize() >= n_blocks)  # written behind the reply
+
+    assert (
+        main(["--db", str(tmp_path / "a.db"), "export", "--no-kv", session_id, "-o", str(tmp_path / "s")])
+        == 0
+    )
+    assert main(["--db", str(tmp_path / "b.db"), "import", str(tmp_path / "s")]) == 0
+    moved = capsys.readouterr().out.split()[-1]
+    assert main(["--db", str(tmp_path / "b.db"), *shared, *ask, "--session", moved, "and then"]) == 0
+    out, err = capsys.readouterr()
+    restored = re.search(r"\[([\d,]+) of ([\d,]+) tokens restored \(([\d,]+) from the remote tier\)", err)
+    B = DEFAULT_BLOCK_SIZE  # what the command line uses
+    assert restored and int(restored[3]) == n_blocks * B == int(restored[1])  # every full block, from Redis
+    prompt, prefilled = map(int, re.search(r"\[(\d+) prompt tokens, (\d+) prefilled", err).groups())
+    assert prefilled == prompt - n_blocks * B  # only the tail and the new turn were computed
+
+    assert main(["--db", str(tmp_path / "c.db"), "import", str(tmp_path / "s")]) == 0
+    alone = capsys.readouterr().out.split()[-1]
+    assert (
+        main(["--db", str(tmp_path / "c.db"), "--model", str(qwen2), *ask, "--session", alone, "and then"])
+        == 0
+    )
+    assert capsys.readouterr().out == out  # the same reply as a server without the tier, computing it all
+
+
+def wait_for(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the background writes did not land"
+        time.sleep(0.02)
+
+
+def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_cluster):
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0].port}"
+    first, second = server(qwen2, tmp_path / "a.db", url), server(qwen2, tmp_path / "b.db", url)
+    session = first.new_session("shared", system_prompt="the sun")
+    chat(first, session, HISTORY)
+    first.kv.remote.flush()
+    moved = move(first, session.id, second, tmp_path)
+    _, info = second.open(moved)
+    full = info.tokens // 8 * 8
+    assert info.remote == full >= 32 and info.restored == full
+    reply, stats = chat(second, moved, "and then")
+    assert stats.prefilled_tokens == stats.prompt_tokens - full
+    assert second.store.stored_keys(first.store.block_keys(session.id)) == set(
+        first.store.block_keys(session.id)
+    )
+    assert chat(first, first.store.get_session(session.id), "and then")[0] == reply
+    assert all(node.client().dbsize() > 0 for node in redis_cluster)
+
+
+def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
+    stranger = server(qwen2, tmp_path / "a.db", redis_server.url, secret="not our secret")
+    session = stranger.new_session("planted")
+    chat(stranger, session, HISTORY)
+    stranger.kv.remote.flush()
+    assert redis_server.client().dbsize() > 0
+    ours = server(qwen2, tmp_path / "b.db", redis_server.url)
+    moved = move(stranger, session.id, ours, tmp_path)
+    _, info = ours.open(moved)
+    assert info.remote == 0 and info.restored == 0 and ours.kv.remote.stats()["rejected"] > 0
+    alone = server(qwen2, tmp_path / "c.db", None)
+    assert (
+        chat(ours, moved, "and then")[0]
+        == chat(alone, move(stranger, session.id, alone, tmp_path), "and then")[0]
+    )
+
+
+def test_an_imported_sessions_blocks_never_travel(qwen2, tmp_path, redis_server):
+    first = server(qwen2, tmp_path / "a.db", None)
+    session = first.new_session("imported")
+    chat(first, session, HISTORY)
+    export_session(first.store, session.id, tmp_path / "with-kv.llamachat")  # with its KV: untrusted there
+    second = server(qwen2, tmp_path / "b.db", redis_server.url)
+    result = import_session(
+        second.store, tmp_path / "with-kv.llamachat", model_fingerprint=second.model.fingerprint
+    )
+    imported = second.store.get_session(result.session_ids[0])
+    assert imported.kv_namespace is not None
+    chat(second, imported, "and then")
+    second.kv.remote.flush()
+    assert redis_server.client().dbsize() == 0  # nothing written from the import's namespace
+    assert second.kv.remote.stats()["round_trips"] == 0  # nor read for it
+
+
+def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, tmp_path, redis_server):
+    """Turns of one conversation land on two servers in turn (a load balancer); between turns the
+    store is killed, restarted, flushed, filled with garbage and slowed. The replies are those of one
+    server without any tier, and every message and block stays where it was stored."""
+    link = SlowProxy(redis_server.port)
+    # (always_fetch: the tiny model computes a few blocks faster than a loaded machine reads them, and
+    # the point here is what reading does when the store misbehaves)
+    servers = [server(qwen2, tmp_path / f"{n}.db", link.url, backoff_s=0.05, always_fetch=True) for n in "ab"]
+    alone = server(qwen2, tmp_path / "alone.db", None)
+
+    def garbage():
+        raw = redis_server.client()
+        for name in raw.keys("*"):
+            raw.set(name, b"\x00not a block" * 40)
+
+    chaos = [
+        lambda: None,
+        lambda: None,
+        "kill mid-reply",
+        redis_server.start,
+        lambda: redis_server.client().flushall(),
+        garbage,
+        lambda: setattr(link, "delay_s", 1.0),  # far slower than the tier's timeouts
+        lambda: setattr(link, "delay_s", 0.0),
+    ]
+    expected_session = alone.new_session("alone", system_prompt="the sun")
+    session = servers[0].new_session("balanced", system_prompt="the sun")
+    try:
+        for turn, event in enumerate(chaos):
+            here = servers[turn % 2]
+            if turn:
+                session = move(servers[(turn - 1) % 2], session.id, here, tmp_path)
+            during = redis_server.kill if event == "kill mid-reply" else None
+            if during is None:
+                event()
+            for tier in (s.kv.remote for s in servers):
+                tier._down_until = 0  # (rather than sleeping through each backoff)
+            text = f"t{turn}"
+            _, info = here.open(session)
+            reply, stats = chat(here, session, text, max_tokens=4, during=during)
+            assert stats.prompt_tokens > info.tokens  # (no turn dropped from the window, nothing shifted)
+            expected, _ = chat(alone, expected_session, text, max_tokens=4)
+            assert reply == expected, f"turn {turn}"
+            here.kv.remote.flush()
+            session = here.store.get_session(session.id)
+    finally:
+        link.close()
+    stats = [s.kv.remote.stats() for s in servers]
+    assert sum(s["hits"] for s in stats) > 0  # the tier was used when it worked
+    assert sum(s["rejected"] for s in stats) > 0 and sum(s["failures"] for s in stats) > 0
+    for s in servers:  # nothing local lost: every session whole, every block it lists stored
+        for stored in s.store.list_sessions():
+            assert [m.role for m in s.store.path(stored.head_id)][-2:] == ["user", "assistant"]
+            keys = s.store.block_keys(stored.id)
+            assert s.store.stored_keys(keys) == set(keys)
+
+
+def test_the_command_line_refuses_a_tier_without_a_secret(qwen2, tmp_path, redis_server, capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_CHAT_KV_SECRET", raising=False)
+    db = ["--db", str(tmp_path / "a.db"), "--model", str(qwen2)]
+    assert main([*db, "--kv-remote", redis_server.url, "ask", "--new-session", "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kv-secret" in err[0] and "Traceback" not in err[0]
+    assert ChatStore(tmp_path / "a.db").list_sessions() == []  # nothing stored for it
+    monkeypatch.setenv("LLAMA_CHAT_KV_SECRET", SECRET)
+    assert (
+        main([*db, "--kv-remote", redis_server.url, "ask", "--new-session", "--max-tokens", "2", "hello"])
+        == 0
+    )
