@@ -28,6 +28,7 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from .chat.engine import ChatEngine, ResumeInfo, fork_before, session_title
+from .chat.settings import CACHE_RAM_MB
 from .config import DEFAULT_THEME, Config, ConfigError, State, load_themes
 from .screens import AlternativesScreen, ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .widgets import ChatInput, ChatRef, MessageView, SearchHit, SessionTree, StatusLine
@@ -1069,7 +1070,7 @@ class ChatApp(App, inherit_bindings=False):
         model: str | None = None,
         session_id: str | None = None,
         config: Config | None = None,
-        cache_ram_mb: int = 1024,
+        cache_ram_mb: int = CACHE_RAM_MB,
         prompt_lookup: bool = True,
     ):
         super().__init__()
