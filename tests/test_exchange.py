@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
+from llama_chat.app.measure import measure_exchange
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import encode_kv
@@ -31,7 +32,6 @@ from llama_chat.storage.exchange import (
     ExchangeError,
     export_session,
     import_session,
-    measure_exchange,
     read_session_file,
 )
 

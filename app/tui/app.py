@@ -12,6 +12,7 @@ from textual.screen import Screen
 from llama_chat.inference import KNOWN_MODELS, resolve_model
 from llama_chat.storage import ChatStore
 
+from ..chat.settings import CACHE_RAM_MB
 from ..config import DEFAULT_THEME, Config, ConfigError, State, load_themes
 from .chat_screen import ChatScreen
 from .sidebar import SessionTree
@@ -35,7 +36,7 @@ class ChatApp(App, inherit_bindings=False):
         model: str | None = None,
         session_id: str | None = None,
         config: Config | None = None,
-        cache_ram_mb: int = 1024,
+        cache_ram_mb: int = CACHE_RAM_MB,
         prompt_lookup: bool = True,
     ):
         super().__init__()
