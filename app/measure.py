@@ -177,7 +177,7 @@ started = time.perf_counter()
 from textual import events
 from llama_chat.app.config import Config
 from llama_chat.app.tui import ChatApp
-from llama_chat.app.widgets import ChatInput
+from llama_chat.app.tui.widgets import ChatInput
 
 async def main():
     folder = Path(sys.argv[2])
@@ -185,11 +185,12 @@ async def main():
     app = ChatApp(folder / "app.db", model=sys.argv[1], config=config)
     async with app.run_test(size=(110, 34)) as pilot:
         screen_s = time.perf_counter() - started
-        while not app.chat.engine_ready.is_set():
+        while app.chat.loading_model is not None:
             await asyncio.sleep(0.01)
         ready_s = time.perf_counter() - started
         await pilot.press(*"Write a story about caches.", "enter")
-        while not (len(app.chat.views()) == 2 and app.chat.views()[1].content):
+        views = app.chat.conversation.views
+        while not (len(views()) == 2 and views()[1].content):
             await asyncio.sleep(0.01)
         chat_input = app.chat.query_one(ChatInput)
         keys = []
@@ -202,7 +203,7 @@ async def main():
             await asyncio.sleep(0.1)
         t = time.perf_counter()
         app.chat.action_stop()
-        while app.chat.reply is not None:
+        while app.chat.replies:
             await asyncio.sleep(0.005)
         esc_s = time.perf_counter() - t
     print(json.dumps({"screen_s": screen_s, "ready_s": ready_s, "key_ms": max(keys) * 1000,
