@@ -15,7 +15,7 @@ from .chat.scheduler import Scheduler
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_params
 from .progress import ProgressBar
 from .signals import ReplySignals
-from .terminal import UsageError, print_json, read_prompt, read_text, say, stream_reply
+from .terminal import open_remote, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
@@ -76,18 +76,6 @@ def open_engine(args, store: ChatStore):
 
     model = open_model(args)
     return ChatEngine(model, store, n_ctx=args.ctx, remote=open_remote(args, model.fingerprint))
-
-
-def open_remote(args, fingerprint: str):
-    """The remote KV tier of --kv-remote, if one is named; a bad URL or a missing secret is one line."""
-    if not args.kv_remote:
-        return None
-    from llama_chat.storage.remote import RemoteTier, RemoteTierError
-
-    try:
-        return RemoteTier.from_url(args.kv_remote, args.kv_secret, fingerprint)
-    except RemoteTierError as e:
-        raise UsageError(str(e)) from None
 
 
 def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Session, int]:

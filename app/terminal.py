@@ -112,3 +112,15 @@ def lookup_text(stats: GenerationStats) -> str:
     if not stats.drafted_tokens:
         return ""
     return f" ({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted)"
+
+
+def open_remote(args, fingerprint: str):
+    """The remote KV tier of --kv-remote, if one is named; a bad URL or a missing secret is one line."""
+    if not args.kv_remote:
+        return None
+    from llama_chat.storage.remote import RemoteTier, RemoteTierError
+
+    try:
+        return RemoteTier.from_url(args.kv_remote, args.kv_secret, fingerprint)
+    except RemoteTierError as e:
+        raise UsageError(str(e)) from None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.app import App
 from textual.binding import Binding
@@ -14,9 +16,13 @@ from llama_chat.storage import ChatStore
 
 from ..chat.settings import CACHE_RAM_MB
 from ..config import DEFAULT_THEME, Config, ConfigError, State, load_themes
+from ..terminal import open_remote
 from .chat_screen import ChatScreen
 from .sidebar import SessionTree
 from .widgets import ChatInput, MessageView
+
+if TYPE_CHECKING:  # redis is imported only where a tier is used
+    from llama_chat.storage.remote import RemoteTier
 
 
 class ChatApp(App, inherit_bindings=False):
@@ -38,9 +44,11 @@ class ChatApp(App, inherit_bindings=False):
         config: Config | None = None,
         cache_ram_mb: int = CACHE_RAM_MB,
         prompt_lookup: bool = True,
+        remote: Callable[[str], RemoteTier | None] = lambda fingerprint: None,
     ):
         super().__init__()
         self.prompt_lookup = prompt_lookup
+        self.remote = remote  # the shared KV tier (--kv-remote) for a model's fingerprint, or None
         self.config = config or Config.load()
         self.store = ChatStore(db)
         self.state = State()
@@ -120,7 +128,15 @@ def cmd_tui(args) -> int:
     model = args.model or config.model
     if model is not None and model not in KNOWN_MODELS:
         resolve_model(model)  # a missing or foreign file: one line and exit 2, before the screen opens
-    app = ChatApp(args.db, model, args.session, config, args.cache_ram, not args.no_lookup)
+    app = ChatApp(
+        args.db,
+        model,
+        args.session,
+        config,
+        args.cache_ram,
+        not args.no_lookup,
+        remote=lambda fingerprint: open_remote(args, fingerprint),
+    )
     app.run()
     if app.chat.loading_model:  # a worker thread cannot be stopped; the process ends when it does
         print(f"llama-chat: {app.chat.loading_model}; exiting when it ends", file=sys.stderr)

@@ -222,7 +222,7 @@ class ChatScreen(ChatActions, Screen):
                 cache_ram_mb=self.app.cache_ram_mb,
                 prompt_lookup=self.app.prompt_lookup,
             )
-            engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx)
+            engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
