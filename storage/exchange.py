@@ -22,7 +22,8 @@ from llama_chat import __version__
 from . import codec as block_codec  # for the layout of a block's header
 from .codec import CODECS, MAX_ELEMENTS, CorruptBlockError, checksum, decode_kv, encode_kv
 from .db import StoreError
-from .store import ChatStore, Message, Session, StoredBlock, StoredTail
+from .records import Message, Session, StoredBlock, StoredTail
+from .store import ChatStore
 
 Progress = Callable[[str, int, int], None]  # (label, done, total), as app/progress.py draws it
 
