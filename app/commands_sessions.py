@@ -110,13 +110,9 @@ def check_database_file(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from llama_chat.storage.exchange import (
-        SUFFIX,
-        default_file_name,
-        export_markdown,
-        export_session,
-        markdown_transcript,
-    )
+    from llama_chat.storage.exchange import default_file_name, export_session
+    from llama_chat.storage.exchange_file import SUFFIX
+    from llama_chat.storage.transcript import export_markdown, markdown_transcript
 
     store = ChatStore(args.db)
     session = store.get_session(args.id)
@@ -160,7 +156,8 @@ def model_here(args) -> tuple[str | None, str | None]:
 
 
 def cmd_import(args) -> int:
-    from llama_chat.storage.exchange import import_session, read_session_file
+    from llama_chat.storage.exchange import import_session
+    from llama_chat.storage.exchange_file import read_session_file
 
     with ProgressBar() as bar:
         exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens

@@ -275,7 +275,8 @@ class ChatActions:
 
     def export_to(self, session_id: str, target: Path) -> str:
         """On a worker thread: write a session to a file; what was written."""
-        from llama_chat.storage.exchange import export_markdown, export_session
+        from llama_chat.storage.exchange import export_session
+        from llama_chat.storage.transcript import export_markdown
 
         try:
             if target.suffix == ".md":
