@@ -5,6 +5,7 @@ Knows nothing of SQLite or Textual, so it can be used as a library on its own.
 
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from .chat_template import ChatTemplate
+from .config import Config
 from .errors import ModelError
 from .generate import (
     Alternative,
@@ -15,8 +16,8 @@ from .generate import (
     generate_alternatives,
     shift_to,
 )
-from .kv_cache import BlockPool, KVSequence
-from .llm import Model, load_model
+from .kv_cache import BlockPool, BlockSource, KVSequence
+from .llm import DEFAULT_PREFILL_BATCH, Model, load_model
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -30,6 +31,9 @@ __all__ = [
     "ChatTemplate",
     "GenerationStats",
     "BlockPool",
+    "BlockSource",
+    "Config",
+    "DEFAULT_PREFILL_BATCH",
     "KVSequence",
     "Model",
     "ModelError",

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import model as forward_pass
 from .chat_template import completion_prompt, content_texts, map_contents
 from .kernels import SMALL_BATCH
 from .kv_cache import KVSequence
@@ -180,21 +179,19 @@ def _prefill(
     cancel: threading.Event | None = None,
 ) -> np.ndarray | None:
     """Prefill what the sequence does not hold yet; the last prompt token always runs, for its logits.
-    A long prompt goes one forward batch at a time: on_prefill(done, total) hears of each, and a cancel
-    stops it between two (None then; the sequence keeps the batches done, for the next turn)."""
+    A long prompt goes one forward pass at a time (Model.prefill): on_prefill(done, total) hears of each,
+    and a cancel stops it between two (None then; the sequence keeps the passes done, for the next turn)."""
     seq.reuse_prefix(prompt_ids[:-1])
     stats.prompt_tokens = len(prompt_ids)
     todo = prompt_ids[seq.n_tokens :]
     logits = None
     t0 = time.perf_counter()
-    batch = forward_pass.PREFILL_BATCH
-    for start in range(0, len(todo), batch):
-        if start and cancel is not None and cancel.is_set():
+    for done, row in model.prefill(todo, seq):
+        stats.prefilled_tokens, logits = done, row
+        if on_prefill is not None and len(todo) > model.prefill_batch:
+            on_prefill(done, len(todo))
+        if done < len(todo) and cancel is not None and cancel.is_set():
             break
-        logits = model.forward(todo[start : start + batch], seq)[-1]
-        stats.prefilled_tokens = min(start + batch, len(todo))
-        if on_prefill is not None and len(todo) > batch:
-            on_prefill(stats.prefilled_tokens, len(todo))
     stats.prefill_s = time.perf_counter() - t0
     return logits if stats.prefilled_tokens == len(todo) else None
 

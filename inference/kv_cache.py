@@ -9,7 +9,14 @@ block first when another sequence shares it (copy-on-write). So `fork` is a list
 All blocks live in one arena per pool, laid out `[layer, kv_head, slot·B + i, head_dim]`: each head's
 keys are contiguous rows, and a sequence whose blocks sit in consecutive slots (the allocator tries to
 keep them so) is read by attention as a plain slice — no gathering of the history on every token.
+That layout is this module's own: the forward pass reads a sequence through `KVSequence.views`,
+writes it through `reserve` + `write`, and copies it out with `gather`.
 Unreferenced full blocks stay cached and are evicted least-recently-used under the RAM budget.
+
+Blocks missing from RAM may come from a `BlockSource` handed to the pool when it is built (the
+conversation store): `source.fetch(key, tokens, namespace)` returns the block's keys and values
+[layer, kv_head, B, head_dim] float32 if it holds a block of that prefix key in that namespace made
+from exactly those tokens, else None. The pool checks the shapes and keeps what it fetched in RAM.
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ import itertools
 import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
+from .config import Config
 from .errors import ContextFullError
-from .weights import Config
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CACHE_RAM_MB = 1024
@@ -49,9 +57,14 @@ def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) ->
 
 
 BlockName = tuple[bytes | None, bytes | None]  # (namespace, prefix key): what the pool shares a block under
-# (key, its tokens, namespace) → (k, v) or None; it checks that what it holds under the key was made
-# from those tokens.
-BlockSource = Callable[[bytes, tuple[int, ...], bytes | None], tuple[np.ndarray, np.ndarray] | None]
+
+
+class BlockSource(Protocol):
+    """Where blocks missing from RAM may be found (see the module's docstring)."""
+
+    def fetch(
+        self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None
+    ) -> tuple[np.ndarray, np.ndarray] | None: ...
 
 
 class KVBlock:
@@ -79,6 +92,7 @@ class BlockPool:
         fingerprint: str,
         block_size: int = DEFAULT_BLOCK_SIZE,
         ram_mb: float = DEFAULT_CACHE_RAM_MB,
+        source: BlockSource | None = None,
     ):
         self.cfg = cfg
         self.fingerprint = fingerprint
@@ -86,21 +100,36 @@ class BlockPool:
         self.block_bytes = 2 * cfg.n_layer * cfg.n_head_kv * block_size * cfg.head_dim * 4
         self.n_slots = max(int(ram_mb * 2**20) // self.block_bytes, 2)
         shape = (cfg.n_layer, cfg.n_head_kv, self.n_slots * block_size, cfg.head_dim)
-        self.k = _arena(shape)
-        self.v = _arena(shape)
+        # The arena [layer, kv_head, slot·B + i, head_dim]: read and written in this module only.
+        self._k = _arena(shape)
+        self._v = _arena(shape)
         # Fault in the first slots now, as llama.cpp allocates its KV buffer when a context is made:
         # the kernel's page faults would otherwise cost a resumed conversation more than decoding it.
         warm = min(self.n_slots, -(-PREFAULT_TOKENS // block_size)) * block_size
-        self.k[:, :, :warm] = 0
-        self.v[:, :, :warm] = 0
+        self._k[:, :, :warm] = 0
+        self._v[:, :, :warm] = 0
         self.free_slots: set[int] = set(range(self.n_slots))
         # Full blocks by name (namespace, prefix key): a namespace's blocks are shared only within it.
         self.by_key: dict[BlockName, KVBlock] = {}
         self.lru: OrderedDict[BlockName, KVBlock] = OrderedDict()  # unreferenced full blocks, oldest first
         self._ids = itertools.count(1)
         self.sequences: dict[int, KVSequence] = {}
-        # Where blocks missing from RAM may be found (the conversation store).
-        self.source: BlockSource | None = None
+        self._source = source
+
+    @property
+    def source(self) -> BlockSource | None:
+        """Where blocks missing from RAM are looked for: set when the pool is built, or attached once."""
+        return self._source
+
+    def attach_source(self, source: BlockSource) -> None:
+        """Read missing blocks from `source` from now on. A pool has one source: a second one (say a
+        second chat engine on the same loaded model) would silently take the first one's blocks away."""
+        if self._source is not None and self._source is not source:
+            raise RuntimeError(
+                "this model's KV block pool already reads from another block source; "
+                "load the model again for a second one"
+            )
+        self._source = source
 
     # -- blocks ---------------------------------------------------------------------------------
 
@@ -163,7 +192,7 @@ class BlockPool:
             if block.refs == 0:
                 self.lru.move_to_end(block.name)
             return block
-        found = self.source(key, tokens, namespace) if self.source is not None else None
+        found = self._source.fetch(key, tokens, namespace) if self._source is not None else None
         if found is None:
             return None
         k, v = found
@@ -179,15 +208,15 @@ class BlockPool:
 
     def _write_block(self, block: KVBlock, k: np.ndarray, v: np.ndarray) -> None:
         s = block.slot * self.block_size
-        self.k[:, :, s : s + k.shape[2]] = k
-        self.v[:, :, s : s + v.shape[2]] = v
+        self._k[:, :, s : s + k.shape[2]] = k
+        self._v[:, :, s : s + v.shape[2]] = v
 
     def copy_block(self, src: KVBlock, n_tokens: int, after: int | None) -> KVBlock:
         dst = self.allocate(after)
         B = self.block_size
         s, d = src.slot * B, dst.slot * B
-        self.k[:, :, d : d + n_tokens] = self.k[:, :, s : s + n_tokens]
-        self.v[:, :, d : d + n_tokens] = self.v[:, :, s : s + n_tokens]
+        self._k[:, :, d : d + n_tokens] = self._k[:, :, s : s + n_tokens]
+        self._v[:, :, d : d + n_tokens] = self._v[:, :, s : s + n_tokens]
         return dst
 
     def block_kv(self, block: KVBlock, n_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +224,7 @@ class BlockPool:
         B = self.block_size
         s = block.slot * B
         n = B if n_tokens is None else n_tokens
-        return self.k[:, :, s : s + n], self.v[:, :, s : s + n]
+        return self._k[:, :, s : s + n], self._v[:, :, s : s + n]
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -310,8 +339,30 @@ class KVSequence:
         start = len(full) * B
         if start >= self.n_tokens:
             return full, None
-        idx = np.concatenate([np.arange(a, a + n) for a, n, _ in self.runs(start, self.n_tokens)])
-        return full, (self.tokens[start:], self.pool.k[:, :, idx], self.pool.v[:, :, idx])
+        return full, (self.tokens[start:], *self.gather(start, self.n_tokens))
+
+    def shift(self, keep: int, drop: int, rerotate: Callable[[int, np.ndarray], np.ndarray]) -> None:
+        """Forget positions keep..keep+drop-1 and move the later ones back by `drop` (llama.cpp's seq_rm +
+        seq_add): their KV is kept, `rerotate(layer, k)` gives one layer's moved keys [kv_head, m, hd] for
+        their new positions. The moved KV still saw the dropped tokens in deeper layers, so the sequence
+        becomes private: its blocks are never shared under a prefix key."""
+        n = self.n_tokens
+        if not (0 <= keep and drop > 0 and keep + drop <= n):
+            raise ValueError(f"cannot drop {drop} tokens after {keep} of {n}")
+        moved_tokens = self.tokens[keep + drop :]
+        k, v = self.gather(keep + drop, n)
+        self.truncate(keep)
+        self.private = True
+        if not moved_tokens:
+            return
+        for layer in range(len(k)):
+            k[layer] = rerotate(layer, k[layer])
+        self.append_kv(moved_tokens, k, v)
+
+    def gather(self, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the keys and values of positions first..end-1, [layer, kv_head, n, head_dim]."""
+        where = self._arena_positions(first, end)
+        return self.pool._k[:, :, where], self.pool._v[:, :, where]
 
     # -- what the forward pass uses ---------------------------------------------------------------
 
@@ -338,28 +389,36 @@ class KVSequence:
     def write(self, layer: int, where: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         # k, v [n_kv, T, hd] for the arena positions `where` from reserve()
         if len(where) and where[-1] - where[0] == len(where) - 1:
-            self.pool.k[layer, :, where[0] : where[-1] + 1] = k
-            self.pool.v[layer, :, where[0] : where[-1] + 1] = v
+            self.pool._k[layer, :, where[0] : where[-1] + 1] = k
+            self.pool._v[layer, :, where[0] : where[-1] + 1] = v
         else:
-            self.pool.k[layer][:, where] = k  # (indexing [layer, :, where] would move the axes)
-            self.pool.v[layer][:, where] = v
+            self.pool._k[layer][:, where] = k  # (indexing [layer, :, where] would move the axes)
+            self.pool._v[layer][:, where] = v
 
-    def runs(self, first: int, end: int) -> list[tuple[int, int, int]]:
-        """Positions first..end-1 as runs of consecutive arena positions: (arena start, length, position)."""
+    def views(self, first: int, end: int) -> KVViews:
+        """Positions first..end-1 (first may be negative: from 0) as they lie in the arena, for attention."""
+        return KVViews(self.pool, [slice(a, a + n) for a, n in self._runs(first, end)])
+
+    def _runs(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Positions first..end-1 as runs of consecutive arena positions: (arena start, length)."""
         B = self.pool.block_size
-        first = max(first, 0)
-        out: list[tuple[int, int, int]] = []
-        pos = first
+        out: list[tuple[int, int]] = []
+        pos = max(first, 0)
         while pos < end:
-            block_index = pos // B
-            start = self.blocks[block_index].slot * B + pos % B
+            start = self.blocks[pos // B].slot * B + pos % B
             length = min(B - pos % B, end - pos)
             if out and out[-1][0] + out[-1][1] == start:
-                out[-1] = (out[-1][0], out[-1][1] + length, out[-1][2])
+                out[-1] = (out[-1][0], out[-1][1] + length)
             else:
-                out.append((start, length, pos))
+                out.append((start, length))
             pos += length
         return out
+
+    def _arena_positions(self, first: int, end: int) -> np.ndarray:
+        runs = self._runs(first, end)
+        if not runs:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(a, a + n) for a, n in runs])
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         """Record tokens whose KV was just written; register blocks they completed for sharing."""
@@ -382,3 +441,18 @@ class KVSequence:
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes
+
+
+class KVViews:
+    """Some positions of a sequence where they lie in the arena: per layer, (k, v) pieces
+    [kv_head, S_i, head_dim], one per run of consecutive slots, in position order. Views, not copies:
+    valid until the sequence's blocks change (made once per forward step, read by every layer)."""
+
+    __slots__ = ("_pool", "_slices")
+
+    def __init__(self, pool: BlockPool, slices: list[slice]):
+        self._pool, self._slices = pool, slices
+
+    def layer(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        k, v = self._pool._k[layer], self._pool._v[layer]
+        return [(k[:, s], v[:, s]) for s in self._slices]

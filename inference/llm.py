@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from . import model as forward_pass
 from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
-from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, KVSequence
-from .model import context_shift, decode_batch, forward, verify_draft, verify_rows
+from .config import Config
+from .kernels import SMALL_BATCH
+from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
 from .tokenizer import Tokenizer
-from .weights import Config, prepare
+from .weights import prepare
+
+# Tokens of a prompt per forward pass: bounds the activations and attention scores a pass holds, and
+# how long a cancel or another reply's next token waits.
+DEFAULT_PREFILL_BATCH = 512
 
 
 class Model:
@@ -22,21 +28,26 @@ class Model:
         cache_ram_mb: float = DEFAULT_CACHE_RAM_MB,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prompt_lookup: bool = True,
+        prefill_batch: int = DEFAULT_PREFILL_BATCH,
+        source: BlockSource | None = None,
     ):
+        if prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be at least 1, not {prefill_batch}")
         self.path = prepared.path
         self.prompt_lookup = prompt_lookup  # generate()'s default: guess runs from the conversation
+        self.prefill_batch = prefill_batch
         self.config: Config = prepared.config
-        self.weights = prepared.weights
+        self.weights: forward_pass.Weights = prepared.weights
         self.metadata = prepared.metadata
         self.fingerprint: str = prepared.fingerprint
         self.name: str = prepared.metadata.get("general.name") or self.path.stem
         self.tokenizer = Tokenizer.from_metadata(prepared.metadata)
         # KV of every sequence of this model lives in one pool, so equal prefixes are computed once
-        self.pool = BlockPool(self.config, self.fingerprint, block_size, cache_ram_mb)
-        source = prepared.metadata.get("tokenizer.chat_template")
-        self.has_chat_template = source is not None
+        self.pool = BlockPool(self.config, self.fingerprint, block_size, cache_ram_mb, source)
+        template = prepared.metadata.get("tokenizer.chat_template")
+        self.has_chat_template = template is not None
         self.chat_template = ChatTemplate(
-            source,
+            template,
             bos_token=self._token_text(self.tokenizer.bos_id),
             eos_token=self._token_text(self.tokenizer.eos_id),
             name=f"chat template of {self.path.name}",
@@ -45,35 +56,82 @@ class Model:
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
 
-    @property
-    def prefill_batch(self) -> int:
-        """Prompt tokens per forward pass."""
-        return forward_pass.PREFILL_BATCH
-
     def new_sequence(self, n_ctx: int = 4096) -> KVSequence:
         """An empty sequence in the model's block pool; `free()` it when done."""
         return self.pool.new_sequence(min(n_ctx, self.config.n_ctx_train))
 
-    def forward(self, tokens, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
+    def step(
+        self, batch: list[tuple[KVSequence, Sequence[int]]], all_logits: bool = False
+    ) -> list[np.ndarray]:
+        """One forward pass over new tokens of several sequences at once — a batch of one's prompt (at
+        most `prefill_batch` tokens) beside the next token of others: the weights are read once for all.
+        Each sequence takes its tokens. Returns, in batch order, the logits of each sequence's last new
+        token [n_vocab] (all_logits: of every new token, [n, n_vocab])."""
+        logits = forward_pass.step(batch, self.weights, self.config, all_logits)
+        if not all_logits:
+            return list(logits)
+        ends = np.cumsum([len(tokens) for _, tokens in batch])
+        return np.split(logits, ends[:-1])
+
+    def prefill(
+        self, tokens: Sequence[int], seq: KVSequence, all_logits: bool = False
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Run tokens after what the sequence holds, one forward pass of at most `prefill_batch` tokens
+        at a time (the one place a long prompt is cut). After each pass yields (tokens done, logits of
+        the pass's last token [n_vocab], or all_logits: of each of its tokens [n, n_vocab]). Stopping
+        between two passes leaves the sequence holding the passes done."""
+        forward_pass.check_room(seq, len(tokens))  # refused before any pass runs
+        for start in range(0, len(tokens), self.prefill_batch):
+            piece = tokens[start : start + self.prefill_batch]
+            yield start + len(piece), self.step([(seq, piece)], all_logits)[0]
+
+    def forward(self, tokens: Sequence[int], seq: KVSequence, all_logits: bool = False) -> np.ndarray:
         """Append tokens to a sequence; logits of the last new token ([1, n_vocab]) or of all of them."""
-        return forward(tokens, self.weights, self.config, seq, all_logits)
+        if len(tokens) == 0:
+            raise ValueError("forward needs at least one token")
+        passes = [logits for _, logits in self.prefill(tokens, seq, all_logits)]
+        return np.concatenate(passes) if all_logits else passes[-1][None]
 
     def verify_draft(self, tokens: list[int], seq: KVSequence) -> np.ndarray:
-        """Logits of each of a few tokens after the sequence, each row as decoding it alone would give;
-        their KV is written, not taken: commit the accepted ones, then truncate (see model.verify_draft)."""
-        return verify_draft(tokens, self.weights, self.config, seq)
+        """Logits [n, n_vocab] of a few tokens after the sequence (its next token and a guessed run after
+        it), each row exactly as decoding that token alone would give (same kernels per row, attention
+        row by row). Their KV is written but not taken: the caller commits the rows it accepts
+        (`seq.commit(tokens[:m])`), then `seq.truncate(seq.n_tokens)` gives back the rest."""
+        return self.verify_rows([(seq, tokens)])[0]
 
-    def verify_rows(self, batch: list[tuple[KVSequence, list[int]]]) -> list[np.ndarray]:
-        """verify_draft for several sequences in as few passes as keep every row as decoded alone."""
-        return verify_rows(batch, self.weights, self.config)
+    def verify_rows(self, batch: list[tuple[KVSequence, Sequence[int]]]) -> list[np.ndarray]:
+        """verify_draft for several sequences at once: logits [n_i, n_vocab] per sequence, each row as
+        decoding its token alone computes it. Passes hold at most kernels.SMALL_BATCH rows, the most the
+        decode kernels take (more would go to BLAS, whose rounding depends on the batch), so what one
+        conversation gets never depends on what else is being decoded."""
+        out: list[np.ndarray] = []
+        group: list[tuple[KVSequence, Sequence[int]]] = []
+
+        def run() -> None:
+            logits = forward_pass.step(
+                group, self.weights, self.config, all_logits=True, commit=False, attention_rows=1
+            )
+            out.extend(np.split(logits, np.cumsum([len(t) for _, t in group])[:-1]))
+            group.clear()
+
+        for seq, tokens in batch:
+            if group and sum(len(t) for _, t in group) + len(tokens) > SMALL_BATCH:
+                run()
+            group.append((seq, tokens))
+        if group:
+            run()
+        return out
 
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
-        """One token for each sequence, in one pass; logits [len(seqs), n_vocab]."""
-        return decode_batch(tokens, self.weights, self.config, seqs)
+        """One new token for each of several sequences (of any lengths, related or not), in one pass:
+        one [n, d] @ W per weight, not n. Logits [len(seqs), n_vocab]; up to kernels.SMALL_BATCH
+        sequences, each row has the bits decoding its sequence alone would give (see model.step)."""
+        batch = [(s, [t]) for s, t in zip(seqs, tokens, strict=True)]
+        return forward_pass.step(batch, self.weights, self.config)
 
     def context_shift(self, seq: KVSequence, keep: int, drop: int) -> None:
         """Drop `drop` tokens after the first `keep`, re-rotating the keys of the rest (no recompute)."""
-        context_shift(seq, keep, drop, self.weights, self.config)
+        forward_pass.context_shift(seq, keep, drop, self.weights, self.config)
 
     def logits(self, ids) -> np.ndarray:
         """Teacher forcing from a fresh sequence: logits [len(ids), n_vocab], float32."""
@@ -93,10 +151,14 @@ def load_model(
     cache_ram_mb: float = DEFAULT_CACHE_RAM_MB,
     block_size: int = DEFAULT_BLOCK_SIZE,
     prompt_lookup: bool = True,
+    prefill_batch: int = DEFAULT_PREFILL_BATCH,
+    source: BlockSource | None = None,
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
     `cache_ram_mb` bounds the KV block pool; `block_size` is the tokens per KV block; `prompt_lookup`
-    is whether replies guess runs of tokens from the conversation (the text is the same either way)."""
+    is whether replies guess runs of tokens from the conversation (the text is the same either way);
+    `prefill_batch` is the tokens of a prompt per forward pass; `source` is where the pool looks for
+    KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source)."""
     path = resolve_model(name_or_path, progress)
-    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup)
+    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source)

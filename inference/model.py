@@ -4,21 +4,61 @@
 Shapes in comments: T new tokens, S cached positions, d = n_embd, hd = head_dim.
 Architecture differences (QKV bias, q/k norms, post-norms, sliding windows, GELU vs SiLU,
 embedding scale, soft-capping) are switches in `Config`, read from the GGUF metadata.
+The weights come as `Weights` (built once at load by weights.py), the KV as `KVSequence`s whose
+memory layout is kv_cache.py's business. One call of `step` is one forward pass: cutting a long
+prompt into passes is the caller's (llm.Model.prefill).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from . import kernels
+from .config import Config
 from .errors import ContextFullError
-from .kv_cache import KVSequence
-from .weights import Config
+from .kv_cache import KVSequence, KVViews
+
+if TYPE_CHECKING:
+    from .quants import PackedMatrix
 
 F32 = np.float32
-PREFILL_BATCH = 512  # tokens per forward chunk: bounds the [T, S] attention scores in memory
+
+
+class Embeddings(Protocol):
+    def rows(self, ids: np.ndarray) -> np.ndarray: ...  # float32 [len(ids), d]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One transformer block's weights as the kernels read them; the optional ones are None where the
+    architecture has none."""
+
+    attn_norm: np.ndarray  # [d]
+    attn_qkv: PackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
+    attn_output: PackedMatrix  # [d, q_dim]
+    ffn_norm: np.ndarray  # [d]
+    ffn_gate_up: PackedMatrix  # gate and up fused: [2·n_ff, d]
+    ffn_down: PackedMatrix  # [d, n_ff]
+    attn_qkv_bias: np.ndarray | None = None  # [q_dim + 2·kv_dim] (qwen2)
+    attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3)
+    attn_k_norm: np.ndarray | None = None  # [hd]
+    post_attention_norm: np.ndarray | None = None  # [d] (gemma3)
+    post_ffw_norm: np.ndarray | None = None  # [d]
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Everything the forward pass reads of a model's tensors."""
+
+    token_embd: Embeddings
+    output_norm: np.ndarray  # [d]
+    output: PackedMatrix  # [n_vocab, d]
+    layers: tuple[LayerWeights, ...]
+    rope_freqs: np.ndarray | None = None  # [hd/2] per-frequency factors (llama 3)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -121,12 +161,12 @@ def silu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, e, out=e)
 
 
-def feed_forward(x: np.ndarray, w: dict, p: str, cfg: Config) -> np.ndarray:
-    gate_up = linear(x, w[p + "ffn_gate_up"])  # [T, 2·n_ff]
+def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: Config) -> np.ndarray:
+    gate_up = linear(x, lw.ffn_gate_up)  # [T, 2·n_ff]
     gate, up = gate_up[:, : cfg.n_ff], gate_up[:, cfg.n_ff :]
     act = gelu_tanh(gate) if cfg.ffn_act == "gelu" else silu(gate)
     act *= up
-    return linear(act, w[p + "ffn_down"])  # [T, d]
+    return linear(act, lw.ffn_down)  # [T, d]
 
 
 class Segment:
@@ -136,23 +176,23 @@ class Segment:
         self.seq, self.rows, self.tokens = seq, rows, tokens
         self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)
         self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
-        self.where = seq.reserve(len(tokens))  # arena positions of the new tokens
+        self.where = seq.reserve(len(tokens))  # where the new tokens' KV goes (for seq.write)
         self._views: dict[tuple[int, int, int], tuple] = {}
 
-    def view(self, window: int, lo: int, hi: int) -> tuple[list[tuple[int, int]], np.ndarray | None]:
-        """What rows lo..hi-1 attend to: runs of the arena (start, length), from the first key any of
-        them sees to the last row's own, and their mask (made once per window)."""
+    def view(self, window: int, lo: int, hi: int) -> tuple[KVViews, np.ndarray | None]:
+        """What rows lo..hi-1 attend to: the cached positions from the first key any of them sees to the
+        last row's own, and their mask (made once per window, read by every layer)."""
         if (window, lo, hi) not in self._views:
             positions = self.positions[lo:hi]
             first = max(int(positions[0]) - window + 1, 0) if window else 0
             end = int(positions[-1]) + 1
-            runs = [(a, n) for a, n, _ in self.seq.runs(first, end)]
+            views = self.seq.views(first, end)
             dist = positions[:, None] - np.arange(first, end)[None, :]  # [rows, S]
             hidden = dist < 0
             if window:
                 hidden |= dist >= window
             mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
-            self._views[window, lo, hi] = (runs, mask)
+            self._views[window, lo, hi] = (views, mask)
         return self._views[window, lo, hi]
 
 
@@ -163,23 +203,20 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) ->
     """One sequence's attention over its cached blocks, read as slices of the arena. q holds the
     segment's last rows (all of them, or only the last one). A long prefill goes in groups of rows:
     causal attention lets the early rows skip the later keys, a quarter to a third of the work."""
-    pool = seg.seq.pool
     scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
     T, rows = len(seg.tokens), q.shape[1]
     out = []
     for lo in range(T - rows, T, seg.attention_rows):
         hi = min(lo + seg.attention_rows, T)
-        runs, mask = seg.view(window, lo, hi)
-        parts = [(pool.k[layer, :, a : a + n], pool.v[layer, :, a : a + n]) for a, n in runs]
-        out.append(
-            attention(q[:, lo - (T - rows) : hi - (T - rows)], parts, mask, scale, cfg.attn_logit_softcap)
-        )
+        views, mask = seg.view(window, lo, hi)
+        q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
+        out.append(attention(q_rows, views.layer(layer), mask, scale, cfg.attn_logit_softcap))
     return _join(out, axis=0)
 
 
 def self_attention(
     x: np.ndarray,
-    w: dict,
+    w: Weights,
     layer: int,
     cfg: Config,
     segments: list[Segment],
@@ -187,22 +224,22 @@ def self_attention(
     last_only: bool,
 ):
     """Writes every row's K and V; returns the attention output of every row, or of each segment's last."""
-    p = f"blk.{layer}."
+    lw = w.layers[layer]
     T = x.shape[0]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    qkv = linear(x, w[p + "attn_qkv"])  # [T, q_dim + 2·kv_dim]
-    if p + "attn_qkv_bias" in w:
-        qkv += w[p + "attn_qkv_bias"]
+    qkv = linear(x, lw.attn_qkv)  # [T, q_dim + 2·kv_dim]
+    if lw.attn_qkv_bias is not None:
+        qkv += lw.attn_qkv_bias
     q = qkv[:, :q_dim].reshape(T, cfg.n_head, cfg.head_dim).transpose(1, 0, 2)  # [n_head, T, hd]
     k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
     v = qkv[:, q_dim + kv_dim :].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
     if cfg.qk_norm:
-        q = rms_norm(q, w[p + "attn_q_norm"], cfg.norm_eps)
-        k = rms_norm(k, w[p + "attn_k_norm"], cfg.norm_eps)
+        q = rms_norm(q, lw.attn_q_norm, cfg.norm_eps)
+        k = rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
     sliding = cfg.is_sliding(layer)
     base = cfg.rope_base_swa if sliding else cfg.rope_base
-    q = rope(q, positions, base, cfg.rope_neox, w.get("rope_freqs"))
-    k = rope(k, positions, base, cfg.rope_neox, w.get("rope_freqs"))
+    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs)
+    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs)
     window = cfg.sliding_window if sliding else 0
     out = np.empty((len(segments) if last_only else T, q_dim), dtype=F32)
     for i, seg in enumerate(segments):
@@ -211,12 +248,12 @@ def self_attention(
             out[i] = attend(q[:, seg.rows.stop - 1 : seg.rows.stop], seg, layer, cfg, window)
         else:
             out[seg.rows] = attend(q[:, seg.rows], seg, layer, cfg, window)
-    return linear(out, w[p + "attn_output"])  # [T, d]
+    return linear(out, lw.attn_output)  # [T, d]
 
 
 def transformer_block(
     x: np.ndarray,
-    w: dict,
+    w: Weights,
     layer: int,
     cfg: Config,
     segments: list[Segment],
@@ -225,32 +262,30 @@ def transformer_block(
 ):
     """last_only: go on with each segment's last row only (llama.cpp's skipping of unused outputs in the
     last layer: nothing reads the other rows there but their K and V)."""
-    p = f"blk.{layer}."
-    h = self_attention(
-        rms_norm(x, w[p + "attn_norm"], cfg.norm_eps), w, layer, cfg, segments, positions, last_only
-    )
+    lw = w.layers[layer]
+    h = self_attention(rms_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_only)
     if last_only:
         x = x[[seg.rows.stop - 1 for seg in segments]]
     if cfg.post_norms:
-        h = rms_norm(h, w[p + "post_attention_norm"], cfg.norm_eps)
+        h = rms_norm(h, lw.post_attention_norm, cfg.norm_eps)
     x = x + h
-    h = feed_forward(rms_norm(x, w[p + "ffn_norm"], cfg.norm_eps), w, p, cfg)
+    h = feed_forward(rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw, cfg)
     if cfg.post_norms:
-        h = rms_norm(h, w[p + "post_ffw_norm"], cfg.norm_eps)
+        h = rms_norm(h, lw.post_ffw_norm, cfg.norm_eps)
     return x + h
 
 
-def output_logits(x: np.ndarray, w: dict, cfg: Config) -> np.ndarray:
-    x = rms_norm(x, w["output_norm"], cfg.norm_eps)
-    logits = linear(x, w["output"])  # [n, n_vocab]
+def output_logits(x: np.ndarray, w: Weights, cfg: Config) -> np.ndarray:
+    x = rms_norm(x, w.output_norm, cfg.norm_eps)
+    logits = linear(x, w.output)  # [n, n_vocab]
     if cfg.final_logit_softcap:
         logits = np.tanh(logits / F32(cfg.final_logit_softcap)) * F32(cfg.final_logit_softcap)
     return logits
 
 
 def run_step(
-    batch: list[tuple[KVSequence, np.ndarray]],
-    w: dict,
+    batch: list[tuple[KVSequence, np.ndarray]],  # token ids as int64 arrays
+    w: Weights,
     cfg: Config,
     last_only: bool,
     commit: bool = True,
@@ -265,7 +300,7 @@ def run_step(
         row += len(tokens)
     tokens = np.concatenate([t for _, t in batch])
     positions = np.concatenate([s.positions for s in segments])
-    x = w["token_embd"].rows(tokens)  # [T, d]
+    x = w.token_embd.rows(tokens)  # [T, d]
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)
     for layer in range(cfg.n_layer):
@@ -276,97 +311,42 @@ def run_step(
     return x
 
 
-def _check_room(seq: KVSequence, n_new: int) -> None:
+def check_room(seq: KVSequence, n_new: int) -> None:
     if seq.n_tokens + n_new > seq.n_ctx:
         raise ContextFullError(
             f"{seq.n_tokens + n_new:,} tokens do not fit in the context window of {seq.n_ctx:,} (raise --ctx)"
         )
 
 
-def forward(tokens, w: dict, cfg: Config, seq: KVSequence, all_logits: bool = False) -> np.ndarray:
-    """Run new tokens after what the sequence holds; return logits [n, n_vocab] (all rows, or the last)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    if len(tokens) == 0:
-        raise ValueError("forward needs at least one token")
-    _check_room(seq, len(tokens))
-    outputs = []
-    for start in range(0, len(tokens), PREFILL_BATCH):
-        x = run_step([(seq, tokens[start : start + PREFILL_BATCH])], w, cfg, last_only=not all_logits)
-        if all_logits:
-            outputs.append(output_logits(x, w, cfg))
-        elif start + PREFILL_BATCH >= len(tokens):
-            outputs.append(output_logits(x, w, cfg))  # logits only where they are needed
-    return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
-
-
-def verify_draft(tokens, w: dict, cfg: Config, seq: KVSequence) -> np.ndarray:
-    """Logits [n, n_vocab] of a few tokens after the sequence (its next token and a guessed run after
-    it), each row computed exactly as decoding that token alone would: same kernels per row, attention
-    row by row. Their KV is written but not taken: the caller commits the rows it accepts
-    (`seq.commit(tokens[:m])`), then `seq.truncate(seq.n_tokens)` gives back the rest."""
-    return verify_rows([(seq, tokens)], w, cfg)[0]
-
-
-def verify_rows(batch: list[tuple[KVSequence, list[int]]], w: dict, cfg: Config) -> list[np.ndarray]:
-    """verify_draft for several sequences at once: logits [n_i, n_vocab] per sequence, each row as
-    decoding its token alone computes it. Passes hold at most kernels.SMALL_BATCH rows, the most the
-    decode kernels take (more would go to BLAS, whose rounding depends on the batch), so what one
-    conversation gets never depends on what else is being decoded."""
+def step(
+    batch: list[tuple[KVSequence, np.ndarray]],
+    w: Weights,
+    cfg: Config,
+    all_logits: bool = False,
+    commit: bool = True,
+    attention_rows: int = ATTENTION_ROWS,
+) -> np.ndarray:
+    """One forward pass over new tokens of one or more sequences (a prompt's batch, one token of each of
+    several replies, or both): logits of every row [T, n_vocab], or of each sequence's last row
+    [n_seqs, n_vocab]. A row gets the same bits whatever else is in the step as long as the step has at
+    most kernels.SMALL_BATCH rows (more go to BLAS, equal within float32 rounding) and its sequence's KV
+    lies in the same slots (attention sums the history piece by piece as it lies in the arena)."""
+    batch = [(seq, np.asarray(tokens, dtype=np.int64)) for seq, tokens in batch]
     for seq, tokens in batch:
-        _check_room(seq, len(tokens))
-    out: list[np.ndarray] = []
-    group: list[tuple[KVSequence, np.ndarray]] = []
-
-    def run() -> None:
-        x = run_step(group, w, cfg, last_only=False, commit=False, attention_rows=1)
-        logits, row = output_logits(x, w, cfg), 0
-        for _, tokens in group:
-            out.append(logits[row : row + len(tokens)])
-            row += len(tokens)
-        group.clear()
-
-    for seq, tokens in batch:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if group and sum(len(t) for _, t in group) + len(tokens) > kernels.SMALL_BATCH:
-            run()
-        group.append((seq, tokens))
-    if group:
-        run()
-    return out
+        if len(tokens) == 0:
+            raise ValueError("a forward step needs at least one token per sequence")
+        check_room(seq, len(tokens))
+    x = run_step(batch, w, cfg, last_only=not all_logits, commit=commit, attention_rows=attention_rows)
+    return output_logits(x, w, cfg)
 
 
-def decode_batch(tokens: list[int], w: dict, cfg: Config, seqs: list[KVSequence]) -> np.ndarray:
-    """One new token for each of several sequences in one pass: one [n, d] @ W per weight, not n."""
-    x = run_step(
-        [(s, np.array([t], dtype=np.int64)) for s, t in zip(seqs, tokens, strict=True)], w, cfg, True
-    )
-    return output_logits(x, w, cfg)  # [n, n_vocab]
-
-
-def context_shift(seq: KVSequence, keep: int, drop: int, w: dict, cfg: Config) -> None:
+def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: Config) -> None:
     """Forget positions keep..keep+drop-1 and move the later ones back by `drop`, re-rotating their keys
     (RoPE is a rotation: one more rotation by -drop) instead of recomputing them, as llama.cpp's
-    seq_rm + seq_add do. The moved KV still saw the dropped tokens in deeper layers, so the sequence is
-    marked private and its blocks are never shared under a prefix key."""
-    pool = seq.pool
-    n = seq.n_tokens
-    if not (0 <= keep and drop > 0 and keep + drop <= n):
-        raise ValueError(f"cannot drop {drop} tokens after {keep} of {n}")
-    moved_tokens = seq.tokens[keep + drop :]
-    moved = (
-        np.concatenate([np.arange(a, a + m) for a, m, _ in seq.runs(keep + drop, n)]) if moved_tokens else []
-    )
-    k_moved = pool.k[:, :, moved].copy() if len(moved) else None  # [layer, kv_head, m, hd]
-    v_moved = pool.v[:, :, moved].copy() if len(moved) else None
-    seq.truncate(keep)
-    seq.private = True
-    if not moved_tokens:
-        return
-    new_positions = np.full(len(moved_tokens), -drop)
-    for layer in range(cfg.n_layer):
+    seq_rm + seq_add do (see KVSequence.shift)."""
+
+    def rerotate(layer: int, k: np.ndarray) -> np.ndarray:  # k [kv_head, m, hd]
         base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
-        k_moved[layer] = rope(k_moved[layer], new_positions, base, cfg.rope_neox, w.get("rope_freqs"))
-    where = seq.reserve(len(moved_tokens))
-    for layer in range(cfg.n_layer):
-        seq.write(layer, where, k_moved[layer], v_moved[layer])
-    seq.commit(moved_tokens)
+        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs)
+
+    seq.shift(keep, drop, rerotate)

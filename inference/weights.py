@@ -22,46 +22,15 @@ import numpy as np
 
 from . import kernels, quants
 from .catalog import cache_dir
+from .config import Config
 from .errors import ModelError
 from .gguf_file import open_gguf, read_metadata, read_tensors
+from .model import LayerWeights, Weights
 
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 Progress = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True)
-class Config:
-    """Hyperparameters, with architecture differences as data."""
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
-    norm_eps: float
-    rope_base: float
-    rope_neox: bool  # rotate split halves (qwen2/qwen3/gemma3) rather than adjacent pairs (llama)
-    rope_base_swa: float = 0.0  # RoPE base of the sliding-window layers (gemma3)
-    sliding_window: int = 0  # 0: every layer attends to the whole context
-    swa_pattern: int = 0  # gemma3: in every run of this many layers, all but the last use the window
-    qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3, gemma3)
-    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual (gemma3)
-    embed_scale: float = 1.0  # gemma3 multiplies embeddings by sqrt(n_embd)
-    ffn_act: str = "silu"  # "silu" (SwiGLU) or "gelu" (GELU-tanh gated, gemma)
-    attn_scale: float = 0.0  # scale of q·k; 0 means 1/sqrt(head_dim)
-    final_logit_softcap: float = 0.0
-    attn_logit_softcap: float = 0.0
-
-    def is_sliding(self, layer: int) -> bool:
-        return self.sliding_window > 0 and (
-            self.swa_pattern == 0 or layer % self.swa_pattern < self.swa_pattern - 1
-        )
 
 
 @dataclass(frozen=True)
@@ -83,7 +52,7 @@ class Prepared:
     config: Config
     tensor_types: dict[str, list]  # name → [type name, shape] of the GGUF's tensors (for the fingerprint)
     tensors: dict[str, TensorEntry] = field(repr=False)
-    weights: dict = field(default_factory=dict, repr=False)  # filled by load_weights
+    weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
 
     @property
     def fingerprint(self) -> str:
@@ -224,7 +193,7 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
     return Prepared(path, meta, cfg, tensor_types, entries)
 
 
-def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
+def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
     """Read the weights from the GGUF and pack them for the kernels: matrices stay in their integer
     formats (int8 values with their scales), small tensors (norms, biases) become float32, the
     embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
@@ -272,50 +241,55 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> dict:
             )
 
         total = cfg.n_layer + 1
-        weights: dict = {"output_norm": vector("output_norm.weight", (cfg.n_embd,))}
+        output_norm = vector("output_norm.weight", (cfg.n_embd,))
         emb_shape = (cfg.n_vocab, cfg.n_embd)
         emb = need("token_embd.weight", emb_shape)
         if "output.weight" in info.tensors:
-            weights["output"] = matrix("output.weight", shapes=[emb_shape])
+            output = matrix("output.weight", shapes=[emb_shape])
             row_bytes = emb.nbytes // cfg.n_vocab
             table = np.memmap(
                 path, dtype=np.uint8, mode="r", offset=emb.offset, shape=(cfg.n_vocab, row_bytes)
             )
             qtype("token_embd.weight", emb)
-            weights["token_embd"] = TokenEmbeddings(table, emb.type_name)
+            token_embd = TokenEmbeddings(table, emb.type_name)
         else:  # tied: the output matrix is the embedding table
-            weights["output"] = matrix("token_embd.weight", shapes=[emb_shape])
-            weights["token_embd"] = TokenEmbeddings(None, tied=weights["output"])
+            output = matrix("token_embd.weight", shapes=[emb_shape])
+            token_embd = TokenEmbeddings(None, tied=output)
+        rope_freqs = None
         if "rope_freqs.weight" in info.tensors:
-            weights["rope_freqs"] = vector("rope_freqs.weight", (cfg.head_dim // 2,))
+            rope_freqs = vector("rope_freqs.weight", (cfg.head_dim // 2,))
         if progress:
             progress(f"loading {path.name}", 1, total)
+        layers = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             shapes = expected_shapes(cfg, i)
-            weights[p + "attn_qkv"] = matrix(
-                *(p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
-                shapes=[shapes[p + n] for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")],
-            )
-            weights[p + "ffn_gate_up"] = matrix(
-                p + "ffn_gate.weight",
-                p + "ffn_up.weight",
-                shapes=[shapes[p + "ffn_gate.weight"], shapes[p + "ffn_up.weight"]],
-            )
+            layer = {
+                "attn_qkv": matrix(
+                    *(p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
+                    shapes=[shapes[p + n] for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")],
+                ),
+                "ffn_gate_up": matrix(
+                    p + "ffn_gate.weight",
+                    p + "ffn_up.weight",
+                    shapes=[shapes[p + "ffn_gate.weight"], shapes[p + "ffn_up.weight"]],
+                ),
+            }
             for n in ("attn_output", "ffn_down"):
-                weights[p + n] = matrix(p + n + ".weight", shapes=[shapes[p + n + ".weight"]])
+                layer[n] = matrix(p + n + ".weight", shapes=[shapes[p + n + ".weight"]])
             for name, shape in shapes.items():
-                if len(shape) == 1:
-                    weights[p + name[len(p) :].removesuffix(".weight")] = vector(name, shape)
+                if len(shape) == 1:  # the norms: attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...
+                    layer[name[len(p) :].removesuffix(".weight")] = vector(name, shape)
             biases = [p + b for b in OPTIONAL_BIASES]
             if any(b in info.tensors for b in biases):
                 q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-                weights[p + "attn_qkv_bias"] = np.concatenate(
+                layer["attn_qkv_bias"] = np.concatenate(
                     [vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
                 )
+            layers.append(LayerWeights(**layer))
             if progress:
                 progress(f"loading {path.name}", i + 2, total)
-    return weights
+    return Weights(token_embd, output_norm, output, tuple(layers), rope_freqs)
 
 
 def _prepared_dir(path: Path) -> Path:

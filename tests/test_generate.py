@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import threading
 
 import pytest
@@ -59,8 +58,8 @@ def test_cancel_from_another_thread_stops_within_one_token(qwen2):
     assert len(rest) <= 2  # at most the token in flight and what the decoder still held
 
 
-def test_cancel_during_a_long_prefill_stops_between_batches(qwen2, monkeypatch):
-    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
+def test_cancel_during_a_long_prefill_stops_between_batches(qwen2):
+    qwen2.prefill_batch = 8
     ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello the world and the sun " * 4}])
     cancel = threading.Event()
     seq = qwen2.new_sequence(256)
@@ -103,19 +102,19 @@ def test_a_cache_holding_an_earlier_turn_prefills_only_the_rest(qwen2):
     assert second == fresh
 
 
-def test_a_long_prompt_reports_its_prefill_batch_by_batch(qwen2, monkeypatch):
-    monkeypatch.setattr(sys.modules["llama_chat.inference.model"], "PREFILL_BATCH", 8)
-    ids = chat_prompt_ids(qwen2, [{"role": "user", "content": "hello the world and the sun " * 4}])
+def test_a_long_prompt_reports_its_prefill_batch_by_batch(qwen2, tiny_model_paths):
+    small = load_model(tiny_model_paths["qwen2"], prefill_batch=8)
+    ids = chat_prompt_ids(small, [{"role": "user", "content": "hello the world and the sun " * 4}])
     seen = []
     text, stats = reply(
-        qwen2, ids, sampling=GREEDY, max_tokens=4, on_prefill=lambda d, t: seen.append((d, t))
+        small, ids, sampling=GREEDY, max_tokens=4, on_prefill=lambda d, t: seen.append((d, t))
     )
     assert len(ids) > 24 and stats.prefilled_tokens == len(ids)
     assert [t for _, t in seen] == [len(ids)] * -(-len(ids) // 8)  # one report per batch
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == len(ids)
     assert text == reply(qwen2, ids, sampling=GREEDY, max_tokens=4)[0]  # batching changes nothing
     seen.clear()
-    reply(qwen2, ids[:6], sampling=GREEDY, max_tokens=2, on_prefill=lambda d, t: seen.append((d, t)))
+    reply(small, ids[:6], sampling=GREEDY, max_tokens=2, on_prefill=lambda d, t: seen.append((d, t)))
     assert seen == []  # a prompt of one batch has nothing to report
 
 

@@ -180,3 +180,99 @@ def test_alternatives_are_generated_together_and_match_single_runs(model):
         )
         assert alt.stats.token_ids == single.token_ids and alt.text == text
         alt.seq.free()
+
+
+def decoded_alone(model, seqs, tokens):
+    """Logits of each sequence's next token decoded on its own; the sequences are left as they were, in
+    the same slots (none of the tokens fills a block), so that a step of all of them reads their KV in
+    the same pieces: how the history is cut into pieces changes the float32 sums of attention."""
+    rows = []
+    for seq, t in zip(seqs, tokens, strict=True):
+        rows.append(model.forward([t], seq)[0])
+        seq.truncate(seq.n_tokens - 1)
+    return rows
+
+
+def test_unrelated_sequences_decoded_together_get_the_bits_each_gets_alone(model):
+    """The scheduler decodes every active conversation in one pass: two sequences of different lengths
+    (one across gemma3's window of 8) and different tokens, each row as decoding it alone gives."""
+    a, b = model.new_sequence(64), model.new_sequence(64)
+    model.forward(ids_of(model, 3, seed=1), a)
+    model.forward(ids_of(model, 2 * B + 2, seed=2), b)
+    for tokens in [(7, 19), (23, 4), (8, 9)]:
+        alone = decoded_alone(model, [a, b], tokens)
+        together = model.decode_batch(list(tokens), [a, b])
+        assert np.array_equal(together[0], alone[0]) and np.array_equal(together[1], alone[1])
+    assert a.tokens[3:] == [7, 23, 8] and b.tokens[2 * B + 2 :] == [19, 4, 9]
+
+
+@pytest.mark.parametrize("piece", [5, 3 * B + 2], ids=["small step", "large step"])
+def test_a_prompt_pass_and_other_replies_tokens_share_one_step(model, piece):
+    """One step may hold a pass of one prompt beside the next token of other replies: each sequence
+    gets what running it alone gives (the same bits while a step has at most 8 rows, the kernels'
+    promise; a larger step goes to BLAS, equal within float32 rounding)."""
+    prompt = ids_of(model, piece, seed=3)
+    first, second = model.new_sequence(64), model.new_sequence(64)
+    model.forward(ids_of(model, 9, seed=4), first)
+    model.forward(ids_of(model, 2 * B + 3, seed=5), second)
+    alone_prompt = model.forward(prompt, model.new_sequence(64))[0]
+    expected = [alone_prompt, *decoded_alone(model, [first, second], [11, 12])]
+    fresh = model.new_sequence(64)
+    rows = model.step([(fresh, prompt), (first, [11]), (second, [12])])
+    assert fresh.tokens == prompt and first.tokens[-1] == 11 and second.tokens[-1] == 12
+    for got, want in zip(rows, expected, strict=True):
+        assert got.shape == want.shape == (model.config.n_vocab,)
+        if piece + 2 <= 8:
+            assert np.array_equal(got, want)
+        else:
+            assert np.abs(got - want).max() <= 1e-4
+
+
+def test_a_prompt_is_prefilled_one_pass_at_a_time_and_can_stop_between_two(tiny_model_paths):
+    model = load_model(tiny_model_paths["qwen2"], block_size=B, prefill_batch=8)
+    prompt = ids_of(model, 21)
+    seq = model.new_sequence(64)
+    passes = model.prefill(prompt, seq)
+    assert next(passes)[0] == 8 and seq.n_tokens == 8  # one pass, then it waits
+    passes.close()  # stopped: the sequence keeps the pass done
+    done = [d for d, _ in model.prefill(prompt[8:], seq)]
+    assert done == [8, 13] and seq.tokens == prompt
+    whole = load_model(tiny_model_paths["qwen2"], block_size=B)  # one pass of the default 512
+    assert np.abs(model.forward([5], seq) - whole.logits(prompt + [5])[-1:]).max() <= 1e-4
+
+
+class StoredBlocks:
+    """A block source holding the full blocks of other sequences (as the conversation store does)."""
+
+    def __init__(self):
+        self.blocks: dict = {}
+        self.asked = 0
+
+    def keep(self, seq):
+        for block in seq.blocks[: seq.n_tokens // seq.pool.block_size]:
+            self.blocks[block.key] = (block.tokens, *(a.copy() for a in seq.pool.block_kv(block)))
+
+    def fetch(self, key, tokens, namespace):
+        self.asked += 1
+        found = self.blocks.get(key)
+        return found[1:] if found is not None and found[0] == tokens else None
+
+
+def test_a_pool_reads_missing_blocks_from_its_source_and_takes_only_one(tiny_model_paths):
+    path = tiny_model_paths["qwen2"]
+    source = StoredBlocks()
+    first = load_model(path, block_size=B)
+    prompt = ids_of(first, 3 * B + 2)
+    seq = first.new_sequence(64)
+    first.forward(prompt, seq)
+    source.keep(seq)
+    later = load_model(path, block_size=B, source=source)  # another process, its RAM empty
+    resumed = later.new_sequence(64)
+    assert resumed.reuse_prefix(prompt) == 3 * B and source.asked == 3
+    assert np.abs(later.forward(prompt[3 * B :], resumed) - first.logits(prompt)[-1:]).max() <= 1e-4
+    with pytest.raises(RuntimeError, match="already reads from another block source"):
+        later.pool.attach_source(StoredBlocks())
+    with pytest.raises(AttributeError):
+        later.pool.source = StoredBlocks()
+    first.pool.attach_source(source)  # a pool built without one takes one, once
+    assert first.pool.source is source

@@ -32,7 +32,8 @@ def test_prefill_then_decode_equals_one_long_prefill(tiny_model_path):
     steps.append(model.forward(ids[7:12], cache, all_logits=True))
     steps += [model.forward([t], cache) for t in ids[12:]]
     stepwise = np.concatenate(steps)
-    assert cache.pool.k.dtype == np.float32 and cache.pool.v.dtype == np.float32
+    k, v = cache.gather(0, cache.n_tokens)
+    assert k.dtype == np.float32 and v.dtype == np.float32
     assert stepwise.dtype == np.float32
     assert np.abs(stepwise - full).max() <= 1e-4
 

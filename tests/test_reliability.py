@@ -80,8 +80,7 @@ def digest(*paths: Path) -> list[str | None]:
 # reply is being read or written; the prefill batch made small, so that a short prompt has several.
 CHILD = """
 import sys, time
-from llama_chat.inference import llm, model as forward_pass
-forward_pass.PREFILL_BATCH = int(sys.argv[1])
+from llama_chat.inference import llm
 slow = float(sys.argv[2])
 def slowed(real):
     def run(self, *args, **kwargs):
@@ -89,8 +88,14 @@ def slowed(real):
         time.sleep(slow)
         return real(self, *args, **kwargs)
     return run
-llm.Model.forward = slowed(llm.Model.forward)  # prefill
-llm.Model.verify_draft = slowed(llm.Model.verify_draft)  # decode
+def small_batches(real):
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.prefill_batch = int(sys.argv[1])
+    return init
+llm.Model.__init__ = small_batches(llm.Model.__init__)
+llm.Model.step = slowed(llm.Model.step)  # each forward pass of a prompt
+llm.Model.verify_rows = slowed(llm.Model.verify_rows)  # decode (every reply, every pass)
 from llama_chat.app.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -284,7 +289,7 @@ def test_a_signal_during_a_reply_stores_what_was_shown_and_exits_as_shells_expec
 def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
     db = tmp_path / "chat.db"
     session_id = a_database(qwen2, db)
-    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "200"]
+    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "40"]  # 4 s a reply
     child = Child(cli_args(db, qwen2, *chat_cli), slow=0.1)
     child.proc.stdin.write(b"hello the world\n")
     child.proc.stdin.flush()

@@ -33,9 +33,7 @@ from llama_chat.storage.store import ChatStore, Message, Session
 
 from .jobs import Event, Job, stream_text
 from .scheduler import Scheduler
-
-DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
-DEFAULT_CTX = 4096
+from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
 
 
 @dataclass
@@ -118,8 +116,8 @@ class ChatEngine:
         self,
         model: Model,
         store: ChatStore,
-        codec: str = DEFAULT_CODEC,
-        n_ctx: int = DEFAULT_CTX,
+        codec: str = CODEC,
+        n_ctx: int = N_CTX,
         scheduler: Scheduler | None = None,
         remote: RemoteTier | None = None,
     ):
@@ -130,7 +128,7 @@ class ChatEngine:
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.scheduler = scheduler or Scheduler(model)
         self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
-        model.pool.source = self.kv.fetch
+        model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
     # -- sessions --------------------------------------------------------------------------------
@@ -208,10 +206,8 @@ class ChatEngine:
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def sampling(self, session: Session, **overrides) -> SamplingParams:
-        fields = {**session.sampling, **{k: v for k, v in overrides.items() if v is not None}}
-        known = SamplingParams.__dataclass_fields__
-        return SamplingParams(**{k: v for k, v in fields.items() if k in known})
+    def sampling(self, session: Session) -> SamplingParams:
+        return sampling_params(session.sampling)
 
     def submit_reply(
         self,
@@ -219,7 +215,7 @@ class ChatEngine:
         user_text: str | None,
         *,
         sampling: SamplingParams | None = None,
-        max_tokens: int = 512,
+        max_tokens: int = MAX_TOKENS,
         stop: Sequence[str] = (),
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
@@ -402,7 +398,7 @@ class ChatEngine:
         n: int = 1,
         *,
         sampling: SamplingParams | None = None,
-        max_tokens: int = 512,
+        max_tokens: int = MAX_TOKENS,
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> Job:

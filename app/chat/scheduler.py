@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from llama_chat.inference import Model
@@ -38,6 +39,7 @@ class _Run:
     prompt: list[int]
     seq: object
     todo: list[int]
+    passes: Iterator | None = None  # model.prefill over todo, a pass per step
     done: int = 0
     logits: object = None
     streams: list[ReplyStream] = field(default_factory=list)
@@ -142,22 +144,22 @@ class Scheduler:
         another job computed since this one was admitted (clients sending the same system prompt at
         once) are taken first, not computed again."""
         job, stats = run.job, run.job.stats[0]
-        batch = self.model.prefill_batch
         if run.done and job.cancelled:  # the sequence keeps the batches done, for the next turn
             return self._start(run)
         held = run.seq.n_tokens
         if run.seq.reuse_prefix(run.prompt[:-1]) > held:
-            run.todo, run.done = run.prompt[run.seq.n_tokens :], 0
-        chunk = run.todo[run.done : run.done + batch]
+            run.todo, run.done, run.passes = run.prompt[run.seq.n_tokens :], 0, None
         t0 = time.perf_counter()
         try:
-            run.logits = self.model.forward(chunk, run.seq)[-1]
+            if run.passes is None:
+                run.passes = self.model.prefill(run.todo, run.seq)
+            done, run.logits = next(run.passes)
         except Exception as e:  # noqa: BLE001 — e.g. the context window is full
             return self._end(run, State.FAILED, e)
         stats.prefill_s += time.perf_counter() - t0
-        run.done += len(chunk)
-        stats.prefilled_tokens += len(chunk)
-        if len(run.todo) > batch:
+        stats.prefilled_tokens += done - run.done
+        run.done = done
+        if len(run.todo) > self.model.prefill_batch:
             job.emit("prefill", done=run.done, total=len(run.todo))
         if run.done == len(run.todo):
             self._start(run)

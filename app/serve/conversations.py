@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from llama_chat.inference import KVSequence, SamplingParams, chat_prompt_ids
+from llama_chat.inference import KVSequence, chat_prompt_ids
 from llama_chat.storage import Message, Session, StoreError
 
 from ..chat.engine import ChatEngine, reply_stats, session_title
 from ..chat.jobs import Event, Job
+from ..chat.settings import max_tokens as longest
+from ..chat.settings import sampling_params
 
 API_ORIGIN = "api"  # sessions.origin of the conversations this server keeps
 TITLE_CHARS = 48
@@ -89,7 +91,7 @@ class Conversations:
         job = Job(
             prepare,
             n=n,
-            sampling=SamplingParams(**sampling),
+            sampling=sampling_params(sampling),
             max_tokens=engine.n_ctx if max_tokens is None else max_tokens,
             stop=stop,
             finish=finish,
@@ -156,7 +158,8 @@ class Conversations:
         stop: list[str],
         on_event: Callable[[Event], None],
     ) -> Job:
-        """The next turn of a stored session; job.result is a SavedReply (where it was stored). The
+        """The next turn of a stored session, as long as the request or else the session's settings allow;
+        job.result is a SavedReply (where it was stored). The
         session's KV stays in RAM only as cached blocks once it ended, so that no session holds the
         pool: the next turn takes them back (or reads them from the database)."""
         engine = self.engine
@@ -172,8 +175,8 @@ class Conversations:
         return engine.submit_reply(
             session,
             text,
-            sampling=engine.sampling(session, **sampling),
-            max_tokens=engine.n_ctx if max_tokens is None else max_tokens,
+            sampling=sampling_params({**session.sampling, **sampling}),
+            max_tokens=longest(session.sampling, engine.n_ctx) if max_tokens is None else max_tokens,
             stop=stop,
             on_event=on_end,
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from llama_chat.inference import GenerationStats
 
+from ..chat.settings import SAMPLING, SettingError
 from .errors import invalid
 
 MAX_N = 8  # alternatives of one request (each a reply decoded in the same batch)
@@ -43,17 +44,8 @@ NEUTRAL = {
     "reasoning_effort": [],
     "verbosity": [],
 }
-# (name, lowest, highest, integer): sampling fields, OpenAI's and llama.cpp's extensions to them.
-SAMPLING = [
-    ("temperature", 0.0, 2.0, False),
-    ("top_p", 0.0, 1.0, False),
-    ("top_k", 0, 1 << 30, True),
-    ("min_p", 0.0, 1.0, False),
-    ("repeat_penalty", 1e-6, 10.0, False),
-    ("seed", 0, (1 << 63) - 1, True),
-]
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", *(name for name, *_ in SAMPLING)}
+READ |= {"store", "session", *(s.key for s in SAMPLING)}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
 @dataclass
@@ -63,7 +55,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None  # None: as much as the context window leaves
-    sampling: dict = field(default_factory=dict)  # only the fields given: a session keeps its own others
+    sampling: dict = field(default_factory=dict)  # the settings given: a session keeps its own others
     stop: list[str] = field(default_factory=list)
     n: int = 1
     session: str | None = None  # a stored session to append the last user message to
@@ -93,10 +85,7 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
     for name in ("max_tokens", "max_completion_tokens"):
         value = _number(body, name, 1, 1 << 30, integer=True)
         request.max_tokens = value if value is not None else request.max_tokens
-    for name, low, high, integer in SAMPLING:
-        value = _number(body, name, low, high, integer)
-        if value is not None:
-            request.sampling[name] = value
+    request.sampling = _sampling(body)
     request.stop = _stop(body.get("stop"))
     request.n = _number(body, "n", 1, MAX_N, integer=True) or 1
     request.store = _flag(body, "store", True)
@@ -107,6 +96,20 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
         if request.n > 1:
             raise invalid("'n' above 1 cannot be used with a session.", param="n")
     return request
+
+
+def _sampling(body: dict) -> dict:
+    """The sampling settings given, checked as every front end checks them (chat.settings)."""
+    given = {}
+    for setting in SAMPLING:
+        if body.get(setting.key) is not None:
+            try:
+                given[setting.key] = setting.check(body[setting.key])
+            except SettingError as e:
+                raise invalid(f"{e}.", param=setting.key) from None
+    if given.get("seed", 0) < 0:
+        raise invalid(f"seed must be 0 or more, not {given['seed']}.", param="seed")
+    return given
 
 
 def parse_messages(messages) -> list[dict]:

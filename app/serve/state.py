@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model, load_model
-from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.storage import ChatStore
 
-from ..chat.engine import DEFAULT_CTX, ChatEngine
+from ..chat.engine import ChatEngine
 from ..chat.scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
+from ..chat.settings import CACHE_RAM_MB, N_CTX
 from ..progress import ProgressBar
 from .conversations import Conversations
 from .errors import model_not_found, unavailable
@@ -40,8 +41,8 @@ class ServeOptions:
     parallel: int = DEFAULT_PARALLEL
     queue: int = DEFAULT_QUEUE
     api_key: str | None = None
-    ctx: int = DEFAULT_CTX
-    cache_ram_mb: float = DEFAULT_CACHE_RAM_MB
+    ctx: int = N_CTX
+    cache_ram_mb: float = CACHE_RAM_MB
     block_size: int = DEFAULT_BLOCK_SIZE
     prompt_lookup: bool = True
     max_body: int = MAX_BODY
