@@ -8,6 +8,7 @@ caller recomputes it from tokens: the message tree is the truth, the KV only a c
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +29,14 @@ def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
         return decode_kv(data)
     except CorruptBlockError:
         return None
+
+
+@dataclass
+class RemoteRead:
+    """What the remote tier did for one prompt: the rule's choice, and the tokens it read."""
+
+    choice: str = "local"  # "fetch" or "compute"; "local": RAM and SQLite held every full block
+    tokens: int = 0
 
 
 class KVStore:
@@ -99,31 +108,33 @@ class KVStore:
                 self.remote.put(block)  # in the background: a full queue drops, nothing waits
         return new_blocks
 
-    def read_remote(self, missing: Sequence[tuple[bytes, tuple[int, ...]]]) -> int:
+    def read_remote(self, missing: Sequence[tuple[bytes, tuple[int, ...]]]) -> RemoteRead:
         """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite
         lacks too are read from the remote tier in one round trip, when its measured round trips and
         bytes per second beat computing them at the measured prefill speed, and kept in SQLite (the pool
-        then takes them as any stored block). Returns how many tokens were read."""
+        then takes them as any stored block). Says what was chosen and how many tokens were read."""
         if self.remote is None or not missing:
-            return 0
+            return RemoteRead()
         stored = self.store.stored_keys([key for key, _ in missing])
         missing = [(key, tokens) for key, tokens in missing if key not in stored]
+        if not missing:
+            return RemoteRead()
         n_bytes = self.remote.estimated_bytes(len(missing))
         n_tokens = sum(len(tokens) for _, tokens in missing)
         if not self.remote.worth_fetching(len(missing), n_bytes, self.prefill_tok_s.value or 0.0, n_tokens):
-            return 0
+            return RemoteRead("compute")
         found = []
         for block in self.remote.fetch_run(list(missing), self.codec):
             if block is None:
                 break  # the pool stops at the first missing block anyway
             found.append(block)
         if not found:
-            return 0
+            return RemoteRead("fetch")
         try:
             self.store.add_blocks(self.fingerprint, found)
         except StoreError:
-            return 0  # a store that cannot take them now: they are computed instead
-        return sum(block.n_tokens for block in found)
+            return RemoteRead("fetch")  # a store that cannot take them now: they are computed instead
+        return RemoteRead("fetch", sum(block.n_tokens for block in found))
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
         return self.store.load_block(key, self.fingerprint, namespace)

@@ -27,7 +27,7 @@ from llama_chat.inference import (
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.kv_cache import prefix_key
 from llama_chat.storage.db import StoreError
-from llama_chat.storage.kv_store import KVStore
+from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session
 
@@ -66,6 +66,7 @@ class ResumeInfo:
     restored: int  # of those, how many came back without computing (RAM, stored blocks, tail)
     seconds: float
     remote: int = 0  # of those, how many were read from the remote tier
+    remote_read: RemoteRead | None = None  # what the remote tier did (None: there is none)
 
     def describe(self) -> str:
         remote = f" ({self.remote:,} from the remote tier)" if self.remote else ""
@@ -174,18 +175,23 @@ class ChatEngine:
                 seq.namespace = session.kv_namespace
             if seq.private:
                 shift_to(self.model, seq, ids)
-            remote = self._read_remote(seq, ids)
+            read = self.read_remote(seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
             self._restore_tail(session, seq, ids)
             restored = seq.n_tokens
-            return seq, ResumeInfo(len(ids), restored, time.perf_counter() - t0, min(remote, restored))
+            return seq, ResumeInfo(
+                len(ids), restored, time.perf_counter() - t0, min(read.tokens if read else 0, restored), read
+            )
 
-    def _read_remote(self, seq: KVSequence, ids: list[int]) -> int:
+    def read_remote(self, seq: KVSequence, ids: Sequence[int]) -> RemoteRead | None:
         """The full blocks of `ids` that RAM lacks, read from the remote tier into SQLite where it holds
-        them and that beats computing them (KVStore.read_remote); returns the tokens read. Only blocks of
-        the shared namespace travel: an import's stay here."""
-        if self.kv.remote is None or seq.namespace is not None or seq.private:
-            return 0
+        them and that beats computing them (KVStore.read_remote), before `seq` takes its prefix; None
+        when there is no tier. Only blocks of the shared namespace travel: an import's stay here.
+        Every prompt goes through here — a session's turn (open) and a conversation sent whole."""
+        if self.kv.remote is None:
+            return None
+        if seq.namespace is not None or seq.private:
+            return RemoteRead()
         pool, B = self.model.pool, self.model.pool.block_size
         missing, parent = [], None
         for i in range(len(ids) // B):
@@ -235,8 +241,9 @@ class ChatEngine:
             self.check_message(session.system_prompt, user_text)
         saved = saved if saved is not None else SavedReply()
 
-        def prepare() -> tuple[list[int], KVSequence]:
-            seq, _ = self.open(session)
+        def prepare(job: Job) -> tuple[list[int], KVSequence]:
+            seq, info = self.open(session)
+            job.remote = info.remote_read
             messages = self.messages(session)
             if user_text is not None:
                 messages.append({"role": "user", "content": user_text})
@@ -253,8 +260,9 @@ class ChatEngine:
         )
 
     def _submit(self, session: Session, prepare, finish, sampling: SamplingParams | None, **job_args) -> Job:
-        """A job for the scheduler, sampling as the session's settings say unless told otherwise."""
-        job = Job(prepare, finish=finish, sampling=sampling or self.sampling(session), **job_args)
+        """A job for the scheduler, sampling as the session's settings say unless told otherwise;
+        prepare(job) is given the job, which exists before the scheduler can run it."""
+        job = Job(lambda: prepare(job), finish=finish, sampling=sampling or self.sampling(session), **job_args)
         return self.scheduler.submit(job)
 
     def reply(
@@ -304,8 +312,7 @@ class ChatEngine:
         except StoreError as e:
             raise StoreError(f"the reply was not stored: {e}") from None
         saved.session = stored
-        if stats.prefilled_tokens >= self.model.pool.block_size:  # shorter ones are mostly overhead
-            self.kv.prefill_tok_s.add(stats.prefill_tok_s)
+        self.note_prefill(stats)
         if stored.id != session.id:  # the KV computed belongs to the new branch now
             self.live[stored.id] = self.live.pop(session.id, seq)
         try:
@@ -313,6 +320,11 @@ class ChatEngine:
             self.snapshot(stored, seq, complete=stats.stop_reason != "cancelled")
         except (StoreError, KeyboardInterrupt) as e:  # KV is a cache; a second Ctrl+C may skip it
             saved.kv_skipped = str(e) or "interrupted"
+
+    def note_prefill(self, stats: GenerationStats) -> None:
+        """A reply's prefill speed, what the remote tier's reads must beat (see read_remote)."""
+        if stats.prefilled_tokens >= self.model.pool.block_size:  # shorter ones are mostly overhead
+            self.kv.prefill_tok_s.add(stats.prefill_tok_s)
 
     def snapshot(self, session: Session, seq: KVSequence, complete: bool = True) -> None:
         """Bring the KV up to the end of the stored conversation (unless not `complete`: then what it holds
@@ -412,8 +424,9 @@ class ChatEngine:
                 self.fork(session, head.parent_id, f"{session.title} (regenerated)") for _ in range(n)
             ]
 
-        def prepare() -> tuple[list[int], KVSequence]:
-            base, _ = self.open(branches[0])
+        def prepare(job: Job) -> tuple[list[int], KVSequence]:
+            base, info = self.open(branches[0])
+            job.remote = info.remote_read
             return self.prompt(self.messages(branches[0]), base, max_tokens), base
 
         def finish(job: Job) -> list[tuple[Session, str]]:

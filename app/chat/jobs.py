@@ -74,6 +74,7 @@ class Job:
         self.pieces: list[list[str]] = [[] for _ in range(n)]
         self.seqs: list[KVSequence] = []  # one per alternative, once decoding starts
         self.result: Any = None  # what finish() returned
+        self.remote: Any = None  # what the remote KV tier did for its prompt (a RemoteRead), if there is one
         self.error: BaseException | None = None  # why it failed
         self._cancel = cancel or threading.Event()
         self._ended = threading.Event()

@@ -15,8 +15,9 @@ from starlette.responses import JSONResponse, Response
 
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import Session, StoreError
+from llama_chat.storage.kv_store import RemoteRead
 
-from ..chat.engine import SavedReply
+from ..chat.engine import ChatEngine, SavedReply
 from ..chat.jobs import Job, State
 from ..chat.scheduler import QueueFull
 from .errors import (
@@ -59,7 +60,7 @@ async def chat_completions(request: Request) -> Response:
             raise
         headers["X-Session-Id"] = session.id
     if req.stream:
-        return EventSourceResponse(_chunks(job, events, reply, req.include_usage), headers=headers)
+        return EventSourceResponse(_chunks(job, events, reply, req.include_usage, engine), headers=headers)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
         return Response(status_code=499)
@@ -69,7 +70,16 @@ async def chat_completions(request: Request) -> Response:
     if session_id is not None:
         headers["X-Session-Id"] = session_id
     texts = [job.text(i) for i in range(job.n)]
-    return JSONResponse(reply.completion(texts, job.stats, session_id), headers=headers)
+    return JSONResponse(reply.completion(texts, job.stats, session_id, kv_remote(engine, job)), headers=headers)
+
+
+def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
+    """The remote tier's numbers, and what it did for this request's prompt: "fetch" (and the tokens it
+    read), "compute" (the rule found fetching slower), or "local" (RAM and SQLite held every block)."""
+    if engine.kv.remote is None:
+        return None
+    read = job.remote or RemoteRead()
+    return {"choice": read.choice, "fetched_tokens": read.tokens, **engine.kv.remote.stats()}
 
 
 def find_session(state: ServerState, session_id: str) -> Session:
@@ -141,7 +151,9 @@ def _failure(job: Job) -> ApiError:
     return server_error(f"The reply failed: {job.error}")
 
 
-async def _chunks(job: Job, events: JobEvents, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _chunks(
+    job: Job, events: JobEvents, reply: Reply, include_usage: bool, engine: ChatEngine
+) -> AsyncIterator[str]:
     """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
     asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does."""
     try:
@@ -157,7 +169,7 @@ async def _chunks(job: Job, events: JobEvents, reply: Reply, include_usage: bool
         for i, stats in enumerate(job.stats):
             yield _data(reply.chunk(i, {}, finish_reason(stats), session=session_id))
         if include_usage:
-            yield _data(reply.usage_chunk(job.stats, session_id))
+            yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
         yield "[DONE]"
     finally:
         if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping

@@ -3,7 +3,8 @@
 Two kinds of request:
 - a conversation sent whole (OpenAI's way: each request carries its history). Its prompt is prefilled
   into a fresh sequence of the shared block pool, so every full block any earlier request (or the TUI,
-  or an earlier process, through the database) computed is reused, not recomputed. When the reply is
+  or an earlier process, through the database, or another server, through the remote tier) computed
+  is reused, not recomputed. When the reply is
   done the conversation is kept as a session made by the API — appended to the session where the
   same history left off, else a new one — and its KV snapshotted as the TUI's is. So its blocks
   outlive the process (and `sessions gc`, which keeps what sessions use), and the client's next turn
@@ -75,9 +76,11 @@ class Conversations:
 
         def prepare() -> tuple[list[int], KVSequence]:
             base.append(self.model.new_sequence(engine.n_ctx))
+            job.remote = engine.read_remote(base[0], prompt[:-1])  # as the scheduler's reuse_prefix takes it
             return prompt, base[0]
 
         def finish(job: Job) -> Future | None:
+            engine.note_prefill(job.stats[0])
             if not store or job.stats[0].stop_reason not in ("eog", "stop", "length"):
                 return None  # cancelled or failed: the client has no reply to continue from
             return self._keep(messages, sampling, job)
@@ -97,7 +100,7 @@ class Conversations:
             finish=finish,
             on_event=on_end,
         )
-        return engine.scheduler.submit(job)
+        return engine.scheduler.submit(job)  # `job` is bound before prepare can run
 
     def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
         """On the scheduler thread, which holds the pool: the KV of the conversation and its reply

@@ -210,7 +210,9 @@ class Reply:
             "system_fingerprint": self.system_fingerprint,
         }
 
-    def completion(self, texts: list[str], stats: list[GenerationStats], session: str | None) -> dict:
+    def completion(
+        self, texts: list[str], stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None
+    ) -> dict:
         choices = [
             {
                 "index": i,
@@ -220,14 +222,18 @@ class Reply:
             }
             for i, (text, s) in enumerate(zip(texts, stats, strict=True))
         ]
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage(stats), "session": session}
+        return {
+            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), "session": session
+        }
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, **extra) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None, **extra}
 
-    def usage_chunk(self, stats: list[GenerationStats], session: str | None) -> dict:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats), "session": session}
+    def usage_chunk(self, stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None) -> dict:
+        return {
+            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), "session": session
+        }
 
 
 def finish_reason(stats: GenerationStats) -> str:
@@ -235,14 +241,18 @@ def finish_reason(stats: GenerationStats) -> str:
     return "length" if stats.stop_reason == "length" else "stop"
 
 
-def usage(stats: list[GenerationStats]) -> dict:
+def usage(stats: list[GenerationStats], kv_remote: dict | None = None) -> dict:
     """Tokens of the prompt (counted once for n alternatives), of the replies, and how many of the
-    prompt's came from the KV cache (RAM or the database) rather than being computed."""
+    prompt's came from the KV cache (RAM, the database or the remote tier) rather than being computed;
+    with a remote tier, its numbers as `kv_remote` (clients ignore a field they do not know)."""
     prompt = stats[0].prompt_tokens
     completion = sum(s.generated_tokens for s in stats)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": prompt - stats[0].prefilled_tokens},
     }
+    if kv_remote is not None:
+        out["kv_remote"] = kv_remote
+    return out

@@ -155,12 +155,14 @@ class ServerState:
             self._session_locks[session_id] = lock, users - 1
 
     def health(self) -> dict:
-        """Replies running and waiting, and the KV pool's bytes: in use by replies, cached for reuse."""
+        """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
+        the remote tier's numbers when there is one."""
         engine = self.ready()
         with engine.lock:  # the pool changes at every step
             memory = engine.model.pool.memory_breakdown()
         kv = {k: memory[k] for k in ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")}
-        return {"status": "ok", "model": self.options.model_id, **engine.scheduler.load(), "kv": kv}
+        remote = {} if engine.kv.remote is None else {"kv_remote": engine.kv.remote.stats()}
+        return {"status": "ok", "model": self.options.model_id, **engine.scheduler.load(), "kv": kv, **remote}
 
 
 def open_model(options: ServeOptions) -> Model:

@@ -1,0 +1,128 @@
+"""Two `llama-chat serve`s with separate SQLite files and one Redis (or a 3-node Redis Cluster): a
+conversation computed on one is continued on the other from the shared blocks, a dead store only means
+computing, and a session exported from one server goes on at the other."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llama_chat.inference import chat_prompt_ids
+from redis_servers import REDIS_SERVER, RedisServer, start_cluster
+from served import BLOCK, SYSTEM, Served
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
+)
+
+SECRET = "a secret the servers share"
+HISTORY = "hello the world, then the sun and the rain over the hills " * 3
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture(params=["one node", "cluster"])
+def store(request, tmp_path):
+    """(URL, nodes) of one redis-server, or of a 3-node Redis Cluster."""
+    if request.param == "one node":
+        nodes = [RedisServer(tmp_path / "redis").start()]
+        url = nodes[0].url
+    else:
+        nodes = start_cluster(tmp_path / "cluster")
+        url = f"redis+cluster://127.0.0.1:{nodes[0].port}"
+    yield url, nodes
+    for node in nodes:
+        node.kill()
+
+
+def served(tmp_path, name: str, model, url: str | None) -> Served:
+    """A server on its own SQLite file, sharing the store at `url` (None: no remote tier)."""
+    remote = {"kv_remote": url, "kv_secret": SECRET} if url else {}
+    return Served(tmp_path / f"{name}.db", model, **remote).wait_ready()
+
+
+def first_turn(server: Served) -> tuple[list[dict], int]:
+    """A conversation answered on `server`, its next turn, and the tokens of its full blocks there (stored,
+    then written to the remote tier before this returns)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": HISTORY}]
+    reply = server.ask(messages, **GREEDY)
+    assert server.state.engine.kv.remote.flush()
+    kept = server.state.engine.store.block_keys(reply.session)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": "and then"}]
+    return messages, len(kept) * BLOCK
+
+
+def test_a_conversation_computed_on_one_server_goes_on_at_another(tmp_path, qwen2, store):
+    url, _ = store
+    a, b = served(tmp_path, "a", qwen2, url), served(tmp_path, "b", qwen2, url)
+    try:
+        messages, full = first_turn(a)
+        assert full >= 4 * BLOCK
+        held = chat_prompt_ids(b.model, messages[:-1], False)  # the conversation as it is stored
+        assert full == len(held) // BLOCK * BLOCK
+
+        more = b.ask(messages, **GREEDY)
+        usage = more.usage
+        assert usage.prompt_tokens_details.cached_tokens >= full  # every full block, from the remote tier
+        remote = usage.model_extra["kv_remote"]
+        assert remote["choice"] == "fetch" and remote["fetched_tokens"] == full
+        assert remote["hits"] == full // BLOCK and remote["rejected"] == 0 and remote["round_trips"] >= 1
+        assert remote["rtt_ms"] is not None
+        health = json.loads(b.raw("GET", "/health")[2])
+        assert health["kv_remote"]["hits"] == full // BLOCK and health["kv_remote"]["up"]
+
+        again = b.ask(messages, **GREEDY)  # now RAM holds them: nothing is asked of the remote tier
+        assert again.usage.model_extra["kv_remote"]["choice"] == "local"
+        assert again.usage.model_extra["kv_remote"]["hits"] == full // BLOCK
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_with_the_store_dead_the_second_server_computes_the_same_reply(tmp_path, qwen2):
+    redis = RedisServer(tmp_path / "redis").start()
+    a, b = served(tmp_path, "a", qwen2, redis.url), served(tmp_path, "b", qwen2, redis.url)
+    alone = served(tmp_path, "alone", qwen2, None)  # no remote tier: computes all of it
+    try:
+        messages, _ = first_turn(a)
+        redis.kill()
+        more = b.ask(messages, **GREEDY)
+        assert more.usage.prompt_tokens_details.cached_tokens == 0  # recomputed, not failed
+        remote = more.usage.model_extra["kv_remote"]
+        assert remote["fetched_tokens"] == 0 and remote["failures"] == 1 and not remote["up"]
+        expected = alone.ask(messages, **GREEDY)
+        assert "kv_remote" not in (expected.usage.model_extra or {})
+        assert more.choices[0].message.content == expected.choices[0].message.content
+    finally:
+        for server in (a, b, alone):
+            server.stop()
+        redis.kill()
+
+
+def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
+    redis = RedisServer(tmp_path / "redis").start()
+    a, b = served(tmp_path, "a", qwen2, redis.url), served(tmp_path, "b", qwen2, redis.url)
+    try:
+        sid = json.loads(a.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
+        one = a.ask(HISTORY, extra_body={"session": sid}, **GREEDY)
+        assert a.state.engine.kv.remote.flush()
+        full = len(a.state.engine.store.block_keys(sid)) * BLOCK
+
+        for kv in ("0", "1"):  # messages only: the blocks come from Redis; with its KV: from the file
+            status, _, data = a.raw("GET", f"/v1/sessions/{sid}/export?kv={kv}")
+            assert status == 200
+            status, _, body = b.raw("POST", "/v1/sessions/import", data)
+            assert status == 201
+            moved = json.loads(body)["ids"][0]
+            two = b.ask("and then", extra_body={"session": moved}, **GREEDY)
+            assert two.session == moved
+            assert two.usage.prompt_tokens_details.cached_tokens >= full  # only the new turn computed
+            shown = json.loads(b.raw("GET", f"/v1/sessions/{moved}")[2])["messages"]
+            assert [m["content"] for m in shown] == [
+                HISTORY, one.choices[0].message.content, "and then", two.choices[0].message.content,
+            ]
+    finally:
+        a.stop()
+        b.stop()
+        redis.kill()
