@@ -16,6 +16,8 @@ import numpy as np
 
 from llama_chat.inference import load_model, resolve_model
 
+from .chat.settings import CODEC
+from .measure import measure_app, measure_codecs, measure_sessions, measure_stop
 from .progress import ProgressBar
 
 # Plain prose and code, repeated to any length: a stand-in for a real conversation's text.
@@ -298,69 +300,10 @@ def measure_two_jobs(model, context: int, n_tokens: int) -> float:
     return two / one
 
 
-RESUME_CHILD = """
-import json, sys, time
-from llama_chat.app.chat.engine import ChatEngine
-from llama_chat.inference import load_model
-from llama_chat.storage import ChatStore
-model = load_model(sys.argv[1])
-engine = ChatEngine(model, ChatStore(sys.argv[2]))
-session = engine.store.get_session(sys.argv[3])
-t = time.perf_counter()
-seq, info = engine.open(session)
-resume = time.perf_counter() - t
-ids = engine.conversation_ids(session)
-fresh = model.new_sequence(len(ids) + 1)
-t = time.perf_counter()
-model.forward(ids, fresh)
-reprefill = time.perf_counter() - t
-print(json.dumps({"resume_ms": resume * 1000, "reprefill_ms": reprefill * 1000, "tokens": info.tokens,
-                  "restored": info.restored}))
-"""
-
-
-def measure_sessions(model, n_tokens: int, folder) -> dict:
-    """A stored conversation of about n_tokens: resume in a fresh process vs prefilling it again;
-    fork of it (time, bytes added to the database)."""
-    from llama_chat.inference import SamplingParams
-    from llama_chat.storage import ChatStore
-    from llama_chat.storage.exchange import measure_exchange
-
-    from .chat.engine import ChatEngine
-
-    db = folder / "bench.db"
-    engine = ChatEngine(model, ChatStore(db))
-    session = engine.new_session("bench")
-    text = model.tokenizer.decode(sample_tokens(model.tokenizer, n_tokens - 40))
-    "".join(engine.reply(session, text, sampling=SamplingParams(temperature=0), max_tokens=16))
-    session = engine.store.get_session(session.id)
-    out = subprocess.run(
-        [sys.executable, "-c", RESUME_CHILD, str(model.path), str(db), session.id],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-
-    def stored_bytes():
-        sizes = engine.store.kv_bytes()
-        return sizes["blocks"] + sizes["tails"]
-
-    before = stored_bytes()
-    t = time.perf_counter()
-    engine.fork(session)
-    result["fork_ms"] = (time.perf_counter() - t) * 1000
-    result["fork_added_bytes"] = stored_bytes() - before
-    result["stored_block_bytes"] = engine.store.kv_bytes()["largest_block"]
-    result["exchange"] = measure_exchange(engine.store, session.id, folder)
-    engine.store.close()
-    return result
-
-
 def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
-    """Every codec on the model's real KV: size and speed (storage.codec.measure_codecs), KL divergence
+    """Every codec on the model's real KV: size and speed (measure.measure_codecs), KL divergence
     of the next-token distribution against the live cache, and how many greedy tokens match live."""
-    from llama_chat.storage.codec import CODECS, decode_kv, encode_kv, measure_codecs
+    from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
 
     ids = sample_tokens(model.tokenizer, n_tokens + 1)
     live = model.new_sequence(n_tokens + n_greedy + 2)
@@ -479,12 +422,14 @@ def run_bench(args) -> int:
     ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
     report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
     ratio = measure_two_jobs(model, 64 if quick else 512, 4 if quick else 32)
-    report("two_jobs_vs_one_time_ratio", round(ratio, 2), f"2 conversations at once / 1, time per token: {ratio:.2f}")
-    from .chat.engine import DEFAULT_CODEC
-
+    report(
+        "two_jobs_vs_one_time_ratio",
+        round(ratio, 2),
+        f"2 conversations at once / 1, time per token: {ratio:.2f}",
+    )
     with tempfile.TemporaryDirectory() as folder:
-        n_conv = 256 if quick else 2048
-        sess = measure_sessions(model, n_conv, Path(folder))
+        text = model.tokenizer.decode(sample_tokens(model.tokenizer, (256 if quick else 2048) - 40))
+        sess = measure_sessions(model, text, Path(folder))
     report(
         "resume_ms_2048",
         round(sess["resume_ms"], 1),
@@ -517,8 +462,27 @@ def run_bench(args) -> int:
         round(ex["size_ratio"], 4),
         f"file / stored size:         {ex['file_bytes']:,} / {ex['stored_bytes']:,} = {ex['size_ratio']:.3f}",
     )
+    with tempfile.TemporaryDirectory() as folder:
+        stop = measure_stop(model, SAMPLE_TEXT, Path(folder), 200)
+        app = measure_app(model.path, Path(folder))
+    report("stop_ms", round(stop["stop_ms"], 1), f"Ctrl+C on a reply to it stored: {stop['stop_ms']:.0f} ms")
+    report(
+        "stop_three_ms",
+        round(stop["stop_three_ms"], 1),
+        f"Esc on regenerate ×3 to all three stored: {stop['stop_three_ms']:.0f} ms",
+    )
+    report(
+        "app_screen_s", round(app["screen_s"], 2), f"app start to the chat screen: {app['screen_s']:.2f} s"
+    )
+    report("app_ready_s", round(app["ready_s"], 2), f"app start to the model loaded: {app['ready_s']:.2f} s")
+    report(
+        "app_key_ms", round(app["key_ms"], 1), f"slowest key while a reply streams: {app['key_ms']:.0f} ms"
+    )
+    report(
+        "app_esc_ms", round(app["esc_ms"], 1), f"Esc in the app to the reply stored: {app['esc_ms']:.0f} ms"
+    )
     codecs = measure_codec_quality(model, 256 if quick else 1024, 4 if quick else 32)
-    results["default_codec"] = DEFAULT_CODEC
+    results["default_codec"] = CODEC
     results["codecs"] = {
         name: {
             key: float(f"{c[key]:.3g}") if isinstance(c[key], float) else c[key]

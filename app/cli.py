@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -11,10 +10,7 @@ from pathlib import Path
 from llama_chat import __version__
 
 EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Input on the command line or stdin that cannot be used (empty, not UTF-8): one line, exit 2."""
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def default_db_path() -> Path:
@@ -24,95 +20,174 @@ def default_db_path() -> Path:
     return Path(base) / "llama-chat" / "chat.db"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llama-chat", description="Chat with local LLMs in the terminal.")
-    parser.add_argument("--version", action="version", version=f"llama-chat {__version__}")
-    parser.add_argument("--db", type=Path, default=None, help="conversation database (default: %(default)s)")
-    parser.add_argument("--model", default=None, help="a known model name or the path of a .gguf file")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for matrix maths")
-    parser.add_argument(
+def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """The options of every command. Before the command they have their defaults; after it (as users
+    type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
+    from .chat.settings import CACHE_RAM_MB
+
+    def default(value):
+        return argparse.SUPPRESS if after_command else value
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument("--db", type=Path, default=default(None), help="conversation database")
+    group.add_argument(
+        "--model", default=default(None), help="a known model name or the path of a .gguf file"
+    )
+    add_threads_option(group, default(None))
+    group.add_argument(
         "--cache-ram",
         type=int,
-        default=1024,
+        default=default(CACHE_RAM_MB),
         metavar="MB",
-        help="RAM for the KV block pool (default %(default)s)",
+        help=f"RAM for the KV block pool (default {CACHE_RAM_MB})",
     )
-    parser.add_argument(
+    group.add_argument(
         "--no-lookup",
         action="store_true",
+        default=default(False),
         help="decode one token at a time (no prompt lookup: the replies are the same, only slower or faster)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--kv-remote",
         metavar="URL",
-        default=os.environ.get("LLAMA_CHAT_KV_REMOTE"),
+        default=default(os.environ.get("LLAMA_CHAT_KV_REMOTE")),
         help="share KV blocks with other servers: redis://HOST:PORT[/DB], rediss://..., redis+cluster://HOST:PORT",
     )
-    parser.add_argument(
+    group.add_argument(
         "--kv-secret",
         metavar="S",
-        default=os.environ.get("LLAMA_CHAT_KV_SECRET"),
+        default=default(os.environ.get("LLAMA_CHAT_KV_SECRET")),
         help="the secret that signs blocks in --kv-remote (better: LLAMA_CHAT_KV_SECRET)",
     )
+
+
+def add_threads_option(parser, default=None) -> None:
+    parser.add_argument("--threads", type=int, default=default, help="CPU threads for matrix maths")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of a reply, one per setting of chat/settings.py. A flag not given is None: a stored
+    session keeps its own settings."""
+    from .chat.settings import REPLY_SETTINGS
+
+    parser.add_argument("--system", default=None, help="system prompt")
+    for setting in REPLY_SETTINGS:
+        default = "" if setting.default is None else f" (default {setting.default})"
+        parser.add_argument(
+            setting.option,
+            dest=setting.key,
+            type=flag_type(setting),
+            metavar=setting.kind.__name__.upper(),
+            help=setting.help + default,
+        )
+    add_context_option(parser)
+    parser.add_argument("--title", default=None, help="title of a new session")
+
+
+def flag_type(setting):
+    """argparse's `type` for a setting: its value, or the setting's own one-line complaint."""
+
+    def parse(text: str):
+        try:
+            return setting.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def add_context_option(parser: argparse.ArgumentParser) -> None:
+    from .chat.settings import N_CTX
+
+    parser.add_argument(
+        "--ctx", type=int, default=N_CTX, help="context window in tokens (default %(default)s)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # NumPy loads with the commands: after main() has set the thread count
+    from . import commands as c
+    from . import commands_sessions as s
+
+    parser = argparse.ArgumentParser(prog="llama-chat", description="Chat with local LLMs in the terminal.")
+    parser.add_argument("--version", action="version", version=f"llama-chat {__version__}")
+    add_global_options(parser)
+    parser.set_defaults(handler=None)
+    after = argparse.ArgumentParser(add_help=False)
+    add_global_options(after, after_command=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    sub.add_parser("models", help="list known models: installed, assembled, verified").add_argument(
+    def command(name: str, handler, help: str, parent=sub) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, parents=[after])
+        p.set_defaults(handler=handler)
+        return p
+
+    command("models", c.cmd_models, "list known models: installed, assembled, verified").add_argument(
         "--json", action="store_true", help="print JSON"
     )
 
-    ask = sub.add_parser("ask", help="ask one question and stream the reply to stdout")
+    ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")
     where = ask.add_mutually_exclusive_group()
     where.add_argument("--session", metavar="ID", help="continue a stored session (id or unique prefix)")
     where.add_argument("--new-session", action="store_true", help="start a stored session (prints its id)")
     add_sampling_options(ask)
 
-    chat = sub.add_parser("chat", help="chat in the terminal, line by line (Ctrl+D ends)")
+    chat = command("chat", c.cmd_chat, "chat in the terminal, line by line (Ctrl+D ends)")
     chat.add_argument("--session", metavar="ID", help="continue a stored session instead of starting one")
     add_sampling_options(chat)
 
-    tui = sub.add_parser("tui", help="the full-screen chat (what no command opens)")
+    tui = command("tui", c.cmd_tui, "the full-screen chat (what no command opens)")
     tui.add_argument("--session", metavar="ID", help="open this session (default: the last one)")
 
     sessions = sub.add_parser(
-        "sessions", help="stored conversations: list, show, fork, rename, rm, search, gc, check"
+        "sessions",
+        help="stored conversations: list, show, fork, rename, rm, search, gc, check",
+        parents=[after],
     )
-    ssub = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
-    ssub.add_parser("list", help="newest first").add_argument("--json", action="store_true")
-    show = ssub.add_parser("show", help="the messages of a session")
+    actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
+    command("list", s.list_sessions, "newest first", actions).add_argument("--json", action="store_true")
+    show = command("show", s.show_session, "the messages of a session", actions)
     show.add_argument("id")
     show.add_argument("--json", action="store_true")
-    fork = ssub.add_parser("fork", help="a new session sharing this one's messages and KV")
+    fork = command("fork", s.fork_session, "a new session sharing this one's messages and KV", actions)
     fork.add_argument("id")
     fork.add_argument("--at", type=int, metavar="MESSAGE_ID", help="fork at this message (default: the head)")
     fork.add_argument("--title")
-    rename = ssub.add_parser("rename", help="give a session a new title")
+    rename = command("rename", s.rename_session, "give a session a new title", actions)
     rename.add_argument("id")
     rename.add_argument("title")
-    ssub.add_parser("rm", help="delete a session (messages other sessions reach stay)").add_argument("id")
-    ssub.add_parser("search", help="full-text search over messages").add_argument("text")
-    check = ssub.add_parser("check", help="check the database file; recover what can be read if damaged")
+    rm = command("rm", s.remove_session, "delete a session (messages other sessions reach stay)", actions)
+    rm.add_argument("id")
+    command("search", s.search_sessions, "full-text search over messages", actions).add_argument("text")
+    check = command(
+        "check",
+        s.check_database_file,
+        "check the database file; recover what can be read if damaged",
+        actions,
+    )
     check.add_argument("-o", "--output", type=Path, metavar="FILE", help="recover into (default: beside it)")
-    verify = ssub.add_parser(
-        "verify", help="recompute an imported session's KV; blocks that match are shared from then on"
+    verify = command(
+        "verify",
+        s.verify_session,
+        "recompute an imported session's KV; blocks that match are shared from then on",
+        actions,
     )
     verify.add_argument("id")
-    verify.add_argument(
-        "--ctx", type=int, default=4096, help="context window in tokens (default %(default)s)"
-    )
-    gc = ssub.add_parser("gc", help="drop stored KV no session needs")
+    add_context_option(verify)
+    gc = command("gc", s.collect_garbage, "drop stored KV no session needs", actions)
     gc.add_argument("--budget", type=int, metavar="MB", help="then keep at most this many MB of KV")
 
-    tok = sub.add_parser("tokenize", help="print the token ids of a text as JSON")
+    tok = command("tokenize", c.cmd_tokenize, "print the token ids of a text as JSON")
     tok.add_argument("text", help="the text; '-' reads it from stdin")
     tok.add_argument("--special", action="store_true", help="parse special tokens such as <|im_start|>")
     tok.add_argument("--bos", action="store_true", help="add the BOS token when the model uses one")
 
-    bench = sub.add_parser("bench", help="measure load, prefill and decode speed on the model")
+    bench = command("bench", c.cmd_bench, "measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench.add_argument("--quick", action="store_true", help="fewer tokens: a smoke test, not a measurement")
 
-    export = sub.add_parser("export", help="write a session, with its KV, to a .llamachat file")
+    export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
     export.add_argument("-o", "--output", type=Path, metavar="FILE", help="default: <title>-<id>.llamachat")
     kv = export.add_mutually_exclusive_group()
@@ -128,42 +203,53 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)"
     )
 
-    imp = sub.add_parser("import", help="add the session(s) of a .llamachat file; prints the new id")
+    imp = command("import", s.cmd_import, "add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)
+
+    serve = command("serve", c.cmd_serve, "an OpenAI-compatible HTTP server sharing one persistent KV cache")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; others need --api-key)")
+    serve.add_argument("--port", type=int, help="default 8080; 0 takes a free port (printed)")
+    serve.add_argument("--parallel", type=int, metavar="N", help="replies decoded together (default 4)")
+    serve.add_argument("--queue", type=int, metavar="N", help="requests waiting beyond those (default 64)")
+    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY)")
+    add_context_option(serve)
     return parser
 
 
-def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system", default=None, help="system prompt")
-    # None means "not given": a stored session keeps its own settings
-    p.add_argument("--temp", type=float, help="temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, help="default 40; 0 is off")
-    p.add_argument("--top-p", type=float, help="default 0.95; 1 is off")
-    p.add_argument("--min-p", type=float, help="default 0.05; 0 is off")
-    p.add_argument("--repeat-penalty", type=float, help="default 1.0 (off)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--ctx", type=int, default=4096, help="context window in tokens (default %(default)s)")
-    p.add_argument("--title", default=None, help="title of a new session")
+class _Lenient(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)  # the whole command line's parse says what is wrong
+
+
+def use_threads(argv: list[str]) -> None:
+    """--threads N, wherever it is on the command line, into the environment before NumPy loads:
+    OpenBLAS and numba read their thread count once, when they load (the commands import them)."""
+    early = _Lenient(add_help=False)
+    add_threads_option(early)
+    try:
+        threads = early.parse_known_args(argv)[0].threads
+    except ValueError:
+        return
+    if threads:
+        for var in THREAD_VARIABLES:
+            os.environ[var] = str(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    use_threads(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:  # no command: the full-screen chat on the default model
+    if args.handler is None:  # no command: the full-screen chat on the default model
         args = parser.parse_args([*argv, "tui"])
-    if args.threads:
-        # Must be set before NumPy loads its BLAS and numba its thread pool, which is why inference is
-        # imported below.
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-            os.environ[var] = str(args.threads)
     args.db = args.db or default_db_path()
     from llama_chat.inference import ModelError
     from llama_chat.storage import StoreError
 
+    from .terminal import UsageError
+
     try:
-        return run_command(args)
+        return args.handler(args) or 0
     except (ModelError, StoreError, UsageError) as e:
         print(f"llama-chat: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -172,17 +258,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-
-
-def run_command(args) -> int:
-    from . import commands
-
-    if args.command == "tui":
-        from .tui import cmd_tui as handler
-    else:
-        handler = getattr(commands, f"cmd_{args.command}")
-    return handler(args) or 0
-
-
-def print_json(value) -> None:
-    print(json.dumps(value, ensure_ascii=False))

@@ -13,10 +13,11 @@ import tomlkit.exceptions
 from textual.keys import KEY_ALIASES, REPLACED_KEYS, Keys, key_to_character
 from textual.theme import Theme
 
+from .chat.settings import MAX_TOKENS, N_CTX, REPLY_MAX_TOKENS, SAMPLING, SettingError, checked
+
 DEFAULT_THEME = "llama-dark"
 # themes/ sits beside app/ in a checkout, and beside llama_chat/app/ once installed
 BUILTIN_THEMES = Path(__file__).resolve().parent.parent / "themes"
-SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"}
 THEME_KEYS = {f.name for f in fields(Theme)}
 MODIFIERS = {"ctrl", "shift", "alt", "meta", "super", "hyper"}
 # Keys Textual names rather than spells as a character ("f2", "escape", "newline"); "<any>" and the like are
@@ -24,12 +25,12 @@ MODIFIERS = {"ctrl", "shift", "alt", "meta", "super", "hyper"}
 NAMED_KEYS = {k.value for k in Keys if "+" not in k.value and not k.value.startswith("<")}
 NAMED_KEYS |= {a for aliases in KEY_ALIASES.values() for a in aliases if "+" not in a}
 
-EXAMPLE = """\
+EXAMPLE = f"""\
 # llama-chat settings. Every key is optional.
 # model = "qwen2.5-coder-0.5b-instruct-q4_k_m"   # a known name or the path of a .gguf file
-# theme = "llama-dark"                           # set from the app too (command palette: Theme)
-# max_tokens = 512                               # longest reply
-# n_ctx = 4096                                   # context window in tokens
+# theme = {'"' + DEFAULT_THEME + '"':<39}# set from the app too (command palette: Theme)
+# max_tokens = {MAX_TOKENS:<34}# longest reply
+# n_ctx = {N_CTX:<39}# context window in tokens
 # system_prompt = "You are a concise assistant." # for new chats
 #
 # [sampling]                                     # for new chats
@@ -68,8 +69,8 @@ class Config:
     path: Path
     model: str | None = None
     theme: str = DEFAULT_THEME
-    max_tokens: int = 512
-    n_ctx: int = 4096
+    max_tokens: int = MAX_TOKENS
+    n_ctx: int = N_CTX
     system_prompt: str | None = None
     sampling: dict = field(default_factory=dict)
     keymap: dict[str, str] = field(default_factory=dict)
@@ -100,9 +101,14 @@ class Config:
                 raise ConfigError(f"{path}: unknown setting '{key}' (known: {', '.join(types)})")
             if not isinstance(value, types[key]) or isinstance(value, bool):
                 raise ConfigError(f"{path}: '{key}' must be a {types[key].__name__}, not {value!r}")
-        unknown = set(data.get("sampling", {})) - SAMPLING_KEYS
-        if unknown:
-            raise ConfigError(f"{path}: unknown sampling setting(s) {', '.join(sorted(unknown))}")
+        try:
+            data["sampling"] = checked(data.get("sampling", {}), SAMPLING)
+        except SettingError as e:
+            raise ConfigError(f"{path}: [sampling] {e}") from None
+        try:
+            REPLY_MAX_TOKENS.check(data.get("max_tokens", MAX_TOKENS))
+        except SettingError as e:
+            raise ConfigError(f"{path}: {e}") from None
         if not all(isinstance(v, str) for v in data.get("keymap", {}).values()):
             raise ConfigError(f'{path}: [keymap] values must be key strings such as "ctrl+k"')
         return cls(path=path, **data)

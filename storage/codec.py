@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import struct
-import time
 import zlib
 
 import numpy as np
@@ -381,37 +380,3 @@ def _dequantize(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = Non
 
 def _native_f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
-
-
-# -- measurement (for the benchmark) ---------------------------------------------------------------
-
-
-def measure_codecs(k: np.ndarray, v: np.ndarray) -> dict[str, dict]:
-    """Each codec on a whole cache [n_layer, n_kv_head, n_tokens, head_dim], cut into 64-token blocks
-    as storage cuts it: total bytes, bytes per token, encode/decode milliseconds for the whole cache
-    (best of 3 runs), and the largest absolute error in k and in v."""
-    block = 64
-    n_tokens = k.shape[2]
-    pieces = [(k[:, :, t : t + block], v[:, :, t : t + block]) for t in range(0, n_tokens, block)]
-    out = {}
-    for codec in CODECS:
-        encode_s = decode_s = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            blobs = [encode_kv(bk, bv, codec) for bk, bv in pieces]
-            t1 = time.perf_counter()
-            decoded = [decode_kv(b) for b in blobs]
-            t2 = time.perf_counter()
-            encode_s, decode_s = min(encode_s, t1 - t0), min(decode_s, t2 - t1)
-        size = sum(len(b) for b in blobs)
-        err_k = max(float(np.abs(dk - bk).max()) for (dk, _), (bk, _) in zip(decoded, pieces))
-        err_v = max(float(np.abs(dv - bv).max()) for (_, dv), (_, bv) in zip(decoded, pieces))
-        out[codec] = {
-            "bytes": size,
-            "bytes_per_token": size / n_tokens,
-            "encode_ms": encode_s * 1000,
-            "decode_ms": decode_s * 1000,
-            "max_abs_err_k": err_k,
-            "max_abs_err_v": err_v,
-        }
-    return out

@@ -134,7 +134,13 @@ def _v2(conn: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS = [_v1, _v2]  # step i brings user_version from i to i + 1
+def _v3(conn: sqlite3.Connection) -> None:
+    """Sessions say who made them: NULL for a person (the TUI, the CLI), 'api' for a conversation a
+    client of `llama-chat serve` sent without naming a session."""
+    conn.execute("ALTER TABLE sessions ADD COLUMN origin TEXT")
+
+
+MIGRATIONS = [_v1, _v2, _v3]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 BUSY_S = 1.0  # SQLite's own wait for a lock, per try; ChatStore.transaction() keeps trying, and says so

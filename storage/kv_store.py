@@ -13,8 +13,9 @@ import numpy as np
 
 from .codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
 from .db import StoreError
+from .records import StoredBlock, StoredTail
 from .remote import MovingAverage, RemoteTier
-from .store import ChatStore, StoredBlock, StoredTail
+from .store import ChatStore
 
 KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_dim]
 

@@ -35,7 +35,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from .codec import block_info, checksum
-from .store import StoredBlock
+from .records import StoredBlock
 
 log = logging.getLogger(__name__)
 

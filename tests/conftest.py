@@ -40,6 +40,11 @@ def tiny_model_paths(tmp_path_factory) -> dict[str, Path]:
     return {arch: write_tiny_model(folder / f"tiny-{arch}.gguf", arch) for arch in ARCHS}
 
 
+@pytest.fixture
+def qwen2(tiny_model_paths) -> Path:
+    return tiny_model_paths["qwen2"]
+
+
 @pytest.fixture(params=ARCHS)
 def tiny_model_path(request, tiny_model_paths) -> Path:
     return tiny_model_paths[request.param]
@@ -92,3 +97,16 @@ def qwen_model(qwen_model_path):
 @pytest.fixture(scope="session")
 def gemma_model(gemma_model_path):
     return _load_real(gemma_model_path)
+
+
+@pytest.fixture
+def open_chat(tmp_path, tiny_model_paths):
+    """The chat app, run headless: `async with open_chat(**settings) as pilot:` (see tui_pilot.py).
+    `model`: another model file; `app`: an app made by the test; `wait=False`: start at once."""
+    from tui_pilot import chat_app, opened
+
+    def open_(model: Path | None = None, app=None, wait: bool = True, size=None, **settings):
+        app = app or chat_app(tmp_path, model or tiny_model_paths["qwen2"], **settings)
+        return opened(app, wait=wait, **({"size": size} if size else {}))
+
+    return open_

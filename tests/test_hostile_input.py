@@ -7,7 +7,6 @@ import io
 
 import pytest
 from test_chat_template import EXCHANGE, TEMPLATES
-from test_tui import aio, chat_app, ready, say, until
 
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
@@ -17,11 +16,7 @@ from llama_chat.inference.chat_template import ChatTemplate, TemplateError
 from llama_chat.storage import ChatStore
 from llama_chat.storage.exchange import export_session, import_session
 from tiny_models import write_tiny_model
-
-
-@pytest.fixture
-def qwen2(tiny_model_paths):
-    return tiny_model_paths["qwen2"]
+from tui_pilot import aio, say, until
 
 
 @pytest.fixture
@@ -101,10 +96,9 @@ def test_a_binding_to_a_key_that_does_not_exist_keeps_the_default(qwen2, tmp_pat
 
 
 @aio
-async def test_the_app_warns_of_a_bad_binding_and_its_default_key_still_works(qwen2, tmp_path):
-    app = chat_app(tmp_path, qwen2, keymap={"fork": "ctrl+banana+!!"})
-    async with app.run_test(size=(110, 34)) as pilot:
-        await ready(pilot)
+async def test_the_app_warns_of_a_bad_binding_and_its_default_key_still_works(open_chat):
+    async with open_chat(keymap={"fork": "ctrl+banana+!!"}) as pilot:
+        app = pilot.app
         assert any("'ctrl+banana+!!' is not a key" in n.message for n in app._notifications)
         await say(pilot, "hello the world")
         parent = app.chat.session.id

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import real_cache
-from llama_chat.app.chat.engine import DEFAULT_CODEC, ChatEngine
+from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.settings import CODEC
 from llama_chat.inference import GenerationStats, Model, SamplingParams, chat_prompt_ids
 from llama_chat.inference.weights import prepare
 from llama_chat.storage import ChatStore
@@ -33,12 +34,12 @@ def fresh_model(path) -> Model:
 def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_path, system, turns):
     greedy = SamplingParams(temperature=0)
     db = tmp_path / "chat.db"
-    live = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=DEFAULT_CODEC)
+    live = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
     session = live.new_session("t", system_prompt=system)
     "".join(live.reply(session, turns[0], sampling=greedy, max_tokens=48))
     session = live.store.get_session(session.id)
 
-    resumed = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=DEFAULT_CODEC)
+    resumed = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
     _, info = resumed.open(session)
     assert info.restored == info.tokens  # all of it from the store, nothing recomputed
 

@@ -289,7 +289,7 @@ def test_a_signal_during_a_reply_stores_what_was_shown_and_exits_as_shells_expec
 def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
     db = tmp_path / "chat.db"
     session_id = a_database(qwen2, db)
-    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "200"]
+    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "40"]  # 4 s a reply
     child = Child(cli_args(db, qwen2, *chat_cli), slow=0.1)
     child.proc.stdin.write(b"hello the world\n")
     child.proc.stdin.flush()

@@ -17,8 +17,8 @@ from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.storage import ChatStore, Session
 from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.exchange import export_session, import_session
+from llama_chat.storage.records import StoredBlock
 from llama_chat.storage.remote import RemoteTier, RemoteTierError
-from llama_chat.storage.store import StoredBlock
 from redis_servers import REDIS_SERVER, RedisServer, SlowProxy, start_cluster
 
 pytestmark = pytest.mark.skipif(

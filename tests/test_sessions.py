@@ -188,9 +188,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def run_cli(args, env):
+def run_cli(args, env, stdout=subprocess.DEVNULL):
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [sys.executable, "-c", CHILD, *args], env=env, stdout=stdout, stderr=subprocess.PIPE
     )
 
 
@@ -202,20 +202,22 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
     sessions = [engine.new_session(f"s{i}") for i in range(2)]
     rng = random.Random(0)
     completed = []
-    for i in range(20):
+    for i in range(9):
         s = sessions[i % 2]
         text = f"question number {i} " + "hello the world " * rng.randint(1, 12)
-        proc = run_cli([*base, "ask", "--session", s.id, "--temp", "0", "--max-tokens", "40", text], env)
-        if i % 4:  # a kill at a random moment; every fourth run finishes, however busy the machine is
-            time.sleep(rng.uniform(0.05, 1.2))
+        ask = [*base, "ask", "--session", s.id, "--temp", "0", "--max-tokens", "40", text]
+        proc = run_cli(ask, env, stdout=subprocess.PIPE)
+        if i % 3:  # every third run finishes (in both sessions), however busy the machine is
+            proc.stdout.read(1)  # the reply has begun: it is killed while written, stored or snapshotted
+            time.sleep(rng.uniform(0, 0.25))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.communicate()
         if proc.returncode == 0:
             completed.append((s.id, text))
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    assert 5 <= len(completed) < 20  # some runs were killed, some finished
+    assert 3 <= len(completed) < 9  # some runs were killed, some finished
     for _, text in completed:
         found = conn.execute(
             "SELECT id FROM messages WHERE role = 'user' AND content = ?", (text,)
@@ -231,15 +233,21 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
     )
     assert unanswered.fetchone()[0] == 0
     fresh = engine_for(qwen2, db, block_size=64)
+    no_kv = tmp_path / "no-kv.db"  # the same conversations with every KV dropped: computed from text
+    conn.execute("VACUUM INTO ?", (str(no_kv),))
+    with sqlite3.connect(no_kv) as copy:
+        copy.execute("DELETE FROM kv_blocks")
+        copy.execute("DELETE FROM session_tails")
+    recomputed = engine_for(qwen2, no_kv, block_size=64)
     for s in sessions:
         session = fresh.store.get_session(s.id)
         _, info = fresh.open(session)
-        # a run killed after its turn was stored (before it exited) may have stored one too
-        if any(sid == s.id for sid, _ in completed):
-            assert info.tokens > 0
-        before = len(fresh.store.path(session.head_id))
-        chat(fresh, session, "still there?", max_tokens=3)
-        assert len(fresh.store.path(fresh.store.get_session(s.id).head_id)) == before + 2
+        assert info.tokens > 0 and session.head_id is not None  # what was stored opens
+        reply, _ = chat(fresh, session, "still there?", max_tokens=3)  # and the session goes on
+        expected, _ = chat(recomputed, session, "still there?", max_tokens=3)
+        assert reply == expected  # the KV that survived the kills is as good as none
+        path = fresh.store.path(fresh.store.get_session(s.id).head_id)
+        assert [(m.role, m.content) for m in path[-2:]] == [("user", "still there?"), ("assistant", reply)]
 
 
 def test_two_processes_writing_different_sessions_lose_nothing(qwen2, tmp_path):
@@ -247,7 +255,7 @@ def test_two_processes_writing_different_sessions_lose_nothing(qwen2, tmp_path):
     engine = engine_for(qwen2, db, block_size=64)
     a, b = engine.new_session("a"), engine.new_session("b")
     base = ["--db", str(db), "--model", str(qwen2)]
-    for round_ in range(3):
+    for round_ in range(2):
         procs = [
             run_cli(
                 [
@@ -271,8 +279,8 @@ def test_two_processes_writing_different_sessions_lose_nothing(qwen2, tmp_path):
     store = ChatStore(db)
     for s in (a, b):
         path = store.path(store.get_session(s.id).head_id)
-        assert [m.content for m in path if m.role == "user"] == [f"round {r} for {s.title}" for r in range(3)]
-        assert [m.role for m in path] == ["user", "assistant"] * 3
+        assert [m.content for m in path if m.role == "user"] == [f"round {r} for {s.title}" for r in range(2)]
+        assert [m.role for m in path] == ["user", "assistant"] * 2
 
 
 def test_a_conversation_longer_than_the_window_shifts_instead_of_recomputing(qwen2, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from llama_chat.app.cli import main
 from llama_chat.storage import SCHEMA_VERSION, ChatStore, StoreError
-from llama_chat.storage.store import StoredBlock, StoredTail
+from llama_chat.storage.records import StoredBlock, StoredTail
 
 
 @pytest.fixture

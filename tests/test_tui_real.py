@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from textual import events
 
 import conftest
 from conftest import real_cache
 from llama_chat.app.config import Config
 from llama_chat.app.tui import ChatApp
-from llama_chat.app.widgets import ChatInput
+from tui_pilot import idle, opened, type_while_replying
 
 pytestmark = pytest.mark.real_model
 
@@ -131,32 +130,17 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
         tmux.kill()
 
 
-def test_keys_typed_while_the_default_model_streams_reach_the_input(qwen_model_path, tmp_path, monkeypatch):
-    """Every key reaches the input while the real model writes (how fast: `llama-chat bench`)."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+def test_keys_typed_while_the_default_model_streams_reach_the_input(qwen_model_path, tmp_path):
+    """Every key reaches the input while the real model writes (how fast: `llama-chat bench`, app_key_ms)."""
     config = Config(path=tmp_path / "config.toml", max_tokens=60, sampling={"temperature": 0})
 
     async def run() -> str:
         app = ChatApp(tmp_path / "chat.db", model=str(qwen_model_path), config=config)
-        async with app.run_test(size=(110, 34)) as pilot:
-            while not app.chat.engine_ready.is_set():
-                await pilot.pause(0.05)
-            await pilot.press(*"Explain what a KV cache is.")
-            app.post_message(events.Key("enter", None))
-            while not (len(app.chat.views()) == 2 and app.chat.views()[1].content):
-                await asyncio.sleep(0.01)
-            chat_input = app.chat.query_one(ChatInput)
-            for ch in "abcdefghij":
-                assert app.chat.reply is not None  # still streaming
-                app.post_message(events.Key(ch, ch))  # as the terminal driver sends it
-                while not chat_input.text.endswith(ch):
-                    await asyncio.sleep(0.001)
-                await asyncio.sleep(0.1)
+        async with opened(app) as pilot:
+            typed = await type_while_replying(pilot, "Explain what a KV cache is.", "abcdefghij", 0.1)
             app.chat.action_stop()
-            while app.chat.reply is not None:
-                await asyncio.sleep(0.05)
-            return chat_input.text
+            await idle(pilot)
+            return typed
 
     with real_cache():
         assert asyncio.run(run()) == "abcdefghij"

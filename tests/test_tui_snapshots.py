@@ -7,13 +7,12 @@ depend on timing.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from llama_chat.app.config import Config
 from llama_chat.app.tui import ChatApp
 from llama_chat.storage import ChatStore
+from tui_pilot import ready
 
 SIZE = (100, 30)
 REPLY = """Here is a function that adds two numbers:
@@ -26,12 +25,6 @@ def add(a: int, b: int) -> int:
 - it takes **two** arguments
 - it returns their sum
 """
-
-
-@pytest.fixture(autouse=True)
-def isolated_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
 def conversation(store: ChatStore, title: str, reply: str = REPLY):
@@ -52,11 +45,7 @@ async def settled(pilot) -> None:
     """Model loaded, session resumed, workers done; then the timing figures fixed and the cursor
     steady (a blinking one is drawn or not depending on when the picture is taken)."""
     app = pilot.app
-    deadline = time.monotonic() + 120  # only stops a hung test: a busy machine just takes longer
-    while not (app.chat.engine_ready.is_set() and all(w.is_finished for w in app.workers)):
-        assert time.monotonic() < deadline, "the app never settled"
-        await pilot.pause(0.02)
-    await pilot.pause()
+    await ready(pilot)
     for field in app.screen.query("Input, TextArea"):
         field.cursor_blink = False
     app.chat.status.set(

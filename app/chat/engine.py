@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from llama_chat.inference import (
@@ -33,9 +33,7 @@ from llama_chat.storage.store import ChatStore, Message, Session
 
 from .jobs import Event, Job, stream_text
 from .scheduler import Scheduler
-
-DEFAULT_CODEC = "q6"  # the smallest codec whose resumed replies matched live ones (see README)
-DEFAULT_CTX = 4096
+from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
 
 
 @dataclass
@@ -118,8 +116,8 @@ class ChatEngine:
         self,
         model: Model,
         store: ChatStore,
-        codec: str = DEFAULT_CODEC,
-        n_ctx: int = DEFAULT_CTX,
+        codec: str = CODEC,
+        n_ctx: int = N_CTX,
         scheduler: Scheduler | None = None,
         remote: RemoteTier | None = None,
     ):
@@ -157,7 +155,10 @@ class ChatEngine:
 
         As much as the window holds: the next prompt never needs more of it, and when it needs less
         (room for a long reply), prompt() cuts the restored KV down by context shift."""
-        messages = self.messages(session)
+        return self.window_ids(self.messages(session))
+
+    def window_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens of a conversation as it is stored: its newest turns that fit the window."""
         return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False)[1]
 
     def open(self, session: Session) -> tuple[KVSequence, ResumeInfo]:
@@ -205,10 +206,8 @@ class ChatEngine:
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def sampling(self, session: Session, **overrides) -> SamplingParams:
-        fields = {**session.sampling, **{k: v for k, v in overrides.items() if v is not None}}
-        known = SamplingParams.__dataclass_fields__
-        return SamplingParams(**{k: v for k, v in fields.items() if k in known})
+    def sampling(self, session: Session) -> SamplingParams:
+        return sampling_params(session.sampling)
 
     def submit_reply(
         self,
@@ -216,7 +215,8 @@ class ChatEngine:
         user_text: str | None,
         *,
         sampling: SamplingParams | None = None,
-        max_tokens: int = 512,
+        max_tokens: int = MAX_TOKENS,
+        stop: Sequence[str] = (),
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
@@ -248,7 +248,8 @@ class ChatEngine:
             return saved
 
         return self._submit(
-            session, prepare, finish, sampling, max_tokens=max_tokens, on_event=on_event, cancel=cancel, stats=stats
+            session, prepare, finish, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event, cancel=cancel,
+            stats=stats,
         )
 
     def _submit(self, session: Session, prepare, finish, sampling: SamplingParams | None, **job_args) -> Job:
@@ -317,21 +318,36 @@ class ChatEngine:
         """Bring the KV up to the end of the stored conversation (unless not `complete`: then what it holds
         of it), then store what is new, in one transaction."""
         with self.lock:
-            ids = self.conversation_ids(session)
-            if seq.private:
-                shift_to(self.model, seq, ids)
-            held = seq.reuse_prefix(ids)
-            if complete and held < len(ids) <= seq.n_ctx:
-                self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
-            full, tail = seq.snapshot()
+            held = self.hold_kv(seq, self.conversation_ids(session), complete)
+        self.store_kv(session.id, held)
+
+    def hold_kv(self, seq: KVSequence, ids: list[int], complete: bool = True) -> KVSequence:
+        """With the lock held: bring seq's KV up to `ids`, a stored conversation's tokens (unless not
+        `complete`: then what it holds of them), and return a fork of it that keeps its blocks for
+        store_kv. That one may run on another thread while the scheduler goes on: full blocks never
+        change, and the fork's last one is copied by whoever writes to it next."""
+        if seq.private:
+            shift_to(self.model, seq, ids)
+        held = seq.reuse_prefix(ids)
+        if complete and held < len(ids) <= seq.n_ctx:
+            self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
+        return seq.fork()
+
+    def store_kv(self, session_id: str, held: KVSequence) -> None:
+        """Store what hold_kv kept as the session's KV (encoding only blocks not stored yet), then free it."""
+        try:
+            full, tail = held.snapshot()
             self.kv.save(
-                session.id,
+                session_id,
                 [(b.key, b.tokens) for b in full],
                 lambda i: self.model.pool.block_kv(full[i]),
                 tail,
-                seq.n_tokens,
-                seq.namespace,
+                held.n_tokens,
+                held.namespace,
             )
+        finally:
+            with self.lock:
+                held.free()
 
     def verify(self, session: Session) -> VerifyResult:
         """Recompute the KV of a session resumed from imported blocks and compare each block with it.
@@ -382,7 +398,7 @@ class ChatEngine:
         n: int = 1,
         *,
         sampling: SamplingParams | None = None,
-        max_tokens: int = 512,
+        max_tokens: int = MAX_TOKENS,
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> Job:

@@ -140,19 +140,25 @@ class Scheduler:
                 self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
 
     def _prefill(self, run: _Run) -> None:
-        """One batch of the run's prompt; when it is all computed, its replies start."""
+        """One batch of the run's prompt; when it is all computed, its replies start. Blocks that
+        another job computed since this one was admitted (clients sending the same system prompt at
+        once) are taken first, not computed again."""
         job, stats = run.job, run.job.stats[0]
         if run.done and job.cancelled:  # the sequence keeps the batches done, for the next turn
             return self._start(run)
+        held = run.seq.n_tokens
+        if run.seq.reuse_prefix(run.prompt[:-1]) > held:
+            run.todo, run.done, run.passes = run.prompt[run.seq.n_tokens :], 0, None
         t0 = time.perf_counter()
         try:
             if run.passes is None:
                 run.passes = self.model.prefill(run.todo, run.seq)
-            run.done, run.logits = next(run.passes)
+            done, run.logits = next(run.passes)
         except Exception as e:  # noqa: BLE001 — e.g. the context window is full
             return self._end(run, State.FAILED, e)
         stats.prefill_s += time.perf_counter() - t0
-        stats.prefilled_tokens = run.done
+        stats.prefilled_tokens += done - run.done
+        run.done = done
         if len(run.todo) > self.model.prefill_batch:
             job.emit("prefill", done=run.done, total=len(run.todo))
         if run.done == len(run.todo):

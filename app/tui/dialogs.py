@@ -1,4 +1,4 @@
-"""The TUI's dialogs: confirm, text entry, session settings, model choice, alternatives, help."""
+"""The chat's dialogs: confirm, text entry, session settings, model choice, alternatives, help."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
-from llama_chat.inference import SamplingParams
+from ..chat.settings import REPLY_SETTINGS, SettingError
 
 CANCEL = Binding("escape", "cancel", "Cancel", id="dialog_cancel")
 
@@ -96,17 +96,6 @@ class TextScreen(Dialog):
         self.dismiss(field.text if isinstance(field, TextArea) else field.value)
 
 
-SAMPLING_FIELDS = [  # (key, label, type)
-    ("temperature", "temperature (0 = greedy)", float),
-    ("top_k", "top-k (0 = off)", int),
-    ("top_p", "top-p (1 = off)", float),
-    ("min_p", "min-p (0 = off)", float),
-    ("repeat_penalty", "repeat penalty (1 = off)", float),
-    ("seed", "seed (empty = random)", int),
-    ("max_tokens", "longest reply, in tokens", int),
-]
-
-
 class SettingsScreen(Dialog):
     """Title, system prompt and sampling of one session; dismisses with {title, system_prompt, sampling}."""
 
@@ -115,8 +104,8 @@ class SettingsScreen(Dialog):
     def __init__(self, title: str, system_prompt: str | None, sampling: dict, max_tokens: int):
         super().__init__("Chat settings")
         self.session_title, self.system_prompt = title, system_prompt or ""
-        self.values = {**{k: getattr(SamplingParams(), k) for k, _, _ in SAMPLING_FIELDS[:-1]}, **sampling}
-        self.values.setdefault("max_tokens", max_tokens)
+        defaults = {s.key: s.default for s in REPLY_SETTINGS} | {"max_tokens": max_tokens}
+        self.values = defaults | sampling
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog wide"):
@@ -126,13 +115,13 @@ class SettingsScreen(Dialog):
             yield Label("System prompt", classes="field-label")
             yield TextArea(self.system_prompt, soft_wrap=True, id="system-prompt")
             with Grid(id="sampling"):
-                for key, label, kind in SAMPLING_FIELDS:
-                    value = self.values.get(key)
-                    yield Label(label)
+                for setting in REPLY_SETTINGS:
+                    value = self.values.get(setting.key)
+                    yield Label(setting.label)
                     yield Input(
                         "" if value is None else str(value),
-                        type="integer" if kind is int else "number",
-                        id=key,
+                        type="integer" if setting.kind is int else "number",
+                        id=setting.key,
                         compact=True,
                     )
             yield Label("", id="error", classes="error")
@@ -147,19 +136,13 @@ class SettingsScreen(Dialog):
     def action_save(self) -> None:
         sampling = {}
         try:
-            for key, _, kind in SAMPLING_FIELDS:
-                text = self.query_one(f"#{key}", Input).value.strip()
+            for setting in REPLY_SETTINGS:  # max_tokens too: kept with the session, the engine ignores it
+                text = self.query_one(f"#{setting.key}", Input).value.strip()
                 if text:
-                    sampling[key] = kind(text)
-            max_tokens = sampling.pop("max_tokens", None)
-            if max_tokens is not None and max_tokens < 1:
-                raise ValueError("the longest reply must be at least 1 token")
-            SamplingParams(**sampling)  # the same checks a reply would make
-        except ValueError as e:
+                    sampling[setting.key] = setting.parse(text)
+        except SettingError as e:
             self.query_one("#error", Label).update(str(e))
             return
-        if max_tokens is not None:
-            sampling["max_tokens"] = max_tokens  # kept with the session; the engine ignores the key
         self.dismiss(
             {
                 "title": self.query_one("#title", Input).value.strip() or self.session_title,

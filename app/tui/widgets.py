@@ -1,18 +1,22 @@
-"""The chat widgets: one message, the input, the sessions sidebar and the status line."""
+"""The chat's own widgets: one message, the input, the status line and what it says."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
-from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
-from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea, Tree
+from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
 
-from llama_chat.storage import Message, Session
+from llama_chat.storage import Message
+
+if TYPE_CHECKING:
+    from llama_chat.inference import Model
+
+    from ..chat.engine import ResumeInfo
 
 AUTHORS = {"user": "you", "assistant": "assistant"}
 
@@ -21,9 +25,10 @@ class MessageView(Vertical, can_focus=True):
     """A message of the conversation, as Markdown; focus it (↑ from the input) to act on it."""
 
     BINDINGS = [
-        Binding("e", "edit", "Edit", id="edit_message"),
-        Binding("c", "copy", "Copy", id="copy_message"),
-        Binding("y", "copy_code", "Copy code", id="copy_code"),
+        # a tooltip puts the action in the command palette, where it acts on the selected (or last) message
+        Binding("e", "edit", "Edit", id="edit_message", tooltip="Edit a message of yours, in a new branch"),
+        Binding("c", "copy", "Copy", id="copy_message", tooltip="Copy the message"),
+        Binding("y", "copy_code", "Copy code", id="copy_code", tooltip="Copy a code block (again: the next)"),
         Binding("up,k", "step(-1)", "Previous", id="previous_message", show=False),
         Binding("down,j", "step(1)", "Next", id="next_message", show=False),
     ]
@@ -137,99 +142,41 @@ class ChatInput(TextArea):
             super().action_cursor_up(select)
 
 
-@dataclass(frozen=True)
-class ChatRef:
-    """What a sidebar line opens: a session and, on a search hit, the message that matched."""
-
-    session_id: str
-    message_id: int | None = None
+def model_label(model: Model) -> str:
+    """The model as it was chosen: its file's stem, which for a known model is its short name. The
+    GGUF's own general.name can describe another build ("… AWQ" on the default Q4_K_M file)."""
+    return model.path.stem
 
 
-@dataclass
-class SearchHit:
-    message_id: int
-    snippet: str
+def resume_text(info: ResumeInfo) -> str:
+    """How a session came back: "2,048 tokens restored in 38 ms" (or "… of …" when some were not)."""
+    if info.restored != info.tokens:
+        return info.describe()
+    return f"{info.tokens:,} tokens restored in {info.seconds * 1000:.0f} ms"
 
 
-def branch_label(session: Session, parent_title: str, shared: int | None) -> Text:
-    """A session's line: a branch under its parent by what it adds to the title ("(fork)") and
-    where it left the parent, so that the original and its forks never look the same."""
-    title = session.title
-    if parent_title and title.startswith(parent_title) and title != parent_title:
-        title = title[len(parent_title) :].strip() or title
-    label = Text(" ".join(title.split()))  # titles stored before they were tidied
-    if shared is not None:
-        label.append(f" · after msg {shared}" if shared else " · from the start", style="dim")
-    return label
+def speed_text(stats: dict) -> str | None:
+    """A stored reply's speeds and, when prompt lookup guessed, how many guessed tokens were kept; a
+    part that did not run (a reply stopped while it read) is left out."""
+    prefill, decode = stats.get("prefill_tok_s", 0), stats.get("decode_tok_s", 0)
+    parts = [f"prefill {prefill:,.0f}"] if prefill else []
+    parts += [f"decode {decode:,.1f}"] if decode else []
+    text = " · ".join(parts) + " tok/s" if parts else None
+    drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_tokens", 0)
+    return f"{text} · lookup {accepted}/{drafted}" if text and drafted else text
 
 
-class SessionTree(Tree[ChatRef]):
-    """The conversations, newest first, each fork under the session it came from; in search results,
-    the matching messages under their session."""
+# -- what workers tell the status line (posting is thread-safe) ---------------------------------
 
-    BINDINGS = [Binding("delete,d", "delete", "Delete", id="delete_session")]
 
-    class Delete(UIMessage):
-        def __init__(self, session_id: str):
-            super().__init__()
-            self.session_id = session_id
+class Progress(UIMessage):
+    def __init__(self, label: str, done: float | None = None, total: float | None = None):
+        super().__init__()
+        self.label, self.done, self.total = label, done, total
 
-    def __init__(self, **kwargs):
-        super().__init__("chats", **kwargs)
-        self.show_root = False
-        self.guide_depth = 2
 
-    def show_sessions(
-        self,
-        sessions: list[Session],
-        current: str | None,
-        branch_points: dict[str, int],
-        hits: dict[str, list[SearchHit]] | None = None,
-    ) -> None:
-        """Draw the sessions as a tree; `branch_points`: how many messages a fork shares with its
-        parent; `hits`: search results to list under their session (None: not a search)."""
-        ids = {s.id for s in sessions}
-        children: dict[str | None, list[Session]] = {}
-        for s in sessions:
-            children.setdefault(s.forked_from if s.forked_from in ids else None, []).append(s)
-        for parent, kids in children.items():
-            if parent is not None:  # branches in the order they were made; roots stay newest first
-                kids.sort(key=lambda s: s.created)
-        self.clear()
-        current_node = None
-
-        def add(parent, session: Session, parent_title: str = "") -> None:
-            nonlocal current_node
-            label = branch_label(session, parent_title, branch_points.get(session.id))
-            if session.id == current:
-                label = Text("● ", style="bold") + label
-                label.stylize("bold")
-            kids = children.get(session.id, [])
-            session_hits = (hits or {}).get(session.id, [])
-            ref = ChatRef(session.id)
-            node = parent.add(label, data=ref, expand=True) if kids or session_hits else None
-            node = node or parent.add_leaf(label, data=ref)
-            if session.id == current:
-                current_node = node
-            for hit in session_hits:
-                node.add_leaf(Text(hit.snippet, style="dim"), data=ChatRef(session.id, hit.message_id))
-            for kid in kids:
-                add(node, kid, session.title)
-
-        for root in children.get(None, []):
-            add(self.root, root)
-        if hits is not None and not sessions:
-            self.root.add_leaf(Text("nothing found", style="dim"))
-        # search results from the first one, not from where the cursor was; else at the open chat
-        first = self.root.children[0] if self.root.children else None
-        target = first if hits is not None else current_node
-        if target is not None:  # once drawn: a node has no line before
-            self.call_after_refresh(self.move_cursor, target)
-
-    def action_delete(self) -> None:
-        node = self.cursor_node
-        if node is not None and node.data:
-            self.post_message(self.Delete(node.data.session_id))
+class WorkDone(UIMessage):
+    """Long work has ended: the bar goes. Posted like Progress, so it cannot overtake the last one."""
 
 
 class StatusLine(Horizontal):

@@ -1,0 +1,148 @@
+"""What a reply is made with, defined once: the sampling parameters and the app's defaults.
+
+The command line's flags, config.toml's [sampling] table, the settings a session stores and the TUI's
+settings screen are all read from REPLY_SETTINGS; a SamplingParams is built by sampling_params() alone.
+`inference/` keeps defaults of its own for use as a library; the app takes its defaults from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llama_chat.inference import SamplingParams
+from llama_chat.inference.kv_cache import DEFAULT_CACHE_RAM_MB
+
+MAX_TOKENS = 512  # the longest reply, in tokens
+N_CTX = 4096  # the context window, in tokens (a model trained on fewer gets its own)
+CACHE_RAM_MB = DEFAULT_CACHE_RAM_MB  # RAM for the KV block pool: the pool's own default
+CODEC = "q6"  # KV snapshots: the smallest codec whose resumed replies matched live ones (see README)
+
+
+class SettingError(ValueError):
+    """A setting's value that cannot be used: one line naming the setting and what it must be."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # the SamplingParams field, the key in config.toml and in a session's stored settings
+    kind: type  # int or float
+    default: int | float | None
+    label: str  # on the settings screen
+    help: str  # in --help, before the default
+    low: float | None = None  # the smallest value allowed
+    high: float | None = None  # the largest value allowed
+    low_open: bool = False  # `low` itself is refused: more than it, not "or more"
+    flag: str = ""  # on the command line; --the-key-with-dashes unless given
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.key.replace("_", "-")
+
+    def check(self, value) -> int | float:
+        """The value as this setting's type, or SettingError saying what it must be."""
+        wrong_type = isinstance(value, bool) or not isinstance(value, self.kind | int)  # 1 is a float's 1.0
+        if wrong_type:
+            raise SettingError(f"{self.key} must be {self.kind_name}, not {value!r}")
+        value = self.kind(value)
+        # written so that NaN fails too
+        too_low = self.low is not None and not (value > self.low if self.low_open else value >= self.low)
+        too_high = self.high is not None and not value <= self.high
+        if too_low or too_high:
+            raise SettingError(f"{self.key} must be {self.allowed}, not {value}")
+        return value
+
+    def parse(self, text: str) -> int | float:
+        """A value typed as text (a flag, a field of the settings screen)."""
+        try:
+            value = self.kind(text.strip())
+        except ValueError:
+            raise SettingError(f"{self.key} must be {self.kind_name}, not {text!r}") from None
+        return self.check(value)
+
+    @property
+    def kind_name(self) -> str:
+        return "an integer" if self.kind is int else "a number"
+
+    @property
+    def allowed(self) -> str:
+        """The values allowed, in words ("between 0 and 1")."""
+        if self.high is not None:
+            return f"between {self.low:g} and {self.high:g}"
+        return f"more than {self.low:g}" if self.low_open else f"{self.low:g} or more"
+
+
+_PARAMS = SamplingParams()  # inference's defaults are the app's
+
+SAMPLING: tuple[Setting, ...] = (
+    Setting(
+        "temperature",
+        float,
+        _PARAMS.temperature,
+        "temperature (0 = greedy)",
+        "how freely tokens are drawn; 0 is greedy",
+        low=0,
+        flag="--temp",
+    ),
+    Setting("top_k", int, _PARAMS.top_k, "top-k (0 = off)", "keep the k likeliest tokens; 0 is off", low=0),
+    Setting(
+        "top_p",
+        float,
+        _PARAMS.top_p,
+        "top-p (1 = off)",
+        "keep the likeliest tokens up to this probability; 1 is off",
+        low=0,
+        high=1,
+    ),
+    Setting(
+        "min_p",
+        float,
+        _PARAMS.min_p,
+        "min-p (0 = off)",
+        "drop tokens less likely than this times the best; 0 is off",
+        low=0,
+        high=1,
+    ),
+    Setting(
+        "repeat_penalty",
+        float,
+        _PARAMS.repeat_penalty,
+        "repeat penalty (1 = off)",
+        "penalty on recent tokens; 1 is off",
+        low=0,
+        low_open=True,
+    ),
+    Setting(
+        "seed",
+        int,
+        _PARAMS.seed,
+        "seed (empty = random)",
+        "a seed makes a reply reproducible; without one it is random",
+    ),
+)
+REPLY_MAX_TOKENS = Setting(
+    "max_tokens", int, MAX_TOKENS, "longest reply, in tokens", "the longest reply, in tokens", low=1
+)
+# what a session stores and the settings screen shows: the sampling, and the longest reply
+REPLY_SETTINGS: tuple[Setting, ...] = (*SAMPLING, REPLY_MAX_TOKENS)
+SETTINGS = {s.key: s for s in REPLY_SETTINGS}
+
+
+def checked(values: dict, known: tuple[Setting, ...] = REPLY_SETTINGS) -> dict:
+    """`values` with every key one of `known` and every value allowed; else SettingError on the first
+    that is not. None stays None (not set: the default applies)."""
+    names = {s.key: s for s in known}
+    for key in values:
+        if key not in names:
+            raise SettingError(f"unknown setting '{key}' (known: {', '.join(names)})")
+    return {key: None if value is None else names[key].check(value) for key, value in values.items()}
+
+
+def sampling_params(settings: dict) -> SamplingParams:
+    """The SamplingParams of a reply from its settings (a session's, a config's, flags): keys that are
+    not sampling (max_tokens) are left out; a missing or None one takes the default."""
+    return SamplingParams(**{s.key: settings[s.key] for s in SAMPLING if settings.get(s.key) is not None})
+
+
+def max_tokens(settings: dict, default: int = MAX_TOKENS) -> int:
+    """The longest reply these settings allow: their own max_tokens, else `default`."""
+    return int(settings.get("max_tokens") or default)

@@ -1,0 +1,174 @@
+"""The sub-commands on stored conversations: `sessions …` (list, show, fork, rename, rm, search, verify,
+gc, check), and export and import of .llamachat files."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+
+from llama_chat.storage import ChatStore, StoreError
+
+from .chat.engine import session_title
+from .commands import open_engine, open_store
+from .progress import ProgressBar
+from .terminal import print_json
+
+
+def when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+
+def list_sessions(args) -> int:
+    sessions = open_store(args).list_sessions()
+    if args.json:
+        print_json([s.to_json() for s in sessions])
+        return 0
+    for s in sessions:
+        fork = f"  (fork of {s.forked_from})" if s.forked_from else ""
+        print(f"{s.id}  {when(s.updated)}  {s.n_tokens:>6} tok  {s.title}{fork}")
+    return 0
+
+
+def show_session(args) -> int:
+    store = open_store(args)
+    session = store.get_session(args.id)
+    messages = store.path(session.head_id)
+    if args.json:
+        print_json({**session.to_json(), "messages": [asdict(m) for m in messages]})
+        return 0
+    print(f"{session.title} ({session.id}, {session.model_name or 'no model yet'})")
+    if session.system_prompt:
+        print(f"  system: {session.system_prompt}")
+    for m in messages:
+        print(f"  [{m.id}] {m.role}: {m.content}")
+    return 0
+
+
+def fork_session(args) -> int:
+    store = open_store(args)
+    title = session_title(args.title) if args.title else None
+    print(store.fork_session(store.get_session(args.id).id, args.at, title).id)
+    return 0
+
+
+def rename_session(args) -> int:
+    store = open_store(args)
+    store.rename_session(store.get_session(args.id).id, session_title(args.title))
+    return 0
+
+
+def remove_session(args) -> int:
+    store = open_store(args)
+    session = store.get_session(args.id)
+    removed = store.delete_session(session.id)
+    print(f"deleted session {session.id} and {removed} message(s) only it reached")
+    return 0
+
+
+def search_sessions(args) -> int:
+    for session, message in open_store(args).search(args.text):
+        print(f"{session.id}  {session.title}  [{message.id}] {message.role}: {message.content[:100]}")
+    return 0
+
+
+def verify_session(args) -> int:
+    store = open_store(args)
+    session = store.get_session(args.id)  # an unknown session fails before the model loads
+    print(f"session {session.id}: {open_engine(args, store).verify(session).describe()}")
+    return 0
+
+
+def collect_garbage(args) -> int:
+    budget = None if args.budget is None else args.budget * 2**20
+    result = open_store(args).gc(budget)
+    print(
+        f"removed {result['blocks_removed']} block(s), {result['bytes_freed'] / 2**20:.1f} MB; "
+        f"{result['blocks']} block(s), {result['bytes'] / 2**20:.1f} MB kept"
+    )
+    return 0
+
+
+def check_database_file(args) -> int:
+    """`sessions check`: 0 when the file is sound; 1 when damaged, with what could be read recovered.
+    The database is not opened as a store: a damaged one is only read."""
+    from llama_chat.storage.repair import check_database
+
+    db = args.db
+    report = check_database(db, args.output)
+    if not report.problems:
+        print(f"{db}: ok (integrity check passed)")
+        return 0
+    for problem in report.problems[:10]:
+        print(f"{db}: damaged: {problem}")
+    print(
+        f"recovered {report.sessions} session(s), {report.messages} message(s) into {report.recovered_to}, "
+        f"by {report.method}; the damaged file was left as it was"
+    )
+    return 1
+
+
+def cmd_export(args) -> int:
+    from llama_chat.storage.exchange import default_file_name, export_session
+    from llama_chat.storage.exchange_file import SUFFIX
+    from llama_chat.storage.transcript import export_markdown, markdown_transcript
+
+    store = ChatStore(args.db)
+    session = store.get_session(args.id)
+    # a transcript is text for people: to the terminal (or a pipe) unless -o names a file
+    to_stdout = str(args.output) == "-" or (args.markdown and args.output is None)
+    if args.markdown and (args.tree or args.codec):
+        raise StoreError("--markdown writes one branch as text: --tree and --codec do not apply")
+    if to_stdout and not args.markdown:
+        raise StoreError("a .llamachat file is binary: give -o FILE (only --markdown goes to stdout)")
+    if args.markdown and to_stdout:
+        sys.stdout.write(markdown_transcript(store, session.id))
+        return 0
+    name = default_file_name(session, ".md" if args.markdown else SUFFIX)
+    out = args.output or Path(name)
+    if out.is_dir():
+        out = out / name
+    if args.markdown:
+        export_markdown(store, session.id, out)
+        print(out)
+        return 0
+    with ProgressBar() as bar:
+        summary = export_session(
+            store, session.id, out, with_kv=args.with_kv, codec=args.codec, tree=args.tree, progress=bar
+        )
+    print(summary.describe(), file=sys.stderr)
+    print(out)
+    return 0
+
+
+def model_here(args) -> tuple[str | None, str | None]:
+    """The fingerprint of the model this command line chats with (--model, or the default), read
+    without building a model; (None, why) when there is no usable one."""
+    from llama_chat.inference import ModelError, resolve_model
+    from llama_chat.inference.weights import model_info
+
+    try:
+        with ProgressBar() as bar:  # draws only when the model must first be assembled or read
+            return model_info(resolve_model(args.model, bar), bar).fingerprint, None
+    except ModelError as e:
+        return None, str(e)
+
+
+def cmd_import(args) -> int:
+    from llama_chat.storage.exchange import import_session
+    from llama_chat.storage.exchange_file import read_session_file
+
+    with ProgressBar() as bar:
+        exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
+    fingerprint, why = model_here(args) if exported.has_kv else (None, None)
+    store = ChatStore(args.db)
+    try:
+        result = import_session(store, exported, model_fingerprint=fingerprint)
+    finally:
+        store.close()
+    print(result.describe(), file=sys.stderr)
+    if why and result.kv == "recompute":
+        print(f"(no usable model here: {why})", file=sys.stderr)
+    print("\n".join(result.session_ids))
+    return 0

@@ -1,0 +1,168 @@
+"""POST /v1/chat/completions: a request parsed, its job submitted, and the job's events rendered as
+one JSON reply or as a stream of chunks (server-sent events). A client that leaves cancels its job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llama_chat.inference.errors import ContextFullError
+from llama_chat.storage import Session, StoreError
+
+from ..chat.engine import SavedReply
+from ..chat.jobs import Job, State
+from ..chat.scheduler import QueueFull
+from .errors import (
+    ApiError,
+    busy,
+    context_length_exceeded,
+    invalid,
+    server_error,
+    session_not_found,
+    unavailable,
+)
+from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion
+from .state import ServerState
+from .transport import JobEvents, ended_or_gone, read_json
+
+RETRY_AFTER_S = 1
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    req = parse_completion(
+        await read_json(request, state.options.max_body), request.headers.get("x-session-id")
+    )
+    state.check_model(req.model)
+    engine = state.ready()
+    events = JobEvents()
+    reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
+    headers = {}
+    if req.session is None:
+        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events))
+    else:
+        session = await run_in_threadpool(find_session, state, req.session)
+        await state.lock_session(session.id)
+        events.at_end = lambda: state.unlock_session(session.id)  # the next turn may start then
+        try:
+            job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
+        except BaseException:
+            events.at_end = None
+            state.unlock_session(session.id)
+            raise
+        headers["X-Session-Id"] = session.id
+    if req.stream:
+        return EventSourceResponse(_chunks(job, events, reply, req.include_usage), headers=headers)
+    if not await ended_or_gone(request, events):
+        job.cancel()  # the client left: nobody will read the reply
+        return Response(status_code=499)
+    if job.state is not State.DONE:
+        raise _failure(job)
+    session_id = await kept_session(job)
+    if session_id is not None:
+        headers["X-Session-Id"] = session_id
+    texts = [job.text(i) for i in range(job.n)]
+    return JSONResponse(reply.completion(texts, job.stats, session_id), headers=headers)
+
+
+def find_session(state: ServerState, session_id: str) -> Session:
+    """A stored session by id (or unique prefix); 404 when there is none."""
+    try:
+        return state.ready().store.get_session(session_id)
+    except StoreError as e:
+        raise session_not_found(str(e)) from None
+
+
+def _submitted(submit: Callable[[], Job]) -> Job:
+    """submit(), with the scheduler's refusals said as the API says them."""
+    try:
+        return submit()
+    except QueueFull:
+        raise busy(RETRY_AFTER_S) from None
+    except ContextFullError as e:
+        raise invalid(str(e), param="messages", code="context_length_exceeded") from None
+    except RuntimeError:  # the scheduler is closed
+        raise unavailable("The server is shutting down.", "shutting_down") from None
+
+
+def _submit_conversation(state: ServerState, req: CompletionRequest, events: JobEvents) -> Job:
+    conversations, n_ctx = state.conversations, state.engine.n_ctx
+    prompt = conversations.prompt(req.messages)
+    if len(prompt) >= n_ctx:
+        raise context_length_exceeded(len(prompt), n_ctx)
+    return conversations.submit(
+        req.messages,
+        prompt,
+        n=req.n,
+        sampling=req.sampling,
+        max_tokens=req.max_tokens,
+        stop=req.stop,
+        store=req.store,
+        on_event=events,
+    )
+
+
+def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, events: JobEvents) -> Job:
+    try:
+        return state.conversations.submit_turn(
+            session,
+            req.messages[-1]["content"],
+            sampling=req.sampling,
+            max_tokens=req.max_tokens,
+            stop=req.stop,
+            on_event=events,
+        )
+    except ValueError as e:  # an empty message
+        raise invalid(f"The new message cannot be used: {e}.", param="messages") from None
+    except StoreError as e:  # deleted meanwhile
+        raise session_not_found(str(e)) from None
+
+
+async def kept_session(job: Job) -> str | None:
+    """The session the reply was stored in, if it was (waiting for the writer to store it)."""
+    result = job.result
+    if isinstance(result, Future):
+        result = await asyncio.wrap_future(result)
+    if isinstance(result, SavedReply):
+        result = result.session
+    return result.id if isinstance(result, Session) else None
+
+
+def _failure(job: Job) -> ApiError:
+    if job.state is State.CANCELLED:  # not by the client: the server is closing
+        return unavailable("The server is shutting down; the reply was cut short.", "shutting_down")
+    return server_error(f"The reply failed: {job.error}")
+
+
+async def _chunks(job: Job, events: JobEvents, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
+    asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does."""
+    try:
+        for i in range(job.n):
+            yield _data(reply.chunk(i, {"role": "assistant", "content": ""}))
+        async for event in events:
+            if event.kind == "text" and event.text:
+                yield _data(reply.chunk(event.alt, {"content": event.text}))
+        if job.state is not State.DONE:
+            yield _data(_failure(job).body())
+            return
+        session_id = await kept_session(job)
+        for i, stats in enumerate(job.stats):
+            yield _data(reply.chunk(i, {}, finish_reason(stats), session=session_id))
+        if include_usage:
+            yield _data(reply.usage_chunk(job.stats, session_id))
+        yield "[DONE]"
+    finally:
+        if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping
+            job.cancel()
+
+
+def _data(value: dict) -> str:
+    return json.dumps(value, ensure_ascii=False)

@@ -1,0 +1,182 @@
+"""Replies for clients of the server, as jobs on the one scheduler every client shares.
+
+Two kinds of request:
+- a conversation sent whole (OpenAI's way: each request carries its history). Its prompt is prefilled
+  into a fresh sequence of the shared block pool, so every full block any earlier request (or the TUI,
+  or an earlier process, through the database) computed is reused, not recomputed. When the reply is
+  done the conversation is kept as a session made by the API — appended to the session where the
+  same history left off, else a new one — and its KV snapshotted as the TUI's is. So its blocks
+  outlive the process (and `sessions gc`, which keeps what sessions use), and the client's next turn
+  after a restart reads them from disk. A request with `"store": false` keeps nothing.
+- a turn of a stored session: the chat engine's own reply, resumed from RAM, stored blocks and the
+  session's stored tail, so only the new turn is computed.
+
+No HTTP here: the server's routes (app.py) parse requests and render the jobs' events.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from llama_chat.inference import KVSequence, chat_prompt_ids
+from llama_chat.storage import Message, Session, StoreError
+
+from ..chat.engine import ChatEngine, reply_stats, session_title
+from ..chat.jobs import Event, Job
+from ..chat.settings import max_tokens as longest
+from ..chat.settings import sampling_params
+
+API_ORIGIN = "api"  # sessions.origin of the conversations this server keeps
+TITLE_CHARS = 48
+
+
+def split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    """A leading system message becomes the session's system prompt; the rest are its turns."""
+    if messages and messages[0]["role"] == "system":
+        return messages[0]["content"], messages[1:]
+    return None, messages
+
+
+def title_of(turns: list[dict]) -> str:
+    first = next((m["content"] for m in turns if m["role"] == "user"), "")
+    return session_title(first)[:TITLE_CHARS].rstrip() or "API chat"
+
+
+class Conversations:
+    def __init__(self, engine: ChatEngine):
+        self.engine = engine
+        self.model = engine.model
+        # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The prompt of a conversation sent whole, as the model's chat template renders it."""
+        return chat_prompt_ids(self.model, messages)
+
+    def submit(
+        self,
+        messages: list[dict],
+        prompt: list[int],
+        *,
+        n: int,
+        sampling: dict,
+        max_tokens: int | None,
+        stop: list[str],
+        store: bool,
+        on_event: Callable[[Event], None],
+    ) -> Job:
+        """A conversation sent whole: n replies to its prompt, in one job; job.result is the future of
+        the session it is kept in (None: not kept)."""
+        engine = self.engine
+        base: list[KVSequence] = []
+
+        def prepare() -> tuple[list[int], KVSequence]:
+            base.append(self.model.new_sequence(engine.n_ctx))
+            return prompt, base[0]
+
+        def finish(job: Job) -> Future | None:
+            if not store or job.stats[0].stop_reason not in ("eog", "stop", "length"):
+                return None  # cancelled or failed: the client has no reply to continue from
+            return self._keep(messages, sampling, job)
+
+        def on_end(event: Event) -> None:
+            if event.kind == "end":  # on the scheduler thread, which holds the pool: give the KV back
+                for seq in {id(s): s for s in [*base, *event.job.seqs]}.values():
+                    seq.free()
+            on_event(event)
+
+        job = Job(
+            prepare,
+            n=n,
+            sampling=sampling_params(sampling),
+            max_tokens=engine.n_ctx if max_tokens is None else max_tokens,
+            stop=stop,
+            finish=finish,
+            on_event=on_end,
+        )
+        return engine.scheduler.submit(job)
+
+    def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
+        """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
+        (alternative 0) is brought up to its stored form and held; storing it, and the messages, is
+        left to the writer thread, so the replies streaming meanwhile do not wait on SQLite. Returns
+        the future of the session they go in (None: not stored)."""
+        stats = job.stats[0]
+        reply = Message(0, None, "assistant", job.text(0), stats.token_ids, time.time(), reply_stats(stats))
+        conversation = [*messages, {"role": "assistant", "content": reply.content}]
+        held = self.engine.hold_kv(job.seqs[0], self.engine.window_ids(conversation))
+        return self.writer.submit(self._store, messages, sampling, reply, held)
+
+    def _store(self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence) -> Session | None:
+        """The conversation and its reply stored — appended to the API session where the same history
+        left off, else in a new one (with the request's sampling settings) — then its KV. A failure
+        costs only the cache: the client has its reply, so it is said on stderr."""
+        store = self.engine.store
+        system, turns = split_system(messages)
+        asked = [Message(0, None, m["role"], m["content"], None, reply.created, None) for m in turns]
+        try:
+            history = [(m["role"], m["content"]) for m in turns[:-1]]
+            session = store.session_ending_with(API_ORIGIN, system, history)
+            if session is None:
+                session = store.create_session(
+                    title_of(turns),
+                    model_fingerprint=self.model.fingerprint,
+                    model_name=self.model.name,
+                    system_prompt=system,
+                    sampling=sampling,
+                    origin=API_ORIGIN,
+                )
+                new = [*asked, reply]
+            else:
+                new = [*asked[-1:], reply]
+            stored, _ = store.append_turn(session.id, session.head_id, new)
+        except StoreError as e:
+            with self.engine.lock:
+                held.free()
+            print(f"llama-chat serve: a conversation was not stored: {e}", file=sys.stderr)
+            return None
+        try:
+            self.engine.store_kv(stored.id, held)
+        except StoreError as e:
+            print(f"llama-chat serve: a conversation's KV was not stored: {e}", file=sys.stderr)
+        return stored
+
+    def close(self) -> None:
+        """Wait for what the writer has left to store."""
+        self.writer.shutdown(wait=True)
+
+    def submit_turn(
+        self,
+        session: Session,
+        text: str,
+        *,
+        sampling: dict,
+        max_tokens: int | None,
+        stop: list[str],
+        on_event: Callable[[Event], None],
+    ) -> Job:
+        """The next turn of a stored session, as long as the request or else the session's settings allow;
+        job.result is a SavedReply (where it was stored). The
+        session's KV stays in RAM only as cached blocks once it ended, so that no session holds the
+        pool: the next turn takes them back (or reads them from the database)."""
+        engine = self.engine
+
+        def on_end(event: Event) -> None:
+            if event.kind == "end":  # on the scheduler thread, which holds the pool
+                saved = event.job.result
+                engine.close(session.id)
+                if saved is not None and saved.session is not None:
+                    engine.close(saved.session.id)
+            on_event(event)
+
+        return engine.submit_reply(
+            session,
+            text,
+            sampling=sampling_params({**session.sampling, **sampling}),
+            max_tokens=longest(session.sampling, engine.n_ctx) if max_tokens is None else max_tokens,
+            stop=stop,
+            on_event=on_end,
+        )

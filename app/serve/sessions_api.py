@@ -1,0 +1,186 @@
+"""/v1/sessions: the stored conversations over HTTP — list, create, show, fork, delete, export and
+import (.llamachat files) — on the same database as the TUI and the CLI, so a session moves between
+them and any server that shares the file. A turn is added with POST /v1/chat/completions and
+"session": ID (or the X-Session-Id header)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from llama_chat.storage import StoreError
+from llama_chat.storage.exchange import (
+    MAX_DATA_BYTES,
+    MAX_MANIFEST_BYTES,
+    ExchangeError,
+    default_file_name,
+    export_session,
+    import_session,
+    read_session_file,
+)
+
+from ..chat.engine import session_title
+from .completions import find_session
+from .conversations import API_ORIGIN
+from .errors import invalid
+from .state import ServerState
+from .transport import read_json, save_body
+
+MAX_IMPORT = MAX_MANIFEST_BYTES + MAX_DATA_BYTES + (1 << 20)  # the largest file import would read
+
+
+def _state(request: Request) -> ServerState:
+    state = request.app.state.server
+    state.ready()
+    return state
+
+
+def _text_field(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise invalid(f"'{name}' must be a string.", param=name)
+    return value
+
+
+async def list_sessions(request: Request) -> Response:
+    store = _state(request).engine.store
+    sessions = await run_in_threadpool(store.list_sessions)
+    return JSONResponse({"object": "list", "data": [s.to_json() for s in sessions]})
+
+
+async def create_session(request: Request) -> Response:
+    state = _state(request)
+    body = await read_json(request, state.options.max_body)
+    title, system = _text_field(body, "title"), _text_field(body, "system_prompt")
+    engine = state.engine
+
+    def create():
+        return engine.store.create_session(
+            session_title(title or "") or "API chat",
+            model_fingerprint=engine.model.fingerprint,
+            model_name=engine.model.name,
+            system_prompt=system or None,
+            origin=API_ORIGIN,
+        )
+
+    session = await run_in_threadpool(create)
+    return JSONResponse(session.to_json(), status_code=201)
+
+
+async def show_session(request: Request) -> Response:
+    state = _state(request)
+    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+    messages = await run_in_threadpool(state.engine.store.path, session.head_id)
+    return JSONResponse({**session.to_json(), "messages": [asdict(m) for m in messages]})
+
+
+async def fork_session(request: Request) -> Response:
+    state = _state(request)
+    body = await read_json(request, state.options.max_body)
+    at = body.get("at_message")
+    if at is not None and (isinstance(at, bool) or not isinstance(at, int)):
+        raise invalid("'at_message' must be a message id (an integer).", param="at_message")
+    title = _text_field(body, "title")
+    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+
+    def fork():
+        try:
+            return state.engine.fork(session, at, session_title(title) if title else None)
+        except StoreError as e:  # a message not on the session's path
+            raise invalid(f"Cannot fork there: {e}.", param="at_message") from None
+
+    child = await run_in_threadpool(fork)
+    return JSONResponse(child.to_json(), status_code=201)
+
+
+async def delete_session(request: Request) -> Response:
+    state = _state(request)
+    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+    await state.lock_session(session.id)  # after a turn being made in it has been stored
+    try:
+
+        def delete() -> int:
+            engine = state.engine
+            with engine.lock:
+                engine.close(session.id)
+            return engine.store.delete_session(session.id)
+
+        removed = await run_in_threadpool(delete)
+    finally:
+        state.unlock_session(session.id)
+    return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True, "messages": removed})
+
+
+async def export(request: Request) -> Response:
+    state = _state(request)
+    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+    query = request.query_params
+    with_kv = query.get("kv", "1") not in ("0", "false", "no")
+    tree = query.get("tree", "0") in ("1", "true", "yes")
+    folder = Path(tempfile.mkdtemp(prefix="llama-chat-export-"))
+    path = folder / default_file_name(session)
+    try:
+        codec = query.get("codec") or None
+        store = state.engine.store
+        await run_in_threadpool(export_session, store, session.id, path, with_kv=with_kv, codec=codec, tree=tree)
+    except ExchangeError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise invalid(str(e), param="codec") from None
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return FileResponse(
+        path,
+        media_type="application/octet-stream",
+        filename=path.name,
+        background=BackgroundTask(shutil.rmtree, folder, ignore_errors=True),
+    )
+
+
+async def import_file(request: Request) -> Response:
+    state = _state(request)
+    folder = Path(tempfile.mkdtemp(prefix="llama-chat-import-"))
+    try:
+        path = folder / "upload.llamachat"
+        await save_body(request, path, MAX_IMPORT)
+        fingerprint = state.engine.model.fingerprint
+
+        def read_and_import():
+            try:
+                return import_session(state.engine.store, read_session_file(path), model_fingerprint=fingerprint)
+            except ExchangeError as e:
+                raise invalid(f"Not a usable .llamachat file: {e}") from None
+
+        result = await run_in_threadpool(read_and_import)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return JSONResponse(
+        {
+            "object": "session.import",
+            "ids": result.session_ids,
+            "title": result.title,
+            "messages": result.messages,
+            "kv": result.kv,
+            "blocks_added": result.blocks_added,
+        },
+        status_code=201,
+    )
+
+
+ROUTES = [
+    Route("/v1/sessions", list_sessions, methods=["GET"]),
+    Route("/v1/sessions", create_session, methods=["POST"]),
+    Route("/v1/sessions/import", import_file, methods=["POST"]),
+    Route("/v1/sessions/{id}", show_session, methods=["GET"]),
+    Route("/v1/sessions/{id}", delete_session, methods=["DELETE"]),
+    Route("/v1/sessions/{id}/fork", fork_session, methods=["POST"]),
+    Route("/v1/sessions/{id}/export", export, methods=["GET"]),
+]

@@ -1,0 +1,188 @@
+"""What the server is and has: its options, and its life — loading the model, ready, closing.
+
+The model loads in a thread after the server starts listening, so /health can say "loading" (503)
+meanwhile; every request that needs the model gets 503 until it is ready, and again once the server
+is shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_chat.inference import DEFAULT_MODEL, Model, load_model
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.storage import ChatStore
+
+from ..chat.engine import ChatEngine
+from ..chat.scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
+from ..chat.settings import CACHE_RAM_MB, N_CTX
+from ..progress import ProgressBar
+from .conversations import Conversations
+from .errors import model_not_found, unavailable
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+MAX_BODY = 8 << 20  # bytes of a JSON request; a full 32k-token conversation is well under 1 MB
+
+
+@dataclass
+class ServeOptions:
+    db: Path
+    model: str | None = None  # a known model's name or a .gguf path; None: the default model
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    parallel: int = DEFAULT_PARALLEL
+    queue: int = DEFAULT_QUEUE
+    api_key: str | None = None
+    ctx: int = N_CTX
+    cache_ram_mb: float = CACHE_RAM_MB
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prompt_lookup: bool = True
+    max_body: int = MAX_BODY
+    kv_remote: str | None = None  # a Redis/Valkey URL: KV blocks shared with other servers
+    kv_secret: str | None = None  # what signs them there
+
+    @property
+    def model_id(self) -> str:
+        """The name clients give as "model": the known model's, or the file's stem."""
+        name = self.model or DEFAULT_MODEL
+        return Path(name).stem if name.endswith(".gguf") else name
+
+
+def say(line: str) -> None:
+    print(f"llama-chat serve: {line}", file=sys.stderr, flush=True)
+
+
+class ServerState:
+    def __init__(self, options: ServeOptions, load: Callable[[ServeOptions], Model] | None = None):
+        self.options = options
+        self._load = load or open_model
+        self.started = int(time.time())
+        self.phase = "loading"  # then "ready", or "failed"; at the end "closing"
+        self.failure: str | None = None  # why the model could not be loaded
+        self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
+        self.engine: ChatEngine | None = None
+        self.conversations: Conversations | None = None
+        self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
+        self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # the lock, and who holds or waits
+        self._thread: threading.Thread | None = None
+
+    # -- life --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._start, name="model-load", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        options, t0 = self.options, time.perf_counter()
+        say(f"loading {options.model_id}")
+        try:
+            store = ChatStore(options.db)
+            model = self._load(options)
+            scheduler = Scheduler(model, options.parallel, options.queue)
+            remote = open_remote(options, model.fingerprint)
+            engine = ChatEngine(model, store, n_ctx=options.ctx, scheduler=scheduler, remote=remote)
+        except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
+            self.failure, self.phase = str(e), "failed"
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+            return
+        self.names |= {model.name, model.path.stem}
+        self.engine, self.conversations = engine, Conversations(engine)
+        if self.phase == "loading":
+            self.phase = "ready"
+        say(
+            f"{model.name} ready in {time.perf_counter() - t0:.1f} s ({engine.n_ctx:,}-token context, "
+            f"{options.parallel} replies at once, {options.queue} waiting at most)"
+        )
+
+    def begin_closing(self) -> None:
+        """New requests get 503; every running reply is cancelled (what was made is kept)."""
+        self.phase = "closing"
+        if self.engine is not None:
+            threading.Thread(target=self.engine.scheduler.close, name="closing", daemon=True).start()
+
+    def close(self) -> None:
+        self.begin_closing()
+        if self._thread is not None:
+            self._thread.join()
+        if self.engine is not None:
+            self.engine.scheduler.close()
+            self.conversations.close()
+            self.engine.store.close()
+
+    # -- what requests ask -------------------------------------------------------------------------
+
+    def ready(self) -> ChatEngine:
+        if self.phase == "ready":
+            return self.engine
+        if self.phase == "loading":
+            raise unavailable("The model is still loading; retry in a moment.", "model_loading")
+        if self.phase == "failed":
+            raise unavailable(f"The model could not be loaded: {self.failure}", "model_failed")
+        raise unavailable("The server is shutting down.", "shutting_down")
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise model_not_found(name, self.options.model_id)
+
+    async def lock_session(self, session_id: str) -> None:
+        """One turn at a time per session, in this server: the next waits, then follows the last."""
+        lock, users = self._session_locks.get(session_id, (asyncio.Lock(), 0))
+        self._session_locks[session_id] = lock, users + 1
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._unlist(session_id)
+            raise
+
+    def unlock_session(self, session_id: str) -> None:
+        self._session_locks[session_id][0].release()
+        self._unlist(session_id)
+
+    def _unlist(self, session_id: str) -> None:
+        lock, users = self._session_locks[session_id]
+        if users == 1:
+            del self._session_locks[session_id]
+        else:
+            self._session_locks[session_id] = lock, users - 1
+
+    def health(self) -> dict:
+        """Replies running and waiting, and the KV pool's bytes: in use by replies, cached for reuse."""
+        engine = self.ready()
+        with engine.lock:  # the pool changes at every step
+            memory = engine.model.pool.memory_breakdown()
+        kv = {k: memory[k] for k in ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")}
+        return {"status": "ok", "model": self.options.model_id, **engine.scheduler.load(), "kv": kv}
+
+
+def open_model(options: ServeOptions) -> Model:
+    with ProgressBar() as bar:
+        return load_model(
+            options.model,
+            progress=bar,
+            cache_ram_mb=options.cache_ram_mb,
+            block_size=options.block_size,
+            prompt_lookup=options.prompt_lookup,
+        )
+
+
+def open_remote(options: ServeOptions, fingerprint: str):
+    """The remote KV tier of --kv-remote, if one is named (RemoteTierError says what is wrong)."""
+    if not options.kv_remote:
+        return None
+    from llama_chat.storage.remote import RemoteTier
+
+    return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
+
+
+def api_key_from(flag: str | None) -> str | None:
+    """--api-key, else LLAMA_CHAT_API_KEY; an empty one is none."""
+    return flag or os.environ.get("LLAMA_CHAT_API_KEY") or None

@@ -1,0 +1,126 @@
+"""The terminal side of the headless commands: input checked before use, a reply streamed with its stats."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+from llama_chat.inference import GenerationStats
+from llama_chat.storage import StoreError
+
+from .chat.jobs import Job, stream_text
+from .progress import ProgressBar
+from .signals import ReplySignals
+
+
+class UsageError(Exception):
+    """Input on the command line or stdin that cannot be used (empty, not UTF-8): one line, exit 2."""
+
+
+def print_json(value) -> None:
+    print(json.dumps(value, ensure_ascii=False))
+
+
+def say(line: str) -> None:
+    """A line on stderr, where a closed terminal (SIGHUP) must not turn a stored reply into a traceback."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def write(text: str) -> bool:
+    """Text on stdout; False once no one reads it (a closed terminal or pipe)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except OSError:
+        return False
+
+
+def read_text(value: str) -> str:
+    """The argument, or stdin for '-'; bytes that are not UTF-8 are refused here, before anything is
+    stored (Python hands them on as lone surrogates, which SQLite and the tokenizer cannot take)."""
+    where = "stdin" if value == "-" else "the argument"
+    try:
+        text = sys.stdin.read() if value == "-" else value
+        text.encode("utf-8")
+    except UnicodeError:
+        raise UsageError(f"{where}: not UTF-8 text") from None
+    return text
+
+
+def read_prompt(value: str) -> str:
+    """The text of a question: read_text's, and not empty (an empty turn is not a question)."""
+    text = read_text(value)
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
+
+
+def prefill_bar():
+    """on_prefill for a terminal: a bar on stderr while a long prompt is read, erased before the reply."""
+    if not sys.stderr.isatty():
+        return None
+    bar = ProgressBar()
+
+    def report(done: int, total: int) -> None:
+        bar("reading the prompt", done, total)
+        if done >= total:
+            bar.clear()
+
+    return report
+
+
+def stream_reply(job: Job, signals: ReplySignals) -> None:
+    """One reply on the terminal: a bar on stderr while its prompt is read, its text on stdout as it
+    comes, then a line of stats on stderr. The job should stop at `signals.cancel`. However the writing
+    ends (the reply's end, a cancel, a closed terminal, a second signal), the job is cancelled and
+    waited for, so it keeps what it made; what it made beyond what was written is written then, so a
+    stored reply is the one shown."""
+    shown = 0
+    try:
+        try:
+            for piece in stream_text(job, prefill_bar()):
+                if not write(piece):
+                    break
+                shown += len(piece)
+        finally:
+            if job.state.ended and len(job.text()) > shown:
+                write(job.text()[shown:])
+            write("\n")
+    except KeyboardInterrupt:
+        pass  # a second signal: the caller says what became of the reply
+    except StoreError:
+        if signals.received is None:
+            raise
+        # a signal gave up waiting for the database: the caller says what became of the reply
+    stats = job.stats[0]
+    print_stats(stats, signals.stop_reason(stats.stop_reason))
+
+
+def print_stats(stats: GenerationStats, stop: str | None = None) -> None:
+    say(
+        f"[{stats.prompt_tokens} prompt tokens, {stats.prefilled_tokens} prefilled at {stats.prefill_tok_s:.1f} tok/s; "
+        f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s{lookup_text(stats)}; "
+        f"stop: {stop or stats.stop_reason}]"
+    )
+
+
+def lookup_text(stats: GenerationStats) -> str:
+    """How prompt lookup did, when it guessed anything: tokens drafted and accepted."""
+    if not stats.drafted_tokens:
+        return ""
+    return f" ({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted)"
+
+
+def open_remote(args, fingerprint: str):
+    """The remote KV tier of --kv-remote, if one is named; a bad URL or a missing secret is one line."""
+    if not args.kv_remote:
+        return None
+    from llama_chat.storage.remote import RemoteTier, RemoteTierError
+
+    try:
+        return RemoteTier.from_url(args.kv_remote, args.kv_secret, fingerprint)
+    except RemoteTierError as e:
+        raise UsageError(str(e)) from None

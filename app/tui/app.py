@@ -1,0 +1,143 @@
+"""`llama-chat`'s full-screen app: the chat screen, settings and themes from the config dir, the keys."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from textual.app import App
+from textual.binding import Binding
+from textual.screen import Screen
+
+from llama_chat.inference import KNOWN_MODELS, resolve_model
+from llama_chat.storage import ChatStore
+
+from ..chat.settings import CACHE_RAM_MB
+from ..config import DEFAULT_THEME, Config, ConfigError, State, load_themes
+from ..terminal import open_remote
+from .chat_screen import ChatScreen
+from .sidebar import SessionTree
+from .widgets import ChatInput, MessageView
+
+if TYPE_CHECKING:  # redis is imported only where a tier is used
+    from llama_chat.storage.remote import RemoteTier
+
+
+class ChatApp(App, inherit_bindings=False):
+    """`llama-chat`: the sessions, the conversation, the input; settings and themes from the config dir."""
+
+    CSS_PATH = Path(__file__).parent / "llama_chat.tcss"  # absolute: subclasses live elsewhere
+    TITLE = "llama-chat"
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
+        Binding("ctrl+p", "command_palette", "Commands", id="command_palette", show=False, priority=True),
+        Binding("ctrl+c", "help_quit", show=False, system=True, id="help_quit"),
+    ]
+
+    def __init__(
+        self,
+        db: Path,
+        model: str | None = None,
+        session_id: str | None = None,
+        config: Config | None = None,
+        cache_ram_mb: int = CACHE_RAM_MB,
+        prompt_lookup: bool = True,
+        remote: Callable[[str], RemoteTier | None] = lambda fingerprint: None,
+    ):
+        super().__init__()
+        self.prompt_lookup = prompt_lookup
+        self.remote = remote  # the shared KV tier (--kv-remote) for a model's fingerprint, or None
+        self.config = config or Config.load()
+        self.store = ChatStore(db)
+        self.state = State()
+        self.cache_ram_mb = cache_ram_mb
+        # an unknown --session fails here, before the screen opens (one line, exit 2)
+        session_id = self.store.get_session(session_id).id if session_id else None
+        self.chat = ChatScreen(model or self.config.model, session_id)
+        themes, problems = load_themes()
+        for theme in themes:
+            self.register_theme(theme)
+        self.theme_problems = problems
+        self.theme = self.config.theme if self.config.theme in self.available_themes else DEFAULT_THEME
+        self.set_keymap(self.config.keymap)
+
+    def on_mount(self) -> None:
+        self.push_screen(self.chat)
+        self.theme_changed_signal.subscribe(self, self.theme_chosen)
+        for problem in self.theme_problems:
+            self.notify(problem, title="Theme not loaded", severity="warning")
+        for problem in self.config.problems:
+            self.notify(problem, title="Setting left out", severity="warning")
+        if self.config.theme not in self.available_themes:
+            self.notify(f"unknown theme '{self.config.theme}' in {self.config.path}", severity="warning")
+        unknown = set(self.config.keymap) - {bid for _, rows in self.key_help() for _, _, bid in rows}
+        if unknown:
+            self.notify(
+                f"{self.config.path}: unknown binding id(s) {', '.join(sorted(unknown))}", severity="warning"
+            )
+
+    def theme_chosen(self, theme) -> None:
+        if theme.name != self.config.theme:
+            try:
+                self.config.save_setting("theme", theme.name)
+            except OSError as e:
+                self.notify(f"{self.config.path}: {e}", severity="error")
+            except ConfigError as e:  # the file was changed by hand into bad TOML meanwhile
+                self.notify(str(e), severity="error")
+
+    def get_system_commands(self, screen: Screen):
+        yield from super().get_system_commands(screen)
+        if isinstance(screen, ChatScreen):
+            yield from screen.commands()
+
+    def key_help(self) -> list[tuple[str, list[tuple[str, str, str]]]]:
+        """The keys by place, with the user's keymap applied: (heading, [(keys, description, id)])."""
+
+        def rows(bindings, extra=()):
+            out = []
+            for b in bindings:
+                keys = self.config.keymap.get(b.id, b.key)
+                out.append((", ".join(k.strip() for k in keys.split(",")), b.description, b.id))
+            return out + list(extra)
+
+        return [
+            ("Anywhere", rows(ChatScreen.BINDINGS + [b for b in ChatApp.BINDINGS if not b.system])),
+            ("Writing a message", rows(ChatInput.BINDINGS, [("up", "to the messages above", "-")])),
+            (
+                "A selected message (the fork and regenerate keys act on it too)",
+                rows(MessageView.BINDINGS, [("escape", "back to the input", "-")]),
+            ),
+            ("Sidebar", rows(SessionTree.BINDINGS, [("enter", "open the chat", "-")])),
+        ]
+
+    async def action_quit(self) -> None:
+        """Quit; a reply being written is stopped and stored first."""
+        await self.chat.stop_replies()
+        self.exit()
+
+
+def cmd_tui(args) -> int:
+    """`llama-chat` (no command): the full-screen chat."""
+    try:
+        config = Config.load()
+    except ConfigError as e:
+        print(f"llama-chat: error: {e}", file=sys.stderr)
+        return 2
+    model = args.model or config.model
+    if model is not None and model not in KNOWN_MODELS:
+        resolve_model(model)  # a missing or foreign file: one line and exit 2, before the screen opens
+    app = ChatApp(
+        args.db,
+        model,
+        args.session,
+        config,
+        args.cache_ram,
+        not args.no_lookup,
+        remote=lambda fingerprint: open_remote(args, fingerprint),
+    )
+    app.run()
+    if app.chat.loading_model:  # a worker thread cannot be stopped; the process ends when it does
+        print(f"llama-chat: {app.chat.loading_model}; exiting when it ends", file=sys.stderr)
+    return app.return_code or 0

@@ -1,0 +1,112 @@
+"""A `llama-chat serve` for tests — in a thread of the test's process, on an ephemeral loopback port,
+with the real `openai` client — and what the serve tests share."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from llama_chat.app.serve.server import make_server, url
+from llama_chat.app.serve.state import ServeOptions
+
+BLOCK = 8  # tokens per KV block: the tiny models' prompts span several
+SYSTEM = "the sun and the water are the world; " * 3
+LONG = "x y z"  # greedy, the tiny qwen2 model goes on past 200 tokens from this prompt
+MODEL = "tiny-qwen2"  # the file's stem is the model's id
+
+
+class Served:
+    """A server in a thread of this process, as `llama-chat serve --port 0` runs it."""
+
+    def __init__(self, db: Path, model: Path, api_key: str | None = None, load=None, **options):
+        opts = ServeOptions(db=db, model=str(model), port=0, block_size=BLOCK, **options)
+        self.server, sock = make_server(opts, api_key, load)
+        self.url = url(sock)
+        self.state = self.server.state
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0)
+
+    def wait_ready(self) -> Served:
+        for _ in range(600):
+            if self.state.phase == "ready":
+                return self
+            assert self.state.phase == "loading", self.state.failure
+            time.sleep(0.05)
+        raise AssertionError("the model did not load")
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    @property
+    def model(self):
+        return self.state.engine.model
+
+    @property
+    def scheduler(self):
+        return self.state.engine.scheduler
+
+    def ask(self, text: str | list, **kwargs):
+        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+        kwargs.setdefault("max_tokens", 12)
+        return self.client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, headers, parsed JSON body) of a request sent as bytes."""
+        request = urllib.request.Request(self.url + path, data=body, method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+
+def streamed(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    """Texts and finish reasons by choice index, and the usage chunk, of a stream."""
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, usage
+
+
+def idle(s: Served) -> None:
+    """Wait until no reply runs or waits, and the KV pool holds no sequence: its baseline."""
+    for _ in range(400):
+        if s.scheduler.load() == {"active": 0, "queued": 0} and not s.model.pool.sequences:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"still busy: {s.scheduler.load()}, {len(s.model.pool.sequences)} sequence(s)")
+
+
+def blocks_in_use(s: Served) -> int:
+    return s.model.pool.memory_breakdown()["in_use_bytes"] // s.model.pool.block_bytes
+
+
+def error_of(response) -> tuple[int, dict]:
+    status, _, body = response
+    return status, json.loads(body)["error"]
+
+
+def post(s: Served, body, **headers):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return s.raw("POST", "/v1/chat/completions", data, {"Content-Type": "application/json", **headers})
+
+
+def wait_for(condition, timeout_s: float = 20) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the condition never held")

@@ -1,0 +1,126 @@
+"""The command line as users type it: global options before or after the command, flags from the one
+definition of the settings, one line for a bad value."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llama_chat.app.chat.settings import REPLY_SETTINGS
+from llama_chat.app.cli import build_parser, main
+from llama_chat.storage import ChatStore
+
+
+@pytest.fixture
+def qwen2(tiny_model_paths):
+    return tiny_model_paths["qwen2"]
+
+
+def test_global_options_work_after_the_command_too(qwen2, tmp_path, capsys):
+    db = tmp_path / "after.db"
+    ask = ["ask", "--model", str(qwen2), "--db", str(db), "--cache-ram", "64", "--no-lookup"]
+    assert main([*ask, "--new-session", "--temp", "0", "--max-tokens", "3", "hello the world"]) == 0
+    (session,) = ChatStore(db).list_sessions()
+    assert session.title == "hello the world"
+    capsys.readouterr()
+    assert main(["sessions", "list", "--json", "--db", str(db)]) == 0
+    assert [s["id"] for s in json.loads(capsys.readouterr().out)] == [session.id]
+    assert main(["sessions", "--db", str(db), "show", session.id[:6]]) == 0
+    assert "hello the world" in capsys.readouterr().out
+
+
+def test_an_option_before_the_command_is_kept_when_not_given_again(tmp_path):
+    parser = build_parser()
+    args = parser.parse_args(["--db", str(tmp_path / "a.db"), "--cache-ram", "64", "sessions", "list"])
+    assert (args.db, args.cache_ram) == (tmp_path / "a.db", 64)
+    args = parser.parse_args(
+        ["--db", str(tmp_path / "a.db"), "sessions", "list", "--db", str(tmp_path / "b.db")]
+    )
+    assert args.db == tmp_path / "b.db"  # the later one wins, as for any repeated option
+    args = parser.parse_args(["ask", "hi"])
+    assert (args.db, args.model, args.threads, args.no_lookup) == (None, None, None, False)
+
+
+COMMANDS = [
+    ["models"],
+    ["ask", "x"],
+    ["chat"],
+    ["tui"],
+    ["tokenize", "x"],
+    ["bench"],
+    ["export", "x"],
+    ["import", "f"],
+    *[["sessions", *a] for a in (["list"], ["show", "x"], ["fork", "x"], ["rename", "x", "y"], ["rm", "x"])],
+    *[["sessions", *a] for a in (["search", "x"], ["check"], ["verify", "x"], ["gc"])],
+]
+
+
+def test_each_command_is_dispatched_to_a_handler_of_its_own():
+    parser = build_parser()
+    handlers = [parser.parse_args(argv).handler for argv in COMMANDS]
+    assert all(callable(h) for h in handlers)
+    assert len(set(handlers)) == len(COMMANDS)
+
+
+def test_every_reply_setting_is_a_flag_and_one_not_given_is_not_set():
+    given = build_parser().parse_args(
+        ["ask", "x", "--temp", "0.5", "--top-k", "7", "--seed", "3", "--max-tokens", "9"]
+    )
+    assert {s.key: getattr(given, s.key) for s in REPLY_SETTINGS} == {
+        "temperature": 0.5,
+        "top_k": 7,
+        "top_p": None,
+        "min_p": None,
+        "repeat_penalty": None,
+        "seed": 3,
+        "max_tokens": 9,
+    }
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "complaint"),
+    [
+        ("--top-p", "3", "top_p must be between 0 and 1, not 3.0"),
+        ("--temp", "-1", "temperature must be 0 or more, not -1.0"),
+        ("--repeat-penalty", "0", "repeat_penalty must be more than 0, not 0.0"),
+        ("--top-k", "1.5", "top_k must be an integer, not '1.5'"),
+        ("--max-tokens", "0", "max_tokens must be 1 or more, not 0"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_the_flag(tmp_path, capsys, flag, value, complaint):
+    with pytest.raises(SystemExit) as exit:
+        main(["--db", str(tmp_path / "x.db"), "ask", flag, value, "hi"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {complaint}" in err.splitlines()[-1] and "Traceback" not in err
+    assert not (tmp_path / "x.db").exists()  # nothing was opened, let alone stored
+
+
+def test_threads_given_after_the_command_reach_the_kernels(qwen2, tmp_path):
+    """--threads is read before NumPy and numba load (they read it once, when they load)."""
+    code = (
+        "import sys; from llama_chat.app.cli import main; main(sys.argv[1:]); "
+        "import numba; print(numba.config.NUMBA_NUM_THREADS)"
+    )
+    args = ["tokenize", "--model", str(qwen2), "--threads", "1", "hello"]
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    ids, threads = run.stdout.strip().splitlines()
+    assert json.loads(ids) and threads == "1"
+
+
+def test_a_session_keeps_its_longest_reply_on_the_command_line(qwen2, tmp_path, capsys):
+    """A max_tokens stored with a session (the app's settings screen) holds for `ask --session` too,
+    unless --max-tokens says otherwise for that reply."""
+    db = tmp_path / "chat.db"
+    store = ChatStore(db)
+    session = store.create_session("short", sampling={"temperature": 0, "max_tokens": 2})
+    base = ["--db", str(db), "--model", str(qwen2), "ask", "--session", session.id]
+    assert main([*base, "hello the world"]) == 0
+    assert main([*base, "--max-tokens", "5", "and then"]) == 0
+    replies = [m for m in store.path(store.get_session(session.id).head_id) if m.role == "assistant"]
+    assert [m.stats["generated_tokens"] for m in replies] == [2, 5]
+    assert [m.stats["stop_reason"] for m in replies] == ["length", "length"]

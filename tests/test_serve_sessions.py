@@ -1,0 +1,143 @@
+"""`llama-chat serve`'s sessions: conversations sent whole kept as sessions, stored sessions over HTTP
+(list, show, fork, delete, export, import), a restart that reads the KV back from disk, the command
+line, and the CLI working on the same database while a server runs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from llama_chat.app.cli import main
+from llama_chat.inference import chat_prompt_ids
+from served import BLOCK, MODEL, SYSTEM, Served, error_of
+
+
+@pytest.fixture
+def served(tmp_path, qwen2):
+    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
+    yield s
+    s.stop()
+
+
+# -- sessions ----------------------------------------------------------------------------------------
+
+
+def test_a_conversation_sent_whole_is_kept_as_one_session_turn_after_turn(served):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]
+    first = served.ask(messages, seed=1)
+    assert first.session
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and the water"}]
+    second = served.ask(messages, seed=1)
+    assert second.session == first.session  # the same conversation goes on where it was left
+    shown = json.loads(served.raw("GET", f"/v1/sessions/{first.session}")[2])
+    assert shown["origin"] == "api" and shown["system_prompt"] == SYSTEM
+    assert [(m["role"], m["content"]) for m in shown["messages"]] == [
+        *[(m["role"], m["content"]) for m in messages[1:]],
+        ("assistant", second.choices[0].message.content),
+    ]
+    unstored = served.ask([{"role": "user", "content": "forget me"}], extra_body={"store": False})
+    assert unstored.session is None
+
+
+def test_a_stored_session_over_http(served):
+    status, _, body = served.raw("POST", "/v1/sessions", json.dumps({"title": "over http"}).encode())
+    assert status == 201
+    sid = json.loads(body)["id"]
+    one = served.ask("hello there", extra_body={"session": sid}, seed=1)
+    two = served.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "and then"}], max_tokens=8,
+        extra_headers={"X-Session-Id": sid},
+    )
+    assert one.session == two.session == sid
+    listed = json.loads(served.raw("GET", "/v1/sessions")[2])["data"]
+    assert sid in [s["id"] for s in listed]
+    messages = json.loads(served.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+    assert [m["content"] for m in messages] == [
+        "hello there", one.choices[0].message.content, "and then", two.choices[0].message.content,
+    ]
+    fork = json.loads(served.raw("POST", f"/v1/sessions/{sid}/fork", b'{"title": "other way"}')[2])
+    assert fork["forked_from"] == sid and fork["title"] == "other way"
+    with pytest.raises(openai.BadRequestError):
+        served.ask("hi", extra_body={"session": sid}, n=2)
+
+    status, headers, data = served.raw("GET", f"/v1/sessions/{sid}/export")
+    assert status == 200 and "attachment" in headers["Content-Disposition"]
+    status, _, body = served.raw("POST", "/v1/sessions/import", data)
+    assert status == 201
+    imported = json.loads(body)
+    assert imported["kv"] == "imported" and imported["messages"] == 4
+    copy = json.loads(served.raw("GET", f"/v1/sessions/{imported['ids'][0]}")[2])
+    assert [m["content"] for m in copy["messages"]] == [m["content"] for m in messages]
+    assert error_of(served.raw("POST", "/v1/sessions/import", b"not a file"))[0] == 400
+
+    status, _, body = served.raw("DELETE", f"/v1/sessions/{sid}")
+    assert status == 200 and json.loads(body)["deleted"]
+    assert served.raw("GET", f"/v1/sessions/{sid}")[0] == 404
+    assert served.raw("GET", f"/v1/sessions/{fork['id']}")[0] == 200  # its fork keeps the messages
+
+
+def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):
+    db = tmp_path / "chat.db"
+    first = Served(db, qwen2).wait_ready()
+    sid = json.loads(first.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
+    first.ask("hello there, tell me of the world", extra_body={"session": sid}, seed=1, max_tokens=20)
+    plain = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the water"}]
+    reply = first.ask(plain, seed=1, max_tokens=20)
+    first.stop()
+
+    again = Served(db, qwen2).wait_ready()  # a new process's pool: empty; the database has the KV
+    try:
+        engine = again.state.engine
+        held = chat_prompt_ids(again.model, engine.messages(engine.store.get_session(sid)), False)
+        turn = again.ask("and the sun", extra_body={"session": sid}, seed=1)
+        assert turn.usage.prompt_tokens_details.cached_tokens == len(held)  # blocks and tail, from disk
+
+        plain += [{"role": "assistant", "content": reply.choices[0].message.content},
+                  {"role": "user", "content": "and then"}]
+        before = chat_prompt_ids(again.model, plain[:-1], False)
+        more = again.ask(plain, seed=1)
+        assert more.session == reply.session
+        assert more.usage.prompt_tokens_details.cached_tokens == len(before) // BLOCK * BLOCK  # its full blocks
+    finally:
+        again.stop()
+
+
+def test_serve_on_the_command_line(tmp_path, qwen2):
+    env = {**os.environ, "LLAMA_CHAT_API_KEY": "k"}
+    cmd = [sys.executable, "-m", "llama_chat", "--db", str(tmp_path / "chat.db"), "--model", str(qwen2),
+           "serve", "--port", "0", "--host", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "listening on http://127.0.0.1:" in line and "API key required" in line
+        base = line.split("listening on ")[1].split()[0]
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        for line in proc.stderr:  # until the model is loaded (or the server says why not, and ends)
+            assert "error" not in line
+            if "ready" in line:
+                break
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.usage.completion_tokens <= 4
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+
+def test_the_cli_and_the_server_share_a_session_while_it_runs(served, qwen2, capsys):
+    sid = json.loads(served.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+    served.ask("hello there", extra_body={"session": sid}, seed=1, max_tokens=4)
+    db = str(served.state.options.db)
+    assert main(["--db", db, "--model", str(qwen2), "ask", "--session", sid, "--max-tokens", "4", "the water"]) == 0
+    served.ask("and the sun", extra_body={"session": sid}, seed=1, max_tokens=4)
+    messages = json.loads(served.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["hello there", "the water", "and the sun"]

@@ -1,0 +1,78 @@
+"""The one definition of a reply's settings: SamplingParams, config.toml and stored sessions agree with it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llama_chat.app.chat.settings import (
+    REPLY_SETTINGS,
+    SAMPLING,
+    SettingError,
+    checked,
+    max_tokens,
+    sampling_params,
+)
+from llama_chat.app.config import Config, ConfigError
+from llama_chat.inference import SamplingParams
+
+
+def test_the_sampling_settings_are_sampling_params_fields_with_their_defaults():
+    fields = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert {s.key: s.default for s in SAMPLING} == {k: fields[k] for k in (s.key for s in SAMPLING)}
+    assert sampling_params({}) == SamplingParams()
+
+
+def test_every_value_a_setting_allows_makes_a_reply():
+    """No value that passes a flag, the config file or the settings screen fails later, in the reply."""
+    for setting in SAMPLING:
+        edges = [setting.low, setting.high, 0.5, 7]
+        for value in [e for e in edges if e is not None]:
+            try:
+                allowed = setting.check(value if setting.kind is float else int(value))
+            except SettingError:
+                continue
+            assert getattr(sampling_params({setting.key: allowed}), setting.key) == allowed
+
+
+def test_stored_settings_make_the_sampling_and_the_longest_reply():
+    stored = {"temperature": 0.0, "seed": None, "max_tokens": 7}
+    params = sampling_params(stored)
+    assert (params.temperature, params.seed, params.top_k) == (0.0, None, SamplingParams().top_k)
+    assert max_tokens(stored) == 7 and max_tokens({}) == REPLY_SETTINGS[-1].default
+
+
+def test_checked_refuses_unknown_keys_and_values_out_of_range_in_one_line():
+    assert checked({"temperature": 1, "seed": None}) == {"temperature": 1.0, "seed": None}
+    with pytest.raises(SettingError, match=r"^unknown setting 'colour' \(known: temperature, top_k"):
+        checked({"colour": 1})
+    with pytest.raises(SettingError, match=r"^min_p must be between 0 and 1, not nan$"):
+        checked({"min_p": float("nan")})
+    with pytest.raises(SettingError, match=r"^seed must be an integer, not True$"):
+        checked({"seed": True})
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("[sampling]\ntop_p = 3\n", "[sampling] top_p must be between 0 and 1, not 3.0"),
+        ("[sampling]\ncolour = 1\n", "[sampling] unknown setting 'colour'"),
+        ("[sampling]\ntop_k = 2.5\n", "[sampling] top_k must be an integer, not 2.5"),
+        ("max_tokens = 0\n", "max_tokens must be 1 or more, not 0"),
+    ],
+)
+def test_a_bad_setting_in_config_toml_names_the_file_and_the_setting(tmp_path, text, complaint):
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        Config.load(path)
+    assert str(error.value).startswith(f"{path}: {complaint}")
+
+
+def test_config_toml_sampling_is_read_as_the_settings_types(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("max_tokens = 64\n[sampling]\ntemperature = 1\nseed = 5\n", encoding="utf-8")
+    config = Config.load(path)
+    assert config.sampling == {"temperature": 1.0, "seed": 5} and config.max_tokens == 64
+    assert sampling_params(config.sampling).temperature == 1.0
