@@ -162,6 +162,23 @@ def measure_prefill(model, n: int, repeats: int) -> float:
     return n / best
 
 
+def measure_short_prefill(model, cached: int, n: int, repeats: int) -> float:
+    """Milliseconds to read a new turn of n tokens after `cached` tokens already in the cache (the time
+    to first token of a continued chat), the best of `repeats`, each on a fork of the cached sequence."""
+    ids = sample_tokens(model.tokenizer, cached + n)
+    seq = model.new_sequence(cached + n + 1)
+    model.forward(ids[:cached], seq)
+    best = float("inf")
+    for _ in range(repeats):
+        turn = seq.fork()
+        t = time.perf_counter()
+        model.forward(ids[cached:], turn)
+        best = min(best, time.perf_counter() - t)
+        turn.free()
+    seq.free()
+    return best * 1000
+
+
 def measure_decode(model, context: int, n_tokens: int) -> float:
     ids = sample_tokens(model.tokenizer, context)
     seq = model.new_sequence(context + n_tokens + 1)
@@ -360,6 +377,13 @@ def run_bench(args) -> int:
     n_prefill = 64 if quick else 512
     prefill = measure_prefill(model, n_prefill, 1 if quick else 2)
     report("prefill_tok_s", round(prefill, 1), f"prefill, {n_prefill} tokens:     {prefill:.1f} tok/s")
+    cached = 256 if quick else 1024
+    short = measure_short_prefill(model, cached, 64, 1 if quick else 3)
+    report(
+        "prefill_64_after_1024_ms",
+        round(short, 1),
+        f"prefill, 64 tokens after {cached} cached: {short:.0f} ms",
+    )
     ctx, long_ctx = (64, 512) if quick else (512, 4096)
     decode, decode_long = measure_decode_contexts(model, (ctx, long_ctx), 4 if quick else 24)
     report("decode_tok_s", round(decode, 2), f"decode at context {ctx}:    {decode:.2f} tok/s")

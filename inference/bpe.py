@@ -211,11 +211,12 @@ class BPE:
         self.ignore_merges = pre in _IGNORE_MERGES
         self.pretokenizer = _Pretokenizer(_PRE_REGEXES[PRE_TYPES[pre]])
         self.token_to_id = token_to_id
-        self.ranks: dict[tuple[str, str], int] = {}
-        for rank, merge in enumerate(merges):
-            pos = merge.find(" ", 1)
-            pair = (merge[:pos], merge[pos + 1 :]) if pos >= 0 else ("", "")
-            self.ranks.setdefault(pair, rank)  # llama.cpp keeps the first rank of a repeated merge
+        # Ranks by the merge's own text "left right", looked up as left + " " + right: llama.cpp splits
+        # a merge at its first space after the first character, and the symbols of a word never hold
+        # a space (its bytes are mapped to printable stand-ins first), so both find the same merges;
+        # this dict is built in a tenth of the time a dict of 150k (left, right) tuples took. Built
+        # from the last merge to the first: llama.cpp keeps the first rank of a repeated merge.
+        self.ranks: dict[str, int] = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
         self.cache: dict[str, tuple[int, ...]] = {}
 
     def tokenize(self, text: str, out: list[int]) -> None:
@@ -254,7 +255,7 @@ class BPE:
             best_rank = None
             best = -1
             for i in range(len(parts) - 1):
-                rank = ranks.get((parts[i], parts[i + 1]))
+                rank = ranks.get(parts[i] + " " + parts[i + 1])
                 if rank is not None and (best_rank is None or rank < best_rank):
                     best_rank, best = rank, i
             if best < 0:
@@ -265,7 +266,7 @@ class BPE:
     def _merge_long(self, word: str) -> list[str]:
         """The same merges with llama.cpp's priority queue, O(n log n) for long words."""
         ranks = self.ranks
-        return merge_symbols(list(word), lambda left, right: ranks.get((left, right)))
+        return merge_symbols(list(word), lambda left, right: ranks.get(left + " " + right))
 
 
 def merge_symbols(syms: list[str], priority: Callable[[str, str], float | None]) -> list[str]:

@@ -4,10 +4,10 @@ Every integer format of ggml (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
 unsigned integer per weight times a float scale per group of 16 or 32 weights, plus a float offset in
 the formats with a minimum. Those integers all fit int8, so each format unpacks here into one shape:
 int8 values, a float32 scale per group and, where the format has one, a float32 offset per group —
-exactly the numbers ggml's `dequantize_row_*` multiplies (ggml-quants.c; one unpacker per format below
-follows it line by line). Float tensors (F32, F16, BF16) and the rarer formats keep float32 values.
+exactly the numbers ggml's `dequantize_row_*` multiplies (ggml-quants.c; one row decoder per format
+below follows it line by line). Float tensors (F32, F16, BF16) and the rarer formats keep float32 values.
 
-Packed, 64 rows are interleaved: values [rows/64, cols, 64]; each unpacker writes straight into that. A kernel then runs its vector lanes across
+Packed, 64 rows are interleaved: values [rows/64, cols, 64]. A kernel then runs its vector lanes across
 64 rows at once and applies each group's scale once per group, outside the innermost loop (a scale per
 32 weights inside a dot product keeps a compiler from vectorizing it).
 """
@@ -25,6 +25,10 @@ from .jit import in_cache, njit, prange
 from .kernels import LANES
 
 F32 = np.float32
+Q = gguf.GGMLQuantizationType
+# The formats as the kernel sees them (numba reads module constants at compile time).
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = (int(q) for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0))
+_Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 
 
 @dataclass
@@ -45,168 +49,173 @@ class PackedMatrix:
         return sum(a.nbytes for a in (self.values, self.scales, self.offsets) if a is not None)
 
 
-def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The float16 field at byte `at` of every block, as float32 [n_blocks]."""
-    return np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)[:, 0].astype(F32)
+# One unpacker for every integer format, following ggml's dequantize_row_* (ggml-quants.c) line by line:
+# blocks [n_blocks, block_bytes] uint8 of one GGUF tensor, in row-major order (`per_row` blocks a row)
+# → its integers at rows row0… of the packed values [groups, n_cols, LANES], and the scale (and offset)
+# of each group of weights in scales (offsets) [groups, n_cols / group_size, LANES].
+#
+# Each packed group (64 rows) is one task: its rows are read in file order and decoded, vectorized
+# along the row, into a tile [LANES, n_cols]; then the tile is transposed into the group. Writing
+# each weight straight to its lane instead (one byte every 64, and 64 rows of the file read at once)
+# took 2–4× the CPU time. The float16 scales are converted here too, not by NumPy beforehand.
 
 
-# One unpacker per format, following ggml's dequantize_row_*: blocks [n_blocks, block_bytes] uint8, in
-# row-major order (`per_row` blocks a row) → the integers of each block, written to values[g, col, lane]
-# of rows row0… of the packed matrix. The K-quant unpackers also give the scales (and offsets) of their
-# sub-blocks [n_blocks, groups_per_block]; for the others those are one float16 per block (see pack).
+@njit(cache=True, inline="always")
+def _half(block, at):
+    """The IEEE float16 at byte `at` of a block, as float32 (exact: every float16 is a float32)."""
+    h = np.uint32(block[at]) | (np.uint32(block[at + 1]) << 8)
+    exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
+    if exponent == 0:  # zero or subnormal: mantissa · 2^-24
+        value = F32(mantissa) * F32(2.0**-24)
+        return -value if h & 0x8000 else value
+    exponent = np.uint32(0xFF) if exponent == 31 else exponent + 112  # inf and NaN keep all ones
+    return np.uint32(((h & 0x8000) << 16) | (exponent << 23) | (mantissa << 13)).view(F32)
 
 
-@njit(cache=True)
-def _n_tiles(blocks, per_row):
-    """Blocks are visited in tiles of up to 64 rows × one column block: the tile's values land in one
-    or two contiguous runs of the packed matrix, not scattered one byte per cache line."""
-    return -(-(blocks.shape[0] // per_row) // LANES) * per_row
-
-
-@njit(cache=True)
-def _tile_rows(t, blocks, per_row):
-    """The source rows and column block of tile t."""
-    n_rows = blocks.shape[0] // per_row
-    first = (t // per_row) * LANES
-    return first, min(first + LANES, n_rows), t % per_row
-
-
-@njit(cache=True)
-def _at(i, row0, per_row, block_len):
-    """Where block i's first weight goes: (group, column, lane)."""
-    row = row0 + i // per_row
-    return row // LANES, (i % per_row) * block_len, row % LANES
-
-
-@njit(cache=True)
-def _put(out, g, group, lane, repeat, value):
+@njit(cache=True, inline="always")
+def _put(out, group, lane, repeat, value):
     """A scale (or offset) of source group `group` of a row, `repeat` times: a part whose groups are
     larger than the packed matrix's (32 beside Q6_K's 16) repeats each, which changes no weight."""
     for k in range(repeat):
-        out[g, group * repeat + k, lane] = value
+        out[group * repeat + k, lane] = value
 
 
-@njit(cache=True, parallel=True)
-def _unpack_q4_0(blocks, row0, per_row, values, d, scales, repeat):
-    for t in prange(_n_tiles(blocks, per_row)):
-        first, end, cb = _tile_rows(t, blocks, per_row)
-        for row in range(first, end):
-            i = row * per_row + cb
-            g, c, lane = _at(i, row0, per_row, 32)
-            _put(scales, g, cb, lane, repeat, d[i])
-            for j in range(16):
-                b = blocks[i, 2 + j]
-                values[g, c + j, lane] = (b & 0xF) - 8
-                values[g, c + j + 16, lane] = (b >> 4) - 8
+@njit(cache=True, inline="always")
+def _row_q4(row, out, scales, offsets, lane, repeat, has_min):
+    """Q4_0 (d, then 16 bytes of nibbles; q − 8) and Q4_1 (d, m, then the nibbles; q)."""
+    at = 4 if has_min else 2
+    bias = 0 if has_min else 8
+    for cb in range(row.shape[0]):
+        block, c = row[cb], 32 * cb
+        _put(scales, cb, lane, repeat, _half(block, 0))
+        if has_min:
+            _put(offsets, cb, lane, repeat, _half(block, 2))
+        for j in range(16):
+            b = np.int32(block[at + j])
+            out[c + j] = (b & 0xF) - bias
+            out[c + j + 16] = (b >> 4) - bias
 
 
-@njit(cache=True, parallel=True)
-def _unpack_q4_1(blocks, row0, per_row, values, d, m, scales, offsets, repeat):
-    for t in prange(_n_tiles(blocks, per_row)):
-        first, end, cb = _tile_rows(t, blocks, per_row)
-        for row in range(first, end):
-            i = row * per_row + cb
-            g, c, lane = _at(i, row0, per_row, 32)
-            _put(scales, g, cb, lane, repeat, d[i])
-            _put(offsets, g, cb, lane, repeat, m[i])
-            for j in range(16):
-                b = blocks[i, 4 + j]
-                values[g, c + j, lane] = b & 0xF
-                values[g, c + j + 16, lane] = b >> 4
+@njit(cache=True, inline="always")
+def _row_q5(row, out, scales, offsets, lane, repeat, has_min):
+    """Q5_0 (d, qh, qs; q − 16) and Q5_1 (d, m, qh, qs; q): 4 low bits in qs, the 5th in qh."""
+    at_qh = 4 if has_min else 2
+    bias = 0 if has_min else 16
+    for cb in range(row.shape[0]):
+        block, c = row[cb], 32 * cb
+        _put(scales, cb, lane, repeat, _half(block, 0))
+        if has_min:
+            _put(offsets, cb, lane, repeat, _half(block, 2))
+        qh = (
+            np.uint32(block[at_qh])
+            | (np.uint32(block[at_qh + 1]) << 8)
+            | (np.uint32(block[at_qh + 2]) << 16)
+            | (np.uint32(block[at_qh + 3]) << 24)
+        )
+        for j in range(16):
+            b = np.uint32(block[at_qh + 4 + j])
+            out[c + j] = np.int32((b & 0xF) | (((qh >> j) << 4) & 0x10)) - bias
+            out[c + j + 16] = np.int32((b >> 4) | ((qh >> (j + 12)) & 0x10)) - bias
 
 
-@njit(cache=True, parallel=True)
-def _unpack_q5(blocks, row0, per_row, values, d, m, scales, offsets, repeat, at_qh, bias):
-    """Q5_0 (qh at byte 2, bias 16) and Q5_1 (qh at byte 4, no bias, an offset m): 4 low bits in qs,
-    the 5th in qh. Q5_0 passes no offsets (an empty array)."""
-    for t in prange(_n_tiles(blocks, per_row)):
-        first, end, cb = _tile_rows(t, blocks, per_row)
-        for row in range(first, end):
-            i = row * per_row + cb
-            g, c, lane = _at(i, row0, per_row, 32)
-            _put(scales, g, cb, lane, repeat, d[i])
-            if offsets.size:
-                _put(offsets, g, cb, lane, repeat, m[i])
-            qh = (
-                np.uint32(blocks[i, at_qh])
-                | (np.uint32(blocks[i, at_qh + 1]) << 8)
-                | (np.uint32(blocks[i, at_qh + 2]) << 16)
-                | (np.uint32(blocks[i, at_qh + 3]) << 24)
-            )
-            for j in range(16):
-                b = np.uint32(blocks[i, at_qh + 4 + j])
-                hi0 = ((qh >> j) << 4) & 0x10
-                hi1 = (qh >> (j + 12)) & 0x10
-                values[g, c + j, lane] = np.int32((b & 0xF) | hi0) - bias
-                values[g, c + j + 16, lane] = np.int32((b >> 4) | hi1) - bias
+@njit(cache=True, inline="always")
+def _row_q8_0(row, out, scales, lane, repeat):
+    for cb in range(row.shape[0]):
+        block, c = row[cb], 32 * cb
+        _put(scales, cb, lane, repeat, _half(block, 0))
+        for j in range(32):
+            out[c + j] = np.int8(block[2 + j])  # two's complement byte
 
 
-@njit(cache=True, parallel=True)
-def _unpack_q8_0(blocks, row0, per_row, values, d, scales, repeat):
-    for t in prange(_n_tiles(blocks, per_row)):
-        first, end, cb = _tile_rows(t, blocks, per_row)
-        for row in range(first, end):
-            i = row * per_row + cb
-            g, c, lane = _at(i, row0, per_row, 32)
-            _put(scales, g, cb, lane, repeat, d[i])
-            for j in range(32):
-                values[g, c + j, lane] = np.int8(blocks[i, 2 + j])  # two's complement byte
-
-
-@njit(cache=True)
-def _scale_min_k4(j, blocks, i):
+@njit(cache=True, inline="always")
+def _scale_min_k4(j, block):
     """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j, packed in 12 bytes at byte 4."""
     s = 4
     if j < 4:
-        return blocks[i, s + j] & 63, blocks[i, s + j + 4] & 63
-    sc = (blocks[i, s + j + 4] & 0xF) | ((blocks[i, s + j - 4] >> 6) << 4)
-    m = (blocks[i, s + j + 4] >> 4) | ((blocks[i, s + j] >> 6) << 4)
+        return block[s + j] & 63, block[s + j + 4] & 63
+    sc = (block[s + j + 4] & 0xF) | ((block[s + j - 4] >> 6) << 4)
+    m = (block[s + j + 4] >> 4) | ((block[s + j] >> 6) << 4)
     return sc, m
 
 
-@njit(cache=True, parallel=True)
-def _unpack_qk(blocks, row0, per_row, values, d, dmin, scales, offsets, repeat, five_bits):
+@njit(cache=True, inline="always")
+def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
     """Q4_K (qs at byte 16) and Q5_K (qh at 16, qs at 48): 8 sub-blocks of 32, each d·sc·q − dmin·m."""
     at_qs = 48 if five_bits else 16
-    for t in prange(_n_tiles(blocks, per_row)):
-        first, end, cb = _tile_rows(t, blocks, per_row)
-        for row in range(first, end):
-            i = row * per_row + cb
-            g, c, lane = _at(i, row0, per_row, 256)
-            for j in range(4):  # 64 values a step: low nibbles of 32 bytes, then their high nibbles
-                for half in range(2):
-                    sub = 2 * j + half
-                    sc, m = _scale_min_k4(sub, blocks, i)
-                    _put(scales, g, cb * 8 + sub, lane, repeat, d[i] * F32(sc))
-                    _put(offsets, g, cb * 8 + sub, lane, repeat, -(dmin[i] * F32(m)))
-                    for l in range(32):
-                        b = blocks[i, at_qs + 32 * j + l]
-                        v = (b >> 4) if half else (b & 0xF)
-                        if five_bits and (blocks[i, 16 + l] >> sub) & 1:
-                            v += 16
-                        values[g, c + 64 * j + 32 * half + l, lane] = v
-
-
-@njit(cache=True, parallel=True)
-def _unpack_q6_k(blocks, row0, per_row, values, d, scales, repeat):
-    """Q6_K: 16 sub-blocks of 16, each d·sc·(q − 32); 4 low bits in ql (byte 0), 2 high in qh (byte 128)."""
-    for t in prange(_n_tiles(blocks, per_row)):
-        first, end, cb = _tile_rows(t, blocks, per_row)
-        for row in range(first, end):
-            i = row * per_row + cb
-            g, c, lane = _at(i, row0, per_row, 256)
-            for s in range(16):
-                _put(scales, g, cb * 16 + s, lane, repeat, d[i] * F32(np.int8(blocks[i, 192 + s])))
-            for n in range(2):  # two halves of 128
+    for cb in range(row.shape[0]):
+        block, c = row[cb], 256 * cb
+        d, dmin = _half(block, 0), _half(block, 2)
+        for j in range(4):  # 64 values a step: low nibbles of 32 bytes, then their high nibbles
+            for half in range(2):
+                sub = 2 * j + half
+                sc, m = _scale_min_k4(sub, block)
+                _put(scales, cb * 8 + sub, lane, repeat, d * F32(sc))
+                _put(offsets, cb * 8 + sub, lane, repeat, -(dmin * F32(m)))
+                at = c + 64 * j + 32 * half
                 for l in range(32):
-                    ql0 = blocks[i, 64 * n + l]
-                    ql1 = blocks[i, 64 * n + l + 32]
-                    qh = blocks[i, 128 + 32 * n + l]
-                    at = c + 128 * n + l
-                    values[g, at, lane] = np.int32((ql0 & 0xF) | ((qh & 3) << 4)) - 32
-                    values[g, at + 32, lane] = np.int32((ql1 & 0xF) | (((qh >> 2) & 3) << 4)) - 32
-                    values[g, at + 64, lane] = np.int32((ql0 >> 4) | (((qh >> 4) & 3) << 4)) - 32
-                    values[g, at + 96, lane] = np.int32((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32
+                    b = np.int32(block[at_qs + 32 * j + l])
+                    v = (b >> 4) if half else (b & 0xF)
+                    if five_bits:
+                        v |= ((np.int32(block[16 + l]) >> sub) & 1) << 4
+                    out[at + l] = v
+
+
+@njit(cache=True, inline="always")
+def _row_q6_k(row, out, scales, lane, repeat):
+    """Q6_K: 16 sub-blocks of 16, each d·sc·(q − 32); 4 low bits in ql (byte 0), 2 high in qh (byte 128)."""
+    for cb in range(row.shape[0]):
+        block, c = row[cb], 256 * cb
+        d = _half(block, 208)
+        for s in range(16):
+            _put(scales, cb * 16 + s, lane, repeat, d * F32(np.int8(block[192 + s])))
+        for n in range(2):  # two halves of 128
+            for l in range(32):
+                ql0 = np.int32(block[64 * n + l])
+                ql1 = np.int32(block[64 * n + l + 32])
+                qh = np.int32(block[128 + 32 * n + l])
+                at = c + 128 * n + l
+                out[at] = ((ql0 & 0xF) | ((qh & 3) << 4)) - 32
+                out[at + 32] = ((ql1 & 0xF) | (((qh >> 2) & 3) << 4)) - 32
+                out[at + 64] = ((ql0 >> 4) | (((qh >> 4) & 3) << 4)) - 32
+                out[at + 96] = ((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32
+
+
+@njit(cache=True, inline="always")
+def _store(tile, values, g, lane0, lane1):
+    """Rows lane0… of a tile [LANES, n_cols] into lanes lane0… of the packed group values[g]; lanes
+    outside belong to the part packed before or after this one, or stay zero (padding)."""
+    if lane0 == 0 and lane1 == LANES:  # the common case, with a constant count the compiler unrolls
+        for j in range(tile.shape[1]):
+            for lane in range(LANES):
+                values[g, j, lane] = tile[lane, j]
+    else:
+        for j in range(tile.shape[1]):
+            for lane in range(lane0, lane1):
+                values[g, j, lane] = tile[lane, j]
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _unpack_blocks(blocks, qtype, row0, per_row, values, scales, offsets, repeat):
+    """Formats without offsets pass their scales as `offsets` (never written)."""
+    n_rows = blocks.shape[0] // per_row
+    for g in prange(row0 // LANES, (row0 + n_rows - 1) // LANES + 1):
+        lane0, lane1 = max(row0 - g * LANES, 0), min(row0 + n_rows - g * LANES, LANES)
+        tile = np.empty((LANES, values.shape[1]), np.int8)
+        sc, off = scales[g], offsets[g]
+        for lane in range(lane0, lane1):
+            first = (g * LANES + lane - row0) * per_row
+            row, out = blocks[first : first + per_row], tile[lane]
+            if qtype == _Q4_0 or qtype == _Q4_1:
+                _row_q4(row, out, sc, off, lane, repeat, qtype == _Q4_1)
+            elif qtype == _Q5_0 or qtype == _Q5_1:
+                _row_q5(row, out, sc, off, lane, repeat, qtype == _Q5_1)
+            elif qtype == _Q8_0:
+                _row_q8_0(row, out, sc, lane, repeat)
+            elif qtype == _Q4_K or qtype == _Q5_K:
+                _row_qk(row, out, sc, off, lane, repeat, qtype == _Q5_K)
+            else:
+                _row_q6_k(row, out, sc, lane, repeat)
+        _store(tile, values, g, lane0, lane1)
 
 
 @njit(cache=True, parallel=True)
@@ -219,7 +228,6 @@ def _interleave_rows(a, row0, out):
             out[g, j, lane] = a[i, j]
 
 
-Q = gguf.GGMLQuantizationType
 INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
 HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
@@ -256,24 +264,8 @@ def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: in
     """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
-    per_row = shape[1] // block_len
-    d = _f16(blocks, 208 if qtype == Q.Q6_K else 0)
-    if qtype in (Q.Q4_K, Q.Q5_K):
-        _unpack_qk(
-            blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat, qtype == Q.Q5_K
-        )
-    elif qtype == Q.Q6_K:
-        _unpack_q6_k(blocks, row0, per_row, values, d, scales, repeat)
-    elif qtype == Q.Q4_0:
-        _unpack_q4_0(blocks, row0, per_row, values, d, scales, repeat)
-    elif qtype == Q.Q4_1:
-        _unpack_q4_1(blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat)
-    elif qtype == Q.Q8_0:
-        _unpack_q8_0(blocks, row0, per_row, values, d, scales, repeat)
-    elif qtype == Q.Q5_0:
-        _unpack_q5(blocks, row0, per_row, values, d, d, scales, scales[:0], repeat, 2, 16)
-    else:
-        _unpack_q5(blocks, row0, per_row, values, d, _f16(blocks, 2), scales, offsets, repeat, 4, 0)
+    offsets = scales if offsets is None else offsets
+    _unpack_blocks(blocks, int(qtype), row0, shape[1] // block_len, values, scales, offsets, repeat)
 
 
 def compile_kernels(progress=None, formats=None) -> float:
@@ -282,15 +274,7 @@ def compile_kernels(progress=None, formats=None) -> float:
     seconds it took."""
     t0 = time.perf_counter()
     shape = (LANES, 256)
-    unpackers = [
-        _unpack_q4_0,
-        _unpack_q4_1,
-        _unpack_q5,
-        _unpack_q8_0,
-        _unpack_qk,
-        _unpack_q6_k,
-        _interleave_rows,
-    ]
+    unpackers = [_unpack_blocks, _interleave_rows]
     cached = all(in_cache(k) for k in (*unpackers, *kernels.COMPILED))
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     wanted = set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats)

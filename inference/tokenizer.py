@@ -149,6 +149,13 @@ _EOG_TEXTS = frozenset((
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
 
 
+def _raise_duplicate(tokens: list[str]) -> None:
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if first.setdefault(t, i) != i:
+            raise ModelError(f"duplicate token in the vocabulary: {t!r} has ids {first[t]} and {i}")
+
+
 def _key(meta: dict[str, Any], name: str, default: Any = None) -> Any:
     return meta.get("tokenizer.ggml." + name, default)
 
@@ -259,10 +266,9 @@ class Tokenizer:
                 ids[name] = int(value)
         add_bos = _key(meta, "add_bos_token", add_bos)
 
-        token_to_id: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            if token_to_id.setdefault(t, i) != i:
-                raise ModelError(f"duplicate token in the vocabulary: {t!r} has ids {token_to_id[t]} and {i}")
+        token_to_id = dict(zip(tokens, range(n_vocab)))
+        if len(token_to_id) < n_vocab:
+            _raise_duplicate(tokens)
         eog = _apply_text_rules(tokens, token_to_id, attrs, ids)
         _apply_name_rules(meta, pre, token_to_id, attrs)
 

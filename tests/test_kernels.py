@@ -77,6 +77,28 @@ def test_joined_matrices_of_different_formats_multiply_as_each_alone():
     assert np.allclose(kernels.matmul(x, joined), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_every_float16_scale_is_read_exactly():
+    """All 65,536 float16 bit patterns as Q8_0 block scales (subnormals, infinities, NaN included)."""
+    shape = (2048, 1024)  # 65,536 blocks of 32
+    blocks = np.zeros((shape[0] * shape[1] // 32, 34), np.uint8)
+    blocks[:, 0:2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = 1  # every weight is its block's scale
+    w = quants.pack([(blocks.reshape(shape[0], -1), T.Q8_0, shape)])
+    expected = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # signalling NaNs
+        got = kernels.rows(w, np.arange(shape[0]))[:, ::32].reshape(-1)
+    assert np.array_equal(got, expected, equal_nan=True)
+
+
+def test_joined_parts_that_share_a_group_of_rows_keep_every_weight_exactly():
+    """Parts start mid-group (70 + 40 rows): each part fills only its own rows of the shared group."""
+    parts = [(T.Q5_0, (70, 256)), (T.Q8_0, (40, 256)), (T.Q4_K, (30, 256)), (T.Q6_K, (5, 256))]
+    raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
+    joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
+    expected = np.concatenate([reference(t, r, s) for r, (t, s) in zip(raws, parts)])
+    assert np.array_equal(kernels.rows(joined, np.arange(len(expected))), expected)
+
+
 def test_a_float_part_makes_the_joined_matrix_float():
     parts = [(T.Q8_0, (64, 256)), (T.F16, (32, 256))]
     raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]

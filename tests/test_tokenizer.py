@@ -172,6 +172,22 @@ def test_tiny_bpe_merges_by_rank():
     assert tok.add_bos is False and tok.end_of_generation_ids == {len(meta["tokenizer.ggml.tokens"]) - 1}
 
 
+def test_a_repeated_merge_keeps_its_first_rank():
+    """As llama.cpp: "h e" ranks before "e l", whatever its second listing says."""
+    meta = _bpe_meta(**{"tokenizer.ggml.merges": ["h e", "e l", "h e"]})
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "el"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 1]
+    assert Tokenizer.from_metadata(meta).encode("hel") == _ids(meta, ["he", "l"])
+
+
+def test_a_duplicate_token_is_a_model_error_naming_both_ids():
+    meta = _bpe_meta()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "he"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 1]
+    with pytest.raises(ModelError, match=r"'he' has ids 10 and 16"):
+        Tokenizer.from_metadata(meta)
+
+
 def test_missing_pre_tokenizer_means_default():
     default = Tokenizer.from_metadata(_bpe_meta(**{"tokenizer.ggml.pre": "default"}))
     missing = Tokenizer.from_metadata(_bpe_meta(**{"tokenizer.ggml.pre": None}))
