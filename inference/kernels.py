@@ -78,25 +78,27 @@ def _matvec_f32(values, x, out):
                 out[i, g * LANES + r] = acc[i, r]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _dequantize_int8(values, scales, offsets, has_offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies.
-    The threads share it block by block: a tile may hold a single group (of a wide matrix)."""
+    On the calling thread: a tile takes microseconds, and waking numba's threads for each one, between
+    sgemm calls whose OpenBLAS threads still spin, was slower with 2 threads (by 3-20 % at 16-64 rows,
+    in interleaved runs) and no faster with 1."""
     _, n_cols, _ = values.shape
     n_blocks = scales.shape[1]
     size = n_cols // n_blocks
-    for t in prange((g1 - g0) * n_blocks):
-        g, b = g0 + t // n_blocks, t % n_blocks
+    for g in range(g0, g1):
         c = (g - g0) * LANES
-        s, o = scales[g, b], offsets[g, b]
-        for j in range(b * size, (b + 1) * size):
-            row, v = out[j, c : c + LANES], values[g, j]
-            if has_offsets:  # two loops, so that each vectorizes without a branch inside
-                for r in range(LANES):
-                    row[r] = F32(v[r]) * s[r] + o[r]
-            else:
-                for r in range(LANES):
-                    row[r] = F32(v[r]) * s[r]
+        for b in range(n_blocks):
+            s, o = scales[g, b], offsets[g, b]
+            for j in range(b * size, (b + 1) * size):
+                row, v = out[j, c : c + LANES], values[g, j]
+                if has_offsets:  # two loops, so that each vectorizes without a branch inside
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r] + o[r]
+                else:
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r]
 
 
 COMPILED = (_matvec_int8, _matvec_f32, _dequantize_int8)
