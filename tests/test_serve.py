@@ -263,10 +263,14 @@ def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, qwen2
         s.stop()
 
 
-def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served):
+def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served, monkeypatch):
     served.ask("warm up")  # the pool's baseline: cached blocks, no sequence
     idle(served)
     sessions = len(served.state.engine.store.list_sessions())
+    # the reply's first token goes out, then its next pass waits until the client has left
+    left = threading.Event()
+    verify_rows = served.scheduler.model.verify_rows
+    monkeypatch.setattr(served.scheduler.model, "verify_rows", lambda batch: left.wait(20) and verify_rows(batch))
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": LONG}], "temperature": 0,
                        "max_tokens": 200, "stream": True})
     host, port = served.url.removeprefix("http://").split(":")
@@ -275,12 +279,12 @@ def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served):
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     wait_for(lambda: any(run.streams for run in served.scheduler._runs))  # the reply is being decoded
-    with served.scheduler.lock:  # no step until the server has noticed
-        runs = list(served.scheduler._runs)
-        assert runs and not runs[0].job.state.ended  # mid-reply
-        response.close()
-        conn.close()
-        wait_for(lambda: runs[0].job.cancelled)
+    runs = list(served.scheduler._runs)
+    assert runs and not runs[0].job.state.ended  # mid-reply
+    response.close()
+    conn.close()
+    wait_for(lambda: runs[0].job.cancelled)
+    left.set()
     idle(served)
     assert blocks_in_use(served) == 0  # every block given back (cached ones stay for reuse)
     assert runs[0].job.stats[0].stop_reason == "cancelled"
