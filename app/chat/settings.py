@@ -117,6 +117,7 @@ SAMPLING: tuple[Setting, ...] = (
         _PARAMS.seed,
         "seed (empty = random)",
         "a seed makes a reply reproducible; without one it is random",
+        low=0,  # NumPy's generators take no negative seed
     ),
 )
 REPLY_MAX_TOKENS = Setting(
