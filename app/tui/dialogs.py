@@ -168,9 +168,6 @@ class ModelScreen(Dialog):
             yield Input(placeholder="/path/to/model.gguf", id="path")
             yield Label("Enter loads, Esc cancels", classes="hint")
 
-    def on_mount(self) -> None:
-        self.query_one(OptionList).focus()
-
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
 
@@ -183,6 +180,7 @@ class AlternativesScreen(Dialog):
     """The replies of "regenerate ×3", each in its own branch; dismisses with the session id picked."""
 
     BINDINGS = [Binding(str(i), f"pick({i - 1})", str(i), id=f"pick_{i}", show=False) for i in (1, 2, 3)]
+    AUTO_FOCUS = "OptionList"  # Textual focuses it once the screen is up (a query in on_mount could run too soon)
 
     def __init__(self, alternatives: list[tuple[str, str]]):
         super().__init__("Three alternatives, each in its own branch")
@@ -200,9 +198,6 @@ class AlternativesScreen(Dialog):
                 "Enter or 1–3 opens that branch; Esc stays here (all three are in the sidebar)",
                 classes="hint",
             )
-
-    def on_mount(self) -> None:
-        self.query_one(OptionList).focus()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
