@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from served import Served
 from tiny_models import ARCHS, write_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -110,3 +111,11 @@ def open_chat(tmp_path, tiny_model_paths):
         return opened(app, wait=wait, **({"size": size} if size else {}))
 
     return open_
+
+
+@pytest.fixture
+def served(tmp_path, qwen2):
+    """A server on an ephemeral loopback port with the tiny Qwen2 model (tests/served.py)."""
+    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
+    yield s
+    s.stop()

@@ -16,14 +16,6 @@ from llama_chat.app.serve.state import open_model
 from llama_chat.inference import chat_prompt_ids
 from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, post, streamed, wait_for
 
-
-@pytest.fixture
-def served(tmp_path, qwen2):
-    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
-    yield s
-    s.stop()
-
-
 # -- replies ---------------------------------------------------------------------------------------
 
 

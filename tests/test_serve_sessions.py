@@ -18,14 +18,6 @@ from llama_chat.app.cli import main
 from llama_chat.inference import chat_prompt_ids
 from served import BLOCK, MODEL, SYSTEM, Served, error_of
 
-
-@pytest.fixture
-def served(tmp_path, qwen2):
-    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
-    yield s
-    s.stop()
-
-
 # -- sessions ----------------------------------------------------------------------------------------
 
 
