@@ -81,9 +81,20 @@ class Model:
         the pass's last token [n_vocab], or all_logits: of each of its tokens [n, n_vocab]). Stopping
         between two passes leaves the sequence holding the passes done."""
         forward_pass.check_room(seq, len(tokens))  # refused before any pass runs
-        for start in range(0, len(tokens), self.prefill_batch):
-            piece = tokens[start : start + self.prefill_batch]
-            yield start + len(piece), self.step([(seq, piece)], all_logits)[0]
+        done = 0
+        while done < len(tokens):
+            piece = self.next_piece(tokens, done)
+            done += len(piece)
+            yield done, self.step([(seq, piece)], all_logits)[0]
+
+    def next_piece(self, tokens: Sequence[int], done: int) -> Sequence[int]:
+        """The prompt's piece after its first `done` tokens that one pass computes: where prefilling it
+        alone cuts it, whatever else shares the pass, so that its KV and logits get the same bits."""
+        return tokens[done : done + self.prefill_batch]
+
+    def check_room(self, seq: KVSequence, n_new: int) -> None:
+        """ContextFullError unless n_new more tokens fit in the sequence's context window."""
+        forward_pass.check_room(seq, n_new)
 
     def forward(self, tokens: Sequence[int], seq: KVSequence, all_logits: bool = False) -> np.ndarray:
         """Append tokens to a sequence; logits of the last new token ([1, n_vocab]) or of all of them."""

@@ -130,3 +130,57 @@ def test_a_full_queue_refuses_more_and_frees_every_sequence_after(model):
     assert all(j.wait(60) for j in [first, *waiting])
     scheduler.close()
     assert model.pool.memory_breakdown()["in_use_bytes"] == in_use and not model.pool.sequences
+
+
+def test_new_prompts_are_read_together_and_a_shared_beginning_once(tiny_model_paths, monkeypatch):
+    """Four clients send a long shared system prompt and questions of their own at once: their prompts
+    are read in passes of several jobs, the shared blocks are computed once, and every reply, greedy
+    or seeded, is the one it gets when the four come one after the other."""
+    system = " ".join(["the world and the sun and the water"] * 3)
+    questions = QUESTIONS
+    settings = [GREEDY, SamplingParams(temperature=0.9, seed=5), GREEDY, SamplingParams(temperature=0.8, seed=1)]
+
+    def jobs_on(model) -> list[Job]:
+        out = []
+        for q, s in zip(questions, settings, strict=True):
+            ids = chat_prompt_ids(model, [{"role": "system", "content": system}, {"role": "user", "content": q}])
+            out.append(
+                Job(
+                    lambda p=ids: (p, model.new_sequence(len(p) + 13)),
+                    sampling=s,
+                    max_tokens=12,
+                    finish=lambda job: [x.free() for x in job.seqs],
+                )
+            )
+        return out
+
+    def load():
+        return load_model(tiny_model_paths["qwen2"], block_size=16, prefill_batch=256)
+
+    one_by_one = Scheduler(load())
+    expected = []
+    for job in jobs_on(one_by_one.model):
+        assert one_by_one.submit(job).wait(60) and job.state is State.DONE, job.error
+        expected.append((job.stats[0].token_ids, job.stats[0].prefilled_tokens))
+
+    model = load()
+    passes: list[int] = []
+    step = model.step
+
+    def counted(batch, *args, **kwargs):
+        passes.append(len(batch))
+        return step(batch, *args, **kwargs)
+
+    monkeypatch.setattr(model, "step", counted)
+    scheduler = Scheduler(model, parallel=4)
+    jobs = jobs_on(model)
+    with scheduler.lock:  # all four are admitted before the first step
+        for job in jobs:
+            scheduler.submit(job)
+    for job in jobs:
+        assert job.wait(60) and job.state is State.DONE
+    assert [j.stats[0].token_ids for j in jobs] == [tokens for tokens, _ in expected]
+    assert max(passes) > 1, (passes, expected)
+    # the shared system prompt was computed once, as when the clients come one after the other
+    assert sum(j.stats[0].prefilled_tokens for j in jobs) == sum(n for _, n in expected)
+    assert all(n < expected[0][1] - 32 for _, n in expected[1:])  # the later ones took its blocks

@@ -1,10 +1,11 @@
 """The scheduler: one thread owns the model and advances every admitted job a step at a time.
 
-A step computes one prefill batch of the oldest job still reading its prompt, then one forward pass
-for every reply being decoded, of every job together: the weights are read once for all of them.
-So regenerate ×3 is one job of three replies in one batch, and two conversations replying at once
-share each step. New prompts are cut into batches between decode steps, so a long prompt never stalls
-the replies already streaming for more than one batch.
+A step computes one prefill pass, the next piece of the prompts still being read (several jobs' in one
+pass, up to `prefill_batch` tokens in all), then one forward pass for every reply being decoded, of
+every job together: the weights are read once for all of them. So regenerate ×3 is one job of three
+replies in one batch, two conversations replying at once share each step, and eight clients' new
+turns are read together. Prompts are cut into batches between decode steps, so a long prompt never
+stalls the replies already streaming for more than one batch.
 
 Front ends submit a Job (jobs.py) and render its events. Whoever else touches the model's KV (opening
 a session, a snapshot, a fork) holds `scheduler.lock`, which each step holds too.
@@ -15,11 +16,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from llama_chat.inference import Model
 from llama_chat.inference.generate import ReplyStream, draft_rooms, run_streams, start_streams
+from llama_chat.inference.kernels import SMALL_BATCH
 
 from .jobs import Job, State
 
@@ -38,9 +39,8 @@ class _Run:
     job: Job
     prompt: list[int]
     seq: object
-    todo: list[int]
-    passes: Iterator | None = None  # model.prefill over todo, a pass per step
-    done: int = 0
+    todo: list[int]  # the prompt's tokens after those its sequence held when its prefill began
+    done: int = 0  # of todo
     logits: object = None
     streams: list[ReplyStream] = field(default_factory=list)
 
@@ -119,9 +119,7 @@ class Scheduler:
             self._runs.append(run)
 
     def _step(self) -> None:
-        prefilling = [r for r in self._runs if not r.streams]
-        if prefilling:
-            self._prefill(prefilling[0])
+        self._prefill([r for r in self._runs if not r.streams])
         decoding = [r for r in self._runs if r.streams]
         streams = [s for r in decoding for s in r.streams if not s.done]
         room = draft_rooms(len(streams))
@@ -139,30 +137,77 @@ class Scheduler:
             if all(s.done for s in run.streams):
                 self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
 
-    def _prefill(self, run: _Run) -> None:
-        """One batch of the run's prompt; when it is all computed, its replies start. Blocks that
-        another job computed since this one was admitted (clients sending the same system prompt at
-        once) are taken first, not computed again."""
-        job, stats = run.job, run.job.stats[0]
-        if run.done and job.cancelled:  # the sequence keeps the batches done, for the next turn
-            return self._start(run)
-        held = run.seq.n_tokens
-        if run.seq.reuse_prefix(run.prompt[:-1]) > held:
-            run.todo, run.done, run.passes = run.prompt[run.seq.n_tokens :], 0, None
+    def _prefill(self, prefilling: list[_Run]) -> None:
+        """One pass over the next piece of the prompts being read; a prompt all computed starts its
+        replies."""
+        batch = self._pieces(prefilling)
+        if not batch:
+            return
         t0 = time.perf_counter()
         try:
-            if run.passes is None:
-                run.passes = self.model.prefill(run.todo, run.seq)
-            done, run.logits = next(run.passes)
-        except Exception as e:  # noqa: BLE001 — e.g. the context window is full
-            return self._end(run, State.FAILED, e)
-        stats.prefill_s += time.perf_counter() - t0
-        stats.prefilled_tokens += done - run.done
-        run.done = done
-        if len(run.todo) > self.model.prefill_batch:
-            job.emit("prefill", done=run.done, total=len(run.todo))
-        if run.done == len(run.todo):
-            self._start(run)
+            logits = self.model.step([(run.seq, piece) for run, piece in batch])
+        except Exception as e:  # noqa: BLE001 — e.g. the block pool is full
+            for run, _ in batch:
+                self._end(run, State.FAILED, e)
+            return
+        elapsed = time.perf_counter() - t0
+        total = sum(len(piece) for _, piece in batch)
+        for (run, piece), last in zip(batch, logits, strict=True):
+            stats = run.job.stats[0]
+            stats.prefill_s += elapsed * len(piece) / total  # the pass's time, shared by its rows
+            stats.prefilled_tokens += len(piece)
+            run.done += len(piece)
+            run.logits = last
+            if len(run.todo) > self.model.prefill_batch:
+                run.job.emit("prefill", done=run.done, total=len(run.todo))
+            if run.done == len(run.todo):
+                self._start(run)
+
+    def _pieces(self, prefilling: list[_Run]) -> list[tuple[_Run, list[int]]]:
+        """Which prompts' next pieces share this step's pass, oldest first: up to `prefill_batch` tokens
+        in all (the oldest's piece always), at most SMALL_BATCH prompts, and only pieces longer than
+        SMALL_BATCH together — so each row gets the bits it gets when its prompt is read alone (a pass
+        of ≤ SMALL_BATCH rows, or the last row of each prompt, goes to the decode kernels, more to
+        BLAS). A prompt that shares its next block with an older one being read waits, to take that
+        block when it is computed (clients sending the same system prompt at once)."""
+        batch: list[tuple[_Run, list[int]]] = []
+        rows = 0
+        for i, run in enumerate(prefilling):
+            if run.done and run.job.cancelled:  # the sequence keeps the batches done, for the next turn
+                self._start(run)
+                continue
+            try:
+                self._take_shared_blocks(run)
+                if not run.done:
+                    self.model.check_room(run.seq, len(run.todo))  # refused before any pass runs
+            except Exception as e:  # noqa: BLE001 — e.g. the context window is full
+                self._end(run, State.FAILED, e)
+                continue
+            if self._waits_for_shared_block(run, prefilling[:i]):
+                continue
+            piece = self.model.next_piece(run.todo, run.done)
+            alone = len(piece) <= SMALL_BATCH
+            if batch and (alone or rows + len(piece) > self.model.prefill_batch or len(batch) == SMALL_BATCH):
+                continue
+            batch.append((run, piece))
+            rows += len(piece)
+            if alone:
+                break
+        return batch
+
+    def _take_shared_blocks(self, run: _Run) -> None:
+        """Blocks that another job computed since this one began are taken, not computed again."""
+        held = run.seq.n_tokens
+        if run.seq.reuse_prefix(run.prompt[:-1]) > held:
+            run.todo, run.done = run.prompt[run.seq.n_tokens :], 0
+
+    def _waits_for_shared_block(self, run: _Run, older: list[_Run]) -> bool:
+        B = self.model.pool.block_size
+        at = run.seq.n_tokens
+        block = run.prompt[at : at + B]
+        if len(block) < B or at + B >= len(run.prompt):  # no full block to gain (the last token is computed)
+            return False
+        return any(o.seq.n_tokens < at + B and o.prompt[at : at + B] == block for o in older if not o.streams)
 
     def _start(self, run: _Run) -> None:
         job = run.job
