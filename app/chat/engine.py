@@ -177,7 +177,7 @@ class ChatEngine:
                 shift_to(self.model, seq, ids)
             read = self.read_remote(seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
-            self._restore_tail(session, seq, ids)
+            self.restore_tail(session, seq, ids)
             restored = seq.n_tokens
             return seq, ResumeInfo(
                 len(ids), restored, time.perf_counter() - t0, min(read.tokens if read else 0, restored), read
@@ -201,7 +201,8 @@ class ChatEngine:
                 missing.append((parent, tokens))
         return self.kv.read_remote(missing)
 
-    def _restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
+    def restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
+        """After seq took the full blocks of `ids`, the session's stored tail, as far as it matches ids."""
         if seq.n_tokens % self.model.pool.block_size or seq.n_tokens >= len(ids):
             return
         parent = seq.blocks[-1].key if seq.blocks else None

@@ -75,9 +75,11 @@ class Conversations:
         base: list[KVSequence] = []
 
         def prepare() -> tuple[list[int], KVSequence]:
-            base.append(self.model.new_sequence(engine.n_ctx))
-            job.remote = engine.read_remote(base[0], prompt[:-1])  # as the scheduler's reuse_prefix takes it
-            return prompt, base[0]
+            seq = self.model.new_sequence(engine.n_ctx)
+            base.append(seq)
+            job.remote = engine.read_remote(seq, prompt[:-1])  # as the scheduler's reuse_prefix takes it
+            self._resume_tail(messages, seq, prompt[:-1])
+            return prompt, seq
 
         def finish(job: Job) -> Future | None:
             engine.note_prefill(job.stats[0])
@@ -101,6 +103,21 @@ class Conversations:
             on_event=on_end,
         )
         return engine.scheduler.submit(job)  # `job` is bound before prepare can run
+
+    def _resume_tail(self, messages: list[dict], seq: KVSequence, ids: list[int]) -> None:
+        """A returning conversation (its history is an API session's) takes that session's stored tail
+        too — the KV after its last full block: its last reply and end-of-turn — so that only the new
+        message is computed. (Full blocks are shared by content; a tail only by its session.)"""
+        system, turns = split_system(messages)
+        try:
+            session = self.engine.store.session_ending_with(
+                API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]]
+            )
+        except StoreError:  # the tail is only a cache: computing it is the way back
+            return
+        if session is not None:
+            seq.reuse_prefix(ids)
+            self.engine.restore_tail(session, seq, ids)
 
     def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
         """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
