@@ -262,24 +262,23 @@ def measure_batch3(model, context: int, n_tokens: int) -> float:
     return batch / single
 
 
-def measure_two_jobs(model, context: int, n_tokens: int) -> float:
-    """Two conversations replying at once through the scheduler (one batch per step) over one alone:
-    decode time per token of the slower of the two over that of the one."""
+def measure_jobs_at_once(model, context: int, n_tokens: int, counts: tuple[int, ...] = (2, 8)) -> dict[int, float]:
+    """C conversations replying at once through the scheduler (one batch per step) against one alone, for
+    each C of counts: decode time per token of the slowest of the C over that of the one. Each
+    conversation is a shared prompt read before the clock starts and a token of its own."""
     from .chat.jobs import Job
     from .chat.scheduler import Scheduler
 
-    scheduler = Scheduler(model)
-    prompts, held = [], []
-    for offset in range(3):  # a different conversation each, its prompt read before the clock starts
-        ids = sample_tokens(model.tokenizer, context + offset)[offset:]
-        seq = model.new_sequence(len(ids) + n_tokens + 1)
-        model.forward(ids[:-1], seq)
-        prompts.append(ids)
-        held.append(seq)
+    scheduler = Scheduler(model, parallel=max(counts))
+    ids = sample_tokens(model.tokenizer, context)
+    base = model.new_sequence(context + n_tokens + 2)
+    model.forward(ids[:-1], base)
+    vocab = sorted(set(ids))
 
     def job(i: int) -> Job:
+        prompt = [*ids, vocab[i % len(vocab)]]  # its own last token: a reply of its own
         return Job(
-            lambda: (prompts[i], held[i].fork()),
+            lambda: (prompt, base.fork()),
             max_tokens=n_tokens,
             lookup=False,  # the same work per token for every reply
             finish=lambda job: [s.free() for s in job.seqs],
@@ -293,11 +292,10 @@ def measure_two_jobs(model, context: int, n_tokens: int) -> float:
         return max(j.stats[0].decode_s / max(j.stats[0].generated_tokens, 1) for j in jobs)
 
     one = per_token([job(0)])
-    two = per_token([job(1), job(2)])
+    ratios = {c: per_token([job(1 + i) for i in range(c)]) / one for c in counts}
     scheduler.close()
-    for seq in held:
-        seq.free()
-    return two / one
+    base.free()
+    return ratios
 
 
 def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
@@ -421,11 +419,16 @@ def run_bench(args) -> int:
     results["fork_added_kv_bytes"] = fork["added_bytes"]
     ratio = measure_batch3(model, 64 if quick else 512, 4 if quick else 16)
     report("batch3_vs_single_time_ratio", round(ratio, 2), f"3 alternatives / 1, time:  {ratio:.2f}")
-    ratio = measure_two_jobs(model, 64 if quick else 512, 4 if quick else 32)
+    at_once = measure_jobs_at_once(model, 64 if quick else 512, 4 if quick else 32)
     report(
         "two_jobs_vs_one_time_ratio",
-        round(ratio, 2),
-        f"2 conversations at once / 1, time per token: {ratio:.2f}",
+        round(at_once[2], 2),
+        f"2 conversations at once / 1, time per token: {at_once[2]:.2f}",
+    )
+    report(
+        "eight_jobs_aggregate_decode",
+        round(8 / at_once[8], 2),
+        f"8 conversations at once: {8 / at_once[8]:.2f}× one's decode (time per token {at_once[8]:.2f}×)",
     )
     with tempfile.TemporaryDirectory() as folder:
         text = model.tokenizer.decode(sample_tokens(model.tokenizer, (256 if quick else 2048) - 40))
