@@ -205,7 +205,7 @@ class Scheduler:
         B = self.model.pool.block_size
         at = run.seq.n_tokens
         block = run.prompt[at : at + B]
-        if len(block) < B or at + B >= len(run.prompt):  # no full block to gain (the last token is computed)
+        if at % B or at + B >= len(run.prompt):  # no full block to gain (past a block's start; the last token)
             return False
         return any(o.seq.n_tokens < at + B and o.prompt[at : at + B] == block for o in older if not o.streams)
 
