@@ -7,6 +7,7 @@ caller recomputes it from tokens: the message tree is the truth, the KV only a c
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,12 @@ def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
         return decode_kv(data)
     except CorruptBlockError:
         return None
+
+
+def tail_key(parent_key: bytes | None, tokens: Sequence[int]) -> bytes:
+    """A tail's name in the remote tier: like a block's prefix key it stands for every token before it
+    (parent_key) and its own, so another server that holds the same conversation finds it."""
+    return hashlib.sha256(b"tail" + (parent_key or b"") + np.asarray(tokens, dtype="<i4").tobytes()).digest()
 
 
 @dataclass
@@ -106,7 +113,22 @@ class KVStore:
         if self.remote is not None and namespace is None:  # an import's blocks never leave
             for block in new_blocks:
                 self.remote.put(block)  # in the background: a full queue drops, nothing waits
+            if stored_tail is not None:
+                t = stored_tail
+                key = tail_key(t.parent_key, t.tokens)
+                self.remote.put(StoredBlock(key, len(t.tokens), t.codec, t.data, t.checksum, t.tokens))
         return new_blocks
+
+    def remote_tail(self, parent_key: bytes | None, tokens: Sequence[int]) -> tuple[list[int], KV] | None:
+        """A tail another server stored for exactly these tokens after the block `parent_key`, read
+        from the remote tier (one round trip); None when it has none or it fails a check."""
+        if self.remote is None or not tokens:
+            return None
+        block = self.remote.fetch(tail_key(parent_key, tokens), tuple(tokens), self.codec)
+        kv = decode_checked(block.data, block.checksum) if block is not None else None
+        if kv is None or kv[0].shape[2] != len(tokens):
+            return None
+        return list(tokens), kv
 
     def read_remote(self, missing: Sequence[tuple[bytes, tuple[int, ...]]]) -> RemoteRead:
         """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite

@@ -267,9 +267,10 @@ def test_a_conversation_goes_on_at_a_second_server_from_the_shared_store(
     out, err = capsys.readouterr()
     restored = re.search(r"\[([\d,]+) of ([\d,]+) tokens restored \(([\d,]+) from the remote tier\)", err)
     B = DEFAULT_BLOCK_SIZE  # what the command line uses
-    assert restored and int(restored[3]) == n_blocks * B == int(restored[1])  # every full block, from Redis
+    # every full block and the tail after them, from Redis: only the new turn is computed
+    assert restored and int(restored[3]) == int(restored[1]) == int(restored[2]) > n_blocks * B
     prompt, prefilled = map(int, re.search(r"\[(\d+) prompt tokens, (\d+) prefilled", err).groups())
-    assert prefilled == prompt - n_blocks * B  # only the tail and the new turn were computed
+    assert prefilled == prompt - int(restored[1])
 
     assert main(["--db", str(tmp_path / "c.db"), "import", str(tmp_path / "s")]) == 0
     alone = capsys.readouterr().out.split()[-1]
@@ -295,10 +296,10 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
     first.kv.remote.flush()
     moved = move(first, session.id, second, tmp_path)
     _, info = second.open(moved)
-    full = info.tokens // 8 * 8
-    assert info.remote == full >= 32 and info.restored == full
+    assert info.tokens % 8  # a tail after the full blocks: it comes through the cluster too
+    assert info.remote == info.restored == info.tokens >= 32
     reply, stats = chat(second, moved, "and then")
-    assert stats.prefilled_tokens == stats.prompt_tokens - full
+    assert stats.prefilled_tokens == stats.prompt_tokens - info.tokens
     assert second.store.stored_keys(first.store.block_keys(session.id)) == set(
         first.store.block_keys(session.id)
     )

@@ -62,19 +62,23 @@ def test_a_conversation_computed_on_one_server_goes_on_at_another(tmp_path, qwen
         held = chat_prompt_ids(b.model, messages[:-1], False)  # the conversation as it is stored
         assert full == len(held) // BLOCK * BLOCK
 
+        assert len(held) % BLOCK  # a tail after the full blocks
+
         more = b.ask(messages, **GREEDY)
         usage = more.usage
-        assert usage.prompt_tokens_details.cached_tokens >= full  # every full block, from the remote tier
+        # every full block and the tail, from the remote tier: only the new message is computed
+        assert usage.prompt_tokens_details.cached_tokens == len(held)
         remote = usage.model_extra["kv_remote"]
         assert remote["choice"] == "fetch" and remote["fetched_tokens"] == full
-        assert remote["hits"] == full // BLOCK and remote["rejected"] == 0 and remote["round_trips"] >= 1
+        assert remote["hits"] == full // BLOCK + 1 and remote["rejected"] == 0 and remote["round_trips"] >= 1
         assert remote["rtt_ms"] is not None
         health = json.loads(b.raw("GET", "/health")[2])
-        assert health["kv_remote"]["hits"] == full // BLOCK and health["kv_remote"]["up"]
+        assert health["kv_remote"]["hits"] == full // BLOCK + 1 and health["kv_remote"]["up"]
 
-        again = b.ask(messages, **GREEDY)  # now RAM holds them: nothing is asked of the remote tier
+        again = b.ask(messages, **GREEDY)  # now RAM holds the blocks; only the tail is read again
         assert again.usage.model_extra["kv_remote"]["choice"] == "local"
-        assert again.usage.model_extra["kv_remote"]["hits"] == full // BLOCK
+        assert again.usage.model_extra["kv_remote"]["hits"] == full // BLOCK + 2
+        assert again.usage.prompt_tokens_details.cached_tokens == len(held)
     finally:
         a.stop()
         b.stop()

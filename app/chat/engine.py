@@ -177,11 +177,8 @@ class ChatEngine:
                 shift_to(self.model, seq, ids)
             read = self.read_remote(seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
-            self.restore_tail(session, seq, ids)
-            restored = seq.n_tokens
-            return seq, ResumeInfo(
-                len(ids), restored, time.perf_counter() - t0, min(read.tokens if read else 0, restored), read
-            )
+            from_remote = min(read.tokens if read else 0, seq.n_tokens) + self.restore_tail(session, seq, ids)
+            return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0, from_remote, read)
 
     def read_remote(self, seq: KVSequence, ids: Sequence[int]) -> RemoteRead | None:
         """The full blocks of `ids` that RAM lacks, read from the remote tier into SQLite where it holds
@@ -201,15 +198,22 @@ class ChatEngine:
                 missing.append((parent, tokens))
         return self.kv.read_remote(missing)
 
-    def restore_tail(self, session: Session, seq: KVSequence, ids: list[int]) -> None:
-        """After seq took the full blocks of `ids`, the session's stored tail, as far as it matches ids."""
+    def restore_tail(self, session: Session | None, seq: KVSequence, ids: list[int]) -> int:
+        """After seq took the full blocks of `ids`: the session's stored tail, as far as it matches ids,
+        else a tail another server stored for ids to their end (through the remote tier). Returns the
+        tokens read from the remote tier."""
         if seq.n_tokens % self.model.pool.block_size or seq.n_tokens >= len(ids):
-            return
+            return 0
         parent = seq.blocks[-1].key if seq.blocks else None
-        found = self.kv.tail(session.id, parent, ids[seq.n_tokens :])
-        if found is not None:
-            tokens, (k, v) = found
-            seq.append_kv(tokens, k, v)
+        found = self.kv.tail(session.id, parent, ids[seq.n_tokens :]) if session is not None else None
+        remote = found is None and seq.namespace is None and not seq.private  # an import's KV never travels
+        if remote:
+            found = self.kv.remote_tail(parent, ids[seq.n_tokens :])
+        if found is None:
+            return 0
+        tokens, (k, v) = found
+        seq.append_kv(tokens, k, v)
+        return len(tokens) if remote else 0
 
     # -- replies ---------------------------------------------------------------------------------
 

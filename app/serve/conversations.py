@@ -78,7 +78,7 @@ class Conversations:
             seq = self.model.new_sequence(engine.n_ctx)
             base.append(seq)
             job.remote = engine.read_remote(seq, prompt[:-1])  # as the scheduler's reuse_prefix takes it
-            self._resume_tail(messages, seq, prompt[:-1])
+            self._resume_tail(messages, seq, prompt)
             return prompt, seq
 
         def finish(job: Job) -> Future | None:
@@ -104,20 +104,24 @@ class Conversations:
         )
         return engine.scheduler.submit(job)  # `job` is bound before prepare can run
 
-    def _resume_tail(self, messages: list[dict], seq: KVSequence, ids: list[int]) -> None:
-        """A returning conversation (its history is an API session's) takes that session's stored tail
-        too — the KV after its last full block: its last reply and end-of-turn — so that only the new
-        message is computed. (Full blocks are shared by content; a tail only by its session.)"""
+    def _resume_tail(self, messages: list[dict], seq: KVSequence, prompt: list[int]) -> None:
+        """A returning conversation takes the tail its last reply left too — the KV after its last full
+        block, stored with its API session here or by another server in the remote tier — so that only
+        the new message is computed. (Full blocks are shared by content; a tail by the tokens it ends.)"""
         system, turns = split_system(messages)
+        if len(turns) < 2:
+            return  # a first message: no reply before it
+        previous = self.engine.window_ids(messages[:-1])  # the conversation as kept after that reply
+        if prompt[: len(previous)] != previous:
+            return
         try:
             session = self.engine.store.session_ending_with(
                 API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]]
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
-            return
-        if session is not None:
-            seq.reuse_prefix(ids)
-            self.engine.restore_tail(session, seq, ids)
+            session = None
+        seq.reuse_prefix(previous)
+        self.engine.restore_tail(session, seq, previous)
 
     def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
         """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
