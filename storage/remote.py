@@ -273,7 +273,13 @@ class RemoteTier:
             except queue.Full:
                 pass
             self._writer.join(timeout_s)
+        client = self._client
         self._drop_client()
+        if client is not None:
+            try:
+                client.close()
+            except (redis.RedisError, OSError):
+                pass
 
     def _write_loop(self) -> None:
         while True:
@@ -323,7 +329,9 @@ class RemoteTier:
                 self._first_round_trip(client)
             t0 = time.perf_counter()
             result, n_bytes = work(client)
-        except (redis.RedisError, OSError) as e:  # dead, slow, refused, a cluster that moved: all a miss
+        # Dead, slow, refused, a cluster that moved: all a miss. (redis-py raises ValueError when a
+        # socket closes under a read: a connection lost mid-answer is one more way of failing.)
+        except (redis.RedisError, OSError, ValueError) as e:
             self._count("failures")
             self._down_until = time.monotonic() + self.backoff_s
             self._drop_client()
@@ -362,14 +370,12 @@ class RemoteTier:
             return self._client
 
     def _drop_client(self) -> None:
+        """Forget the client: the next round trip connects anew. It is not closed here, as another
+        thread (the writer, or a reader) may be in the middle of a round trip on it; its connections
+        close when the last one lets go of it."""
         with self._client_lock:
-            client, self._client = self._client, None
+            self._client = None
             self._measured_threads = set()
-        if client is not None:
-            try:
-                client.close()
-            except (redis.RedisError, OSError):
-                pass
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:
