@@ -49,6 +49,11 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# Modules whose tests take seconds each, mostly waiting (on `llama-chat` processes they start one after
+# another, or on the app): under xdist they start first, and the many quick tests fill in at the end.
+SLOW_FIRST = ("test_sessions.py", "test_reliability.py", "test_tui.py", "test_tui_tools.py")
+
+
 def pytest_collection_modifyitems(config, items):
     # Under xdist the real-model tests run one after another on one worker, as without it: each worker
     # would load both real models (GBs of memory), and on a first run prepare them into the same entries
@@ -56,6 +61,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("real_model"):
             item.add_marker(pytest.mark.xdist_group("real_model"))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
