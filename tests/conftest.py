@@ -54,13 +54,18 @@ def pytest_collection_finish(session):
 SLOW_FIRST = ("test_sessions.py", "test_reliability.py", "test_tui.py", "test_tui_tools.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     # Under xdist the real-model tests run one after another on one worker, as without it: each worker
     # would load both real models (GBs of memory), and on a first run prepare them into the same entries
-    # of the user's cache at once.
+    # of the user's cache at once. The others of test_tokenizer.py read the vocab files: one worker too,
+    # with test_chat_template's (marked there), so each file is read once (vocab_metadata). One mark per
+    # test: xdist joins the names of all of a test's group marks into one group.
     for item in items:
         if item.get_closest_marker("real_model"):
             item.add_marker(pytest.mark.xdist_group("real_model"))
+        elif item.path.name == "test_tokenizer.py":
+            item.add_marker(pytest.mark.xdist_group("vocab"))
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 

@@ -12,8 +12,6 @@ from conftest import vocab_metadata
 from llama_chat.inference.errors import ModelError
 from llama_chat.inference.tokenizer import Tokenizer, load_tokenizer
 
-pytestmark = pytest.mark.xdist_group("vocab")  # one worker reads the vocab files (conftest.vocab_metadata)
-
 FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB_DIR = FIXTURES / "vocab"
 LLAMACPP_DIR = FIXTURES / "llamacpp"
