@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny models per architecture, the two real models, and an isolated user directory."""
+"""Shared fixtures: tiny models per architecture, the two real models, and an isolated user directory.
+Ready for pytest-xdist (`-n 4`, with `--dist loadgroup` from pyproject.toml): see pytest_configure and
+pytest_collection_modifyitems."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import os
 from pathlib import Path
 
@@ -23,6 +27,47 @@ def pytest_configure(config):
     # Compiled kernels are shared by every test and every process a test starts (each with its own
     # isolated cache folder): compiled once per machine, as for a user, not once per subprocess.
     os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
+    if _starts_workers(config):
+        # Two workers compiling one kernel at once could each number a new cache file 1 and save an
+        # index over the other's (numba's cache has no lock): compiled here, before any worker starts,
+        # the workers only load them (compile_kernels compiles every signature the tests use).
+        from llama_chat.inference.quants import compile_kernels
+
+        compile_kernels()
+
+
+def _starts_workers(config) -> bool:
+    """This process is pytest-xdist's controller and will start workers (`-n N`, N > 0)."""
+    return bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def pytest_collection_finish(session):
+    # What is in memory once the tests are collected (every module imported, every test item: some
+    # 400,000 objects) lives to the end: frozen, no garbage collection walks it again. Textual makes
+    # objects fast enough to run one every few seconds, and they took a sixth of the TUI tests' time.
+    gc.collect()
+    gc.freeze()
+
+
+# Modules whose tests take seconds each, mostly waiting (on `llama-chat` processes they start one after
+# another, or on the app): under xdist they start first, and the many quick tests fill in at the end.
+SLOW_FIRST = ("test_sessions.py", "test_reliability.py", "test_tui.py", "test_tui_tools.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    # Under xdist the real-model tests run one after another on one worker, as without it: each worker
+    # would load both real models (GBs of memory), and on a first run prepare them into the same entries
+    # of the user's cache at once. The others of test_tokenizer.py read the vocab files: one worker too,
+    # with test_chat_template's (marked there), so each file is read once (vocab_metadata). One mark per
+    # test: xdist joins the names of all of a test's group marks into one group.
+    for item in items:
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.xdist_group("real_model"))
+        elif item.path.name == "test_tokenizer.py":
+            item.add_marker(pytest.mark.xdist_group("vocab"))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +78,15 @@ def isolated_user_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.delenv("LLAMA_CHAT_DB", raising=False)
+
+
+@functools.cache
+def vocab_metadata(name: str) -> dict:
+    """The metadata of one of llama.cpp's vocab-only test files, read once per process: GGUFReader takes
+    seconds on a 150k-token vocab. The tests that read them are one xdist group ("vocab"), on one worker."""
+    from llama_chat.inference.gguf_file import open_gguf, read_metadata
+
+    return read_metadata(open_gguf(FIXTURES / "vocab" / f"ggml-vocab-{name}.gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import vocab_metadata
 from llama_chat.inference.chat_template import (
     CHATML_TEMPLATE,
     ChatTemplate,
@@ -52,12 +53,6 @@ def qwen25() -> ChatTemplate:
     return ChatTemplate(QWEN25_TEMPLATE.read_text(), name="Qwen2.5")
 
 
-@pytest.fixture(scope="module")
-def qwen2_vocab_metadata():
-    # GGUFReader needs ~7 s for this 150k-token vocab, so read it once.
-    return read_metadata(open_gguf(FIXTURES / "vocab" / "ggml-vocab-qwen2.gguf"))
-
-
 # --- the default model's prompt -----------------------------------------------------------------------------
 
 
@@ -76,10 +71,11 @@ def test_real_qwen_model_carries_the_qwen25_template(qwen_model_path):
         assert template.render(case["messages"]) == case["prompt"]
 
 
-def test_qwen2_vocab_template_is_the_older_qwen2_one(qwen2_vocab_metadata):
+@pytest.mark.xdist_group("vocab")  # on the worker that reads the vocab files for test_tokenizer
+def test_qwen2_vocab_template_is_the_older_qwen2_one():
     # The llama.cpp vocab file carries Qwen2's template, not Qwen2.5's: its default system prompt differs,
     # but with a system message of its own both render the same prompt.
-    source = qwen2_vocab_metadata["tokenizer.chat_template"]
+    source = vocab_metadata("qwen2")["tokenizer.chat_template"]
     assert source != QWEN25_TEMPLATE.read_text()
     template = ChatTemplate(source, name="ggml-vocab-qwen2")
     assert template.render(REFERENCE["python"]["messages"]) == REFERENCE["python"]["prompt"]

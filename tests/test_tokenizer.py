@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import vocab_metadata
 from llama_chat.inference.errors import ModelError
 from llama_chat.inference.tokenizer import Tokenizer, load_tokenizer
 
@@ -30,8 +31,9 @@ def _short(text: str) -> str:
 
 @functools.cache
 def vocab_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer from one of llama.cpp's vocab-only test files (read once per session)."""
-    return load_tokenizer(VOCAB_DIR / f"ggml-vocab-{name}.gguf")
+    """A tokenizer from one of llama.cpp's vocab-only test files (read once per session), made as
+    load_tokenizer makes it."""
+    return Tokenizer.from_metadata(vocab_metadata(name))
 
 
 def _vocab_cases():

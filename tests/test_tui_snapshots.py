@@ -7,6 +7,8 @@ depend on timing.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llama_chat.app.config import Config
@@ -34,8 +36,15 @@ def conversation(store: ChatStore, title: str, reply: str = REPLY):
     return store.get_session(session.id)
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """The config file's path is relative to the test's folder: the help screen shows it, and the
+    folder pytest gives a test (longer under xdist, or after a thousand runs) would change how it wraps."""
+    monkeypatch.chdir(tmp_path)
+
+
 def app_on(tmp_path, tiny_model_paths, theme: str = "llama-dark", session_id: str | None = None) -> ChatApp:
-    config = Config(path=tmp_path / "config" / "llama-chat" / "config.toml", theme=theme)
+    config = Config(path=Path("config", "llama-chat", "config.toml"), theme=theme)
     return ChatApp(
         tmp_path / "chat.db", model=str(tiny_model_paths["qwen2"]), session_id=session_id, config=config
     )
