@@ -210,6 +210,6 @@ def _read_record(path: Path) -> dict | None:
 def _write_record(path: Path, sha256: str) -> None:
     st = path.stat()
     record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
-    tmp = _record_path(path).with_suffix(".tmp")
+    tmp = _record_path(path).with_suffix(f".{os.getpid()}.tmp")  # two processes checking at once each write their own
     tmp.write_text(json.dumps(record))
     os.replace(tmp, _record_path(path))
