@@ -92,6 +92,18 @@ class Model:
         alone cuts it, whatever else shares the pass, so that its KV and logits get the same bits."""
         return tokens[done : done + self.prefill_batch]
 
+    def warm_up(self) -> None:
+        """One decode pass and one prefill pass on a throwaway sequence, as llama.cpp's server does before
+        it says it is ready: every weight page is read in and the thread pools and buffers exist, so the
+        first client's first token does not pay for them."""
+        seq = self.new_sequence(2 * SMALL_BATCH + 2)
+        try:
+            bos = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
+            self.step([(seq, [bos])])
+            self.step([(seq, [bos] * (SMALL_BATCH + 1))])
+        finally:
+            seq.free()
+
     def check_room(self, seq: KVSequence, n_new: int) -> None:
         """ContextFullError unless n_new more tokens fit in the sequence's context window."""
         forward_pass.check_room(seq, n_new)

@@ -86,6 +86,7 @@ class ServerState:
         try:
             store = ChatStore(options.db)
             model = self._load(options)
+            model.warm_up()
             scheduler = Scheduler(model, options.parallel, options.queue)
             remote = open_remote(options, model.fingerprint)
             engine = ChatEngine(model, store, n_ctx=options.ctx, scheduler=scheduler, remote=remote)
