@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .chat_template import completion_prompt, content_texts, map_contents
-from .kernels import SMALL_BATCH
+from .kernels import KERNEL_ROWS
 from .kv_cache import KVSequence
 from .llm import Model
 from .lookup import MAX_DRAFT, PromptLookup
@@ -321,9 +321,9 @@ def run_streams(model: Model, streams: Sequence[ReplyStream]) -> None:
 
 
 def draft_rooms(n_streams: int) -> int:
-    """Guessed tokens each stream may add to a pass of n streams: a pass of the decode kernels takes
-    SMALL_BATCH rows for the price of one, so guesses fill what the streams leave of it."""
-    return max(0, (SMALL_BATCH - n_streams) // max(n_streams, 1))
+    """Guessed tokens each stream may add to a pass of n streams: a pass of the kernels reads each
+    weight once for all its rows (up to KERNEL_ROWS), so guesses fill what the streams leave of it."""
+    return max(0, (KERNEL_ROWS - n_streams) // max(n_streams, 1))
 
 
 def start_streams(

@@ -1,15 +1,16 @@
 """Compiled kernels over packed weights (see quants.py): the matrix work of the forward pass.
 
-Decode (1–8 rows) reads each weight once for all rows: the vector lanes run across 64 interleaved rows
-of the matrix, each input row is multiplied into a 64-wide partial sum per group of 16–32 weights, and
-the group's scale (and offset) is applied once per group. Activations stay float32. Every output row
-is computed by the same instructions whatever the number of rows, so a row's result does not depend on
-what else is in the batch (prompt-lookup verification relies on that).
+Up to KERNEL_ROWS input rows, a kernel reads each weight once for all of them: its vector lanes run
+across 64 interleaved rows of the matrix, each weight is dequantized once (value · scale + offset, as
+ggml's `dequantize_row_*`) and multiplied into the partial sums of ROWS input rows at a time, which
+stay in registers for the whole row of weights (4 × 64 float32 sums: 16 AVX-512 registers). Activations
+stay float32. Every output row is computed by the same instructions whatever the number of rows (no
+reassociation: only multiply-adds are fused), so a row's result does not depend on what else is in
+the batch (prompt-lookup verification and the scheduler rely on that).
 
-Prefill (many rows) dequantizes tiles of the matrix into a reused float32 buffer and hands them to
-BLAS (sgemm), which is faster per row than any kernel here. A tile fits the core's L2 cache, so that
-sgemm reads what the dequantization just wrote from there: with 16 MB tiles both went through memory,
-a fixed ~0.3 s per forward pass however few its rows (a new turn of 16 tokens after a long chat).
+More rows go to BLAS (sgemm) on tiles of the matrix dequantized into a reused float32 buffer, which is
+faster per row there. A tile fits the core's L2 cache, so that sgemm reads what the dequantization
+just wrote from there: with 16 MB tiles both went through memory, a fixed ~0.3 s per forward pass.
 """
 
 from __future__ import annotations
@@ -17,65 +18,85 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .jit import njit, prange
 
-LANES = 64  # rows interleaved in the packed layout: 8 AVX2 or 4 AVX-512 float vectors
-SMALL_BATCH = 8  # up to this many rows the kernels run; more go to BLAS on dequantized tiles
+LANES = 64  # rows interleaved in the packed layout: 4 AVX-512 (8 AVX2) float vectors
+ROWS = 4  # input rows a kernel multiplies at once: their partial sums fill 16 of 32 AVX-512 registers
+SUMS = ROWS * LANES  # (a literal, as _registers wants it)
+KERNEL_ROWS = 32  # up to this many rows the kernels run (measured crossover with BLAS: README); more: BLAS
 TILE_BYTES = 512 << 10  # float32 tile of a matrix dequantized for BLAS: 2 groups of 896 columns
 F32 = np.float32
+# Multiply-adds may be fused, nothing reassociated: a row's sums are added in one order in every batch.
+EXACT = {"contract"}
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def _matvec_int8(values, scales, offsets, has_offsets, x, xsum, out):
-    """out[i, g·L + r] = Σ_b scale[g,b,r]·Σ_{j∈b} values[g,j,r]·x[i,j] (+ offset[g,b,r]·xsum[i,b])."""
-    n_groups, n_cols, _ = values.shape
+@intrinsic
+def _registers(typingctx, size):
+    """A float32 scratch array of `size` (a literal) on the stack. numba's arrays live on the heap,
+    where LLVM keeps partial sums in memory, loaded and stored for every weight; a stack array whose
+    every index is known after unrolling becomes registers."""
+    if not isinstance(size, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=size.literal_value)
+
+    return types.CPointer(types.float32)(size), codegen
+
+
+@njit(cache=True, inline="always", fastmath=EXACT)
+def _accumulate(values, scales, offsets, has_offsets, has_scales, x, i0, g, sums, w, rows):
+    """sums[i, r] = Σ_j w[g·L + r, j] · x[i0 + i, j] for i < rows (a constant where it is inlined, so
+    that the loops over i and r unroll), w dequantized one column of 64 weights at a time."""
+    n_cols = values.shape[1]
     n_blocks = scales.shape[1]
     size = n_cols // n_blocks
-    n = x.shape[0]
-    for g in prange(n_groups):
-        acc = np.zeros((n, LANES), F32)
-        part = np.empty((n, LANES), F32)
-        w = np.empty(LANES, F32)
-        for b in range(n_blocks):
-            part[:] = 0
-            for j in range(b * size, (b + 1) * size):
-                if n == 1:
-                    xj = x[0, j]
-                    for r in range(LANES):
-                        part[0, r] += F32(values[g, j, r]) * xj
-                else:  # each weight converted once, then used by every row (the same products)
-                    for r in range(LANES):
-                        w[r] = F32(values[g, j, r])
-                    for i in range(n):
-                        xj = x[i, j]
-                        for r in range(LANES):
-                            part[i, r] += w[r] * xj
-            for i in range(n):
+    for i in range(rows):
+        for r in range(LANES):
+            sums[i, r] = 0
+    for b in range(n_blocks):
+        for j in range(b * size, (b + 1) * size):
+            if has_offsets:
                 for r in range(LANES):
-                    acc[i, r] += part[i, r] * scales[g, b, r]
-                if has_offsets:
-                    for r in range(LANES):
-                        acc[i, r] += offsets[g, b, r] * xsum[i, b]
-        for i in range(n):
-            for r in range(LANES):
-                out[i, g * LANES + r] = acc[i, r]
+                    w[r] = F32(values[g, j, r]) * scales[g, b, r] + offsets[g, b, r]
+            elif has_scales:
+                for r in range(LANES):
+                    w[r] = F32(values[g, j, r]) * scales[g, b, r]
+            else:
+                for r in range(LANES):
+                    w[r] = values[g, j, r]
+            for i in range(rows):
+                xj = x[i0 + i, j]
+                for r in range(LANES):
+                    sums[i, r] += w[r] * xj
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def _matvec_f32(values, x, out):
-    n_groups, n_cols, _ = values.shape
-    n = x.shape[0]
-    for g in prange(n_groups):
-        acc = np.zeros((n, LANES), F32)
-        for i in range(n):
-            for j in range(n_cols):
-                xj = x[i, j]
-                for r in range(LANES):
-                    acc[i, r] += values[g, j, r] * xj
-        for i in range(n):
+@njit(cache=True, fastmath=EXACT)
+def _group_product(values, scales, offsets, has_offsets, has_scales, x, out, g):
+    """Columns g·L … g·L + L - 1 of out = x @ w.T: one row alone, else ROWS at a time (x is padded)."""
+    sums = carray(_registers(SUMS), (ROWS, LANES))
+    w = carray(_registers(LANES), (LANES,))
+    n = out.shape[0]
+    if n == 1:  # a token decoded alone: no padded rows to compute
+        _accumulate(values, scales, offsets, has_offsets, has_scales, x, 0, g, sums, w, 1)
+        for r in range(LANES):
+            out[0, g * LANES + r] = sums[0, r]
+        return
+    for i0 in range(0, n, ROWS):
+        _accumulate(values, scales, offsets, has_offsets, has_scales, x, i0, g, sums, w, ROWS)
+        for i in range(min(ROWS, n - i0)):
             for r in range(LANES):
-                out[i, g * LANES + r] = acc[i, r]
+                out[i0 + i, g * LANES + r] = sums[i, r]
+
+
+@njit(cache=True, parallel=True)
+def _product(values, scales, offsets, has_offsets, has_scales, x, out):
+    for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
+        _group_product(values, scales, offsets, has_offsets, has_scales, x, out, g)
 
 
 @njit(cache=True, fastmath=True)
@@ -101,7 +122,7 @@ def _dequantize_int8(values, scales, offsets, has_offsets, g0, g1, out):
                         row[r] = F32(v[r]) * s[r]
 
 
-COMPILED = (_matvec_int8, _matvec_f32, _dequantize_int8)
+COMPILED = (_product, _group_product, _dequantize_int8)
 
 _scratch = threading.local()
 
@@ -120,13 +141,12 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
     n = x.shape[0]
     n_groups, n_cols, _ = w.values.shape
     x = np.ascontiguousarray(x, dtype=F32)
-    if n <= SMALL_BATCH:
+    if n <= KERNEL_ROWS:
         out = np.empty((n, n_groups * LANES), dtype=F32)
-        if w.scales is None:
-            _matvec_f32(w.values, x, out)
-        else:
-            xsum = _block_sums(x, w.scales.shape[1]) if w.offsets is not None else x
-            _matvec_int8(w.values, w.scales, *_offsets(w), x, xsum, out)
+        if n > 1 and n % ROWS:  # the kernel reads ROWS rows at a time: zeros after the last
+            x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
+        scales = w.values if w.scales is None else w.scales  # (float values: unread)
+        _product(w.values, scales, *_offsets(w), w.scales is not None, x, out)
         return out[:, : w.n_rows]
     out = np.empty((n, w.n_rows), dtype=F32)
     tile = max(1, TILE_BYTES // (4 * n_cols * LANES))  # groups per tile
@@ -149,15 +169,11 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
 
 
 def _offsets(w) -> tuple[np.ndarray, bool]:
-    """A kernel's offsets argument and whether to use it: a matrix without offsets passes its scales,
-    of the same type, so that one compiled kernel serves both."""
-    return (w.offsets, True) if w.offsets is not None else (w.scales, False)
-
-
-def _block_sums(x: np.ndarray, n_blocks: int) -> np.ndarray:
-    """Σ of x over each group of columns [n, n_blocks]: what a group's offset multiplies."""
-    n = x.shape[0]
-    return np.ascontiguousarray(x.reshape(n, n_blocks, -1).sum(axis=2, dtype=F32))
+    """A kernel's offsets argument and whether to use it: a matrix without offsets passes its scales
+    (or float values), of the same type, so that one compiled kernel serves both."""
+    if w.offsets is not None:
+        return w.offsets, True
+    return (w.values if w.scales is None else w.scales), False
 
 
 def rows(w, ids: np.ndarray) -> np.ndarray:

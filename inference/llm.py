@@ -11,7 +11,7 @@ from . import model as forward_pass
 from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
 from .config import Config
-from .kernels import SMALL_BATCH
+from .kernels import KERNEL_ROWS
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
 from .tokenizer import Tokenizer
 from .weights import prepare
@@ -96,11 +96,11 @@ class Model:
         """One decode pass and one prefill pass on a throwaway sequence, as llama.cpp's server does before
         it says it is ready: every weight page is read in and the thread pools and buffers exist, so the
         first client's first token does not pay for them."""
-        seq = self.new_sequence(2 * SMALL_BATCH + 2)
+        seq = self.new_sequence(2 * KERNEL_ROWS + 2)
         try:
             bos = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
             self.step([(seq, [bos])])
-            self.step([(seq, [bos] * (SMALL_BATCH + 1))])
+            self.step([(seq, [bos] * (KERNEL_ROWS + 1))])
         finally:
             seq.free()
 
@@ -124,7 +124,7 @@ class Model:
 
     def verify_rows(self, batch: list[tuple[KVSequence, Sequence[int]]]) -> list[np.ndarray]:
         """verify_draft for several sequences at once: logits [n_i, n_vocab] per sequence, each row as
-        decoding its token alone computes it. Passes hold at most kernels.SMALL_BATCH rows, the most the
+        decoding its token alone computes it. Passes hold at most kernels.KERNEL_ROWS rows, the most the
         decode kernels take (more would go to BLAS, whose rounding depends on the batch), so what one
         conversation gets never depends on what else is being decoded."""
         out: list[np.ndarray] = []
@@ -138,7 +138,7 @@ class Model:
             group.clear()
 
         for seq, tokens in batch:
-            if group and sum(len(t) for _, t in group) + len(tokens) > SMALL_BATCH:
+            if group and sum(len(t) for _, t in group) + len(tokens) > KERNEL_ROWS:
                 run()
             group.append((seq, tokens))
         if group:
@@ -147,7 +147,7 @@ class Model:
 
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
         """One new token for each of several sequences (of any lengths, related or not), in one pass:
-        one [n, d] @ W per weight, not n. Logits [len(seqs), n_vocab]; up to kernels.SMALL_BATCH
+        one [n, d] @ W per weight, not n. Logits [len(seqs), n_vocab]; up to kernels.KERNEL_ROWS
         sequences, each row has the bits decoding its sequence alone would give (see model.step)."""
         batch = [(s, [t]) for s, t in zip(seqs, tokens, strict=True)]
         return forward_pass.step(batch, self.weights, self.config)

@@ -287,7 +287,7 @@ def compile_kernels(progress=None, formats=None) -> float:
         w = pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
         kernels.matmul(x, w)  # the decode kernels, with and without offsets, float
         if i == 0:
-            kernels.matmul(np.zeros((kernels.SMALL_BATCH + 1, shape[1]), F32), w)  # the prefill tiles
+            kernels.matmul(np.zeros((kernels.KERNEL_ROWS + 1, shape[1]), F32), w)  # the prefill tiles
     if progress:
         progress(label, len(formats), len(formats))
     return time.perf_counter() - t0

@@ -43,7 +43,7 @@ def test_packing_keeps_every_weight_exactly(qtype):
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [1, 3, 8, 20])
+@pytest.mark.parametrize("n", [1, 3, 8, 20, kernels.KERNEL_ROWS + 1])  # the last: BLAS
 def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n):
     shape = (130, 512)
     raw = raw_tensor(qtype, shape)
@@ -61,7 +61,7 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
     """Prompt-lookup verification relies on it: row i of an n-row product is the 1-row product."""
     shape = (128, 256)
     w = quants.pack([(raw_tensor(qtype, shape), qtype, shape)])
-    x = np.random.default_rng(2).standard_normal((kernels.SMALL_BATCH, shape[1])).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((kernels.KERNEL_ROWS, shape[1])).astype(np.float32)
     together = kernels.matmul(x, w)
     for i in range(len(x)):
         assert np.array_equal(together[i], kernels.matmul(x[i : i + 1], w)[0])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from llama_chat.inference import Model
 from llama_chat.inference.generate import ReplyStream, draft_rooms, run_streams, start_streams
-from llama_chat.inference.kernels import SMALL_BATCH
+from llama_chat.inference.kernels import KERNEL_ROWS
 
 from .jobs import Job, State
 
@@ -165,9 +165,9 @@ class Scheduler:
 
     def _pieces(self, prefilling: list[_Run]) -> list[tuple[_Run, list[int]]]:
         """Which prompts' next pieces share this step's pass, oldest first: up to `prefill_batch` tokens
-        in all (the oldest's piece always), at most SMALL_BATCH prompts, and only pieces longer than
-        SMALL_BATCH together — so each row gets the bits it gets when its prompt is read alone (a pass
-        of ≤ SMALL_BATCH rows, or the last row of each prompt, goes to the decode kernels, more to
+        in all (the oldest's piece always), at most KERNEL_ROWS prompts, and only pieces longer than
+        KERNEL_ROWS together — so each row gets the bits it gets when its prompt is read alone (a pass
+        of ≤ KERNEL_ROWS rows, or the last row of each prompt, goes to the decode kernels, more to
         BLAS). A prompt that shares its next block with an older one being read waits, to take that
         block when it is computed (clients sending the same system prompt at once)."""
         batch: list[tuple[_Run, list[int]]] = []
@@ -186,8 +186,8 @@ class Scheduler:
             if self._waits_for_shared_block(run, prefilling[:i]):
                 continue
             piece = self.model.next_piece(run.todo, run.done)
-            alone = len(piece) <= SMALL_BATCH
-            if batch and (alone or rows + len(piece) > self.model.prefill_batch or len(batch) == SMALL_BATCH):
+            alone = len(piece) <= KERNEL_ROWS
+            if batch and (alone or rows + len(piece) > self.model.prefill_batch or len(batch) == KERNEL_ROWS):
                 continue
             batch.append((run, piece))
             rows += len(piece)
