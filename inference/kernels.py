@@ -21,6 +21,7 @@ import numpy as np
 from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from threadpoolctl import ThreadpoolController
 
 from .jit import njit, prange
 
@@ -123,6 +124,23 @@ def _dequantize_int8(values, scales, offsets, has_offsets, g0, g1, out):
 
 
 COMPILED = (_product, _group_product, _dequantize_int8)
+
+# OpenBLAS's threads spin for a while after each call before they sleep. In a step of the kernels
+# (≤ KERNEL_ROWS rows) BLAS only multiplies the attention's small matrices, and its spinning threads
+# took the two cores from the kernels' threads: with BLAS on one thread there, a 16-token turn took
+# 132 instead of 212 ms and decode at context 4,096 ran 11-14 instead of 10-11 tok/s (interleaved
+# runs); a long prefill wants every BLAS thread.
+_blas = ThreadpoolController().select(user_api="blas").lib_controllers
+_blas_threads = {id(c): c.get_num_threads() for c in _blas}  # as started (--threads)
+
+
+def use_blas_threads_for(rows: int) -> None:
+    """Before a forward step of `rows` rows: BLAS on one thread for a step of the kernels, else on all
+    it started with. Cheap when nothing changes (a ctypes call per BLAS library)."""
+    for c in _blas:
+        want = 1 if rows <= KERNEL_ROWS else _blas_threads[id(c)]
+        if c.get_num_threads() != want:
+            c.set_num_threads(want)
 
 _scratch = threading.local()
 

@@ -45,6 +45,8 @@ class CacheFullError(MemoryError):
 def _arena(shape: tuple[int, ...]) -> np.ndarray:
     """Zeroed float32 memory whose pages are only taken when first written (anonymous mmap)."""
     buf = mmap.mmap(-1, int(np.prod(shape)) * 4)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 

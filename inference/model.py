@@ -300,6 +300,7 @@ def run_step(
         row += len(tokens)
     tokens = np.concatenate([t for _, t in batch])
     positions = np.concatenate([s.positions for s in segments])
+    kernels.use_blas_threads_for(len(tokens))
     x = w.token_embd.rows(tokens)  # [T, d]
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)
