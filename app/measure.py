@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llama_chat.inference import SamplingParams
+from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
 from llama_chat.storage.exchange import default_file_name, export_session, import_session
@@ -145,8 +145,9 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
 
 def measure_stop(model, text: str, folder: Path, max_tokens: int) -> dict:
     """Esc (or Ctrl+C) during a reply: milliseconds from the cancel to the reply stored with what it
-    wrote, for one reply and for regenerate ×3 (three replies decoded together)."""
-    engine = ChatEngine(model, ChatStore(folder / "stop.db"))
+    wrote, for one reply and for regenerate ×3 (three replies decoded together). On a model loaded
+    anew: the one given already reads its blocks from measure_sessions' store (a pool has one source)."""
+    engine = ChatEngine(load_model(model.path), ChatStore(folder / "stop.db"))
     session = engine.new_session("stop")
 
     def stopped_ms(submit) -> float:

@@ -124,3 +124,16 @@ def test_a_session_keeps_its_longest_reply_on_the_command_line(qwen2, tmp_path, 
     replies = [m for m in store.path(store.get_session(session.id).head_id) if m.role == "assistant"]
     assert [m.stats["generated_tokens"] for m in replies] == [2, 5]
     assert [m.stats["stop_reason"] for m in replies] == ["length", "length"]
+
+
+def test_bench_times_stored_sessions_and_then_stopped_replies_on_one_loaded_model(qwen2, tmp_path):
+    """`llama-chat bench` measures resume/fork/export on a store, then Esc on another store: a model's
+    block pool reads from one store, so the second measurement must not take over the first's model."""
+    from llama_chat.app.measure import measure_sessions, measure_stop
+    from llama_chat.inference import load_model
+
+    model = load_model(qwen2, cache_ram_mb=64)
+    sessions = measure_sessions(model, "the quick brown fox " * 3, tmp_path)
+    assert sessions["fork_added_bytes"] >= 0 and sessions["exchange"]["size_ratio"] > 0
+    stop = measure_stop(model, "the quick brown fox", tmp_path, 150)
+    assert stop["stop_ms"] > 0 and stop["stop_three_ms"] > 0
