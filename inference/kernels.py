@@ -78,14 +78,19 @@ def _accumulate(values, scales, offsets, has_offsets, has_scales, x, i0, g, sums
 
 @njit(cache=True, fastmath=EXACT)
 def _group_product(values, scales, offsets, has_offsets, has_scales, x, out, g):
-    """Columns g·L … g·L + L - 1 of out = x @ w.T: one row alone, else ROWS at a time (x is padded)."""
+    """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone, else ROWS at a time (x is
+    padded to a multiple of ROWS)."""
     sums = carray(_registers(SUMS), (ROWS, LANES))
     w = carray(_registers(LANES), (LANES,))
     n = out.shape[0]
-    if n == 1:  # a token decoded alone: no padded rows to compute
-        _accumulate(values, scales, offsets, has_offsets, has_scales, x, 0, g, sums, w, 1)
-        for r in range(LANES):
-            out[0, g * LANES + r] = sums[0, r]
+    if n <= 2:  # one token decoded alone, or two replies: no padded rows to compute
+        if n == 1:
+            _accumulate(values, scales, offsets, has_offsets, has_scales, x, 0, g, sums, w, 1)
+        else:
+            _accumulate(values, scales, offsets, has_offsets, has_scales, x, 0, g, sums, w, 2)
+        for i in range(n):
+            for r in range(LANES):
+                out[i, g * LANES + r] = sums[i, r]
         return
     for i0 in range(0, n, ROWS):
         _accumulate(values, scales, offsets, has_offsets, has_scales, x, i0, g, sums, w, ROWS)
@@ -161,7 +166,7 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=F32)
     if n <= KERNEL_ROWS:
         out = np.empty((n, n_groups * LANES), dtype=F32)
-        if n > 1 and n % ROWS:  # the kernel reads ROWS rows at a time: zeros after the last
+        if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
             x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
         scales = w.values if w.scales is None else w.scales  # (float values: unread)
         _product(w.values, scales, *_offsets(w), w.scales is not None, x, out)

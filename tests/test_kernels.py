@@ -62,9 +62,11 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
     shape = (128, 256)
     w = quants.pack([(raw_tensor(qtype, shape), qtype, shape)])
     x = np.random.default_rng(2).standard_normal((kernels.KERNEL_ROWS, shape[1])).astype(np.float32)
-    together = kernels.matmul(x, w)
-    for i in range(len(x)):
-        assert np.array_equal(together[i], kernels.matmul(x[i : i + 1], w)[0])
+    alone = [kernels.matmul(x[i : i + 1], w)[0] for i in range(len(x))]
+    for n in (2, 3, 5, kernels.KERNEL_ROWS):  # the kernel's paths: 2 rows, 4-row steps padded or not
+        together = kernels.matmul(x[:n], w)
+        for i in range(n):
+            assert np.array_equal(together[i], alone[i]), (n, i)
 
 
 def test_joined_matrices_of_different_formats_multiply_as_each_alone():
