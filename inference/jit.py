@@ -18,10 +18,10 @@ from numba import njit, prange  # noqa: E402
 
 from .catalog import cache_dir  # noqa: E402
 
-# LLVM tunes recent Intel cores to prefer 256-bit vectors even where AVX-512 exists; the kernels keep
-# 4 × 64 partial sums in registers, which is 16 of the 32 512-bit registers but all 32 of 16 256-bit
-# ones would not hold (they spill, and the multi-row kernels ran at a half to a third of the speed).
-# It is a tuning flag: on a processor without AVX-512 it changes nothing. A user's NUMBA_CPU_FEATURES wins.
+# LLVM tunes recent Intel cores to prefer 256-bit vectors even where AVX-512 exists. The kernels keep
+# 4 × 64 partial sums in registers: 16 of the 32 512-bit registers, but all 32 of the 256-bit ones,
+# with none left for the weights (they spilled: the multi-row kernels ran at a third of the speed).
+# It is a tuning flag: on a processor without AVX-512 it changes nothing. NUMBA_CPU_FEATURES wins.
 if not os.environ.get("NUMBA_CPU_FEATURES") and platform.machine().lower() in ("x86_64", "amd64"):
     numba.config.CPU_FEATURES = llvm.get_host_cpu_features().flatten() + ",-prefer-256-bit"
 

@@ -132,9 +132,9 @@ COMPILED = (_product, _group_product, _dequantize_int8)
 
 # OpenBLAS's threads spin for a while after each call before they sleep. In a step of the kernels
 # (≤ KERNEL_ROWS rows) BLAS only multiplies the attention's small matrices, and its spinning threads
-# took the two cores from the kernels' threads: with BLAS on one thread there, a 16-token turn took
-# 132 instead of 212 ms and decode at context 4,096 ran 11-14 instead of 10-11 tok/s (interleaved
-# runs); a long prefill wants every BLAS thread.
+# took the two cores from the kernels' threads: with BLAS on one thread there, a 16-token turn after
+# 1,024 tokens took 149-190 instead of 208-228 ms and decode at context 4,096 ran 9.7-12.3 instead of
+# 9.0-9.8 tok/s (interleaved runs); a long prefill wants every BLAS thread.
 _blas = ThreadpoolController().select(user_api="blas").lib_controllers
 _blas_threads = {id(c): c.get_num_threads() for c in _blas}  # as started (--threads)
 
@@ -146,6 +146,7 @@ def use_blas_threads_for(rows: int) -> None:
         want = 1 if rows <= KERNEL_ROWS else _blas_threads[id(c)]
         if c.get_num_threads() != want:
             c.set_num_threads(want)
+
 
 _scratch = threading.local()
 
