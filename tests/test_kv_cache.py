@@ -12,6 +12,7 @@ from llama_chat.inference import (
     generate_alternatives,
     load_model,
 )
+from llama_chat.inference.kernels import KERNEL_ROWS
 from llama_chat.inference.kv_cache import CacheFullError
 from tiny_models import write_tiny_model
 
@@ -206,11 +207,11 @@ def test_unrelated_sequences_decoded_together_get_the_bits_each_gets_alone(model
     assert a.tokens[3:] == [7, 23, 8] and b.tokens[2 * B + 2 :] == [19, 4, 9]
 
 
-@pytest.mark.parametrize("piece", [5, 3 * B + 2], ids=["small step", "large step"])
+@pytest.mark.parametrize("piece", [5, KERNEL_ROWS + 2], ids=["small step", "large step"])
 def test_a_prompt_pass_and_other_replies_tokens_share_one_step(model, piece):
     """One step may hold a pass of one prompt beside the next token of other replies: each sequence
-    gets what running it alone gives (the same bits while a step has at most 8 rows, the kernels'
-    promise; a larger step goes to BLAS, equal within float32 rounding)."""
+    gets what running it alone gives (the same bits while a step has at most KERNEL_ROWS rows, the
+    kernels' promise; a larger step goes to BLAS, equal within float32 rounding)."""
     prompt = ids_of(model, piece, seed=3)
     first, second = model.new_sequence(64), model.new_sequence(64)
     model.forward(ids_of(model, 9, seed=4), first)
@@ -222,7 +223,7 @@ def test_a_prompt_pass_and_other_replies_tokens_share_one_step(model, piece):
     assert fresh.tokens == prompt and first.tokens[-1] == 11 and second.tokens[-1] == 12
     for got, want in zip(rows, expected, strict=True):
         assert got.shape == want.shape == (model.config.n_vocab,)
-        if piece + 2 <= 8:
+        if piece + 2 <= KERNEL_ROWS:
             assert np.array_equal(got, want)
         else:
             assert np.abs(got - want).max() <= 1e-4
