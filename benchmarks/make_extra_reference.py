@@ -6,8 +6,9 @@ fixtures, so the real-model tolerances are not tuned to three texts.
 For each real model and text: the ids fed (BOS where the vocabulary adds one), llama.cpp's top-20
 logits at every position and its full last-position row (float16, as .npy beside the JSON), with its
 default f16 KV cache; and how far llama.cpp moves from itself when only its KV cache is float32 (the
-spread of llama.cpp's own configurations on the same text). Needs llama-cpp-python (a tool for this
-script only: `pip install llama-cpp-python`).
+spread of llama.cpp's own configurations on the same text), for these texts and for the three texts
+of reference.json (`fixture_spreads`). Needs llama-cpp-python (a tool for this script only:
+`pip install llama-cpp-python`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def llamacpp_logits(path: str, ids: list[int], kv: str, folder: Path) -> np.ndar
     return np.load(out)
 
 
+def top20_spread(logits: np.ndarray, other: np.ndarray) -> float:
+    """How far `other` moves from `logits` on logits' 20 best tokens, at the worst position."""
+    top = np.argsort(-logits, axis=1)[:, :20]
+    return float(max(np.abs(other[i, t] - logits[i, t]).max() for i, t in enumerate(top)))
+
+
 def main() -> int:
     import tempfile
 
@@ -68,7 +75,7 @@ def main() -> int:
                 logits = llamacpp_logits(path, ids, "f16", Path(tmp))
                 other = llamacpp_logits(path, ids, "f32", Path(tmp))
                 top = np.argsort(-logits, axis=1)[:, :20]
-                spread = float(max(np.abs(other[i, t] - logits[i, t]).max() for i, t in enumerate(top)))
+                spread = top20_spread(logits, other)
                 result[name][text_name] = {
                     "ids": ids,
                     "top20_ids": top.tolist(),
@@ -77,8 +84,27 @@ def main() -> int:
                 }
                 np.save(OUT / f"extra.{name}.{text_name}.last.npy", logits[-1].astype(np.float16))
                 print(name, text_name, len(ids), "tokens, llama.cpp f16 vs f32 KV:", round(spread, 3))
-    (OUT / "extra_reference.json").write_text(json.dumps({"texts": TEXTS, "models": result}))
+        spreads = fixture_spreads(Path(tmp))
+    (OUT / "extra_reference.json").write_text(
+        json.dumps({"texts": TEXTS, "models": result, "fixture_spreads": spreads})
+    )
     return 0
+
+
+def fixture_spreads(folder: Path) -> dict:
+    """llama.cpp's own f16/f32-KV spread on the texts whose logits reference.json holds (the ids fed
+    are reference.json's, so the f16 run is that file's reference itself)."""
+    reference = json.loads((OUT / "reference.json").read_text())
+    spreads: dict = {}
+    for name in MODELS:
+        path = str(resolve_model(name))
+        spreads[name] = {}
+        for text_name, ref in reference[name]["logits"].items():
+            logits = llamacpp_logits(path, ref["ids"], "f16", folder)
+            other = llamacpp_logits(path, ref["ids"], "f32", folder)
+            spreads[name][text_name] = round(top20_spread(logits, other), 4)
+            print(name, text_name, "(reference.json), llama.cpp f16 vs f32 KV:", spreads[name][text_name])
+    return spreads
 
 
 if __name__ == "__main__":

