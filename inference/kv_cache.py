@@ -458,3 +458,9 @@ class KVViews:
     def layer(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
         k, v = self._pool._k[layer], self._pool._v[layer]
         return [(k[:, s], v[:, s]) for s in self._slices]
+
+    def runs(self, layer: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """The same positions for compiled kernels: the layer's keys and values whole, [kv_head, N,
+        head_dim] and C-contiguous, and the runs (first, n) along N where they lie."""
+        runs = [(s.start, s.stop - s.start) for s in self._slices]
+        return self._pool._k[layer], self._pool._v[layer], runs

@@ -150,6 +150,14 @@ def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
     return out.reshape(n_head, T, hd).transpose(1, 0, 2).reshape(T, n_head * hd)
 
 
+def one_token_attention(q, k, v, runs, scale: float) -> np.ndarray:
+    """attention() of one query row by the compiled kernel: q [n_head, 1, hd]; k, v one layer of the
+    cache [n_kv, N, hd] and the runs (first, n) of it to attend to (KVViews.runs) → [1, n_head·hd]."""
+    n_head, _, hd = q.shape
+    qg = q.reshape(k.shape[0], n_head // k.shape[0], hd) * F32(scale)  # query heads by the kv head they share
+    return kernels.one_token_attention(qg, k, v, runs).reshape(1, n_head * hd)
+
+
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return F32(0.5) * x * (F32(1.0) + np.tanh(F32(0.7978845608028654) * (x + F32(0.044715) * x * x * x)))
 
@@ -197,6 +205,10 @@ class Segment:
 
 
 ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row
+# From this many cached positions one token's attention goes to the compiled kernel (kernels.py): at
+# 4,096 it decoded 29-34 tok/s where BLAS gave 21-23; at 512 the two are level (waking numba's threads
+# costs ~60 µs a call here, so on a short history BLAS is the faster).
+KERNEL_ATTENTION_FROM = 1024
 
 
 def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) -> np.ndarray:
@@ -210,7 +222,12 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) ->
         hi = min(lo + seg.attention_rows, T)
         views, mask = seg.view(window, lo, hi)
         q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
-        out.append(attention(q_rows, views.layer(layer), mask, scale, cfg.attn_logit_softcap))
+        k, v, runs = views.runs(layer)
+        softcap = cfg.attn_logit_softcap
+        if hi - lo == 1 and mask is None and not softcap and sum(n for _, n in runs) >= KERNEL_ATTENTION_FROM:
+            out.append(one_token_attention(q_rows, k, v, runs, scale))
+        else:
+            out.append(attention(q_rows, views.layer(layer), mask, scale, softcap))
     return _join(out, axis=0)
 
 

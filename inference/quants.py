@@ -288,6 +288,8 @@ def compile_kernels(progress=None, formats=None) -> float:
         kernels.matmul(x, w)  # the decode kernels, with and without offsets, float
         if i == 0:
             kernels.matmul(np.zeros((kernels.KERNEL_ROWS + 1, shape[1]), F32), w)  # the prefill tiles
+            kv = np.zeros((1, 2, 64), F32)
+            kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])  # decode's attention
     if progress:
         progress(label, len(formats), len(formats))
     return time.perf_counter() - t0

@@ -107,3 +107,37 @@ def test_a_float_part_makes_the_joined_matrix_float():
     joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
     expected = np.concatenate([reference(t, r, s) for r, (t, s) in zip(raws, parts)])
     assert joined.scales is None and np.array_equal(kernels.rows(joined, np.arange(96)), expected)
+
+
+@pytest.mark.parametrize(
+    "n_kv, group, hd, runs",
+    [
+        (2, 7, 64, [(0, 4096)]),  # the default model at context 4,096
+        (1, 4, 256, [(5, 300)]),  # gemma3-270m's heads, a window that starts mid-block
+        (4, 2, 128, [(0, 64), (192, 700), (96, 1)]),  # runs in three places, one of a single position
+        (2, 1, 16, [(3, 1)]),  # one position
+    ],
+)
+def test_one_token_attention_equals_softmax_attention(n_kv, group, hd, runs):
+    """The compiled attention of one token (chunks of positions merged as flash-decoding does, its own
+    exp) against softmax(q·k)·v in float64, over runs of positions where a sequence's blocks lie."""
+    rng = np.random.default_rng(4)
+    size = max(f + n for f, n in runs) + 7  # a layer of the cache, positions past the runs unread
+    k = rng.standard_normal((n_kv, size, hd), dtype=np.float32) * 2
+    v = rng.standard_normal((n_kv, size, hd), dtype=np.float32)
+    q = rng.standard_normal((n_kv, group, hd), dtype=np.float32) * 0.5
+    got = kernels.one_token_attention(q, k, v, runs)
+    where = np.concatenate([np.arange(f, f + n) for f, n in runs])
+    scores = q.astype(np.float64) @ k[:, where].astype(np.float64).transpose(0, 2, 1)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = (weights / weights.sum(axis=-1, keepdims=True)) @ v[:, where].astype(np.float64)
+    assert got.shape == (n_kv, group, hd) and got.dtype == np.float32
+    assert np.abs(got - expected).max() <= 1e-5
+
+
+def test_the_kernels_exp_is_within_two_float32_ulps():
+    x = -np.concatenate([np.linspace(0, 87, 4001), [1e-8, 0.5, 20.25]]).astype(np.float32)
+    got = np.array([kernels._exp_nonpositive(v) for v in x], dtype=np.float64)
+    expected = np.exp(x.astype(np.float64))
+    assert (np.abs(got - expected) / expected).max() <= 2.4e-7  # 2 ulps of float32
+    assert 0 < kernels._exp_nonpositive(np.float32(-200.0)) < 1.3e-38  # underflow: nothing, not NaN

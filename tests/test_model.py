@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llama_chat.app.cli import main
-from llama_chat.inference import ModelError, load_model
+from llama_chat.inference import ModelError, kernels, load_model
 from llama_chat.inference import model as model_module
 from llama_chat.inference.model import rope
 from tiny_models import write_tiny_model
@@ -168,3 +168,27 @@ def test_a_load_removes_the_float32_weights_older_versions_prepared(tiny_model_p
     kept = list((cache_dir() / "prepared").iterdir())
     assert len(kept) == 1 and not list(kept[0].glob("*.npy"))  # metadata only
     assert model.logits(model.tokenizer.encode("hello")).shape[1] == model.config.n_vocab
+
+
+def test_one_token_attention_by_the_kernels_equals_blas(tiny_model_path, monkeypatch):
+    """Decoding past KERNEL_ATTENTION_FROM cached positions, a token's attention is computed by the
+    compiled kernels instead of BLAS: the logits agree (gemma3's sliding windows included)."""
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
+    calls = []
+    by_kernels = kernels.one_token_attention
+    monkeypatch.setattr(kernels, "one_token_attention", lambda *args: calls.append(1) or by_kernels(*args))
+
+    def decoded(kernels_from: int) -> np.ndarray:
+        monkeypatch.setattr(model_module, "KERNEL_ATTENTION_FROM", kernels_from)
+        seq = model.new_sequence(len(ids))
+        model.forward(ids[:5], seq)
+        return np.concatenate([model.forward([t], seq) for t in ids[5:]])
+
+    with_blas = decoded(10**9)
+    assert not calls
+    with_kernels = decoded(1)
+    # every layer of every decoded token, and the prompt's last row in the last layer (the only row
+    # computed there)
+    assert len(calls) == (len(ids) - 5) * model.config.n_layer + 1
+    assert np.abs(with_kernels - with_blas).max() <= 1e-4
