@@ -180,3 +180,27 @@ def test_more_texts_agree_with_llamacpp(extra_logits, name, text):
     p, q = log_softmax(last), log_softmax(logits[-1])
     assert float((np.exp(p) * (p - q)).sum()) <= 0.01
     assert worst <= max(1.0, ref["f32_kv_top20_spread"])
+
+
+@pytest.mark.parametrize("real_model", [QWEN, GEMMA], indirect=True)
+def test_decode_past_1024_positions_agrees_with_blas_attention(real_model, monkeypatch):
+    """Past KERNEL_ATTENTION_FROM cached positions a decoded token's attention is the compiled kernel's
+    (gemma3: its global layers; the sliding ones see 512): the logits stay where BLAS puts them."""
+    from llama_chat.app.bench import sample_tokens
+    from llama_chat.inference import kernels
+    from llama_chat.inference import model as model_module
+
+    calls = []
+    by_kernel = kernels.one_token_attention
+    monkeypatch.setattr(kernels, "one_token_attention", lambda *args: calls.append(1) or by_kernel(*args))
+    ids = sample_tokens(real_model.tokenizer, 1100)
+    logits = {}
+    for name, kernels_from in (("blas", 10**9), ("kernel", model_module.KERNEL_ATTENTION_FROM)):
+        monkeypatch.setattr(model_module, "KERNEL_ATTENTION_FROM", kernels_from)
+        seq = real_model.new_sequence(len(ids))
+        real_model.forward(ids[:1090], seq)
+        logits[name] = np.concatenate([real_model.forward([t], seq) for t in ids[1090:]])
+        seq.free()
+    assert calls  # the kernel's run went through it
+    assert np.abs(logits["kernel"] - logits["blas"]).max() <= 1e-3  # measured 4-5e-5
+    assert (logits["kernel"].argmax(axis=1) == logits["blas"].argmax(axis=1)).all()
