@@ -229,7 +229,7 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np
     all heads: waking numba's threads costs ~60 µs a call here (one call per head cost more than it
     saved)."""
     n_kv, group, hd = q.shape
-    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)  # (as it comes from KVViews.runs: no copy)
     chunks = -(-int(runs[:, 1].sum()) // ATTENTION_CHUNK)
     m = np.empty((n_kv, chunks, group), F32)
     l = np.empty((n_kv, chunks, group), F32)

@@ -450,17 +450,19 @@ class KVViews:
     [kv_head, S_i, head_dim], one per run of consecutive slots, in position order. Views, not copies:
     valid until the sequence's blocks change (made once per forward step, read by every layer)."""
 
-    __slots__ = ("_pool", "_slices")
+    __slots__ = ("_pool", "_slices", "_runs", "n_positions")
 
     def __init__(self, pool: BlockPool, slices: list[slice]):
         self._pool, self._slices = pool, slices
+        # the same runs as (first, n) rows, for the compiled kernels: built once, read by every layer
+        self._runs = np.array([(s.start, s.stop - s.start) for s in slices], dtype=np.int64).reshape(-1, 2)
+        self.n_positions = int(self._runs[:, 1].sum())
 
     def layer(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
         k, v = self._pool._k[layer], self._pool._v[layer]
         return [(k[:, s], v[:, s]) for s in self._slices]
 
-    def runs(self, layer: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    def runs(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same positions for compiled kernels: the layer's keys and values whole, [kv_head, N,
-        head_dim] and C-contiguous, and the runs (first, n) along N where they lie."""
-        runs = [(s.start, s.stop - s.start) for s in self._slices]
-        return self._pool._k[layer], self._pool._v[layer], runs
+        head_dim] and C-contiguous, and the runs [n_runs, 2] (first, n) along N where they lie."""
+        return self._pool._k[layer], self._pool._v[layer], self._runs

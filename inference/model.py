@@ -222,10 +222,9 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) ->
         hi = min(lo + seg.attention_rows, T)
         views, mask = seg.view(window, lo, hi)
         q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
-        k, v, runs = views.runs(layer)
         softcap = cfg.attn_logit_softcap
-        if hi - lo == 1 and mask is None and not softcap and sum(n for _, n in runs) >= KERNEL_ATTENTION_FROM:
-            out.append(one_token_attention(q_rows, k, v, runs, scale))
+        if hi - lo == 1 and mask is None and not softcap and views.n_positions >= KERNEL_ATTENTION_FROM:
+            out.append(one_token_attention(q_rows, *views.runs(layer), scale))
         else:
             out.append(attention(q_rows, views.layer(layer), mask, scale, softcap))
     return _join(out, axis=0)
