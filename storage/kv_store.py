@@ -8,18 +8,24 @@ caller recomputes it from tokens: the message tree is the truth, the KV only a c
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
-from .db import StoreError
 from .records import StoredBlock, StoredTail
 from .remote import MovingAverage, RemoteTier
 from .store import ChatStore
 
 KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_dim]
+
+# Blocks read from the remote tier wait in RAM, as read, until their session's next snapshot writes them
+# to SQLite: writing ~11 MB there and reading it back cost ~55 ms of a 2,000-token conversation's first
+# token on another server. Past this many bytes the oldest are forgotten (only a cache: recomputed).
+MAX_FETCHED_BYTES = 256 << 20
 
 
 def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
@@ -53,17 +59,40 @@ class KVStore:
         self.codec = codec
         self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
         self.prefill_tok_s = MovingAverage()  # the model's, measured on replies: what `remote` must beat
+        self.fetched: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, not in SQLite yet
+        self._fetched_lock = threading.Lock()  # (snapshots are stored off the scheduler's thread)
 
     def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
         """A stored block of the namespace, checked against its checksum and the tokens it stands for;
         a bad one is dropped so it gets recomputed."""
-        block = self.store.load_block(key, self.fingerprint, namespace)
+        block = self._fetched(key) if namespace is None else None
+        if block is None:
+            block = self.store.load_block(key, self.fingerprint, namespace)
         if block is None:
             return None
         kv = decode_checked(block.data, block.checksum) if block.tokens == list(tokens) else None
         if kv is None:
+            self._forget([key])
             self.store.drop_block(key, namespace)
         return kv
+
+    def _fetched(self, key: bytes) -> StoredBlock | None:
+        with self._fetched_lock:
+            return self.fetched.get(key)
+
+    def _keep_fetched(self, blocks: Sequence[StoredBlock]) -> None:
+        with self._fetched_lock:
+            for block in blocks:
+                self.fetched[block.key] = block
+                self.fetched.move_to_end(block.key)
+            total = sum(len(b.data) for b in self.fetched.values())
+            while total > MAX_FETCHED_BYTES:
+                total -= len(self.fetched.popitem(last=False)[1].data)
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        with self._fetched_lock:
+            for key in keys:
+                self.fetched.pop(key, None)
 
     def tail(
         self, session_id: str, parent_key: bytes | None, want: Sequence[int]
@@ -95,9 +124,15 @@ class KVStore:
         not stored yet, block_kv(i) gives the i-th one's KV — and its tail. Returns the new blocks."""
         keys = [key for key, _ in blocks]
         stored = self.store.stored_keys(keys, namespace)
-        new_blocks = []
+        new_blocks, remote_keys = [], set()
         for i, (key, tokens) in enumerate(blocks):
-            if key not in stored:
+            if key in stored:
+                continue
+            fetched = self._fetched(key) if namespace is None else None
+            if fetched is not None and fetched.tokens == list(tokens):
+                new_blocks.append(fetched)  # as another server wrote it: nothing to encode
+                remote_keys.add(key)
+            else:
                 data = encode_kv(*block_kv(i), self.codec)
                 new_blocks.append(
                     StoredBlock(key, len(tokens), self.codec, data, checksum(data), list(tokens))
@@ -110,8 +145,12 @@ class KVStore:
         self.store.save_snapshot(
             session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace
         )
+        if namespace is None:
+            self._forget(keys)  # stored now
         if self.remote is not None and namespace is None:  # an import's blocks never leave
             for block in new_blocks:
+                if block.key in remote_keys:
+                    continue  # the tier has it: it came from there
                 self.remote.put(block)  # in the background: a full queue drops, nothing waits
             if stored_tail is not None:
                 t = stored_tail
@@ -133,10 +172,13 @@ class KVStore:
     def read_remote(self, missing: Sequence[tuple[bytes, tuple[int, ...]]]) -> RemoteRead:
         """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite
         lacks too are read from the remote tier in one round trip, when its measured round trips and
-        bytes per second beat computing them at the measured prefill speed, and kept in SQLite (the pool
-        then takes them as any stored block). Says what was chosen and how many tokens were read."""
+        bytes per second beat computing them at the measured prefill speed, and kept in RAM as read (the
+        pool then takes them as any stored block) until the session's snapshot stores them in SQLite.
+        Says what was chosen and how many tokens were read."""
         if self.remote is None or not missing:
             return RemoteRead()
+        with self._fetched_lock:
+            missing = [(key, tokens) for key, tokens in missing if key not in self.fetched]
         stored = self.store.stored_keys([key for key, _ in missing])
         missing = [(key, tokens) for key, tokens in missing if key not in stored]
         if not missing:
@@ -150,12 +192,7 @@ class KVStore:
             if block is None:
                 break  # the pool stops at the first missing block anyway
             found.append(block)
-        if not found:
-            return RemoteRead("fetch")
-        try:
-            self.store.add_blocks(self.fingerprint, found)
-        except StoreError:
-            return RemoteRead("fetch")  # a store that cannot take them now: they are computed instead
+        self._keep_fetched(found)
         return RemoteRead("fetch", sum(block.n_tokens for block in found))
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:

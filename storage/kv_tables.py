@@ -61,12 +61,6 @@ class KVTables:
                 (n_tokens, fingerprint, session_id),
             )
 
-    def add_blocks(self, fingerprint: str, blocks: list[StoredBlock], namespace: bytes | None = None) -> int:
-        """Keep blocks read from elsewhere (the remote tier) beside those computed here; returns how
-        many were new."""
-        with self.transaction():
-            return self._insert_blocks([(fingerprint, b) for b in blocks], namespace, time.time())
-
     def _insert_blocks(
         self, blocks: list[tuple[str, StoredBlock]], namespace: bytes | None, now: float
     ) -> int:

@@ -14,7 +14,7 @@ from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.storage import ChatStore, Session
+from llama_chat.storage import ChatStore, Session, kv_store
 from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.records import StoredBlock
@@ -298,13 +298,38 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
     _, info = second.open(moved)
     assert info.tokens % 8  # a tail after the full blocks: it comes through the cluster too
     assert info.remote == info.restored == info.tokens >= 32
+    keys = first.store.block_keys(session.id)
+    assert second.store.stored_keys(keys) == set()  # read into RAM: no SQLite before the first token
     reply, stats = chat(second, moved, "and then")
     assert stats.prefilled_tokens == stats.prompt_tokens - info.tokens
-    assert second.store.stored_keys(first.store.block_keys(session.id)) == set(
-        first.store.block_keys(session.id)
+    # then stored with the reply's snapshot, as read (not encoded again), and not sent back
+    assert second.store.stored_keys(keys) == set(keys)
+    assert all(
+        second.store.load_block(k, second.model.fingerprint).data
+        == first.store.load_block(k, first.model.fingerprint).data
+        for k in keys
     )
+    second.kv.remote.flush()
+    assert second.kv.remote.stats()["written"] < len(keys)  # only the new turn's blocks, if any
     assert chat(first, first.store.get_session(session.id), "and then")[0] == reply
     assert all(node.client().dbsize() > 0 for node in redis_cluster)
+
+
+def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_path, redis_server, monkeypatch):
+    monkeypatch.setattr(kv_store, "MAX_FETCHED_BYTES", 1)  # every block read is forgotten at once
+    first, second = (
+        server(qwen2, tmp_path / "a.db", redis_server.url),
+        server(qwen2, tmp_path / "b.db", redis_server.url),
+    )
+    session = first.new_session("bounded")
+    chat(first, session, HISTORY)
+    first.kv.remote.flush()
+    moved = move(first, session.id, second, tmp_path)
+    _, info = second.open(moved)
+    assert not second.kv.fetched and info.restored < 8  # nothing kept: the blocks are computed
+    assert (
+        chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+    )
 
 
 def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
