@@ -8,9 +8,12 @@ stay float32. Every output row is computed by the same instructions whatever the
 reassociation: only multiply-adds are fused), so a row's result does not depend on what else is in
 the batch (prompt-lookup verification and the scheduler rely on that).
 
-More rows go to BLAS (sgemm) on tiles of the matrix dequantized into a reused float32 buffer, which is
-faster per row there. A tile fits the core's L2 cache, so that sgemm reads what the dequantization
-just wrote from there: with 16 MB tiles both went through memory, a fixed ~0.3 s per forward pass.
+Past KERNEL_ROWS rows, where the machine measured it faster (`blas_from`, see quants.measure_blas_from),
+rows go to BLAS (sgemm) on tiles of the matrix dequantized into a reused float32 buffer. A tile fits the
+core's L2 cache, so that sgemm reads what the dequantization just wrote from there: with 16 MB tiles
+both went through memory, a fixed ~0.3 s per forward pass. Which one is faster depends on the processor:
+on the Intel cores of earlier measurements BLAS won from ~40 rows, on an AMD EPYC (Zen 5) the kernels
+won at every size up to 512 rows, by 1.2-1.7x.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from .jit import njit, prange
 LANES = 64  # rows interleaved in the packed layout: 4 AVX-512 (8 AVX2) float vectors
 ROWS = 4  # input rows a kernel multiplies at once: their partial sums fill 16 of 32 AVX-512 registers
 SUMS = ROWS * LANES  # (a literal, as _registers wants it)
-KERNEL_ROWS = 32  # up to this many rows the kernels run (measured crossover with BLAS: README); more: BLAS
+KERNEL_ROWS = 32  # up to this many rows the kernels always run: a row's bits never depend on its batch
+# From this many rows on BLAS on dequantized tiles multiplies faster than the kernels; None: the kernels
+# are faster at any size. Measured once per machine when the kernels are compiled (quants.py).
+blas_from: int | None = KERNEL_ROWS + 1
 TILE_BYTES = 512 << 10  # float32 tile of a matrix dequantized for BLAS: 2 groups of 896 columns
 F32 = np.float32
 # Multiply-adds may be fused, nothing reassociated: a row's sums are added in one order in every batch.
@@ -251,11 +257,21 @@ _blas = ThreadpoolController().select(user_api="blas").lib_controllers
 _blas_threads = {id(c): c.get_num_threads() for c in _blas}  # as started (--threads)
 
 
+def kernels_take(rows: int) -> bool:
+    """Whether a product of `rows` input rows runs in the kernels (else BLAS on dequantized tiles)."""
+    return rows <= KERNEL_ROWS or blas_from is None or rows < blas_from
+
+
 def use_blas_threads_for(rows: int) -> None:
     """Before a forward step of `rows` rows: BLAS on one thread for a step of the kernels, else on all
-    it started with. Cheap when nothing changes (a ctypes call per BLAS library)."""
+    it started with. Cheap when nothing changes (a ctypes call per BLAS library). (In a long prefill
+    through the kernels too: with BLAS on two threads for the attention, 512 tokens took 1.4x longer.)"""
+    blas_on_one_thread(kernels_take(rows))
+
+
+def blas_on_one_thread(one: bool) -> None:
     for c in _blas:
-        want = 1 if rows <= KERNEL_ROWS else _blas_threads[id(c)]
+        want = 1 if one else _blas_threads[id(c)]
         if c.get_num_threads() != want:
             c.set_num_threads(want)
 
@@ -274,16 +290,26 @@ def _tile_buffer(n: int) -> np.ndarray:
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
     """x [n, n_cols] float32 @ w.T → [n, n_rows] for a PackedMatrix w."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    return kernel_product(x, w) if kernels_take(x.shape[0]) else tile_product(x, w)
+
+
+def kernel_product(x: np.ndarray, w) -> np.ndarray:
+    """matmul in the kernels: each weight read once for all rows."""
     n = x.shape[0]
     n_groups, n_cols, _ = w.values.shape
-    x = np.ascontiguousarray(x, dtype=F32)
-    if n <= KERNEL_ROWS:
-        out = np.empty((n, n_groups * LANES), dtype=F32)
-        if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
-            x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
-        scales = w.values if w.scales is None else w.scales  # (float values: unread)
-        _product(w.values, scales, *_offsets(w), w.scales is not None, x, out)
-        return out[:, : w.n_rows]
+    out = np.empty((n, n_groups * LANES), dtype=F32)
+    if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
+        x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
+    scales = w.values if w.scales is None else w.scales  # (float values: unread)
+    _product(w.values, scales, *_offsets(w), w.scales is not None, x, out)
+    return out[:, : w.n_rows]
+
+
+def tile_product(x: np.ndarray, w) -> np.ndarray:
+    """matmul by BLAS, on tiles of w dequantized into a reused buffer."""
+    n = x.shape[0]
+    n_groups, n_cols, _ = w.values.shape
     out = np.empty((n, w.n_rows), dtype=F32)
     tile = max(1, TILE_BYTES // (4 * n_cols * LANES))  # groups per tile
     buf = _tile_buffer(n_cols * tile * LANES)

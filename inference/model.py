@@ -98,8 +98,9 @@ def rope(
 
 
 def linear(x: np.ndarray, weight) -> np.ndarray:
-    """x [n, in] @ weight[out, in].T → [n, out], weight packed from the GGUF (kernels.py: up to
-    KERNEL_ROWS rows read each weight once for all rows; more go to BLAS on dequantized tiles)."""
+    """x [n, in] @ weight[out, in].T → [n, out], weight packed from the GGUF (kernels.py: the kernels
+    read each weight once for all rows; past KERNEL_ROWS rows BLAS on dequantized tiles, where this
+    machine measured it faster)."""
     return kernels.matmul(x, weight)
 
 
@@ -346,7 +347,7 @@ def step(
     """One forward pass over new tokens of one or more sequences (a prompt's batch, one token of each of
     several replies, or both): logits of every row [T, n_vocab], or of each sequence's last row
     [n_seqs, n_vocab]. A row gets the same bits whatever else is in the step as long as the step has at
-    most kernels.KERNEL_ROWS rows (more go to BLAS, equal within float32 rounding) and its sequence's KV
+    most kernels.KERNEL_ROWS rows (more may go to BLAS, equal within float32 rounding) and its sequence's KV
     lies in the same slots (attention sums the history piece by piece as it lies in the arena)."""
     batch = [(seq, np.asarray(tokens, dtype=np.int64)) for seq, tokens in batch]
     for seq, tokens in batch:

@@ -14,11 +14,16 @@ Packed, 64 rows are interleaved: values [rows/64, cols, 64]. A kernel then runs 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import gguf
+import numba
 import numpy as np
+from llvmlite import binding as llvm
 
 from . import kernels
 from .jit import in_cache, njit, prange
@@ -292,4 +297,61 @@ def compile_kernels(progress=None, formats=None) -> float:
             kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])  # decode's attention
     if progress:
         progress(label, len(formats), len(formats))
+    kernels.blas_from = measured_blas_from(progress)
     return time.perf_counter() - t0
+
+
+# Input rows at which BLAS on tiles and the kernels are timed against each other, on a matrix the size
+# of the default model's larger ones (zeros: the speed of either does not depend on the values).
+CROSSOVER_ROWS = (64, 128, 256, 512)
+CROSSOVER_SHAPE = (4096, 1024)
+_measured: dict[str, int | None] = {}  # this process's, by machine
+
+
+def measured_blas_from(progress=None) -> int | None:
+    """kernels.blas_from for this machine and thread count: measured on its first start (under a
+    second), then read from a file beside the compiled kernels."""
+    machine = f"{llvm.get_host_cpu_name()} {numba.config.NUMBA_NUM_THREADS} threads"
+    path = Path(numba.config.CACHE_DIR) / "blas_from.json"
+    if machine not in _measured:
+        try:
+            _measured.update(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    if machine not in _measured:
+        if progress:
+            progress("timing the kernels against BLAS (first start only)", 0, 1)
+        _measured[machine] = measure_blas_from()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_measured))
+            tmp.replace(path)
+        except OSError:
+            pass  # measured again next start
+    return _measured[machine]
+
+
+def measure_blas_from(repeats: int = 5) -> int | None:
+    """The fewest rows from which BLAS on dequantized tiles beats the kernels at every size measured
+    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest."""
+    n_rows, n_cols = CROSSOVER_SHAPE
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_0]
+    w = pack([(np.zeros((n_rows, n_cols // block_len * block_bytes), np.uint8), Q.Q8_0, CROSSOVER_SHAPE)])
+    best = {}
+    for n in CROSSOVER_ROWS:
+        x = np.zeros((n, n_cols), F32)
+        times = {kernels.kernel_product: [], kernels.tile_product: []}
+        for _ in range(repeats):
+            for product, seconds in times.items():
+                kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
+                t0 = time.perf_counter()
+                product(x, w)
+                seconds.append(time.perf_counter() - t0)
+        best[n] = min(times[kernels.tile_product]) < min(times[kernels.kernel_product])
+    blas_from = None
+    for n in reversed(CROSSOVER_ROWS):
+        if not best[n]:
+            break
+        blas_from = n
+    return blas_from

@@ -43,14 +43,15 @@ def test_packing_keeps_every_weight_exactly(qtype):
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [1, 3, 8, 20, kernels.KERNEL_ROWS + 1])  # the last: BLAS
-def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n):
+@pytest.mark.parametrize("n", [1, 3, 8, 20, kernels.KERNEL_ROWS + 1])
+@pytest.mark.parametrize("product", [kernels.kernel_product, kernels.tile_product], ids=["kernels", "BLAS"])
+def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, product):
     shape = (130, 512)
     raw = raw_tensor(qtype, shape)
     w = quants.pack([(raw, qtype, shape)])
     x = np.random.default_rng(1).standard_normal((n, shape[1])).astype(np.float32)
     expected = x.astype(np.float64) @ reference(qtype, raw, shape).T.astype(np.float64)
-    got = kernels.matmul(x, w)
+    got = product(x, w)
     assert got.shape == (n, shape[0]) and got.dtype == np.float32
     # float32 sums of 512 products, in another order than float64's
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6
@@ -67,6 +68,33 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
         together = kernels.matmul(x[:n], w)
         for i in range(n):
             assert np.array_equal(together[i], alone[i]), (n, i)
+
+
+def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypatch):
+    shape = (128, 256)
+    w = quants.pack([(raw_tensor(T.Q8_0, shape), T.Q8_0, shape)])
+    x = np.random.default_rng(4).standard_normal((100, shape[1])).astype(np.float32)
+    alone = np.concatenate([kernels.matmul(x[i : i + 1], w) for i in range(len(x))])
+    monkeypatch.setattr(kernels, "blas_from", None)  # the kernels win at any size: the same bits
+    assert np.array_equal(kernels.matmul(x, w), alone)
+    monkeypatch.setattr(kernels, "blas_from", 64)
+    assert np.array_equal(kernels.matmul(x[:63], w), alone[:63])
+    assert np.array_equal(kernels.matmul(x, w), kernels.tile_product(x, w))
+    assert not np.array_equal(kernels.matmul(x, w), alone)  # BLAS sums in another order
+
+
+def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
+    monkeypatch.setattr(quants.numba.config, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quants, "_measured", {})
+    runs = []
+    monkeypatch.setattr(quants, "measure_blas_from", lambda: runs.append(1) or 128)
+    assert quants.measured_blas_from() == 128 and quants.measured_blas_from() == 128
+    monkeypatch.setattr(quants, "_measured", {})  # a new process reads the file
+    assert quants.measured_blas_from() == 128 and len(runs) == 1
+
+
+def test_the_crossover_measurement_gives_a_size_it_measured_or_none():
+    assert quants.measure_blas_from(repeats=1) in (*quants.CROSSOVER_ROWS, None)
 
 
 def test_joined_matrices_of_different_formats_multiply_as_each_alone():
