@@ -12,7 +12,7 @@ prompt into passes is the caller's (llm.Model.prefill).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -227,8 +227,25 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) ->
         if hi - lo == 1 and mask is None and not softcap and views.n_positions >= KERNEL_ATTENTION_FROM:
             out.append(one_token_attention(q_rows, *views.runs(layer), scale))
         else:
-            out.append(attention(q_rows, views.layer(layer), mask, scale, softcap))
+            out.append(attention_in_threads(q_rows, views, layer, mask, scale, softcap))
     return _join(out, axis=0)
+
+
+def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, softcap: float) -> np.ndarray:
+    """attention() with the query rows split over the threads where that pays (kernels.attention_threads).
+    Where a row's bits matter (a prompt read alone or beside others) the split depends only on its own
+    segment's rows, so it is the same either way."""
+    parts = views.layer(layer)
+    T = q.shape[1]
+    n = kernels.attention_threads(T, views.n_positions)
+    if n == 1:
+        return attention(q, parts, mask, scale, softcap)
+    cuts = [T * i // n for i in range(n + 1)]
+    tasks = [
+        partial(attention, q[:, a:b], parts, None if mask is None else mask[a:b], scale, softcap)
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    return np.concatenate(kernels.in_parallel(tasks))
 
 
 def self_attention(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llama_chat.app.cli import main
-from llama_chat.inference import ModelError, kernels, load_model
+from llama_chat.inference import ModelError, kernels, load_model, quants
 from llama_chat.inference import model as model_module
 from llama_chat.inference.model import rope
 from tiny_models import write_tiny_model
@@ -168,6 +168,31 @@ def test_a_load_removes_the_float32_weights_older_versions_prepared(tiny_model_p
     kept = list((cache_dir() / "prepared").iterdir())
     assert len(kept) == 1 and not list(kept[0].glob("*.npy"))  # metadata only
     assert model.logits(model.tokenizer.encode("hello")).shape[1] == model.config.n_vocab
+
+
+def test_a_prompts_attention_split_over_threads_equals_it_whole(tiny_model_path, monkeypatch):
+    """In a step of the kernels, a long prompt's attention is split by query rows over the threads:
+    its logits agree with the attention computed whole (gemma3's sliding windows included)."""
+    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)  # the kernels take
+    monkeypatch.setattr(kernels, "blas_from", None)  # every step, whatever this machine measured
+    model = load_model(tiny_model_path)
+    ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 6)[:200]
+    splits = []
+    in_parallel = kernels.in_parallel
+    monkeypatch.setattr(kernels, "in_parallel", lambda tasks: splits.append(len(tasks)) or in_parallel(tasks))
+    monkeypatch.setattr(kernels.numba.config, "NUMBA_NUM_THREADS", 3)  # three parts, on any machine
+
+    def prefilled(split_from: int) -> np.ndarray:
+        monkeypatch.setattr(kernels, "PARALLEL_ATTENTION_FROM", split_from)
+        seq = model.new_sequence(len(ids))
+        model.forward(ids[:40], seq)
+        return model.forward(ids[40:], seq, all_logits=True)
+
+    whole = prefilled(10**9)
+    assert not splits
+    split = prefilled(1)
+    assert splits and set(splits) == {3}
+    assert np.abs(split - whole).max() <= 1e-4
 
 
 def test_one_token_attention_by_the_kernels_equals_blas(tiny_model_path, monkeypatch):

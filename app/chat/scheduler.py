@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from llama_chat.inference import Model
 from llama_chat.inference.generate import ReplyStream, draft_rooms, run_streams, start_streams
-from llama_chat.inference.kernels import KERNEL_ROWS
+from llama_chat.inference.kernels import KERNEL_ROWS, kernels_take
 
 from .jobs import Job, State
 
@@ -166,9 +166,9 @@ class Scheduler:
     def _pieces(self, prefilling: list[_Run]) -> list[tuple[_Run, list[int]]]:
         """Which prompts' next pieces share this step's pass, oldest first: up to `prefill_batch` tokens
         in all (the oldest's piece always), at most KERNEL_ROWS prompts, and only pieces longer than
-        KERNEL_ROWS together — so each row gets the bits it gets when its prompt is read alone (a pass
-        of ≤ KERNEL_ROWS rows, or the last row of each prompt, goes to the decode kernels, more to
-        BLAS). A prompt that shares its next block with an older one being read waits, to take that
+        KERNEL_ROWS together, and only where the pass takes the way each piece takes alone (the kernels,
+        or past the measured crossover kernels.blas_from BLAS) — so each row gets the bits it gets when
+        its prompt is read alone. A prompt that shares its next block with an older one being read waits, to take that
         block when it is computed (clients sending the same system prompt at once)."""
         batch: list[tuple[_Run, list[int]]] = []
         rows = 0
@@ -187,7 +187,11 @@ class Scheduler:
                 continue
             piece = self.model.next_piece(run.todo, run.done)
             alone = len(piece) <= KERNEL_ROWS
-            if batch and (alone or rows + len(piece) > self.model.prefill_batch or len(batch) == KERNEL_ROWS):
+            shortest = min([len(piece)] + [len(p) for _, p in batch])
+            same_way = kernels_take(rows + len(piece)) == kernels_take(shortest)
+            if batch and (
+                alone or not same_way or rows + len(piece) > self.model.prefill_batch or len(batch) == KERNEL_ROWS
+            ):
                 continue
             batch.append((run, piece))
             rows += len(piece)
