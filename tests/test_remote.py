@@ -332,6 +332,24 @@ def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_pat
     )
 
 
+def test_where_the_rule_computes_the_blocks_no_tail_is_asked_for(qwen2, tmp_path, redis_server):
+    """A tail is shorter than a block: without the blocks before it (the link was measured slower than
+    computing them) no server stored one for what is left, so no round trip is spent looking."""
+    first, second = server(qwen2, tmp_path / "a.db", redis_server.url), server(qwen2, tmp_path / "b.db", redis_server.url)
+    session = first.new_session("far")
+    chat(first, session, HISTORY)
+    first.kv.remote.flush()
+    moved = move(first, session.id, second, tmp_path)
+    tier = second.kv.remote
+    tier.rtt_s.add(5.0)  # as measured on a far, slow link
+    tier.bytes_per_s.add(1000.0)
+    second.kv.prefill_tok_s.add(100.0)
+    _, info = second.open(moved)
+    assert info.remote_read.choice == "compute" and info.remote == info.restored == 0
+    assert tier.stats()["hits"] == tier.stats()["misses"] == 0
+    assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+
+
 def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
     stranger = server(qwen2, tmp_path / "a.db", redis_server.url, secret="not our secret")
     session = stranger.new_session("planted")
