@@ -315,7 +315,9 @@ def measured_blas_from(progress=None) -> int | None:
     path = Path(numba.config.CACHE_DIR) / "blas_from.json"
     if machine not in _measured:
         try:
-            _measured.update(json.loads(path.read_text()))
+            kept = json.loads(path.read_text())
+            if isinstance(kept, dict):  # a damaged file is measured again and rewritten
+                _measured.update({k: v for k, v in kept.items() if v is None or type(v) is int})
         except (OSError, ValueError):
             pass
     if machine not in _measured:

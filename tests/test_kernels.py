@@ -93,6 +93,18 @@ def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_pa
     assert quants.measured_blas_from() == 128 and len(runs) == 1
 
 
+@pytest.mark.parametrize("damaged", ["{not json", '["a list"]', '{"%s": "64"}', '{"%s": 64.5}'])
+def test_a_damaged_crossover_file_is_measured_again(monkeypatch, tmp_path, damaged):
+    monkeypatch.setattr(quants.numba.config, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quants, "_measured", {})
+    machine = f"{quants.llvm.get_host_cpu_name()} {quants.numba.config.NUMBA_NUM_THREADS} threads"
+    (tmp_path / "blas_from.json").write_text(damaged.replace("%s", machine))
+    monkeypatch.setattr(quants, "measure_blas_from", lambda: 256)
+    assert quants.measured_blas_from() == 256
+    monkeypatch.setattr(quants, "_measured", {})
+    assert quants.measured_blas_from() == 256  # and written again whole
+
+
 def test_the_crossover_measurement_gives_a_size_it_measured_or_none():
     assert quants.measure_blas_from(repeats=1) in (*quants.CROSSOVER_ROWS, None)
 
