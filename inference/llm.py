@@ -145,6 +145,17 @@ class Model:
             run()
         return out
 
+    def read_and_verify(
+        self, reads: list[tuple[KVSequence, Sequence[int]]], checks: list[tuple[KVSequence, Sequence[int]]]
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step() of prompts' pieces and verify_rows() of replies' rows in one pass, the weights read
+        once for both: the last row's logits per piece [n_vocab], every row's per check [n_i, n_vocab].
+        Only where the kernels take the whole pass (kernels.kernels_take) does each row keep the bits
+        it gets in its own pass."""
+        first, rows = forward_pass.read_and_verify(reads, checks, self.weights, self.config)
+        ends = np.cumsum([len(t) for _, t in checks])[:-1]
+        return list(first), np.split(rows, ends) if checks else []
+
     def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
         """One new token for each of several sequences (of any lengths, related or not), in one pass:
         one [n, d] @ W per weight, not n. Logits [len(seqs), n_vocab]; up to kernels.KERNEL_ROWS

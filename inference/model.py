@@ -181,9 +181,15 @@ def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: Config) -> np.ndarray:
 class Segment:
     """The rows of a forward step that belong to one sequence, and where their KV goes."""
 
-    def __init__(self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int):
+    def __init__(
+        self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int, all_rows: bool, commit: bool
+    ):
         self.seq, self.rows, self.tokens = seq, rows, tokens
         self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)
+        # the rows that go on past the last layer's attention: all of them (their logits are wanted) or
+        # only the last (a prompt's: llama.cpp's skipping of unused outputs)
+        self.kept = rows if all_rows else slice(rows.stop - 1, rows.stop)
+        self.commit = commit  # whether the sequence takes the new tokens (else see verify_draft)
         self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
         self.where = seq.reserve(len(tokens))  # where the new tokens' KV goes (for seq.write)
         self._views: dict[tuple[int, int, int], tuple] = {}
@@ -255,9 +261,10 @@ def self_attention(
     cfg: Config,
     segments: list[Segment],
     positions: np.ndarray,
-    last_only: bool,
+    last_layer: bool,
 ):
-    """Writes every row's K and V; returns the attention output of every row, or of each segment's last."""
+    """Writes every row's K and V; returns the attention output of every row, or in the last layer of
+    the rows each segment keeps."""
     lw = w.layers[layer]
     T = x.shape[0]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
@@ -275,14 +282,14 @@ def self_attention(
     q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs)
     k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs)
     window = cfg.sliding_window if sliding else 0
-    out = np.empty((len(segments) if last_only else T, q_dim), dtype=F32)
-    for i, seg in enumerate(segments):
+    rows = [seg.kept if last_layer else seg.rows for seg in segments]
+    out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
+    at = 0
+    for seg, r in zip(segments, rows, strict=True):
         seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
-        if last_only:
-            out[i] = attend(q[:, seg.rows.stop - 1 : seg.rows.stop], seg, layer, cfg, window)
-        else:
-            out[seg.rows] = attend(q[:, seg.rows], seg, layer, cfg, window)
-    return linear(out, lw.attn_output)  # [T, d]
+        out[at : at + r.stop - r.start] = attend(q[:, r], seg, layer, cfg, window)
+        at += r.stop - r.start
+    return linear(out, lw.attn_output)  # [rows, d]
 
 
 def transformer_block(
@@ -292,14 +299,14 @@ def transformer_block(
     cfg: Config,
     segments: list[Segment],
     positions,
-    last_only: bool = False,
+    last_layer: bool = False,
 ):
-    """last_only: go on with each segment's last row only (llama.cpp's skipping of unused outputs in the
-    last layer: nothing reads the other rows there but their K and V)."""
+    """In the last layer, go on with the rows each segment keeps (Segment.kept: nothing reads the others
+    there but their K and V)."""
     lw = w.layers[layer]
-    h = self_attention(rms_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_only)
-    if last_only:
-        x = x[[seg.rows.stop - 1 for seg in segments]]
+    h = self_attention(rms_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer)
+    if last_layer and any(seg.kept != seg.rows for seg in segments):
+        x = x[np.concatenate([np.arange(seg.kept.start, seg.kept.stop) for seg in segments])]
     if cfg.post_norms:
         h = rms_norm(h, lw.post_attention_norm, cfg.norm_eps)
     x = x + h
@@ -328,20 +335,27 @@ def run_step(
     """One forward step over new tokens of one or more sequences; returns the final hidden states of
     every row [T, d], or (last_only) of each sequence's last row [n_seqs, d]. Without `commit` the new
     tokens' KV is written but the sequences do not take them yet (see verify_draft)."""
+    return run_parts([(seq, tokens, attention_rows, not last_only, commit) for seq, tokens in batch], w, cfg)
+
+
+def run_parts(parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: Config) -> np.ndarray:
+    """run_step with each sequence's own (tokens, attention_rows, all_rows, commit): a prompt's piece
+    (its last row kept, taken) beside replies' rows being verified (all kept, not taken yet) in one
+    pass. Returns the final hidden states of the rows kept, in order."""
     segments, row = [], 0
-    for seq, tokens in batch:
-        segments.append(Segment(seq, slice(row, row + len(tokens)), tokens, attention_rows))
+    for seq, tokens, attention_rows, all_rows, commit in parts:
+        segments.append(Segment(seq, slice(row, row + len(tokens)), tokens, attention_rows, all_rows, commit))
         row += len(tokens)
-    tokens = np.concatenate([t for _, t in batch])
+    tokens = np.concatenate([seg.tokens for seg in segments])
     positions = np.concatenate([s.positions for s in segments])
     kernels.use_blas_threads_for(len(tokens))
     x = w.token_embd.rows(tokens)  # [T, d]
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)
     for layer in range(cfg.n_layer):
-        x = transformer_block(x, w, layer, cfg, segments, positions, last_only and layer == cfg.n_layer - 1)
-    if commit:
-        for seg in segments:
+        x = transformer_block(x, w, layer, cfg, segments, positions, layer == cfg.n_layer - 1)
+    for seg in segments:
+        if seg.commit:
             seg.seq.commit(seg.tokens)
     return x
 
@@ -373,6 +387,27 @@ def step(
         check_room(seq, len(tokens))
     x = run_step(batch, w, cfg, last_only=not all_logits, commit=commit, attention_rows=attention_rows)
     return output_logits(x, w, cfg)
+
+
+def read_and_verify(
+    reads: list[tuple[KVSequence, np.ndarray]],
+    checks: list[tuple[KVSequence, np.ndarray]],
+    w: Weights,
+    cfg: Config,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One forward pass over prompts' pieces (`reads`: taken by their sequences, attention in groups of
+    ATTENTION_ROWS, the last row's logits) and replies' rows (`checks`: written, not taken, attention row
+    by row, every row's logits, as verify_rows computes them): logits [len(reads), n_vocab] and
+    [Σ len(checks_i), n_vocab]. Each row has the bits of its own pass where the kernels take this one
+    (kernels.kernels_take of all its rows): a piece's as read alone, a reply's row as decoded alone."""
+    parts = [(seq, np.asarray(t, dtype=np.int64), ATTENTION_ROWS, False, True) for seq, t in reads]
+    parts += [(seq, np.asarray(t, dtype=np.int64), 1, True, False) for seq, t in checks]
+    for seq, tokens, *_ in parts:
+        if len(tokens) == 0:
+            raise ValueError("a forward step needs at least one token per sequence")
+        check_room(seq, len(tokens))
+    logits = output_logits(run_parts(parts, w, cfg), w, cfg)
+    return logits[: len(reads)], logits[len(reads) :]
 
 
 def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: Config) -> None:

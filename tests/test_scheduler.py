@@ -62,6 +62,32 @@ class PassCounter:
         monkeypatch.setattr(model, "verify_rows", counted)
 
 
+def test_a_prompt_read_while_a_reply_streams_shares_its_pass_and_changes_no_token(model, monkeypatch):
+    """A new prompt's piece and the streaming reply's next row go through one pass (the weights read
+    once for both), and each gets the tokens it gets alone."""
+    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)  # the kernels take
+    monkeypatch.setattr(kernels, "blas_from", None)  # every pass, whatever this machine measured
+    first, second = "hello the world " * 3, "the sun and the water " * 4
+    expected = [alone(model, first, max_tokens=30), alone(model, second, max_tokens=8)]
+    assert len(expected[0][1]) > 4, "the first reply must still stream when the second prompt comes"
+    fused = []
+    read_and_verify = model.read_and_verify
+    monkeypatch.setattr(model, "read_and_verify", lambda r, c: fused.append(len(r)) or read_and_verify(r, c))
+    scheduler = Scheduler(model)
+    later = job_for(model, second, max_tokens=8)
+    submitted = []
+
+    def on_event(event):
+        if event.kind == "text" and not submitted:
+            submitted.append(scheduler.submit(later))
+
+    streaming = job_for(model, first, max_tokens=30, on_event=on_event)
+    scheduler.submit(streaming)
+    assert streaming.wait(60) and later.wait(60)
+    assert fused, "the second prompt was read in a pass of its own"
+    assert [streaming.stats[0].token_ids, later.stats[0].token_ids] == [ids for _, ids in expected]
+
+
 def test_replies_decoded_together_are_the_replies_decoded_alone(model, monkeypatch):
     expected = [alone(model, q) for q in QUESTIONS]
     sampled = SamplingParams(temperature=0.9, seed=7)

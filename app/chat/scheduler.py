@@ -1,11 +1,12 @@
 """The scheduler: one thread owns the model and advances every admitted job a step at a time.
 
-A step computes one prefill pass, the next piece of the prompts still being read (several jobs' in one
-pass, up to `prefill_batch` tokens in all), then one forward pass for every reply being decoded, of
-every job together: the weights are read once for all of them. So regenerate ×3 is one job of three
-replies in one batch, two conversations replying at once share each step, and eight clients' new
-turns are read together. Prompts are cut into batches between decode steps, so a long prompt never
-stalls the replies already streaming for more than one batch.
+A step computes the next piece of the prompts still being read (several jobs' in one pass, up to
+`prefill_batch` tokens in all) and the next row of every reply being decoded, of every job together:
+where the kernels take all those rows (kernels.kernels_take) in one forward pass, the weights read once
+for all of them, as llama.cpp's server batches prompts and replies; else a prefill pass, then a decode
+pass. So regenerate ×3 is one job of three replies in one batch, two conversations replying at once
+share each step, and eight clients' new turns are read together. Prompts are cut into batches between
+steps, so a long prompt never stalls the replies already streaming for more than one batch.
 
 Front ends submit a Job (jobs.py) and render its events. Whoever else touches the model's KV (opening
 a session, a snapshot, a fork) holds `scheduler.lock`, which each step holds too.
@@ -119,8 +120,30 @@ class Scheduler:
             self._runs.append(run)
 
     def _step(self) -> None:
-        self._prefill([r for r in self._runs if not r.streams])
+        batch = self._pieces([r for r in self._runs if not r.streams])
         decoding = [r for r in self._runs if r.streams]
+        if batch and decoding and self._fits_one_pass(batch, decoding):
+            waiting = self._advance(decoding)
+            self._pass(batch, waiting)  # prompts' pieces and replies' rows: the weights read once
+        else:
+            if batch:
+                self._pass(batch, [])
+            decoding = [r for r in self._runs if r.streams]  # with those whose prompt is now read
+            self._pass([], self._advance(decoding))
+        for run in decoding:
+            if run in self._runs and all(s.done for s in run.streams):
+                self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
+
+    def _fits_one_pass(self, batch: list[tuple[_Run, list[int]]], decoding: list[_Run]) -> bool:
+        """Whether the pieces and the replies' next rows (at most one token and its guesses each) go in
+        one pass that the kernels take, where every row gets the bits of its own pass."""
+        streams = [s for r in decoding for s in r.streams if not s.done]
+        rows = sum(len(piece) for _, piece in batch) + len(streams) * (1 + draft_rooms(len(streams)))
+        return kernels_take(rows)
+
+    def _advance(self, decoding: list[_Run]) -> list[ReplyStream]:
+        """Sample every reply's ready tokens (their text goes out); returns the streams that wait for
+        a pass."""
         streams = [s for r in decoding for s in r.streams if not s.done]
         room = draft_rooms(len(streams))
         for run in decoding:
@@ -128,33 +151,35 @@ class Scheduler:
                 if not stream.done:
                     for piece in stream.advance(run.job.cancel_event, room):
                         run.job.emit("text", alt=alt, text=piece)
-        try:
-            run_streams(self.model, streams)
-        except Exception as e:  # noqa: BLE001 — e.g. the block pool is full: these replies cannot go on
-            for run in decoding:
-                self._end(run, State.FAILED, e)
-        for run in decoding:
-            if all(s.done for s in run.streams):
-                self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
+        return [s for s in streams if s.pending]
 
-    def _prefill(self, prefilling: list[_Run]) -> None:
-        """One pass over the next piece of the prompts being read; a prompt all computed starts its
-        replies."""
-        batch = self._pieces(prefilling)
-        if not batch:
+    def _pass(self, batch: list[tuple[_Run, list[int]]], waiting: list[ReplyStream]) -> None:
+        """One forward pass over the next piece of the prompts in `batch` and the rows the `waiting`
+        replies need; a prompt all computed starts its replies."""
+        if not batch and not waiting:
             return
         t0 = time.perf_counter()
+        total = sum(len(piece) for _, piece in batch) + sum(len(s.pending) for s in waiting)
         try:
-            logits = self.model.step([(run.seq, piece) for run, piece in batch])
-        except Exception as e:  # noqa: BLE001 — e.g. the block pool is full
-            for run, _ in batch:
+            if not batch:
+                run_streams(self.model, waiting)
+                return
+            reads = [(run.seq, piece) for run, piece in batch]
+            if waiting:
+                logits, rows = self.model.read_and_verify(reads, [(s.seq, s.pending) for s in waiting])
+            else:
+                logits, rows = self.model.step(reads), []
+        except Exception as e:  # noqa: BLE001 — e.g. the block pool is full: these cannot go on
+            replying = [r for r in self._runs if any(s in waiting for s in r.streams)]
+            for run in [run for run, _ in batch] + replying:
                 self._end(run, State.FAILED, e)
             return
+        for stream, computed in zip(waiting, rows, strict=True):
+            stream.computed(computed)
         elapsed = time.perf_counter() - t0
-        total = sum(len(piece) for _, piece in batch)
         for (run, piece), last in zip(batch, logits, strict=True):
             stats = run.job.stats[0]
-            stats.prefill_s += elapsed * len(piece) / total  # the pass's time, shared by its rows
+            stats.prefill_s += elapsed * len(piece) / max(total, 1)  # the pass's time, shared by its rows
             stats.prefilled_tokens += len(piece)
             run.done += len(piece)
             run.logits = last
