@@ -123,7 +123,7 @@ class Scheduler:
         batch = self._pieces([r for r in self._runs if not r.streams])
         decoding = [r for r in self._runs if r.streams]
         if batch and decoding and self._fits_one_pass(batch, decoding):
-            waiting = self._advance(decoding)
+            waiting = self._advance(decoding, guesses=False)
             self._pass(batch, waiting)  # prompts' pieces and replies' rows: the weights read once
         else:
             if batch:
@@ -135,17 +135,17 @@ class Scheduler:
                 self._end(run, State.CANCELLED if run.job.cancelled else State.DONE)
 
     def _fits_one_pass(self, batch: list[tuple[_Run, list[int]]], decoding: list[_Run]) -> bool:
-        """Whether the pieces and the replies' next rows (at most one token and its guesses each) go in
-        one pass that the kernels take, where every row gets the bits of its own pass."""
+        """Whether the pieces and the replies' next rows (one token each) go in one pass that the
+        kernels take, where every row gets the bits of its own pass."""
         streams = [s for r in decoding for s in r.streams if not s.done]
-        rows = sum(len(piece) for _, piece in batch) + len(streams) * (1 + draft_rooms(len(streams)))
-        return kernels_take(rows)
+        return kernels_take(sum(len(piece) for _, piece in batch) + len(streams))
 
-    def _advance(self, decoding: list[_Run]) -> list[ReplyStream]:
+    def _advance(self, decoding: list[_Run], guesses: bool = True) -> list[ReplyStream]:
         """Sample every reply's ready tokens (their text goes out); returns the streams that wait for
-        a pass."""
+        a pass. Without `guesses` no prompt-lookup rows are added: beside a prompt's piece a pass is
+        compute-bound and every guessed row costs what a prompt's row costs."""
         streams = [s for r in decoding for s in r.streams if not s.done]
-        room = draft_rooms(len(streams))
+        room = draft_rooms(len(streams)) if guesses else 0
         for run in decoding:
             for alt, stream in enumerate(run.streams):
                 if not stream.done:
