@@ -99,6 +99,11 @@ def first_token(engine: ChatEngine, session) -> dict:
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median time to first token."""
+    return sorted(runs, key=lambda run: run["ttft_s"])[len(runs) // 2]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
@@ -171,7 +176,7 @@ def main() -> int:
                     before = tier.stats()["bytes_read"]
                     run = first_token(*fresh_server(model, folder / f"fetch{i}-{r}", exported, tier, prefill))
                     runs.append({**run, "bytes_read": tier.stats()["bytes_read"] - before})
-                fetched = sorted(runs, key=lambda run: run["ttft_s"])[len(runs) // 2]
+                fetched = median_run(runs)
                 n_blocks = len(keys)
                 estimate = tier.fetch_seconds(tier.estimated_bytes(n_blocks))
                 tier.always_fetch = False
@@ -182,7 +187,7 @@ def main() -> int:
                     first_token(*fresh_server(model, folder / f"auto{i}-{r}", exported, tier, prefill))
                     for r in range(len(runs))
                 ]
-                auto = sorted(autos, key=lambda run: run["ttft_s"])[len(autos) // 2]
+                auto = median_run(autos)
                 tier.close()
             finally:
                 if proxy:

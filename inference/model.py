@@ -324,24 +324,11 @@ def output_logits(x: np.ndarray, w: Weights, cfg: Config) -> np.ndarray:
     return logits
 
 
-def run_step(
-    batch: list[tuple[KVSequence, np.ndarray]],  # token ids as int64 arrays
-    w: Weights,
-    cfg: Config,
-    last_only: bool,
-    commit: bool = True,
-    attention_rows: int = ATTENTION_ROWS,
-) -> np.ndarray:
-    """One forward step over new tokens of one or more sequences; returns the final hidden states of
-    every row [T, d], or (last_only) of each sequence's last row [n_seqs, d]. Without `commit` the new
-    tokens' KV is written but the sequences do not take them yet (see verify_draft)."""
-    return run_parts([(seq, tokens, attention_rows, not last_only, commit) for seq, tokens in batch], w, cfg)
-
-
 def run_parts(parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: Config) -> np.ndarray:
-    """run_step with each sequence's own (tokens, attention_rows, all_rows, commit): a prompt's piece
-    (its last row kept, taken) beside replies' rows being verified (all kept, not taken yet) in one
-    pass. Returns the final hidden states of the rows kept, in order."""
+    """One forward step over new tokens of one or more sequences, each with its own (tokens,
+    attention_rows, all_rows, commit): e.g. a prompt's piece (its last row kept, taken) beside replies'
+    rows being verified (all kept; without commit their KV is written but the sequences do not take
+    them yet, see verify_draft). Returns the final hidden states of the rows kept, in order."""
     segments, row = [], 0
     for seq, tokens, attention_rows, all_rows, commit in parts:
         segments.append(Segment(seq, slice(row, row + len(tokens)), tokens, attention_rows, all_rows, commit))
@@ -380,13 +367,18 @@ def step(
     [n_seqs, n_vocab]. A row gets the same bits whatever else is in the step as long as the step has at
     most kernels.KERNEL_ROWS rows (more may go to BLAS, equal within float32 rounding) and its sequence's KV
     lies in the same slots (attention sums the history piece by piece as it lies in the arena)."""
-    batch = [(seq, np.asarray(tokens, dtype=np.int64)) for seq, tokens in batch]
-    for seq, tokens in batch:
+    parts = [(seq, tokens, attention_rows, all_logits, commit) for seq, tokens in batch]
+    return step_parts(parts, w, cfg)
+
+
+def step_parts(parts: list[tuple], w: Weights, cfg: Config) -> np.ndarray:
+    """run_parts, checked (no empty part, every part fits its context window), → logits of the rows kept."""
+    parts = [(seq, np.asarray(tokens, dtype=np.int64), *options) for seq, tokens, *options in parts]
+    for seq, tokens, *_ in parts:
         if len(tokens) == 0:
             raise ValueError("a forward step needs at least one token per sequence")
         check_room(seq, len(tokens))
-    x = run_step(batch, w, cfg, last_only=not all_logits, commit=commit, attention_rows=attention_rows)
-    return output_logits(x, w, cfg)
+    return output_logits(run_parts(parts, w, cfg), w, cfg)
 
 
 def read_and_verify(
@@ -400,13 +392,8 @@ def read_and_verify(
     by row, every row's logits, as verify_rows computes them): logits [len(reads), n_vocab] and
     [Σ len(checks_i), n_vocab]. Each row has the bits of its own pass where the kernels take this one
     (kernels.kernels_take of all its rows): a piece's as read alone, a reply's row as decoded alone."""
-    parts = [(seq, np.asarray(t, dtype=np.int64), ATTENTION_ROWS, False, True) for seq, t in reads]
-    parts += [(seq, np.asarray(t, dtype=np.int64), 1, True, False) for seq, t in checks]
-    for seq, tokens, *_ in parts:
-        if len(tokens) == 0:
-            raise ValueError("a forward step needs at least one token per sequence")
-        check_room(seq, len(tokens))
-    logits = output_logits(run_parts(parts, w, cfg), w, cfg)
+    parts = [(seq, t, ATTENTION_ROWS, False, True) for seq, t in reads]
+    logits = step_parts(parts + [(seq, t, 1, True, False) for seq, t in checks], w, cfg)
     return logits[: len(reads)], logits[len(reads) :]
 
 
