@@ -249,25 +249,38 @@ def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     elif codec == "f16":
         k = _unshuffle(raw[: 2 * n], _F16).reshape(shape)
         v = _unshuffle(raw[2 * n :], _F16).reshape(shape)
-    elif codec == "q8":
-        gk, gv = _n_groups(dims)
-        cshape = (n_layer, n_head, head_dim, n_tokens)
+    else:
+        k, v = _decode_quantized(codec, raw, shape)
+    return _native_f32(k), _native_f32(v)
+
+
+def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """k and v of a q8, q6 or q4 payload (after its header), decoded by the compiled loops."""
+    from . import codec_kernels as compiled  # numba's import and setup, on the first decode only
+
+    n_layer, n_head, n_tokens, head_dim = shape
+    n = math.prod(shape)
+    gk, gv = _n_groups(shape)
+    cshape = (n_layer, n_head, head_dim, n_tokens)
+    if codec == "q8":
         qk = np.cumsum(np.frombuffer(raw, np.uint8, n).reshape(cshape), axis=-1, dtype=np.uint8).view(np.int8)
         qv = np.frombuffer(raw, np.int8, n, offset=n).reshape(shape)
-        scales = _unshuffle(raw[2 * n :], _F16)
-        k = _dequantize(qk, scales[:gk].reshape(*cshape[:3], -1)).transpose(0, 1, 3, 2)
-        v = _dequantize(qv, scales[gk:].reshape(*shape[:3], -1))
+        scales = _unshuffle(raw[2 * n :], _F16).astype(np.float32)
+        sk, sv = scales[:gk], scales[gk:]
+        mk, mv = np.zeros_like(sk), np.zeros_like(sv)
     else:
-        gk, gv = _n_groups(dims)
-        cshape = (n_layer, n_head, head_dim, n_tokens)
         size = _packed_size(codec, n)
-        unpack = _unpack_sixes if codec == "q6" else _unpack_nibbles
-        qk = unpack(np.frombuffer(raw, np.uint8, size), n).reshape(cshape)
-        qv = unpack(np.frombuffer(raw, np.uint8, size, offset=size), n).reshape(shape)
-        sk, sv, mk, mv = np.split(_unshuffle(raw[2 * size :], _F16), [gk, gk + gv, 2 * gk + gv])
-        k = _dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1)).transpose(0, 1, 3, 2)
-        v = _dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1))
-    return _native_f32(k), _native_f32(v)
+        qk, qv = (np.empty(4 * -(-n // 4), np.uint8) for _ in range(2))  # whole bytes of codes
+        unpack = compiled.unpack_sixes if codec == "q6" else compiled.unpack_nibbles
+        unpack(np.frombuffer(raw, np.uint8, size), qk)
+        unpack(np.frombuffer(raw, np.uint8, size, offset=size), qv)
+        qk, qv = qk[:n].reshape(cshape), qv[:n].reshape(shape)
+        scales = _unshuffle(raw[2 * size :], _F16).astype(np.float32)
+        sk, sv, mk, mv = np.split(scales, [gk, gk + gv, 2 * gk + gv])
+    k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    compiled.dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1), k, True)
+    compiled.dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1), v, False)
+    return k, v
 
 
 def kv_matches(data: bytes, k: np.ndarray, v: np.ndarray, tolerance: float = MATCH_TOLERANCE) -> bool:
@@ -350,32 +363,6 @@ def _unshuffle(buf, dtype: np.dtype) -> np.ndarray:
     for i in range(1, dtype.itemsize):
         u |= planes[i].astype(utype) << utype.type(8 * i)
     return u.view(dtype)
-
-
-def _unpack_sixes(packed: np.ndarray, n: int) -> np.ndarray:
-    b = packed.reshape(-1, 3).astype(np.uint32)
-    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-    q = np.empty((word.size, 4), np.uint8)
-    for i in range(4):
-        q[:, i] = (word >> (6 * i)) & 63
-    return q.ravel()[:n]
-
-
-def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
-    q = np.empty(2 * packed.size, np.uint8)
-    q[0::2] = packed & 15
-    q[1::2] = packed >> 4
-    return q[:n]
-
-
-def _dequantize(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
-    """q [..., n] with per-group scales (and mins) [..., groups] -> float32 [..., n]."""
-    n = q.shape[-1]
-    s = np.repeat(scales.astype(np.float32), GROUP, axis=-1)[..., :n]
-    x = q.astype(np.float32) * s
-    if mins is not None:
-        x += np.repeat(mins.astype(np.float32), GROUP, axis=-1)[..., :n]
-    return x
 
 
 def _native_f32(x: np.ndarray) -> np.ndarray:

@@ -46,10 +46,10 @@ def q8_bound(x, axis):
     return step / 2 + amax * 2**-22
 
 
-def q4_bound(x, axis):
-    """Asymmetric 4-bit: step = (max - min) / 15 (min rounded down, scale up, to float16), error <= step / 2."""
+def asymmetric_bound(x, axis, bits):
+    """Asymmetric: step = (max - min) / (2**bits - 1) (min rounded down, scale up, to float16), error <= step / 2."""
     lo, hi = (a.astype(np.float64) for a in grouped(x, axis))
-    step = ((hi - lo) + np.abs(lo) * 2**-10 + 2**-24) / 15 * (1 + 2**-10) + 2**-24
+    step = ((hi - lo) + np.abs(lo) * 2**-10 + 2**-24) / (2**bits - 1) * (1 + 2**-10) + 2**-24
     return step / 2 + np.maximum(np.abs(lo), np.abs(hi)) * 2**-22
 
 
@@ -112,12 +112,13 @@ def test_q8_error_is_half_a_step_keys_per_channel_values_per_token(shape):
     assert np.all(np.abs(v2 - v) <= q8_bound(v, axis=3))
 
 
+@pytest.mark.parametrize("codec, bits", [("q4", 4), ("q6", 6)])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_q4_error_is_half_a_step_of_each_groups_range(shape):
+def test_q4_and_q6_error_is_half_a_step_of_each_groups_range(shape, codec, bits):
     k, v = realistic_kv(shape)
-    k2, v2 = decode_kv(encode_kv(k, v, "q4"))
-    assert np.all(np.abs(k2 - k) <= q4_bound(k, axis=2))
-    assert np.all(np.abs(v2 - v) <= q4_bound(v, axis=3))
+    k2, v2 = decode_kv(encode_kv(k, v, codec))
+    assert np.all(np.abs(k2 - k) <= asymmetric_bound(k, axis=2, bits=bits))
+    assert np.all(np.abs(v2 - v) <= asymmetric_bound(v, axis=3, bits=bits))
 
 
 @pytest.mark.parametrize("codec", ["q8", "q4"])
