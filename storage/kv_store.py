@@ -30,8 +30,10 @@ MAX_FETCHED_BYTES = 256 << 20
 
 def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
     """The KV of stored bytes, or None when they are not what was written."""
-    if checksum(data) != expected_checksum:
-        return None
+    return _decoded(data) if checksum(data) == expected_checksum else None
+
+
+def _decoded(data: bytes) -> KV | None:
     try:
         return decode_kv(data)
     except CorruptBlockError:
@@ -65,12 +67,13 @@ class KVStore:
     def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
         """A stored block of the namespace, checked against its checksum and the tokens it stands for;
         a bad one is dropped so it gets recomputed."""
-        block = self._fetched(key) if namespace is None else None
-        if block is None:
-            block = self.store.load_block(key, self.fingerprint, namespace)
+        fetched = self._fetched(key) if namespace is None else None
+        block = fetched or self.store.load_block(key, self.fingerprint, namespace)
         if block is None:
             return None
-        kv = decode_checked(block.data, block.checksum) if block.tokens == list(tokens) else None
+        # one from the remote tier had its signature and checksum checked as it was read
+        intact = fetched is not None or checksum(block.data) == block.checksum
+        kv = _decoded(block.data) if intact and block.tokens == list(tokens) else None
         if kv is None:
             self._forget([key])
             self.store.drop_block(key, namespace)
