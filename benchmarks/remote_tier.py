@@ -169,24 +169,23 @@ def main() -> int:
                     timeout_s=timeout,
                     always_fetch=True,
                 )
-                # on loopback a run is ~0.2 s and this machine's noise as large as the differences
-                # measured: the median of three runs there
-                runs = []
+                # on loopback a run is ~0.1 s and this machine's noise as large as the differences
+                # measured: the median of three runs there, forced and by the rule in turn (drift hits both)
+                runs, autos = [], []
                 for r in range(3 if delay == 0 else 1):
+                    tier.always_fetch = True
                     before = tier.stats()["bytes_read"]
                     run = first_token(*fresh_server(model, folder / f"fetch{i}-{r}", exported, tier, prefill))
                     runs.append({**run, "bytes_read": tier.stats()["bytes_read"] - before})
+                    tier.always_fetch = False
+                    auto = first_token(*fresh_server(model, folder / f"auto{i}-{r}", exported, tier, prefill))
+                    autos.append(auto)
                 fetched = median_run(runs)
                 n_blocks = len(keys)
                 estimate = tier.fetch_seconds(tier.estimated_bytes(n_blocks))
-                tier.always_fetch = False
                 choice = tier.worth_fetching(
                     n_blocks, tier.estimated_bytes(n_blocks), prefill, n_blocks * model.pool.block_size
                 )
-                autos = [
-                    first_token(*fresh_server(model, folder / f"auto{i}-{r}", exported, tier, prefill))
-                    for r in range(len(runs))
-                ]
                 auto = median_run(autos)
                 tier.close()
             finally:
