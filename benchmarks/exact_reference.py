@@ -1,0 +1,79 @@
+"""How far llama.cpp's logits, and ours, lie from the model computed exactly (not CI).
+
+    .venv/bin/python benchmarks/exact_reference.py [--model NAME]
+
+"Exactly": the same forward pass with every matrix product in float64 on the GGUF's weights
+dequantized (as ggml dequantizes them), so no rounding of activations, attention or KV is left to
+speak of. For each text of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints
+the worst top-20 |difference| over the positions, on llama.cpp's 20 best tokens: ours vs llama.cpp
+(what the real-model tests check), llama.cpp vs the exact logits, and ours vs the exact logits.
+Where ours is near zero from the exact logits, the distance to llama.cpp is llama.cpp's own rounding
+(8-bit activations before each product, float16 KV, scores and GELU), not a difference of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from llama_chat.inference import kernels, load_model
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llamacpp"
+MODELS = ("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
+
+
+def cases(name: str) -> list[tuple[str, dict]]:
+    """(text, its llama.cpp reference: ids, top20_ids, top20_logits) for one model."""
+    fixtures = json.loads((FIXTURES / "reference.json").read_text())[name]["logits"]
+    extra = json.loads((FIXTURES / "extra_reference.json").read_text())["models"][name]
+    return [*fixtures.items(), *extra.items()]
+
+
+def exact_products() -> None:
+    """From here on the model's matrix products run in float64 on dequantized weights."""
+    dequantized: dict[int, tuple[object, np.ndarray]] = {}
+
+    def matmul(x, w):
+        hit = dequantized.get(id(w))
+        if hit is None or hit[0] is not w:
+            hit = dequantized[id(w)] = (w, kernels.rows(w, np.arange(w.n_rows)).astype(np.float64))
+        return np.asarray(x, np.float64) @ hit[1].T
+
+    kernels.matmul = matmul
+
+
+def worst_top20(logits: np.ndarray, ref: dict, other: np.ndarray | None = None) -> float:
+    """The largest |logits - other| (llama.cpp's own values when other is None) on llama.cpp's top 20."""
+    worst = 0.0
+    for i, (ids, values) in enumerate(zip(ref["top20_ids"], ref["top20_logits"], strict=True)):
+        b = np.asarray(values) if other is None else other[i, ids]
+        worst = max(worst, float(np.abs(logits[i, ids] - b).max()))
+    return worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default=None, help="one model (default: both)")
+    args = parser.parse_args()
+    names = [args.model] if args.model else list(MODELS)
+    ours = {}
+    for name in names:
+        model = load_model(name)
+        ours[name] = {text: model.logits(ref["ids"]) for text, ref in cases(name)}
+    exact_products()
+    print(f"{'model':36} {'text':8} {'ours-llama.cpp':>14} {'llama.cpp-exact':>15} {'ours-exact':>10}")
+    for name in names:
+        model = load_model(name)
+        for text, ref in cases(name):
+            exact = model.logits(ref["ids"])
+            mine = ours[name][text]
+            row = (worst_top20(mine, ref), worst_top20(exact, ref), worst_top20(mine, ref, exact))
+            print(f"{name:36} {text:8} {row[0]:14.3f} {row[1]:15.3f} {row[2]:10.5f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
