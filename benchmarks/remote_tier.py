@@ -170,16 +170,20 @@ def main() -> int:
                     always_fetch=True,
                 )
                 # on loopback a run is ~0.1 s and this machine's noise as large as the differences
-                # measured: the median of three runs there, forced and by the rule in turn (drift hits both)
+                # measured: the median of five runs there, forced and by the rule in turn, which goes
+                # first alternating (here every other run was ~20 ms slower, whichever it was)
                 runs, autos = [], []
-                for r in range(3 if delay == 0 else 1):
-                    tier.always_fetch = True
-                    before = tier.stats()["bytes_read"]
-                    run = first_token(*fresh_server(model, folder / f"fetch{i}-{r}", exported, tier, prefill))
-                    runs.append({**run, "bytes_read": tier.stats()["bytes_read"] - before})
-                    tier.always_fetch = False
-                    auto = first_token(*fresh_server(model, folder / f"auto{i}-{r}", exported, tier, prefill))
-                    autos.append(auto)
+                for r in range(5 if delay == 0 else 1):
+                    for forced in (True, False) if r % 2 == 0 else (False, True):
+                        tier.always_fetch = forced
+                        before = tier.stats()["bytes_read"]
+                        where = folder / f"{'fetch' if forced else 'auto'}{i}-{r}"
+                        run = first_token(*fresh_server(model, where, exported, tier, prefill))
+                        if forced:
+                            runs.append({**run, "bytes_read": tier.stats()["bytes_read"] - before})
+                        else:
+                            autos.append(run)
+                tier.always_fetch = False
                 fetched = median_run(runs)
                 n_blocks = len(keys)
                 estimate = tier.fetch_seconds(tier.estimated_bytes(n_blocks))
@@ -197,6 +201,7 @@ def main() -> int:
                 "mb_s": rate and round(rate / 1e6, 3),
                 "fetch": fetched,
                 "auto": auto,
+                "ttft_runs": {"fetch": [r["ttft_s"] for r in runs], "auto": [r["ttft_s"] for r in autos]},
                 "rule_fetches": choice,
                 "estimated_fetch_s": round(estimate or 0.0, 3),
                 "estimated_compute_s": round(n_blocks * model.pool.block_size / prefill, 3),

@@ -162,22 +162,32 @@ class KVStore:
         return new_blocks
 
     def remote_tail(self, parent_key: bytes | None, tokens: Sequence[int]) -> tuple[list[int], KV] | None:
-        """A tail another server stored for exactly these tokens after the block `parent_key`, read
-        from the remote tier (one round trip); None when it has none or it fails a check."""
+        """A tail another server stored for exactly these tokens after the block `parent_key`: read
+        with the blocks before it (read_remote), else from the remote tier now (one round trip); None
+        when it has none or it fails a check."""
         if self.remote is None or not tokens:
             return None
-        block = self.remote.fetch(tail_key(parent_key, tokens), tuple(tokens), self.codec)
+        key = tail_key(parent_key, tokens)
+        with self._fetched_lock:
+            block = self.fetched.pop(key, None)
+        if block is None or block.tokens != list(tokens):
+            block = self.remote.fetch(key, tuple(tokens), self.codec)
         kv = decode_checked(block.data, block.checksum) if block is not None else None
         if kv is None or kv[0].shape[2] != len(tokens):
             return None
         return list(tokens), kv
 
-    def read_remote(self, missing: Sequence[tuple[bytes, tuple[int, ...]]]) -> RemoteRead:
+    def read_remote(
+        self,
+        missing: Sequence[tuple[bytes, tuple[int, ...]]],
+        tail: tuple[bytes | None, tuple[int, ...]] | None = None,
+    ) -> RemoteRead:
         """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite
         lacks too are read from the remote tier in one round trip, when its measured round trips and
         bytes per second beat computing them at the measured prefill speed, and kept in RAM as read (the
         pool then takes them as any stored block) until the session's snapshot stores them in SQLite.
-        Says what was chosen and how many tokens were read."""
+        The tail (parent key, tokens) after them, if asked for, comes in the same round trip and waits
+        for remote_tail. Says what was chosen and how many tokens were read."""
         if self.remote is None or not missing:
             return RemoteRead()
         with self._fetched_lock:
@@ -190,13 +200,20 @@ class KVStore:
         n_tokens = sum(len(tokens) for _, tokens in missing)
         if not self.remote.worth_fetching(len(missing), n_bytes, self.prefill_tok_s.value or 0.0, n_tokens):
             return RemoteRead("compute")
+        # a round trip after an 11 MB answer took 20 ms on loopback every other time (and one more RTT
+        # on a real link): the tail, the last thing a returning conversation needs, comes with the blocks
+        tail_read = [(tail_key(*tail), tail[1])] if tail is not None else []
+        blocks = self.remote.fetch_run([*missing, *tail_read], self.codec)
         found = []
-        for block in self.remote.fetch_run(list(missing), self.codec):
+        for block in blocks[: len(missing)]:
             if block is None:
                 break  # the pool stops at the first missing block anyway
             found.append(block)
+        n_tokens = sum(block.n_tokens for block in found)
+        if tail_read and blocks[-1] is not None:
+            found.append(blocks[-1])  # kept under its own key (its parent's and its tokens') for remote_tail
         self._keep_fetched(found)
-        return RemoteRead("fetch", sum(block.n_tokens for block in found))
+        return RemoteRead("fetch", n_tokens)
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
         return self.store.load_block(key, self.fingerprint, namespace)

@@ -245,6 +245,16 @@ def move(source: ChatEngine, session_id: str, target: ChatEngine, tmp_path) -> S
     return target.store.get_session(result.session_ids[0])
 
 
+def moved_conversation(qwen2, tmp_path, url: str, title: str):
+    """A conversation computed on a first server (its blocks written to the tier at `url`) and its
+    messages moved to a second server: (first, second, the session on each)."""
+    first, second = server(qwen2, tmp_path / "a.db", url), server(qwen2, tmp_path / "b.db", url)
+    session = first.new_session(title)
+    chat(first, session, HISTORY)
+    first.kv.remote.flush()
+    return first, second, session, move(first, session.id, second, tmp_path)
+
+
 def test_a_conversation_goes_on_at_a_second_server_from_the_shared_store(
     qwen2, tmp_path, redis_server, capsys
 ):
@@ -317,14 +327,7 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
 
 def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_path, redis_server, monkeypatch):
     monkeypatch.setattr(kv_store, "MAX_FETCHED_BYTES", 1)  # every block read is forgotten at once
-    first, second = (
-        server(qwen2, tmp_path / "a.db", redis_server.url),
-        server(qwen2, tmp_path / "b.db", redis_server.url),
-    )
-    session = first.new_session("bounded")
-    chat(first, session, HISTORY)
-    first.kv.remote.flush()
-    moved = move(first, session.id, second, tmp_path)
+    first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "bounded")
     _, info = second.open(moved)
     assert not second.kv.fetched and info.restored < 8  # nothing kept: the blocks are computed
     assert (
@@ -332,14 +335,23 @@ def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_pat
     )
 
 
+def test_a_returning_conversation_reads_its_blocks_and_tail_in_one_round_trip(qwen2, tmp_path, redis_server):
+    """The tail is what a returning conversation asks for last: it comes with the blocks, not a round
+    trip after them (one more latency on a far link)."""
+    first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "one trip")
+    tier = second.kv.remote
+    tier.fetch(b"\0" * 32, (1,), "f32")  # this thread's connection made, its latency measured
+    before = tier.stats()["round_trips"]
+    _, info = second.open(moved)
+    assert info.tokens % 8 and info.remote == info.restored == info.tokens  # the blocks and the tail
+    assert tier.stats()["round_trips"] - before == 1
+    assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+
+
 def test_where_the_rule_computes_the_blocks_no_tail_is_asked_for(qwen2, tmp_path, redis_server):
     """A tail is shorter than a block: without the blocks before it (the link was measured slower than
     computing them) no server stored one for what is left, so no round trip is spent looking."""
-    first, second = server(qwen2, tmp_path / "a.db", redis_server.url), server(qwen2, tmp_path / "b.db", redis_server.url)
-    session = first.new_session("far")
-    chat(first, session, HISTORY)
-    first.kv.remote.flush()
-    moved = move(first, session.id, second, tmp_path)
+    first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "far")
     tier = second.kv.remote
     tier.rtt_s.add(5.0)  # as measured on a far, slow link
     tier.bytes_per_s.add(1000.0)

@@ -175,28 +175,37 @@ class ChatEngine:
                 seq.namespace = session.kv_namespace
             if seq.private:
                 shift_to(self.model, seq, ids)
-            read = self.read_remote(seq, ids)
+            read = self.read_remote(seq, ids, tail_of=ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
             from_remote = min(read.tokens if read else 0, seq.n_tokens) + self.restore_tail(session, seq, ids)
             return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0, from_remote, read)
 
-    def read_remote(self, seq: KVSequence, ids: Sequence[int]) -> RemoteRead | None:
-        """The full blocks of `ids` that RAM lacks, read from the remote tier into SQLite where it holds
-        them and that beats computing them (KVStore.read_remote), before `seq` takes its prefix; None
-        when there is no tier. Only blocks of the shared namespace travel: an import's stay here.
-        Every prompt goes through here — a session's turn (open) and a conversation sent whole."""
+    def read_remote(
+        self, seq: KVSequence, ids: Sequence[int], tail_of: Sequence[int] | None = None
+    ) -> RemoteRead | None:
+        """The full blocks of `ids` that RAM lacks, read from the remote tier where it holds them and
+        that beats computing them (KVStore.read_remote), before `seq` takes its prefix; None when there
+        is no tier. Only blocks of the shared namespace travel: an import's stay here. Every prompt goes
+        through here — a session's turn (open) and a conversation sent whole. The tail after the full
+        blocks of `tail_of` (a prefix of ids), which restore_tail asks for next, rides in the same round
+        trip."""
         if self.kv.remote is None:
             return None
         if seq.namespace is not None or seq.private:
             return RemoteRead()
         pool, B = self.model.pool, self.model.pool.block_size
-        missing, parent = [], None
+        missing, keys, parent = [], [], None
         for i in range(len(ids) // B):
             tokens = tuple(ids[i * B : (i + 1) * B])
             parent = prefix_key(self.model.fingerprint, parent, tokens)
+            keys.append(parent)
             if (None, parent) not in pool.by_key:
                 missing.append((parent, tokens))
-        return self.kv.read_remote(missing)
+        tail = None
+        if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(keys):
+            n = len(tail_of) // B * B
+            tail = (keys[n // B - 1] if n else None, tuple(tail_of[n:]))
+        return self.kv.read_remote(missing, tail)
 
     def restore_tail(self, session: Session | None, seq: KVSequence, ids: list[int]) -> int:
         """After seq took the full blocks of `ids`: the session's stored tail, as far as it matches ids,

@@ -77,8 +77,11 @@ class Conversations:
         def prepare() -> tuple[list[int], KVSequence]:
             seq = self.model.new_sequence(engine.n_ctx)
             base.append(seq)
-            job.remote = engine.read_remote(seq, prompt[:-1])  # as the scheduler's reuse_prefix takes it
-            self._resume_tail(messages, seq, prompt)
+            previous = self._previous_ids(messages, prompt)
+            # as the scheduler's reuse_prefix takes it; with the tail _resume_tail asks for next
+            job.remote = engine.read_remote(seq, prompt[:-1], tail_of=previous)
+            if previous is not None:
+                self._resume_tail(messages, seq, previous)
             return prompt, seq
 
         def finish(job: Job) -> Future | None:
@@ -104,16 +107,19 @@ class Conversations:
         )
         return engine.scheduler.submit(job)  # `job` is bound before prepare can run
 
-    def _resume_tail(self, messages: list[dict], seq: KVSequence, prompt: list[int]) -> None:
+    def _previous_ids(self, messages: list[dict], prompt: list[int]) -> list[int] | None:
+        """The conversation before its new message as it was kept after its last reply, where the prompt
+        goes on from it; None for a first message."""
+        if len(split_system(messages)[1]) < 2:
+            return None  # a first message: no reply before it
+        previous = self.engine.window_ids(messages[:-1])
+        return previous if prompt[: len(previous)] == previous else None
+
+    def _resume_tail(self, messages: list[dict], seq: KVSequence, previous: list[int]) -> None:
         """A returning conversation takes the tail its last reply left too — the KV after its last full
         block, stored with its API session here or by another server in the remote tier — so that only
         the new message is computed. (Full blocks are shared by content; a tail by the tokens it ends.)"""
         system, turns = split_system(messages)
-        if len(turns) < 2:
-            return  # a first message: no reply before it
-        previous = self.engine.window_ids(messages[:-1])  # the conversation as kept after that reply
-        if prompt[: len(previous)] != previous:
-            return
         try:
             session = self.engine.store.session_ending_with(
                 API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]]
