@@ -289,7 +289,9 @@ def test_a_signal_during_a_reply_stores_what_was_shown_and_exits_as_shells_expec
 def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
     db = tmp_path / "chat.db"
     session_id = a_database(qwen2, db)
-    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "40"]  # 4 s a reply
+    # 4 s a reply: a slowed pass for every token (prompt lookup could take many in one pass, and a
+    # reply over before the signal arrives leaves SIGINT to end the chat at its prompt)
+    chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "40", "--no-lookup"]
     child = Child(cli_args(db, qwen2, *chat_cli), slow=0.1)
     child.proc.stdin.write(b"hello the world\n")
     child.proc.stdin.flush()
