@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class RemoteRead:
 
     choice: str = "local"  # "fetch" or "compute"; "local": RAM and SQLite held every full block
     tokens: int = 0
+    seconds: float = 0.0  # the time it took, round trip and checks
 
 
 class KVStore:
@@ -190,6 +192,7 @@ class KVStore:
         for remote_tail. Says what was chosen and how many tokens were read."""
         if self.remote is None or not missing:
             return RemoteRead()
+        t0 = time.perf_counter()
         with self._fetched_lock:
             missing = [(key, tokens) for key, tokens in missing if key not in self.fetched]
         stored = self.store.stored_keys([key for key, _ in missing])
@@ -199,7 +202,7 @@ class KVStore:
         n_bytes = self.remote.estimated_bytes(len(missing))
         n_tokens = sum(len(tokens) for _, tokens in missing)
         if not self.remote.worth_fetching(len(missing), n_bytes, self.prefill_tok_s.value or 0.0, n_tokens):
-            return RemoteRead("compute")
+            return RemoteRead("compute", 0, time.perf_counter() - t0)
         # a round trip after an 11 MB answer took 20 ms on loopback every other time (and one more RTT
         # on a real link): the tail, the last thing a returning conversation needs, comes with the blocks
         tail_read = [(tail_key(*tail), tail[1])] if tail is not None else []
@@ -213,7 +216,7 @@ class KVStore:
         if tail_read and blocks[-1] is not None:
             found.append(blocks[-1])  # kept under its own key (its parent's and its tokens') for remote_tail
         self._keep_fetched(found)
-        return RemoteRead("fetch", n_tokens)
+        return RemoteRead("fetch", n_tokens, time.perf_counter() - t0)
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
         return self.store.load_block(key, self.fingerprint, namespace)

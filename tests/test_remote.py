@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 
 import numpy as np
@@ -346,6 +347,33 @@ def test_a_returning_conversation_reads_its_blocks_and_tail_in_one_round_trip(qw
     assert info.tokens % 8 and info.remote == info.restored == info.tokens  # the blocks and the tail
     assert tier.stats()["round_trips"] - before == 1
     assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+
+
+def test_a_slow_store_holds_up_only_the_reply_that_reads_from_it(qwen2, tmp_path, redis_server, monkeypatch):
+    """Blocks are read on the thread that submits the reply, not on the scheduler's: while one returning
+    conversation waits on the store, another conversation's reply is decoded to its end."""
+    first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "far away")
+    tier = second.kv.remote
+    reading, go_on = threading.Event(), threading.Event()
+    real_read = tier._read
+
+    def stalled_read(client, names):
+        reading.set()
+        go_on.wait(60)  # the store answers when the test says so (or after a minute: then it fails)
+        return real_read(client, names)
+
+    monkeypatch.setattr(tier, "_read", stalled_read)
+    returning: list[str] = []
+    waiting = threading.Thread(target=lambda: returning.append(chat(second, moved, "and then")[0]))
+    waiting.start()
+    assert reading.wait(30)
+    local = second.new_session("here")
+    assert chat(second, local, "hello the world", max_tokens=12)[0]  # decoded while the read waits
+    assert waiting.is_alive() and not returning
+    go_on.set()
+    waiting.join(60)
+    assert returning == [chat(first, first.store.get_session(session.id), "and then")[0]]
+    assert tier.stats()["hits"] > 0
 
 
 def test_where_the_rule_computes_the_blocks_no_tail_is_asked_for(qwen2, tmp_path, redis_server):

@@ -162,9 +162,13 @@ class ChatEngine:
         """The tokens of a conversation as it is stored: its newest turns that fit the window."""
         return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False)[1]
 
-    def open(self, session: Session) -> tuple[KVSequence, ResumeInfo]:
-        """The session's KV, ready for its next reply: from RAM, stored blocks and tail; nothing computed."""
+    def open(self, session: Session, read: RemoteRead | None = None) -> tuple[KVSequence, ResumeInfo]:
+        """The session's KV, ready for its next reply: from RAM, stored blocks and tail; nothing computed.
+        `read`: what prefetch() read for it already (a job's, on the thread that submitted it)."""
         t0 = time.perf_counter()
+        earlier = read.seconds if read is not None else 0.0
+        if read is None:
+            read = self.prefetch(session)
         with self.lock:
             ids = self.conversation_ids(session)
             seq = self.live.get(session.id)
@@ -175,23 +179,34 @@ class ChatEngine:
                 seq.namespace = session.kv_namespace
             if seq.private:
                 shift_to(self.model, seq, ids)
-            read = self.read_remote(seq, ids, tail_of=ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
             from_remote = min(read.tokens if read else 0, seq.n_tokens) + self.restore_tail(session, seq, ids)
-            return seq, ResumeInfo(len(ids), seq.n_tokens, time.perf_counter() - t0, from_remote, read)
+            seconds = time.perf_counter() - t0 + earlier
+            return seq, ResumeInfo(len(ids), seq.n_tokens, seconds, from_remote, read)
 
-    def read_remote(
-        self, seq: KVSequence, ids: Sequence[int], tail_of: Sequence[int] | None = None
-    ) -> RemoteRead | None:
-        """The full blocks of `ids` that RAM lacks, read from the remote tier where it holds them and
-        that beats computing them (KVStore.read_remote), before `seq` takes its prefix; None when there
-        is no tier. Only blocks of the shared namespace travel: an import's stay here. Every prompt goes
-        through here — a session's turn (open) and a conversation sent whole. The tail after the full
-        blocks of `tail_of` (a prefix of ids), which restore_tail asks for next, rides in the same round
-        trip."""
+    def prefetch(self, session: Session) -> RemoteRead | None:
+        """The blocks and tail of a session's conversation that only the remote tier holds, read into RAM
+        (read_remote) without the engine's lock: on the thread that submits a reply, so that a slow store
+        holds up that reply only, not the scheduler and every reply it is decoding. None: no tier."""
         if self.kv.remote is None:
             return None
-        if seq.namespace is not None or seq.private:
+        ids = self.conversation_ids(session)
+        live = self.live.get(session.id)
+        shared = session.kv_namespace is None and not (live is not None and live.private)
+        return self.read_remote(ids, tail_of=ids, shared=shared)
+
+    def read_remote(
+        self, ids: Sequence[int], tail_of: Sequence[int] | None = None, shared: bool = True
+    ) -> RemoteRead | None:
+        """The full blocks of `ids` that RAM lacks, read from the remote tier where it holds them and
+        that beats computing them (KVStore.read_remote), for a sequence to take with reuse_prefix; None
+        when there is no tier. Only blocks of the shared namespace travel (`shared`): an import's stay
+        here, and private KV is no prefix's. The tail after the full blocks of `tail_of` (a prefix of
+        ids), which restore_tail asks for next, rides in the same round trip. Every prompt goes through
+        here — a session's turn (prefetch) and a conversation sent whole — before its job is queued."""
+        if self.kv.remote is None:
+            return None
+        if not shared:
             return RemoteRead()
         pool, B = self.model.pool, self.model.pool.block_size
         missing, keys, parent = [], [], None
@@ -199,7 +214,7 @@ class ChatEngine:
             tokens = tuple(ids[i * B : (i + 1) * B])
             parent = prefix_key(self.model.fingerprint, parent, tokens)
             keys.append(parent)
-            if (None, parent) not in pool.by_key:
+            if (None, parent) not in pool.by_key:  # (read without the lock: only what to fetch depends on it)
                 missing.append((parent, tokens))
         tail = None
         if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(keys):
@@ -257,9 +272,10 @@ class ChatEngine:
         if user_text is not None:
             self.check_message(session.system_prompt, user_text)
         saved = saved if saved is not None else SavedReply()
+        read = self.prefetch(session)
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
-            seq, info = self.open(session)
+            seq, info = self.open(session, read)
             job.remote = info.remote_read
             messages = self.messages(session)
             if user_text is not None:
@@ -440,9 +456,10 @@ class ChatEngine:
             branches = [
                 self.fork(session, head.parent_id, f"{session.title} (regenerated)") for _ in range(n)
             ]
+        read = self.prefetch(branches[0])
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
-            base, info = self.open(branches[0])
+            base, info = self.open(branches[0], read)
             job.remote = info.remote_read
             return self.prompt(self.messages(branches[0]), base, max_tokens), base
 

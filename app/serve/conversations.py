@@ -73,13 +73,15 @@ class Conversations:
         the session it is kept in (None: not kept)."""
         engine = self.engine
         base: list[KVSequence] = []
+        previous = self._previous_ids(messages, prompt)
+        # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
+        # as the scheduler's reuse_prefix takes the prompt, with the tail _resume_tail asks for next
+        remote = engine.read_remote(prompt[:-1], tail_of=previous)
 
         def prepare() -> tuple[list[int], KVSequence]:
             seq = self.model.new_sequence(engine.n_ctx)
             base.append(seq)
-            previous = self._previous_ids(messages, prompt)
-            # as the scheduler's reuse_prefix takes it; with the tail _resume_tail asks for next
-            job.remote = engine.read_remote(seq, prompt[:-1], tail_of=previous)
+            job.remote = remote
             if previous is not None:
                 self._resume_tail(messages, seq, previous)
             return prompt, seq
