@@ -33,10 +33,14 @@ def cmd_models(args) -> int:
 
 
 def open_model(args):
+    from llama_chat.storage.codec import compile_kernels
+
     with ProgressBar() as bar:
-        return load_model(
+        model = load_model(
             args.model, progress=bar, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup
         )
+        compile_kernels(bar)  # the KV codec's loops, with the model's: no reply waits on the compiler
+        return model
 
 
 def flag_settings(args, settings=SAMPLING) -> dict:

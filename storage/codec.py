@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -56,6 +57,27 @@ def checksum(data: bytes) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
+def compile_kernels(progress=None) -> float:
+    """Compile (first start, ~2 s) or load from numba's cache (later starts) the codec's loops, on a tiny
+    block of each quantized codec, contiguous and as a view of the KV arena, so that no snapshot or
+    resume waits on the compiler. progress(label, done, total) is told. Returns the seconds it took."""
+    from llama_chat.inference.jit import in_cache
+
+    t0 = time.perf_counter()
+    kernels = _kernels()
+    compiled = (kernels.group_ranges, kernels.quantize, kernels.dequantize, kernels.pack_sixes)
+    label = "loading the KV codec" if all(in_cache(k) for k in compiled) else "compiling the KV codec (first start only)"
+    block = np.zeros((1, 1, 40, GROUP), _F32)
+    for i, codec in enumerate(("q8", "q6", "q4")):
+        if progress:
+            progress(label, i, 3)
+        decode_kv(encode_kv(block, block, codec))
+        encode_kv(block[:, :, :33], block[:, :, :33], codec)  # a view with gaps, as a block of the arena
+    if progress:
+        progress(label, 3, 3)
+    return time.perf_counter() - t0
+
+
 # -- encoding ------------------------------------------------------------------------------------
 
 
@@ -92,10 +114,9 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
         streams = [dk, qv, _shuffle(np.concatenate([sk.ravel(), sv.ravel()]))]
     else:
         bits = 6 if codec == "q6" else 4
-        pack = _pack_sixes if codec == "q6" else _pack_nibbles
         qk, sk, mk = _quantize_asymmetric(_channel_major(k), bits)
         qv, sv, mv = _quantize_asymmetric(v, bits)
-        streams = [pack(qk), pack(qv), _shuffle(np.concatenate([sk, sv, mk, mv], axis=None))]
+        streams = [_pack(qk, bits), _pack(qv, bits), _shuffle(np.concatenate([sk, sv, mk, mv], axis=None))]
 
     header = _HEADER.pack(MAGIC, VERSION, _CODEC_IDS[codec], *k.shape)
     # The header is repeated inside the frame (22 bytes, covered by zstd's checksum): a header
@@ -106,31 +127,41 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
 
 
 def _channel_major(k: np.ndarray) -> np.ndarray:
-    """[L, H, T, D] -> [L, H, D, T]: keys are grouped along tokens, one channel at a time (KIVI)."""
-    return np.ascontiguousarray(k.transpose(0, 1, 3, 2))
+    """[L, H, T, D] -> [L, H, D, T]: keys are grouped along tokens, one channel at a time (KIVI). A view:
+    the compiled loops read it where it lies."""
+    return k.transpose(0, 1, 3, 2)
 
 
-def _groups(x: np.ndarray) -> np.ndarray:
-    """[..., n] -> [..., ceil(n/32), 32]; a ragged last group is padded by repeating its last value,
-    which leaves the group's min and max (all quantization looks at) unchanged."""
-    pad = -x.shape[-1] % GROUP
-    if pad:
-        x = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], mode="edge")
-    return x.reshape(*x.shape[:-1], -1, GROUP)
+def _kernels():
+    """The compiled loops (codec_kernels.py), imported on first use: numba's import and set-up (~0.3 s)
+    are not for commands that never encode or decode a block, such as listing sessions."""
+    from . import codec_kernels
+
+    return codec_kernels
 
 
-def _ungroup(q: np.ndarray, n: int) -> np.ndarray:
-    return q.reshape(*q.shape[:-2], -1)[..., :n]
+def _ranges(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The min and max of each group of 32 along the last axis (a ragged last group is shorter)."""
+    shape = (*x.shape[:-1], -(-x.shape[-1] // GROUP))
+    lo, hi = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    _kernels().group_ranges(x, _GROUP_BITS, lo, hi)
+    return lo, hi
+
+
+def _codes(x: np.ndarray, scales: np.ndarray, mins: np.ndarray, low: int, high: int, dtype) -> np.ndarray:
+    """rint((x - min) / scale) per group, clipped to low..high: [..., n] of dtype."""
+    codes = np.empty(x.shape, dtype)
+    s, m = scales.astype(np.float32), mins.astype(np.float32)
+    _kernels().quantize(x, s, m, _GROUP_BITS, low, high, codes.reshape(-1))
+    return codes
 
 
 def _quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 along the last axis, groups of 32: (q [..., n] int8, scales [..., groups] f16)."""
-    g = _groups(x)
+    lo, hi = _ranges(x)
     # The scale is rounded *up* to float16, so |x| / scale <= 127 and every error is <= scale / 2.
-    scale = _f16_ceil(np.minimum(np.abs(g).max(axis=-1, keepdims=True) / np.float32(127), _F16_MAX))
-    s = scale.astype(np.float32)
-    q = np.rint(g / np.where(s > 0, s, np.float32(1))).clip(-127, 127).astype(np.int8)
-    return _ungroup(q, x.shape[-1]), scale[..., 0]
+    scale = _f16_ceil(np.minimum(np.maximum(-lo, hi) / np.float32(127), _F16_MAX))
+    return _codes(x, scale, np.zeros_like(lo), -127, 127, np.int8), scale
 
 
 def _quantize_asymmetric(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,16 +171,12 @@ def _quantize_asymmetric(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarr
     matters because key channels carry large biases: 16 levels spread over [min, max] of a channel
     at 50 +- 2 are ~30x finer than 16 levels spread symmetrically over +-52.
     """
-    top = np.float32(2**bits - 1)
-    g = _groups(x)
-    lo = np.clip(g.min(axis=-1, keepdims=True), -_F16_MAX, _F16_MAX)
-    hi = g.max(axis=-1, keepdims=True)
-    mn = _f16_floor(lo)  # rounded down and the scale up, so [min, min + top * scale] covers the group
-    m = mn.astype(np.float32)
-    scale = _f16_ceil(np.minimum((hi - m) / top, _F16_MAX))
-    s = scale.astype(np.float32)
-    q = np.rint((g - m) / np.where(s > 0, s, np.float32(1))).clip(0, top).astype(np.uint8)
-    return _ungroup(q, x.shape[-1]), scale[..., 0], mn[..., 0]
+    top = 2**bits - 1
+    lo, hi = _ranges(x)
+    mn = _f16_floor(np.clip(lo, -_F16_MAX, _F16_MAX))  # rounded down and the scale up, so
+    m = mn.astype(np.float32)  # [min, min + top * scale] covers the group
+    scale = _f16_ceil(np.minimum((hi - m) / np.float32(top), _F16_MAX))
+    return _codes(x, scale, m, 0, top, np.uint8), scale, mn
 
 
 def _f16_ceil(x: np.ndarray) -> np.ndarray:
@@ -184,20 +211,12 @@ def _shuffle(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pack_sixes(q: np.ndarray) -> np.ndarray:
-    """Four 6-bit codes in three bytes."""
-    flat = q.ravel().astype(np.uint32)
-    flat = np.pad(flat, (0, -flat.size % 4))
-    a, b, c, d = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
-    word = a | (b << 6) | (c << 12) | (d << 18)
-    return word.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :3].copy()
-
-
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    flat = q.ravel()
-    if flat.size % 2:
-        flat = np.append(flat, np.uint8(0))
-    return flat[0::2] | (flat[1::2] << 4)
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """6-bit codes four to three bytes, 4-bit codes two to a byte (see _packed_size)."""
+    packed = np.empty(_packed_size("q6" if bits == 6 else "q4", q.size), np.uint8)
+    pack = _kernels().pack_sixes if bits == 6 else _kernels().pack_nibbles
+    pack(q.reshape(-1), packed)
+    return packed
 
 
 def block_info(data: bytes) -> tuple[str, tuple[int, int, int, int]] | None:
@@ -257,8 +276,7 @@ def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """k and v of a q8, q6 or q4 payload (after its header), decoded by the compiled loops."""
-    from . import codec_kernels as compiled  # numba's import and setup, on the first decode only
-
+    compiled = _kernels()
     n_layer, n_head, n_tokens, head_dim = shape
     n = math.prod(shape)
     gk, gv = _n_groups(shape)

@@ -48,3 +48,67 @@ def dequantize(codes, scales, mins, group_bits, out, channel_major):
                         out[a, b, j, r] = x
                     else:
                         out[a, b, r, j] = x
+
+
+# -- encoding --------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def group_ranges(x, group_bits, lo, hi):
+    """The min and max of each group of 2**group_bits values along x's last axis (the last group may be
+    shorter): lo, hi [A, B, R, groups]. x may be a transposed view (keys, read a channel at a time)."""
+    A, B, R, n = x.shape
+    size = 1 << group_bits
+    for a in range(A):
+        for b in range(B):
+            for r in range(R):
+                for g in range(lo.shape[3]):
+                    first = g * size
+                    low = high = x[a, b, r, first]
+                    for j in range(first + 1, min(first + size, n)):
+                        value = x[a, b, r, j]
+                        low = min(low, value)
+                        high = max(high, value)
+                    lo[a, b, r, g] = low
+                    hi[a, b, r, g] = high
+
+
+@njit(cache=True, nogil=True)
+def quantize(x, scales, mins, group_bits, low, high, codes):
+    """codes (flat, in the row-major order of x's shape) = rint((x - min) / scale), clipped to low..high,
+    a scale and a min per 2**group_bits values along the last axis; a zero scale divides by 1. The same
+    float32 operations as NumPy's, so the same codes."""
+    A, B, R, n = x.shape
+    i = 0
+    for a in range(A):
+        for b in range(B):
+            for r in range(R):
+                for j in range(n):
+                    g = j >> group_bits
+                    s = scales[a, b, r, g]
+                    q = np.rint((x[a, b, r, j] - mins[a, b, r, g]) / (s if s > 0 else np.float32(1.0)))
+                    codes[i] = min(max(q, low), high)
+                    i += 1
+
+
+@njit(cache=True, nogil=True)
+def pack_sixes(codes, packed):
+    """Four 6-bit codes in every three bytes, the first in the lowest bits (codes past the end: 0)."""
+    n = codes.size
+    for w in range(packed.size // 3):
+        word = 0
+        for i in range(4):
+            if 4 * w + i < n:
+                word |= np.int32(codes[4 * w + i]) << (6 * i)
+        packed[3 * w] = word & 255
+        packed[3 * w + 1] = (word >> 8) & 255
+        packed[3 * w + 2] = word >> 16
+
+
+@njit(cache=True, nogil=True)
+def pack_nibbles(codes, packed):
+    """Two 4-bit codes in every byte, the first in the low nibble (a code past the end: 0)."""
+    n = codes.size
+    for i in range(packed.size):
+        high = codes[2 * i + 1] if 2 * i + 1 < n else 0
+        packed[i] = codes[2 * i] | (high << 4)

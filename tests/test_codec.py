@@ -10,7 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama_chat.storage.codec import CODECS, CorruptBlockError, checksum, decode_kv, encode_kv
+from llama_chat.storage.codec import (
+    CODECS,
+    CorruptBlockError,
+    checksum,
+    compile_kernels,
+    decode_kv,
+    encode_kv,
+)
 
 HEADER = struct.Struct("<4sBB4I")  # the documented header: magic, version, codec id, 4 dims
 SHAPES = [(2, 2, 64, 64), (1, 1, 1, 16), (3, 2, 37, 64), (2, 1, 5, 256), (1, 3, 33, 16), (2, 2, 64, 256)]
@@ -386,3 +393,11 @@ def test_damaged_blocks_decode_or_raise_within_the_memory_bound(codec, edits, cu
         tracemalloc.stop()
     # the frame holds what the original declared, whatever a damaged header claims
     assert peak < 8 * (2 * 2 * 40 * 32 * 2 * 4) + 2**20
+
+
+def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
+    """Front ends call this as the model loads: the first start compiles (and says so), later ones load."""
+    seen = []
+    seconds = compile_kernels(lambda label, done, total: seen.append((label, done, total)))
+    assert seconds >= 0 and [done for _, done, _ in seen] == [0, 1, 2, 3]
+    assert all("KV codec" in label and total == 3 for label, _, total in seen)

@@ -167,14 +167,18 @@ class ServerState:
 
 
 def open_model(options: ServeOptions) -> Model:
+    from llama_chat.storage.codec import compile_kernels
+
     with ProgressBar() as bar:
-        return load_model(
+        model = load_model(
             options.model,
             progress=bar,
             cache_ram_mb=options.cache_ram_mb,
             block_size=options.block_size,
             prompt_lookup=options.prompt_lookup,
         )
+        compile_kernels(bar)  # the KV codec's loops, with the model's: no request waits on the compiler
+        return model
 
 
 def open_remote(options: ServeOptions, fingerprint: str):
