@@ -64,15 +64,14 @@ def compile_kernels(progress=None) -> float:
     from llama_chat.inference.jit import in_cache
 
     t0 = time.perf_counter()
-    kernels = _kernels()
-    compiled = (kernels.group_ranges, kernels.quantize, kernels.dequantize, kernels.pack_sixes)
-    label = "loading the KV codec" if all(in_cache(k) for k in compiled) else "compiling the KV codec (first start only)"
-    block = np.zeros((1, 1, 40, GROUP), _F32)
+    cached = all(in_cache(k) for k in _kernels().COMPILED)
+    label = "loading the KV codec" if cached else "compiling the KV codec (first start only)"
+    arena = np.zeros((2, 2, 40, GROUP), _F32)
     for i, codec in enumerate(("q8", "q6", "q4")):
         if progress:
             progress(label, i, 3)
-        decode_kv(encode_kv(block, block, codec))
-        encode_kv(block[:, :, :33], block[:, :, :33], codec)  # a view with gaps, as a block of the arena
+        decode_kv(encode_kv(arena[:, :, :33], arena[:, :, :33], codec))  # a view with gaps, as the arena's
+        encode_kv(arena, arena, codec)  # and contiguous, as a tail's copy
     if progress:
         progress(label, 3, 3)
     return time.perf_counter() - t0
@@ -116,9 +115,14 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
         bits = 6 if codec == "q6" else 4
         qk, sk, mk = _quantize_asymmetric(_channel_major(k), bits)
         qv, sv, mv = _quantize_asymmetric(v, bits)
-        streams = [_pack(qk, bits), _pack(qv, bits), _shuffle(np.concatenate([sk, sv, mk, mv], axis=None))]
+        streams = [_pack(qk, codec), _pack(qv, codec), _shuffle(np.concatenate([sk, sv, mk, mv], axis=None))]
 
-    header = _HEADER.pack(MAGIC, VERSION, _CODEC_IDS[codec], *k.shape)
+    return block_bytes(codec, k.shape, streams)
+
+
+def block_bytes(codec: str, shape: tuple[int, ...], streams: list[np.ndarray]) -> bytes:
+    """A block's bytes: its header, then one zstd frame of the header again and the streams."""
+    header = _HEADER.pack(MAGIC, VERSION, _CODEC_IDS[codec], *shape)
     # The header is repeated inside the frame (22 bytes, covered by zstd's checksum): a header
     # whose dims were permuted would otherwise still match the payload's size.
     payload = header + b"".join(s.tobytes() for s in streams)
@@ -160,8 +164,8 @@ def _quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 along the last axis, groups of 32: (q [..., n] int8, scales [..., groups] f16)."""
     lo, hi = _ranges(x)
     # The scale is rounded *up* to float16, so |x| / scale <= 127 and every error is <= scale / 2.
-    scale = _f16_ceil(np.minimum(np.maximum(-lo, hi) / np.float32(127), _F16_MAX))
-    return _codes(x, scale, np.zeros_like(lo), -127, 127, np.int8), scale
+    scale = _f16_ceil(np.minimum(np.maximum(np.abs(lo), np.abs(hi)) / np.float32(127), _F16_MAX))
+    return _codes(x, scale, np.zeros_like(lo), -127, 127, np.int8), scale  # (no min: zeros)
 
 
 def _quantize_asymmetric(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -211,10 +215,10 @@ def _shuffle(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """6-bit codes four to three bytes, 4-bit codes two to a byte (see _packed_size)."""
-    packed = np.empty(_packed_size("q6" if bits == 6 else "q4", q.size), np.uint8)
-    pack = _kernels().pack_sixes if bits == 6 else _kernels().pack_nibbles
+def _pack(q: np.ndarray, codec: str) -> np.ndarray:
+    """q6's codes four to three bytes, q4's two to a byte (see _packed_size)."""
+    packed = np.empty(_packed_size(codec, q.size), np.uint8)
+    pack = _kernels().pack_sixes if codec == "q6" else _kernels().pack_nibbles
     pack(q.reshape(-1), packed)
     return packed
 
@@ -286,10 +290,10 @@ def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tu
         qv = np.frombuffer(raw, np.int8, n, offset=n).reshape(shape)
         scales = _unshuffle(raw[2 * n :], _F16).astype(np.float32)
         sk, sv = scales[:gk], scales[gk:]
-        mk, mv = np.zeros_like(sk), np.zeros_like(sv)
+        mk, mv = np.zeros_like(sk), np.zeros_like(sv)  # symmetric: mins of zero, to share the loop
     else:
         size = _packed_size(codec, n)
-        qk, qv = (np.empty(4 * -(-n // 4), np.uint8) for _ in range(2))  # whole bytes of codes
+        qk, qv = (np.empty(4 * -(-n // 4), np.uint8) for _ in range(2))  # whole groups of four codes
         unpack = compiled.unpack_sixes if codec == "q6" else compiled.unpack_nibbles
         unpack(np.frombuffer(raw, np.uint8, size), qk)
         unpack(np.frombuffer(raw, np.uint8, size, offset=size), qv)

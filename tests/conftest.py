@@ -32,8 +32,10 @@ def pytest_configure(config):
         # index over the other's (numba's cache has no lock): compiled here, before any worker starts,
         # the workers only load them (compile_kernels compiles every signature the tests use).
         from llama_chat.inference.quants import compile_kernels
+        from llama_chat.storage.codec import compile_kernels as compile_codec
 
         compile_kernels()
+        compile_codec()
 
 
 def _starts_workers(config) -> bool:

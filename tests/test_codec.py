@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import tracemalloc
 
+import codec_reference as reference
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -396,8 +400,48 @@ def test_damaged_blocks_decode_or_raise_within_the_memory_bound(codec, edits, cu
 
 
 def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
-    """Front ends call this as the model loads: the first start compiles (and says so), later ones load."""
+    """Front ends call compile_kernels as the model loads: the first start compiles (and says so), later
+    ones load from numba's cache."""
     seen = []
     seconds = compile_kernels(lambda label, done, total: seen.append((label, done, total)))
     assert seconds >= 0 and [done for _, done, _ in seen] == [0, 1, 2, 3]
     assert all("KV codec" in label and total == 3 for label, _, total in seen)
+
+
+# In a fresh process (this module encodes blocks as it is imported): after compile_kernels, blocks as the
+# pool holds them (strided views of its arena) and tails (copies), of every codec, compile nothing more.
+AFTER_COMPILE = """
+import numpy as np
+from llama_chat.storage.codec import _kernels, compile_kernels, decode_kv, encode_kv
+compile_kernels()
+count = lambda: {k.__name__: len(k.signatures) for k in _kernels().COMPILED}
+ready = count()
+k = np.random.default_rng(0).standard_normal((3, 2, 80, 64)).astype(np.float32)
+for codec in ("q8", "q6", "q4"):
+    decode_kv(encode_kv(k[:, :, 8:72], k[:, :, 8:72], codec))
+    decode_kv(encode_kv(k[:, :, :37].copy(), k[:, :, :37].copy(), codec))
+print(ready == count(), ready, count())
+"""
+
+
+def test_after_compile_kernels_no_block_waits_on_the_compiler():
+    out = subprocess.run([sys.executable, "-c", AFTER_COMPILE], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("True"), out
+
+
+@pytest.mark.parametrize("codec", ["q8", "q6", "q4"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_compiled_codec_writes_and_reads_the_readable_references_bytes(codec, shape):
+    """codec_kernels.py against tests/codec_reference.py (the same formats in plain NumPy): the same
+    bytes from the same KV (signed zeros and an arena's strided view included), the same KV back."""
+    k, v = realistic_kv(shape, seed=3)
+    k[..., 0, : min(3, shape[3])] = 0.0
+    k[..., -1, :] = -0.0
+    v[..., 1:3] = -0.0
+    arena = np.zeros((*shape[:2], shape[2] + 5, shape[3]), np.float32)
+    arena[:, :, 2 : 2 + shape[2]] = k
+    data = encode_kv(arena[:, :, 2 : 2 + shape[2]], v, codec)  # a block as the pool holds it
+    assert data == reference.encode(k, v, codec)
+    payload = memoryview(zstandard.ZstdDecompressor().decompress(data[HEADER.size :]))[HEADER.size :]
+    for got, want in zip(decode_kv(data), reference.decode(payload, codec, shape), strict=True):
+        assert np.array_equal(got, want)
