@@ -27,6 +27,9 @@ KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_d
 # to SQLite: writing ~11 MB there and reading it back cost ~55 ms of a 2,000-token conversation's first
 # token on another server. Past this many bytes the oldest are forgotten (only a cache: recomputed).
 MAX_FETCHED_BYTES = 256 << 20
+# Tails read with a conversation's blocks wait for remote_tail; one that is not taken (a local tail was
+# used, the reply was refused) is forgotten after this many newer ones.
+MAX_FETCHED_TAILS = 64
 
 
 def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
@@ -64,6 +67,7 @@ class KVStore:
         self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
         self.prefill_tok_s = MovingAverage()  # the model's, measured on replies: what `remote` must beat
         self.fetched: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, not in SQLite yet
+        self.fetched_tails: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, by tail_key
         self._fetched_lock = threading.Lock()  # (snapshots are stored off the scheduler's thread)
 
     def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
@@ -171,7 +175,7 @@ class KVStore:
             return None
         key = tail_key(parent_key, tokens)
         with self._fetched_lock:
-            block = self.fetched.pop(key, None)
+            block = self.fetched_tails.pop(key, None)
         if block is None or block.tokens != list(tokens):
             block = self.remote.fetch(key, tuple(tokens), self.codec)
         kv = decode_checked(block.data, block.checksum) if block is not None else None
@@ -212,11 +216,13 @@ class KVStore:
             if block is None:
                 break  # the pool stops at the first missing block anyway
             found.append(block)
-        n_tokens = sum(block.n_tokens for block in found)
-        if tail_read and blocks[-1] is not None:
-            found.append(blocks[-1])  # kept under its own key (its parent's and its tokens') for remote_tail
         self._keep_fetched(found)
-        return RemoteRead("fetch", n_tokens, time.perf_counter() - t0)
+        if tail_read and blocks[-1] is not None:
+            with self._fetched_lock:  # under its own key (its parent's and its tokens'), for remote_tail
+                self.fetched_tails[tail_read[0][0]] = blocks[-1]
+                while len(self.fetched_tails) > MAX_FETCHED_TAILS:
+                    self.fetched_tails.popitem(last=False)
+        return RemoteRead("fetch", sum(block.n_tokens for block in found), time.perf_counter() - t0)
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
         return self.store.load_block(key, self.fingerprint, namespace)

@@ -100,7 +100,7 @@ class RemoteTier:
         self.always_fetch = always_fetch  # skip the rule: read whatever is missing (benchmarks, tests)
         self._client = None
         self._client_lock = threading.Lock()
-        self._measured_threads: set[int] = set()  # threads whose connection is made: their round trips count
+        self._measured = False  # whether the client has connected and its latency is measured
         self._down_until = 0.0
         self._warned: set[str] = set()
         self._counts_lock = threading.Lock()
@@ -325,7 +325,7 @@ class RemoteTier:
             return None
         try:
             client = self._get_client()
-            if threading.get_ident() not in self._measured_threads:
+            if not self._measured:
                 self._first_round_trip(client)
             t0 = time.perf_counter()
             result, n_bytes = work(client)
@@ -346,13 +346,15 @@ class RemoteTier:
         return result
 
     def _first_round_trip(self, client) -> None:
-        """A thread's first use of a client connects (a cluster client also learns its slots): not timed,
-        as that is not what later round trips cost; then one PING measures the latency."""
+        """A client's first use connects (a cluster client also learns its slots): not timed, as that is
+        not what later round trips cost; then one PING measures the latency. Once per client, not per
+        thread: reads come from whichever thread submits a reply (a new one for each, in the app), and
+        the pool's connections are made by then."""
         client.ping()
         t0 = time.perf_counter()
         client.ping()
         self._measure(time.perf_counter() - t0, 0)
-        self._measured_threads.add(threading.get_ident())
+        self._measured = True
 
     def _measure(self, seconds: float, n_bytes: int) -> None:
         self._count("round_trips")
@@ -366,7 +368,7 @@ class RemoteTier:
         with self._client_lock:
             if self._client is None:
                 self._client = self._connect()
-                self._measured_threads = set()
+                self._measured = False
             return self._client
 
     def _drop_client(self) -> None:
@@ -375,7 +377,7 @@ class RemoteTier:
         close when the last one lets go of it."""
         with self._client_lock:
             self._client = None
-            self._measured_threads = set()
+            self._measured = False
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:

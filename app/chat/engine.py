@@ -190,24 +190,21 @@ class ChatEngine:
         holds up that reply only, not the scheduler and every reply it is decoding. None: no tier."""
         if self.kv.remote is None:
             return None
-        ids = self.conversation_ids(session)
         live = self.live.get(session.id)
-        shared = session.kv_namespace is None and not (live is not None and live.private)
-        return self.read_remote(ids, tail_of=ids, shared=shared)
+        if session.kv_namespace is not None or (live is not None and live.private):
+            return RemoteRead()  # an import's KV, or KV that is no prefix's: never read from the tier
+        ids = self.conversation_ids(session)
+        return self.read_remote(ids, tail_of=ids)
 
-    def read_remote(
-        self, ids: Sequence[int], tail_of: Sequence[int] | None = None, shared: bool = True
-    ) -> RemoteRead | None:
-        """The full blocks of `ids` that RAM lacks, read from the remote tier where it holds them and
-        that beats computing them (KVStore.read_remote), for a sequence to take with reuse_prefix; None
-        when there is no tier. Only blocks of the shared namespace travel (`shared`): an import's stay
-        here, and private KV is no prefix's. The tail after the full blocks of `tail_of` (a prefix of
-        ids), which restore_tail asks for next, rides in the same round trip. Every prompt goes through
-        here — a session's turn (prefetch) and a conversation sent whole — before its job is queued."""
+    def read_remote(self, ids: Sequence[int], tail_of: Sequence[int] | None = None) -> RemoteRead | None:
+        """The full blocks of `ids` (of the shared namespace) that RAM lacks, read from the remote tier
+        where it holds them and that beats computing them (KVStore.read_remote), for a sequence to take
+        with reuse_prefix; None when there is no tier. The tail after the full blocks of `tail_of` (a
+        prefix of ids: else no stored tail matches), which restore_tail asks for next, rides in the same
+        round trip. Every prompt goes through here — a session's turn (prefetch) and a conversation sent
+        whole — before its job is queued."""
         if self.kv.remote is None:
             return None
-        if not shared:
-            return RemoteRead()
         pool, B = self.model.pool, self.model.pool.block_size
         missing, keys, parent = [], [], None
         for i in range(len(ids) // B):

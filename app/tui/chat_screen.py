@@ -266,11 +266,13 @@ class ChatScreen(ChatActions, Screen):
         engine = self.engine
         if engine is None:
             return
+        session = self.store.get_session(session.id)
+        read = engine.prefetch(session)  # before the lock: a slow store holds up no reply being decoded
         with engine.lock:
             for other in list(engine.live):
                 if other != session.id:
                     engine.close(other)
-            _, info = engine.open(self.store.get_session(session.id))
+            _, info = engine.open(session, read)
         self.post_message(Resumed(session.id, resume_text(info), info.tokens))
 
     def resume(self, session: Session) -> None:
