@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids, load_model
+from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Session, StoreError
 
-from .chat.engine import SavedReply, check_fits, system_message
+from .chat.engine import SavedReply, check_fits, load_chat_model, system_message
 from .chat.jobs import Job
 from .chat.scheduler import Scheduler
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_params
@@ -33,14 +33,8 @@ def cmd_models(args) -> int:
 
 
 def open_model(args):
-    from llama_chat.storage.codec import compile_kernels
-
     with ProgressBar() as bar:
-        model = load_model(
-            args.model, progress=bar, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup
-        )
-        compile_kernels(bar)  # the KV codec's loops, with the model's: no reply waits on the compiler
-        return model
+        return load_chat_model(args.model, bar, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup)
 
 
 def flag_settings(args, settings=SAMPLING) -> dict:

@@ -22,10 +22,12 @@ from llama_chat.inference import (
     SamplingParams,
     chat_prompt_ids,
     fit_messages,
+    load_model,
     shift_to,
 )
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.kv_cache import prefix_key
+from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
@@ -71,6 +73,15 @@ class ResumeInfo:
     def describe(self) -> str:
         remote = f" ({self.remote:,} from the remote tier)" if self.remote else ""
         return f"{self.restored:,} of {self.tokens:,} tokens restored{remote} in {self.seconds * 1000:.0f} ms"
+
+
+def load_chat_model(name: str | None, progress: Callable[[str, int, int], None] | None = None, **options) -> Model:
+    """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
+    the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
+    the compiler."""
+    model = load_model(name, progress=progress, **options)
+    compile_codec(progress)
+    return model
 
 
 def session_title(text: str) -> str:

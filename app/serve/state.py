@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_chat.inference import DEFAULT_MODEL, Model, load_model
+from llama_chat.inference import DEFAULT_MODEL, Model
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.storage import ChatStore
 
-from ..chat.engine import ChatEngine
+from ..chat.engine import ChatEngine, load_chat_model
 from ..chat.scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
 from ..chat.settings import CACHE_RAM_MB, N_CTX
 from ..progress import ProgressBar
@@ -167,18 +167,14 @@ class ServerState:
 
 
 def open_model(options: ServeOptions) -> Model:
-    from llama_chat.storage.codec import compile_kernels
-
     with ProgressBar() as bar:
-        model = load_model(
+        return load_chat_model(
             options.model,
-            progress=bar,
+            bar,
             cache_ram_mb=options.cache_ram_mb,
             block_size=options.block_size,
             prompt_lookup=options.prompt_lookup,
         )
-        compile_kernels(bar)  # the KV codec's loops, with the model's: no request waits on the compiler
-        return model
 
 
 def open_remote(options: ServeOptions, fingerprint: str):

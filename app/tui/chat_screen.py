@@ -25,11 +25,9 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
-from llama_chat.inference import load_model
 from llama_chat.storage import ChatStore, Message, Session
-from llama_chat.storage.codec import compile_kernels as compile_codec
 
-from ..chat.engine import ChatEngine, session_title
+from ..chat.engine import ChatEngine, load_chat_model, session_title
 from ..chat.jobs import Event
 from ..config import Config
 from . import replies
@@ -217,11 +215,12 @@ class ChatScreen(ChatActions, Screen):
         """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
         self.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
         try:
-            progress = self.progress_reporter()
-            model = load_model(
-                name, progress=progress, cache_ram_mb=self.app.cache_ram_mb, prompt_lookup=self.app.prompt_lookup
+            model = load_chat_model(
+                name,
+                self.progress_reporter(),
+                cache_ram_mb=self.app.cache_ram_mb,
+                prompt_lookup=self.app.prompt_lookup,
             )
-            compile_codec(progress)  # the KV codec's loops, with the model's: no reply waits on the compiler
             engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
