@@ -168,48 +168,54 @@ class KVStore:
         return new_blocks
 
     def remote_tail(self, parent_key: bytes | None, tokens: Sequence[int]) -> tuple[list[int], KV] | None:
-        """A tail another server stored for exactly these tokens after the block `parent_key`: read
-        with the blocks before it (read_remote), else from the remote tier now (one round trip); None
-        when it has none or it fails a check."""
+        """A tail another server stored for exactly these tokens after the block `parent_key`, as
+        read_remote read it (on the thread that submitted the reply: nothing is read from the network
+        here); None when it read none or it fails a check."""
         if self.remote is None or not tokens:
             return None
-        key = tail_key(parent_key, tokens)
         with self._fetched_lock:
-            block = self.fetched_tails.pop(key, None)
-        if block is None or block.tokens != list(tokens):
-            block = self.remote.fetch(key, tuple(tokens), self.codec)
+            block = self.fetched_tails.pop(tail_key(parent_key, tokens), None)
         kv = decode_checked(block.data, block.checksum) if block is not None else None
-        if kv is None or kv[0].shape[2] != len(tokens):
+        if kv is None or block.tokens != list(tokens) or kv[0].shape[2] != len(tokens):
             return None
         return list(tokens), kv
+
+    def has_tail(self, session_id: str, parent_key: bytes | None, tokens: Sequence[int]) -> bool:
+        """Whether the session's tail stored here follows `parent_key` and starts as `tokens` do (then
+        restore_tail takes it, and no other server's is needed)."""
+        tail = self.store.load_tail(session_id, self.fingerprint)
+        return tail is not None and tail.parent_key == parent_key and tail.tokens[:1] == list(tokens[:1])
 
     def read_remote(
         self,
         missing: Sequence[tuple[bytes, tuple[int, ...]]],
         tail: tuple[bytes | None, tuple[int, ...]] | None = None,
+        session_id: str | None = None,
     ) -> RemoteRead:
         """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite
         lacks too are read from the remote tier in one round trip, when its measured round trips and
         bytes per second beat computing them at the measured prefill speed, and kept in RAM as read (the
         pool then takes them as any stored block) until the session's snapshot stores them in SQLite.
-        The tail (parent key, tokens) after them, if asked for, comes in the same round trip and waits
-        for remote_tail. Says what was chosen and how many tokens were read."""
-        if self.remote is None or not missing:
+        The tail (parent key, tokens) after them, if asked for and the session (`session_id`) has none
+        here for it, comes in the same round trip (alone where no block is missing) and waits for
+        remote_tail. Says what was chosen and how many tokens of blocks were read."""
+        if self.remote is None:
             return RemoteRead()
         t0 = time.perf_counter()
         with self._fetched_lock:
             missing = [(key, tokens) for key, tokens in missing if key not in self.fetched]
         stored = self.store.stored_keys([key for key, _ in missing])
         missing = [(key, tokens) for key, tokens in missing if key not in stored]
-        if not missing:
-            return RemoteRead()
-        n_bytes = self.remote.estimated_bytes(len(missing))
-        n_tokens = sum(len(tokens) for _, tokens in missing)
-        if not self.remote.worth_fetching(len(missing), n_bytes, self.prefill_tok_s.value or 0.0, n_tokens):
-            return RemoteRead("compute", 0, time.perf_counter() - t0)
+        if missing:
+            n_bytes = self.remote.estimated_bytes(len(missing))
+            n_tokens = sum(len(tokens) for _, tokens in missing)
+            if not self.remote.worth_fetching(len(missing), n_bytes, self.prefill_tok_s.value or 0.0, n_tokens):
+                return RemoteRead("compute", 0, time.perf_counter() - t0)  # and a tail after them is no use
         # a round trip after an 11 MB answer took 20 ms on loopback every other time (and one more RTT
         # on a real link): the tail, the last thing a returning conversation needs, comes with the blocks
-        tail_read = [(tail_key(*tail), tail[1])] if tail is not None else []
+        tail_read = self._tail_to_read(tail, session_id)
+        if not missing and not tail_read:
+            return RemoteRead()
         blocks = self.remote.fetch_run([*missing, *tail_read], self.codec)
         found = []
         for block in blocks[: len(missing)]:
@@ -222,7 +228,23 @@ class KVStore:
                 self.fetched_tails[tail_read[0][0]] = blocks[-1]
                 while len(self.fetched_tails) > MAX_FETCHED_TAILS:
                     self.fetched_tails.popitem(last=False)
-        return RemoteRead("fetch", sum(block.n_tokens for block in found), time.perf_counter() - t0)
+        choice = "fetch" if missing else "local"  # (local: every full block was here; a tail was read)
+        return RemoteRead(choice, sum(block.n_tokens for block in found), time.perf_counter() - t0)
+
+    def _tail_to_read(
+        self, tail: tuple[bytes | None, tuple[int, ...]] | None, session_id: str | None
+    ) -> list[tuple[bytes, tuple[int, ...]]]:
+        """[(tail_key, tokens)] for the tail asked for, unless it was read already or the session has one
+        here that fits."""
+        if tail is None:
+            return []
+        key = tail_key(*tail)
+        with self._fetched_lock:
+            if key in self.fetched_tails:
+                return []
+        if session_id is not None and self.has_tail(session_id, *tail):
+            return []
+        return [(key, tail[1])]
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
         return self.store.load_block(key, self.fingerprint, namespace)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 import threading
 import time
 
@@ -347,6 +348,32 @@ def test_a_returning_conversation_reads_its_blocks_and_tail_in_one_round_trip(qw
     assert info.tokens % 8 and info.remote == info.restored == info.tokens  # the blocks and the tail
     assert tier.stats()["round_trips"] - before == 1
     assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+
+
+def test_a_tail_alone_is_read_before_the_reply_is_queued_and_only_where_none_is_here(
+    qwen2, tmp_path, redis_server
+):
+    """Every full block stored here but not the conversation's tail (another server's turn left it): the
+    tail is read when the reply is submitted, in one round trip, and opening reads nothing more. Where
+    the session's own tail is here, nothing is read at all."""
+    first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "tail only")
+    _, info = second.open(moved)
+    second.snapshot(moved, second.live[moved.id])  # its blocks and its tail stored here now
+    assert info.tokens % 8 and info.remote == info.tokens
+    with sqlite3.connect(tmp_path / "b.db") as db:  # as if the tail here were another server's
+        db.execute("DELETE FROM session_tails")
+    for tail_here in (False, True):
+        third = server(qwen2, tmp_path / "b.db", redis_server.url)  # a fresh process: nothing in RAM
+        tier = third.kv.remote
+        tier.fetch(b"\0" * 32, (1,), "f32")  # connected, latency measured
+        before = tier.stats()["round_trips"]
+        read = third.prefetch(moved)
+        assert tier.stats()["round_trips"] - before == (0 if tail_here else 1)
+        _, info = third.open(moved, read)
+        assert tier.stats()["round_trips"] - before == (0 if tail_here else 1)  # open read nothing
+        assert info.restored == info.tokens and info.remote == (0 if tail_here else info.tokens % 8)
+        third.snapshot(moved, third.live[moved.id])  # now the tail is here too
+    assert chat(third, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
 
 
 def test_a_slow_store_holds_up_only_the_reply_that_reads_from_it(qwen2, tmp_path, redis_server, monkeypatch):

@@ -205,15 +205,19 @@ class ChatEngine:
         if session.kv_namespace is not None or (live is not None and live.private):
             return RemoteRead()  # an import's KV, or KV that is no prefix's: never read from the tier
         ids = self.conversation_ids(session)
-        return self.read_remote(ids, tail_of=ids)
+        held = live is not None and live.common_prefix(ids) == len(ids)  # (without the lock: a hint)
+        return self.read_remote(ids, tail_of=None if held else ids, session_id=session.id)
 
-    def read_remote(self, ids: Sequence[int], tail_of: Sequence[int] | None = None) -> RemoteRead | None:
+    def read_remote(
+        self, ids: Sequence[int], tail_of: Sequence[int] | None = None, session_id: str | None = None
+    ) -> RemoteRead | None:
         """The full blocks of `ids` (of the shared namespace) that RAM lacks, read from the remote tier
         where it holds them and that beats computing them (KVStore.read_remote), for a sequence to take
         with reuse_prefix; None when there is no tier. The tail after the full blocks of `tail_of` (a
         prefix of ids: else no stored tail matches), which restore_tail asks for next, rides in the same
-        round trip. Every prompt goes through here — a session's turn (prefetch) and a conversation sent
-        whole — before its job is queued."""
+        round trip, unless the session (`session_id`) has one here. Every prompt goes through here — a
+        session's turn (prefetch) and a conversation sent whole — before its job is queued: restore_tail
+        reads nothing from the network."""
         if self.kv.remote is None:
             return None
         pool, B = self.model.pool, self.model.pool.block_size
@@ -228,18 +232,18 @@ class ChatEngine:
         if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(keys):
             n = len(tail_of) // B * B
             tail = (keys[n // B - 1] if n else None, tuple(tail_of[n:]))
-        return self.kv.read_remote(missing, tail)
+        return self.kv.read_remote(missing, tail, session_id)
 
     def restore_tail(self, session: Session | None, seq: KVSequence, ids: list[int]) -> int:
         """After seq took the full blocks of `ids`: the session's stored tail, as far as it matches ids,
-        else a tail another server stored for ids to their end (through the remote tier). Returns the
-        tokens read from the remote tier."""
+        else a tail another server stored for ids to their end (read_remote read it). Returns the tokens
+        that came from the remote tier."""
         if seq.n_tokens % self.model.pool.block_size or seq.n_tokens >= len(ids):
             return 0
         parent = seq.blocks[-1].key if seq.blocks else None
         found = self.kv.tail(session.id, parent, ids[seq.n_tokens :]) if session is not None else None
         # An import's KV never travels; and a tail is shorter than a block, so where more is missing
-        # (the blocks before it were not read) no server stored one: no round trip for it.
+        # (the blocks before it were not read) no server stored one.
         remote = found is None and seq.namespace is None and not seq.private
         remote = remote and len(ids) - seq.n_tokens < self.model.pool.block_size
         if remote:

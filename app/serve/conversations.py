@@ -74,16 +74,18 @@ class Conversations:
         engine = self.engine
         base: list[KVSequence] = []
         previous = self._previous_ids(messages, prompt)
+        kept = self._kept_session(messages) if previous is not None else None
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
-        # as the scheduler's reuse_prefix takes the prompt, with the tail _resume_tail asks for next
-        remote = engine.read_remote(prompt[:-1], tail_of=previous)
+        # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
+        remote = engine.read_remote(prompt[:-1], tail_of=previous, session_id=kept.id if kept else None)
 
         def prepare() -> tuple[list[int], KVSequence]:
             seq = self.model.new_sequence(engine.n_ctx)
             base.append(seq)
             job.remote = remote
-            if previous is not None:
-                self._resume_tail(messages, seq, previous)
+            if previous is not None:  # a returning conversation takes the tail its last reply left too
+                seq.reuse_prefix(previous)
+                engine.restore_tail(kept, seq, previous)
             return prompt, seq
 
         def finish(job: Job) -> Future | None:
@@ -117,19 +119,17 @@ class Conversations:
         previous = self.engine.window_ids(messages[:-1])
         return previous if prompt[: len(previous)] == previous else None
 
-    def _resume_tail(self, messages: list[dict], seq: KVSequence, previous: list[int]) -> None:
-        """A returning conversation takes the tail its last reply left too — the KV after its last full
-        block, stored with its API session here or by another server in the remote tier — so that only
-        the new message is computed. (Full blocks are shared by content; a tail by the tokens it ends.)"""
+    def _kept_session(self, messages: list[dict]) -> Session | None:
+        """The API session a returning conversation was kept in after its last reply (its tail, the KV
+        after its last full block, is stored with it), if it is here. (Full blocks are shared by
+        content; a tail by the tokens it ends, or another server's through the remote tier.)"""
         system, turns = split_system(messages)
         try:
-            session = self.engine.store.session_ending_with(
+            return self.engine.store.session_ending_with(
                 API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]]
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
-            session = None
-        seq.reuse_prefix(previous)
-        self.engine.restore_tail(session, seq, previous)
+            return None
 
     def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
         """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
