@@ -215,7 +215,7 @@ class KVStore:
         # on a real link): the tail, the last thing a returning conversation needs, comes with the blocks
         tail_read = self._tail_to_read(tail, session_id)
         if not missing and not tail_read:
-            return RemoteRead()
+            return RemoteRead("local", 0, time.perf_counter() - t0)
         blocks = self.remote.fetch_run([*missing, *tail_read], self.codec)
         found = []
         for block in blocks[: len(missing)]:
