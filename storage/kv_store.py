@@ -44,6 +44,16 @@ def _decoded(data: bytes) -> KV | None:
         return None
 
 
+def _fits(tail: StoredTail | None, parent_key: bytes | None, want: Sequence[int]) -> int:
+    """How many of the tokens `want` (those after the block `parent_key`) a stored tail holds."""
+    if tail is None or tail.parent_key != parent_key:
+        return 0
+    n = 0
+    while n < min(len(want), len(tail.tokens)) and want[n] == tail.tokens[n]:
+        n += 1
+    return n
+
+
 def tail_key(parent_key: bytes | None, tokens: Sequence[int]) -> bytes:
     """A tail's name in the remote tier: like a block's prefix key it stands for every token before it
     (parent_key) and its own, so another server that holds the same conversation finds it."""
@@ -109,11 +119,7 @@ class KVStore:
         """The stored tail of a session (the KV after its last full block) as far as it matches `want`,
         the tokens that follow `parent_key`; None when it does not fit or is damaged."""
         tail = self.store.load_tail(session_id, self.fingerprint)
-        if tail is None or tail.parent_key != parent_key:
-            return None
-        n = 0
-        while n < min(len(want), len(tail.tokens)) and want[n] == tail.tokens[n]:
-            n += 1
+        n = _fits(tail, parent_key, want)
         kv = decode_checked(tail.data, tail.checksum) if n else None
         if kv is None or kv[0].shape[2] != len(tail.tokens):
             return None
@@ -175,7 +181,7 @@ class KVStore:
             return None
         with self._fetched_lock:
             block = self.fetched_tails.pop(tail_key(parent_key, tokens), None)
-        kv = decode_checked(block.data, block.checksum) if block is not None else None
+        kv = _decoded(block.data) if block is not None else None  # (its checksum was checked as it was read)
         if kv is None or block.tokens != list(tokens) or kv[0].shape[2] != len(tokens):
             return None
         return list(tokens), kv
@@ -183,8 +189,7 @@ class KVStore:
     def has_tail(self, session_id: str, parent_key: bytes | None, tokens: Sequence[int]) -> bool:
         """Whether the session's tail stored here follows `parent_key` and starts as `tokens` do (then
         restore_tail takes it, and no other server's is needed)."""
-        tail = self.store.load_tail(session_id, self.fingerprint)
-        return tail is not None and tail.parent_key == parent_key and tail.tokens[:1] == list(tokens[:1])
+        return _fits(self.store.load_tail(session_id, self.fingerprint), parent_key, tokens) > 0
 
     def read_remote(
         self,

@@ -242,10 +242,7 @@ class ChatEngine:
             return 0
         parent = seq.blocks[-1].key if seq.blocks else None
         found = self.kv.tail(session.id, parent, ids[seq.n_tokens :]) if session is not None else None
-        # An import's KV never travels; and a tail is shorter than a block, so where more is missing
-        # (the blocks before it were not read) no server stored one.
-        remote = found is None and seq.namespace is None and not seq.private
-        remote = remote and len(ids) - seq.n_tokens < self.model.pool.block_size
+        remote = found is None and seq.namespace is None and not seq.private  # an import's KV never travels
         if remote:
             found = self.kv.remote_tail(parent, ids[seq.n_tokens :])
         if found is None:
