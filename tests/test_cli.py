@@ -134,6 +134,10 @@ def test_bench_times_stored_sessions_and_then_stopped_replies_on_one_loaded_mode
 
     model = load_model(qwen2, cache_ram_mb=64)
     sessions = measure_sessions(model, "the quick brown fox " * 3, tmp_path)
-    assert sessions["fork_added_bytes"] >= 0 and sessions["exchange"]["size_ratio"] > 0
-    stop = measure_stop(model, "the quick brown fox", tmp_path, 150)
-    assert stop["stop_ms"] > 0 and stop["stop_three_ms"] > 0
+    assert sessions["restored"] == sessions["tokens"]  # the fresh process resumed it all from the store
+    assert 0 < sessions["fork_added_bytes"] <= sessions["stored_block_bytes"]  # its tail, not a block
+    assert sessions["exchange"]["kv"] == "imported"
+    measure_stop(model, "the quick brown fox", tmp_path, 150)
+    stopped = ChatStore(tmp_path / "stop.db")
+    replies = sorted((s.title, stopped.path(s.head_id)[-1].role) for s in stopped.list_sessions())
+    assert replies == [("stop", "assistant")] + [("stop (regenerated)", "assistant")] * 3  # each stored

@@ -80,7 +80,10 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     monkeypatch.setattr(kernels, "blas_from", 64)
     assert np.array_equal(kernels.matmul(x[:63], w), alone[:63])
     assert np.array_equal(kernels.matmul(x, w), kernels.tile_product(x, w))
-    assert not np.array_equal(kernels.matmul(x, w), alone)  # BLAS sums in another order
+    through_blas = []
+    monkeypatch.setattr(kernels, "tile_product", lambda x, w: through_blas.append(len(x)))
+    kernels.matmul(x[:63], w), kernels.matmul(x, w)
+    assert through_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
 
 
 def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
