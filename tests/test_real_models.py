@@ -137,7 +137,7 @@ def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model):
 # f16/f32-KV runs differ by 1.46 there) and 1.04 on 'french' (limit 1.0, llama.cpp's own spread 0.89);
 # argmax and KL hold on both. Qwen is within 0.6 everywhere. Both gaps are llama.cpp's distance from the
 # exact logits (float64 products, benchmarks/exact_reference.py), which ours are within 0.0002 of:
-# its 8-bit activations, amplified at Gemma's first positions (README, "Agreement with llama.cpp").
+# its 8-bit activations, amplified at Gemma's first positions (docs/benchmarks.md, "Agreement with llama.cpp").
 GEMMA_EXTRA_GAP = {"shell": 2.04, "french": 1.04}
 EXTRA_CASES = [
     pytest.param(
