@@ -82,7 +82,8 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     assert np.array_equal(kernels.matmul(x, w), kernels.tile_product(x, w))
     through_blas = []
     monkeypatch.setattr(kernels, "tile_product", lambda x, w: through_blas.append(len(x)))
-    kernels.matmul(x[:63], w), kernels.matmul(x, w)
+    kernels.matmul(x[:63], w)
+    kernels.matmul(x, w)
     assert through_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
 
 
