@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import logging
 import queue
+import socket
 import struct
 import threading
 import time
@@ -40,7 +41,8 @@ from .records import StoredBlock
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 7 * 24 * 3600  # a week: a conversation nobody continues within it is recomputed
-DEFAULT_TIMEOUT_S = 0.25  # connect and read: a store slower than this is no faster than computing
+DEFAULT_TIMEOUT_S = 0.25  # connect and answer: a store slower than this is no faster than computing
+PACE_BYTES = 64 * 1024  # an answer may take the timeout once, and once more for each 64 KiB it moves
 DEFAULT_BACKOFF_S = 30.0  # after a failure the tier is skipped this long (a plain circuit breaker)
 DEFAULT_QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond it new ones are dropped
 WRITE_BATCH = 32  # blocks written in one round trip
@@ -102,6 +104,7 @@ class RemoteTier:
         self._client_lock = threading.Lock()
         self._measured = False  # whether the client has connected and its latency is measured
         self._down_until = 0.0
+        self.last_error: str | None = None  # the last failure, as one line
         self._warned: set[str] = set()
         self._counts_lock = threading.Lock()
         self.counts = dict.fromkeys(
@@ -140,19 +143,25 @@ class RemoteTier:
         except ValueError:
             raise RemoteTierError(f"--kv-remote {shown!r}: the port is not a number") from None
         cluster = SCHEMES[parts.scheme]
-        plain = urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
-        no_retry = Retry(NoBackoff(), 0)  # a failed call is a miss now, not three slower tries
-        sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        # redis-py is given a redis:// URL and the connection class, TLS or not: a rediss:// URL would
+        # make a cluster client replace the class with its own
+        plain = urlunsplit(parts._replace(scheme="redis"))
+        client_options = {
+            "retry": Retry(NoBackoff(), 0),  # a failed call is a miss now, not three slower tries
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "connection_class": PacedSSLConnection if parts.scheme.startswith("rediss") else PacedConnection,
+        }
         if cluster:
             if parts.path.strip("/"):
                 raise RemoteTierError(f"--kv-remote {shown!r}: a Redis Cluster has no database number")
 
             def connect():
-                return RedisCluster.from_url(plain, retry=no_retry, **sockets)
+                return RedisCluster.from_url(plain, **client_options)
         else:
 
             def connect():
-                return redis.Redis.from_url(plain, retry=no_retry, **sockets)
+                return redis.Redis.from_url(plain, **client_options)
 
         where = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{parts.port or 6379}"))
         return cls(connect, fingerprint, secret or b"", where=where, **options)
@@ -329,21 +338,29 @@ class RemoteTier:
                 self._first_round_trip(client)
             t0 = time.perf_counter()
             result, n_bytes = work(client)
-        # Dead, slow, refused, a cluster that moved: all a miss. (redis-py raises ValueError when a
-        # socket closes under a read: a connection lost mid-answer is one more way of failing.)
-        except (redis.RedisError, OSError, ValueError) as e:
-            self._count("failures")
-            self._down_until = time.monotonic() + self.backoff_s
-            self._drop_client()
-            self._warn_once(
-                "unreachable",
-                f"remote KV tier {self.where} failed ({type(e).__name__}: {_reason(e)}); computing instead, "
-                f"and trying it again every {self.backoff_s:g} s",
-            )
+        # Dead, slow, refused, a cluster that moved, and whatever a peer that only passes for Redis makes
+        # the client or its parser raise (AttributeError on a HELLO answered +OK, RecursionError on a
+        # reply nested 5,000 deep, ValueError on a socket closed under a read): all a failure of the
+        # tier, and a miss. Nothing of it reaches the caller, where a RuntimeError would read as
+        # "the server is shutting down", or kills the writer thread.
+        except Exception as e:  # noqa: BLE001 — see above
+            self._fail(e)
             return None
         self._measure(time.perf_counter() - t0, n_bytes)
         self._count(moved, n_bytes)
         return result
+
+    def _fail(self, error: Exception) -> None:
+        """Count a failure, back off, and say it (the first time in the log; the last in stats)."""
+        self._count("failures")
+        self._down_until = time.monotonic() + self.backoff_s
+        self._drop_client()
+        self.last_error = f"{type(error).__name__}: {_reason(error)}"
+        self._warn_once(
+            "unreachable",
+            f"remote KV tier {self.where} failed ({self.last_error}); computing instead, "
+            f"and trying it again every {self.backoff_s:g} s",
+        )
 
     def _first_round_trip(self, client) -> None:
         """A client's first use connects (a cluster client also learns its slots): not timed, as that is
@@ -421,6 +438,7 @@ class RemoteTier:
         return {
             "url": self.where,
             "up": not self.down,
+            "last_error": self.last_error,
             **counts,
             "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
             "mb_per_s": None if rate is None else round(rate / 1e6, 1),
@@ -429,5 +447,69 @@ class RemoteTier:
 
 
 def _reason(error: Exception) -> str:
-    """An error's message without the command a pipeline failed on (it would print a block's bytes)."""
-    return str(error).rpartition("caused error: ")[2][:200]
+    """An error's message on one line, without the command a pipeline failed on (it would print a
+    block's bytes)."""
+    return " ".join(str(error).rpartition("caused error: ")[2].split())[:200]
+
+
+# -- a whole answer in time ----------------------------------------------------------------------------
+# redis-py's socket_timeout bounds each recv, not an answer: a peer sending one byte every 0.2 s never
+# trips a 0.25 s timeout and held a request 20 s for 100 bytes. So every connection's socket is wrapped:
+# an exchange (what is sent, then its whole answer) may take the timeout once, and once more for every
+# PACE_BYTES it moves. A trickle runs out of time after one timeout; a real slow link is not cut off (a
+# flat deadline would refuse the 10 MB answers a 10 MB/s link delivers in 1 s, which the rule reads, and
+# writes as large): at the default 0.25 s the floor is 256 KiB/s, below where reading pays for any model.
+
+
+class PacedSocket:
+    """A connection's socket whose every exchange must keep pace (see above); all else is the socket's."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float):
+        self._sock = sock
+        self._timeout_s = timeout_s
+        self._started = time.monotonic()  # when the exchange began: its first send
+        self._moved = 0  # bytes sent and received in it
+        self._answering = False  # something was received since the last send
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+    def sendall(self, data, *args):
+        if self._answering:  # a new exchange
+            self._started, self._moved, self._answering = time.monotonic(), 0, False
+        self._moved += len(data)
+        return self._sock.sendall(data, *args)
+
+    def recv(self, *args):
+        data = self._paced(self._sock.recv, *args)
+        self._moved += len(data)
+        return data
+
+    def recv_into(self, *args):
+        n = self._paced(self._sock.recv_into, *args)
+        self._moved += n
+        return n
+
+    def _paced(self, receive, *args):
+        self._answering = True
+        timeout = self._sock.gettimeout()
+        if timeout == 0:  # a poll for what is there already (redis-py's check of an idle connection)
+            return receive(*args)
+        left = self._started + self._timeout_s * (1 + self._moved / PACE_BYTES) - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"slower than {self._timeout_s:g} s per {PACE_BYTES // 1024} KiB")
+        self._sock.settimeout(left if timeout is None else min(timeout, left))
+        try:
+            return receive(*args)
+        finally:
+            self._sock.settimeout(timeout)
+
+
+class PacedConnection(redis.Connection):
+    def _connect(self):
+        return PacedSocket(super()._connect(), self.socket_timeout)
+
+
+class PacedSSLConnection(redis.SSLConnection):
+    def _connect(self):
+        return PacedSocket(super()._connect(), self.socket_timeout)

@@ -8,6 +8,7 @@ import queue
 import random
 import shutil
 import socket
+import socketserver
 import subprocess
 import threading
 import time
@@ -169,3 +170,83 @@ class SlowProxy:
         for s in [self.listener, *self.sockets]:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+class MisbehavingRedis:
+    """A peer on 127.0.0.1 that passes for a Redis until it is asked for data: it answers the handshake
+    (HELLO, CLIENT, PING) as Redis 7 does, then answers the first read or write of each connection with
+    its misbehaviour and hangs up. `sent` counts the bytes of misbehaviour that went out."""
+
+    MISBEHAVIOURS = ("hello +OK", "nested reply", "trickle", "close mid-reply", "garbage")
+
+    def __init__(self, misbehaviour: str, trickle_s: float = 0.2, trickle_bytes: int = 100):
+        assert misbehaviour in self.MISBEHAVIOURS
+        self.misbehaviour = misbehaviour
+        self.trickle_s = trickle_s
+        self.trickle_bytes = trickle_bytes  # the trickled reply: trickle_bytes × trickle_s to send it all
+        self.sent = 0
+        peer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            timeout = 30  # a client that never speaks or hangs up does not hold a thread forever
+
+            def handle(self):
+                with contextlib.suppress(OSError):
+                    peer._serve(self.rfile, self.connection)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _serve(self, rfile, connection: socket.socket) -> None:
+        while command := _read_command(rfile):
+            name = command[0].upper()
+            if name == b"HELLO" and self.misbehaviour == "hello +OK":
+                connection.sendall(b"+OK\r\n")  # a RESP2 answer where a map was asked for
+            elif name == b"HELLO":
+                connection.sendall(b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n")
+            elif name == b"PING":
+                connection.sendall(b"+PONG\r\n")
+            elif name in (b"CLIENT", b"SELECT", b"AUTH"):
+                connection.sendall(b"+OK\r\n")
+            else:
+                self._misbehave(connection)
+                return
+
+    def _misbehave(self, connection: socket.socket) -> None:
+        if self.misbehaviour == "trickle":
+            reply = b"$%d\r\n" % self.trickle_bytes + b"x" * self.trickle_bytes + b"\r\n"
+            for byte in reply:
+                connection.sendall(bytes([byte]))
+                self.sent += 1
+                time.sleep(self.trickle_s)
+            return
+        reply = {
+            "hello +OK": b"+OK\r\n",
+            "nested reply": b"*1\r\n" * 5000 + b"$-1\r\n",  # 5,000 arrays deep
+            "close mid-reply": b"$1000\r\nonly the start of it",
+            "garbage": b"\x00\xff\xfe not RESP at all \x07\r\n" * 4,
+        }[self.misbehaviour]
+        connection.sendall(reply)
+        self.sent += len(reply)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _read_command(rfile) -> list[bytes] | None:
+    """One command as a client sends it (an array of bulk strings), or None when it hung up."""
+    head = rfile.readline()
+    if not head.startswith(b"*"):
+        return None
+    command = []
+    for _ in range(int(head[1:])):
+        size = int(rfile.readline()[1:])
+        command.append(rfile.read(size + 2)[:-2])
+    return command

@@ -143,6 +143,22 @@ def test_a_stalled_server_times_out_and_writes_never_wait(redis_server):
         proxy.close()
 
 
+def test_a_slow_link_that_keeps_pace_is_read_to_the_end(redis_server):
+    """The timeout bounds an answer's first byte and each 64 KiB after it, not the whole answer: 1.4 MB
+    at 2 MB/s takes 0.7 s, well past the 0.25 s timeout, and is read. (A trickle is cut off after the
+    timeout: tests/test_remote_peers.py.)"""
+    blocks = [make_block(i, n_tokens=64, scale=16) for i in range(12)]
+    writer = tier(redis_server.url)
+    assert all(writer.put(b) for b in blocks) and writer.flush()
+    far = SlowProxy(redis_server.port, delay_s=0.02, bytes_per_s=2e6)
+    try:
+        reader = tier(far.url)  # the default timeout
+        assert [g.data for g in reader.fetch_run(run_of(blocks), "q6")] == [b.data for b in blocks]
+        assert reader.stats()["failures"] == 0 and reader.stats()["bytes_read"] > 1.3e6
+    finally:
+        far.close()
+
+
 def test_no_secret_or_a_bad_url_is_refused_with_one_line(redis_server):
     with pytest.raises(RemoteTierError, match="--kv-secret"):
         RemoteTier.from_url(redis_server.url, None, "fp")
