@@ -48,6 +48,9 @@ DEFAULT_QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond it new ones a
 WRITE_BATCH = 32  # blocks written in one round trip
 SMALL_ROUND_TRIP = 64 * 1024  # bytes under which a round trip measures latency, above it throughput
 MAX_VALUE_BYTES = 64 * 2**20  # a value beyond any real block: not read into a block
+# The most one answer may bring: a 32k-token conversation's blocks are ~170 MB at q6. A peer that
+# announces a larger value is cut off as it sends, not after its bytes have filled memory.
+MAX_ANSWER_BYTES = 512 * 2**20
 KEY_PREFIX = "llama-chat:kv1"  # the layout version: a new value format gets a new prefix
 SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}  # → cluster?
 
@@ -469,6 +472,7 @@ class PacedSocket:
         self._timeout_s = timeout_s
         self._started = time.monotonic()  # when the exchange began: its first send
         self._moved = 0  # bytes sent and received in it
+        self._received = 0  # bytes received in it
         self._answering = False  # something was received since the last send
 
     def __getattr__(self, name):
@@ -476,19 +480,25 @@ class PacedSocket:
 
     def sendall(self, data, *args):
         if self._answering:  # a new exchange
-            self._started, self._moved, self._answering = time.monotonic(), 0, False
+            self._started, self._moved, self._received, self._answering = time.monotonic(), 0, 0, False
         self._moved += len(data)
         return self._sock.sendall(data, *args)
 
     def recv(self, *args):
         data = self._paced(self._sock.recv, *args)
-        self._moved += len(data)
+        self._count(len(data))
         return data
 
     def recv_into(self, *args):
         n = self._paced(self._sock.recv_into, *args)
-        self._moved += n
+        self._count(n)
         return n
+
+    def _count(self, received: int) -> None:
+        self._moved += received
+        self._received += received
+        if self._received > MAX_ANSWER_BYTES:
+            raise ConnectionError(f"an answer of more than {MAX_ANSWER_BYTES >> 20} MiB")
 
     def _paced(self, receive, *args):
         self._answering = True

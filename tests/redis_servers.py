@@ -177,7 +177,7 @@ class MisbehavingRedis:
     (HELLO, CLIENT, PING) as Redis 7 does, then answers the first read or write of each connection with
     its misbehaviour and hangs up. `sent` counts the bytes of misbehaviour that went out."""
 
-    MISBEHAVIOURS = ("hello +OK", "nested reply", "trickle", "close mid-reply", "garbage")
+    MISBEHAVIOURS = ("hello +OK", "nested reply", "trickle", "close mid-reply", "garbage", "endless value")
 
     def __init__(self, misbehaviour: str, trickle_s: float = 0.2, trickle_bytes: int = 100):
         assert misbehaviour in self.MISBEHAVIOURS
@@ -225,6 +225,13 @@ class MisbehavingRedis:
                 connection.sendall(bytes([byte]))
                 self.sent += 1
                 time.sleep(self.trickle_s)
+            return
+        if self.misbehaviour == "endless value":  # announces 2 GB and sends as fast as it is read
+            connection.sendall(b"$2000000000\r\n")
+            chunk = b"x" * (1 << 20)
+            while self.sent < 1 << 30:  # the client hangs up long before (or the test ends)
+                connection.sendall(chunk)
+                self.sent += len(chunk)
             return
         reply = {
             "hello +OK": b"+OK\r\n",

@@ -11,7 +11,7 @@ import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.inference import SamplingParams, load_model
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, remote
 from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.records import StoredBlock
 from llama_chat.storage.remote import RemoteTier
@@ -30,6 +30,7 @@ FAILURE = {
     "trickle": "TimeoutError",
     "close mid-reply": "ConnectionError",
     "garbage": "InvalidResponse",
+    "endless value": "ConnectionError",
 }
 
 
@@ -58,7 +59,9 @@ def a_block() -> StoredBlock:
     return StoredBlock(b"\1" * 16, 8, "f32", data, checksum(data), list(range(8)))
 
 
-def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2, tmp_path, peer):
+def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2, tmp_path, peer, monkeypatch):
+    # An answer's cap, lowered from 512 MiB so that the endless value is cut off after a few MiB here
+    monkeypatch.setattr(remote, "MAX_ANSWER_BYTES", 4 << 20)
     alone = reply(engine(qwen2, tmp_path / "alone.db", None), HISTORY)
     served = engine(qwen2, tmp_path / "a.db", peer.url)
     tier = served.kv.remote
@@ -69,6 +72,8 @@ def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2
     assert stats["last_error"].startswith(FAILURE[peer.misbehaviour]) and "\n" not in stats["last_error"]
     if peer.misbehaviour == "trickle":  # given up on after the timeout, not after the whole answer
         assert peer.sent < TRICKLED // 4
+    if peer.misbehaviour == "endless value":  # cut off at the cap, not after 2 GB in memory
+        assert peer.sent < 64 << 20
 
     for attempt in (2, 3):  # writes meet the peer too: counted, dropped, and the writer goes on
         tier._down_until = 0  # the backoff ends (rather than waiting 30 s)
