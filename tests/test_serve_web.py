@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
 
+import openai
 import pytest
 
-from served import MODEL, Served, error_of
+from served import MODEL, Served, error_of, upload, wait_for
 
 PAGE = "http://app.example"  # the one web page the shared server lets in
 
@@ -151,3 +159,206 @@ def test_without_cors_origin_no_page_is_let_in(served):
 def test_the_openai_client_is_served_as_before(web):
     assert [m.id for m in web.client.models.list()] == [MODEL]
     assert web.ask("hi", max_tokens=3).choices[0].message.content is not None
+
+
+# -- connections ---------------------------------------------------------------------------------------
+
+
+def address(s: Served) -> tuple[str, int]:
+    host, port = s.url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closes the connection (read until it does; the socket's timeout bounds it)."""
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def response_of(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the response a raw socket receives."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, json.loads(response.read())
+
+
+def test_accepted_connections_send_without_waiting_for_the_clients_ack(served):
+    """TCP_NODELAY on: without it each response after the first on a kept-alive connection waits
+    for the client's delayed ACK (40 ms)."""
+    conn = http.client.HTTPConnection(*address(served))
+    for _ in range(2):
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read()
+    sockets = [c.transport.get_extra_info("socket") for c in list(served.server.server_state.connections)]
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    conn.close()
+
+
+def test_connections_that_send_no_whole_request_are_closed(tmp_path, qwen2):
+    s = Served(tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5)
+    try:
+        idle = socket.create_connection(address(s), timeout=30)
+        assert closed_by_server(idle)
+
+        slow = socket.create_connection(address(s), timeout=30)
+        slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
+        stop = threading.Event()
+
+        def trickle():  # a header line now and then: each arrives in time, the head never does
+            for _ in range(400):
+                if stop.wait(0.05):
+                    return
+                try:
+                    slow.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    return
+
+        thread = threading.Thread(target=trickle)
+        thread.start()
+        assert closed_by_server(slow)
+        stop.set()
+        thread.join()
+
+        body = socket.create_connection(address(s), timeout=30)
+        body.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"title\": ")
+        status, response = response_of(body)
+        assert status == 408 and response["error"]["code"] == "request_timeout"
+
+        kept = http.client.HTTPConnection(*address(s), timeout=30)
+        kept.request("GET", "/health")
+        kept.getresponse().read()
+        assert closed_by_server(kept.sock)  # idle after its response: keep-alive ends it
+    finally:
+        s.stop()
+
+
+def test_past_max_connections_a_request_gets_503_and_its_connection_is_closed(tmp_path, qwen2):
+    s = Served(tmp_path / "chat.db", qwen2, max_connections=2, keep_alive_s=60, header_timeout_s=60).wait_ready()
+    try:
+        first, second, third = (http.client.HTTPConnection(*address(s), timeout=30) for _ in range(3))
+        for conn in (first, second):
+            conn.request("GET", "/v1/models")
+            assert conn.getresponse().read()
+        third.request("GET", "/v1/models")
+        response = third.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 503 and error["code"] == "too_many_connections"
+        assert response.headers["Retry-After"] == "1" and response.headers["Connection"] == "close"
+        first.close()
+        third.close()
+        wait_for(lambda: len(s.server.server_state.connections) == 1)
+        assert [m.id for m in s.client.models.list()] == [MODEL]  # room again
+        second.close()
+    finally:
+        s.stop()
+
+
+def test_serve_says_running_out_of_files_in_a_line_logs_each_request_and_stops_cleanly(tmp_path, qwen2):
+    key = "s3cret-key-4242"
+    cmd = [sys.executable, "-m", "llama_chat", "--db", str(tmp_path / "chat.db"), "--model", str(qwen2),
+           "serve", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "LLAMA_CHAT_API_KEY": key})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    clients: list[socket.socket] = []
+    try:
+        wait_for(lambda: any("ready in" in line for line in lines), 120)
+        base = lines[0].split("listening on ")[1].split()[0]
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        in_use = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (in_use + 3, hard))
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        clients = [socket.create_connection((host, int(port)), timeout=30) for _ in range(30)]  # the backlog holds them
+        wait_for(lambda: any("cannot accept connections" in line for line in lines))
+        threading.Event().wait(2.5)  # accept() fails again at each retry (every second), and is not said again
+        for c in clients:
+            c.close()
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        for c in clients:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    log = "".join(lines)
+    assert "Traceback" not in log and key not in log
+    said = [line for line in lines if "cannot accept connections" in line]
+    assert 1 <= len(said) <= 2 and "Too many open files" in said[0] and "--max-connections" in said[0]
+    assert "llama-chat serve: POST /v1/chat/completions 200 " in log and "llama-chat serve: GET /v1/models 200 " in log
+    assert lines[-1].strip() == "llama-chat serve: stopped (SIGTERM)"
+
+
+# -- the small refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", "Infinity"), ("temperature", "1e308"),
+                                              ("temperature", "NaN"), ("repeat_penalty", "1e308"),
+                                              ("top_p", "-Infinity")])
+def test_sampling_numbers_a_sampler_cannot_use_are_400_naming_the_field(served, field, value):
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}'
+    status, error = error_of(served.raw("POST", "/v1/chat/completions", body.encode()))
+    assert status == 400 and error["param"] == field
+
+
+def test_an_import_is_refused_as_it_arrives_and_no_error_names_a_server_path(served):
+    host, port = address(served)
+    # a body announcing a gigabyte, of which only its first bytes are sent: refused on them
+    sock = socket.create_connection((host, port), timeout=30)
+    sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+                 b"Content-Length: 1000000000\r\n\r\n" + b"this is not a session file, " * 4)
+    status, body = response_of(sock)
+    assert status == 400 and body["error"]["message"] == "Not a usable .llamachat file: not a llama-chat session file"
+    sock.close()
+    # a real file's header, and more bytes after it than the header declares
+    sid = json.loads(served.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+    served.ask("hello", extra_body={"session": sid}, max_tokens=2)
+    data = served.raw("GET", f"/v1/sessions/{sid}/export")[2]
+    sock = socket.create_connection((host, port), timeout=30)
+    sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+                 + f"Content-Length: {len(data) + 1000000}\r\n\r\n".encode() + data + b"\0" * 4096)
+    assert response_of(sock)[0] == 413
+    sock.close()
+
+    for damaged in (data[:-10], data[:40], b"", data[:10] + b"x" * 100):
+        status, error = error_of(upload(served, damaged))
+        assert status == 400 and error["message"].startswith("Not a usable .llamachat file: ")
+        assert "llama-chat-import" not in error["message"] and "/" not in error["message"]
+
+
+def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_log(served, monkeypatch, capsys):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", "/srv/secret/chat.db")
+
+    monkeypatch.setattr(served.state.engine.store, "list_sessions", full)
+    status, error = error_of(served.raw("GET", "/v1/sessions"))
+    assert status == 500 and error["message"] == "The server failed (OSError); its log says why."
+    assert "/srv/secret/chat.db" in capsys.readouterr().err
+
+
+def test_what_is_cheap_to_refuse_is_refused_before_the_prompt_is_tokenized(served, monkeypatch):
+    prompts = []
+    prompt = served.state.conversations.prompt
+    monkeypatch.setattr(served.state.conversations, "prompt", lambda messages: prompts.append(1) or prompt(messages))
+    n_ctx = served.state.engine.n_ctx
+    many = [{"role": "user", "content": "a"}] * n_ctx
+    status, error = error_of(served.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": many}).encode()))
+    assert status == 400 and error["code"] == "context_length_exceeded" and f"{n_ctx:,} messages" in error["message"]
+    monkeypatch.setattr(served.scheduler, "max_queued", 0)  # the queue is full
+    with pytest.raises(openai.RateLimitError):
+        served.ask("hi")
+    assert prompts == []
+    monkeypatch.undo()
+    assert served.ask("hi").choices[0].message.content is not None

@@ -123,8 +123,8 @@ class Server(uvicorn.Server):
         await super().serve(sockets)
 
     def loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        """Out of file descriptors, asyncio logs a traceback per failed accept(), thousands a second:
-        say it in one line, now and then, instead."""
+        """Out of file descriptors, asyncio logs a traceback for each failed accept() (up to the
+        backlog's 2,048 a second) and schedules a retry for each: say it in one line, now and then."""
         e = context.get("exception")
         if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -132,8 +132,10 @@ class Server(uvicorn.Server):
                 f"cannot accept connections: {e.strerror}; the open-file limit is {limit:,} (ulimit -n): "
                 f"give --max-connections below it"
             )
-            return
-        loop.default_exception_handler(context)
+        elif isinstance(e, ValueError) and "._start_serving(" in context.get("message", ""):
+            pass  # one of those retries, come after the server closed its socket: nothing to say
+        else:
+            loop.default_exception_handler(context)
 
     def handle_exit(self, sig, frame) -> None:
         self.state.begin_closing()
