@@ -141,7 +141,8 @@ def test_the_page_named_by_cors_origin_may_use_the_api_from_a_browser(web):
     status, headers, _ = web.raw("OPTIONS", "/v1/chat/completions", headers=preflight)
     assert status == 200 and headers["Access-Control-Allow-Origin"] == PAGE
     assert "POST" in headers["Access-Control-Allow-Methods"]
-    assert "x-stainless-os" in headers["Access-Control-Allow-Headers"].lower()
+    allowed = headers["Access-Control-Allow-Headers"].lower()
+    assert "authorization" in allowed and "x-stainless-os" in allowed
     status, headers, body = send(web, "POST", "/v1/chat/completions", "json", Origin=PAGE)
     assert status == 200 and headers["Access-Control-Allow-Origin"] == PAGE
     assert json.loads(body)["choices"][0]["message"]["content"] is not None

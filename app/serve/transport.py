@@ -28,7 +28,8 @@ def _check_type(request: Request, media_type: str) -> None:
     asking first (a CORS preflight, which OriginCheck answers), as it may text/plain or a form."""
     given = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if given != media_type:
-        message = f"The body must be sent as 'Content-Type: {media_type}', not {given or 'none'}."
+        said = f"not '{given}'" if given else "and none was given"
+        message = f"The body must be sent with 'Content-Type: {media_type}', {said}."
         raise ApiError(415, message, code="unsupported_media_type")
 
 
@@ -71,8 +72,8 @@ async def save_file(
     request: Request, path: Path, limit: int, timeout_s: float, head_size: int, check_head: Callable[[bytes], int]
 ) -> None:
     """The body (a file, sent as application/octet-stream) written to `path` as it comes. Its first
-    `head_size` bytes go to check_head before anything is written, which refuses a body that is not
-    the file expected and says how long the rest may be; 413 past that or `limit` bytes."""
+    `head_size` bytes go to check_head as soon as they are in: it refuses a body that is not the file
+    expected, or says how long the whole may be; 413 past that or `limit` bytes (read no further)."""
     _check_type(request, FILE)
     _declared_size(request, limit)
     head, size = b"", 0
