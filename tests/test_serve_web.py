@@ -5,6 +5,7 @@ refusals: sampling values that overflow, server paths in errors, imports checked
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -18,6 +19,7 @@ import threading
 import openai
 import pytest
 
+from llama_chat.app.serve.app import LOOPBACK_NAMES, HostCheck
 from served import MODEL, Served, error_of, upload, wait_for
 
 PAGE = "http://app.example"  # the one web page the shared server lets in
@@ -92,6 +94,26 @@ def test_a_request_naming_another_host_is_refused_on_every_route(web, method, pa
 def test_loopback_names_and_allowed_hosts_are_answered(web, host):
     status, _, body = web.raw("GET", "/v1/models", headers={"Host": host.format(port=web.url.rsplit(":", 1)[1])})
     assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
+
+
+def test_the_address_a_client_reached_is_answered_as_its_host():
+    """A server on 0.0.0.0 reached at 10.1.2.3 answers Host: 10.1.2.3, not another address or name."""
+    answered = []
+
+    async def app(scope, receive, send):
+        answered.append(scope["path"])
+
+    async def ask(host: str) -> None:
+        scope = {"type": "http", "path": host, "server": ("10.1.2.3", 8080), "headers": [(b"host", host.encode())]}
+
+        async def send(message):
+            pass
+
+        await HostCheck(app, {*LOOPBACK_NAMES, "0.0.0.0"})(scope, None, send)
+
+    for host in ("10.1.2.3:8080", "10.1.2.3", "10.9.9.9:8080", "0.0.0.0:8080", "nas.example:8080", "localhost"):
+        asyncio.run(ask(host))
+    assert answered == ["10.1.2.3:8080", "10.1.2.3", "0.0.0.0:8080", "localhost"]
 
 
 def test_allowed_host_star_answers_any_name(tmp_path, qwen2):

@@ -63,17 +63,24 @@ def host_name(host: str) -> str:
 
 class HostCheck:
     """Requests must name this server in their Host header (loopback names, the address it listens on,
-    --allowed-host): a web page on another name that resolves here (DNS rebinding) gets 403."""
+    the address the client reached, --allowed-host): a web page on another name that resolves here
+    (DNS rebinding) gets 403."""
 
     def __init__(self, app, names: set[str]):
         self.app = app
         self.names = {host_name(n) for n in names}
 
+    def answers_to(self, host: str, scope) -> bool:
+        # the address the connection came in on (a server on 0.0.0.0 reached as 192.168.1.5): a page
+        # whose origin is that address would be this server's own, and it serves no pages
+        name = host_name(host)
+        return "*" in self.names or name in self.names or name == (scope.get("server") or ("",))[0]
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and "*" not in self.names:
+        if scope["type"] == "http":
             host = Headers(scope=scope).get("host")
             # HTTP/1.0 may leave the header out; every browser sends it
-            if host is not None and host_name(host) not in self.names:
+            if host is not None and not self.answers_to(host, scope):
                 name = host_name(host)[:100]
                 message = (
                     f"The Host header names '{name}', which this server does not answer to; "
