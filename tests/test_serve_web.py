@@ -19,7 +19,10 @@ import threading
 import openai
 import pytest
 
+from llama_chat.app.cli import build_parser, main
 from llama_chat.app.serve.app import LOOPBACK_NAMES, HostCheck
+from llama_chat.app.serve.server import options_from
+from llama_chat.app.serve.state import MAX_CONNECTIONS
 from served import MODEL, Served, error_of, upload, wait_for
 
 PAGE = "http://app.example"  # the one web page the shared server lets in
@@ -385,3 +388,14 @@ def test_what_is_cheap_to_refuse_is_refused_before_the_prompt_is_tokenized(serve
     assert prompts == []
     monkeypatch.undo()
     assert served.ask("hi").choices[0].message.content is not None
+
+
+def test_the_flags_reach_the_server_options(tmp_path, capsys):
+    db = ["--db", str(tmp_path / "chat.db")]
+    args = build_parser().parse_args([*db, "serve", "--allowed-host", "nas.lan", "--allowed-host", "nas",
+                                      "--cors-origin", PAGE, "--max-connections", "9"])
+    options, _ = options_from(args)
+    assert (options.allowed_hosts, options.cors_origins, options.max_connections) == (("nas.lan", "nas"), (PAGE,), 9)
+    assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
+    assert main([*db, "serve", "--max-connections", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "llama-chat: error: --max-connections must be 1 or more"
