@@ -212,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=int, metavar="N", help="replies decoded together (default 4)")
     serve.add_argument("--queue", type=int, metavar="N", help="requests waiting beyond those (default 64)")
     serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY)")
+    serve.add_argument(
+        "--allowed-host", action="append", metavar="NAME",
+        help="also answer requests whose Host header names NAME (repeatable; '*' any): loopback names and "
+        "the --host address are always answered",
+    )
+    serve.add_argument(
+        "--cors-origin", action="append", metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API (repeatable); other pages are refused",
+    )
+    serve.add_argument("--max-connections", type=int, metavar="N", help="connections open at once (default 256)")
     add_context_option(serve)
     return parser
 

@@ -138,24 +138,7 @@ def _check_header(path: Path, head: bytes, size: int) -> int:
     """The data size the header declares, once magic, version and sizes are plausible."""
     if not head:
         raise ExchangeError(f"{path}: an empty file, not a llama-chat session file")
-    if not head.startswith(MAGIC[: len(head)]):
-        raise ExchangeError(f"{path}: not a llama-chat session file")
-    if len(head) < _HEADER.size:
-        raise ExchangeError(f"{path}: truncated ({size:,} bytes, shorter than the header)")
-    _, version, manifest_size, data_size = _HEADER.unpack(head)
-    if version != VERSION:
-        newer = " (written by a newer llama-chat)" if version > VERSION else ""
-        raise ExchangeError(
-            f"{path}: format version {version} is not supported{newer}; this llama-chat reads {VERSION}"
-        )
-    if manifest_size > MAX_MANIFEST_BYTES:
-        raise ExchangeError(
-            f"{path}: declares a {manifest_size:,}-byte manifest, over the limit of {MAX_MANIFEST_BYTES:,}"
-        )
-    if data_size > MAX_DATA_BYTES:
-        raise ExchangeError(
-            f"{path}: declares {data_size:,} bytes of KV, over the limit of {MAX_DATA_BYTES:,}"
-        )
+    manifest_size, data_size = _declared(str(path), head)
     expected = _HEADER.size + manifest_size + data_size + _DIGEST_SIZE
     if size < expected:
         raise ExchangeError(f"{path}: truncated ({size:,} of {expected:,} bytes)")
@@ -164,6 +147,37 @@ def _check_header(path: Path, head: bytes, size: int) -> int:
             f"{path}: damaged ({size:,} bytes, {size - expected:,} more than its header declares)"
         )
     return data_size
+
+
+HEADER_SIZE = _HEADER.size
+
+
+def declared_size(name: str, head: bytes) -> int:
+    """The size of the whole file whose first HEADER_SIZE bytes are `head`, once its magic, version and
+    sizes are plausible (else ExchangeError naming `name`): an upload is checked by it as it arrives."""
+    manifest_size, data_size = _declared(name, head)
+    return _HEADER.size + manifest_size + data_size + _DIGEST_SIZE
+
+
+def _declared(name: str, head: bytes) -> tuple[int, int]:
+    """The manifest's and the data's sizes a header declares, within the caps."""
+    if not head.startswith(MAGIC[: len(head)]):
+        raise ExchangeError(f"{name}: not a llama-chat session file")
+    if len(head) < _HEADER.size:
+        raise ExchangeError(f"{name}: truncated ({len(head):,} bytes, shorter than the header)")
+    _, version, manifest_size, data_size = _HEADER.unpack(head)
+    if version != VERSION:
+        newer = " (written by a newer llama-chat)" if version > VERSION else ""
+        raise ExchangeError(
+            f"{name}: format version {version} is not supported{newer}; this llama-chat reads {VERSION}"
+        )
+    if manifest_size > MAX_MANIFEST_BYTES:
+        raise ExchangeError(
+            f"{name}: declares a {manifest_size:,}-byte manifest, over the limit of {MAX_MANIFEST_BYTES:,}"
+        )
+    if data_size > MAX_DATA_BYTES:
+        raise ExchangeError(f"{name}: declares {data_size:,} bytes of KV, over the limit of {MAX_DATA_BYTES:,}")
+    return manifest_size, data_size
 
 
 def _decompress_manifest(packed) -> dict:

@@ -60,13 +60,20 @@ class Served:
         return self.client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
 
     def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        """(status, headers, parsed JSON body) of a request sent as bytes."""
-        request = urllib.request.Request(self.url + path, data=body, method=method, headers=headers or {})
+        """(status, headers, body bytes) of a request sent as bytes (a body as JSON unless the headers
+        say otherwise)."""
+        headers = {"Content-Type": "application/json", **(headers or {})} if body is not None else headers or {}
+        request = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request) as r:
                 return r.status, r.headers, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.headers, e.read()
+
+
+def upload(s: Served, data: bytes):
+    """POST /v1/sessions/import of a .llamachat file's bytes, as the docs say to send it."""
+    return s.raw("POST", "/v1/sessions/import", data, {"Content-Type": "application/octet-stream"})
 
 
 def streamed(stream) -> tuple[dict[int, str], dict[int, str], object]:

@@ -84,8 +84,9 @@ def test_every_reply_setting_is_a_flag_and_one_not_given_is_not_set():
     ("flag", "value", "complaint"),
     [
         ("--top-p", "3", "top_p must be between 0 and 1, not 3.0"),
-        ("--temp", "-1", "temperature must be 0 or more, not -1.0"),
-        ("--repeat-penalty", "0", "repeat_penalty must be more than 0, not 0.0"),
+        ("--temp", "-1", "temperature must be between 0 and 100, not -1.0"),
+        ("--temp", "inf", "temperature must be between 0 and 100, not inf"),
+        ("--repeat-penalty", "0", "repeat_penalty must be more than 0 and at most 100, not 0.0"),
         ("--top-k", "1.5", "top_k must be an integer, not '1.5'"),
         ("--max-tokens", "0", "max_tokens must be 1 or more, not 0"),
     ],

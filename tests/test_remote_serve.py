@@ -10,7 +10,7 @@ import pytest
 
 from llama_chat.inference import chat_prompt_ids
 from redis_servers import REDIS_SERVER, RedisServer, start_cluster
-from served import BLOCK, SYSTEM, Served
+from served import BLOCK, SYSTEM, Served, upload
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
@@ -116,7 +116,7 @@ def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
         for kv in ("0", "1"):  # messages only: the blocks come from Redis; with its KV: from the file
             status, _, data = a.raw("GET", f"/v1/sessions/{sid}/export?kv={kv}")
             assert status == 200
-            status, _, body = b.raw("POST", "/v1/sessions/import", data)
+            status, _, body = upload(b, data)
             assert status == 201
             moved = json.loads(body)["ids"][0]
             two = b.ask("and then", extra_body={"session": moved}, **GREEDY)

@@ -16,7 +16,7 @@ import pytest
 
 from llama_chat.app.cli import main
 from llama_chat.inference import chat_prompt_ids
-from served import BLOCK, MODEL, SYSTEM, Served, error_of
+from served import BLOCK, MODEL, SYSTEM, Served, error_of, upload
 
 # -- sessions ----------------------------------------------------------------------------------------
 
@@ -62,13 +62,13 @@ def test_a_stored_session_over_http(served):
 
     status, headers, data = served.raw("GET", f"/v1/sessions/{sid}/export")
     assert status == 200 and "attachment" in headers["Content-Disposition"]
-    status, _, body = served.raw("POST", "/v1/sessions/import", data)
+    status, _, body = upload(served, data)
     assert status == 201
     imported = json.loads(body)
     assert imported["kv"] == "imported" and imported["messages"] == 4
     copy = json.loads(served.raw("GET", f"/v1/sessions/{imported['ids'][0]}")[2])
     assert [m["content"] for m in copy["messages"]] == [m["content"] for m in messages]
-    assert error_of(served.raw("POST", "/v1/sessions/import", b"not a file"))[0] == 400
+    assert error_of(upload(served, b"not a file"))[0] == 400
 
     status, _, body = served.raw("DELETE", f"/v1/sessions/{sid}")
     assert status == 200 and json.loads(body)["deleted"]

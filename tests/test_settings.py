@@ -53,6 +53,14 @@ def test_checked_refuses_unknown_keys_and_values_out_of_range_in_one_line():
         checked({"seed": True})
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 1e308, 10**400])
+def test_every_number_setting_refuses_what_overflows_the_sampler(value):
+    """The sampler works in float32: infinities, NaN and finite values past its range are refused."""
+    for setting in (s for s in SAMPLING if s.kind is float):
+        with pytest.raises(SettingError, match=rf"^{setting.key} must be (between|more than) "):
+            setting.check(value)
+
+
 @pytest.mark.parametrize(
     ("text", "complaint"),
     [

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from llama_chat.inference import SamplingParams
 from llama_chat.inference.kv_cache import DEFAULT_CACHE_RAM_MB
 
+# Past this a temperature draws uniformly anyway, and a penalty removes a token; and a value past
+# float32's range (3.4e38) overflows in the sampler, which works in float32.
+MAX_FACTOR = 100
 MAX_TOKENS = 512  # the longest reply, in tokens
 N_CTX = 4096  # the context window, in tokens (a model trained on fewer gets its own)
 CACHE_RAM_MB = DEFAULT_CACHE_RAM_MB  # RAM for the KV block pool: the pool's own default
@@ -43,8 +46,12 @@ class Setting:
         wrong_type = isinstance(value, bool) or not isinstance(value, self.kind | int)  # 1 is a float's 1.0
         if wrong_type:
             raise SettingError(f"{self.key} must be {self.kind_name}, not {value!r}")
-        value = self.kind(value)
-        # written so that NaN fails too
+        try:
+            value = self.kind(value)
+        except OverflowError:  # an integer too large for a float
+            raise SettingError(f"{self.key} must be {self.allowed}, not {value}") from None
+        # written so that NaN fails too; every float setting has a `high`, so infinities fail
+        # (a sampler works in float32: a finite float64 past its range overflows there)
         too_low = self.low is not None and not (value > self.low if self.low_open else value >= self.low)
         too_high = self.high is not None and not value <= self.high
         if too_low or too_high:
@@ -66,6 +73,8 @@ class Setting:
     @property
     def allowed(self) -> str:
         """The values allowed, in words ("between 0 and 1")."""
+        if self.high is not None and self.low_open:
+            return f"more than {self.low:g} and at most {self.high:g}"
         if self.high is not None:
             return f"between {self.low:g} and {self.high:g}"
         return f"more than {self.low:g}" if self.low_open else f"{self.low:g} or more"
@@ -81,6 +90,7 @@ SAMPLING: tuple[Setting, ...] = (
         "temperature (0 = greedy)",
         "how freely tokens are drawn; 0 is greedy",
         low=0,
+        high=MAX_FACTOR,
         flag="--temp",
     ),
     Setting("top_k", int, _PARAMS.top_k, "top-k (0 = off)", "keep the k likeliest tokens; 0 is off", low=0),
@@ -109,6 +119,7 @@ SAMPLING: tuple[Setting, ...] = (
         "repeat penalty (1 = off)",
         "penalty on recent tokens; 1 is off",
         low=0,
+        high=MAX_FACTOR,
         low_open=True,
     ),
     Setting(

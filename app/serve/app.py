@@ -1,25 +1,115 @@
-"""The ASGI app: routes, the API key check, and every error in OpenAI's shape."""
+"""The ASGI app: routes, the checks every request passes (its Host, its Origin, the API key), one
+access line per request, and every error in OpenAI's shape."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import time
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import sessions_api
 from .completions import chat_completions
-from .errors import ApiError, server_error, unauthorized
-from .state import ServeOptions, ServerState
+from .errors import ApiError, forbidden, server_error, unauthorized
+from .state import ServeOptions, ServerState, say
 
 OPEN_PATHS = {"/health"}  # answered without a key: load balancers and probes ask it
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class AccessLog:
+    """One line per request once it is answered: method, path, status, time. Never the query, the
+    headers (the key) or a body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), 500  # what the client gets when the app raises
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            say(f"{scope['method']} {scope['path']} {status} {(time.perf_counter() - t0) * 1000:.0f} ms")
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header (or a name given to --allowed-host), without its port and final dot:
+    'localhost:8080' → 'localhost', '[::1]:80' → '::1', 'Example.com.' → 'example.com'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+class HostCheck:
+    """Requests must name this server in their Host header (loopback names, the address it listens on,
+    the address the client reached, --allowed-host): a web page on another name that resolves here
+    (DNS rebinding) gets 403."""
+
+    def __init__(self, app, names: set[str]):
+        self.app = app
+        self.names = {host_name(n) for n in names}
+
+    def answers_to(self, host: str, scope) -> bool:
+        # the address the connection came in on (a server on 0.0.0.0 reached as 192.168.1.5): a page
+        # whose origin is that address would be this server's own, and it serves no pages
+        name = host_name(host)
+        return "*" in self.names or name in self.names or name == (scope.get("server") or ("",))[0]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host")
+            # HTTP/1.0 may leave the header out; every browser sends it
+            if host is not None and not self.answers_to(host, scope):
+                name = host_name(host)[:100]
+                message = (
+                    f"The Host header names '{name}', which this server does not answer to; "
+                    f"start it with --allowed-host {name} if it should."
+                )
+                return await forbidden(message, "host_not_allowed").response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class OriginCheck:
+    """A request from a web page (it has an Origin header) must come from an origin named by
+    --cors-origin: any other page gets 403, whatever it sends, so none can post, read or delete
+    through the user's browser (CSRF). Clients that are not browsers send no Origin."""
+
+    def __init__(self, app, origins: set[str]):
+        self.app = app
+        self.origins = {o.rstrip("/").lower() for o in origins}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            origin = Headers(scope=scope).get("origin")
+            if origin is not None and origin.rstrip("/").lower() not in self.origins:
+                origin = origin[:100]
+                message = (
+                    f"Requests from web pages at {origin} are refused; start the server with "
+                    f"--cors-origin {origin} to let that page use it."
+                )
+                return await forbidden(message, "origin_not_allowed").response()(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class ApiKeyCheck:
@@ -66,7 +156,10 @@ async def http_error(request: Request, e: HTTPException) -> Response:
 
 
 async def unexpected(request: Request, e: Exception) -> Response:
-    return server_error(f"The server failed: {type(e).__name__}: {e}").response()
+    """A failure nobody foresaw: the whole of it in the server's log, only its kind to the client (its
+    text may name the server's files)."""
+    say(f"error: {request.method} {request.url.path} failed: {type(e).__name__}: {e}")
+    return server_error(f"The server failed ({type(e).__name__}); its log says why.").response()
 
 
 def create_app(options: ServeOptions, load=None, api_key: str | None = None) -> Starlette:
@@ -87,10 +180,34 @@ def create_app(options: ServeOptions, load=None, api_key: str | None = None) -> 
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiKeyCheck, key=api_key)],
+        middleware=middleware(options, api_key),
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected},
         lifespan=lifespan,
     )
     app.state.server = state
     return app
+
+
+def middleware(options: ServeOptions, api_key: str | None) -> list[Middleware]:
+    """What every request passes, outermost first. CORS answers an allowed page's preflight before the
+    key is asked for (a browser sends none with it)."""
+    cors = []
+    if options.cors_origins:
+        cors = [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(options.cors_origins),
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["*"],  # the openai JS client sends x-stainless-* headers
+                expose_headers=["X-Session-Id", "Retry-After"],
+                max_age=600,
+            )
+        ]
+    return [
+        Middleware(AccessLog),
+        Middleware(HostCheck, names={*LOOPBACK_NAMES, options.host, *options.allowed_hosts}),
+        Middleware(OriginCheck, origins=set(options.cors_origins)),
+        *cors,
+        Middleware(ApiKeyCheck, key=api_key),
+    ]
 

@@ -39,7 +39,8 @@ RETRY_AFTER_S = 1
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = parse_completion(
-        await read_json(request, state.options.max_body), request.headers.get("x-session-id")
+        await read_json(request, state.options.max_body, state.options.body_timeout_s),
+        request.headers.get("x-session-id"),
     )
     state.check_model(req.model)
     engine = state.ready()
@@ -102,8 +103,24 @@ def _submitted(submit: Callable[[], Job]) -> Job:
         raise unavailable("The server is shutting down.", "shutting_down") from None
 
 
+def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
+    """What is refused before a conversation is rendered, tokenized and looked up in the KV tiers
+    (seconds of CPU and a network read for 100k messages): a full queue, or more messages than the
+    context window holds tokens (each message takes one at least)."""
+    if engine.scheduler.load()["queued"] >= engine.scheduler.max_queued:
+        raise busy(RETRY_AFTER_S)
+    if len(messages) >= engine.n_ctx:
+        raise invalid(
+            f"The conversation has {len(messages):,} messages; this server's context window holds "
+            f"{engine.n_ctx:,} tokens (llama-chat serve --ctx), and each message takes one at least.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
 def _submit_conversation(state: ServerState, req: CompletionRequest, events: JobEvents) -> Job:
     conversations, n_ctx = state.conversations, state.engine.n_ctx
+    _refused_early(state.engine, req.messages)
     prompt = conversations.prompt(req.messages)
     if len(prompt) >= n_ctx:
         raise context_length_exceeded(len(prompt), n_ctx)

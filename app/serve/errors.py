@@ -57,6 +57,10 @@ def unauthorized() -> ApiError:
     )
 
 
+def forbidden(message: str, code: str) -> ApiError:
+    return ApiError(403, message, code=code)
+
+
 def model_not_found(name: str, served: str) -> ApiError:
     message = f"The model '{name}' does not exist here; this server runs '{served}'."
     return ApiError(404, message, param="model", code="model_not_found")

@@ -1,15 +1,21 @@
 """`llama-chat serve`: the app under uvicorn, on a socket bound here (so --port 0 can say which port),
-refusing to listen beyond this machine without an API key."""
+refusing to listen beyond this machine without an API key; the connections' limits uvicorn lacks."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import ipaddress
+import resource
+import signal
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
-from .state import ServeOptions, api_key_from, say
+from .errors import ApiError
+from .state import Notice, ServeOptions, api_key_from, say
 
 GRACEFUL_S = 10  # how long a stopping server lets running replies end (they are cancelled at once)
 
@@ -30,7 +36,9 @@ def is_loopback(host: str) -> bool:
 def bind(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it every
+        # response after the first on a connection waits for the client's delayed ACK (40 ms)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
@@ -40,19 +48,101 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def over_capacity(scope, receive, send) -> None:
+    """The answer on a connection past --max-connections: 503, and the connection is closed."""
+    message = "This server has as many connections open as it takes (--max-connections); retry in a moment."
+    headers = {"Retry-After": "1", "Connection": "close"}
+    refusal = ApiError(503, message, type="server_error", code="too_many_connections", headers=headers)
+    await refusal.response()(scope, receive, send)
+
+
+class Connection(H11Protocol):
+    """uvicorn's HTTP/1.1 connection with the limits it lacks: a request's head must arrive whole
+    within header_timeout_s (of the connection opening, or of the last response), so idle and
+    slow-header connections do not pile up; past max_connections, the request is answered 503."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.state = self.config.app.state.server
+        self.options: ServeOptions = self.state.options
+        self.head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.options.max_connections:
+            self.app = over_capacity
+            self.state.over_capacity(
+                f"{self.options.max_connections} connections are open (--max-connections): more get 503"
+            )
+        self._await_head()
+
+    def _await_head(self) -> None:
+        self._head_arrived()
+        self.head_deadline = self.loop.call_later(self.options.header_timeout_s, self._head_late)
+
+    def _head_arrived(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+    def _head_late(self) -> None:
+        self.head_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's head came whole
+            self._head_arrived()
+
+    def on_response_complete(self) -> None:
+        self._await_head()  # the next request's (a pipelined one cancels it at once)
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._head_arrived()
+        super().connection_lost(exc)
+
+
 class Server(uvicorn.Server):
     """uvicorn's server that, asked to stop, first turns new requests away (503) and cancels the
-    replies being made, so it does not wait on them."""
+    replies being made, so it does not wait on them; a signal ends it as a stop asked for (exit 0),
+    not as an interrupted program."""
 
     def __init__(self, config: uvicorn.Config):
         super().__init__(config)
         self.state = config.app.state.server
         self.state.on_failure = self.failed
         self.failure: str | None = None
+        self.stopped_by: str | None = None  # the signal's name
+        self.accept_failed = Notice()
+
+    async def serve(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(self.loop_error)
+        await super().serve(sockets)
+
+    def loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """Out of file descriptors, asyncio logs a traceback for each failed accept() (up to the
+        backlog's 2,048 a second) and schedules a retry for each: say it in one line, now and then."""
+        e = context.get("exception")
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self.accept_failed(
+                f"cannot accept connections: {e.strerror}; the open-file limit is {limit:,} (ulimit -n): "
+                f"give --max-connections below it"
+            )
+        elif isinstance(e, ValueError) and "._start_serving(" in context.get("message", ""):
+            pass  # one of those retries, come after the server closed its socket: nothing to say
+        else:
+            loop.default_exception_handler(context)
 
     def handle_exit(self, sig, frame) -> None:
         self.state.begin_closing()
-        super().handle_exit(sig, frame)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl+C: stop waiting for anything
+        self.should_exit = True
+        self.stopped_by = self.stopped_by or signal.Signals(sig).name
 
     def stop(self) -> None:
         self.state.begin_closing()
@@ -73,7 +163,13 @@ def make_server(options: ServeOptions, api_key: str | None, load=None) -> tuple[
     sock = bind(options.host, options.port)
     app = create_app(options, load, api_key)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_S, lifespan="on"
+        app,
+        http=Connection,
+        log_level="warning",
+        access_log=False,  # app.AccessLog writes one line per request
+        timeout_keep_alive=options.keep_alive_s,
+        timeout_graceful_shutdown=GRACEFUL_S,
+        lifespan="on",
     )
     return Server(config), sock
 
@@ -86,16 +182,17 @@ def url(sock: socket.socket) -> str:
 def options_from(args) -> tuple[ServeOptions, str | None]:
     """The server's options from the command line (flags not given keep ServeOptions' defaults), and
     its API key (--api-key, else LLAMA_CHAT_API_KEY)."""
-    flags = ("host", "port", "parallel", "queue", "ctx")
+    flags = ("host", "port", "parallel", "queue", "ctx", "max_connections")
     given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
-    for name in ("parallel", "ctx"):
+    for name in ("parallel", "ctx", "max_connections"):
         if given.get(name, 1) < 1:
-            raise BindRefused(f"--{name} must be 1 or more")
+            raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
     if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
         raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
     options = ServeOptions(
         db=args.db, model=args.model, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup,
-        kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None), **given,
+        kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),
+        allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()), **given,
     )
     return options, api_key_from(args.api_key)
 
@@ -107,4 +204,5 @@ def serve(options: ServeOptions, api_key: str | None) -> int:
     if server.failure:
         say(f"error: {server.failure}")
         return 2
+    say(f"stopped ({server.stopped_by or 'asked to'})")
     return 0

@@ -26,13 +26,14 @@ from llama_chat.storage.exchange import (
     import_session,
     read_session_file,
 )
+from llama_chat.storage.exchange_file import HEADER_SIZE, declared_size
 
 from ..chat.engine import session_title
 from .completions import find_session
 from .conversations import API_ORIGIN
-from .errors import invalid
+from .errors import ApiError, invalid
 from .state import ServerState
-from .transport import read_json, save_body
+from .transport import read_json, save_file
 
 MAX_IMPORT = MAX_MANIFEST_BYTES + MAX_DATA_BYTES + (1 << 20)  # the largest file import would read
 
@@ -58,7 +59,7 @@ async def list_sessions(request: Request) -> Response:
 
 async def create_session(request: Request) -> Response:
     state = _state(request)
-    body = await read_json(request, state.options.max_body)
+    body = await read_json(request, state.options.max_body, state.options.body_timeout_s)
     title, system = _text_field(body, "title"), _text_field(body, "system_prompt")
     engine = state.engine
 
@@ -84,7 +85,7 @@ async def show_session(request: Request) -> Response:
 
 async def fork_session(request: Request) -> Response:
     state = _state(request)
-    body = await read_json(request, state.options.max_body)
+    body = await read_json(request, state.options.max_body, state.options.body_timeout_s)
     at = body.get("at_message")
     if at is not None and (isinstance(at, bool) or not isinstance(at, int)):
         raise invalid("'at_message' must be a message id (an integer).", param="at_message")
@@ -145,19 +146,32 @@ async def export(request: Request) -> Response:
     )
 
 
+def _unusable(e: ExchangeError, path: Path) -> ApiError:
+    """The file's problem, without the server's own path for it (its messages begin with the path)."""
+    return invalid(f"Not a usable .llamachat file: {str(e).removeprefix(f'{path}: ')}")
+
+
 async def import_file(request: Request) -> Response:
     state = _state(request)
     folder = Path(tempfile.mkdtemp(prefix="llama-chat-import-"))
     try:
         path = folder / "upload.llamachat"
-        await save_body(request, path, MAX_IMPORT)
+
+        def check_head(head: bytes) -> int:  # before the rest is written: a wrong file is refused at once
+            try:
+                return declared_size(str(path), head)
+            except ExchangeError as e:
+                raise _unusable(e, path) from None
+
+        options = state.options
+        await save_file(request, path, MAX_IMPORT, options.body_timeout_s, HEADER_SIZE, check_head)
         fingerprint = state.engine.model.fingerprint
 
         def read_and_import():
             try:
                 return import_session(state.engine.store, read_session_file(path), model_fingerprint=fingerprint)
             except ExchangeError as e:
-                raise invalid(f"Not a usable .llamachat file: {e}") from None
+                raise _unusable(e, path) from None
 
         result = await run_in_threadpool(read_and_import)
     finally:

@@ -30,6 +30,10 @@ from .errors import model_not_found, unavailable
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 MAX_BODY = 8 << 20  # bytes of a JSON request; a full 32k-token conversation is well under 1 MB
+MAX_CONNECTIONS = 256  # open at once; the next is answered 503 and closed (each holds a file descriptor)
+KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this (uvicorn's own default)
+HEADER_TIMEOUT_S = 10  # a request's head (line and headers) must arrive whole within this (nginx: 60)
+BODY_TIMEOUT_S = 30  # each read of a request's body waits at most this (nginx's client_body_timeout: 60)
 
 
 @dataclass
@@ -48,6 +52,12 @@ class ServeOptions:
     max_body: int = MAX_BODY
     kv_remote: str | None = None  # a Redis/Valkey URL: KV blocks shared with other servers
     kv_secret: str | None = None  # what signs them there
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback's and the bound address
+    cors_origins: tuple[str, ...] = ()  # web pages (origins) allowed to call the API from a browser
+    max_connections: int = MAX_CONNECTIONS
+    keep_alive_s: float = KEEP_ALIVE_S
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
 
     @property
     def model_id(self) -> str:
@@ -58,6 +68,23 @@ class ServeOptions:
 
 def say(line: str) -> None:
     print(f"llama-chat serve: {line}", file=sys.stderr, flush=True)
+
+
+class Notice:
+    """A line that may come thousands of times a second (a failed accept(), a refused connection):
+    said at most once per `every_s`, with how many times it came since it was last said."""
+
+    def __init__(self, every_s: float = 10):
+        self.every_s = every_s
+        self.last = -every_s
+        self.count = 0
+
+    def __call__(self, line: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            say(line + (f" ({self.count:,} times in the last {now - self.last:.0f} s)" if self.count > 1 else ""))
+            self.last, self.count = now, 0
 
 
 class ServerState:
@@ -73,6 +100,7 @@ class ServerState:
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # the lock, and who holds or waits
         self._thread: threading.Thread | None = None
+        self.over_capacity = Notice()  # said when a connection past --max-connections is refused
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -127,7 +155,8 @@ class ServerState:
         if self.phase == "loading":
             raise unavailable("The model is still loading; retry in a moment.", "model_loading")
         if self.phase == "failed":
-            raise unavailable(f"The model could not be loaded: {self.failure}", "model_failed")
+            # the server's log says why (the reason names the server's files)
+            raise unavailable("The model could not be loaded; the server is stopping.", "model_failed")
         raise unavailable("The server is shutting down.", "shutting_down")
 
     def check_model(self, name: str) -> None:

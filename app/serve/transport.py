@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from starlette.requests import Request
 
 from ..chat.jobs import Event
-from .errors import invalid, too_large
+from .errors import ApiError, invalid, too_large
+
+JSON = "application/json"
+FILE = "application/octet-stream"
 
 
 def _declared_size(request: Request, limit: int) -> None:
@@ -20,11 +23,39 @@ def _declared_size(request: Request, limit: int) -> None:
         raise too_large(limit)
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object; 413 past `limit` bytes (read no further), 400 when it is not JSON."""
+def _check_type(request: Request, media_type: str) -> None:
+    """415 unless the body is said to be `media_type`. Neither is one a web page may send without
+    asking first (a CORS preflight, which OriginCheck answers), as it may text/plain or a form."""
+    given = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if given != media_type:
+        said = f"not '{given}'" if given else "and none was given"
+        message = f"The body must be sent with 'Content-Type: {media_type}', {said}."
+        raise ApiError(415, message, code="unsupported_media_type")
+
+
+async def _chunks(request: Request, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks as they come; 408 when the client sends none for `timeout_s` (a client that
+    stops mid-body must not hold its connection for ever)."""
+    chunks = aiter(request.stream())
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            message = f"The request body stopped arriving (nothing for {timeout_s:g} s)."
+            raise ApiError(408, message, code="request_timeout", headers={"Connection": "close"}) from None
+        yield chunk
+
+
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict:
+    """The body as a JSON object; 415 when not sent as JSON, 413 past `limit` bytes (read no further),
+    408 when it stops arriving, 400 when it is not JSON."""
+    _check_type(request, JSON)
     _declared_size(request, limit)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in _chunks(request, timeout_s):
         body += chunk
         if len(body) > limit:
             raise too_large(limit)
@@ -37,16 +68,27 @@ async def read_json(request: Request, limit: int) -> dict:
     return value
 
 
-async def save_body(request: Request, path: Path, limit: int) -> None:
-    """The body written to `path`, as it comes; 413 past `limit` bytes."""
+async def save_file(
+    request: Request, path: Path, limit: int, timeout_s: float, head_size: int, check_head: Callable[[bytes], int]
+) -> None:
+    """The body (a file, sent as application/octet-stream) written to `path` as it comes. Its first
+    `head_size` bytes go to check_head as soon as they are in: it refuses a body that is not the file
+    expected, or says how long the whole may be; 413 past that or `limit` bytes (read no further)."""
+    _check_type(request, FILE)
     _declared_size(request, limit)
-    size = 0
+    head, size = b"", 0
     with open(path, "wb") as f:
-        async for chunk in request.stream():
+        async for chunk in _chunks(request, timeout_s):
+            if len(head) < head_size:
+                head += chunk[: head_size - len(head)]
+                if len(head) == head_size:
+                    limit = min(limit, check_head(head))
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
             f.write(chunk)
+    if len(head) < head_size:
+        check_head(head)
 
 
 class JobEvents:
