@@ -18,7 +18,7 @@ import numpy as np
 
 from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore
-from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
+from llama_chat.storage.codec import AUTO, CODECS, KVPlan, decode_kv, encode_kv
 from llama_chat.storage.exchange import default_file_name, export_session, import_session
 
 from .chat.engine import ChatEngine
@@ -26,19 +26,19 @@ from .chat.engine import ChatEngine
 GREEDY = SamplingParams(temperature=0)
 
 
-def measure_codecs(k: np.ndarray, v: np.ndarray) -> dict[str, dict]:
-    """Each codec on a whole cache [n_layer, n_kv_head, n_tokens, head_dim], cut into 64-token blocks
-    as storage cuts it: total bytes, bytes per token, encode/decode milliseconds for the whole cache
-    (best of 3 runs), and the largest absolute error in k and in v."""
+def measure_codecs(k: np.ndarray, v: np.ndarray, plan: KVPlan | None = None) -> dict[str, dict]:
+    """Each codec (and auto, given the model's plan) on a whole cache [n_layer, n_kv_head, n_tokens,
+    head_dim], cut into 64-token blocks as storage cuts it: total bytes, bytes per token, encode/decode
+    milliseconds for the whole cache (best of 3 runs), and the largest absolute error in k and in v."""
     block = 64
     n_tokens = k.shape[2]
     pieces = [(k[:, :, t : t + block], v[:, :, t : t + block]) for t in range(0, n_tokens, block)]
     out = {}
-    for codec in CODECS:
+    for codec in (*CODECS, AUTO) if plan else CODECS:
         encode_s = decode_s = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            blobs = [encode_kv(bk, bv, codec) for bk, bv in pieces]
+            blobs = [encode_kv(bk, bv, codec, plan) for bk, bv in pieces]
             t1 = time.perf_counter()
             decoded = [decode_kv(b) for b in blobs]
             t2 = time.perf_counter()

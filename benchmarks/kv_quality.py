@@ -27,7 +27,8 @@ import numpy as np
 
 from llama_chat.app.bench import SAMPLE_TEXT, sample_text
 from llama_chat.inference import chat_prompt_ids, load_model
-from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
+from llama_chat.storage.codec import AUTO, CODECS, decode_kv, encode_kv
+from llama_chat.storage.kv_plan import model_plan
 
 MODELS = ("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
 LONG_TOKENS = 2000
@@ -191,19 +192,19 @@ def greedy(model, seq, first: int, n: int) -> list[int]:
 
 
 def stored(
-    k: np.ndarray, v: np.ndarray, codec, block: int
+    k: np.ndarray, v: np.ndarray, codec: str, block: int, plan
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """The cache [L, H, T, D] through a codec as KVStore stores it (full blocks, then the tail as one
     piece): the decoded pieces and their bytes."""
     pieces, n_bytes = [], 0
     for start in range(0, k.shape[2], block):
-        data = encode_kv(k[:, :, start : start + block], v[:, :, start : start + block], codec)
+        data = encode_kv(k[:, :, start : start + block], v[:, :, start : start + block], codec, plan)
         n_bytes += len(data)
         pieces.append(decode_kv(data))
     return pieces, n_bytes
 
 
-def measure_text(model, ids: list[int], n: int, codecs) -> dict:
+def measure_text(model, ids: list[int], n: int, codecs, plan) -> dict:
     """For one text: per codec, KL and top-1 agreement at each of n positions, and stored bytes."""
     context, last = ids[:-1], ids[-1]
     live = model.new_sequence(len(ids) + n + 1)
@@ -219,7 +220,7 @@ def measure_text(model, ids: list[int], n: int, codecs) -> dict:
     best = reference.argmax(axis=-1)
     out = {}
     for codec in codecs:
-        pieces, n_bytes = stored(k, v, codec, model.pool.block_size)
+        pieces, n_bytes = stored(k, v, codec, model.pool.block_size, plan)
         seq = model.new_sequence(len(ids) + n + 1)
         seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
         try:
@@ -252,9 +253,14 @@ def run(model_names, codecs, n: int, log=print) -> dict:
     for name in model_names:
         model = load_model(name)
         t0 = time.perf_counter()
+        plan = model_plan(model) if AUTO in codecs else None  # measured at the model's first use
+        if plan is not None:
+            log(
+                f"{name}: plan {plan.bits_per_value():.2f} bits/value, keys {plan.k_bits}, values {plan.v_bits}"
+            )
         for text_name, ids in texts(model):
             t = time.perf_counter()
-            result = measure_text(model, ids, n, codecs)
+            result = measure_text(model, ids, n, codecs, plan)
             cells = []
             for codec, r in result.items():
                 c = per_codec[codec]
@@ -294,7 +300,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--models", nargs="+", default=list(MODELS), help="model names (default: both real models)"
     )
-    parser.add_argument("--codecs", nargs="+", default=list(CODECS), help="codecs to compare (default: all)")
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        default=[*CODECS, AUTO],
+        help="codecs to compare (default: all, and auto: the model's plan)",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     summary = run(args.models, args.codecs, args.tokens, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
+from .codec import CorruptBlockError, KVPlan, checksum, decode_kv, encode_kv, kv_matches
 from .records import StoredBlock, StoredTail
 from .remote import MovingAverage, RemoteTier
 from .store import ChatStore
@@ -70,10 +70,18 @@ class RemoteRead:
 
 
 class KVStore:
-    def __init__(self, store: ChatStore, fingerprint: str, codec: str, remote: RemoteTier | None = None):
+    def __init__(
+        self,
+        store: ChatStore,
+        fingerprint: str,
+        codec: str,
+        remote: RemoteTier | None = None,
+        plan: KVPlan | None = None,
+    ):
         self.store = store
         self.fingerprint = fingerprint
-        self.codec = codec
+        self.codec = codec  # what new blocks are written in; any stored block reads, whatever its codec
+        self.plan = plan  # the auto codec's bits per layer and head (kv_plan.model_plan)
         self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
         self.prefill_tok_s = MovingAverage()  # the model's, measured on replies: what `remote` must beat
         self.fetched: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, not in SQLite yet
@@ -148,14 +156,14 @@ class KVStore:
                 new_blocks.append(fetched)  # as another server wrote it: nothing to encode
                 remote_keys.add(key)
             else:
-                data = encode_kv(*block_kv(i), self.codec)
+                data = encode_kv(*block_kv(i), self.codec, self.plan)
                 new_blocks.append(
                     StoredBlock(key, len(tokens), self.codec, data, checksum(data), list(tokens))
                 )
         stored_tail = None
         if tail is not None:
             tokens, k, v = tail
-            data = encode_kv(k, v, self.codec)
+            data = encode_kv(k, v, self.codec, self.plan)
             stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
         self.store.save_snapshot(
             session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace
