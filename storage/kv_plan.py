@@ -220,8 +220,10 @@ def measure_plan(model, budget: float = BUDGET_KL, progress: Progress | None = N
         bits = allocate({u: estimate(u) for u in units}, budget)
         todo = [(u, b) for u, b in bits.items() if b < 16 and b not in measured[u]]
         todo += [(u, 6) for u, b in bits.items() if b > 6 and 6 not in measured[u]]
-        for u, b in todo:
+        for i, (u, b) in enumerate(todo):
             measured[u][b] = max(cal.unit_kl(u[1], u[2], u[0], b), 0.0)
+            if progress:
+                progress(label, i + 1, len(todo))
     target = budget
     for _ in range(4):
         bits = allocate({u: estimate(u) for u in units}, target)

@@ -76,8 +76,20 @@ def test_a_block_written_under_one_plan_reads_under_another(tmp_path):
         session.id, [(b"k" * 16, tokens)], lambda i: (k, v), None, 64, None
     )
     later = KVStore(store, "fp", AUTO, plan=KVPlan.uniform(2, 2, 4))
-    got = later.fetch(b"k" * 16, tokens, None)
+    got = np.empty_like(k), np.empty_like(v)
+    assert later.fetch(b"k" * 16, tokens, None, got)
     stored = store.load_block(b"k" * 16, "fp")
     assert block_plan(stored.data) == first
     assert np.array_equal(got[0], decode_kv(stored.data)[0])
     assert np.abs(got[0] - k).max() < 0.05  # 8 bits, not the 4 of the plan it was read under
+
+
+def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
+    """`bench --json` lists auto beside the uniform codecs, under the model's plan."""
+    from llama_chat.app.measure import measure_codecs
+
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((2, 2, 100, 16)).astype(np.float32) for _ in range(2))
+    table = measure_codecs(k, v, KVPlan.uniform(2, 2, 4))
+    assert set(table) == {"f32", "f16", "q8", "q6", "q4", AUTO}
+    assert abs(table[AUTO]["bytes"] - table["q4"]["bytes"]) < 0.1 * table["q4"]["bytes"]
