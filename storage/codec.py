@@ -117,8 +117,11 @@ def compile_kernels(progress=None) -> float:
     for i, codec in enumerate(codecs):
         if progress:
             progress(label, i, len(codecs))
-        # a view with gaps, as the arena's, and contiguous, as a tail's copy
-        decode_kv(encode_kv(arena[:, :, :33], arena[:, :, :33], codec, plan))
+        # a view with gaps, as the arena's, and contiguous, as a tail's copy; decoded into new arrays
+        # and into the arena
+        data = encode_kv(arena[:, :, :33], arena[:, :, :33], codec, plan)
+        decode_kv(data, (arena[:, :, 1:34], arena[:, :, 2:35]))
+        decode_kv(data)
         encode_kv(arena, arena, codec, plan)
     if progress:
         progress(label, len(codecs), len(codecs))
@@ -351,11 +354,13 @@ def _plan_of(data: bytes, dims) -> KVPlan:
 # -- decoding ------------------------------------------------------------------------------------
 
 
-def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+def decode_kv(data: bytes, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The (k, v) float32 arrays encode_kv was given (or their quantized approximation).
 
-    Raises CorruptBlockError for anything that isn't intact output of encode_kv; memory use is
-    bounded by the shape the header declares, which is itself bounded by MAX_ELEMENTS.
+    `out`: float32 arrays (views of the KV arena, say) to decode into, which are returned; a block of
+    another shape is refused. Raises CorruptBlockError for anything that isn't intact output of
+    encode_kv (out then holds anything); memory use is bounded by the shape the header declares,
+    which is itself bounded by MAX_ELEMENTS.
     """
     if not isinstance(data, bytes):
         data = bytes(memoryview(data))  # bytearray, memoryview, sqlite3 blobs
@@ -382,22 +387,29 @@ def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
         raise CorruptBlockError("KV block header does not match the one inside its payload")
     raw = memoryview(raw)[size:]
     shape = (n_layer, n_head, n_tokens, head_dim)
+    if out is not None and (out[0].shape != shape or out[1].shape != shape):
+        raise CorruptBlockError(f"KV block of shape {shape} where {out[0].shape} was expected")
+    if codec in ("f32", "f16"):
+        dtype = _F32 if codec == "f32" else _F16
+        k = _unshuffle(raw[: dtype.itemsize * n], dtype).reshape(shape)
+        v = _unshuffle(raw[dtype.itemsize * n :], dtype).reshape(shape)
+        if out is None:
+            return _native_f32(k), _native_f32(v)
+        np.copyto(out[0], k)
+        np.copyto(out[1], v)
+        return out
+    k, v = out if out is not None else (np.empty(shape, np.float32), np.empty(shape, np.float32))
     if plan is not None:
-        k, v = _decode_auto(plan, raw, shape)
-    elif codec == "f32":
-        k = _unshuffle(raw[: 4 * n], _F32).reshape(shape)
-        v = _unshuffle(raw[4 * n :], _F32).reshape(shape)
-    elif codec == "f16":
-        k = _unshuffle(raw[: 2 * n], _F16).reshape(shape)
-        v = _unshuffle(raw[2 * n :], _F16).reshape(shape)
+        _decode_auto(plan, raw, k, v)
     else:
-        k, v = _decode_quantized(codec, raw, shape)
-    return _native_f32(k), _native_f32(v)
+        _decode_quantized(codec, raw, k, v)
+    return out or (k, v)
 
 
-def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """k and v of a q8, q6 or q4 payload (after its header), decoded by the compiled loops."""
+def _decode_quantized(codec: str, raw: memoryview, k: np.ndarray, v: np.ndarray) -> None:
+    """k and v of a q8, q6 or q4 payload (after its header), decoded into k and v by the compiled loops."""
     compiled = _kernels()
+    shape = k.shape
     n_layer, n_head, n_tokens, head_dim = shape
     n = math.prod(shape)
     gk, gv = _n_groups(shape)
@@ -417,10 +429,8 @@ def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tu
         qk, qv = qk[:n].reshape(cshape), qv[:n].reshape(shape)
         scales = _unshuffle(raw[2 * size :], _F16).astype(np.float32)
         sk, sv, mk, mv = np.split(scales, [gk, gk + gv, 2 * gk + gv])
-    k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
     compiled.dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1), _GROUP_BITS, k, True)
     compiled.dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1), _GROUP_BITS, v, False)
-    return k, v
 
 
 def _auto_parts(plan: KVPlan, shape):
@@ -447,16 +457,15 @@ def _auto_payload_size(plan: KVPlan, shape) -> int:
     return sum(size for *_, size in _auto_parts(plan, shape))
 
 
-def _decode_auto(plan: KVPlan, raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """k and v of an auto payload (after its header and plan)."""
+def _decode_auto(plan: KVPlan, raw: memoryview, k: np.ndarray, v: np.ndarray) -> None:
+    """k and v of an auto payload (after its header and plan), decoded into k and v."""
+    shape = k.shape
     L, H, T, D = shape
-    k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
     offset = 0
     for is_key, bits, chosen, size in _auto_parts(plan, shape):
         part = _decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key)
-        (k if is_key else v).reshape(L * H, T, D)[chosen] = part
+        (k if is_key else v)[chosen // H, chosen % H] = part  # (written through: k may be the arena's view)
         offset += size
-    return k, v
 
 
 def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: bool) -> np.ndarray:

@@ -37,9 +37,9 @@ def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
     return _decoded(data) if checksum(data) == expected_checksum else None
 
 
-def _decoded(data: bytes) -> KV | None:
+def _decoded(data: bytes, out: KV | None = None) -> KV | None:
     try:
-        return decode_kv(data)
+        return decode_kv(data, out)
     except CorruptBlockError:
         return None
 
@@ -88,20 +88,20 @@ class KVStore:
         self.fetched_tails: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, by tail_key
         self._fetched_lock = threading.Lock()  # (snapshots are stored off the scheduler's thread)
 
-    def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
-        """A stored block of the namespace, checked against its checksum and the tokens it stands for;
-        a bad one is dropped so it gets recomputed."""
+    def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None, out: KV) -> bool:
+        """A stored block of the namespace decoded into `out` (the pool's arena), checked against its
+        checksum, the tokens it stands for and out's shape; a bad one is dropped so it gets recomputed."""
         fetched = self._fetched(key) if namespace is None else None
         block = fetched or self.store.load_block(key, self.fingerprint, namespace)
         if block is None:
-            return None
+            return False
         # one from the remote tier had its signature and checksum checked as it was read
         intact = fetched is not None or checksum(block.data) == block.checksum
-        kv = _decoded(block.data) if intact and block.tokens == list(tokens) else None
+        kv = _decoded(block.data, out) if intact and block.tokens == list(tokens) else None
         if kv is None:
             self._forget([key])
             self.store.drop_block(key, namespace)
-        return kv
+        return kv is not None
 
     def _fetched(self, key: bytes) -> StoredBlock | None:
         with self._fetched_lock:

@@ -118,6 +118,25 @@ def test_views_into_a_larger_arena_encode_like_copies(codec):
     assert encode(k, v, codec) == encode(k.copy(), v.copy(), codec)
 
 
+@pytest.mark.parametrize("codec", STORED_CODECS)
+def test_a_block_decodes_into_a_view_of_a_larger_arena_as_into_new_arrays(codec):
+    """As a resumed block is decoded: straight into its slot of the KV arena."""
+    k, v = realistic_kv((3, 2, 64, 64))
+    data = encode(k, v, codec)
+    arena = np.full((2, 3, 2, 200, 64), np.nan, np.float32)
+    out = arena[0, :, :, 70:134], arena[1, :, :, 70:134]
+    assert decode_kv(data, out) is out
+    for got, want in zip(out, decode_kv(data), strict=True):
+        assert np.array_equal(got, want)
+    assert np.isnan(arena[:, :, :, :70]).all() and np.isnan(arena[:, :, :, 134:]).all()  # nothing else
+
+
+def test_a_block_of_another_shape_than_its_destination_is_refused():
+    data = encode_kv(*realistic_kv((3, 2, 64, 64)), "q6")
+    with pytest.raises(CorruptBlockError, match="shape"):
+        decode_kv(data, (np.empty((3, 2, 32, 64), np.float32), np.empty((3, 2, 32, 64), np.float32)))
+
+
 def test_decode_accepts_any_bytes_like_object():
     data = encode_kv(*realistic_kv((1, 2, 3, 16)), "q4")
     expected = decode_kv(data)[0]
