@@ -509,7 +509,9 @@ k = np.random.default_rng(0).standard_normal((3, 2, 80, 64)).astype(np.float32)
 plan = KVPlan(((4, 6), (8, 16), (6, 8)), ((16, 8), (6, 4), (4, 4)))
 for codec in ("q8", "q6", "q4", "auto"):
     decode_kv(encode_kv(k[:, :, 8:72], k[:, :, 8:72], codec, plan))
-    decode_kv(encode_kv(k[:, :, :37].copy(), k[:, :, :37].copy(), codec, plan))
+    data = encode_kv(k[:, :, :37].copy(), k[:, :, :37].copy(), codec, plan)
+    decode_kv(data)
+    decode_kv(data, (k[:, :, 40:77], k[:, :, 41:78]))  # into the arena, as a resume decodes
 print(ready == count(), ready, count())
 """
 
