@@ -93,3 +93,35 @@ def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
     table = measure_codecs(k, v, KVPlan.uniform(2, 2, 4))
     assert set(table) == {"f32", "f16", "q8", "q6", "q4", AUTO}
     assert abs(table[AUTO]["bytes"] - table["q4"]["bytes"]) < 0.1 * table["q4"]["bytes"]
+
+
+def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny_model_paths, tmp_path):
+    """Under the auto codec a conversation is stored under the model's plan, resumes in a fresh engine
+    with nothing recomputed, and its export file imports elsewhere with its blocks as they are."""
+    from llama_chat.app.chat.engine import ChatEngine
+    from llama_chat.inference import SamplingParams, load_model
+    from llama_chat.storage.exchange import export_session, import_session
+
+    path = tiny_model_paths["qwen2"]
+    engine = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec=AUTO)
+    session = engine.new_session("auto")
+    "".join(
+        engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
+    )
+    session = engine.store.get_session(session.id)
+    blocks = engine.store._rows("SELECT codec, data FROM kv_blocks")
+    assert blocks and {b["codec"] for b in blocks} == {AUTO}
+    assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model)}
+
+    fresh = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec="q6")
+    _, info = fresh.open(fresh.store.get_session(session.id))
+    assert info.tokens > 8 and info.restored == info.tokens  # read under another codec: nothing computed
+
+    export_session(engine.store, session.id, tmp_path / "s.llamachat")
+    target = ChatStore(tmp_path / "b.db")
+    result = import_session(target, tmp_path / "s.llamachat", model_fingerprint=engine.model.fingerprint)
+    assert result.kv == "imported" and result.blocks_added == len(blocks)
+    assert {r["codec"] for r in target._rows("SELECT codec FROM kv_blocks")} == {AUTO}
+    elsewhere = ChatEngine(load_model(path, block_size=8), target)
+    _, info = elsewhere.open(target.get_session(result.session_ids[0]))
+    assert info.restored == info.tokens
