@@ -301,13 +301,15 @@ def measure_jobs_at_once(model, context: int, n_tokens: int, counts: tuple[int, 
 def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
     """Every codec on the model's real KV: size and speed (measure.measure_codecs), KL divergence
     of the next-token distribution against the live cache, and how many greedy tokens match live."""
-    from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
+    from llama_chat.storage.codec import decode_kv, encode_kv
+    from llama_chat.storage.kv_plan import model_plan
 
+    plan = model_plan(model)
     ids = sample_tokens(model.tokenizer, n_tokens + 1)
     live = model.new_sequence(n_tokens + n_greedy + 2)
     model.forward(ids[:n_tokens], live)
     k, v = live.gather(0, n_tokens)
-    table = measure_codecs(k, v)
+    table = measure_codecs(k, v, plan)
 
     def greedy(seq, first: int) -> tuple[np.ndarray, list[int]]:
         logits = model.forward([first], seq)[-1]
@@ -321,11 +323,11 @@ def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
     p = live_logits.astype(np.float64) - live_logits.max()
     p -= np.log(np.exp(p).sum())
     B = model.pool.block_size
-    for codec in CODECS:
+    for codec in table:
         seq = model.new_sequence(n_tokens + n_greedy + 2)
         seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
         for start in range(0, n_tokens, B):
-            dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec))
+            dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec, plan))
             seq.append_kv(ids[start : start + dk.shape[2]], dk, dv)
         logits, tokens = greedy(seq, ids[n_tokens])
         q = logits.astype(np.float64) - logits.max()

@@ -18,7 +18,7 @@ import numpy as np
 
 from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore
-from llama_chat.storage.codec import CODECS, decode_kv, encode_kv
+from llama_chat.storage.codec import AUTO, CODECS, KVPlan, decode_kv, encode_kv
 from llama_chat.storage.exchange import default_file_name, export_session, import_session
 
 from .chat.engine import ChatEngine
@@ -26,19 +26,19 @@ from .chat.engine import ChatEngine
 GREEDY = SamplingParams(temperature=0)
 
 
-def measure_codecs(k: np.ndarray, v: np.ndarray) -> dict[str, dict]:
-    """Each codec on a whole cache [n_layer, n_kv_head, n_tokens, head_dim], cut into 64-token blocks
-    as storage cuts it: total bytes, bytes per token, encode/decode milliseconds for the whole cache
-    (best of 3 runs), and the largest absolute error in k and in v."""
+def measure_codecs(k: np.ndarray, v: np.ndarray, plan: KVPlan | None = None) -> dict[str, dict]:
+    """Each codec (and auto, given the model's plan) on a whole cache [n_layer, n_kv_head, n_tokens,
+    head_dim], cut into 64-token blocks as storage cuts it: total bytes, bytes per token, encode/decode
+    milliseconds for the whole cache (best of 3 runs), and the largest absolute error in k and in v."""
     block = 64
     n_tokens = k.shape[2]
     pieces = [(k[:, :, t : t + block], v[:, :, t : t + block]) for t in range(0, n_tokens, block)]
     out = {}
-    for codec in CODECS:
+    for codec in (*CODECS, AUTO) if plan else CODECS:
         encode_s = decode_s = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            blobs = [encode_kv(bk, bv, codec) for bk, bv in pieces]
+            blobs = [encode_kv(bk, bv, codec, plan) for bk, bv in pieces]
             t1 = time.perf_counter()
             decoded = [decode_kv(b) for b in blobs]
             t2 = time.perf_counter()
@@ -91,12 +91,13 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
     }
 
 
+# load_chat_model, as every front end loads a model: the codec's compiled loops (and the model's KV
+# plan) are ready before a conversation is opened, so the resume is timed without them.
 RESUME_CHILD = """
 import json, sys, time
-from llama_chat.app.chat.engine import ChatEngine
-from llama_chat.inference import load_model
+from llama_chat.app.chat.engine import ChatEngine, load_chat_model
 from llama_chat.storage import ChatStore
-model = load_model(sys.argv[1])
+model = load_chat_model(sys.argv[1])
 engine = ChatEngine(model, ChatStore(sys.argv[2]))
 session = engine.store.get_session(sys.argv[3])
 t = time.perf_counter()

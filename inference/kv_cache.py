@@ -14,9 +14,11 @@ writes it through `reserve` + `write`, and copies it out with `gather`.
 Unreferenced full blocks stay cached and are evicted least-recently-used under the RAM budget.
 
 Blocks missing from RAM may come from a `BlockSource` handed to the pool when it is built (the
-conversation store): `source.fetch(key, tokens, namespace)` returns the block's keys and values
-[layer, kv_head, B, head_dim] float32 if it holds a block of that prefix key in that namespace made
-from exactly those tokens, else None. The pool checks the shapes and keeps what it fetched in RAM.
+conversation store): `source.fetch(key, tokens, namespace, out)` writes the block's keys and values
+into `out`, the (k, v) views [layer, kv_head, B, head_dim] float32 of a free slot of the arena, and
+says True if it holds a block of that prefix key in that namespace made from exactly those tokens and
+of that shape, else False. Decoded where it will be read, a stored block is never copied again; the
+pool keeps what it fetched in RAM.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class BlockSource(Protocol):
     """Where blocks missing from RAM may be found (see the module's docstring)."""
 
     def fetch(
-        self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None
-    ) -> tuple[np.ndarray, np.ndarray] | None: ...
+        self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None, out: tuple[np.ndarray, np.ndarray]
+    ) -> bool: ...
 
 
 class KVBlock:
@@ -194,24 +196,16 @@ class BlockPool:
             if block.refs == 0:
                 self.lru.move_to_end(block.name)
             return block
-        found = self._source.fetch(key, tokens, namespace) if self._source is not None else None
-        if found is None:
+        if self._source is None:
             return None
-        k, v = found
-        expected = (self.cfg.n_layer, self.cfg.n_head_kv, self.block_size, self.cfg.head_dim)
-        if k.shape != expected or v.shape != expected:
-            return None  # not a block of this model: recompute rather than trust it
         block = self.allocate()
-        self._write_block(block, k, v)
+        if not self._source.fetch(key, tokens, namespace, self.block_kv(block)):
+            self.release(block)  # (unnamed: its slot is free again)
+            return None
         block.refs = 0
         self.register(block, key, tokens, namespace)
         self.lru[block.name] = block
         return block
-
-    def _write_block(self, block: KVBlock, k: np.ndarray, v: np.ndarray) -> None:
-        s = block.slot * self.block_size
-        self._k[:, :, s : s + k.shape[2]] = k
-        self._v[:, :, s : s + v.shape[2]] = v
 
     def copy_block(self, src: KVBlock, n_tokens: int, after: int | None) -> KVBlock:
         dst = self.allocate(after)

@@ -6,11 +6,15 @@ import math
 import struct
 import time
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
-CODECS: tuple[str, ...] = ("f32", "f16", "q8", "q6", "q4")
+CODECS: tuple[str, ...] = ("f32", "f16", "q8", "q6", "q4")  # one precision for every layer and head
+AUTO = "auto"  # a precision per layer and KV head, as a KVPlan says (kv_plan.py measures one per model)
+STORED_CODECS: tuple[str, ...] = (*CODECS, AUTO)  # what a stored block may say it is
+PLAN_BITS = (4, 6, 8, 16)  # the precisions an auto block gives one head's keys or values
 
 # Layout: a 22-byte header (magic, format version, codec id, n_layer, n_kv_head, n_tokens, head_dim),
 # then one zstd frame (with content size and checksum) holding a copy of the header and the streams:
@@ -21,12 +25,19 @@ CODECS: tuple[str, ...] = ("f32", "f16", "q8", "q6", "q4")
 #   q6   like q4 with 6-bit codes, four to three bytes (first code in the lowest bits)
 #   q4   k nibbles [L, H, D, T], v nibbles [L, H, T, D] (two per byte, first in the low nibble);
 #        float16 scales of k, of v, mins of k, of v, byte-shuffled together
+#   auto the header is followed (outside the frame and again inside it) by the plan: one byte per
+#        layer and head, [L, H] row-major, giving its keys' bits, then one per head for the values
+#        (each of PLAN_BITS). Then, keys first, values next, for each bits of PLAN_BITS in order, the
+#        heads given it (in row-major order) as one part [n, T, D]: at 16 bits byte-shuffled float16;
+#        else asymmetric codes (as q4 and q6: keys per channel [n, D, T], values per token), 8-bit
+#        keys as token-to-token differences as q8's, 6 and 4 bits packed as q6's and q4's; then
+#        the part's float16 scales and mins, byte-shuffled together.
 # Groups are 32 consecutive values along the last axis named (tokens for k, head_dim for v); a
 # ragged last group is simply shorter. Multi-byte numbers are little-endian.
 MAGIC = b"LCKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sBB4I")
-_CODEC_IDS = {"f32": 1, "f16": 2, "q8": 3, "q4": 4, "q6": 5}
+_CODEC_IDS = {"f32": 1, "f16": 2, "q8": 3, "q4": 4, "q6": 5, AUTO: 6}
 _CODEC_NAMES = {i: name for name, i in _CODEC_IDS.items()}
 
 # A real block is at most a few million values per array (80 layers x 8 heads x 64 tokens x 128);
@@ -50,6 +61,40 @@ class CorruptBlockError(ValueError):
     """Bytes that are not a block this codec wrote: truncated, altered, or inconsistent."""
 
 
+@dataclass(frozen=True)
+class KVPlan:
+    """How an auto block stores each KV head: bits for its keys and for its values, [layer][head],
+    each of PLAN_BITS. Each block carries its own, so a block reads the same under any plan."""
+
+    k_bits: tuple[tuple[int, ...], ...]
+    v_bits: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        shapes = {len(self.k_bits), len(self.v_bits)}, {len(row) for row in (*self.k_bits, *self.v_bits)}
+        if len(shapes[0]) != 1 or len(shapes[1]) != 1 or not self.k_bits or not self.k_bits[0]:
+            raise ValueError("a KV plan needs the same number (at least one) of layers and heads for k and v")
+        if any(b not in PLAN_BITS for row in (*self.k_bits, *self.v_bits) for b in row):
+            raise ValueError(f"a KV plan's bits must each be one of {PLAN_BITS}")
+
+    @classmethod
+    def uniform(cls, n_layer: int, n_head: int, bits: int) -> KVPlan:
+        row = (bits,) * n_head
+        return cls((row,) * n_layer, (row,) * n_layer)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.k_bits), len(self.k_bits[0])
+
+    def table(self) -> bytes:
+        """As an auto block's header carries it: keys' bits [L, H] row-major, then values'."""
+        return bytes(b for rows in (self.k_bits, self.v_bits) for row in rows for b in row)
+
+    def bits_per_value(self) -> float:
+        """The mean bits of a stored value (scales and compression aside)."""
+        flat = [b for rows in (self.k_bits, self.v_bits) for row in rows for b in row]
+        return sum(flat) / len(flat)
+
+
 def checksum(data: bytes) -> str:
     """CRC-32 of encoded bytes, stored beside each block: it catches damage (not tampering) at a
     quarter of a cryptographic hash's cost, which counts when a resume checks 32 blocks; the zstd
@@ -67,27 +112,34 @@ def compile_kernels(progress=None) -> float:
     cached = all(in_cache(k) for k in _kernels().COMPILED)
     label = "loading the KV codec" if cached else "compiling the KV codec (first start only)"
     arena = np.zeros((2, 2, 40, GROUP), _F32)
-    for i, codec in enumerate(("q8", "q6", "q4")):
+    plan = KVPlan(((4, 6), (8, 16)), ((16, 8), (6, 4)))  # every precision, for keys and for values
+    codecs = ("q8", "q6", "q4", AUTO)
+    for i, codec in enumerate(codecs):
         if progress:
-            progress(label, i, 3)
-        decode_kv(encode_kv(arena[:, :, :33], arena[:, :, :33], codec))  # a view with gaps, as the arena's
-        encode_kv(arena, arena, codec)  # and contiguous, as a tail's copy
+            progress(label, i, len(codecs))
+        # a view with gaps, as the arena's, and contiguous, as a tail's copy; decoded into new arrays
+        # and into the arena
+        data = encode_kv(arena[:, :, :33], arena[:, :, :33], codec, plan)
+        decode_kv(data, (arena[:, :, 1:34], arena[:, :, 2:35]))
+        decode_kv(data)
+        encode_kv(arena, arena, codec, plan)
     if progress:
-        progress(label, 3, 3)
+        progress(label, len(codecs), len(codecs))
     return time.perf_counter() - t0
 
 
 # -- encoding ------------------------------------------------------------------------------------
 
 
-def encode_kv(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
+def encode_kv(k: np.ndarray, v: np.ndarray, codec: str, plan: KVPlan | None = None) -> bytes:
     """One block's keys and values, each [n_layer, n_kv_head, n_tokens, head_dim], as bytes.
 
     f32 is lossless; f16 saturates at +-65504; q8 and q4 need finite values (ValueError otherwise)
     and saturate where a group's scale would overflow float16 (|x| beyond ~8e6 for q8, ~6e4 for q4).
+    auto stores each head as `plan` says (required, of the block's layers and heads).
     """
     if codec not in _CODEC_IDS:
-        raise ValueError(f"unknown KV codec {codec!r}; expected one of {', '.join(CODECS)}")
+        raise ValueError(f"unknown KV codec {codec!r}; expected one of {', '.join(STORED_CODECS)}")
     k = np.asarray(k)
     v = np.asarray(v)
     if k.ndim != 4 or k.shape != v.shape:
@@ -96,9 +148,15 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
         raise ValueError(f"KV block shape {k.shape} is empty or larger than {MAX_ELEMENTS} values")
     k = k.astype(_F32, copy=False)
     v = v.astype(_F32, copy=False)
-    if codec in ("q8", "q6", "q4") and not (np.isfinite(k).all() and np.isfinite(v).all()):
+    if codec in ("q8", "q6", "q4", AUTO) and not (np.isfinite(k).all() and np.isfinite(v).all()):
         raise ValueError(f"KV block has non-finite values, which {codec} cannot quantize")
 
+    if codec == AUTO:
+        if plan is None or plan.shape != k.shape[:2]:
+            raise ValueError(
+                f"an auto KV block needs a plan of its {k.shape[0]} layers and {k.shape[1]} heads"
+            )
+        return _encode_auto(k, v, plan)
     if codec == "f32":
         streams = [_shuffle(k), _shuffle(v)]
     elif codec == "f16":
@@ -120,9 +178,39 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
     return block_bytes(codec, k.shape, streams)
 
 
-def block_bytes(codec: str, shape: tuple[int, ...], streams: list[np.ndarray]) -> bytes:
-    """A block's bytes: its header, then one zstd frame of the header again and the streams."""
-    header = _HEADER.pack(MAGIC, VERSION, _CODEC_IDS[codec], *shape)
+def _encode_auto(k: np.ndarray, v: np.ndarray, plan: KVPlan) -> bytes:
+    """An auto block: each head's keys and values at the plan's bits (see the layout above)."""
+    L, H, T, D = k.shape
+    streams = []
+    for x, bits_of, is_key in ((k, plan.k_bits, True), (v, plan.v_bits, False)):
+        heads = x.reshape(L * H, T, D)
+        flat = np.array(bits_of).ravel()
+        for bits in PLAN_BITS:
+            chosen = np.flatnonzero(flat == bits)
+            if chosen.size:
+                streams += _encode_part(heads[chosen][None], bits, is_key)
+    return block_bytes(AUTO, k.shape, streams, plan.table())
+
+
+def _encode_part(x: np.ndarray, bits: int, is_key: bool) -> list[np.ndarray]:
+    """Heads [1, n, T, D] of an auto block given the same bits: their streams."""
+    if bits == 16:
+        return [_shuffle(_to_f16(x))]
+    q, scales, mins = _quantize_asymmetric(_channel_major(x) if is_key else x, bits)
+    if bits == 8:
+        # as q8's keys: each channel's token-to-token difference (mod 256, so exact) compresses better
+        codes = np.diff(q, axis=-1, prepend=np.uint8(0)) if is_key else q
+    else:
+        codes = _pack(q, "q6" if bits == 6 else "q4")
+    return [codes, _shuffle(np.concatenate([scales, mins], axis=None))]
+
+
+def block_bytes(
+    codec: str, shape: tuple[int, ...], streams: list[np.ndarray], plan_table: bytes = b""
+) -> bytes:
+    """A block's bytes: its header (and an auto block's plan), then one zstd frame of them again and
+    the streams."""
+    header = _HEADER.pack(MAGIC, VERSION, _CODEC_IDS[codec], *shape) + plan_table
     # The header is repeated inside the frame (22 bytes, covered by zstd's checksum): a header
     # whose dims were permuted would otherwise still match the payload's size.
     payload = header + b"".join(s.tobytes() for s in streams)
@@ -235,14 +323,44 @@ def block_info(data: bytes) -> tuple[str, tuple[int, int, int, int]] | None:
     return codec, tuple(dims)
 
 
+def block_plan(data: bytes) -> KVPlan | None:
+    """The plan an auto block was stored under, from its header; None for other blocks or bytes
+    that do not hold a valid one."""
+    info = block_info(data)
+    if info is None or info[0] != AUTO:
+        return None
+    try:
+        return _plan_of(data, info[1])
+    except CorruptBlockError:
+        return None
+
+
+def _plan_of(data: bytes, dims) -> KVPlan:
+    """An auto block's plan, read after its header."""
+    n_layer, n_head = dims[0], dims[1]
+    if n_layer * n_head > MAX_ELEMENTS:
+        raise CorruptBlockError(f"implausible KV block shape {tuple(dims)}")
+    size = n_layer * n_head
+    table = data[_HEADER.size : _HEADER.size + 2 * size]
+    if len(table) < 2 * size:
+        raise CorruptBlockError("auto KV block is shorter than its plan")
+    rows = [tuple(table[i : i + n_head]) for i in range(0, 2 * size, n_head)]
+    try:
+        return KVPlan(tuple(rows[:n_layer]), tuple(rows[n_layer:]))
+    except ValueError as e:
+        raise CorruptBlockError(f"auto KV block has an invalid plan: {e}") from None
+
+
 # -- decoding ------------------------------------------------------------------------------------
 
 
-def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+def decode_kv(data: bytes, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The (k, v) float32 arrays encode_kv was given (or their quantized approximation).
 
-    Raises CorruptBlockError for anything that isn't intact output of encode_kv; memory use is
-    bounded by the shape the header declares, which is itself bounded by MAX_ELEMENTS.
+    `out`: float32 arrays (views of the KV arena, say) to decode into, which are returned; a block of
+    another shape is refused. Raises CorruptBlockError for anything that isn't intact output of
+    encode_kv (out then holds anything); memory use is bounded by the shape the header declares,
+    which is itself bounded by MAX_ELEMENTS.
     """
     if not isinstance(data, bytes):
         data = bytes(memoryview(data))  # bytearray, memoryview, sqlite3 blobs
@@ -261,26 +379,37 @@ def decode_kv(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     if min(dims) < 1 or n > MAX_ELEMENTS:
         raise CorruptBlockError(f"implausible KV block shape {tuple(dims)}")
 
-    header, frame = data[: _HEADER.size], data[_HEADER.size :]
-    raw = _decompress(frame, _HEADER.size + _payload_size(codec, dims))
-    if raw[: _HEADER.size] != header:
+    plan = _plan_of(data, dims) if codec == AUTO else None
+    size = _HEADER.size + (2 * n_layer * n_head if plan else 0)
+    header, frame = data[:size], data[size:]
+    raw = _decompress(frame, size + (_auto_payload_size(plan, dims) if plan else _payload_size(codec, dims)))
+    if raw[:size] != header:
         raise CorruptBlockError("KV block header does not match the one inside its payload")
-    raw = memoryview(raw)[_HEADER.size :]
+    raw = memoryview(raw)[size:]
     shape = (n_layer, n_head, n_tokens, head_dim)
-    if codec == "f32":
-        k = _unshuffle(raw[: 4 * n], _F32).reshape(shape)
-        v = _unshuffle(raw[4 * n :], _F32).reshape(shape)
-    elif codec == "f16":
-        k = _unshuffle(raw[: 2 * n], _F16).reshape(shape)
-        v = _unshuffle(raw[2 * n :], _F16).reshape(shape)
+    if out is not None and (out[0].shape != shape or out[1].shape != shape):
+        raise CorruptBlockError(f"KV block of shape {shape} where {out[0].shape} was expected")
+    if codec in ("f32", "f16"):
+        dtype = _F32 if codec == "f32" else _F16
+        k = _unshuffle(raw[: dtype.itemsize * n], dtype).reshape(shape)
+        v = _unshuffle(raw[dtype.itemsize * n :], dtype).reshape(shape)
+        if out is None:
+            return _native_f32(k), _native_f32(v)
+        np.copyto(out[0], k)
+        np.copyto(out[1], v)
+        return out
+    k, v = out if out is not None else (np.empty(shape, np.float32), np.empty(shape, np.float32))
+    if plan is not None:
+        _decode_auto(plan, raw, k, v)
     else:
-        k, v = _decode_quantized(codec, raw, shape)
-    return _native_f32(k), _native_f32(v)
+        _decode_quantized(codec, raw, k, v)
+    return out or (k, v)
 
 
-def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """k and v of a q8, q6 or q4 payload (after its header), decoded by the compiled loops."""
+def _decode_quantized(codec: str, raw: memoryview, k: np.ndarray, v: np.ndarray) -> None:
+    """k and v of a q8, q6 or q4 payload (after its header), decoded into k and v by the compiled loops."""
     compiled = _kernels()
+    shape = k.shape
     n_layer, n_head, n_tokens, head_dim = shape
     n = math.prod(shape)
     gk, gv = _n_groups(shape)
@@ -300,10 +429,69 @@ def _decode_quantized(codec: str, raw: memoryview, shape: tuple[int, ...]) -> tu
         qk, qv = qk[:n].reshape(cshape), qv[:n].reshape(shape)
         scales = _unshuffle(raw[2 * size :], _F16).astype(np.float32)
         sk, sv, mk, mv = np.split(scales, [gk, gk + gv, 2 * gk + gv])
-    k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
     compiled.dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1), _GROUP_BITS, k, True)
     compiled.dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1), _GROUP_BITS, v, False)
-    return k, v
+
+
+def _auto_parts(plan: KVPlan, shape):
+    """The parts of an auto block in stream order: (is_key, bits, chosen heads (flat indices), bytes)."""
+    _, _, T, D = shape
+    for bits_of, is_key in ((plan.k_bits, True), (plan.v_bits, False)):
+        flat = np.array(bits_of).ravel()
+        for bits in PLAN_BITS:
+            chosen = np.flatnonzero(flat == bits)
+            if chosen.size:
+                yield is_key, bits, chosen, _part_size(chosen.size, T, D, bits, is_key)
+
+
+def _part_size(n: int, T: int, D: int, bits: int, is_key: bool) -> int:
+    values = n * T * D
+    groups = n * D * -(-T // GROUP) if is_key else n * T * -(-D // GROUP)
+    if bits == 16:
+        return 2 * values
+    codes = values if bits == 8 else _packed_size("q6" if bits == 6 else "q4", values)
+    return codes + 4 * groups
+
+
+def _auto_payload_size(plan: KVPlan, shape) -> int:
+    return sum(size for *_, size in _auto_parts(plan, shape))
+
+
+def _decode_auto(plan: KVPlan, raw: memoryview, k: np.ndarray, v: np.ndarray) -> None:
+    """k and v of an auto payload (after its header and plan), decoded into k and v."""
+    shape = k.shape
+    L, H, T, D = shape
+    offset = 0
+    for is_key, bits, chosen, size in _auto_parts(plan, shape):
+        part = _decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key)
+        (k if is_key else v)[chosen // H, chosen % H] = part  # (written through: k may be the arena's view)
+        offset += size
+
+
+def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: bool) -> np.ndarray:
+    """n heads [n, T, D] float32 of one part of an auto block."""
+    values = n * T * D
+    shape = (1, n, T, D)
+    if bits == 16:
+        return _unshuffle(raw, _F16).reshape(n, T, D).astype(np.float32)
+    coded = (1, n, D, T) if is_key else shape
+    if bits == 8:
+        size = values
+        q = np.frombuffer(raw, np.uint8, values).reshape(coded)
+        if is_key:
+            q = np.cumsum(q, axis=-1, dtype=np.uint8)
+    else:
+        codec = "q6" if bits == 6 else "q4"
+        size = _packed_size(codec, values)
+        q = np.empty(4 * -(-values // 4), np.uint8)  # whole groups of four codes
+        unpack = _kernels().unpack_sixes if bits == 6 else _kernels().unpack_nibbles
+        unpack(np.frombuffer(raw, np.uint8, size), q)
+        q = q[:values].reshape(coded)
+    scales, mins = np.split(_unshuffle(raw[size:], _F16).astype(np.float32), 2)
+    out = np.empty(shape, np.float32)
+    groups = (*coded[:3], -1)
+    _kernels().dequantize(q, scales.reshape(groups), mins.reshape(groups), _GROUP_BITS, out, is_key)
+    return out[0]
 
 
 def kv_matches(data: bytes, k: np.ndarray, v: np.ndarray, tolerance: float = MATCH_TOLERANCE) -> bool:
@@ -320,7 +508,7 @@ def kv_matches(data: bytes, k: np.ndarray, v: np.ndarray, tolerance: float = MAT
         return False
     if stored[0].shape != k.shape or stored[1].shape != v.shape:
         return False
-    again = decode_kv(encode_kv(k, v, codec[0]))
+    again = decode_kv(encode_kv(k, v, codec[0], block_plan(data)))
     for a, b, exact in zip(stored, again, (k, v), strict=True):
         if np.linalg.norm(a - b) > tolerance * (np.linalg.norm(exact) + 1e-30):
             return False

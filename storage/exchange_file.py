@@ -16,7 +16,7 @@ from pathlib import Path
 import zstandard
 
 from . import codec as block_codec  # for the layout of a block's header
-from .codec import CODECS, MAX_ELEMENTS, CorruptBlockError, checksum, decode_kv
+from .codec import MAX_ELEMENTS, STORED_CODECS, CorruptBlockError, checksum, decode_kv
 from .db import StoreError
 from .records import Message, Session, StoredBlock, StoredTail
 
@@ -307,7 +307,7 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
         if key in blocks:
             raise _Invalid(f"{where} repeats block {key.hex()}")
         codec = _get(b, "codec", "text", where)
-        if codec not in CODECS:
+        if codec not in STORED_CODECS:
             raise _Invalid(f"{where} has unknown codec {codec[:20]!r}")
         n_tokens = _get(b, "n_tokens", "integer", where)
         if not 0 < n_tokens <= MAX_ELEMENTS:
@@ -372,7 +372,7 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
             parent_key = _get(tail, "parent_key", "16-byte hex key", tw, optional=True)
             tokens = _get(tail, "tokens", "token list", tw)
             codec = _get(tail, "codec", "text", tw)
-            if not tokens or codec not in CODECS:
+            if not tokens or codec not in STORED_CODECS:
                 raise _Invalid(f"{tw} has no tokens or an unknown codec")
             _get(tail, "size", "integer", tw)
             parent = bytes.fromhex(parent_key) if parent_key else None

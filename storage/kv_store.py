@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import CorruptBlockError, checksum, decode_kv, encode_kv, kv_matches
+from .codec import CorruptBlockError, KVPlan, checksum, decode_kv, encode_kv, kv_matches
 from .records import StoredBlock, StoredTail
 from .remote import MovingAverage, RemoteTier
 from .store import ChatStore
@@ -37,9 +37,9 @@ def decode_checked(data: bytes, expected_checksum: str) -> KV | None:
     return _decoded(data) if checksum(data) == expected_checksum else None
 
 
-def _decoded(data: bytes) -> KV | None:
+def _decoded(data: bytes, out: KV | None = None) -> KV | None:
     try:
-        return decode_kv(data)
+        return decode_kv(data, out)
     except CorruptBlockError:
         return None
 
@@ -70,30 +70,38 @@ class RemoteRead:
 
 
 class KVStore:
-    def __init__(self, store: ChatStore, fingerprint: str, codec: str, remote: RemoteTier | None = None):
+    def __init__(
+        self,
+        store: ChatStore,
+        fingerprint: str,
+        codec: str,
+        remote: RemoteTier | None = None,
+        plan: KVPlan | None = None,
+    ):
         self.store = store
         self.fingerprint = fingerprint
-        self.codec = codec
+        self.codec = codec  # what new blocks are written in; any stored block reads, whatever its codec
+        self.plan = plan  # the auto codec's bits per layer and head (kv_plan.model_plan)
         self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
         self.prefill_tok_s = MovingAverage()  # the model's, measured on replies: what `remote` must beat
         self.fetched: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, not in SQLite yet
         self.fetched_tails: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, by tail_key
         self._fetched_lock = threading.Lock()  # (snapshots are stored off the scheduler's thread)
 
-    def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None) -> KV | None:
-        """A stored block of the namespace, checked against its checksum and the tokens it stands for;
-        a bad one is dropped so it gets recomputed."""
+    def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None, out: KV) -> bool:
+        """A stored block of the namespace decoded into `out` (the pool's arena), checked against its
+        checksum, the tokens it stands for and out's shape; a bad one is dropped so it gets recomputed."""
         fetched = self._fetched(key) if namespace is None else None
         block = fetched or self.store.load_block(key, self.fingerprint, namespace)
         if block is None:
-            return None
+            return False
         # one from the remote tier had its signature and checksum checked as it was read
         intact = fetched is not None or checksum(block.data) == block.checksum
-        kv = _decoded(block.data) if intact and block.tokens == list(tokens) else None
+        kv = _decoded(block.data, out) if intact and block.tokens == list(tokens) else None
         if kv is None:
             self._forget([key])
             self.store.drop_block(key, namespace)
-        return kv
+        return kv is not None
 
     def _fetched(self, key: bytes) -> StoredBlock | None:
         with self._fetched_lock:
@@ -148,14 +156,14 @@ class KVStore:
                 new_blocks.append(fetched)  # as another server wrote it: nothing to encode
                 remote_keys.add(key)
             else:
-                data = encode_kv(*block_kv(i), self.codec)
+                data = encode_kv(*block_kv(i), self.codec, self.plan)
                 new_blocks.append(
                     StoredBlock(key, len(tokens), self.codec, data, checksum(data), list(tokens))
                 )
         stored_tail = None
         if tail is not None:
             tokens, k, v = tail
-            data = encode_kv(k, v, self.codec)
+            data = encode_kv(k, v, self.codec, self.plan)
             stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
         self.store.save_snapshot(
             session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace

@@ -15,12 +15,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_chat.storage.codec import (
-    CODECS,
+    AUTO,
+    STORED_CODECS,
     CorruptBlockError,
+    KVPlan,
+    block_plan,
     checksum,
     compile_kernels,
     decode_kv,
     encode_kv,
+    kv_matches,
 )
 
 HEADER = struct.Struct("<4sBB4I")  # the documented header: magic, version, codec id, 4 dims
@@ -64,6 +68,20 @@ def asymmetric_bound(x, axis, bits):
     return step / 2 + np.maximum(np.abs(lo), np.abs(hi)) * 2**-22
 
 
+def some_plan(shape) -> KVPlan:
+    """A plan giving the layers and heads of a block every precision in turn, keys and values apart."""
+    bits = (4, 6, 8, 16)
+    n_layer, n_head = shape[:2]
+    k = tuple(tuple(bits[(2 * layer + h) % 4] for h in range(n_head)) for layer in range(n_layer))
+    v = tuple(tuple(bits[(2 * layer + h + 1) % 4] for h in range(n_head)) for layer in range(n_layer))
+    return KVPlan(k, v)
+
+
+def encode(k, v, codec):
+    """encode_kv, with some_plan for the auto codec."""
+    return encode_kv(k, v, codec, some_plan(k.shape) if codec == AUTO else None)
+
+
 def assert_decodes_to_arrays_or_refuses(data):
     try:
         k, v = decode_kv(data)
@@ -85,19 +103,38 @@ def test_f32_round_trip_is_bit_exact(shape):
     assert v2.view(np.uint32).tolist() == v.view(np.uint32).tolist()
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", STORED_CODECS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decoded_arrays_are_float32_c_contiguous_of_the_original_shape(codec, shape):
     k, v = realistic_kv(shape)
-    for a in decode_kv(encode_kv(k, v, codec)):
+    for a in decode_kv(encode(k, v, codec)):
         assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", STORED_CODECS)
 def test_views_into_a_larger_arena_encode_like_copies(codec):
     arena_k, arena_v = realistic_kv((2, 2, 300, 64))
     k, v = arena_k[:, :, 100:164], arena_v[:, :, 100:164]  # what the block pool hands over
-    assert encode_kv(k, v, codec) == encode_kv(k.copy(), v.copy(), codec)
+    assert encode(k, v, codec) == encode(k.copy(), v.copy(), codec)
+
+
+@pytest.mark.parametrize("codec", STORED_CODECS)
+def test_a_block_decodes_into_a_view_of_a_larger_arena_as_into_new_arrays(codec):
+    """As a resumed block is decoded: straight into its slot of the KV arena."""
+    k, v = realistic_kv((3, 2, 64, 64))
+    data = encode(k, v, codec)
+    arena = np.full((2, 3, 2, 200, 64), np.nan, np.float32)
+    out = arena[0, :, :, 70:134], arena[1, :, :, 70:134]
+    assert decode_kv(data, out) is out
+    for got, want in zip(out, decode_kv(data), strict=True):
+        assert np.array_equal(got, want)
+    assert np.isnan(arena[:, :, :, :70]).all() and np.isnan(arena[:, :, :, 134:]).all()  # nothing else
+
+
+def test_a_block_of_another_shape_than_its_destination_is_refused():
+    data = encode_kv(*realistic_kv((3, 2, 64, 64)), "q6")
+    with pytest.raises(CorruptBlockError, match="shape"):
+        decode_kv(data, (np.empty((3, 2, 32, 64), np.float32), np.empty((3, 2, 32, 64), np.float32)))
 
 
 def test_decode_accepts_any_bytes_like_object():
@@ -132,6 +169,58 @@ def test_q4_and_q6_error_is_half_a_step_of_each_groups_range(shape, codec, bits)
     assert np.all(np.abs(v2 - v) <= asymmetric_bound(v, axis=3, bits=bits))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_auto_stores_each_heads_keys_and_values_at_the_bits_its_plan_gives(shape):
+    k, v = realistic_kv(shape)
+    plan = some_plan(shape)
+    k2, v2 = decode_kv(encode_kv(k, v, AUTO, plan))
+    for layer in range(shape[0]):
+        for head in range(shape[1]):
+            for x, y, bits, axis in (
+                (k, k2, plan.k_bits[layer][head], 0),  # keys per channel (along tokens)
+                (v, v2, plan.v_bits[layer][head], 1),  # values per token (along head_dim)
+            ):
+                x, y = x[layer, head], y[layer, head]
+                if bits == 16:
+                    bound = np.abs(x) * 2**-11 + 2**-25
+                else:
+                    bound = asymmetric_bound(x, axis=axis, bits=bits)
+                assert np.all(np.abs(y - x) <= bound), (layer, head, bits)
+
+
+def test_an_auto_block_says_its_plan_and_reads_without_one():
+    """A block written under one plan reads under any: it carries its own."""
+    k, v = realistic_kv((3, 2, 64, 64))
+    plan = some_plan(k.shape)
+    data = encode_kv(k, v, AUTO, plan)
+    assert block_plan(data) == plan
+    assert block_plan(encode_kv(k, v, "q6")) is None
+    assert kv_matches(data, k, v) and not kv_matches(data, v, k)
+
+
+def test_an_auto_block_with_fewer_bits_is_smaller():
+    k, v = realistic_kv((3, 2, 64, 64))
+    sizes = [len(encode_kv(k, v, AUTO, KVPlan.uniform(3, 2, bits))) for bits in (4, 6, 8, 16)]
+    assert sizes == sorted(sizes) and sizes[0] < 0.8 * sizes[1]
+    assert abs(sizes[1] - len(encode_kv(k, v, "q6"))) < 0.05 * sizes[1]  # 6 bits everywhere: about q6
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [None, KVPlan.uniform(3, 2, 6), KVPlan.uniform(2, 1, 6)],
+    ids=["no plan", "another shape", "fewer heads"],
+)
+def test_auto_refuses_a_missing_plan_or_one_of_another_shape(plan):
+    with pytest.raises(ValueError, match="plan"):
+        encode_kv(*realistic_kv((2, 2, 8, 16)), AUTO, plan)
+
+
+@pytest.mark.parametrize("rows", [((5,),), ((4,), (4, 4)), ()])
+def test_a_plan_of_unknown_bits_or_ragged_rows_is_refused(rows):
+    with pytest.raises(ValueError):
+        KVPlan(rows, rows)
+
+
 @pytest.mark.parametrize("codec", ["q8", "q4"])
 def test_an_outlier_key_channel_does_not_blur_the_others(codec):
     rng = np.random.default_rng(0)
@@ -151,29 +240,29 @@ def test_q4_keeps_the_small_variations_of_a_biased_key_channel():
     assert np.abs(k2[..., 0] - k[..., 0]).max() < 0.25
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", STORED_CODECS)
 def test_zeros_survive_exactly(codec):
     zeros = np.zeros((2, 1, 37, 16), np.float32)
-    k, v = decode_kv(encode_kv(zeros, zeros, codec))
+    k, v = decode_kv(encode(zeros, zeros, codec))
     assert not k.any() and not v.any()
 
 
-@pytest.mark.parametrize("codec", ["f16", "q8", "q4"])
+@pytest.mark.parametrize("codec", ["f16", "q8", "q4", AUTO])
 def test_huge_values_saturate_instead_of_turning_into_inf_or_nan(codec):
     k, v = realistic_kv((1, 2, 40, 64))
     k[0, 0, 3, :] = 1e9
     v[0, 1, :, 7] = -1e9
-    k2, v2 = decode_kv(encode_kv(k, v, codec))
+    k2, v2 = decode_kv(encode(k, v, codec))
     assert np.isfinite(k2).all() and np.isfinite(v2).all()
     assert k2[0, 0, 3, 0] > 6e4 and v2[0, 1, 0, 7] < -6e4
 
 
-@pytest.mark.parametrize("codec", ["q8", "q4"])
+@pytest.mark.parametrize("codec", ["q8", "q4", AUTO])
 def test_quantized_codecs_refuse_non_finite_values(codec):
     k, v = realistic_kv((1, 1, 4, 32))
     k[0, 0, 1, 1] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
-        encode_kv(k, v, codec)
+        encode(k, v, codec)
 
 
 # -- sizes ---------------------------------------------------------------------------------------
@@ -218,11 +307,11 @@ def test_encode_refuses_mismatched_flat_or_empty_arrays(k_shape, v_shape):
 # -- damaged bytes -------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=CODECS)
+@pytest.fixture(params=STORED_CODECS)
 def block(request):
     """A small odd-shaped block, its encoding and what that decodes to."""
     k, v = realistic_kv((2, 1, 37, 16), seed=1)
-    data = encode_kv(k, v, request.param)
+    data = encode(k, v, request.param)
     return data, decode_kv(data)
 
 
@@ -364,21 +453,21 @@ def test_arbitrary_bytes_decode_or_raise_corrupt_block_error(data):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.sampled_from(CODECS),
+    st.sampled_from(STORED_CODECS),
     st.tuples(*[st.integers(0, 2**32 - 1)] * 4) | st.tuples(*[st.integers(0, 70)] * 4),
     st.binary(max_size=200),
 )
 def test_a_valid_looking_header_with_arbitrary_payload_raises_corrupt_block_error(codec, dims, payload):
-    codec_id = CODECS.index(codec) + 1
+    codec_id = {"f32": 1, "f16": 2, "q8": 3, "q4": 4, "q6": 5, "auto": 6}[codec]
     assert_decodes_to_arrays_or_refuses(HEADER.pack(b"LCKV", 1, codec_id, *dims) + payload)
 
 
-_ORIGINALS = {codec: encode_kv(*realistic_kv((2, 2, 40, 32), seed=3), codec) for codec in CODECS}
+_ORIGINALS = {codec: encode(*realistic_kv((2, 2, 40, 32), seed=3), codec) for codec in STORED_CODECS}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.sampled_from(CODECS),
+    st.sampled_from(STORED_CODECS),
     st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
     st.none() | st.integers(0, 10**6),
 )
@@ -404,8 +493,8 @@ def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
     ones load from numba's cache."""
     seen = []
     compile_kernels(lambda label, done, total: seen.append((label, done, total)))
-    assert [done for _, done, _ in seen] == [0, 1, 2, 3]
-    assert all("KV codec" in label and total == 3 for label, _, total in seen)
+    assert [done for _, done, _ in seen] == [0, 1, 2, 3, 4]
+    assert all("KV codec" in label and total == 4 for label, _, total in seen)
     again = []
     compile_kernels(lambda label, done, total: again.append(label))
     assert set(again) == {"loading the KV codec"}  # compiled once, then read from numba's cache
@@ -415,14 +504,17 @@ def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
 # pool holds them (strided views of its arena) and tails (copies), of every codec, compile nothing more.
 AFTER_COMPILE = """
 import numpy as np
-from llama_chat.storage.codec import _kernels, compile_kernels, decode_kv, encode_kv
+from llama_chat.storage.codec import KVPlan, _kernels, compile_kernels, decode_kv, encode_kv
 compile_kernels()
 count = lambda: {k.__name__: len(k.signatures) for k in _kernels().COMPILED}
 ready = count()
 k = np.random.default_rng(0).standard_normal((3, 2, 80, 64)).astype(np.float32)
-for codec in ("q8", "q6", "q4"):
-    decode_kv(encode_kv(k[:, :, 8:72], k[:, :, 8:72], codec))
-    decode_kv(encode_kv(k[:, :, :37].copy(), k[:, :, :37].copy(), codec))
+plan = KVPlan(((4, 6), (8, 16), (6, 8)), ((16, 8), (6, 4), (4, 4)))
+for codec in ("q8", "q6", "q4", "auto"):
+    decode_kv(encode_kv(k[:, :, 8:72], k[:, :, 8:72], codec, plan))
+    data = encode_kv(k[:, :, :37].copy(), k[:, :, :37].copy(), codec, plan)
+    decode_kv(data)
+    decode_kv(data, (k[:, :, 40:77], k[:, :, 41:78]))  # into the arena, as a resume decodes
 print(ready == count(), ready, count())
 """
 

@@ -253,10 +253,13 @@ class StoredBlocks:
         for block in seq.blocks[: seq.n_tokens // seq.pool.block_size]:
             self.blocks[block.key] = (block.tokens, *(a.copy() for a in seq.pool.block_kv(block)))
 
-    def fetch(self, key, tokens, namespace):
+    def fetch(self, key, tokens, namespace, out):
         self.asked += 1
         found = self.blocks.get(key)
-        return found[1:] if found is not None and found[0] == tokens else None
+        if found is None or found[0] != tokens:
+            return False
+        out[0][...], out[1][...] = found[1:]
+        return True
 
 
 def test_a_pool_reads_missing_blocks_from_its_source_and_takes_only_one(tiny_model_paths):

@@ -27,8 +27,10 @@ from llama_chat.inference import (
 )
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.kv_cache import prefix_key
+from llama_chat.storage.codec import AUTO
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.db import StoreError
+from llama_chat.storage.kv_plan import model_plan
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session
@@ -78,9 +80,11 @@ class ResumeInfo:
 def load_chat_model(name: str | None, progress: Callable[[str, int, int], None] | None = None, **options) -> Model:
     """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
     the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
-    the compiler."""
+    the compiler. Under the auto codec, the model's KV plan too (measured at its first use)."""
     model = load_model(name, progress=progress, **options)
     compile_codec(progress)
+    if CODEC == AUTO:
+        model_plan(model, progress)
     return model
 
 
@@ -135,7 +139,8 @@ class ChatEngine:
     ):
         self.model = model
         self.store = store
-        self.kv = KVStore(store, model.fingerprint, codec, remote)
+        plan = model_plan(model) if codec == AUTO else None
+        self.kv = KVStore(store, model.fingerprint, codec, remote, plan)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.scheduler = scheduler or Scheduler(model)
