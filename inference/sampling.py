@@ -17,6 +17,7 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1.0 → off; for tokens in the last N: logit > 0 → / penalty, else * penalty
     repeat_last_n: int = 64  # 0 → off, -1 → all of recent_tokens
     seed: int | None = None  # None → random; a seed makes a run reproducible
+    grammar: str | None = None  # a compiled grammar (constrain.py): only replies it allows are drawn
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # written so that NaN fails too
