@@ -35,7 +35,9 @@ class _Vocabulary:
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)]
-        self.special_token_ids = [i for i in range(tokenizer.n_vocab) if tokenizer.attrs(i) & (ATTR_CONTROL | ATTR_UNKNOWN)]
+        self.special_token_ids = [
+            i for i in range(tokenizer.n_vocab) if tokenizer.attrs(i) & (ATTR_CONTROL | ATTR_UNKNOWN)
+        ]
         ends = sorted(tokenizer.end_of_generation_ids)
         self.eos_token_id = ends[0] if ends else tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
