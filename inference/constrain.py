@@ -19,6 +19,9 @@ from .tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, Tokenizer
 
 # "Any JSON object", as llama.cpp and vLLM read response_format {"type": "json_object"}.
 JSON_OBJECT_SCHEMA = {"type": "object"}
+# JSON's whitespace, bounded: enough for pretty-printing a few levels deep, and a model cannot fill
+# its whole reply with newlines between two tokens that the schema requires.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 # llguidance's own limits on a grammar's size and the work per token keep a hostile schema bounded;
 # log level 0: its warnings would go to stderr, a user sees what matters as a GrammarError.
 _LOG_LEVEL = 0
@@ -70,7 +73,7 @@ def json_schema_grammar(schema) -> str:
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_WHITESPACE})
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the JSON schema cannot be used: {_one_line(e)}") from None
 

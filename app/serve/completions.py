@@ -13,7 +13,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llama_chat.inference import constrain
 from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.tool_calls import CallSplitter, call_grammar, split_calls, takes_tools
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
@@ -29,7 +31,7 @@ from .errors import (
     session_not_found,
     unavailable,
 )
-from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion
+from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion, tool_call
 from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json
 
@@ -44,11 +46,12 @@ async def chat_completions(request: Request) -> Response:
     )
     state.check_model(req.model)
     engine = state.ready()
+    grammar = await run_in_threadpool(_grammar, engine, req)
     events = JobEvents()
     reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
     headers = {}
     if req.session is None:
-        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events))
+        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events, grammar))
     else:
         session = await run_in_threadpool(find_session, state, req.session)
         await state.lock_session(session.id)
@@ -61,7 +64,8 @@ async def chat_completions(request: Request) -> Response:
             raise
         headers["X-Session-Id"] = session.id
     if req.stream:
-        return EventSourceResponse(_chunks(job, events, reply, req.include_usage, engine), headers=headers)
+        chunks = _chunks(job, events, reply, req.include_usage, engine, bool(req.tools))
+        return EventSourceResponse(chunks, headers=headers)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
         return Response(status_code=499)
@@ -70,8 +74,42 @@ async def chat_completions(request: Request) -> Response:
     session_id = await kept_session(job)
     if session_id is not None:
         headers["X-Session-Id"] = session_id
-    texts = [job.text(i) for i in range(job.n)]
-    return JSONResponse(reply.completion(texts, job.stats, session_id, kv_remote(engine, job)), headers=headers)
+    texts, calls = [job.text(i) for i in range(job.n)], None
+    if req.tools:
+        split = [split_calls(text) or (text, []) for text in texts]
+        texts, calls = [content for content, _ in split], [made for _, made in split]
+    body = reply.completion(texts, job.stats, session_id, kv_remote(engine, job), calls)
+    return JSONResponse(body, headers=headers)
+
+
+def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
+    """The grammar the replies must follow (a JSON schema's, or a required tool call's), compiled
+    against the model's vocabulary; a 400 naming the problem when it does not compile. Tools need a
+    chat template that renders them and asks for calls in a format this server reads."""
+    model = engine.model
+    if req.tools and not (model.has_chat_template and takes_tools(model.chat_template)):
+        raise invalid(
+            f"This model's chat template does not take tools in a format this server reads ({model.name}).",
+            param="tools",
+        )
+    if req.tools and req.session is not None:
+        raise invalid("'tools' cannot be used with a session: send the conversation whole.", param="tools")
+    try:
+        for i, tool in enumerate(req.tools or []):  # each schema on its own, so the error can name it
+            parameters = tool["function"].get("parameters") or {"type": "object"}
+            try:
+                constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(parameters))
+            except constrain.GrammarError as e:
+                raise invalid(f"'tools[{i}].function.parameters': {e}.", param=f"tools[{i}]") from None
+        if req.tools and req.tool_choice == "required":
+            grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name))
+            return constrain.check_grammar(model.tokenizer, grammar)
+        if req.json_schema is not None:
+            schema = constrain.json_schema_grammar(req.json_schema)
+            return constrain.check_grammar(model.tokenizer, schema)
+    except constrain.GrammarError as e:
+        raise invalid(f"'response_format': {e}.", param="response_format") from None
+    return None
 
 
 def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
@@ -118,10 +156,12 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
         )
 
 
-def _submit_conversation(state: ServerState, req: CompletionRequest, events: JobEvents) -> Job:
+def _submit_conversation(
+    state: ServerState, req: CompletionRequest, events: JobEvents, grammar: str | None = None
+) -> Job:
     conversations, n_ctx = state.conversations, state.engine.n_ctx
     _refused_early(state.engine, req.messages)
-    prompt = conversations.prompt(req.messages)
+    prompt = conversations.prompt(req.messages, req.tools)
     if len(prompt) >= n_ctx:
         raise context_length_exceeded(len(prompt), n_ctx)
     return conversations.submit(
@@ -131,9 +171,16 @@ def _submit_conversation(state: ServerState, req: CompletionRequest, events: Job
         sampling=req.sampling,
         max_tokens=req.max_tokens,
         stop=req.stop,
-        store=req.store,
+        store=req.store and not _has_tools(req),
         on_event=events,
+        grammar=grammar,
     )
+
+
+def _has_tools(req: CompletionRequest) -> bool:
+    """Tools offered or tool messages sent: sessions hold text turns only, so such a conversation is
+    not kept (its blocks are still shared in RAM with the next request that has its prefix)."""
+    return bool(req.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
 
 
 def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, events: JobEvents) -> Job:
@@ -169,28 +216,53 @@ def _failure(job: Job) -> ApiError:
 
 
 async def _chunks(
-    job: Job, events: JobEvents, reply: Reply, include_usage: bool, engine: ChatEngine
+    job: Job, events: JobEvents, reply: Reply, include_usage: bool, engine: ChatEngine, tools: bool = False
 ) -> AsyncIterator[str]:
     """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
-    asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does."""
+    asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does.
+    With tools, the text up to a tool call streams as content; each call follows whole, as OpenAI's
+    deltas carry it (its id and name, then its arguments)."""
+    splitters = [CallSplitter() if tools else None for _ in range(job.n)]
     try:
         for i in range(job.n):
             yield _data(reply.chunk(i, {"role": "assistant", "content": ""}))
         async for event in events:
             if event.kind == "text" and event.text:
-                yield _data(reply.chunk(event.alt, {"content": event.text}))
+                splitter = splitters[event.alt]
+                text = event.text if splitter is None else splitter.feed(event.text)
+                if text:
+                    yield _data(reply.chunk(event.alt, {"content": text}))
         if job.state is not State.DONE:
             yield _data(_failure(job).body())
             return
+        called = [False] * job.n
+        for i, splitter in enumerate(splitters):
+            for delta in _call_deltas(splitter) if splitter is not None else []:
+                called[i] = called[i] or "tool_calls" in delta
+                yield _data(reply.chunk(i, delta))
         session_id = await kept_session(job)
         for i, stats in enumerate(job.stats):
-            yield _data(reply.chunk(i, {}, finish_reason(stats), session=session_id))
+            yield _data(reply.chunk(i, {}, finish_reason(stats, called[i]), session=session_id))
         if include_usage:
             yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
         yield "[DONE]"
     finally:
         if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping
             job.cancel()
+
+
+def _call_deltas(splitter: CallSplitter) -> list[dict]:
+    """The deltas that end an alternative with tools: its held text, or each call (id and name with
+    empty arguments, then the arguments), as OpenAI streams them."""
+    content, calls = splitter.finish()
+    deltas = [{"content": content}] if content else []
+    for index, call in enumerate(calls):
+        whole = tool_call(call, index)
+        arguments = whole["function"]["arguments"]
+        whole["function"]["arguments"] = ""
+        deltas.append({"tool_calls": [whole]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+    return deltas
 
 
 def _data(value: dict) -> str:

@@ -1,0 +1,135 @@
+"""Constrained decoding (inference/constrain.py) and the Hermes tool-call format (inference/tool_calls.py)
+on the tiny models: whatever random weights prefer, a reply follows its grammar."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llama_chat.inference import SamplingParams, generate, load_model
+from llama_chat.inference.constrain import (
+    Constraint,
+    GrammarError,
+    check_grammar,
+    json_schema_grammar,
+    lark_grammar,
+)
+from llama_chat.inference.tool_calls import CallSplitter, ToolCall, call_grammar, split_calls
+
+CHOICE = {
+    "type": "object",
+    "properties": {"w": {"enum": ["hello", "world"]}},
+    "required": ["w"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # byte-level BPE, SPM with byte tokens
+@pytest.mark.parametrize("temperature", [0, 5.0])  # greedy, and draws from a nearly flat distribution
+def test_a_reply_under_a_schema_is_json_valid_under_it(tiny_model_paths, arch, temperature):
+    model = load_model(tiny_model_paths[arch])
+    grammar = check_grammar(model.tokenizer, json_schema_grammar(CHOICE))
+    sampling = SamplingParams(temperature=temperature, seed=3, grammar=grammar)
+    text = "".join(generate(model, model.tokenizer.encode("x y z"), sampling=sampling, max_tokens=300))
+    assert json.loads(text)["w"] in ("hello", "world")
+
+
+def test_unconstrained_the_tiny_model_writes_no_json(tiny_model_paths):
+    """What the test above proves: without the mask the same reply is not JSON."""
+    model = load_model(tiny_model_paths["qwen2"])
+    text = "".join(
+        generate(
+            model, model.tokenizer.encode("x y z"), sampling=SamplingParams(temperature=0), max_tokens=20
+        )
+    )
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_the_mask_allows_only_what_the_grammar_allows_next(tiny_model_paths):
+    tok = load_model(tiny_model_paths["qwen2"]).tokenizer
+    constraint = Constraint(tok, check_grammar(tok, lark_grammar('start: "ab" | "ac"')))
+    logits = np.zeros(tok.n_vocab + 5, dtype=np.float32)  # some output layers have rows past the vocabulary
+    allowed = {tok.decode([i]) for i in np.flatnonzero(np.isfinite(constraint.mask(logits)))}
+    assert allowed == {"a"} or allowed <= {"a", "ab", "ac"} and "a" in allowed
+    assert constraint.accept(tok.encode("a")[0])
+    allowed = {tok.decode([i]) for i in np.flatnonzero(np.isfinite(constraint.mask(logits)))}
+    assert allowed == {"b", "c"}
+    assert not constraint.accept(tok.encode("z")[0])
+
+
+@pytest.mark.parametrize(
+    "schema, problem",
+    [
+        ('{"type": "nonsense"}', "nonsense"),
+        ("[1, 2]", "must be an object"),
+        ("{not json", "not JSON"),
+        ('{"properties": 5}', "properties"),
+        ('{"$ref": "#/missing"}', "missing"),
+    ],
+)
+def test_a_schema_that_is_not_a_schema_is_one_line_naming_the_problem(tiny_model_paths, schema, problem):
+    tok = load_model(tiny_model_paths["qwen2"]).tokenizer
+    with pytest.raises(GrammarError) as e:
+        check_grammar(tok, json_schema_grammar(schema))
+    assert problem in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_required_call_always_parses_into_a_call_of_the_tool(tiny_model_paths):
+    model = load_model(tiny_model_paths["qwen2"])
+    grammar = check_grammar(model.tokenizer, lark_grammar(call_grammar([WEATHER])))
+    sampling = SamplingParams(temperature=0, grammar=grammar)
+    text = "".join(generate(model, model.tokenizer.encode("x y z"), sampling=sampling, max_tokens=200))
+    content, calls = split_calls(text)
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    assert calls[0].arguments["city"] in ("Paris", "Oslo")
+
+
+def test_tool_call_text_splits_into_content_and_calls():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert split_calls("Let me look. " + call + "\n" + call) == (
+        "Let me look.",
+        [ToolCall("get_weather", {"city": "Paris"})] * 2,
+    )
+    assert split_calls("no call here") is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\nnot json at all\n</tool_call>",
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}',  # cut short
+        '<tool_call>\n["a list"]\n</tool_call>',
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>',
+    ],
+)
+def test_a_tool_call_that_is_not_json_stays_content(text):
+    assert split_calls(text) is None
+    splitter = CallSplitter()
+    sent = "".join(splitter.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+    rest, calls = splitter.finish()
+    assert sent + rest == text and calls == []
+
+
+def test_streamed_content_stops_where_a_call_begins():
+    splitter = CallSplitter()
+    pieces = ["Hel", "lo <to", "ol_c", 'all>\n{"name": "f", "arguments": {}}\n</tool_call>']
+    assert [splitter.feed(p) for p in pieces] == ["Hel", "lo ", "", ""]
+    assert splitter.finish() == ("", [ToolCall("f", {})])
+    splitter = CallSplitter()
+    assert [splitter.feed(p) for p in ["a <to", "y"]] == ["a ", "<toy"]  # not a call after all
