@@ -87,6 +87,12 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
     against the model's vocabulary; a 400 naming the problem when it does not compile. Tools need a
     chat template that renders them and asks for calls in a format this server reads."""
     model = engine.model
+    for i, tool in enumerate(req.tools or []):  # each schema on its own, so the error can name it
+        parameters = tool["function"].get("parameters") or {"type": "object"}
+        try:
+            constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(parameters))
+        except constrain.GrammarError as e:
+            raise invalid(f"'tools[{i}].function.parameters': {e}.", param=f"tools[{i}]") from None
     if req.tools and not (model.has_chat_template and takes_tools(model.chat_template)):
         raise invalid(
             f"This model's chat template does not take tools in a format this server reads ({model.name}).",
@@ -95,12 +101,6 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
     if req.tools and req.session is not None:
         raise invalid("'tools' cannot be used with a session: send the conversation whole.", param="tools")
     try:
-        for i, tool in enumerate(req.tools or []):  # each schema on its own, so the error can name it
-            parameters = tool["function"].get("parameters") or {"type": "object"}
-            try:
-                constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(parameters))
-            except constrain.GrammarError as e:
-                raise invalid(f"'tools[{i}].function.parameters': {e}.", param=f"tools[{i}]") from None
         if req.tools and req.tool_choice == "required":
             grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name))
             return constrain.check_grammar(model.tokenizer, grammar)
