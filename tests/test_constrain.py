@@ -133,3 +133,30 @@ def test_streamed_content_stops_where_a_call_begins():
     assert splitter.finish() == ("", [ToolCall("f", {})])
     splitter = CallSplitter()
     assert [splitter.feed(p) for p in ["a <to", "y"]] == ["a ", "<toy"]  # not a call after all
+
+
+def test_ask_json_schema_prints_json_valid_under_it(tiny_model_paths, tmp_path, capsys):
+    from llama_chat.app.cli import main
+
+    schema = tmp_path / "w.json"
+    schema.write_text(json.dumps(CHOICE))
+    ask = ["ask", "--model", str(tiny_model_paths["qwen2"]), "--db", str(tmp_path / "x.db"), "--temp", "0"]
+    assert main([*ask, "--max-tokens", "300", "--json-schema", str(schema), "x y z"]) == 0
+    assert json.loads(capsys.readouterr().out)["w"] in ("hello", "world")
+
+
+@pytest.mark.parametrize(
+    "content, complaint", [('{"type": "nonsense"}', "nonsense"), (None, "cannot be read")]
+)
+def test_ask_with_a_schema_that_is_not_one_is_one_line(
+    tiny_model_paths, tmp_path, capsys, content, complaint
+):
+    from llama_chat.app.cli import main
+
+    schema = tmp_path / "bad.json"
+    if content is not None:
+        schema.write_text(content)
+    ask = ["ask", "--model", str(tiny_model_paths["qwen2"]), "--db", str(tmp_path / "x.db")]
+    assert main([*ask, "--json-schema", str(schema), "x y z"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and complaint in err and str(schema) in err
