@@ -13,6 +13,7 @@ call is required), and the reply's text split into its content and its calls.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from .chat_template import ChatTemplate
@@ -86,34 +87,99 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
 
 
-class CallSplitter:
-    """split_calls() as the text streams: content goes out as it comes, up to the first call; what
-    follows is held until the reply ends (a call is sent whole, once it is known to parse)."""
+@dataclass
+class Delta:
+    """A piece of a streamed reply with tools: content, or the start of call `index` (its name), or a
+    piece of its arguments (JSON text)."""
 
-    def __init__(self) -> None:
+    content: str = ""
+    index: int = -1
+    name: str | None = None
+    arguments: str = ""
+
+
+# A call's text up to its arguments: what the template writes, with any whitespace a model adds.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+class CallSplitter:
+    """split_calls() as the text streams: content goes out as it comes, up to the first call. Calls
+    constrained by call_grammar (`constrained`) parse by construction, so each one's name goes out
+    once written and its arguments as they come, as OpenAI streams them; other calls are held until
+    the reply ends and go out whole once they parse, else as content."""
+
+    def __init__(self, constrained: bool = False) -> None:
+        self.constrained = constrained
         self.held = ""  # text that is, or may be the start of, a call
         self.calling = False
+        self.at = 0  # constrained: how much of `held` went out
+        self.state = "open"  # constrained: "open" (next: a call), "head" (its name), "arguments"
+        self.calls = 0
 
-    def feed(self, text: str) -> str:
-        """The content of `text` that can go out now."""
+    def feed(self, text: str) -> list[Delta]:
+        """What of `text` can go out now."""
         if self.calling:
             self.held += text
-            return ""
+            return self._calls() if self.constrained else []
         text = self.held + text
         at = text.find(OPEN)
         if at >= 0:
             self.calling, self.held = True, text[at:]
-            return text[:at]
+            return _content(text[:at]) + (self._calls() if self.constrained else [])
         keep = _partial_open(text)  # "<tool" at the end may be a call beginning
         self.held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
+        return _content(text[: len(text) - keep])
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left of the content, and the calls (none if the held text does not parse)."""
+    def finish(self) -> list[Delta]:
+        """What is left: held content, or the calls (none if the held text does not parse)."""
         if not self.calling:
-            return self.held, []
+            return _content(self.held)
+        if self.constrained:
+            return []  # a call cut short (by the token limit): finish_reason says "length"
         parsed = split_calls(self.held)
-        return ("", parsed[1]) if parsed is not None else (self.held, [])
+        if parsed is None:
+            return _content(self.held)
+        deltas = []
+        for index, call in enumerate(parsed[1]):
+            arguments = json.dumps(call.arguments, ensure_ascii=False)
+            deltas += [Delta(index=index, name=call.name), Delta(index=index, arguments=arguments)]
+        return deltas
+
+    def _calls(self) -> list[Delta]:
+        out = []
+        while True:
+            rest = self.held[self.at :]
+            if self.state == "open":
+                stripped = rest.lstrip()
+                if not stripped.startswith(OPEN):
+                    return out
+                self.at += len(rest) - len(stripped) + len(OPEN)
+                self.state = "head"
+            elif self.state == "head":
+                head = _HEAD.match(rest)
+                if head is None:
+                    return out
+                out.append(Delta(index=self.calls, name=json.loads(f'"{head.group(1)}"')))
+                self.at += head.end()
+                self.state = "arguments"
+            else:
+                close = rest.find(CLOSE)
+                if close >= 0:  # the arguments end with the call object's closing brace
+                    out.append(Delta(index=self.calls, arguments=rest[:close].rstrip()[:-1]))
+                    self.at += close + len(CLOSE)
+                    self.calls += 1
+                    self.state = "open"
+                    continue
+                last = rest.rfind("}")  # may be the call object's closing brace: it waits
+                cut = last if last >= 0 and CLOSE.startswith(rest[last + 1 :].lstrip()) else len(rest)
+                if cut:
+                    out.append(Delta(index=self.calls, arguments=rest[:cut]))
+                self.at += cut
+                return out
+
+
+def _content(text: str) -> list[Delta]:
+    return [Delta(text)] if text else []
 
 
 def _partial_open(text: str) -> int:

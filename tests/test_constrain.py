@@ -16,7 +16,7 @@ from llama_chat.inference.constrain import (
     json_schema_grammar,
     lark_grammar,
 )
-from llama_chat.inference.tool_calls import CallSplitter, ToolCall, call_grammar, split_calls
+from llama_chat.inference.tool_calls import CallSplitter, Delta, ToolCall, call_grammar, split_calls
 
 CHOICE = {
     "type": "object",
@@ -121,18 +121,37 @@ def test_tool_call_text_splits_into_content_and_calls():
 def test_a_tool_call_that_is_not_json_stays_content(text):
     assert split_calls(text) is None
     splitter = CallSplitter()
-    sent = "".join(splitter.feed(text[i : i + 3]) for i in range(0, len(text), 3))
-    rest, calls = splitter.finish()
-    assert sent + rest == text and calls == []
+    deltas = [d for i in range(0, len(text), 3) for d in splitter.feed(text[i : i + 3])] + splitter.finish()
+    assert all(d.index < 0 for d in deltas) and "".join(d.content for d in deltas) == text
 
 
 def test_streamed_content_stops_where_a_call_begins():
     splitter = CallSplitter()
     pieces = ["Hel", "lo <to", "ol_c", 'all>\n{"name": "f", "arguments": {}}\n</tool_call>']
-    assert [splitter.feed(p) for p in pieces] == ["Hel", "lo ", "", ""]
-    assert splitter.finish() == ("", [ToolCall("f", {})])
+    assert [[d.content for d in splitter.feed(p)] for p in pieces] == [["Hel"], ["lo "], [], []]
+    assert splitter.finish() == [Delta(index=0, name="f"), Delta(index=0, arguments="{}")]
     splitter = CallSplitter()
-    assert [splitter.feed(p) for p in ["a <to", "y"]] == ["a ", "<toy"]  # not a call after all
+    assert [d.content for p in ["a <to", "y"] for d in splitter.feed(p)] == [
+        "a ",
+        "<toy",
+    ]  # not a call after all
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_constrained_calls_stream_their_arguments_as_they_come(step):
+    args = ['{"city": "Paris", "days": [1, 2], "where": {"x": "}"}}', "{}"]
+    text = "".join(
+        f'<tool_call>\n{{"name": "f{i}", "arguments": {a}}}\n</tool_call>\n' for i, a in enumerate(args)
+    )
+    splitter = CallSplitter(constrained=True)
+    deltas = [
+        d for i in range(0, len(text), step) for d in splitter.feed(text[i : i + step])
+    ] + splitter.finish()
+    assert [(d.index, d.name) for d in deltas if d.name] == [(0, "f0"), (1, "f1")]
+    for i, a in enumerate(args):
+        pieces = [d.arguments for d in deltas if d.index == i and d.name is None]
+        assert "".join(pieces) == a and (step > 5 or len(pieces) > 1 or a == "{}")
+    assert not "".join(d.content for d in deltas)
 
 
 def test_ask_json_schema_prints_json_valid_under_it(tiny_model_paths, tmp_path, capsys):

@@ -122,7 +122,7 @@ def test_a_streamed_tool_call_round_trip(qwen_served):
         max_tokens=80,
         stream=True,
     )
-    calls, finish = {}, None
+    calls, finish, pieces = {}, None, 0
     for chunk in stream:  # as a client accumulates OpenAI's deltas
         choice = chunk.choices[0] if chunk.choices else None
         for delta in (choice.delta.tool_calls or []) if choice else []:
@@ -133,8 +133,10 @@ def test_a_streamed_tool_call_round_trip(qwen_served):
             if delta.function is not None:
                 call["function"]["name"] += delta.function.name or ""
                 call["function"]["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
         finish = choice.finish_reason if choice and choice.finish_reason else finish
     assert finish == "tool_calls" and list(calls) == [0]
+    assert pieces > 1  # the arguments stream as the model writes them
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
     assert _answer(s, calls[0], stream=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from llama_chat.inference import constrain
 from llama_chat.inference.errors import ContextFullError
-from llama_chat.inference.tool_calls import CallSplitter, call_grammar, split_calls, takes_tools
+from llama_chat.inference.tool_calls import CallSplitter, Delta, call_grammar, split_calls, takes_tools
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
@@ -31,7 +32,7 @@ from .errors import (
     session_not_found,
     unavailable,
 )
-from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion, tool_call
+from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion
 from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json
 
@@ -64,7 +65,8 @@ async def chat_completions(request: Request) -> Response:
             raise
         headers["X-Session-Id"] = session.id
     if req.stream:
-        chunks = _chunks(job, events, reply, req.include_usage, engine, bool(req.tools))
+        splitters = [CallSplitter(grammar is not None) if req.tools else None for _ in range(req.n)]
+        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters)
         return EventSourceResponse(chunks, headers=headers)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
@@ -216,33 +218,37 @@ def _failure(job: Job) -> ApiError:
 
 
 async def _chunks(
-    job: Job, events: JobEvents, reply: Reply, include_usage: bool, engine: ChatEngine, tools: bool = False
+    job: Job,
+    events: JobEvents,
+    reply: Reply,
+    include_usage: bool,
+    engine: ChatEngine,
+    splitters: list[CallSplitter | None],
 ) -> AsyncIterator[str]:
     """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
     asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does.
-    With tools, the text up to a tool call streams as content; each call follows whole, as OpenAI's
-    deltas carry it (its id and name, then its arguments)."""
-    splitters = [CallSplitter() if tools else None for _ in range(job.n)]
+    With tools (a splitter per alternative), the text up to a tool call streams as content, and the
+    calls as OpenAI's deltas carry them: an id and a name, then the arguments in pieces."""
+    calls: list[dict[int, str]] = [{} for _ in range(job.n)]  # each alternative's call ids by index
     try:
         for i in range(job.n):
             yield _data(reply.chunk(i, {"role": "assistant", "content": ""}))
         async for event in events:
             if event.kind == "text" and event.text:
                 splitter = splitters[event.alt]
-                text = event.text if splitter is None else splitter.feed(event.text)
-                if text:
-                    yield _data(reply.chunk(event.alt, {"content": text}))
+                for delta in [Delta(event.text)] if splitter is None else splitter.feed(event.text):
+                    if delta.content or delta.index >= 0:
+                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt])))
         if job.state is not State.DONE:
             yield _data(_failure(job).body())
             return
-        called = [False] * job.n
         for i, splitter in enumerate(splitters):
-            for delta in _call_deltas(splitter) if splitter is not None else []:
-                called[i] = called[i] or "tool_calls" in delta
-                yield _data(reply.chunk(i, delta))
+            for delta in splitter.finish() if splitter is not None else []:
+                if delta.content or delta.index >= 0:
+                    yield _data(reply.chunk(i, _delta(delta, calls[i])))
         session_id = await kept_session(job)
         for i, stats in enumerate(job.stats):
-            yield _data(reply.chunk(i, {}, finish_reason(stats, called[i]), session=session_id))
+            yield _data(reply.chunk(i, {}, finish_reason(stats, bool(calls[i])), session=session_id))
         if include_usage:
             yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
         yield "[DONE]"
@@ -251,18 +257,16 @@ async def _chunks(
             job.cancel()
 
 
-def _call_deltas(splitter: CallSplitter) -> list[dict]:
-    """The deltas that end an alternative with tools: its held text, or each call (id and name with
-    empty arguments, then the arguments), as OpenAI streams them."""
-    content, calls = splitter.finish()
-    deltas = [{"content": content}] if content else []
-    for index, call in enumerate(calls):
-        whole = tool_call(call, index)
-        arguments = whole["function"]["arguments"]
-        whole["function"]["arguments"] = ""
-        deltas.append({"tool_calls": [whole]})
-        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
-    return deltas
+def _delta(delta: Delta, call_ids: dict[int, str]) -> dict:
+    """A stream's delta as OpenAI writes it; a call's first one carries its new id and its name."""
+    if delta.index < 0:
+        return {"content": delta.content}
+    function = {"arguments": delta.arguments}
+    call = {"index": delta.index, "function": function}
+    if delta.name is not None:
+        call_ids[delta.index] = call["id"] = "call_" + secrets.token_hex(12)
+        call["type"], function["name"] = "function", delta.name
+    return {"tool_calls": [call]}
 
 
 def _data(value: dict) -> str:

@@ -345,12 +345,10 @@ def finish_reason(stats: GenerationStats, called: bool = False) -> str:
     return "tool_calls" if called else "stop"
 
 
-def tool_call(call: ToolCall, index: int | None = None) -> dict:
-    """A call as OpenAI writes it: an id, the function's name and its arguments as JSON text (with
-    `index`, as a stream's delta carries it)."""
-    out = {"id": "call_" + secrets.token_hex(12), "type": "function"}
-    out["function"] = {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
-    return out if index is None else {"index": index, **out}
+def tool_call(call: ToolCall) -> dict:
+    """A call as OpenAI writes it: an id, the function's name and its arguments as JSON text."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": "call_" + secrets.token_hex(12), "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def usage(stats: list[GenerationStats], kv_remote: dict | None = None) -> dict:
