@@ -15,7 +15,7 @@ from .kernels import KERNEL_ROWS
 from .kv_cache import KVSequence
 from .llm import Model
 from .lookup import MAX_DRAFT, PromptLookup
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 
 
 @dataclass
@@ -30,6 +30,7 @@ class GenerationStats:
     accepted_tokens: int = 0  # of those, the ones the model produced itself
     stop_reason: str = ""  # "eog", "length", "stop", "cancelled"
     token_ids: list[int] = field(default_factory=list)  # what was generated, end token excluded
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when sampling asks for them
 
     @property
     def prefill_tok_s(self) -> float:
@@ -127,6 +128,7 @@ class _Reply:
     ):
         self.end_ids = model.tokenizer.end_of_generation_ids
         self.sampler = Sampler(sampling)
+        self.n_logprobs = sampling.logprobs
         self.constraint = Constraint(model.tokenizer, sampling.grammar) if sampling.grammar else None
         self.decoder = model.tokenizer.stream_decoder()
         self.stops = _StopStrings(stop)
@@ -152,6 +154,8 @@ class _Reply:
             return "", False
         stats.generated_tokens += 1
         stats.token_ids.append(token)
+        if self.n_logprobs is not None:
+            stats.logprobs.append(token_logprob(logits, token, self.n_logprobs))
         self.history.append(token)
         text, stopped = self.stops.push(self.decoder.feed(token))
         self.pieces.append(text)

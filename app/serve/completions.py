@@ -32,7 +32,7 @@ from .errors import (
     session_not_found,
     unavailable,
 )
-from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion
+from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion, token_logprobs
 from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json
 
@@ -66,7 +66,8 @@ async def chat_completions(request: Request) -> Response:
         headers["X-Session-Id"] = session.id
     if req.stream:
         splitters = [CallSplitter(grammar is not None) if req.tools else None for _ in range(req.n)]
-        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters)
+        logprobs = _Logprobs(job, engine.model.tokenizer) if req.logprobs is not None else None
+        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters, logprobs)
         return EventSourceResponse(chunks, headers=headers)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
@@ -80,7 +81,10 @@ async def chat_completions(request: Request) -> Response:
     if req.tools:
         split = [split_calls(text) or (text, []) for text in texts]
         texts, calls = [content for content, _ in split], [made for _, made in split]
-    body = reply.completion(texts, job.stats, session_id, kv_remote(engine, job), calls)
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = [token_logprobs(engine.model.tokenizer, s.logprobs) for s in job.stats]
+    body = reply.completion(texts, job.stats, session_id, kv_remote(engine, job), calls, logprobs)
     return JSONResponse(body, headers=headers)
 
 
@@ -176,6 +180,7 @@ def _submit_conversation(
         store=req.store and not _has_tools(req),
         on_event=events,
         grammar=grammar,
+        logprobs=req.logprobs,
     )
 
 
@@ -224,11 +229,14 @@ async def _chunks(
     include_usage: bool,
     engine: ChatEngine,
     splitters: list[CallSplitter | None],
+    logprobs: _Logprobs | None = None,
 ) -> AsyncIterator[str]:
     """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
     asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does.
     With tools (a splitter per alternative), the text up to a tool call streams as content, and the
-    calls as OpenAI's deltas carry them: an id and a name, then the arguments in pieces."""
+    calls as OpenAI's deltas carry them: an id and a name, then the arguments in pieces. Asked for,
+    the log-probabilities of the tokens drawn since the last chunk come with each chunk."""
+    more = logprobs.new if logprobs is not None else lambda i: {}
     calls: list[dict[int, str]] = [{} for _ in range(job.n)]  # each alternative's call ids by index
     try:
         for i in range(job.n):
@@ -238,23 +246,37 @@ async def _chunks(
                 splitter = splitters[event.alt]
                 for delta in [Delta(event.text)] if splitter is None else splitter.feed(event.text):
                     if delta.content or delta.index >= 0:
-                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt])))
+                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt]), **more(event.alt)))
         if job.state is not State.DONE:
             yield _data(_failure(job).body())
             return
         for i, splitter in enumerate(splitters):
             for delta in splitter.finish() if splitter is not None else []:
                 if delta.content or delta.index >= 0:
-                    yield _data(reply.chunk(i, _delta(delta, calls[i])))
+                    yield _data(reply.chunk(i, _delta(delta, calls[i]), **more(i)))
         session_id = await kept_session(job)
         for i, stats in enumerate(job.stats):
-            yield _data(reply.chunk(i, {}, finish_reason(stats, bool(calls[i])), session=session_id))
+            finish = finish_reason(stats, bool(calls[i]))
+            yield _data(reply.chunk(i, {}, finish, session=session_id, **more(i)))
         if include_usage:
             yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
         yield "[DONE]"
     finally:
         if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping
             job.cancel()
+
+
+class _Logprobs:
+    """A stream's log-probabilities: those of each alternative's tokens not sent yet."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.tokenizer = job, tokenizer
+        self.sent = [0] * job.n
+
+    def new(self, alt: int) -> dict:
+        entries = self.job.stats[alt].logprobs[self.sent[alt] :]  # the scheduler's thread appends meanwhile
+        self.sent[alt] += len(entries)
+        return {"logprobs": token_logprobs(self.tokenizer, entries)}
 
 
 def _delta(delta: Delta, call_ids: dict[int, str]) -> dict:

@@ -70,9 +70,11 @@ class Conversations:
         store: bool,
         on_event: Callable[[Event], None],
         grammar: str | None = None,
+        logprobs: int | None = None,
     ) -> Job:
         """A conversation sent whole: n replies to its prompt, in one job; job.result is the future of
-        the session it is kept in (None: not kept). A `grammar` (inference.constrain) shapes the replies."""
+        the session it is kept in (None: not kept). A `grammar` (inference.constrain) shapes the replies;
+        `logprobs` notes each token's log-probability (and the n likeliest) in the job's stats."""
         engine = self.engine
         base: list[KVSequence] = []
         previous = self._previous_ids(messages, prompt)
@@ -105,7 +107,7 @@ class Conversations:
         job = Job(
             prepare,
             n=n,
-            sampling=replace(sampling_params(sampling), grammar=grammar),
+            sampling=replace(sampling_params(sampling), grammar=grammar, logprobs=logprobs),
             max_tokens=engine.n_ctx if max_tokens is None else max_tokens,
             stop=stop,
             finish=finish,

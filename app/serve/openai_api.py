@@ -2,7 +2,7 @@
 into a CompletionRequest, and the shapes of replies, chunks and usage that clients expect.
 
 Fields a real client sends are read; OpenAI fields this server cannot honour are accepted only at
-their neutral value (no logprobs, no logit bias) and refused otherwise, as unknown fields are,
+their neutral value (no penalties but repeat_penalty, no logit bias) and refused otherwise, as unknown fields are,
 so that a request never silently means something else here than there.
 """
 
@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from llama_chat.inference import GenerationStats
+from llama_chat.inference.sampling import TokenLogprob
 from llama_chat.inference.tool_calls import ToolCall
 
 from ..chat.settings import SAMPLING, SettingError
@@ -23,6 +24,7 @@ from .errors import invalid
 
 MAX_N = 8  # alternatives of one request (each a reply decoded in the same batch)
 MAX_STOP = 4  # stop strings, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # as OpenAI allows
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 TOOL_CHOICES = ("none", "auto", "required")
@@ -34,8 +36,6 @@ IGNORED |= {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"
 NEUTRAL = {
     "frequency_penalty": [0],
     "presence_penalty": [0],
-    "logprobs": [False],
-    "top_logprobs": [0],
     "functions": [[]],
     "function_call": ["none", "auto"],
     "logit_bias": [{}],
@@ -47,7 +47,8 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", "tools", "tool_choice", "response_format", *(s.key for s in SAMPLING)}  # llama.cpp's top_k, min_p, repeat_penalty too
+READ |= {"store", "session", "tools", "tool_choice", "response_format", "logprobs", "top_logprobs"}
+READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
 @dataclass
@@ -66,6 +67,7 @@ class CompletionRequest:
     tool_choice: str = "auto"  # "auto", "required" (a call, constrained), or "none"
     tool_name: str | None = None  # the one function a call must be of (tool_choice names it)
     json_schema: dict | None = None  # response_format: the reply is JSON valid under it
+    logprobs: int | None = None  # each token's log-probability and the n likeliest's; None: not asked
 
 
 def parse_completion(body: dict, header_session: str | None = None) -> CompletionRequest:
@@ -95,6 +97,11 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
     request.stop = _stop(body.get("stop"))
     request.n = _number(body, "n", 1, MAX_N, integer=True) or 1
     request.store = _flag(body, "store", True)
+    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if _flag(body, "logprobs", False):
+        request.logprobs = top or 0
+    elif top:
+        raise invalid("'top_logprobs' needs 'logprobs' to be true.", param="top_logprobs")
     request.session = _session(body.get("session"), header_session)
     _tools(body, request)
     request.json_schema = _response_format(body.get("response_format"))
@@ -105,6 +112,8 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
             raise invalid("With a session, the last message must be the user's new one.", param="messages")
         if request.n > 1:
             raise invalid("'n' above 1 cannot be used with a session.", param="n")
+        if request.logprobs is not None:
+            raise invalid("'logprobs' cannot be used with a session.", param="logprobs")
     return request
 
 
@@ -312,6 +321,7 @@ class Reply:
         session: str | None,
         kv_remote: dict | None = None,
         calls: list[list[ToolCall]] | None = None,
+        logprobs: list[list[dict]] | None = None,
     ) -> dict:
         """The reply; `calls`: each alternative's tool calls (its text then is the content before them)."""
         calls = calls or [[] for _ in texts]
@@ -320,15 +330,19 @@ class Reply:
             message = {"role": "assistant", "content": text or (None if made else ""), "refusal": None}
             if made:
                 message["tool_calls"] = [tool_call(c) for c in made]
+            content = None if logprobs is None else {"content": logprobs[i], "refusal": None}
             choices.append(
-                {"index": i, "message": message, "logprobs": None, "finish_reason": finish_reason(s, bool(made))}
+                {"index": i, "message": message, "logprobs": content, "finish_reason": finish_reason(s, bool(made))}
             )
         return {
             **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), "session": session
         }
 
-    def chunk(self, index: int, delta: dict, finish: str | None = None, **extra) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(
+        self, index: int, delta: dict, finish: str | None = None, logprobs: list[dict] | None = None, **extra
+    ) -> dict:
+        content = None if logprobs is None else {"content": logprobs, "refusal": None}
+        choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None, **extra}
 
     def usage_chunk(self, stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None) -> dict:
@@ -349,6 +363,16 @@ def tool_call(call: ToolCall) -> dict:
     """A call as OpenAI writes it: an id, the function's name and its arguments as JSON text."""
     arguments = json.dumps(call.arguments, ensure_ascii=False)
     return {"id": "call_" + secrets.token_hex(12), "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def token_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
+    """Tokens' log-probabilities as OpenAI writes them: each token's text and UTF-8 bytes."""
+
+    def one(token: int, logprob: float) -> dict:
+        data = tokenizer.token_bytes(token)
+        return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data)}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
 def usage(stats: list[GenerationStats], kv_remote: dict | None = None) -> dict:
