@@ -36,9 +36,9 @@ def takes_tools(template: ChatTemplate) -> bool:
     return "tools" in template.source and OPEN in template.source
 
 
-def call_grammar(tools: list[dict], name: str | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) of replies made of one or more calls of `tools` (OpenAI
-    function definitions), or of the one named; each call's arguments valid under its parameters schema.
+def call_grammar(tools: list[dict], name: str | None = None, several: bool = False) -> str:
+    """A Lark grammar (llguidance's dialect) of replies made of one call (or, `several`, one or more) of
+    `tools` (OpenAI function definitions), or of the one named; its arguments valid under its parameters.
     Written as the template writes a call back, so the round trip renders the same tokens."""
     rules, choices = [], []
     for i, tool in enumerate(t["function"] for t in tools):
@@ -49,7 +49,8 @@ def call_grammar(tools: list[dict], name: str | None = None) -> str:
         rules.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps('}' + chr(10) + CLOSE)}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
         choices.append(f"call_{i}")
-    return "\n".join(['start: call ("\\n" call)*', "call: " + " | ".join(choices), *rules])
+    start = 'start: call ("\\n" call)*' if several else "start: call"
+    return "\n".join([start, "call: " + " | ".join(choices), *rules])
 
 
 def split_calls(text: str) -> tuple[str, list[ToolCall]] | None:

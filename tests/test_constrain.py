@@ -99,6 +99,17 @@ def test_a_required_call_always_parses_into_a_call_of_the_tool(tiny_model_paths)
     assert calls[0].arguments["city"] in ("Paris", "Oslo")
 
 
+def test_one_call_unless_several_are_allowed(tiny_model_paths):
+    tok = load_model(tiny_model_paths["qwen2"]).tokenizer
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for several in (False, True):
+        constraint = Constraint(
+            tok, check_grammar(tok, lark_grammar(call_grammar([WEATHER], several=several)))
+        )
+        assert all(constraint.accept(t) for t in tok.encode(call, special=True))
+        assert constraint.finished is not several  # one call: nothing but the end may follow
+
+
 def test_tool_call_text_splits_into_content_and_calls():
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert split_calls("Let me look. " + call + "\n" + call) == (

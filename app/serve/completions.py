@@ -108,7 +108,7 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
         raise invalid("'tools' cannot be used with a session: send the conversation whole.", param="tools")
     try:
         if req.tools and req.tool_choice == "required":
-            grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name))
+            grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name, req.parallel_tool_calls))
             return constrain.check_grammar(model.tokenizer, grammar)
         if req.json_schema is not None:
             schema = constrain.json_schema_grammar(req.json_schema)

@@ -30,7 +30,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's
 TOOL_CHOICES = ("none", "auto", "required")
 
 # OpenAI fields that change nothing here whatever they say (we already cache prompts, and store by default).
-IGNORED = {"user", "metadata", "service_tier", "safety_identifier", "parallel_tool_calls", "moderation"}
+IGNORED = {"user", "metadata", "service_tier", "safety_identifier", "moderation"}
 IGNORED |= {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
 # OpenAI fields this server cannot honour: accepted only when absent, null or one of these values.
 NEUTRAL = {
@@ -47,7 +47,8 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", "tools", "tool_choice", "response_format", "logprobs", "top_logprobs"}
+READ |= {"store", "session", "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs"}
+READ |= {"top_logprobs"}
 READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
@@ -66,6 +67,7 @@ class CompletionRequest:
     tools: list[dict] | None = None  # OpenAI function definitions, for the chat template; None: none offered
     tool_choice: str = "auto"  # "auto", "required" (a call, constrained), or "none"
     tool_name: str | None = None  # the one function a call must be of (tool_choice names it)
+    parallel_tool_calls: bool = False  # a required call may be several; off by default, as llama.cpp's
     json_schema: dict | None = None  # response_format: the reply is JSON valid under it
     logprobs: int | None = None  # each token's log-probability and the n likeliest's; None: not asked
 
@@ -104,6 +106,7 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
         raise invalid("'top_logprobs' needs 'logprobs' to be true.", param="top_logprobs")
     request.session = _session(body.get("session"), header_session)
     _tools(body, request)
+    request.parallel_tool_calls = _flag(body, "parallel_tool_calls", False)
     request.json_schema = _response_format(body.get("response_format"))
     if request.json_schema is not None and request.tools:
         raise invalid("'response_format' and 'tools' cannot be used together here.", param="response_format")
