@@ -213,6 +213,21 @@ def test_a_template_without_tools_refuses_them(served):
     assert e.value.body["param"] == "tools" and "template" in e.value.body["message"]
 
 
+def test_tool_messages_for_a_template_without_tools_are_400(served):
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask([*messages, {"role": "tool", "tool_call_id": "c", "content": "sunny"}])
+    assert e.value.body["param"] == "messages"
+
+
+def test_tool_call_arguments_that_are_not_json_are_400(served):
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask([*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert "not JSON" in e.value.body["message"]
+
+
 def test_a_tool_parameters_schema_that_does_not_compile_is_400(served):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
     with pytest.raises(openai.BadRequestError) as e:

@@ -99,13 +99,15 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
             constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(parameters))
         except constrain.GrammarError as e:
             raise invalid(f"'tools[{i}].function.parameters': {e}.", param=f"tools[{i}]") from None
-    if req.tools and not (model.has_chat_template and takes_tools(model.chat_template)):
-        raise invalid(
-            f"This model's chat template does not take tools in a format this server reads ({model.name}).",
-            param="tools",
-        )
-    if req.tools and req.session is not None:
-        raise invalid("'tools' cannot be used with a session: send the conversation whole.", param="tools")
+    speaks_tools = model.has_chat_template and takes_tools(model.chat_template)
+    for name, used in (("tools", bool(req.tools)), ("messages", _has_tool_messages(req))):
+        if used and not speaks_tools:
+            raise invalid(
+                f"This model's chat template does not take tools in a format this server reads ({model.name}).",
+                param=name,
+            )
+    if req.session is not None and (req.tools or req.json_schema is not None):
+        raise invalid("'tools' and 'response_format' cannot be used with a session.", param="session")
     try:
         if req.tools and req.tool_choice == "required":
             grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name, req.parallel_tool_calls))
@@ -187,7 +189,11 @@ def _submit_conversation(
 def _has_tools(req: CompletionRequest) -> bool:
     """Tools offered or tool messages sent: sessions hold text turns only, so such a conversation is
     not kept (its blocks are still shared in RAM with the next request that has its prefix)."""
-    return bool(req.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
+    return bool(req.tools) or _has_tool_messages(req)
+
+
+def _has_tool_messages(req: CompletionRequest) -> bool:
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
 
 
 def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, events: JobEvents) -> Job:
