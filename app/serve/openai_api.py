@@ -2,8 +2,8 @@
 into a CompletionRequest, and the shapes of replies, chunks and usage that clients expect.
 
 Fields a real client sends are read; OpenAI fields this server cannot honour are accepted only at
-their neutral value (no penalties but repeat_penalty, no logit bias) and refused otherwise, as unknown fields are,
-so that a request never silently means something else here than there.
+their neutral value (no frequency or presence penalty, no logit bias) and refused otherwise, as unknown
+fields are, so that a request never silently means something else here than there.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs"}
-READ |= {"top_logprobs"}
+READ |= {"store", "session", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+READ |= {"logprobs", "top_logprobs"}
 READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
