@@ -150,6 +150,39 @@ def measure_lookup(model, max_tokens: int) -> dict:
     }
 
 
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "owner": {"type": "object", "properties": {"city": {"type": "string"}, "age": {"type": "integer"}}},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "kind", "owner", "tags"],
+}
+
+
+def measure_json_mask(model, max_tokens: int) -> dict:
+    """A greedy reply under a JSON schema (nested object, enum, array): its decode time per token, and
+    the grammar's share of it (its mask and step per token, replayed alone over the same tokens)."""
+    from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate
+    from llama_chat.inference.constrain import Constraint, check_grammar, json_schema_grammar
+
+    grammar = check_grammar(model.tokenizer, json_schema_grammar(PET_SCHEMA))  # the vocabulary read once
+    ids = chat_prompt_ids(model, [{"role": "user", "content": "Invent a pet and its owner, as JSON."}])
+    stats = GenerationStats()
+    sampling = SamplingParams(temperature=0, grammar=grammar)
+    "".join(generate(model, ids, sampling=sampling, max_tokens=max_tokens, stats=stats, lookup=False))
+    constraint, logits = Constraint(model.tokenizer, grammar), np.zeros(model.config.n_vocab, np.float32)
+    t = time.perf_counter()
+    for token in stats.token_ids:
+        constraint.mask(logits)
+        constraint.accept(token)
+    mask_ms = 1000 * (time.perf_counter() - t) / max(len(stats.token_ids), 1)
+    decode_ms = 1000 / stats.decode_tok_s if stats.decode_tok_s else 0.0
+    return {"mask_ms": mask_ms, "decode_ms": decode_ms, "tokens": len(stats.token_ids)}
+
+
 def measure_prefill(model, n: int, repeats: int) -> float:
     ids = sample_tokens(model.tokenizer, n)
     best = float("inf")
@@ -403,6 +436,14 @@ def run_bench(args) -> int:
         f"same text: {look['same_text']})",
     )
     results["decode_lookup_plain_tok_s"] = round(look["plain_tok_s"], 2)
+    mask = measure_json_mask(model, 40 if quick else 120)
+    share = mask["mask_ms"] / mask["decode_ms"] if mask["decode_ms"] else 0.0
+    report(
+        "json_mask_ms_per_token",
+        round(mask["mask_ms"], 3),
+        f"JSON-schema mask: {mask['mask_ms']:.2f} ms per token, {100 * share:.1f} % of decode "
+        f"({mask['decode_ms']:.0f} ms per token, {mask['tokens']} tokens)",
+    )
     results["lookup_same_text"] = look["same_text"]
     reuse = measure_prefix_reuse(model, 100 if quick else 1000, 20 if quick else 100)
     report(

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     where = ask.add_mutually_exclusive_group()
     where.add_argument("--session", metavar="ID", help="continue a stored session (id or unique prefix)")
     where.add_argument("--new-session", action="store_true", help="start a stored session (prints its id)")
+    shape = ask.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="the reply is a JSON object (constrained)")
+    shape.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid under this schema")
     add_sampling_options(ask)
 
     chat = command("chat", c.cmd_chat, "chat in the terminal, line by line (Ctrl+D ends)")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import replace
+from pathlib import Path
 
-from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids
+from llama_chat.inference import KNOWN_MODELS, ModelError, chat_prompt_ids, constrain
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import ChatStore, Session, StoreError
 
@@ -88,7 +90,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
             job = engine.submit_reply(
                 session,
                 text,
-                sampling=sampling_params(settings),
+                sampling=replace(sampling_params(settings), grammar=reply_grammar(args, engine.model)),
                 max_tokens=max_tokens(settings),
                 cancel=signals.cancel,
                 saved=saved,
@@ -145,16 +147,35 @@ def ask_once(args, prompt: str) -> int:
     n_ctx = min(args.ctx, model.config.n_ctx_train)
     check_fits(ids, n_ctx)
     settings = reply_settings(args)
+    grammar = reply_grammar(args, model)
     with ReplySignals() as signals:
         job = Job(
             lambda: (ids, model.new_sequence(n_ctx)),
-            sampling=sampling_params(settings),
+            sampling=replace(sampling_params(settings), grammar=grammar),
             max_tokens=min(max_tokens(settings), n_ctx - len(ids)),
             finish=lambda job: [seq.free() for seq in job.seqs],
             cancel=signals.cancel,
         )
         stream_reply(Scheduler(model).submit(job), signals)
     return signals.exit_code
+
+
+def reply_grammar(args, model) -> str | None:
+    """`ask --json` / `--json-schema FILE` as the grammar a reply follows, compiled against the model's
+    vocabulary (a schema that does not compile is a ModelError, one line)."""
+    path = getattr(args, "json_schema", None)
+    if path is None and not getattr(args, "json", False):
+        return None
+    schema = constrain.JSON_OBJECT_SCHEMA
+    if path is not None:
+        try:
+            schema = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as e:
+            raise ModelError(f"{path}: cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(schema))
+    except constrain.GrammarError as e:
+        raise ModelError(f"{path or '--json'}: {e}") from None
 
 
 def forget_if_empty(store: ChatStore, session: Session) -> None:

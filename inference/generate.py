@@ -10,11 +10,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .chat_template import completion_prompt, content_texts, map_contents
+from .constrain import Constraint
 from .kernels import KERNEL_ROWS
 from .kv_cache import KVSequence
 from .llm import Model
 from .lookup import MAX_DRAFT, PromptLookup
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 
 
 @dataclass
@@ -29,6 +30,7 @@ class GenerationStats:
     accepted_tokens: int = 0  # of those, the ones the model produced itself
     stop_reason: str = ""  # "eog", "length", "stop", "cancelled"
     token_ids: list[int] = field(default_factory=list)  # what was generated, end token excluded
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when sampling asks for them
 
     @property
     def prefill_tok_s(self) -> float:
@@ -39,14 +41,17 @@ class GenerationStats:
         return self.decoded_tokens / self.decode_s if self.decode_s else 0.0
 
 
-def chat_prompt_ids(model: Model, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(
+    model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """Render messages with the model's chat template (plain completion for base models) and tokenize.
-    Only the template's markup becomes control tokens: contents are text, so none can forge a turn."""
+    Only the template's markup becomes control tokens: contents are text, so none can forge a turn.
+    `tools` (OpenAI's function definitions) are rendered by the template, if it takes them."""
     tok = model.tokenizer
     shield = tok.control_text_shield(content_texts(messages))
     messages = map_contents(messages, shield.hide)
     if model.has_chat_template:
-        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     else:
         text = completion_prompt(messages)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
@@ -123,6 +128,8 @@ class _Reply:
     ):
         self.end_ids = model.tokenizer.end_of_generation_ids
         self.sampler = Sampler(sampling)
+        self.n_logprobs = sampling.logprobs
+        self.constraint = Constraint(model.tokenizer, sampling.grammar) if sampling.grammar else None
         self.decoder = model.tokenizer.stream_decoder()
         self.stops = _StopStrings(stop)
         self.history = list(prompt_ids)  # what the repetition penalty looks back over
@@ -136,12 +143,19 @@ class _Reply:
         if stats.generated_tokens >= self.max_tokens:
             stats.stop_reason = "length"
             return "", False
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         token = self.sampler.sample(logits, self.history)
+        if self.constraint is not None and not self.constraint.accept(token):
+            stats.stop_reason = "eog"  # the grammar allows nothing more (it only fails on a broken grammar)
+            return "", False
         if token in self.end_ids:
             stats.stop_reason = "eog"
             return "", False
         stats.generated_tokens += 1
         stats.token_ids.append(token)
+        if self.n_logprobs is not None:
+            stats.logprobs.append(token_logprob(logits, token, self.n_logprobs))
         self.history.append(token)
         text, stopped = self.stops.push(self.decoder.feed(token))
         self.pieces.append(text)

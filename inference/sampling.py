@@ -17,6 +17,8 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1.0 → off; for tokens in the last N: logit > 0 → / penalty, else * penalty
     repeat_last_n: int = 64  # 0 → off, -1 → all of recent_tokens
     seed: int | None = None  # None → random; a seed makes a run reproducible
+    grammar: str | None = None  # a compiled grammar (constrain.py): only replies it allows are drawn
+    logprobs: int | None = None  # n: note each token's log-probability and the n likeliest (None: none)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # written so that NaN fails too
@@ -27,6 +29,32 @@ class SamplingParams:
             raise ValueError(f"min_p must be between 0 and 1, not {self.min_p}")
         if not self.repeat_penalty > 0:
             raise ValueError(f"repeat_penalty must be more than 0, not {self.repeat_penalty}")
+
+
+@dataclass
+class TokenLogprob:
+    """A drawn token's log-probability under the model (after a grammar's mask), and the likeliest."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), likeliest first
+
+
+def token_logprob(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
+    """`token`'s log-softmax of `logits`, and the n_top likeliest tokens' (the raw distribution, before
+    temperature and the other samplers, as OpenAI and llama.cpp report it)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    best = logits.max()
+    log_total = best + np.log(np.exp(logits - best).sum())
+    top = (
+        np.argpartition(-logits, n_top)[:n_top]
+        if 0 < n_top < logits.size
+        else np.arange(min(n_top, logits.size))
+    )
+    top = top[np.argsort(-logits[top], kind="stable")]
+    return TokenLogprob(
+        token, float(logits[token] - log_total), [(int(i), float(logits[i] - log_total)) for i in top]
+    )
 
 
 class Sampler:

@@ -371,6 +371,10 @@ class Tokenizer:
             frags = out
         return frags
 
+    def attrs(self, id: int) -> int:
+        """Token `id`'s ATTR_* flags (control, user-defined, byte, ...)."""
+        return self._vocab.attrs[id]
+
     # --- decoding ---
 
     def token_bytes(self, id: int) -> bytes:

@@ -114,7 +114,7 @@ def test_models_and_health(served):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus": 1}, "bogus"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, "stream_options"),
     ],
 )

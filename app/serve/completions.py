@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
@@ -13,7 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llama_chat.inference import constrain
 from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.tool_calls import CallSplitter, Delta, call_grammar, split_calls, takes_tools
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
@@ -29,7 +32,7 @@ from .errors import (
     session_not_found,
     unavailable,
 )
-from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion
+from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion, token_logprobs
 from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json
 
@@ -44,11 +47,12 @@ async def chat_completions(request: Request) -> Response:
     )
     state.check_model(req.model)
     engine = state.ready()
+    grammar = await run_in_threadpool(_grammar, engine, req)
     events = JobEvents()
     reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
     headers = {}
     if req.session is None:
-        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events))
+        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events, grammar))
     else:
         session = await run_in_threadpool(find_session, state, req.session)
         await state.lock_session(session.id)
@@ -61,7 +65,10 @@ async def chat_completions(request: Request) -> Response:
             raise
         headers["X-Session-Id"] = session.id
     if req.stream:
-        return EventSourceResponse(_chunks(job, events, reply, req.include_usage, engine), headers=headers)
+        splitters = [CallSplitter(grammar is not None) if req.tools else None for _ in range(req.n)]
+        logprobs = _Logprobs(job, engine.model.tokenizer) if req.logprobs is not None else None
+        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters, logprobs)
+        return EventSourceResponse(chunks, headers=headers)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
         return Response(status_code=499)
@@ -70,8 +77,47 @@ async def chat_completions(request: Request) -> Response:
     session_id = await kept_session(job)
     if session_id is not None:
         headers["X-Session-Id"] = session_id
-    texts = [job.text(i) for i in range(job.n)]
-    return JSONResponse(reply.completion(texts, job.stats, session_id, kv_remote(engine, job)), headers=headers)
+    texts, calls = [job.text(i) for i in range(job.n)], None
+    if req.tools:
+        split = [split_calls(text) or (text, []) for text in texts]
+        texts, calls = [content for content, _ in split], [made for _, made in split]
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = [token_logprobs(engine.model.tokenizer, s.logprobs) for s in job.stats]
+    body = reply.completion(texts, job.stats, session_id, kv_remote(engine, job), calls, logprobs)
+    return JSONResponse(body, headers=headers)
+
+
+def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
+    """The grammar the replies must follow (a JSON schema's, or a required tool call's), compiled
+    against the model's vocabulary; a 400 naming the problem when it does not compile. Tools need a
+    chat template that renders them and asks for calls in a format this server reads."""
+    model = engine.model
+    for i, tool in enumerate(req.tools or []):  # each schema on its own, so the error can name it
+        parameters = tool["function"].get("parameters") or {"type": "object"}
+        try:
+            constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(parameters))
+        except constrain.GrammarError as e:
+            raise invalid(f"'tools[{i}].function.parameters': {e}.", param=f"tools[{i}]") from None
+    speaks_tools = model.has_chat_template and takes_tools(model.chat_template)
+    for name, used in (("tools", bool(req.tools)), ("messages", _has_tool_messages(req))):
+        if used and not speaks_tools:
+            raise invalid(
+                f"This model's chat template does not take tools in a format this server reads ({model.name}).",
+                param=name,
+            )
+    if req.session is not None and (req.tools or req.json_schema is not None):
+        raise invalid("'tools' and 'response_format' cannot be used with a session.", param="session")
+    try:
+        if req.tools and req.tool_choice == "required":
+            grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name, req.parallel_tool_calls))
+            return constrain.check_grammar(model.tokenizer, grammar)
+        if req.json_schema is not None:
+            schema = constrain.json_schema_grammar(req.json_schema)
+            return constrain.check_grammar(model.tokenizer, schema)
+    except constrain.GrammarError as e:
+        raise invalid(f"'response_format': {e}.", param="response_format") from None
+    return None
 
 
 def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
@@ -118,10 +164,12 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
         )
 
 
-def _submit_conversation(state: ServerState, req: CompletionRequest, events: JobEvents) -> Job:
+def _submit_conversation(
+    state: ServerState, req: CompletionRequest, events: JobEvents, grammar: str | None = None
+) -> Job:
     conversations, n_ctx = state.conversations, state.engine.n_ctx
     _refused_early(state.engine, req.messages)
-    prompt = conversations.prompt(req.messages)
+    prompt = conversations.prompt(req.messages, req.tools)
     if len(prompt) >= n_ctx:
         raise context_length_exceeded(len(prompt), n_ctx)
     return conversations.submit(
@@ -131,9 +179,21 @@ def _submit_conversation(state: ServerState, req: CompletionRequest, events: Job
         sampling=req.sampling,
         max_tokens=req.max_tokens,
         stop=req.stop,
-        store=req.store,
+        store=req.store and not _has_tools(req),
         on_event=events,
+        grammar=grammar,
+        logprobs=req.logprobs,
     )
+
+
+def _has_tools(req: CompletionRequest) -> bool:
+    """Tools offered or tool messages sent: sessions hold text turns only, so such a conversation is
+    not kept (its blocks are still shared in RAM with the next request that has its prefix)."""
+    return bool(req.tools) or _has_tool_messages(req)
+
+
+def _has_tool_messages(req: CompletionRequest) -> bool:
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
 
 
 def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, events: JobEvents) -> Job:
@@ -169,28 +229,72 @@ def _failure(job: Job) -> ApiError:
 
 
 async def _chunks(
-    job: Job, events: JobEvents, reply: Reply, include_usage: bool, engine: ChatEngine
+    job: Job,
+    events: JobEvents,
+    reply: Reply,
+    include_usage: bool,
+    engine: ChatEngine,
+    splitters: list[CallSplitter | None],
+    logprobs: _Logprobs | None = None,
 ) -> AsyncIterator[str]:
     """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
-    asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does."""
+    asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does.
+    With tools (a splitter per alternative), the text up to a tool call streams as content, and the
+    calls as OpenAI's deltas carry them: an id and a name, then the arguments in pieces. Asked for,
+    the log-probabilities of the tokens drawn since the last chunk come with each chunk."""
+    more = logprobs.new if logprobs is not None else lambda i: {}
+    calls: list[dict[int, str]] = [{} for _ in range(job.n)]  # each alternative's call ids by index
     try:
         for i in range(job.n):
             yield _data(reply.chunk(i, {"role": "assistant", "content": ""}))
         async for event in events:
             if event.kind == "text" and event.text:
-                yield _data(reply.chunk(event.alt, {"content": event.text}))
+                splitter = splitters[event.alt]
+                for delta in [Delta(event.text)] if splitter is None else splitter.feed(event.text):
+                    if delta.content or delta.index >= 0:
+                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt]), **more(event.alt)))
         if job.state is not State.DONE:
             yield _data(_failure(job).body())
             return
+        for i, splitter in enumerate(splitters):
+            for delta in splitter.finish() if splitter is not None else []:
+                if delta.content or delta.index >= 0:
+                    yield _data(reply.chunk(i, _delta(delta, calls[i]), **more(i)))
         session_id = await kept_session(job)
         for i, stats in enumerate(job.stats):
-            yield _data(reply.chunk(i, {}, finish_reason(stats), session=session_id))
+            finish = finish_reason(stats, bool(calls[i]))
+            yield _data(reply.chunk(i, {}, finish, session=session_id, **more(i)))
         if include_usage:
             yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
         yield "[DONE]"
     finally:
         if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping
             job.cancel()
+
+
+class _Logprobs:
+    """A stream's log-probabilities: those of each alternative's tokens not sent yet."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.tokenizer = job, tokenizer
+        self.sent = [0] * job.n
+
+    def new(self, alt: int) -> dict:
+        entries = self.job.stats[alt].logprobs[self.sent[alt] :]  # the scheduler's thread appends meanwhile
+        self.sent[alt] += len(entries)
+        return {"logprobs": token_logprobs(self.tokenizer, entries)}
+
+
+def _delta(delta: Delta, call_ids: dict[int, str]) -> dict:
+    """A stream's delta as OpenAI writes it; a call's first one carries its new id and its name."""
+    if delta.index < 0:
+        return {"content": delta.content}
+    function = {"arguments": delta.arguments}
+    call = {"index": delta.index, "function": function}
+    if delta.name is not None:
+        call_ids[delta.index] = call["id"] = "call_" + secrets.token_hex(12)
+        call["type"], function["name"] = "function", delta.name
+    return {"tool_calls": [call]}
 
 
 def _data(value: dict) -> str:

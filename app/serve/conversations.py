@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 from llama_chat.inference import KVSequence, chat_prompt_ids
 from llama_chat.storage import Message, Session, StoreError
@@ -53,9 +54,9 @@ class Conversations:
         # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
 
-    def prompt(self, messages: list[dict]) -> list[int]:
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt of a conversation sent whole, as the model's chat template renders it."""
-        return chat_prompt_ids(self.model, messages)
+        return chat_prompt_ids(self.model, messages, tools=tools)
 
     def submit(
         self,
@@ -68,9 +69,12 @@ class Conversations:
         stop: list[str],
         store: bool,
         on_event: Callable[[Event], None],
+        grammar: str | None = None,
+        logprobs: int | None = None,
     ) -> Job:
         """A conversation sent whole: n replies to its prompt, in one job; job.result is the future of
-        the session it is kept in (None: not kept)."""
+        the session it is kept in (None: not kept). A `grammar` (inference.constrain) shapes the replies;
+        `logprobs` notes each token's log-probability (and the n likeliest) in the job's stats."""
         engine = self.engine
         base: list[KVSequence] = []
         previous = self._previous_ids(messages, prompt)
@@ -103,7 +107,7 @@ class Conversations:
         job = Job(
             prepare,
             n=n,
-            sampling=sampling_params(sampling),
+            sampling=replace(sampling_params(sampling), grammar=grammar, logprobs=logprobs),
             max_tokens=engine.n_ctx if max_tokens is None else max_tokens,
             stop=stop,
             finish=finish,

@@ -2,41 +2,43 @@
 into a CompletionRequest, and the shapes of replies, chunks and usage that clients expect.
 
 Fields a real client sends are read; OpenAI fields this server cannot honour are accepted only at
-their neutral value (no tools, no logprobs, plain text) and refused otherwise, as unknown fields are,
-so that a request never silently means something else here than there.
+their neutral value (no frequency or presence penalty, no logit bias) and refused otherwise, as unknown
+fields are, so that a request never silently means something else here than there.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from llama_chat.inference import GenerationStats
+from llama_chat.inference.sampling import TokenLogprob
+from llama_chat.inference.tool_calls import ToolCall
 
 from ..chat.settings import SAMPLING, SettingError
 from .errors import invalid
 
 MAX_N = 8  # alternatives of one request (each a reply decoded in the same batch)
 MAX_STOP = 4  # stop strings, as OpenAI allows
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_TOP_LOGPROBS = 20  # as OpenAI allows
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+TOOL_CHOICES = ("none", "auto", "required")
 
 # OpenAI fields that change nothing here whatever they say (we already cache prompts, and store by default).
-IGNORED = {"user", "metadata", "service_tier", "safety_identifier", "parallel_tool_calls", "moderation"}
+IGNORED = {"user", "metadata", "service_tier", "safety_identifier", "moderation"}
 IGNORED |= {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
 # OpenAI fields this server cannot honour: accepted only when absent, null or one of these values.
 NEUTRAL = {
     "frequency_penalty": [0],
     "presence_penalty": [0],
-    "logprobs": [False],
-    "top_logprobs": [0],
-    "tools": [[]],
-    "tool_choice": ["none", "auto"],
     "functions": [[]],
     "function_call": ["none", "auto"],
     "logit_bias": [{}],
-    "response_format": [{"type": "text"}],
     "modalities": [["text"]],
     "audio": [],
     "prediction": [],
@@ -45,7 +47,9 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", *(s.key for s in SAMPLING)}  # llama.cpp's top_k, min_p, repeat_penalty too
+READ |= {"store", "session", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+READ |= {"logprobs", "top_logprobs"}
+READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
 @dataclass
@@ -60,6 +64,12 @@ class CompletionRequest:
     n: int = 1
     session: str | None = None  # a stored session to append the last user message to
     store: bool = True  # keep the conversation (and its KV) in the database
+    tools: list[dict] | None = None  # OpenAI function definitions, for the chat template; None: none offered
+    tool_choice: str = "auto"  # "auto", "required" (a call, constrained), or "none"
+    tool_name: str | None = None  # the one function a call must be of (tool_choice names it)
+    parallel_tool_calls: bool = False  # a required call may be several; off by default, as llama.cpp's
+    json_schema: dict | None = None  # response_format: the reply is JSON valid under it
+    logprobs: int | None = None  # each token's log-probability and the n likeliest's; None: not asked
 
 
 def parse_completion(body: dict, header_session: str | None = None) -> CompletionRequest:
@@ -89,12 +99,24 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
     request.stop = _stop(body.get("stop"))
     request.n = _number(body, "n", 1, MAX_N, integer=True) or 1
     request.store = _flag(body, "store", True)
+    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if _flag(body, "logprobs", False):
+        request.logprobs = top or 0
+    elif top:
+        raise invalid("'top_logprobs' needs 'logprobs' to be true.", param="top_logprobs")
     request.session = _session(body.get("session"), header_session)
+    _tools(body, request)
+    request.parallel_tool_calls = _flag(body, "parallel_tool_calls", False)
+    request.json_schema = _response_format(body.get("response_format"))
+    if request.json_schema is not None and request.tools:
+        raise invalid("'response_format' and 'tools' cannot be used together here.", param="response_format")
     if request.session is not None:
         if request.messages[-1]["role"] != "user":
             raise invalid("With a session, the last message must be the user's new one.", param="messages")
         if request.n > 1:
             raise invalid("'n' above 1 cannot be used with a session.", param="n")
+        if request.logprobs is not None:
+            raise invalid("'logprobs' cannot be used with a session.", param="logprobs")
     return request
 
 
@@ -112,6 +134,63 @@ def _sampling(body: dict) -> dict:
     return given
 
 
+def _tools(body: dict, request: CompletionRequest) -> None:
+    """`tools` and `tool_choice` checked into the request (the parameters' schemas are compiled later,
+    against the model's vocabulary)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("'tools' must be a list of function definitions.", param="tools")
+        request.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] or None
+    names = [t["function"]["name"] for t in request.tools or []]
+    if isinstance(choice, dict):
+        name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise invalid("'tool_choice' must name a function of 'tools'.", param="tool_choice")
+        request.tool_choice, request.tool_name = "required", name
+    elif choice is not None:
+        if choice not in TOOL_CHOICES:
+            raise invalid(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a function.", "tool_choice")
+        if choice == "required" and not names:
+            raise invalid("'tool_choice' is 'required' but no 'tools' were given.", param="tool_choice")
+        request.tool_choice = choice
+    if request.tool_choice == "none":
+        request.tools = None  # nothing offered: the model answers in text
+
+
+def _tool(tool, where: str) -> dict:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+        raise invalid(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}.", param=where)
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(f"'{where}.function.name' must be 1 to 64 letters, digits, _ or -.", param=where)
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise invalid(f"'{where}.function.parameters' must be a JSON schema (an object).", param=where)
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"'{where}.function.description' must be a string.", param=where)
+    kept = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": {k: v for k, v in kept.items() if v is not None}}
+
+
+def _response_format(value) -> dict | None:
+    """The JSON schema a reply must follow ({"type": "object"} for any JSON object); None for text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("'response_format.json_schema.schema' must be a JSON schema.", param="response_format")
+        return schema
+    raise invalid("'response_format.type' must be text, json_object or json_schema.", param="response_format")
+
+
 def parse_messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list of messages.", param="messages")
@@ -124,9 +203,37 @@ def parse_messages(messages) -> list[dict]:
         if role not in ROLES:
             supported = ", ".join(ROLES)
             raise invalid(f"'{where}.role' must be one of {supported}, not {role!r}.", param=f"{where}.role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise invalid("Tool calls are not supported by this server.", param=f"{where}.tool_calls")
-        out.append({"role": ROLES[role], "content": _content(m.get("content"), f"{where}.content")})
+        if m.get("function_call"):
+            raise invalid("'function_call' is not supported: use 'tool_calls'.", param=f"{where}.function_call")
+        if role == "assistant" and m.get("tool_calls"):
+            # the template writes the calls back as the model wrote them; content may be null then
+            content = "" if m.get("content") is None else _content(m["content"], f"{where}.content")
+            calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            out.append({"role": "assistant", "content": content, "tool_calls": calls})
+            continue
+        message = {"role": ROLES[role], "content": _content(m.get("content"), f"{where}.content")}
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool calls, their arguments read back into objects for the template."""
+    if not isinstance(calls, list):
+        raise invalid(f"'{where}' must be a list of tool calls.", param=where)
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise invalid(f"'{where}[{i}]' must have a function with a name and arguments.", param=where)
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise invalid(f"'{where}[{i}].function.arguments' is not JSON.", param=where) from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
 
@@ -211,23 +318,34 @@ class Reply:
         }
 
     def completion(
-        self, texts: list[str], stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None
+        self,
+        texts: list[str],
+        stats: list[GenerationStats],
+        session: str | None,
+        kv_remote: dict | None = None,
+        calls: list[list[ToolCall]] | None = None,
+        logprobs: list[list[dict]] | None = None,
     ) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason(s),
-            }
-            for i, (text, s) in enumerate(zip(texts, stats, strict=True))
-        ]
+        """The reply; `calls`: each alternative's tool calls (its text then is the content before them)."""
+        calls = calls or [[] for _ in texts]
+        choices = []
+        for i, (text, s, made) in enumerate(zip(texts, stats, calls, strict=True)):
+            message = {"role": "assistant", "content": text or (None if made else ""), "refusal": None}
+            if made:
+                message["tool_calls"] = [tool_call(c) for c in made]
+            content = None if logprobs is None else {"content": logprobs[i], "refusal": None}
+            choices.append(
+                {"index": i, "message": message, "logprobs": content, "finish_reason": finish_reason(s, bool(made))}
+            )
         return {
             **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), "session": session
         }
 
-    def chunk(self, index: int, delta: dict, finish: str | None = None, **extra) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(
+        self, index: int, delta: dict, finish: str | None = None, logprobs: list[dict] | None = None, **extra
+    ) -> dict:
+        content = None if logprobs is None else {"content": logprobs, "refusal": None}
+        choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None, **extra}
 
     def usage_chunk(self, stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None) -> dict:
@@ -236,9 +354,28 @@ class Reply:
         }
 
 
-def finish_reason(stats: GenerationStats) -> str:
-    """OpenAI's names: "length" when the token limit (or the context window) ended it, else "stop"."""
-    return "length" if stats.stop_reason == "length" else "stop"
+def finish_reason(stats: GenerationStats, called: bool = False) -> str:
+    """OpenAI's names: "length" when the token limit (or the context window) ended it, "tool_calls"
+    when it ended with tool calls, else "stop"."""
+    if stats.stop_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def tool_call(call: ToolCall) -> dict:
+    """A call as OpenAI writes it: an id, the function's name and its arguments as JSON text."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": "call_" + secrets.token_hex(12), "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def token_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
+    """Tokens' log-probabilities as OpenAI writes them: each token's text and UTF-8 bytes."""
+
+    def one(token: int, logprob: float) -> dict:
+        data = tokenizer.token_bytes(token)
+        return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data)}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
 def usage(stats: list[GenerationStats], kv_remote: dict | None = None) -> dict:

@@ -1,0 +1,247 @@
+"""Tools and JSON output on the default model, with the real `openai` client: a get_weather round
+trip (the call required, so constrained to parse), streamed and not, and replies under a JSON schema
+that validate, greedy and sampled. Refusals of a schema that is not one and of templates without tools
+run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import real_cache
+from llama_chat.app.serve.state import open_model
+from served import BLOCK, Served
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+PET = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "owner": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
+            "required": ["city", "age"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
+    },
+    "required": ["name", "kind", "owner", "tags"],
+    "additionalProperties": False,
+}
+ASK_PET = [{"role": "user", "content": "Invent a pet and its owner, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def qwen_served(tmp_path_factory, qwen_model_path):
+    def load(options):
+        with real_cache():  # the prepared model of the user's cache, not one prepared again
+            return open_model(options)
+
+    s = Served(tmp_path_factory.mktemp("tools") / "chat.db", qwen_model_path, load=load).wait_ready()
+    s.name = qwen_model_path.stem
+    yield s
+    s.stop()
+
+
+def _call_of(message) -> dict:
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": call.function.arguments},
+    }
+
+
+def _answer(s: Served, call: dict, stream: bool, reused: int = 0) -> str:
+    """The final answer once the tool's result is sent back; `reused`: tokens it must take from the cache."""
+    messages = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21, "sky": "sunny"}'},
+    ]
+    kwargs = {"model": s.name, "messages": messages, "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
+    if not stream:
+        reply = s.client.chat.completions.create(**kwargs)
+        assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+        assert reply.usage.prompt_tokens_details.cached_tokens >= reused
+        return reply.choices[0].message.content
+    chunks = list(s.client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.real_model
+def test_a_required_tool_call_round_trip(qwen_served):
+    s = qwen_served
+    reply = s.client.chat.completions.create(
+        model=s.name,
+        messages=ASK_WEATHER,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    call = _call_of(choice.message)
+    assert "paris" in json.loads(call["function"]["arguments"])["city"].lower()
+    # the call is written back as the model wrote it: its KV is reused, up to the last full block
+    answer = _answer(s, call, stream=False, reused=reply.usage.total_tokens - 2 * BLOCK)
+    assert "21" in answer or "sunny" in answer.lower()
+
+
+@pytest.mark.real_model
+def test_a_streamed_tool_call_round_trip(qwen_served):
+    s = qwen_served
+    stream = s.client.chat.completions.create(
+        model=s.name,
+        messages=ASK_WEATHER,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0.7,
+        seed=5,
+        max_tokens=80,
+        stream=True,
+    )
+    calls, finish, pieces = {}, None, 0
+    for chunk in stream:  # as a client accumulates OpenAI's deltas
+        choice = chunk.choices[0] if chunk.choices else None
+        for delta in (choice.delta.tool_calls or []) if choice else []:
+            call = calls.setdefault(
+                delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["function"]["name"] += delta.function.name or ""
+                call["function"]["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
+        finish = choice.finish_reason if choice and choice.finish_reason else finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert pieces > 1  # the arguments stream as the model writes them
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert _answer(s, calls[0], stream=True)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1}, {"temperature": 1.0, "seed": 2}]
+)
+def test_replies_under_a_json_schema_validate(qwen_served, sampling):
+    s = qwen_served
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    reply = s.client.chat.completions.create(
+        model=s.name, messages=ASK_PET, response_format=response_format, max_tokens=200, **sampling
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PET)
+
+
+@pytest.mark.real_model
+def test_a_streamed_json_object_reply_parses(qwen_served):
+    s = qwen_served
+    stream = s.client.chat.completions.create(
+        model=s.name,
+        messages=ASK_PET,
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        stream=True,
+        temperature=0,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
+
+
+# -- refusals, on the tiny model ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+            "nonsense",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+            "response_format",
+            "schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0]", "letters"),
+        ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice",
+            "name",
+        ),
+    ],
+)
+def test_bad_tools_and_formats_get_400_naming_the_problem(served, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask("hi", **extra)
+    assert e.value.body["param"] == param and words in e.value.body["message"]
+
+
+def test_a_template_without_tools_refuses_them(served):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask("hi", tools=[WEATHER])
+    assert e.value.body["param"] == "tools" and "template" in e.value.body["message"]
+
+
+def test_tool_messages_for_a_template_without_tools_are_400(served):
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask([*messages, {"role": "tool", "tool_call_id": "c", "content": "sunny"}])
+    assert e.value.body["param"] == "messages"
+
+
+def test_tool_call_arguments_that_are_not_json_are_400(served):
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask([*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert "not JSON" in e.value.body["message"]
+
+
+def test_a_tool_parameters_schema_that_does_not_compile_is_400(served):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.ask("hi", tools=[bad])
+    assert e.value.body["param"] == "tools[0]" and "properties" in e.value.body["message"]
+
+
+def test_a_reply_under_a_json_schema_on_the_tiny_model_parses(served):
+    schema = {
+        "type": "object",
+        "properties": {"w": {"enum": ["hello", "world"]}},
+        "required": ["w"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    reply = served.ask("x y z", response_format=fmt, temperature=0, max_tokens=300)
+    assert json.loads(reply.choices[0].message.content)["w"] in ("hello", "world")
