@@ -5,6 +5,7 @@ line, and the CLI working on the same database while a server runs."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 
 from llama_chat.app.cli import main
 from llama_chat.inference import chat_prompt_ids
-from served import BLOCK, MODEL, SYSTEM, Served, error_of, upload
+from served import BLOCK, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
 
 # -- sessions ----------------------------------------------------------------------------------------
 
@@ -74,6 +75,64 @@ def test_a_stored_session_over_http(served):
     assert status == 200 and json.loads(body)["deleted"]
     assert served.raw("GET", f"/v1/sessions/{sid}")[0] == 404
     assert served.raw("GET", f"/v1/sessions/{fork['id']}")[0] == 200  # its fork keeps the messages
+
+
+def sse_texts(body: bytes) -> tuple[str, list[dict]]:
+    """The text of a stream's reply, and its events, as JSON (the last is the string "[DONE]")."""
+    events = [line.removeprefix(b"data: ").decode() for line in body.splitlines() if line.startswith(b"data: ")]
+    parsed = [json.loads(e) if e != "[DONE]" else e for e in events]
+    text = "".join(c["delta"].get("content") or "" for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
+    return text, parsed
+
+
+def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_nothing(tmp_path, qwen2, monkeypatch):
+    s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=2).wait_ready()
+    try:
+        sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+        jobs = []
+        submit = s.scheduler.submit
+        monkeypatch.setattr(s.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
+        host, port = s.url.removeprefix("http://").split(":")
+
+        def turn(text: str, stream: bool) -> http.client.HTTPConnection:
+            conn = http.client.HTTPConnection(host, int(port))
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "session": sid,
+                    "max_tokens": 6, "seed": 1, "stream": stream}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            return conn
+
+        with s.scheduler.lock:  # nothing advances: the first turn is taken, two wait, the rest are refused
+            first = turn("one", stream=True)
+            wait_for(lambda: len(jobs) == 1 and s.scheduler.load()["queued"] == 0)
+            leaving = turn("two", stream=False)
+            wait_for(lambda: len(jobs) == 2)
+            third = turn("three", stream=True)
+            wait_for(lambda: len(jobs) == 3)
+            for i in range(6):
+                status, headers, body = post(s, {"model": MODEL, "session": sid, "max_tokens": 6,
+                                                 "messages": [{"role": "user", "content": f"more {i}"}]})
+                assert status == 429 and headers["Retry-After"] == "1"
+                assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+            # /health says what waits (with the scheduler held, the pool it reads does not change)
+            with monkeypatch.context() as m:
+                m.setattr(s.state.engine, "lock", contextlib.nullcontext())
+                health = json.loads(s.raw("GET", "/health")[2])
+            assert health["queued"] == 2
+            leaving.close()  # before its turn began
+            wait_for(lambda: jobs[1].cancelled)
+        replies = []
+        for conn in (first, third):
+            response = conn.getresponse()
+            assert response.status == 200
+            text, events = sse_texts(response.read())
+            assert events[-1] == "[DONE]"
+            replies.append(text)
+        stored = json.loads(s.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+        # one after another, each turn read the one before it; the client that left left nothing
+        assert [m["content"] for m in stored] == ["one", replies[0], "three", replies[1]]
+        assert json.loads(s.raw("GET", "/health")[2])["queued"] == 0
+    finally:
+        s.stop()
 
 
 def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):

@@ -51,14 +51,7 @@ async def chat_completions(request: Request) -> Response:
         job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events))
     else:
         session = await run_in_threadpool(find_session, state, req.session)
-        await state.lock_session(session.id)
-        events.at_end = lambda: state.unlock_session(session.id)  # the next turn may start then
-        try:
-            job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
-        except BaseException:
-            events.at_end = None
-            state.unlock_session(session.id)
-            raise
+        job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
     if req.stream:
         return EventSourceResponse(_chunks(job, events, reply, req.include_usage, engine), headers=headers)
@@ -144,6 +137,7 @@ def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, e
             sampling=req.sampling,
             max_tokens=req.max_tokens,
             stop=req.stop,
+            store=req.store,
             on_event=events,
         )
     except ValueError as e:  # an empty message

@@ -18,6 +18,7 @@ No HTTP here: the server's routes (app.py) parse requests and render the jobs' e
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,8 @@ class Conversations:
         self.model = engine.model
         # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
+        self._turns: dict[str, int] = {}  # a stored session's turns submitted and not ended yet
+        self._turns_changed = threading.Condition()
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The prompt of a conversation sent whole, as the model's chat template renders it."""
@@ -188,12 +191,15 @@ class Conversations:
         sampling: dict,
         max_tokens: int | None,
         stop: list[str],
+        store: bool,
         on_event: Callable[[Event], None],
     ) -> Job:
         """The next turn of a stored session, as long as the request or else the session's settings allow;
-        job.result is a SavedReply (where it was stored). The
-        session's KV stays in RAM only as cached blocks once it ended, so that no session holds the
-        pool: the next turn takes them back (or reads them from the database)."""
+        job.result is a SavedReply (where it was stored; not `store`: nowhere). It waits in the
+        scheduler's queue with every other reply, behind the session's earlier turns; cancelled before
+        its first token (its client left), it stores nothing. The session's KV stays in RAM only as
+        cached blocks once it ended, so that no session holds the pool: the next turn takes them back
+        (or reads them from the database)."""
         engine = self.engine
 
         def on_end(event: Event) -> None:
@@ -202,13 +208,35 @@ class Conversations:
                 engine.close(session.id)
                 if saved is not None and saved.session is not None:
                     engine.close(saved.session.id)
+                self._count_turn(session.id, -1)
             on_event(event)
 
-        return engine.submit_reply(
-            session,
-            text,
-            sampling=sampling_params({**session.sampling, **sampling}),
-            max_tokens=longest(session.sampling, engine.n_ctx) if max_tokens is None else max_tokens,
-            stop=stop,
-            on_event=on_end,
-        )
+        self._count_turn(session.id, +1)
+        try:
+            return engine.submit_reply(
+                session,
+                text,
+                sampling=sampling_params({**session.sampling, **sampling}),
+                max_tokens=longest(session.sampling, engine.n_ctx) if max_tokens is None else max_tokens,
+                stop=stop,
+                on_event=on_end,
+                store=store,
+                drop_unanswered=True,
+            )
+        except BaseException:
+            self._count_turn(session.id, -1)
+            raise
+
+    def _count_turn(self, session_id: str, change: int) -> None:
+        with self._turns_changed:
+            left = self._turns.get(session_id, 0) + change
+            if left:
+                self._turns[session_id] = left
+            else:
+                self._turns.pop(session_id, None)
+                self._turns_changed.notify_all()
+
+    def wait_for_turns(self, session_id: str) -> None:
+        """Until no turn of the session waits or runs: a delete comes after the turn being stored."""
+        with self._turns_changed:
+            self._turns_changed.wait_for(lambda: session_id not in self._turns)

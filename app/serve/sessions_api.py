@@ -105,18 +105,15 @@ async def fork_session(request: Request) -> Response:
 async def delete_session(request: Request) -> Response:
     state = _state(request)
     session = await run_in_threadpool(find_session, state, request.path_params["id"])
-    await state.lock_session(session.id)  # after a turn being made in it has been stored
-    try:
 
-        def delete() -> int:
-            engine = state.engine
-            with engine.lock:
-                engine.close(session.id)
-            return engine.store.delete_session(session.id)
+    def delete() -> int:
+        engine = state.engine
+        state.conversations.wait_for_turns(session.id)  # after a turn being made in it has been stored
+        with engine.lock:
+            engine.close(session.id)
+        return engine.store.delete_session(session.id)
 
-        removed = await run_in_threadpool(delete)
-    finally:
-        state.unlock_session(session.id)
+    removed = await run_in_threadpool(delete)
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True, "messages": removed})
 
 

@@ -7,7 +7,6 @@ is shutting down.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import threading
@@ -98,7 +97,6 @@ class ServerState:
         self.engine: ChatEngine | None = None
         self.conversations: Conversations | None = None
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
-        self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # the lock, and who holds or waits
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
 
@@ -162,27 +160,6 @@ class ServerState:
     def check_model(self, name: str) -> None:
         if name not in self.names:
             raise model_not_found(name, self.options.model_id)
-
-    async def lock_session(self, session_id: str) -> None:
-        """One turn at a time per session, in this server: the next waits, then follows the last."""
-        lock, users = self._session_locks.get(session_id, (asyncio.Lock(), 0))
-        self._session_locks[session_id] = lock, users + 1
-        try:
-            await lock.acquire()
-        except BaseException:
-            self._unlist(session_id)
-            raise
-
-    def unlock_session(self, session_id: str) -> None:
-        self._session_locks[session_id][0].release()
-        self._unlist(session_id)
-
-    def _unlist(self, session_id: str) -> None:
-        lock, users = self._session_locks[session_id]
-        if users == 1:
-            del self._session_locks[session_id]
-        else:
-            self._session_locks[session_id] = lock, users - 1
 
     def health(self) -> dict:
         """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and

@@ -99,7 +99,6 @@ class JobEvents:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.ended = asyncio.Event()
-        self.at_end: Callable[[], None] | None = None  # called on the loop when the job has ended
 
     def __call__(self, event: Event) -> None:
         try:
@@ -111,8 +110,6 @@ class JobEvents:
         self.queue.put_nowait(event)
         if event.kind == "end":
             self.ended.set()
-            if self.at_end is not None:
-                self.at_end()
 
     async def __aiter__(self):
         while True:
