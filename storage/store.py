@@ -19,7 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .db import BUSY_S, StoreError, begin_immediate, disk_full, is_damage, open_database, store_error
+from .db import (
+    BUSY_S,
+    DISK_FULL,
+    StoreError,
+    begin_immediate,
+    disk_full,
+    is_damage,
+    open_database,
+    store_error,
+)
 from .kv_tables import KVTables
 from .records import Message, Session
 
@@ -92,8 +101,9 @@ class ChatStore(KVTables):
     def check_writable(self) -> None:
         """Nothing is written into a read-only or damaged file."""
         if self.read_only:
-            why = "the disk is full" if disk_full(self.db_path) else "read-only here (the file or its folder)"
-            raise StoreError(f"{self.db_path}: {why}; nothing was changed")
+            full = disk_full(self.db_path)
+            why = f"{DISK_FULL if full else 'read-only here (the file or its folder)'}; nothing was changed"
+            raise StoreError(f"{self.db_path}: {why}", why, full)
         if self.damage:
             raise self._damaged()
 
@@ -117,10 +127,8 @@ class ChatStore(KVTables):
         return None
 
     def _damaged(self) -> StoreError:
-        return StoreError(
-            f"{self.db_path}: {self.damage}; it was left untouched: `llama-chat sessions check` "
-            "recovers what can be read"
-        )
+        why = f"{self.damage}; it was left untouched: `llama-chat sessions check` recovers what can be read"
+        return StoreError(f"{self.db_path}: {why}", why)
 
     def _error(self, e: sqlite3.Error, consequence: str) -> StoreError:
         """One line for a failed query; a damaged file found this way is not written to again."""
@@ -167,7 +175,10 @@ class ChatStore(KVTables):
         forked_from: str | None = None,
         n_tokens: int = 0,
         origin: str | None = None,
+        turn: list[Message] = (),
     ) -> Session:
+        """A new session; with a `turn` (messages, oldest first: their id and parent_id are not used), it
+        ends with them, created with it in one transaction (a failure leaves no empty session)."""
         now = time.time()
         row = {
             "id": secrets.token_hex(6),
@@ -185,6 +196,12 @@ class ChatStore(KVTables):
         }
         with self.transaction():
             self._insert("sessions", row)
+            parent = head_id
+            for m in turn:
+                parent = self._insert_message(parent, m).id
+            if turn:
+                self._move_head(row["id"], parent)
+                row["head_id"] = parent
         return Session.from_row(row)
 
     def get_session(self, id_or_prefix: str) -> Session:

@@ -17,6 +17,7 @@ import pytest
 
 from llama_chat.app.cli import main
 from llama_chat.inference import chat_prompt_ids
+from llama_chat.storage import StoreError
 from served import BLOCK, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
 
 # -- sessions ----------------------------------------------------------------------------------------
@@ -133,6 +134,60 @@ def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_n
         assert json.loads(s.raw("GET", "/health")[2])["queued"] == 0
     finally:
         s.stop()
+
+
+def fill_up(write) -> None:
+    """write() until the database says the disk is full (with SQLite's max_page_count at the file's
+    size, what is left of its last pages): then a write of that kind finds no room."""
+    for _ in range(10_000):
+        try:
+            write()
+        except StoreError as e:
+            assert "the disk is full" in str(e)
+            return
+    raise AssertionError("the database never filled up")
+
+
+def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(tmp_path, qwen2, capfd):
+    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
+    try:
+        sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+        first = s.ask("hello there", extra_body={"session": sid}, seed=1)
+        store = s.state.engine.store
+        filler = store.create_session("filler")
+        with store._lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
+            pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
+            store.db.conn.execute(f"PRAGMA max_page_count = {pages}")
+        fill_up(lambda: store.add_message(filler.id, "user", "x"))  # no room for a message any more
+        sessions = len(store.list_sessions())
+
+        turn = s.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "and the water"}], max_tokens=6,
+            extra_body={"session": sid},
+        )
+        reply = turn.parse()
+        assert reply.choices[0].message.content  # the reply made is the client's, with a note
+        assert reply.session is None and reply.model_extra["stored"] is False
+        assert "not stored: the disk is full" in reply.model_extra["store_error"]
+        assert turn.headers["X-Store-Error"] == "disk_full" and turn.headers["X-Session-Id"] == sid
+        streamed = list(s.ask("and the sun", extra_body={"session": sid}, stream=True))
+        assert "disk is full" in streamed[-1].model_extra["store_error"]
+
+        whole = s.ask([{"role": "user", "content": "a new conversation"}])
+        assert whole.choices[0].message.content and whole.model_extra["stored"] is False
+        assert len(store.list_sessions()) == sessions  # not an empty session: none at all
+        messages = json.loads(s.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+        assert [m["content"] for m in messages] == ["hello there", first.choices[0].message.content]
+
+        fill_up(lambda: store.create_session("x"))  # no room for a session either
+        for method, path in [("POST", "/v1/sessions"), ("POST", f"/v1/sessions/{sid}/fork")]:
+            status, error = error_of(s.raw(method, path, b"{}", {"Content-Type": "application/json"}))
+            assert status == 507 and error["code"] == "disk_full" and str(tmp_path) not in error["message"]
+    finally:
+        s.stop()
+    log = capfd.readouterr().err
+    assert "Traceback" not in log
+    assert sum("disk is full" in line for line in log.splitlines()) == 5  # one line for each
 
 
 def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):

@@ -40,6 +40,13 @@ from .scheduler import Scheduler
 from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
 
 
+class ReplyNotStored(StoreError):
+    """A reply was made but could not be stored (the disk is full, …): whoever made it still has it."""
+
+    def __init__(self, e: StoreError):
+        super().__init__(f"the reply was not stored: {e}", e.brief, e.full)
+
+
 @dataclass
 class SavedReply:
     """Where a reply was stored, filled in by ChatEngine.reply() as GenerationStats is."""
@@ -369,7 +376,7 @@ class ChatEngine:
         try:
             stored, saved.branched = self.store.append_turn(session.id, session.head_id, turn)
         except StoreError as e:
-            raise StoreError(f"the reply was not stored: {e}") from None
+            raise ReplyNotStored(e) from None
         saved.session = stored
         self.note_prefill(stats)
         if stored.id != session.id:  # the KV computed belongs to the new branch now

@@ -17,9 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llama_chat.storage import StoreError
+
 from . import sessions_api
 from .completions import chat_completions
-from .errors import ApiError, forbidden, server_error, unauthorized
+from .errors import ApiError, forbidden, server_error, storage_failed, unauthorized
 from .state import ServeOptions, ServerState, say
 
 OPEN_PATHS = {"/health"}  # answered without a key: load balancers and probes ask it
@@ -155,6 +157,12 @@ async def http_error(request: Request, e: HTTPException) -> Response:
     return ApiError(e.status_code, message, code=code, headers=e.headers).response()
 
 
+async def store_failed(request: Request, e: StoreError) -> Response:
+    """A database that cannot be used (a full disk, …): one line in the log, and the API's error."""
+    say(f"{request.method} {request.url.path}: {e}")
+    return storage_failed(e).response()
+
+
 async def unexpected(request: Request, e: Exception) -> Response:
     """A failure nobody foresaw: the whole of it in the server's log, only its kind to the client (its
     text may name the server's files)."""
@@ -181,7 +189,9 @@ def create_app(options: ServeOptions, load=None, api_key: str | None = None) -> 
     app = Starlette(
         routes=routes,
         middleware=middleware(options, api_key),
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected},
+        exception_handlers={
+            ApiError: api_error, HTTPException: http_error, StoreError: store_failed, Exception: unexpected
+        },
         lifespan=lifespan,
     )
     app.state.server = state

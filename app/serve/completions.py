@@ -17,7 +17,7 @@ from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
-from ..chat.engine import ChatEngine, SavedReply
+from ..chat.engine import ChatEngine, ReplyNotStored, SavedReply
 from ..chat.jobs import Job, State
 from ..chat.scheduler import QueueFull
 from .errors import (
@@ -27,9 +27,10 @@ from .errors import (
     invalid,
     server_error,
     session_not_found,
+    storage_failed,
     unavailable,
 )
-from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion
+from .openai_api import CompletionRequest, Kept, Reply, finish_reason, parse_completion
 from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json
 
@@ -58,13 +59,16 @@ async def chat_completions(request: Request) -> Response:
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
         return Response(status_code=499)
-    if job.state is not State.DONE:
-        raise _failure(job)
-    session_id = await kept_session(job)
-    if session_id is not None:
-        headers["X-Session-Id"] = session_id
+    failure = _failure(job)
+    if failure is not None:
+        raise failure
+    kept = await kept_where(job)
+    if kept.session is not None:
+        headers["X-Session-Id"] = kept.session
+    if kept.error is not None:
+        headers["X-Store-Error"] = kept.error_code
     texts = [job.text(i) for i in range(job.n)]
-    return JSONResponse(reply.completion(texts, job.stats, session_id, kv_remote(engine, job)), headers=headers)
+    return JSONResponse(reply.completion(texts, job.stats, kept, kv_remote(engine, job)), headers=headers)
 
 
 def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
@@ -81,6 +85,8 @@ def find_session(state: ServerState, session_id: str) -> Session:
     try:
         return state.ready().store.get_session(session_id)
     except StoreError as e:
+        if e.brief is not None:  # the database failed, not the request
+            raise
         raise session_not_found(str(e)) from None
 
 
@@ -143,22 +149,35 @@ def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, e
     except ValueError as e:  # an empty message
         raise invalid(f"The new message cannot be used: {e}.", param="messages") from None
     except StoreError as e:  # deleted meanwhile
+        if e.brief is not None:  # the database failed, not the request
+            raise
         raise session_not_found(str(e)) from None
 
 
-async def kept_session(job: Job) -> str | None:
-    """The session the reply was stored in, if it was (waiting for the writer to store it)."""
+async def kept_where(job: Job) -> Kept:
+    """The session the reply was stored in, if it was (waiting for the writer to store it), or why not."""
     result = job.result
-    if isinstance(result, Future):
-        result = await asyncio.wrap_future(result)
+    try:
+        if isinstance(job.error, ReplyNotStored):
+            raise job.error
+        if isinstance(result, Future):
+            result = await asyncio.wrap_future(result)
+    except ReplyNotStored as e:
+        return Kept(error=e)
     if isinstance(result, SavedReply):
         result = result.session
-    return result.id if isinstance(result, Session) else None
+    return Kept(result.id if isinstance(result, Session) else None)
 
 
-def _failure(job: Job) -> ApiError:
+def _failure(job: Job) -> ApiError | None:
+    """Why the job has no reply to send, as the API says it; None when it has one (even one that could
+    not be stored: the client gets it, with a note)."""
+    if job.state is State.DONE or isinstance(job.error, ReplyNotStored):
+        return None
     if job.state is State.CANCELLED:  # not by the client: the server is closing
         return unavailable("The server is shutting down; the reply was cut short.", "shutting_down")
+    if isinstance(job.error, StoreError):  # the database failed, or the session was deleted while it waited
+        return storage_failed(job.error) if job.error.brief is not None else session_not_found(str(job.error))
     return server_error(f"The reply failed: {job.error}")
 
 
@@ -173,14 +192,16 @@ async def _chunks(
         async for event in events:
             if event.kind == "text" and event.text:
                 yield _data(reply.chunk(event.alt, {"content": event.text}))
-        if job.state is not State.DONE:
-            yield _data(_failure(job).body())
+        failure = _failure(job)
+        if failure is not None:
+            yield _data(failure.body())
+            yield "[DONE]"
             return
-        session_id = await kept_session(job)
+        kept = await kept_where(job)
         for i, stats in enumerate(job.stats):
-            yield _data(reply.chunk(i, {}, finish_reason(stats), session=session_id))
+            yield _data(reply.chunk(i, {}, finish_reason(stats), **kept.fields()))
         if include_usage:
-            yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
+            yield _data(reply.usage_chunk(job.stats, kept, kv_remote(engine, job)))
         yield "[DONE]"
     finally:
         if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping

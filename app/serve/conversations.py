@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from llama_chat.inference import KVSequence, chat_prompt_ids
 from llama_chat.storage import Message, Session, StoreError
 
-from ..chat.engine import ChatEngine, reply_stats, session_title
+from ..chat.engine import ChatEngine, ReplyNotStored, reply_stats, session_title
 from ..chat.jobs import Event, Job
 from ..chat.settings import max_tokens as longest
 from ..chat.settings import sampling_params
@@ -145,10 +145,10 @@ class Conversations:
         held = self.engine.hold_kv(job.seqs[0], self.engine.window_ids(conversation))
         return self.writer.submit(self._store, messages, sampling, reply, held)
 
-    def _store(self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence) -> Session | None:
+    def _store(self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence) -> Session:
         """The conversation and its reply stored — appended to the API session where the same history
-        left off, else in a new one (with the request's sampling settings) — then its KV. A failure
-        costs only the cache: the client has its reply, so it is said on stderr."""
+        left off, else in a new one (with the request's sampling settings), in one transaction — then
+        its KV. A failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
         store = self.engine.store
         system, turns = split_system(messages)
         asked = [Message(0, None, m["role"], m["content"], None, reply.created, None) for m in turns]
@@ -156,23 +156,22 @@ class Conversations:
             history = [(m["role"], m["content"]) for m in turns[:-1]]
             session = store.session_ending_with(API_ORIGIN, system, history)
             if session is None:
-                session = store.create_session(
+                stored = store.create_session(
                     title_of(turns),
                     model_fingerprint=self.model.fingerprint,
                     model_name=self.model.name,
                     system_prompt=system,
                     sampling=sampling,
                     origin=API_ORIGIN,
+                    turn=[*asked, reply],
                 )
-                new = [*asked, reply]
             else:
-                new = [*asked[-1:], reply]
-            stored, _ = store.append_turn(session.id, session.head_id, new)
+                stored, _ = store.append_turn(session.id, session.head_id, [asked[-1], reply])
         except StoreError as e:
             with self.engine.lock:
                 held.free()
             print(f"llama-chat serve: a conversation was not stored: {e}", file=sys.stderr)
-            return None
+            raise ReplyNotStored(e) from None
         try:
             self.engine.store_kv(stored.id, held)
         except StoreError as e:
@@ -208,6 +207,8 @@ class Conversations:
                 engine.close(session.id)
                 if saved is not None and saved.session is not None:
                     engine.close(saved.session.id)
+                if isinstance(event.job.error, ReplyNotStored):  # the client still gets the reply
+                    print(f"llama-chat serve: session {session.id}: {event.job.error}", file=sys.stderr)
                 self._count_turn(session.id, -1)
             on_event(event)
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from llama_chat.inference import GenerationStats
+from llama_chat.storage import StoreError
 
 from ..chat.settings import SAMPLING, SettingError
 from .errors import invalid
@@ -193,6 +194,29 @@ def _session(body_value, header_value: str | None) -> str | None:
 
 
 @dataclass
+class Kept:
+    """Where a reply was stored: its session (None: nowhere), and why not where it was to be (a full
+    disk: then the client holds the only copy)."""
+
+    session: str | None = None
+    error: StoreError | None = None
+
+    def fields(self) -> dict:
+        """What a completion, its last chunks and its usage chunk say of it."""
+        out = {"session": self.session, "stored": self.session is not None}
+        if self.error is not None:
+            out["store_error"] = f"The reply was not stored: {self.error.brief or 'see the server log'}."
+        return out
+
+    @property
+    def error_code(self) -> str | None:
+        """The X-Store-Error header of a reply not stored where it was to be."""
+        if self.error is None:
+            return None
+        return "disk_full" if self.error.full else "storage_error"
+
+
+@dataclass
 class Reply:
     """What every message of one completion shares."""
 
@@ -211,7 +235,7 @@ class Reply:
         }
 
     def completion(
-        self, texts: list[str], stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None
+        self, texts: list[str], stats: list[GenerationStats], kept: Kept, kv_remote: dict | None = None
     ) -> dict:
         choices = [
             {
@@ -223,16 +247,16 @@ class Reply:
             for i, (text, s) in enumerate(zip(texts, stats, strict=True))
         ]
         return {
-            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), "session": session
+            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), **kept.fields()
         }
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, **extra) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None, **extra}
 
-    def usage_chunk(self, stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None) -> dict:
+    def usage_chunk(self, stats: list[GenerationStats], kept: Kept, kv_remote: dict | None = None) -> dict:
         return {
-            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), "session": session
+            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), **kept.fields()
         }
 
 

@@ -96,6 +96,8 @@ async def fork_session(request: Request) -> Response:
         try:
             return state.engine.fork(session, at, session_title(title) if title else None)
         except StoreError as e:  # a message not on the session's path
+            if e.brief is not None:  # the database failed, not the request
+                raise
             raise invalid(f"Cannot fork there: {e}.", param="at_message") from None
 
     child = await run_in_threadpool(fork)
