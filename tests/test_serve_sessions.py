@@ -17,8 +17,8 @@ import pytest
 
 from llama_chat.app.cli import main
 from llama_chat.inference import chat_prompt_ids
-from llama_chat.storage import StoreError
-from served import BLOCK, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
+from llama_chat.storage import ChatStore, StoreError
+from served import BLOCK, LONG, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
 
 # -- sessions ----------------------------------------------------------------------------------------
 
@@ -238,6 +238,61 @@ def test_serve_on_the_command_line(tmp_path, qwen2):
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+
+
+def up_to_its_first_text(response) -> bytes:
+    """What a stream sent up to the first piece of its reply's text (the lines read)."""
+    read = b""
+    while True:
+        line = response.readline()
+        assert line, "the stream ended"
+        read += line
+        if line.startswith(b"data: {") and sse_texts(line)[0]:
+            return read
+
+
+def test_sigterm_mid_stream_ends_each_stream_saying_so_and_keeps_what_was_made(tmp_path, qwen2):
+    db = tmp_path / "chat.db"
+    cmd = [sys.executable, "-m", "llama_chat", "--db", str(db), "--model", str(qwen2), "--no-lookup",
+           "serve", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        base = proc.stderr.readline().split("listening on ")[1].split()[0]
+        for line in proc.stderr:
+            assert "error" not in line
+            if "ready" in line:
+                break
+        host, port = base.removeprefix("http://").split(":")
+        created = http.client.HTTPConnection(host, int(port))
+        created.request("POST", "/v1/sessions", "{}", {"Content-Type": "application/json"})
+        sid = json.loads(created.getresponse().read())["id"]
+        asks = [{"session": sid, "messages": [{"role": "user", "content": LONG}]},  # a stored session's turn
+                {"messages": [{"role": "user", "content": LONG + " z"}]}]  # a conversation sent whole
+        streams = []
+        for ask in asks:
+            conn = http.client.HTTPConnection(host, int(port))
+            body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 240, **ask}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            streams.append((response, up_to_its_first_text(response)))
+        proc.send_signal(signal.SIGTERM)  # mid-reply: each has sent some of its text
+        for response, began in streams:
+            text, events = sse_texts(began + response.read())  # read() fails on a cut chunked body
+            assert events[-1] == "[DONE]"
+            cut = events[-2]
+            assert cut["error"]["code"] == "shutting_down" and "cut short" in cut["error"]["message"]
+            assert cut["stored"] and cut["session"] in cut["error"]["message"]
+            with contextlib.closing(ChatStore(db)) as store:  # (SQLite lets another reader in)
+                last = store.path(store.get_session(cut["session"]).head_id)[-1]
+            assert last.role == "assistant" and last.content == text and last.stats["stop_reason"] == "cancelled"
+        proc.wait(60)
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "without completing response" not in log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
 
 
 def test_the_cli_and_the_server_share_a_session_while_it_runs(served, qwen2, capsys):

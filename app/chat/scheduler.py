@@ -78,6 +78,11 @@ class Scheduler:
         with self._wake:
             return {"active": len(self._runs), "queued": len(self._queue)}
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called: a job cancelled since was cut short by it."""
+        return self._closed
+
     def close(self) -> None:
         """Cancel every job, let them end (their replies are kept), and stop the thread."""
         with self._wake:

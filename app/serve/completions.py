@@ -35,6 +35,9 @@ from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json
 
 RETRY_AFTER_S = 1
+# How long a stream has, once the server is told to stop, to say that its reply was cut short and end
+# (its job is cancelled at once; sse_starlette would otherwise cut the stream mid-way).
+CLOSING_GRACE_S = 5
 
 
 async def chat_completions(request: Request) -> Response:
@@ -55,14 +58,18 @@ async def chat_completions(request: Request) -> Response:
         job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
     if req.stream:
-        return EventSourceResponse(_chunks(job, events, reply, req.include_usage, engine), headers=headers)
+        return EventSourceResponse(
+            _chunks(job, events, reply, req.include_usage, engine),
+            headers=headers,
+            shutdown_grace_period=CLOSING_GRACE_S,
+        )
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
         return Response(status_code=499)
-    failure = _failure(job)
+    kept = await kept_where(job)
+    failure = _failure(job, kept)
     if failure is not None:
         raise failure
-    kept = await kept_where(job)
     if kept.session is not None:
         headers["X-Session-Id"] = kept.session
     if kept.error is not None:
@@ -169,13 +176,14 @@ async def kept_where(job: Job) -> Kept:
     return Kept(result.id if isinstance(result, Session) else None)
 
 
-def _failure(job: Job) -> ApiError | None:
+def _failure(job: Job, kept: Kept) -> ApiError | None:
     """Why the job has no reply to send, as the API says it; None when it has one (even one that could
     not be stored: the client gets it, with a note)."""
     if job.state is State.DONE or isinstance(job.error, ReplyNotStored):
         return None
     if job.state is State.CANCELLED:  # not by the client: the server is closing
-        return unavailable("The server is shutting down; the reply was cut short.", "shutting_down")
+        where = f", and stored as it is in session {kept.session}" if kept.session else ""
+        return unavailable(f"The server is shutting down; the reply was cut short{where}.", "shutting_down")
     if isinstance(job.error, StoreError):  # the database failed, or the session was deleted while it waited
         return storage_failed(job.error) if job.error.brief is not None else session_not_found(str(job.error))
     return server_error(f"The reply failed: {job.error}")
@@ -192,12 +200,12 @@ async def _chunks(
         async for event in events:
             if event.kind == "text" and event.text:
                 yield _data(reply.chunk(event.alt, {"content": event.text}))
-        failure = _failure(job)
-        if failure is not None:
-            yield _data(failure.body())
+        kept = await kept_where(job)
+        failure = _failure(job, kept)
+        if failure is not None:  # an error object, as OpenAI's streams send one, then the end
+            yield _data({**failure.body(), **kept.fields()})
             yield "[DONE]"
             return
-        kept = await kept_where(job)
         for i, stats in enumerate(job.stats):
             yield _data(reply.chunk(i, {}, finish_reason(stats), **kept.fields()))
         if include_usage:

@@ -93,8 +93,12 @@ class Conversations:
 
         def finish(job: Job) -> Future | None:
             engine.note_prefill(job.stats[0])
-            if not store or job.stats[0].stop_reason not in ("eog", "stop", "length"):
-                return None  # cancelled or failed: the client has no reply to continue from
+            ended = job.stats[0].stop_reason in ("eog", "stop", "length")
+            # a reply cut short by the server's closing is kept as it is, as a stopped one (the client
+            # is told where); one its client left, or that failed, leaves nothing to continue from
+            cut = job.cancelled and engine.scheduler.closed and job.answered
+            if not store or not (ended or cut):
+                return None
             return self._keep(messages, sampling, job)
 
         def on_end(event: Event) -> None:
@@ -142,7 +146,8 @@ class Conversations:
         stats = job.stats[0]
         reply = Message(0, None, "assistant", job.text(0), stats.token_ids, time.time(), reply_stats(stats))
         conversation = [*messages, {"role": "assistant", "content": reply.content}]
-        held = self.engine.hold_kv(job.seqs[0], self.engine.window_ids(conversation))
+        # a reply cut short keeps the KV it holds, as the chat engine's do
+        held = self.engine.hold_kv(job.seqs[0], self.engine.window_ids(conversation), not job.cancelled)
         return self.writer.submit(self._store, messages, sampling, reply, held)
 
     def _store(self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence) -> Session:
