@@ -149,7 +149,13 @@ def _v3(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE sessions ADD COLUMN origin TEXT")
 
 
-MIGRATIONS = [_v1, _v2, _v3]  # step i brings user_version from i to i + 1
+def _v4(conn: sqlite3.Connection) -> None:
+    """Sessions say whose they are: NULL for the machine's owner (the TUI, the CLI, a server with one API
+    key), else the name of the tenant of `llama-chat serve` whose key made them; no other tenant sees them."""
+    conn.execute("ALTER TABLE sessions ADD COLUMN tenant TEXT")
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 DISK_FULL = "the disk is full"

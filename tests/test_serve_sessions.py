@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from llama_chat.app.cli import main
+from llama_chat.app.serve.state import api_keys_from
 from llama_chat.inference import chat_prompt_ids
 from llama_chat.storage import ChatStore, StoreError
 from served import BLOCK, LONG, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
@@ -293,6 +294,59 @@ def test_sigterm_mid_stream_ends_each_stream_saying_so_and_keeps_what_was_made(t
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
+
+
+def test_tenants_see_only_their_own_sessions_and_reuse_only_their_own_kv(tmp_path, qwen2):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# name:key\nalice:key-a\nbob:key-b\n")
+    tenants = api_keys_from(["@" + str(keys)])
+    assert tenants == {"key-a": "alice", "key-b": "bob"}
+    s = Served(tmp_path / "chat.db", qwen2, api_key=tenants).wait_ready()
+    try:
+        alice, bob = (openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b"))
+
+        def as_(key: str, method: str, path: str, body: dict | None = None):
+            data = None if body is None else json.dumps(body).encode()
+            return s.raw(method, path, data, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+        sid = json.loads(as_("key-a", "POST", "/v1/sessions", {"system_prompt": SYSTEM})[2])["id"]
+        hello = [{"role": "user", "content": "hello there"}]
+        alice.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid})
+        assert [x["id"] for x in json.loads(as_("key-a", "GET", "/v1/sessions")[2])["data"]] == [sid]
+        assert json.loads(as_("key-b", "GET", "/v1/sessions")[2])["data"] == []
+        for method, path, body in [("GET", f"/v1/sessions/{sid[:2]}", None), ("GET", f"/v1/sessions/{sid}", None),
+                                   ("POST", f"/v1/sessions/{sid}/fork", {}), ("GET", f"/v1/sessions/{sid}/export", None),
+                                   ("DELETE", f"/v1/sessions/{sid}", None)]:
+            assert as_("key-b", method, path, body)[0] == 404, path
+        with pytest.raises(openai.NotFoundError):
+            bob.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid})
+        assert as_("key-a", "GET", f"/v1/sessions/{sid}")[0] == 200  # still there, as alice left it
+
+        # the system prompt's blocks alice's session computed are hers: bob's same prompt computes them
+        asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the sun"}]
+        cached = {}
+        for name, client in [("bob", bob), ("alice", alice), ("bob again", bob)]:
+            reply = client.chat.completions.create(model=MODEL, messages=asked, max_tokens=4)
+            cached[name] = reply.usage.prompt_tokens_details.cached_tokens
+        assert cached["bob"] == 0 and cached["alice"] >= BLOCK and cached["bob again"] >= BLOCK
+
+        # a prompt_cache_key scopes sharing within a tenant
+        other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the water"}]
+        scoped = [alice.chat.completions.create(model=MODEL, messages=other, max_tokens=4,
+                                                extra_body={"prompt_cache_key": "team-x"}) for _ in range(2)]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in scoped][0] == 0
+        assert scoped[1].usage.prompt_tokens_details.cached_tokens >= BLOCK
+    finally:
+        s.stop()
+
+
+def test_a_bad_api_keys_file_is_one_line(tmp_path, qwen2, capsys):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alice:key-a\njust-a-key\n")
+    db = ["--db", str(tmp_path / "chat.db"), "--model", str(qwen2)]
+    assert main([*db, "serve", "--port", "0", "--api-key", f"@{keys}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 2: expected 'name:key'" in err
 
 
 def test_the_cli_and_the_server_share_a_session_while_it_runs(served, qwen2, capsys):

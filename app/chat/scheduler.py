@@ -258,7 +258,11 @@ class Scheduler:
         block = run.prompt[at : at + B]
         if at % B or at + B >= len(run.prompt):  # no full block to gain (past a block's start; the last token)
             return False
-        return any(o.seq.n_tokens < at + B and o.prompt[at : at + B] == block for o in older if not o.streams)
+        return any(
+            o.seq.n_tokens < at + B and o.prompt[at : at + B] == block and o.seq.namespace == run.seq.namespace
+            for o in older
+            if not o.streams
+        )
 
     def _start(self, run: _Run) -> None:
         job = run.job

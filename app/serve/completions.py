@@ -32,7 +32,7 @@ from .errors import (
 )
 from .openai_api import CompletionRequest, Kept, Reply, finish_reason, parse_completion
 from .state import ServerState
-from .transport import JobEvents, ended_or_gone, read_json
+from .transport import JobEvents, ended_or_gone, read_json, tenant_of
 
 RETRY_AFTER_S = 1
 # How long a stream has, once the server is told to stop, to say that its reply was cut short and end
@@ -52,9 +52,10 @@ async def chat_completions(request: Request) -> Response:
     reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
     headers = {}
     if req.session is None:
-        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events))
+        tenant = tenant_of(request)
+        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events, tenant))
     else:
-        session = await run_in_threadpool(find_session, state, req.session)
+        session = await run_in_threadpool(find_session, state, req.session, tenant_of(request))
         job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
     if req.stream:
@@ -87,10 +88,10 @@ def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
     return {"choice": read.choice, "fetched_tokens": read.tokens, **engine.kv.remote.stats()}
 
 
-def find_session(state: ServerState, session_id: str) -> Session:
-    """A stored session by id (or unique prefix); 404 when there is none."""
+def find_session(state: ServerState, session_id: str, tenant: str | None) -> Session:
+    """A stored session of the tenant's by id (or unique prefix); 404 when there is none."""
     try:
-        return state.ready().store.get_session(session_id)
+        return state.ready().store.get_session(session_id, tenant)
     except StoreError as e:
         if e.brief is not None:  # the database failed, not the request
             raise
@@ -124,7 +125,7 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
         )
 
 
-def _submit_conversation(state: ServerState, req: CompletionRequest, events: JobEvents) -> Job:
+def _submit_conversation(state: ServerState, req: CompletionRequest, events: JobEvents, tenant: str | None) -> Job:
     conversations, n_ctx = state.conversations, state.engine.n_ctx
     _refused_early(state.engine, req.messages)
     prompt = conversations.prompt(req.messages)
@@ -139,6 +140,8 @@ def _submit_conversation(state: ServerState, req: CompletionRequest, events: Job
         stop=req.stop,
         store=req.store,
         on_event=events,
+        tenant=tenant,
+        cache_key=req.prompt_cache_key,
     )
 
 

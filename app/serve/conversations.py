@@ -17,6 +17,8 @@ No HTTP here: the server's routes (app.py) parse requests and render the jobs' e
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 import threading
 import time
@@ -33,6 +35,15 @@ from ..chat.settings import sampling_params
 
 API_ORIGIN = "api"  # sessions.origin of the conversations this server keeps
 TITLE_CHARS = 48
+
+
+def kv_salt(tenant: str | None, cache_key: str | None = None) -> bytes | None:
+    """The KV namespace of a tenant's requests (vLLM's cache_salt), narrowed by a prompt_cache_key: no
+    block, in RAM or stored, is shared across two, so no cached_tokens tell of another's prompts. None,
+    without either: the blocks every session shares (and the remote tier, which only those reach)."""
+    if tenant is None and cache_key is None:
+        return None
+    return hashlib.sha256(json.dumps(["llama-chat kv salt", tenant, cache_key]).encode()).digest()[:16]
 
 
 def split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
@@ -71,19 +82,26 @@ class Conversations:
         stop: list[str],
         store: bool,
         on_event: Callable[[Event], None],
+        tenant: str | None = None,
+        cache_key: str | None = None,
     ) -> Job:
         """A conversation sent whole: n replies to its prompt, in one job; job.result is the future of
-        the session it is kept in (None: not kept)."""
+        the session it is kept in (None: not kept). A `tenant`'s (and a `cache_key`'s: OpenAI's
+        prompt_cache_key) share KV only among themselves (kv_salt), and keep it in sessions of theirs."""
         engine = self.engine
         base: list[KVSequence] = []
+        namespace = kv_salt(tenant, cache_key)
         previous = self._previous_ids(messages, prompt)
-        kept = self._kept_session(messages) if previous is not None else None
+        kept = self._kept_session(messages, tenant, namespace) if previous is not None else None
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
         # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
-        remote = engine.read_remote(prompt[:-1], tail_of=previous, session_id=kept.id if kept else None)
+        remote = None
+        if namespace is None:  # (a namespace's KV never travels, as an import's does not)
+            remote = engine.read_remote(prompt[:-1], tail_of=previous, session_id=kept.id if kept else None)
 
         def prepare() -> tuple[list[int], KVSequence]:
             seq = self.model.new_sequence(engine.n_ctx)
+            seq.namespace = namespace
             base.append(seq)
             job.remote = remote
             if previous is not None:  # a returning conversation takes the tail its last reply left too
@@ -99,7 +117,7 @@ class Conversations:
             cut = job.cancelled and engine.scheduler.closed and job.answered
             if not store or not (ended or cut):
                 return None
-            return self._keep(messages, sampling, job)
+            return self._keep(messages, sampling, job, tenant)
 
         def on_end(event: Event) -> None:
             if event.kind == "end":  # on the scheduler thread, which holds the pool: give the KV back
@@ -126,19 +144,19 @@ class Conversations:
         previous = self.engine.window_ids(messages[:-1])
         return previous if prompt[: len(previous)] == previous else None
 
-    def _kept_session(self, messages: list[dict]) -> Session | None:
+    def _kept_session(self, messages: list[dict], tenant: str | None, namespace: bytes | None) -> Session | None:
         """The API session a returning conversation was kept in after its last reply (its tail, the KV
         after its last full block, is stored with it), if it is here. (Full blocks are shared by
         content; a tail by the tokens it ends, or another server's through the remote tier.)"""
         system, turns = split_system(messages)
         try:
             return self.engine.store.session_ending_with(
-                API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]]
+                API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]], tenant, namespace
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
             return None
 
-    def _keep(self, messages: list[dict], sampling: dict, job: Job) -> Future:
+    def _keep(self, messages: list[dict], sampling: dict, job: Job, tenant: str | None) -> Future:
         """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
         (alternative 0) is brought up to its stored form and held; storing it, and the messages, is
         left to the writer thread, so the replies streaming meanwhile do not wait on SQLite. Returns
@@ -148,9 +166,11 @@ class Conversations:
         conversation = [*messages, {"role": "assistant", "content": reply.content}]
         # a reply cut short keeps the KV it holds, as the chat engine's do
         held = self.engine.hold_kv(job.seqs[0], self.engine.window_ids(conversation), not job.cancelled)
-        return self.writer.submit(self._store, messages, sampling, reply, held)
+        return self.writer.submit(self._store, messages, sampling, reply, held, tenant)
 
-    def _store(self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence) -> Session:
+    def _store(
+        self, messages: list[dict], sampling: dict, reply: Message, held: KVSequence, tenant: str | None
+    ) -> Session:
         """The conversation and its reply stored — appended to the API session where the same history
         left off, else in a new one (with the request's sampling settings), in one transaction — then
         its KV. A failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
@@ -159,7 +179,7 @@ class Conversations:
         asked = [Message(0, None, m["role"], m["content"], None, reply.created, None) for m in turns]
         try:
             history = [(m["role"], m["content"]) for m in turns[:-1]]
-            session = store.session_ending_with(API_ORIGIN, system, history)
+            session = store.session_ending_with(API_ORIGIN, system, history, tenant, held.namespace)
             if session is None:
                 stored = store.create_session(
                     title_of(turns),
@@ -169,6 +189,8 @@ class Conversations:
                     sampling=sampling,
                     origin=API_ORIGIN,
                     turn=[*asked, reply],
+                    tenant=tenant,
+                    kv_namespace=held.namespace,
                 )
             else:
                 stored, _ = store.append_turn(session.id, session.head_id, [asked[-1], reply])

@@ -25,7 +25,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 # OpenAI fields that change nothing here whatever they say (we already cache prompts, and store by default).
 IGNORED = {"user", "metadata", "service_tier", "safety_identifier", "parallel_tool_calls", "moderation"}
-IGNORED |= {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
+IGNORED |= {"prompt_cache_retention", "prompt_cache_options"}
 # OpenAI fields this server cannot honour: accepted only when absent, null or one of these values.
 NEUTRAL = {
     "frequency_penalty": [0],
@@ -46,7 +46,7 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", *(s.key for s in SAMPLING)}  # llama.cpp's top_k, min_p, repeat_penalty too
+READ |= {"store", "session", "prompt_cache_key", *(s.key for s in SAMPLING)}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
 @dataclass
@@ -61,6 +61,7 @@ class CompletionRequest:
     n: int = 1
     session: str | None = None  # a stored session to append the last user message to
     store: bool = True  # keep the conversation (and its KV) in the database
+    prompt_cache_key: str | None = None  # requests share KV only with those of the same key (and tenant)
 
 
 def parse_completion(body: dict, header_session: str | None = None) -> CompletionRequest:
@@ -91,6 +92,7 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
     request.n = _number(body, "n", 1, MAX_N, integer=True) or 1
     request.store = _flag(body, "store", True)
     request.session = _session(body.get("session"), header_session)
+    request.prompt_cache_key = text_field(body, "prompt_cache_key")
     if request.session is not None:
         if request.messages[-1]["role"] != "user":
             raise invalid("With a session, the last message must be the user's new one.", param="messages")
@@ -180,6 +182,13 @@ def _stop(stop) -> list[str]:
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) for s in stops):
         raise invalid(f"'stop' must be a string or a list of at most {MAX_STOP} strings.", param="stop")
     return [_text(s, "stop") for s in stops if s]
+
+
+def text_field(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise invalid(f"'{name}' must be a string.", param=name)
+    return None if value is None else _text(value, name)
 
 
 def _session(body_value, header_value: str | None) -> str | None:

@@ -23,6 +23,11 @@ def _declared_size(request: Request, limit: int) -> None:
         raise too_large(limit)
 
 
+def tenant_of(request: Request) -> str | None:
+    """The tenant whose API key the request carries (app.ApiKeyCheck); None with one key, or none."""
+    return request.scope.get("state", {}).get("tenant")
+
+
 def _check_type(request: Request, media_type: str) -> None:
     """415 unless the body is said to be `media_type`. Neither is one a web page may send without
     asking first (a CORS preflight, which OriginCheck answers), as it may text/plain or a form."""
