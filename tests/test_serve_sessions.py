@@ -340,6 +340,17 @@ def test_tenants_see_only_their_own_sessions_and_reuse_only_their_own_kv(tmp_pat
         s.stop()
 
 
+def test_one_api_key_has_no_tenant_and_several_one_each(monkeypatch):
+    assert api_keys_from(["k1"]) == {"k1": None}  # as before tenants: it sees every session
+    monkeypatch.setenv("LLAMA_CHAT_API_KEY", "from-env")
+    assert api_keys_from(None) == {"from-env": None}
+    several = api_keys_from(["k1", "k2"])
+    assert set(several) == {"k1", "k2"} and len(set(several.values())) == 2 and None not in several.values()
+    assert api_keys_from(["k2", "k1"]) == several  # named by the key, not by its place
+    with pytest.raises(ValueError):
+        api_keys_from(["k1", "k1"])
+
+
 def test_a_bad_api_keys_file_is_one_line(tmp_path, qwen2, capsys):
     keys = tmp_path / "keys.txt"
     keys.write_text("alice:key-a\njust-a-key\n")
