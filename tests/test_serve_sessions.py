@@ -4,6 +4,7 @@ line, and the CLI working on the same database while a server runs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -11,11 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import openai
 import pytest
 
 from llama_chat.app.cli import main
+from llama_chat.app.serve.completions import kept_where
 from llama_chat.app.serve.state import api_keys_from
 from llama_chat.inference import chat_prompt_ids
 from llama_chat.storage import ChatStore, StoreError
@@ -189,6 +193,21 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
     log = capfd.readouterr().err
     assert "Traceback" not in log
     assert sum("disk is full" in line for line in log.splitlines()) == 5  # one line for each
+
+
+def test_a_client_leaving_while_its_conversation_is_stored_does_not_cancel_the_storing():
+    storing = Future()  # the writer's: it stores the conversation, then frees the KV it holds
+    job = SimpleNamespace(result=storing, error=None)
+
+    async def stream_left():
+        waiting = asyncio.ensure_future(kept_where(job))
+        await asyncio.sleep(0)
+        waiting.cancel()  # as the stream's task is, when its client leaves
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(stream_left())
+    assert not storing.cancelled()  # (once cancelled, the writer would never run it, nor free its KV)
 
 
 def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):

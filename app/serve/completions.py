@@ -170,8 +170,8 @@ async def kept_where(job: Job) -> Kept:
     try:
         if isinstance(job.error, ReplyNotStored):
             raise job.error
-        if isinstance(result, Future):
-            result = await asyncio.wrap_future(result)
+        if isinstance(result, Future):  # shielded: a client that leaves meanwhile must not cancel the storing
+            result = await asyncio.shield(asyncio.wrap_future(result))
     except ReplyNotStored as e:
         return Kept(error=e)
     if isinstance(result, SavedReply):
