@@ -167,7 +167,7 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
         sessions = len(store.list_sessions())
 
         turn = s.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": "and the water"}], max_tokens=6,
+            model=MODEL, messages=[{"role": "user", "content": "and the water"}], max_tokens=6, temperature=0,
             extra_body={"session": sid},
         )
         reply = turn.parse()
@@ -178,7 +178,7 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
         streamed = list(s.ask("and the sun", extra_body={"session": sid}, stream=True))
         assert "disk is full" in streamed[-1].model_extra["store_error"]
 
-        whole = s.ask([{"role": "user", "content": "a new conversation"}])
+        whole = s.ask([{"role": "user", "content": "a new conversation"}], temperature=0)
         assert whole.choices[0].message.content and whole.model_extra["stored"] is False
         assert len(store.list_sessions()) == sessions  # not an empty session: none at all
         messages = json.loads(s.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
