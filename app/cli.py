@@ -214,7 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="default 8080; 0 takes a free port (printed)")
     serve.add_argument("--parallel", type=int, metavar="N", help="replies decoded together (default 4)")
     serve.add_argument("--queue", type=int, metavar="N", help="requests waiting beyond those (default 64)")
-    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY)")
+    serve.add_argument(
+        "--api-key", metavar="KEY", action="append",
+        help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY); several, or @FILE of name:key lines: "
+        "one tenant each, with sessions and KV of its own",
+    )
     serve.add_argument(
         "--allowed-host", action="append", metavar="NAME",
         help="also answer requests whose Host header names NAME (repeatable; '*' any): loopback names and "

@@ -18,7 +18,16 @@ import sqlite_utils
 
 
 class StoreError(Exception):
-    """A problem with the conversation store a user can cause: one line naming the thing and the problem."""
+    """A problem with the conversation store a user can cause: one line naming the thing and the problem.
+
+    `brief`, where the database itself failed (not what was asked of it, e.g. an unknown session):
+    that line without the file's path, for those who must not see it (a server's clients);
+    `full`: the problem is a full disk."""
+
+    def __init__(self, message: str, brief: str | None = None, full: bool = False):
+        super().__init__(message)
+        self.brief = brief
+        self.full = full
 
 
 def _run_script(conn: sqlite3.Connection, script: str) -> None:
@@ -140,9 +149,16 @@ def _v3(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE sessions ADD COLUMN origin TEXT")
 
 
-MIGRATIONS = [_v1, _v2, _v3]  # step i brings user_version from i to i + 1
+def _v4(conn: sqlite3.Connection) -> None:
+    """Sessions say whose they are: NULL for the machine's owner (the TUI, the CLI, a server with one API
+    key), else the name of the tenant of `llama-chat serve` whose key made them; no other tenant sees them."""
+    conn.execute("ALTER TABLE sessions ADD COLUMN tenant TEXT")
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
+DISK_FULL = "the disk is full"
 BUSY_S = 1.0  # SQLite's own wait for a lock, per try; ChatStore.transaction() keeps trying, and says so
 LOW_SPACE = 1 << 20  # bytes free under which an I/O error is put down to a full disk
 WAL_MAGIC, WAL_VERSION = 0x377F0682, 3007000  # from SQLite's file format: the -wal header
@@ -155,7 +171,7 @@ def describe(e: BaseException) -> str:
     code = getattr(e, "sqlite_errorcode", None)
     primary = None if code is None else code & 0xFF  # extended codes carry the primary one in the low byte
     if primary == sqlite3.SQLITE_FULL or getattr(e, "errno", None) == errno.ENOSPC:
-        return "the disk is full"
+        return DISK_FULL
     if primary == sqlite3.SQLITE_BUSY:
         return "another process holds its write lock"
     if primary in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM) or isinstance(e, PermissionError):
@@ -176,8 +192,8 @@ def store_error(path: Path, e: BaseException, consequence: str = "nothing was ch
     """The one line for a failed database operation: the file, why, and what it means for the user."""
     why = describe(e)
     if why == str(e) and getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_IOERR and disk_full(path):
-        why = "the disk is full"  # SQLite only knows that a write (of its -shm, its -wal) failed
-    return StoreError(f"{path}: {why}; {consequence}")
+        why = DISK_FULL  # SQLite only knows that a write (of its -shm, its -wal) failed
+    return StoreError(f"{path}: {why}; {consequence}", f"{why}; {consequence}", why == DISK_FULL)
 
 
 def begin_immediate(conn: sqlite3.Connection, on_wait: Callable[[float], None] | None = None) -> None:

@@ -270,6 +270,8 @@ def import_session(
     *,
     model_fingerprint: str | None,
     progress: Progress | None = None,
+    tenant: str | None = None,
+    kv_namespace: bytes | None = None,
 ) -> ImportResult:
     """Add the session(s) of a file under new ids, in one transaction; never overwrites anything.
 
@@ -281,17 +283,18 @@ def import_session(
     under a key other sessions use would change their replies. So they go into a namespace of this
     import's own (vLLM's cache_salt), which only its sessions and their forks read, until `sessions
     verify` recomputes and compares them. Blocks without their tokens (files from before blocks
-    carried them) are left out: a block is used only where its tokens match."""
+    carried them) are left out: a block is used only where its tokens match. A file without KV makes
+    sessions in `kv_namespace` (a server's tenant's), and makes them that tenant's (`tenant`)."""
     file = source if isinstance(source, SessionFile) else read_session_file(source, progress)
     keep = {s.id for s in file.sessions if model_fingerprint and s.model_fingerprint == model_fingerprint}
     sessions = [s if s.id in keep else replace(s, n_tokens=0) for s in file.sessions]
     blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint and b.tokens]
     block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
     tails = {sid: t for sid, t in file.tails.items() if sid in keep}
-    namespace = secrets.token_bytes(16) if blocks or tails else None
+    namespace = secrets.token_bytes(16) if blocks or tails else kv_namespace
     if progress:
         progress(f"importing {file.path.name}", 0, 1)
-    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails, namespace)
+    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails, namespace, tenant)
     if progress:
         progress(f"importing {file.path.name}", 1, 1)
     main = file.sessions[0]

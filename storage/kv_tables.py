@@ -192,6 +192,7 @@ class KVTables:
         block_lists: dict[str, list[bytes]],
         tails: dict[str, StoredTail],
         namespace: bytes | None,
+        tenant: str | None = None,
     ) -> tuple[dict[str, str], int]:
         """Add sessions read from a file, in one transaction, under new ids; nothing is overwritten.
 
@@ -239,6 +240,7 @@ class KVTables:
                         "created": s.created,
                         "updated": now,  # an imported session comes first in the list
                         "kv_namespace": namespace,
+                        "tenant": tenant,
                     },
                 )
             for s in sessions:

@@ -26,6 +26,7 @@ class Session:
     # Forks inherit it.
     kv_namespace: bytes | None = None
     origin: str | None = None  # who made it: None, a person; "api", a client of `llama-chat serve`
+    tenant: str | None = None  # whose it is: None, the machine's owner's; else a tenant of the server's
 
     @classmethod
     def from_row(cls, row: dict) -> Session:
@@ -43,6 +44,7 @@ class Session:
             updated=row["updated"],
             kv_namespace=row.get("kv_namespace"),
             origin=row.get("origin"),
+            tenant=row.get("tenant"),
         )
 
     def to_json(self) -> dict:

@@ -19,10 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
-from .db import BUSY_S, StoreError, begin_immediate, disk_full, is_damage, open_database, store_error
+from .db import (
+    BUSY_S,
+    DISK_FULL,
+    StoreError,
+    begin_immediate,
+    disk_full,
+    is_damage,
+    open_database,
+    store_error,
+)
 from .kv_tables import KVTables
 from .records import Message, Session
 
+_OF_TENANT = "AND (? IS NULL OR tenant = ?)"  # a tenant's sessions; NULL: every session
 BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
 
 class ChatStore(KVTables):
@@ -92,8 +102,9 @@ class ChatStore(KVTables):
     def check_writable(self) -> None:
         """Nothing is written into a read-only or damaged file."""
         if self.read_only:
-            why = "the disk is full" if disk_full(self.db_path) else "read-only here (the file or its folder)"
-            raise StoreError(f"{self.db_path}: {why}; nothing was changed")
+            full = disk_full(self.db_path)
+            why = f"{DISK_FULL if full else 'read-only here (the file or its folder)'}; nothing was changed"
+            raise StoreError(f"{self.db_path}: {why}", why, full)
         if self.damage:
             raise self._damaged()
 
@@ -117,10 +128,8 @@ class ChatStore(KVTables):
         return None
 
     def _damaged(self) -> StoreError:
-        return StoreError(
-            f"{self.db_path}: {self.damage}; it was left untouched: `llama-chat sessions check` "
-            "recovers what can be read"
-        )
+        why = f"{self.damage}; it was left untouched: `llama-chat sessions check` recovers what can be read"
+        return StoreError(f"{self.db_path}: {why}", why)
 
     def _error(self, e: sqlite3.Error, consequence: str) -> StoreError:
         """One line for a failed query; a damaged file found this way is not written to again."""
@@ -167,7 +176,12 @@ class ChatStore(KVTables):
         forked_from: str | None = None,
         n_tokens: int = 0,
         origin: str | None = None,
+        turn: list[Message] = (),
+        tenant: str | None = None,
+        kv_namespace: bytes | None = None,
     ) -> Session:
+        """A new session; with a `turn` (messages, oldest first: their id and parent_id are not used), it
+        ends with them, created with it in one transaction (a failure leaves no empty session)."""
         now = time.time()
         row = {
             "id": secrets.token_hex(6),
@@ -182,41 +196,61 @@ class ChatStore(KVTables):
             "created": now,
             "updated": now,
             "origin": origin,
+            "tenant": tenant,
+            "kv_namespace": kv_namespace,
         }
         with self.transaction():
             self._insert("sessions", row)
+            parent = head_id
+            for m in turn:
+                parent = self._insert_message(parent, m).id
+            if turn:
+                self._move_head(row["id"], parent)
+                row["head_id"] = parent
         return Session.from_row(row)
 
-    def get_session(self, id_or_prefix: str) -> Session:
-        """A session by its id or a unique prefix of it."""
+    def get_session(self, id_or_prefix: str, tenant: str | None = None) -> Session:
+        """A session by its id or a unique prefix of it; with a `tenant`, only one of that tenant's (None:
+        any, as the machine's owner sees them)."""
         prefix = id_or_prefix.strip().lower()
         if not prefix or any(c not in "0123456789abcdef" for c in prefix):
             raise StoreError(f"unknown session '{id_or_prefix}'")
-        rows = self._rows("SELECT * FROM sessions WHERE id >= ? AND id < ? LIMIT 2", (prefix, prefix + "g"))
+        rows = self._rows(
+            f"SELECT * FROM sessions WHERE id >= ? AND id < ? {_OF_TENANT} LIMIT 2",
+            (prefix, prefix + "g", tenant, tenant),
+        )
         if not rows:
             raise StoreError(f"unknown session '{id_or_prefix}'")
         if len(rows) > 1 and rows[0]["id"] != prefix:
             raise StoreError(f"session '{id_or_prefix}' is ambiguous: give more of its id")
         return Session.from_row(rows[0])
 
-    def list_sessions(self) -> list[Session]:
-        return [
-            Session.from_row(r)
-            for r in self._rows("SELECT * FROM sessions ORDER BY updated DESC, created DESC")
-        ]
+    def list_sessions(self, tenant: str | None = None) -> list[Session]:
+        """Every session, newest first; with a `tenant`, that tenant's only."""
+        rows = self._rows(
+            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} ORDER BY updated DESC, created DESC", (tenant, tenant)
+        )
+        return [Session.from_row(r) for r in rows]
 
     def session_ending_with(
-        self, origin: str, system_prompt: str | None, turns: list[tuple[str, str]]
+        self,
+        origin: str,
+        system_prompt: str | None,
+        turns: list[tuple[str, str]],
+        tenant: str | None = None,
+        kv_namespace: bytes | None = None,
     ) -> Session | None:
         """The newest session made by `origin` whose conversation is exactly `turns` ((role, text),
-        oldest first) after `system_prompt`: where a client that resends its history left off."""
+        oldest first) after `system_prompt`: where a client that resends its history left off. With a
+        `tenant`, one of that tenant's; its KV in `kv_namespace` either way."""
         if not turns:
             return None
         role, content = turns[-1]
         rows = self._rows(
             "SELECT s.* FROM sessions s JOIN messages m ON m.id = s.head_id WHERE s.origin = ? "
-            "AND m.role = ? AND m.content = ? AND s.system_prompt IS ? ORDER BY s.updated DESC",
-            (origin, role, content, system_prompt),
+            f"AND m.role = ? AND m.content = ? AND s.system_prompt IS ? AND s.kv_namespace IS ? {_OF_TENANT} "
+            "ORDER BY s.updated DESC",
+            (origin, role, content, system_prompt, kv_namespace, tenant, tenant),
         )
         for row in rows:
             session = Session.from_row(row)
@@ -297,6 +331,7 @@ class ChatStore(KVTables):
             "updated": now,
             "kv_namespace": parent.kv_namespace,
             "origin": parent.origin,
+            "tenant": parent.tenant,
         }
 
     def delete_session(self, session_id: str) -> int:

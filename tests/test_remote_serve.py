@@ -4,7 +4,9 @@ computing, and a session exported from one server goes on at the other."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 
 import pytest
 
@@ -129,4 +131,36 @@ def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
     finally:
         a.stop()
         b.stop()
+        redis.kill()
+
+
+def test_store_false_writes_nothing_to_the_database_or_the_remote_tier(tmp_path, qwen2):
+    redis = RedisServer(tmp_path / "redis").start()
+    s = served(tmp_path, "a", qwen2, redis.url)
+    try:
+        sid = json.loads(s.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
+        one = s.ask(HISTORY, extra_body={"session": sid}, **GREEDY)  # stored: its blocks in both tiers
+        remote = s.state.engine.kv.remote
+        assert remote.flush()
+
+        def written() -> tuple[list[str], list[bytes]]:
+            with contextlib.closing(sqlite3.connect(s.state.options.db)) as db:
+                return list(db.iterdump()), sorted(redis.client().keys())
+
+        before = written()
+        assert before[1]  # the stored turn's blocks went to Redis
+        other = "the rain over the hills, then the sun again and the water " * 2  # blocks nobody stored
+        turn = s.ask(other, extra_body={"session": sid, "store": False}, **GREEDY)
+        assert turn.session is None and turn.model_extra["stored"] is False
+        streamed = s.ask(other + "!", extra_body={"session": sid, "store": False}, stream=True, **GREEDY)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        whole = s.ask([{"role": "system", "content": SYSTEM}, {"role": "user", "content": other}],
+                      extra_body={"store": False}, **GREEDY)
+        assert whole.session is None
+        assert remote.flush()
+        assert written() == before  # no message, no head moved, no block, nothing in Redis
+        shown = json.loads(s.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+        assert [m["content"] for m in shown] == [HISTORY, one.choices[0].message.content]
+    finally:
+        s.stop()
         redis.kill()

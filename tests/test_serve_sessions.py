@@ -4,19 +4,26 @@ line, and the CLI working on the same database while a server runs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import openai
 import pytest
 
 from llama_chat.app.cli import main
+from llama_chat.app.serve.completions import kept_where
+from llama_chat.app.serve.state import api_keys_from
 from llama_chat.inference import chat_prompt_ids
-from served import BLOCK, MODEL, SYSTEM, Served, error_of, upload
+from llama_chat.storage import ChatStore, StoreError
+from served import BLOCK, LONG, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
 
 # -- sessions ----------------------------------------------------------------------------------------
 
@@ -76,6 +83,133 @@ def test_a_stored_session_over_http(served):
     assert served.raw("GET", f"/v1/sessions/{fork['id']}")[0] == 200  # its fork keeps the messages
 
 
+def sse_texts(body: bytes) -> tuple[str, list[dict]]:
+    """The text of a stream's reply, and its events, as JSON (the last is the string "[DONE]")."""
+    events = [line.removeprefix(b"data: ").decode() for line in body.splitlines() if line.startswith(b"data: ")]
+    parsed = [json.loads(e) if e != "[DONE]" else e for e in events]
+    text = "".join(c["delta"].get("content") or "" for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
+    return text, parsed
+
+
+def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_nothing(tmp_path, qwen2, monkeypatch):
+    s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=2).wait_ready()
+    try:
+        sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+        jobs = []
+        submit = s.scheduler.submit
+        monkeypatch.setattr(s.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
+        host, port = s.url.removeprefix("http://").split(":")
+
+        def turn(text: str, stream: bool) -> http.client.HTTPConnection:
+            conn = http.client.HTTPConnection(host, int(port))
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "session": sid,
+                    "max_tokens": 6, "seed": 1, "stream": stream}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            return conn
+
+        with s.scheduler.lock:  # nothing advances: the first turn is taken, two wait, the rest are refused
+            first = turn("one", stream=True)
+            wait_for(lambda: len(jobs) == 1 and s.scheduler.load()["queued"] == 0)
+            leaving = turn("two", stream=False)
+            wait_for(lambda: len(jobs) == 2)
+            third = turn("three", stream=True)
+            wait_for(lambda: len(jobs) == 3)
+            for i in range(6):
+                status, headers, body = post(s, {"model": MODEL, "session": sid, "max_tokens": 6,
+                                                 "messages": [{"role": "user", "content": f"more {i}"}]})
+                assert status == 429 and headers["Retry-After"] == "1"
+                assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+            # /health says what waits (with the scheduler held, the pool it reads does not change)
+            with monkeypatch.context() as m:
+                m.setattr(s.state.engine, "lock", contextlib.nullcontext())
+                health = json.loads(s.raw("GET", "/health")[2])
+            assert health["queued"] == 2
+            leaving.close()  # before its turn began
+            wait_for(lambda: jobs[1].cancelled)
+        replies = []
+        for conn in (first, third):
+            response = conn.getresponse()
+            assert response.status == 200
+            text, events = sse_texts(response.read())
+            assert events[-1] == "[DONE]"
+            replies.append(text)
+        stored = json.loads(s.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+        # one after another, each turn read the one before it; the client that left left nothing
+        assert [m["content"] for m in stored] == ["one", replies[0], "three", replies[1]]
+        assert json.loads(s.raw("GET", "/health")[2])["queued"] == 0
+    finally:
+        s.stop()
+
+
+def fill_up(write) -> None:
+    """write() until the database says the disk is full (with SQLite's max_page_count at the file's
+    size, what is left of its last pages): then a write of that kind finds no room."""
+    for _ in range(10_000):
+        try:
+            write()
+        except StoreError as e:
+            assert "the disk is full" in str(e)
+            return
+    raise AssertionError("the database never filled up")
+
+
+def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(tmp_path, qwen2, capfd):
+    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
+    try:
+        sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
+        first = s.ask("hello there", extra_body={"session": sid}, seed=1)
+        store = s.state.engine.store
+        filler = store.create_session("filler")
+        with store._lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
+            pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
+            store.db.conn.execute(f"PRAGMA max_page_count = {pages}")
+        fill_up(lambda: store.add_message(filler.id, "user", "x"))  # no room for a message any more
+        sessions = len(store.list_sessions())
+
+        turn = s.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "and the water"}], max_tokens=6, temperature=0,
+            extra_body={"session": sid},
+        )
+        reply = turn.parse()
+        assert reply.choices[0].message.content  # the reply made is the client's, with a note
+        assert reply.session is None and reply.model_extra["stored"] is False
+        assert "not stored: the disk is full" in reply.model_extra["store_error"]
+        assert turn.headers["X-Store-Error"] == "disk_full" and turn.headers["X-Session-Id"] == sid
+        streamed = list(s.ask("and the sun", extra_body={"session": sid}, stream=True))
+        assert "disk is full" in streamed[-1].model_extra["store_error"]
+
+        whole = s.ask([{"role": "user", "content": "a new conversation"}], temperature=0)
+        assert whole.choices[0].message.content and whole.model_extra["stored"] is False
+        assert len(store.list_sessions()) == sessions  # not an empty session: none at all
+        messages = json.loads(s.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
+        assert [m["content"] for m in messages] == ["hello there", first.choices[0].message.content]
+
+        fill_up(lambda: store.create_session("x"))  # no room for a session either
+        for method, path in [("POST", "/v1/sessions"), ("POST", f"/v1/sessions/{sid}/fork")]:
+            status, error = error_of(s.raw(method, path, b"{}", {"Content-Type": "application/json"}))
+            assert status == 507 and error["code"] == "disk_full" and str(tmp_path) not in error["message"]
+    finally:
+        s.stop()
+    log = capfd.readouterr().err
+    assert "Traceback" not in log
+    assert sum("disk is full" in line for line in log.splitlines()) == 5  # one line for each
+
+
+def test_a_client_leaving_while_its_conversation_is_stored_does_not_cancel_the_storing():
+    storing = Future()  # the writer's: it stores the conversation, then frees the KV it holds
+    job = SimpleNamespace(result=storing, error=None)
+
+    async def stream_left():
+        waiting = asyncio.ensure_future(kept_where(job))
+        await asyncio.sleep(0)
+        waiting.cancel()  # as the stream's task is, when its client leaves
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(stream_left())
+    assert not storing.cancelled()  # (once cancelled, the writer would never run it, nor free its KV)
+
+
 def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):
     db = tmp_path / "chat.db"
     first = Served(db, qwen2).wait_ready()
@@ -124,6 +258,125 @@ def test_serve_on_the_command_line(tmp_path, qwen2):
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+
+
+def up_to_its_first_text(response) -> bytes:
+    """What a stream sent up to the first piece of its reply's text (the lines read)."""
+    read = b""
+    while True:
+        line = response.readline()
+        assert line, "the stream ended"
+        read += line
+        if line.startswith(b"data: {") and sse_texts(line)[0]:
+            return read
+
+
+def test_sigterm_mid_stream_ends_each_stream_saying_so_and_keeps_what_was_made(tmp_path, qwen2):
+    db = tmp_path / "chat.db"
+    cmd = [sys.executable, "-m", "llama_chat", "--db", str(db), "--model", str(qwen2), "--no-lookup",
+           "serve", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        base = proc.stderr.readline().split("listening on ")[1].split()[0]
+        for line in proc.stderr:
+            assert "error" not in line
+            if "ready" in line:
+                break
+        host, port = base.removeprefix("http://").split(":")
+        created = http.client.HTTPConnection(host, int(port))
+        created.request("POST", "/v1/sessions", "{}", {"Content-Type": "application/json"})
+        sid = json.loads(created.getresponse().read())["id"]
+        asks = [{"session": sid, "messages": [{"role": "user", "content": LONG}]},  # a stored session's turn
+                {"messages": [{"role": "user", "content": LONG + " z"}]}]  # a conversation sent whole
+        streams = []
+        for ask in asks:
+            conn = http.client.HTTPConnection(host, int(port))
+            body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 240, **ask}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            streams.append((response, up_to_its_first_text(response)))
+        proc.send_signal(signal.SIGTERM)  # mid-reply: each has sent some of its text
+        for response, began in streams:
+            text, events = sse_texts(began + response.read())  # read() fails on a cut chunked body
+            assert events[-1] == "[DONE]"
+            cut = events[-2]
+            assert cut["error"]["code"] == "shutting_down" and "cut short" in cut["error"]["message"]
+            assert cut["stored"] and cut["session"] in cut["error"]["message"]
+            with contextlib.closing(ChatStore(db)) as store:  # (SQLite lets another reader in)
+                last = store.path(store.get_session(cut["session"]).head_id)[-1]
+            assert last.role == "assistant" and last.content == text and last.stats["stop_reason"] == "cancelled"
+        proc.wait(60)
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "without completing response" not in log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+
+
+def test_tenants_see_only_their_own_sessions_and_reuse_only_their_own_kv(tmp_path, qwen2):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# name:key\nalice:key-a\nbob:key-b\n")
+    tenants = api_keys_from(["@" + str(keys)])
+    assert tenants == {"key-a": "alice", "key-b": "bob"}
+    s = Served(tmp_path / "chat.db", qwen2, api_key=tenants).wait_ready()
+    try:
+        alice, bob = (openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b"))
+
+        def as_(key: str, method: str, path: str, body: dict | None = None):
+            data = None if body is None else json.dumps(body).encode()
+            return s.raw(method, path, data, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+        sid = json.loads(as_("key-a", "POST", "/v1/sessions", {"system_prompt": SYSTEM})[2])["id"]
+        hello = [{"role": "user", "content": "hello there"}]
+        alice.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid})
+        assert [x["id"] for x in json.loads(as_("key-a", "GET", "/v1/sessions")[2])["data"]] == [sid]
+        assert json.loads(as_("key-b", "GET", "/v1/sessions")[2])["data"] == []
+        for method, path, body in [("GET", f"/v1/sessions/{sid[:2]}", None), ("GET", f"/v1/sessions/{sid}", None),
+                                   ("POST", f"/v1/sessions/{sid}/fork", {}), ("GET", f"/v1/sessions/{sid}/export", None),
+                                   ("DELETE", f"/v1/sessions/{sid}", None)]:
+            assert as_("key-b", method, path, body)[0] == 404, path
+        with pytest.raises(openai.NotFoundError):
+            bob.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid})
+        assert as_("key-a", "GET", f"/v1/sessions/{sid}")[0] == 200  # still there, as alice left it
+
+        # the system prompt's blocks alice's session computed are hers: bob's same prompt computes them
+        asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the sun"}]
+        cached = {}
+        for name, client in [("bob", bob), ("alice", alice), ("bob again", bob)]:
+            reply = client.chat.completions.create(model=MODEL, messages=asked, max_tokens=4)
+            cached[name] = reply.usage.prompt_tokens_details.cached_tokens
+        assert cached["bob"] == 0 and cached["alice"] >= BLOCK and cached["bob again"] >= BLOCK
+
+        # a prompt_cache_key scopes sharing within a tenant
+        other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the water"}]
+        scoped = [alice.chat.completions.create(model=MODEL, messages=other, max_tokens=4,
+                                                extra_body={"prompt_cache_key": "team-x"}) for _ in range(2)]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in scoped][0] == 0
+        assert scoped[1].usage.prompt_tokens_details.cached_tokens >= BLOCK
+    finally:
+        s.stop()
+
+
+def test_one_api_key_has_no_tenant_and_several_one_each(monkeypatch):
+    assert api_keys_from(["k1"]) == {"k1": None}  # as before tenants: it sees every session
+    monkeypatch.setenv("LLAMA_CHAT_API_KEY", "from-env")
+    assert api_keys_from(None) == {"from-env": None}
+    several = api_keys_from(["k1", "k2"])
+    assert set(several) == {"k1", "k2"} and len(set(several.values())) == 2 and None not in several.values()
+    assert api_keys_from(["k2", "k1"]) == several  # named by the key, not by its place
+    with pytest.raises(ValueError):
+        api_keys_from(["k1", "k1"])
+
+
+def test_a_bad_api_keys_file_is_one_line(tmp_path, qwen2, capsys):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alice:key-a\njust-a-key\n")
+    db = ["--db", str(tmp_path / "chat.db"), "--model", str(qwen2)]
+    assert main([*db, "serve", "--port", "0", "--api-key", f"@{keys}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 2: expected 'name:key'" in err
 
 
 def test_the_cli_and_the_server_share_a_session_while_it_runs(served, qwen2, capsys):

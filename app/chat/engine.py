@@ -40,6 +40,13 @@ from .scheduler import Scheduler
 from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
 
 
+class ReplyNotStored(StoreError):
+    """A reply was made but could not be stored (the disk is full, …): whoever made it still has it."""
+
+    def __init__(self, e: StoreError):
+        super().__init__(f"the reply was not stored: {e}", e.brief, e.full)
+
+
 @dataclass
 class SavedReply:
     """Where a reply was stored, filled in by ChatEngine.reply() as GenerationStats is."""
@@ -273,9 +280,13 @@ class ChatEngine:
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
         saved: SavedReply | None = None,
+        store: bool = True,
+        drop_unanswered: bool = False,
     ) -> Job:
         """The reply to the user's message (if any), as a job on the scheduler; when it ends, both are
-        stored and the KV snapshotted, and job.result is a SavedReply.
+        stored (unless not `store`: then nothing is written, and the session stays as it was) and the KV
+        snapshotted, and job.result is a SavedReply. A job of a session waits for the one before it,
+        and starts from what that one stored. `drop_unanswered`: see Job.
 
         The message and its reply are stored together, in one transaction, when the reply ends —
         also when it is cancelled (Esc), with what was generated so far — so an error or a crash
@@ -289,6 +300,8 @@ class ChatEngine:
         read = self.prefetch(session)
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
+            nonlocal session
+            session = self.store.get_session(session.id)  # as the turn before this one left it
             seq, info = self.open(session, read)
             job.remote = info.remote_read
             messages = self.messages(session)
@@ -298,18 +311,24 @@ class ChatEngine:
 
         def finish(job: Job) -> SavedReply:
             seq = job.seqs[0] if job.seqs else self.live[session.id]
-            self._finish_reply(session, user_text, seq, job.text(), job.stats[0], saved)
+            if store:
+                self._finish_reply(session, user_text, seq, job.text(), job.stats[0], saved)
+            else:
+                self.note_prefill(job.stats[0])
             return saved
 
         return self._submit(
             session, prepare, finish, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event, cancel=cancel,
-            stats=stats,
+            stats=stats, drop_unanswered=drop_unanswered,
         )
 
     def _submit(self, session: Session, prepare, finish, sampling: SamplingParams | None, **job_args) -> Job:
         """A job for the scheduler, sampling as the session's settings say unless told otherwise;
         prepare(job) is given the job, which exists before the scheduler can run it."""
-        job = Job(lambda: prepare(job), finish=finish, sampling=sampling or self.sampling(session), **job_args)
+        job = Job(
+            lambda: prepare(job), finish=finish, sampling=sampling or self.sampling(session), session_id=session.id,
+            **job_args,
+        )
         return self.scheduler.submit(job)
 
     def reply(
@@ -357,7 +376,7 @@ class ChatEngine:
         try:
             stored, saved.branched = self.store.append_turn(session.id, session.head_id, turn)
         except StoreError as e:
-            raise StoreError(f"the reply was not stored: {e}") from None
+            raise ReplyNotStored(e) from None
         saved.session = stored
         self.note_prefill(stats)
         if stored.id != session.id:  # the KV computed belongs to the new branch now

@@ -61,6 +61,8 @@ class Job:
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
         stats: GenerationStats | None = None,
+        session_id: str | None = None,
+        drop_unanswered: bool = False,
     ):
         self.prepare = prepare
         self.finish = finish
@@ -69,6 +71,12 @@ class Job:
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.lookup = lookup  # None: as the model was loaded
+        # The jobs of one session run one after another, in the order submitted: each is prepared from
+        # what the one before it stored.
+        self.session_id = session_id
+        # Cancelled before its first token, the job keeps nothing: a server's client that left before
+        # its turn began (a person's cancelled message, by default, is kept with an empty reply).
+        self.drop_unanswered = drop_unanswered
         self.state = State.QUEUED
         self.stats = [stats or GenerationStats()] + [GenerationStats() for _ in range(n - 1)]
         self.pieces: list[list[str]] = [[] for _ in range(n)]
@@ -94,6 +102,16 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    @property
+    def answered(self) -> bool:
+        """Whether any reply has a token yet."""
+        return any(s.generated_tokens for s in self.stats)
+
+    @property
+    def dropped(self) -> bool:
+        """Cancelled before its first token, with nothing to keep (drop_unanswered)."""
+        return self.drop_unanswered and self.cancelled and not self.answered
 
     def text(self, alt: int = 0) -> str:
         return "".join(self.pieces[alt])

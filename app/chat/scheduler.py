@@ -78,6 +78,11 @@ class Scheduler:
         with self._wake:
             return {"active": len(self._runs), "queued": len(self._queue)}
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called: a job cancelled since was cut short by it."""
+        return self._closed
+
     def close(self) -> None:
         """Cancel every job, let them end (their replies are kept), and stop the thread."""
         with self._wake:
@@ -97,17 +102,31 @@ class Scheduler:
                     self._wake.wait()
                 if self._closed and not self._queue and not self._runs:
                     return
-                admit = []
-                while self._queue and len(self._runs) + len(admit) < self.parallel:
-                    admit.append(self._queue.popleft())
+                admit = self._next_jobs(self.parallel - len(self._runs))
             with self.lock:
                 for job in admit:
                     self._admit(job)
                 self._step()
 
+    def _next_jobs(self, room: int) -> list[Job]:
+        """Up to `room` waiting jobs taken from the queue, oldest first, but none while its session has
+        a job running or an older one waiting: each turn of a session starts from the one before it."""
+        busy = {r.job.session_id for r in self._runs}
+        taken: list[Job] = []
+        for job in list(self._queue):
+            if len(taken) == room:
+                break
+            if job.session_id is None or job.session_id not in busy:
+                taken.append(job)
+                self._queue.remove(job)
+            busy.add(job.session_id)
+        return taken
+
     def _admit(self, job: Job) -> None:
-        # A job cancelled while it waited still runs its first batch and ends at once: its finish()
-        # keeps what it was for (the user's message, in a chat).
+        if job.dropped:  # its client left while it waited: nothing to prepare, nothing to keep
+            return job.end(State.CANCELLED)
+        # Else a job cancelled while it waited still runs its first batch and ends at once: its
+        # finish() keeps what it was for (the user's message, in a chat).
         job.set_state(State.PREFILLING)
         try:
             prompt, seq = job.prepare()
@@ -198,6 +217,9 @@ class Scheduler:
         batch: list[tuple[_Run, list[int]]] = []
         rows = 0
         for i, run in enumerate(prefilling):
+            if run.job.dropped:
+                self._end(run, State.CANCELLED)
+                continue
             if run.done and run.job.cancelled:  # the sequence keeps the batches done, for the next turn
                 self._start(run)
                 continue
@@ -236,7 +258,11 @@ class Scheduler:
         block = run.prompt[at : at + B]
         if at % B or at + B >= len(run.prompt):  # no full block to gain (past a block's start; the last token)
             return False
-        return any(o.seq.n_tokens < at + B and o.prompt[at : at + B] == block for o in older if not o.streams)
+        return any(
+            o.seq.n_tokens < at + B and o.prompt[at : at + B] == block and o.seq.namespace == run.seq.namespace
+            for o in older
+            if not o.streams
+        )
 
     def _start(self, run: _Run) -> None:
         job = run.job
@@ -260,7 +286,7 @@ class Scheduler:
         job = run.job
         for stats in job.stats:
             stats.stop_reason = stats.stop_reason or "cancelled"  # a reply cut short by a failure
-        if job.finish is not None:  # also after a failure: what was made so far is kept
+        if job.finish is not None and not job.dropped:  # also after a failure: what was made is kept
             try:
                 job.result = job.finish(job)
             except Exception as e:  # noqa: BLE001 — e.g. the reply could not be stored: the job says so

@@ -17,9 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llama_chat.storage import StoreError
+
 from . import sessions_api
 from .completions import chat_completions
-from .errors import ApiError, forbidden, server_error, unauthorized
+from .errors import ApiError, forbidden, server_error, storage_failed, unauthorized
 from .state import ServeOptions, ServerState, say
 
 OPEN_PATHS = {"/health"}  # answered without a key: load balancers and probes ask it
@@ -113,18 +115,24 @@ class OriginCheck:
 
 
 class ApiKeyCheck:
-    """With a key set, every request but /health needs `Authorization: Bearer KEY` (compared in
-    constant time, so the answer's timing tells nothing of the key)."""
+    """With keys set, every request but /health needs `Authorization: Bearer KEY` (compared with every
+    key in constant time, so the answer's timing tells nothing of them); the request is then its
+    tenant's (scope["state"]["tenant"]: see transport.tenant_of)."""
 
-    def __init__(self, app, key: str | None):
+    def __init__(self, app, keys: dict[str, str | None]):
         self.app = app
-        self.key = key.encode() if key else None
+        self.keys = {key.encode(): tenant for key, tenant in keys.items()}
 
     async def __call__(self, scope, receive, send):
-        if self.key is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if self.keys and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+            given, found, tenant = token.strip().encode(), False, None
+            for key, name in self.keys.items():
+                if hmac.compare_digest(given, key):
+                    found, tenant = True, name
+            if scheme.lower() != "bearer" or not found:
                 return await unauthorized().response()(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -155,6 +163,12 @@ async def http_error(request: Request, e: HTTPException) -> Response:
     return ApiError(e.status_code, message, code=code, headers=e.headers).response()
 
 
+async def store_failed(request: Request, e: StoreError) -> Response:
+    """A database that cannot be used (a full disk, …): one line in the log, and the API's error."""
+    say(f"{request.method} {request.url.path}: {e}")
+    return storage_failed(e).response()
+
+
 async def unexpected(request: Request, e: Exception) -> Response:
     """A failure nobody foresaw: the whole of it in the server's log, only its kind to the client (its
     text may name the server's files)."""
@@ -162,8 +176,9 @@ async def unexpected(request: Request, e: Exception) -> Response:
     return server_error(f"The server failed ({type(e).__name__}); its log says why.").response()
 
 
-def create_app(options: ServeOptions, load=None, api_key: str | None = None) -> Starlette:
-    """The app for `options`; load(options) → Model replaces loading options.model (tests time it)."""
+def create_app(options: ServeOptions, load=None, api_key: str | dict[str, str | None] | None = None) -> Starlette:
+    """The app for `options`; load(options) → Model replaces loading options.model (tests time it).
+    `api_key`: one key, or keys with their tenants' names (state.api_keys_from)."""
     state = ServerState(options, load)
 
     @contextlib.asynccontextmanager
@@ -181,14 +196,16 @@ def create_app(options: ServeOptions, load=None, api_key: str | None = None) -> 
     app = Starlette(
         routes=routes,
         middleware=middleware(options, api_key),
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected},
+        exception_handlers={
+            ApiError: api_error, HTTPException: http_error, StoreError: store_failed, Exception: unexpected
+        },
         lifespan=lifespan,
     )
     app.state.server = state
     return app
 
 
-def middleware(options: ServeOptions, api_key: str | None) -> list[Middleware]:
+def middleware(options: ServeOptions, api_key: str | dict[str, str | None] | None) -> list[Middleware]:
     """What every request passes, outermost first. CORS answers an allowed page's preflight before the
     key is asked for (a browser sends none with it)."""
     cors = []
@@ -208,6 +225,6 @@ def middleware(options: ServeOptions, api_key: str | None) -> list[Middleware]:
         Middleware(HostCheck, names={*LOOPBACK_NAMES, options.host, *options.allowed_hosts}),
         Middleware(OriginCheck, origins=set(options.cors_origins)),
         *cors,
-        Middleware(ApiKeyCheck, key=api_key),
+        Middleware(ApiKeyCheck, keys={api_key: None} if isinstance(api_key, str) else api_key or {}),
     ]
 

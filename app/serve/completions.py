@@ -20,7 +20,7 @@ from llama_chat.inference.tool_calls import CallSplitter, Delta, call_grammar, s
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
-from ..chat.engine import ChatEngine, SavedReply
+from ..chat.engine import ChatEngine, ReplyNotStored, SavedReply
 from ..chat.jobs import Job, State
 from ..chat.scheduler import QueueFull
 from .errors import (
@@ -30,13 +30,17 @@ from .errors import (
     invalid,
     server_error,
     session_not_found,
+    storage_failed,
     unavailable,
 )
-from .openai_api import CompletionRequest, Reply, finish_reason, parse_completion, token_logprobs
+from .openai_api import CompletionRequest, Kept, Reply, finish_reason, parse_completion, token_logprobs
 from .state import ServerState
-from .transport import JobEvents, ended_or_gone, read_json
+from .transport import JobEvents, ended_or_gone, read_json, tenant_of
 
 RETRY_AFTER_S = 1
+# How long a stream has, once the server is told to stop, to say that its reply was cut short and end
+# (its job is cancelled at once; sse_starlette would otherwise cut the stream mid-way).
+CLOSING_GRACE_S = 5
 
 
 async def chat_completions(request: Request) -> Response:
@@ -52,31 +56,30 @@ async def chat_completions(request: Request) -> Response:
     reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
     headers = {}
     if req.session is None:
-        job = await run_in_threadpool(_submitted, lambda: _submit_conversation(state, req, events, grammar))
+        tenant = tenant_of(request)
+        job = await run_in_threadpool(
+            _submitted, lambda: _submit_conversation(state, req, events, tenant, grammar)
+        )
     else:
-        session = await run_in_threadpool(find_session, state, req.session)
-        await state.lock_session(session.id)
-        events.at_end = lambda: state.unlock_session(session.id)  # the next turn may start then
-        try:
-            job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
-        except BaseException:
-            events.at_end = None
-            state.unlock_session(session.id)
-            raise
+        session = await run_in_threadpool(find_session, state, req.session, tenant_of(request))
+        job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
     if req.stream:
         splitters = [CallSplitter(grammar is not None) if req.tools else None for _ in range(req.n)]
         logprobs = _Logprobs(job, engine.model.tokenizer) if req.logprobs is not None else None
         chunks = _chunks(job, events, reply, req.include_usage, engine, splitters, logprobs)
-        return EventSourceResponse(chunks, headers=headers)
+        return EventSourceResponse(chunks, headers=headers, shutdown_grace_period=CLOSING_GRACE_S)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
         return Response(status_code=499)
-    if job.state is not State.DONE:
-        raise _failure(job)
-    session_id = await kept_session(job)
-    if session_id is not None:
-        headers["X-Session-Id"] = session_id
+    kept = await kept_where(job)
+    failure = _failure(job, kept)
+    if failure is not None:
+        raise failure
+    if kept.session is not None:
+        headers["X-Session-Id"] = kept.session
+    if kept.error is not None:
+        headers["X-Store-Error"] = kept.error_code
     texts, calls = [job.text(i) for i in range(job.n)], None
     if req.tools:
         split = [split_calls(text) or (text, []) for text in texts]
@@ -84,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
     logprobs = None
     if req.logprobs is not None:
         logprobs = [token_logprobs(engine.model.tokenizer, s.logprobs) for s in job.stats]
-    body = reply.completion(texts, job.stats, session_id, kv_remote(engine, job), calls, logprobs)
+    body = reply.completion(texts, job.stats, kept, kv_remote(engine, job), calls, logprobs)
     return JSONResponse(body, headers=headers)
 
 
@@ -129,11 +132,13 @@ def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
     return {"choice": read.choice, "fetched_tokens": read.tokens, **engine.kv.remote.stats()}
 
 
-def find_session(state: ServerState, session_id: str) -> Session:
-    """A stored session by id (or unique prefix); 404 when there is none."""
+def find_session(state: ServerState, session_id: str, tenant: str | None) -> Session:
+    """A stored session of the tenant's by id (or unique prefix); 404 when there is none."""
     try:
-        return state.ready().store.get_session(session_id)
+        return state.ready().store.get_session(session_id, tenant)
     except StoreError as e:
+        if e.brief is not None:  # the database failed, not the request
+            raise
         raise session_not_found(str(e)) from None
 
 
@@ -165,7 +170,7 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
 
 
 def _submit_conversation(
-    state: ServerState, req: CompletionRequest, events: JobEvents, grammar: str | None = None
+    state: ServerState, req: CompletionRequest, events: JobEvents, tenant: str | None, grammar: str | None = None
 ) -> Job:
     conversations, n_ctx = state.conversations, state.engine.n_ctx
     _refused_early(state.engine, req.messages)
@@ -183,6 +188,8 @@ def _submit_conversation(
         on_event=events,
         grammar=grammar,
         logprobs=req.logprobs,
+        tenant=tenant,
+        cache_key=req.prompt_cache_key,
     )
 
 
@@ -204,27 +211,42 @@ def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, e
             sampling=req.sampling,
             max_tokens=req.max_tokens,
             stop=req.stop,
+            store=req.store,
             on_event=events,
         )
     except ValueError as e:  # an empty message
         raise invalid(f"The new message cannot be used: {e}.", param="messages") from None
     except StoreError as e:  # deleted meanwhile
+        if e.brief is not None:  # the database failed, not the request
+            raise
         raise session_not_found(str(e)) from None
 
 
-async def kept_session(job: Job) -> str | None:
-    """The session the reply was stored in, if it was (waiting for the writer to store it)."""
+async def kept_where(job: Job) -> Kept:
+    """The session the reply was stored in, if it was (waiting for the writer to store it), or why not."""
     result = job.result
-    if isinstance(result, Future):
-        result = await asyncio.wrap_future(result)
+    try:
+        if isinstance(job.error, ReplyNotStored):
+            raise job.error
+        if isinstance(result, Future):  # shielded: a client that leaves meanwhile must not cancel the storing
+            result = await asyncio.shield(asyncio.wrap_future(result))
+    except ReplyNotStored as e:
+        return Kept(error=e)
     if isinstance(result, SavedReply):
         result = result.session
-    return result.id if isinstance(result, Session) else None
+    return Kept(result.id if isinstance(result, Session) else None)
 
 
-def _failure(job: Job) -> ApiError:
+def _failure(job: Job, kept: Kept) -> ApiError | None:
+    """Why the job has no reply to send, as the API says it; None when it has one (even one that could
+    not be stored: the client gets it, with a note)."""
+    if job.state is State.DONE or isinstance(job.error, ReplyNotStored):
+        return None
     if job.state is State.CANCELLED:  # not by the client: the server is closing
-        return unavailable("The server is shutting down; the reply was cut short.", "shutting_down")
+        where = f", and stored as it is in session {kept.session}" if kept.session else ""
+        return unavailable(f"The server is shutting down; the reply was cut short{where}.", "shutting_down")
+    if isinstance(job.error, StoreError):  # the database failed, or the session was deleted while it waited
+        return storage_failed(job.error) if job.error.brief is not None else session_not_found(str(job.error))
     return server_error(f"The reply failed: {job.error}")
 
 
@@ -253,19 +275,21 @@ async def _chunks(
                 for delta in [Delta(event.text)] if splitter is None else splitter.feed(event.text):
                     if delta.content or delta.index >= 0:
                         yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt]), **more(event.alt)))
-        if job.state is not State.DONE:
-            yield _data(_failure(job).body())
+        kept = await kept_where(job)
+        failure = _failure(job, kept)
+        if failure is not None:  # an error object, as OpenAI's streams send one, then the end
+            yield _data({**failure.body(), **kept.fields()})
+            yield "[DONE]"
             return
         for i, splitter in enumerate(splitters):
             for delta in splitter.finish() if splitter is not None else []:
                 if delta.content or delta.index >= 0:
                     yield _data(reply.chunk(i, _delta(delta, calls[i]), **more(i)))
-        session_id = await kept_session(job)
         for i, stats in enumerate(job.stats):
             finish = finish_reason(stats, bool(calls[i]))
-            yield _data(reply.chunk(i, {}, finish, session=session_id, **more(i)))
+            yield _data(reply.chunk(i, {}, finish, **kept.fields(), **more(i)))
         if include_usage:
-            yield _data(reply.usage_chunk(job.stats, session_id, kv_remote(engine, job)))
+            yield _data(reply.usage_chunk(job.stats, kept, kv_remote(engine, job)))
         yield "[DONE]"
     finally:
         if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping

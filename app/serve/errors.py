@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from llama_chat.storage import StoreError
+
 INVALID = "invalid_request_error"
 
 
@@ -91,3 +93,11 @@ def unavailable(message: str, code: str) -> ApiError:
 
 def server_error(message: str) -> ApiError:
     return ApiError(500, message, type="server_error", code="internal_error")
+
+
+def storage_failed(e: StoreError) -> ApiError:
+    """The database could not be used: 507 when the disk is full, else 500; said without its path."""
+    message = f"The server's database failed: {e.brief or 'see the server log'}."
+    if e.full:
+        return ApiError(507, message, type="server_error", code="disk_full")
+    return ApiError(500, message, type="server_error", code="storage_error")

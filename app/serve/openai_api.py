@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from llama_chat.inference import GenerationStats
 from llama_chat.inference.sampling import TokenLogprob
 from llama_chat.inference.tool_calls import ToolCall
+from llama_chat.storage import StoreError
 
 from ..chat.settings import SAMPLING, SettingError
 from .errors import invalid
@@ -31,7 +32,7 @@ TOOL_CHOICES = ("none", "auto", "required")
 
 # OpenAI fields that change nothing here whatever they say (we already cache prompts, and store by default).
 IGNORED = {"user", "metadata", "service_tier", "safety_identifier", "moderation"}
-IGNORED |= {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
+IGNORED |= {"prompt_cache_retention", "prompt_cache_options"}
 # OpenAI fields this server cannot honour: accepted only when absent, null or one of these values.
 NEUTRAL = {
     "frequency_penalty": [0],
@@ -47,7 +48,7 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+READ |= {"store", "session", "prompt_cache_key", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 READ |= {"logprobs", "top_logprobs"}
 READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
 
@@ -64,6 +65,7 @@ class CompletionRequest:
     n: int = 1
     session: str | None = None  # a stored session to append the last user message to
     store: bool = True  # keep the conversation (and its KV) in the database
+    prompt_cache_key: str | None = None  # requests share KV only with those of the same key (and tenant)
     tools: list[dict] | None = None  # OpenAI function definitions, for the chat template; None: none offered
     tool_choice: str = "auto"  # "auto", "required" (a call, constrained), or "none"
     tool_name: str | None = None  # the one function a call must be of (tool_choice names it)
@@ -105,6 +107,7 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
     elif top:
         raise invalid("'top_logprobs' needs 'logprobs' to be true.", param="top_logprobs")
     request.session = _session(body.get("session"), header_session)
+    request.prompt_cache_key = text_field(body, "prompt_cache_key")
     _tools(body, request)
     request.parallel_tool_calls = _flag(body, "parallel_tool_calls", False)
     request.json_schema = _response_format(body.get("response_format"))
@@ -288,6 +291,13 @@ def _stop(stop) -> list[str]:
     return [_text(s, "stop") for s in stops if s]
 
 
+def text_field(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise invalid(f"'{name}' must be a string.", param=name)
+    return None if value is None else _text(value, name)
+
+
 def _session(body_value, header_value: str | None) -> str | None:
     if body_value is not None and not isinstance(body_value, str):
         raise invalid("'session' must be a session id (a string).", param="session")
@@ -297,6 +307,29 @@ def _session(body_value, header_value: str | None) -> str | None:
 
 
 # -- what the server sends back ------------------------------------------------------------------------
+
+
+@dataclass
+class Kept:
+    """Where a reply was stored: its session (None: nowhere), and why not where it was to be (a full
+    disk: then the client holds the only copy)."""
+
+    session: str | None = None
+    error: StoreError | None = None
+
+    def fields(self) -> dict:
+        """What a completion, its last chunks and its usage chunk say of it."""
+        out = {"session": self.session, "stored": self.session is not None}
+        if self.error is not None:
+            out["store_error"] = f"The reply was not stored: {self.error.brief or 'see the server log'}."
+        return out
+
+    @property
+    def error_code(self) -> str | None:
+        """The X-Store-Error header of a reply not stored where it was to be."""
+        if self.error is None:
+            return None
+        return "disk_full" if self.error.full else "storage_error"
 
 
 @dataclass
@@ -321,7 +354,7 @@ class Reply:
         self,
         texts: list[str],
         stats: list[GenerationStats],
-        session: str | None,
+        kept: Kept,
         kv_remote: dict | None = None,
         calls: list[list[ToolCall]] | None = None,
         logprobs: list[list[dict]] | None = None,
@@ -338,7 +371,7 @@ class Reply:
                 {"index": i, "message": message, "logprobs": content, "finish_reason": finish_reason(s, bool(made))}
             )
         return {
-            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), "session": session
+            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), **kept.fields()
         }
 
     def chunk(
@@ -348,9 +381,9 @@ class Reply:
         choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None, **extra}
 
-    def usage_chunk(self, stats: list[GenerationStats], session: str | None, kv_remote: dict | None = None) -> dict:
+    def usage_chunk(self, stats: list[GenerationStats], kept: Kept, kv_remote: dict | None = None) -> dict:
         return {
-            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), "session": session
+            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), **kept.fields()
         }
 
 

@@ -15,7 +15,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
 from .errors import ApiError
-from .state import Notice, ServeOptions, api_key_from, say
+from .state import Notice, ServeOptions, api_keys_from, say
 
 GRACEFUL_S = 10  # how long a stopping server lets running replies end (they are cancelled at once)
 
@@ -153,8 +153,11 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def make_server(options: ServeOptions, api_key: str | None, load=None) -> tuple[Server, socket.socket]:
-    """A server for `options`, its socket bound (port 0: a free one); BindRefused says why not."""
+def make_server(
+    options: ServeOptions, api_key: str | dict[str, str | None] | None, load=None
+) -> tuple[Server, socket.socket]:
+    """A server for `options` and its API key (or keys, with their tenants: api_keys_from), its socket
+    bound (port 0: a free one); BindRefused says why not."""
     if not is_loopback(options.host) and not api_key:
         raise BindRefused(
             f"refusing to listen on {options.host} without an API key: anyone who reaches it could use the "
@@ -179,9 +182,9 @@ def url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def options_from(args) -> tuple[ServeOptions, str | None]:
+def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     """The server's options from the command line (flags not given keep ServeOptions' defaults), and
-    its API key (--api-key, else LLAMA_CHAT_API_KEY)."""
+    its API keys (api_keys_from)."""
     flags = ("host", "port", "parallel", "queue", "ctx", "max_connections")
     given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     for name in ("parallel", "ctx", "max_connections"):
@@ -194,10 +197,13 @@ def options_from(args) -> tuple[ServeOptions, str | None]:
         kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),
         allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()), **given,
     )
-    return options, api_key_from(args.api_key)
+    try:
+        return options, api_keys_from(args.api_key)
+    except ValueError as e:
+        raise BindRefused(str(e)) from None
 
 
-def serve(options: ServeOptions, api_key: str | None) -> int:
+def serve(options: ServeOptions, api_key: dict[str, str | None]) -> int:
     server, sock = make_server(options, api_key)
     say(f"listening on {url(sock)}" + (" (API key required)" if api_key else ""))
     server.run(sockets=[sock])

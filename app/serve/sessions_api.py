@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from llama_chat.storage import StoreError
+from llama_chat.storage import Session, StoreError
 from llama_chat.storage.exchange import (
     MAX_DATA_BYTES,
     MAX_MANIFEST_BYTES,
@@ -30,10 +30,11 @@ from llama_chat.storage.exchange_file import HEADER_SIZE, declared_size
 
 from ..chat.engine import session_title
 from .completions import find_session
-from .conversations import API_ORIGIN
+from .conversations import API_ORIGIN, kv_salt
 from .errors import ApiError, invalid
+from .openai_api import text_field
 from .state import ServerState
-from .transport import read_json, save_file
+from .transport import read_json, save_file, tenant_of
 
 MAX_IMPORT = MAX_MANIFEST_BYTES + MAX_DATA_BYTES + (1 << 20)  # the largest file import would read
 
@@ -44,24 +45,22 @@ def _state(request: Request) -> ServerState:
     return state
 
 
-def _text_field(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise invalid(f"'{name}' must be a string.", param=name)
-    return value
+def _json(session: Session) -> dict:
+    """A session as the API shows it: its KV is verified where it is its tenant's own (not an import's)."""
+    return {**session.to_json(), "kv_verified": session.kv_namespace in (None, kv_salt(session.tenant))}
 
 
 async def list_sessions(request: Request) -> Response:
     store = _state(request).engine.store
-    sessions = await run_in_threadpool(store.list_sessions)
-    return JSONResponse({"object": "list", "data": [s.to_json() for s in sessions]})
+    sessions = await run_in_threadpool(store.list_sessions, tenant_of(request))
+    return JSONResponse({"object": "list", "data": [_json(s) for s in sessions]})
 
 
 async def create_session(request: Request) -> Response:
     state = _state(request)
     body = await read_json(request, state.options.max_body, state.options.body_timeout_s)
-    title, system = _text_field(body, "title"), _text_field(body, "system_prompt")
-    engine = state.engine
+    title, system = text_field(body, "title"), text_field(body, "system_prompt")
+    engine, tenant = state.engine, tenant_of(request)
 
     def create():
         return engine.store.create_session(
@@ -70,17 +69,19 @@ async def create_session(request: Request) -> Response:
             model_name=engine.model.name,
             system_prompt=system or None,
             origin=API_ORIGIN,
+            tenant=tenant,
+            kv_namespace=kv_salt(tenant),
         )
 
     session = await run_in_threadpool(create)
-    return JSONResponse(session.to_json(), status_code=201)
+    return JSONResponse(_json(session), status_code=201)
 
 
 async def show_session(request: Request) -> Response:
     state = _state(request)
-    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+    session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
     messages = await run_in_threadpool(state.engine.store.path, session.head_id)
-    return JSONResponse({**session.to_json(), "messages": [asdict(m) for m in messages]})
+    return JSONResponse({**_json(session), "messages": [asdict(m) for m in messages]})
 
 
 async def fork_session(request: Request) -> Response:
@@ -89,40 +90,39 @@ async def fork_session(request: Request) -> Response:
     at = body.get("at_message")
     if at is not None and (isinstance(at, bool) or not isinstance(at, int)):
         raise invalid("'at_message' must be a message id (an integer).", param="at_message")
-    title = _text_field(body, "title")
-    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+    title = text_field(body, "title")
+    session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
 
     def fork():
         try:
             return state.engine.fork(session, at, session_title(title) if title else None)
         except StoreError as e:  # a message not on the session's path
+            if e.brief is not None:  # the database failed, not the request
+                raise
             raise invalid(f"Cannot fork there: {e}.", param="at_message") from None
 
     child = await run_in_threadpool(fork)
-    return JSONResponse(child.to_json(), status_code=201)
+    return JSONResponse(_json(child), status_code=201)
 
 
 async def delete_session(request: Request) -> Response:
     state = _state(request)
-    session = await run_in_threadpool(find_session, state, request.path_params["id"])
-    await state.lock_session(session.id)  # after a turn being made in it has been stored
-    try:
+    session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
 
-        def delete() -> int:
-            engine = state.engine
-            with engine.lock:
-                engine.close(session.id)
-            return engine.store.delete_session(session.id)
+    def delete() -> int:
+        engine = state.engine
+        state.conversations.wait_for_turns(session.id)  # after a turn being made in it has been stored
+        with engine.lock:
+            engine.close(session.id)
+        return engine.store.delete_session(session.id)
 
-        removed = await run_in_threadpool(delete)
-    finally:
-        state.unlock_session(session.id)
+    removed = await run_in_threadpool(delete)
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True, "messages": removed})
 
 
 async def export(request: Request) -> Response:
     state = _state(request)
-    session = await run_in_threadpool(find_session, state, request.path_params["id"])
+    session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
     query = request.query_params
     with_kv = query.get("kv", "1") not in ("0", "false", "no")
     tree = query.get("tree", "0") in ("1", "true", "yes")
@@ -165,11 +165,14 @@ async def import_file(request: Request) -> Response:
 
         options = state.options
         await save_file(request, path, MAX_IMPORT, options.body_timeout_s, HEADER_SIZE, check_head)
-        fingerprint = state.engine.model.fingerprint
+        fingerprint, tenant = state.engine.model.fingerprint, tenant_of(request)
 
         def read_and_import():
             try:
-                return import_session(state.engine.store, read_session_file(path), model_fingerprint=fingerprint)
+                return import_session(
+                    state.engine.store, read_session_file(path), model_fingerprint=fingerprint, tenant=tenant,
+                    kv_namespace=kv_salt(tenant),
+                )
             except ExchangeError as e:
                 raise _unusable(e, path) from None
 

@@ -7,7 +7,7 @@ is shutting down.
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
 import os
 import sys
 import threading
@@ -98,7 +98,6 @@ class ServerState:
         self.engine: ChatEngine | None = None
         self.conversations: Conversations | None = None
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
-        self._session_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # the lock, and who holds or waits
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
 
@@ -163,27 +162,6 @@ class ServerState:
         if name not in self.names:
             raise model_not_found(name, self.options.model_id)
 
-    async def lock_session(self, session_id: str) -> None:
-        """One turn at a time per session, in this server: the next waits, then follows the last."""
-        lock, users = self._session_locks.get(session_id, (asyncio.Lock(), 0))
-        self._session_locks[session_id] = lock, users + 1
-        try:
-            await lock.acquire()
-        except BaseException:
-            self._unlist(session_id)
-            raise
-
-    def unlock_session(self, session_id: str) -> None:
-        self._session_locks[session_id][0].release()
-        self._unlist(session_id)
-
-    def _unlist(self, session_id: str) -> None:
-        lock, users = self._session_locks[session_id]
-        if users == 1:
-            del self._session_locks[session_id]
-        else:
-            self._session_locks[session_id] = lock, users - 1
-
     def health(self) -> dict:
         """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
         the remote tier's numbers when there is one."""
@@ -215,6 +193,31 @@ def open_remote(options: ServeOptions, fingerprint: str):
     return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
 
 
-def api_key_from(flag: str | None) -> str | None:
-    """--api-key, else LLAMA_CHAT_API_KEY; an empty one is none."""
-    return flag or os.environ.get("LLAMA_CHAT_API_KEY") or None
+def api_keys_from(flags: list[str] | None) -> dict[str, str | None]:
+    """The API keys, each with its tenant's name: --api-key (given once or more: a key, or @FILE of
+    `name:key` lines), else LLAMA_CHAT_API_KEY. One key has no tenant (None): it sees every session, as
+    the TUI does. Of several, each is a tenant with sessions and KV of its own: named by the file, or
+    by the start of the key's hash. ValueError says what is wrong."""
+    named: list[tuple[str | None, str]] = []
+    for flag in flags or [os.environ.get("LLAMA_CHAT_API_KEY") or ""]:
+        named += _keys_file(flag[1:]) if flag.startswith("@") else [(None, flag)] if flag else []
+    keys = {key: name or "key-" + hashlib.sha256(key.encode()).hexdigest()[:8] for name, key in named}
+    if len(keys) < len(named) or len(set(keys.values())) < len(keys):
+        raise ValueError("each API key and each tenant's name may be given only once")
+    return {key: None for key in keys} if len(keys) == 1 else keys
+
+
+def _keys_file(path: str) -> list[tuple[str, str]]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"cannot read the API keys in {path}: {getattr(e, 'strerror', None) or e}") from None
+    named = []
+    for number, line in enumerate(lines, 1):
+        name, colon, key = line.strip().partition(":")
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not colon or not name.strip() or not key.strip():
+            raise ValueError(f"{path}, line {number}: expected 'name:key'")
+        named.append((name.strip(), key.strip()))
+    return named

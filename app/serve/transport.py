@@ -23,6 +23,11 @@ def _declared_size(request: Request, limit: int) -> None:
         raise too_large(limit)
 
 
+def tenant_of(request: Request) -> str | None:
+    """The tenant whose API key the request carries (app.ApiKeyCheck); None with one key, or none."""
+    return request.scope.get("state", {}).get("tenant")
+
+
 def _check_type(request: Request, media_type: str) -> None:
     """415 unless the body is said to be `media_type`. Neither is one a web page may send without
     asking first (a CORS preflight, which OriginCheck answers), as it may text/plain or a form."""
@@ -99,7 +104,6 @@ class JobEvents:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.ended = asyncio.Event()
-        self.at_end: Callable[[], None] | None = None  # called on the loop when the job has ended
 
     def __call__(self, event: Event) -> None:
         try:
@@ -111,8 +115,6 @@ class JobEvents:
         self.queue.put_nowait(event)
         if event.kind == "end":
             self.ended.set()
-            if self.at_end is not None:
-                self.at_end()
 
     async def __aiter__(self):
         while True:
