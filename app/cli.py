@@ -68,11 +68,13 @@ def add_threads_option(parser, default=None) -> None:
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """The flags of a reply, one per setting of chat/settings.py. A flag not given is None: a stored
     session keeps its own settings."""
-    from .chat.settings import REPLY_SETTINGS
+    from .chat.settings import REPLY_MAX_TOKENS, REPLY_SETTINGS
 
     parser.add_argument("--system", default=None, help="system prompt")
     for setting in REPLY_SETTINGS:
-        default = "" if setting.default is None else f" (default {setting.default})"
+        default = "" if setting.default is None else f" (default: the model's, else {setting.default})"
+        if setting is REPLY_MAX_TOKENS:
+            default = f" (default {setting.default})"
         parser.add_argument(
             setting.option,
             dest=setting.key,

@@ -6,20 +6,30 @@ import contextlib
 import sys
 
 from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids
-from llama_chat.inference.catalog import model_status
+from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.storage import ChatStore, Session, StoreError
 
 from .chat.engine import SavedReply, check_fits, load_chat_model, system_message
 from .chat.jobs import Job
 from .chat.scheduler import Scheduler
-from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_params
+from .chat.settings import (
+    REPLY_SETTINGS,
+    SAMPLING,
+    max_tokens,
+    model_sampling,
+    sampling_defaults,
+    sampling_params,
+)
 from .progress import ProgressBar
 from .signals import ReplySignals
 from .terminal import open_remote, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
-    statuses = [model_status(m) for m in KNOWN_MODELS.values()]
+    statuses = []
+    for model in KNOWN_MODELS.values():
+        defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
+        statuses.append(model_status(model) | {"sampling": defaults.values, "sampling_from": defaults.source})
     if args.json:
         print_json(statuses)
         return 0
@@ -29,6 +39,8 @@ def cmd_models(args) -> int:
             state = "packages not installed"
         print(f"{s['name']:40} {state:22} {s['path']}")
         print(f"  {s['description']}")
+        sampling = ", ".join(f"{key} {value}" for key, value in s["sampling"].items() if value is not None)
+        print(f"  sampling: {sampling} ({s['sampling_from']})")
     return 0
 
 
@@ -88,7 +100,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
             job = engine.submit_reply(
                 session,
                 text,
-                sampling=sampling_params(settings),
+                sampling=engine.sampling_for(settings),
                 max_tokens=max_tokens(settings),
                 cancel=signals.cancel,
                 saved=saved,
@@ -148,7 +160,7 @@ def ask_once(args, prompt: str) -> int:
     with ReplySignals() as signals:
         job = Job(
             lambda: (ids, model.new_sequence(n_ctx)),
-            sampling=sampling_params(settings),
+            sampling=sampling_params(settings, model_sampling(model)),
             max_tokens=min(max_tokens(settings), n_ctx - len(ids)),
             finish=lambda job: [seq.free() for seq in job.seqs],
             cancel=signals.cancel,

@@ -15,6 +15,7 @@ from llama_chat.app.tui.dialogs import HelpScreen, SettingsScreen, TextScreen
 from llama_chat.app.tui.sidebar import SessionTree
 from llama_chat.app.tui.widgets import MessageView
 from llama_chat.storage import ChatStore
+from tiny_models import write_tiny_model
 from tui_pilot import aio, idle, roles_and_text, say, stored_path, tree_labels, until, views
 
 # -- copy, settings, model, search -----------------------------------------------------------------
@@ -64,6 +65,26 @@ async def test_settings_store_a_system_prompt_and_sampling_per_session(open_chat
         assert app.chat.query_one(".system-prompt").content == "system: Answer in one word."
         await say(pilot, "and then")
         assert app.store.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
+
+
+@aio
+async def test_settings_show_the_models_recommended_sampling_and_keep_it_a_default(open_chat, tmp_path):
+    keys = {"general.sampling.top_k": 20, "general.sampling.top_p": 0.8}
+    model = write_tiny_model(tmp_path / "recommends.gguf", "qwen2", metadata=keys)
+    async with open_chat(model=model) as pilot:  # config.toml: temperature 0 for new chats
+        app = pilot.app
+        await say(pilot, "hello the world")
+        await pilot.press("ctrl+s")
+        fields = {
+            key: app.screen.query_one(f"#{key}", Input).value for key in ("temperature", "top_k", "top_p")
+        }
+        assert fields == {"temperature": "0", "top_k": "20", "top_p": "0.8"}  # the user's config wins
+        assert "recommended in recommends.gguf" in str(app.screen.query_one("#defaults").content)
+        app.screen.query_one("#top_p", Input).value = "0.5"
+        await pilot.press("ctrl+s")
+        await idle(pilot)
+        # what was changed is the session's; what was left is the model's default, not copied in
+        assert app.store.get_session(app.chat.session.id).sampling == {"temperature": 0, "top_p": 0.5}
 
 
 @aio

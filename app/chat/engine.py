@@ -35,7 +35,7 @@ from llama_chat.storage.store import ChatStore, Message, Session
 
 from .jobs import Event, Job, stream_text
 from .scheduler import Scheduler
-from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
+from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
 
 
 @dataclass
@@ -138,6 +138,7 @@ class ChatEngine:
         self.kv = KVStore(store, model.fingerprint, codec, remote)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
+        self.sampling_defaults = model_sampling(model)  # where a session sets nothing
         self.scheduler = scheduler or Scheduler(model)
         self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
         model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
@@ -254,7 +255,12 @@ class ChatEngine:
     # -- replies ---------------------------------------------------------------------------------
 
     def sampling(self, session: Session) -> SamplingParams:
-        return sampling_params(session.sampling)
+        return self.sampling_for(session.sampling)
+
+    def sampling_for(self, settings: dict) -> SamplingParams:
+        """The sampling of a reply with these settings (a session's, a request's), the model's defaults
+        where they set nothing."""
+        return sampling_params(settings, self.sampling_defaults)
 
     def submit_reply(
         self,

@@ -20,6 +20,7 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
 from ..chat.engine import fork_before, session_title
+from ..chat.settings import DEFAULT_SAMPLING
 from .dialogs import ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .replies import Reply
 from .sidebar import ChatRef, SessionTree
@@ -232,7 +233,8 @@ class ChatActions:
         title = session.title if session else "New chat"
         system = session.system_prompt if session else self.config.system_prompt
         sampling = session.sampling if session else dict(self.config.sampling)
-        screen = SettingsScreen(title, system, sampling, self.config.max_tokens)
+        defaults = self.engine.sampling_defaults if self.engine else DEFAULT_SAMPLING
+        screen = SettingsScreen(title, system, sampling, self.config.max_tokens, defaults)
 
         def save(settings: dict) -> tuple[Session, list[Message]]:
             settings = {**settings, "title": session_title(settings["title"]) or "New chat"}
