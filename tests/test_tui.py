@@ -138,6 +138,40 @@ async def test_a_message_sent_while_the_model_loads_waits_for_it(open_chat):
 
 
 @aio
+async def test_while_the_model_loads_the_status_line_says_so_not_that_a_reply_is_written(
+    open_chat, monkeypatch
+):
+    import threading
+
+    from llama_chat.app.tui import chat_screen
+
+    loaded, load = threading.Event(), chat_screen.load_chat_model
+
+    def slow_load(name, progress, **options):
+        loaded.wait(timeout=60)
+        return load(name, progress, **options)
+
+    monkeypatch.setattr(chat_screen, "load_chat_model", slow_load)
+    async with open_chat(wait=False) as pilot:
+        app = pilot.app
+        await until(pilot, lambda: "loading" in app.chat.status.fields.get("work", ""), what="the load")
+        await pilot.press(*"early", "enter")
+        await until(pilot, lambda: views(app), what="the send")
+        await pilot.pause(0.2)
+        assert app.chat.status.fields["work"] == "loading tiny-qwen2.gguf"  # not "writing a reply"
+        loaded.set()
+        await until(
+            pilot,
+            lambda: (
+                app.chat.status.fields.get("work", "").startswith("writing a reply") or not app.chat.replies
+            ),
+            what="the reply",
+        )
+        await idle(pilot)
+        assert [r for r, _ in stored_path(app)] == ["user", "assistant"]
+
+
+@aio
 async def test_a_first_load_shows_its_progress_and_the_screen_works_meanwhile(open_chat, monkeypatch):
     from llama_chat.app.tui.widgets import StatusLine
 

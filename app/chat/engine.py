@@ -33,6 +33,7 @@ from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session
 
+from .compile_progress import CompileProgress
 from .jobs import Event, Job, stream_text
 from .scheduler import Scheduler
 from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
@@ -79,8 +80,13 @@ def load_chat_model(name: str | None, progress: Callable[[str, int, int], None] 
     """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
     the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
     the compiler."""
-    model = load_model(name, progress=progress, **options)
-    compile_codec(progress)
+    if progress is None:
+        model = load_model(name, **options)
+        compile_codec()
+        return model
+    with CompileProgress(progress) as told:  # what really compiles, as it does
+        model = load_model(name, progress=told, **options)
+        compile_codec(told)
     return model
 
 

@@ -254,7 +254,6 @@ class ChatScreen(ChatActions, Screen):
             self.status.set(model=model_label(self.engine.model))
             self.show_context(self.session.n_tokens if self.session else 0)
         for reply in self.replies:  # (sent while it loaded: no reply starts while a model loads)
-            self.status.set(work=work_label(reply))
             self.start(reply)
 
     # -- sessions --------------------------------------------------------------------------------
@@ -363,14 +362,14 @@ class ChatScreen(ChatActions, Screen):
             reply.view.set_note(
                 "waiting for the model" if self.loading_model else "reading the conversation…"
             )
-        self.status.set(work=work_label(reply))
-        if reply.n > 1:  # no text streams before the end: a bar says it works
-            self.status.progress(work_label(reply))
-        if not self.loading_model:
+        if not self.loading_model:  # else the load's progress stays on the status line until it is done
             self.start(reply)
         self.flush_timer.resume()
 
     def start(self, reply: Reply) -> None:
+        self.status.set(work=work_label(reply))
+        if reply.n > 1:  # no text streams before the end: a bar says it works
+            self.status.progress(work_label(reply))
         self.in_background(
             partial(replies.submit, self.engine, reply),
             partial(self.reply_started, reply),
