@@ -172,6 +172,20 @@ async def test_while_the_model_loads_the_status_line_says_so_not_that_a_reply_is
 
 
 @aio
+async def test_keys_typed_as_the_app_starts_go_to_the_message_box(open_chat):
+    from textual import events
+
+    async with open_chat(wait=False) as pilot:
+        app = pilot.app
+        app.chat.set_focus(None)  # as the screen is first shown, before anything took the focus
+        app.chat.post_message(events.ScreenResume())  # Textual focuses the screen's AUTO_FOCUS then
+        await pilot.pause()
+        await pilot.press(*"early")
+        assert app.chat.query_one(ChatInput).text == "early"
+        assert app.chat.sidebar.search.value == ""
+
+
+@aio
 async def test_a_first_load_shows_its_progress_and_the_screen_works_meanwhile(open_chat, monkeypatch):
     from llama_chat.app.tui.widgets import StatusLine
 

@@ -75,6 +75,9 @@ class Resumed(UIMessage):
 
 
 class ChatScreen(ChatActions, Screen):
+    # Textual focuses this when the screen is first shown (else the first focusable: the sidebar's
+    # search box, which took what was typed while the app started)
+    AUTO_FOCUS = "ChatInput"
     # Every action of the chat, once: its key (users remap it by id, the action's name), the footer,
     # the help screen and, by its tooltip, the command palette all come from here.
     BINDINGS = [
