@@ -13,7 +13,7 @@ from llama_chat.app.config import Config
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.dialogs import HelpScreen, SettingsScreen, TextScreen
 from llama_chat.app.tui.sidebar import SessionTree
-from llama_chat.app.tui.widgets import MessageView
+from llama_chat.app.tui.widgets import ChatInput, MessageView
 from llama_chat.storage import ChatStore
 from tiny_models import write_tiny_model
 from tui_pilot import aio, idle, roles_and_text, say, stored_path, tree_labels, until, views
@@ -297,13 +297,36 @@ async def test_help_shows_the_whole_config_path_on_a_narrow_terminal(open_chat, 
 
 
 @aio
+async def test_the_sidebar_hides_by_itself_on_a_narrow_terminal_and_ctrl_b_toggles_it(open_chat):
+    async with open_chat(size=(80, 24)) as pilot:
+        app = pilot.app
+        sidebar = app.chat.sidebar
+        assert not sidebar.display and app.chat.query_one("#chat").region.width == 80  # the chat has it all
+        await pilot.press("ctrl+b")
+        assert sidebar.display
+        await pilot.press("ctrl+b")
+        assert not sidebar.display
+        await pilot.press("ctrl+f")  # searching shows it
+        assert sidebar.display and sidebar.search.has_focus
+        await pilot.press("ctrl+b")  # and hiding it gives the focus back to the message box
+        assert not sidebar.display and app.focused is app.chat.query_one(ChatInput)
+    async with open_chat(size=(110, 24)) as pilot:
+        assert pilot.app.chat.sidebar.display
+        await pilot.press("f1")
+        text = "\n".join(f"{k} {d} {i}" for _, rows in pilot.app.screen.sections for k, d, i in rows)
+        assert "ctrl+b Sidebar toggle_sidebar" in text
+        await pilot.press("escape", "ctrl+b")
+        assert not pilot.app.chat.sidebar.display
+
+
+@aio
 async def test_every_action_is_in_the_command_palette(open_chat):
     async with open_chat() as pilot:
         app = pilot.app
         titles = {c.title for c in app.get_system_commands(app.chat)}
         wanted = {"New", "Fork", "Regenerate", "Regenerate ×3", "Edit", "Stop reply", "Rename chat"}
         wanted |= {"Delete chat", "Settings", "Choose model", "Search chats", "Copy", "Copy code"}
-        wanted |= {"Export chat", "Import chat", "Help", "Theme", "Quit"}
+        wanted |= {"Export chat", "Import chat", "Help", "Theme", "Quit", "Sidebar"}
         assert wanted <= titles
         await say(pilot, "hello the world")
         parent = app.chat.session.id

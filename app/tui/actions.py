@@ -82,7 +82,18 @@ class ChatActions:
         self.query_one(ChatInput).focus()
 
     def action_search(self) -> None:
+        self.show_sidebar(True)
         self.sidebar.search.focus()
+
+    def action_toggle_sidebar(self) -> None:
+        self.show_sidebar(not self.sidebar.display)
+
+    def show_sidebar(self, show: bool) -> None:
+        """Show or hide the sidebar, whatever the terminal's width would choose."""
+        self.set_class(show, "-show-sidebar")
+        self.set_class(not show, "-hide-sidebar")
+        if not show and self.sidebar.has_focus_within:
+            self.query_one(ChatInput).focus()
 
     # -- replies in a new branch -----------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class ChatScreen(ChatActions, Screen):
     # Textual focuses this when the screen is first shown (else the first focusable: the sidebar's
     # search box, which took what was typed while the app started)
     AUTO_FOCUS = "ChatInput"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (90, "-wide")]  # narrow: the sidebar hides (the .tcss)
     # Every action of the chat, once: its key (users remap it by id, the action's name), the footer,
     # the help screen and, by its tooltip, the command palette all come from here.
     BINDINGS = [
@@ -95,6 +96,7 @@ class ChatScreen(ChatActions, Screen):
             ("ctrl+t", "regenerate_three", "Regenerate ×3", False, "Three replies at once, each in a branch"),
             ("escape", "stop", "Stop reply", False, "Stop the reply being written, keeping what it wrote"),
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
+            ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
             ("f2", "rename", "Rename chat", False, "Give this chat a new title"),
             ("f8", "delete", "Delete chat", False, "Delete this chat (asks first)"),
             ("ctrl+s", "settings", "Settings", True, "System prompt and sampling (temperature, top-k, …)"),
