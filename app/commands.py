@@ -9,7 +9,7 @@ from llama_chat.inference import KNOWN_MODELS, chat_prompt_ids
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.storage import ChatStore, Session, StoreError
 
-from .chat.engine import SavedReply, check_fits, load_chat_model, system_message
+from .chat.engine import NEW_CHAT, SavedReply, check_fits, load_chat_model, system_message, title_from_text
 from .chat.jobs import Job
 from .chat.scheduler import Scheduler
 from .chat.settings import (
@@ -134,7 +134,7 @@ def cmd_ask(args) -> int:
     system = args.system if args.system is not None or args.new_session else session.system_prompt
     engine.check_message(system, prompt)
     if args.new_session:
-        title = args.title or " ".join(prompt.split())[:60] or "New chat"
+        title = args.title or title_from_text(prompt)
         session = engine.new_session(title, args.system, flag_settings(args))
         print(f"session {session.id}", file=sys.stderr)
     elif args.system is not None:
@@ -190,7 +190,7 @@ def cmd_chat(args) -> int:
         for m in engine.store.path(session.head_id)[-4:]:
             print(f"{m.role}: {m.content}", file=sys.stderr)
     else:
-        session = engine.new_session(args.title or "Terminal chat", args.system, flag_settings(args))
+        session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
     while True:

@@ -32,7 +32,7 @@ from .exchange_file import (
     write_whole,
 )
 from .records import Message, Session
-from .store import ChatStore
+from .store import ChatStore, marked_title
 
 
 @dataclass
@@ -285,6 +285,7 @@ def import_session(
     file = source if isinstance(source, SessionFile) else read_session_file(source, progress)
     keep = {s.id for s in file.sessions if model_fingerprint and s.model_fingerprint == model_fingerprint}
     sessions = [s if s.id in keep else replace(s, n_tokens=0) for s in file.sessions]
+    sessions = [replace(s, title=marked_title(s.title, "(imported)")) for s in sessions]  # not its original
     blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint and b.tokens]
     block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
     tails = {sid: t for sid, t in file.tails.items() if sid in keep}

@@ -137,3 +137,46 @@ def test_bench_times_stored_sessions_and_then_stopped_replies_on_one_loaded_mode
     assert sessions["fork_added_bytes"] >= 0 and sessions["exchange"]["size_ratio"] > 0
     stop = measure_stop(model, "the quick brown fox", tmp_path, 150)
     assert stop["stop_ms"] > 0 and stop["stop_three_ms"] > 0
+
+
+# -- titles ------------------------------------------------------------------------------------------
+
+
+def test_titles_say_what_a_chat_is_about_and_where_it_came_from(qwen2, tmp_path, capsys, monkeypatch):
+    db = tmp_path / "chat.db"
+    base = ["--db", str(db), "--model", str(qwen2)]
+    question = "How do I read a CSV file in Python and sum one column of it quickly?"
+    assert main([*base, "ask", "--new-session", "--temp", "0", "--max-tokens", "3", question]) == 0
+    store = ChatStore(db)
+    (first,) = store.list_sessions()
+    assert first.title == "How do I read a CSV file in Python and sum one…"  # cut between words
+
+    fork = store.fork_session(first.id, store.path(first.head_id)[0].id)  # before message 1
+    store.set_head(fork.id, None)
+    assert store.get_session(fork.id).title == first.title + " (fork)"
+    assert (
+        main([*base, "ask", "--session", fork.id, "--temp", "0", "--max-tokens", "3", "Reverse a string."])
+        == 0
+    )
+    assert store.get_session(fork.id).title == "Reverse a string."  # its first own message names it
+    again = store.fork_session(store.fork_session(fork.id, None, "Reverse a string. (regenerated)").id)
+    assert again.title == "Reverse a string. (fork)"  # marks do not stack
+
+    lines = iter(["hello the world", "and then"])
+
+    def typed(prompt=""):
+        line = next(lines, None)
+        if line is None:
+            raise EOFError  # Ctrl+D
+        return line
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert main([*base, "chat", "--temp", "0", "--max-tokens", "3"]) == 0
+    chat = store.list_sessions()[0]
+    assert chat.title == "hello the world"  # not "Terminal chat", nor renamed by its second line
+
+    export = tmp_path / "first.llamachat"
+    assert main(["--db", str(db), "export", first.id, "-o", str(export)]) == 0
+    assert main(["--db", str(db), "import", str(export)]) == 0
+    imported = store.get_session(capsys.readouterr().out.split()[-1])
+    assert imported.title == first.title + " (imported)"

@@ -138,7 +138,7 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
     engine = engine_for(source.model, db)
     session = engine.store.get_session(new_id)
     assert (session.title, session.system_prompt, session.sampling) == (
-        "a chat",
+        "a chat (imported)",  # not to be taken for its original
         "the sun",
         {"temperature": 0.0},
     )
@@ -163,7 +163,7 @@ def test_export_and_import_on_the_command_line(source, tmp_path, monkeypatch):
 
     code, out, err = run("--db", tmp_path / "other.db", "--model", source.model, "import", written)
     assert code == 0, err
-    assert ChatStore(tmp_path / "other.db").get_session(out.strip()).title == "a chat"
+    assert ChatStore(tmp_path / "other.db").get_session(out.strip()).title == "a chat (imported)"
 
     (tmp_path / "exports").mkdir()
     code, out, _ = run("--db", db, "export", source.session.id, "-o", tmp_path / "exports")

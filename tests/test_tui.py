@@ -455,7 +455,7 @@ async def test_editing_a_past_message_makes_a_sibling_branch(open_chat):
         assert app.focused is app.chat.query_one(ChatInput)  # the message edited is gone: back to typing
         new_first = app.store.path(branch.head_id)[0]
         assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
-        assert (1, "● (edited) · from the start") in tree_labels(app)
+        assert (1, "● hello the sun · from the start") in tree_labels(app)  # named by its own message
 
 
 @aio

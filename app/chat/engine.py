@@ -31,7 +31,7 @@ from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
-from llama_chat.storage.store import ChatStore, Message, Session
+from llama_chat.storage.store import ChatStore, Message, Session, marked_title
 
 from .compile_progress import CompileProgress
 from .jobs import Event, Job, stream_text
@@ -90,9 +90,32 @@ def load_chat_model(name: str | None, progress: Callable[[str, int, int], None] 
     return model
 
 
+NEW_CHAT = "New chat"  # the title of a chat until its first message names it
+TITLE_CHARS = 48  # a title made from a message is cut to this
+
+
 def session_title(text: str) -> str:
     """A title as it is stored: one line, single spaces, none at either end."""
     return " ".join(text.split())
+
+
+def title_from_text(text: str, limit: int = TITLE_CHARS) -> str:
+    """A chat's title from a message: one line, cut after its last whole word that fits, with "…"."""
+    title = session_title(text)
+    if len(title) <= limit:
+        return title or NEW_CHAT
+    cut = title[: limit - 1]
+    words = cut.rsplit(" ", 1)[0] if " " in cut else cut  # a single long word is cut inside it
+    return words.rstrip(" ,.;:-") + "…"
+
+
+def named_by(session: Session, user_text: str | None) -> str | None:
+    """The title a session takes from a message of its own: a new chat's first message, and a fork's
+    (or an edit's) first own message, while its title only says what it was forked from."""
+    if user_text is None or not user_text.strip():
+        return None
+    placeholder = session.title == NEW_CHAT or session.title.endswith((" (fork)", " (edited)"))
+    return title_from_text(user_text) if placeholder else None
 
 
 def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
@@ -153,10 +176,10 @@ class ChatEngine:
     # -- sessions --------------------------------------------------------------------------------
 
     def new_session(
-        self, title: str = "New chat", system_prompt: str | None = None, sampling: dict | None = None
+        self, title: str = NEW_CHAT, system_prompt: str | None = None, sampling: dict | None = None
     ):
         return self.store.create_session(
-            session_title(title) or "New chat",
+            session_title(title) or NEW_CHAT,
             model_fingerprint=self.model.fingerprint,
             model_name=self.model.name,
             system_prompt=system_prompt,
@@ -365,6 +388,10 @@ class ChatEngine:
             stored, saved.branched = self.store.append_turn(session.id, session.head_id, turn)
         except StoreError as e:
             raise StoreError(f"the reply was not stored: {e}") from None
+        title = named_by(session, user_text) if stored.id == session.id else None
+        if title is not None:
+            self.store.update_session(stored.id, title=title)
+            stored = self.store.get_session(stored.id)
         saved.session = stored
         self.note_prefill(stats)
         if stored.id != session.id:  # the KV computed belongs to the new branch now
@@ -475,7 +502,7 @@ class ChatEngine:
             if head is None or head.role != "assistant" or head.parent_id is None:
                 raise ValueError("nothing to regenerate: the conversation does not end with a reply")
             branches = [
-                self.fork(session, head.parent_id, f"{session.title} (regenerated)") for _ in range(n)
+                self.fork(session, head.parent_id, marked_title(session.title, "(regenerated)")) for _ in range(n)
             ]
         read = self.prefetch(branches[0])
 
@@ -516,7 +543,7 @@ class ChatEngine:
         message = self.store.message(message_id)
         if message.role != "user":
             raise ValueError("only a user message can be edited")
-        branch = fork_before(self.store, session, message, f"{session.title} (edited)")
+        branch = fork_before(self.store, session, message, marked_title(session.title, "(edited)"))
         return branch, self.reply(branch, new_text, **kwargs)  # the new text goes beside the old one
 
     def close(self, session_id: str) -> None:

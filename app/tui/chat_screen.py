@@ -27,7 +27,7 @@ from textual.worker import Worker, WorkerState
 
 from llama_chat.storage import ChatStore, Message, Session
 
-from ..chat.engine import ChatEngine, load_chat_model, session_title
+from ..chat.engine import ChatEngine, load_chat_model, title_from_text
 from ..chat.jobs import Event
 from ..config import Config
 from . import replies
@@ -48,11 +48,6 @@ from .widgets import (
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
 REPLYING = "writing a reply (Esc stops)"
-
-
-def title_for(text: str) -> str:
-    """A chat's title from its first message: one line, single spaces, no space left at the cut."""
-    return session_title(text)[:48].rstrip() or "New chat"
 
 
 def work_label(reply: Reply) -> str:
@@ -345,7 +340,7 @@ class ChatScreen(ChatActions, Screen):
             self.query_one(ChatInput).clear()
             reply = Reply(session, text, self.max_tokens(session))
             reply.new_chat = dict(
-                title=title_for(text),
+                title=title_from_text(text),
                 system_prompt=self.config.system_prompt,
                 sampling=dict(self.config.sampling),
             )
