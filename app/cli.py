@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
-    export.add_argument("-o", "--output", type=Path, metavar="FILE", help="default: <title>-<id>.llamachat")
+    export.add_argument("-o", "--output", type=Path, metavar="FILE", help="a file or folder (default: <title>-<id>.llamachat in ~/Downloads, else in the data folder)")
     kv = export.add_mutually_exclusive_group()
     kv.add_argument("--with-kv", dest="with_kv", action="store_true", default=True, help="with KV (default)")
     kv.add_argument("--no-kv", dest="with_kv", action="store_false", help="messages only: a small file")

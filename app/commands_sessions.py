@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from datetime import datetime
-from pathlib import Path
 
 from llama_chat.storage import ChatStore, StoreError
 
 from .chat.engine import session_title
 from .commands import open_engine, open_store
+from .config import export_dir
 from .progress import ProgressBar
 from .terminal import print_json
 
@@ -126,9 +126,10 @@ def cmd_export(args) -> int:
         sys.stdout.write(markdown_transcript(store, session.id))
         return 0
     name = default_file_name(session, ".md" if args.markdown else SUFFIX)
-    out = args.output or Path(name)
+    out = args.output or export_dir() / name
     if out.is_dir():
         out = out / name
+    out.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
     if args.markdown:
         export_markdown(store, session.id, out)
         print(out)

@@ -153,12 +153,17 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
 
 def test_export_and_import_on_the_command_line(source, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     db = tmp_path / "copy.db"
     shutil.copy(source.db, db)
     code, out, err = run("--db", db, "export", source.session.id[:6])
     assert code == 0, err
     written = Path(out.strip())
     assert written.name == f"a-chat-{source.session.id}.llamachat" and written.read_bytes().startswith(MAGIC)
+    assert written.parent == tmp_path / "data" / "llama-chat" / "exports"  # not the current directory
+    (tmp_path / "home" / "Downloads").mkdir(parents=True)
+    code, out, err = run("--db", db, "export", source.session.id)
+    assert Path(out.strip()) == tmp_path / "home" / "Downloads" / written.name  # where there is one
     assert "1 session(s), 4 message(s)" in err and "KV block(s)" in err
 
     code, out, err = run("--db", tmp_path / "other.db", "--model", source.model, "import", written)

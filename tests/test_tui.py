@@ -335,8 +335,7 @@ async def test_rename(open_chat):
         await say(pilot, "hello the world")
         await pilot.press("f2")
         assert isinstance(app.screen, TextScreen)
-        app.screen.query_one(Input).value = "Greetings"
-        await pilot.press("enter")
+        await pilot.press(*"Greetings", "enter")  # the old title is selected: typing replaces it
         await idle(pilot)
         assert app.store.get_session(app.chat.session.id).title == "Greetings"
         assert tree_labels(app) == [(0, "● Greetings")]

@@ -105,7 +105,9 @@ def title_from_text(text: str, limit: int = TITLE_CHARS) -> str:
     if len(title) <= limit:
         return title or NEW_CHAT
     cut = title[: limit - 1]
-    words = cut.rsplit(" ", 1)[0] if " " in cut else cut  # a single long word is cut inside it
+    if title[limit - 1] != " " and " " in cut:  # else it ends on a whole word, or is one long word
+        cut = cut.rsplit(" ", 1)[0]
+    words = cut
     return words.rstrip(" ,.;:-") + "…"
 
 

@@ -21,6 +21,7 @@ from llama_chat.storage import Message, Session
 
 from ..chat.engine import fork_before, session_title
 from ..chat.settings import DEFAULT_SAMPLING
+from ..config import export_dir
 from .dialogs import ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .replies import Reply
 from .sidebar import ChatRef, SessionTree
@@ -274,7 +275,7 @@ class ChatActions:
         if session is None:
             self.notify("Nothing to export: this chat is not saved yet.", severity="warning")
             return
-        path = Path.cwd() / default_file_name(session)
+        path = export_dir() / default_file_name(session)
         hint = "Enter writes it (a name ending in .md writes a Markdown transcript), Esc cancels"
         screen = TextScreen("Export chat", str(path), hint=hint)
 
@@ -292,6 +293,7 @@ class ChatActions:
         from llama_chat.storage.transcript import export_markdown
 
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
             if target.suffix == ".md":
                 export_markdown(self.store, session_id, target)
                 return f"wrote {target}"
