@@ -325,6 +325,26 @@ async def test_the_sidebar_hides_by_itself_on_a_narrow_terminal_and_ctrl_b_toggl
 
 
 @aio
+async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
+    from textual.widgets._toast import Toast
+
+    from tui_pilot import chat_app, ready, released
+
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=(100, 30), notifications=True) as pilot:  # (Pilot shows none by default)
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await pilot.press("ctrl+o")  # a fork says where it went
+        await until(pilot, lambda: list(app.screen.query(Toast)), what="the notice")
+        await pilot.pause(0.5)  # (it slides in)
+        box = app.chat.query_one(ChatInput).region
+        assert all(not toast.region.overlaps(box) for toast in app.screen.query(Toast))
+        await pilot.press(*"typed")
+        assert app.chat.query_one(ChatInput).text == "typed"
+    released(app)
+
+
+@aio
 async def test_every_action_is_in_the_command_palette(open_chat):
     async with open_chat() as pilot:
         app = pilot.app
