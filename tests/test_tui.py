@@ -9,7 +9,7 @@ import shutil
 import time
 
 import pytest
-from textual.widgets import Input, ProgressBar, TextArea
+from textual.widgets import ProgressBar, TextArea
 
 from llama_chat.app.config import State
 from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, TextScreen
