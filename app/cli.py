@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     fork = command("fork", s.fork_session, "a new session sharing this one's messages and KV", actions)
     fork.add_argument("id")
-    fork.add_argument("--at", type=int, metavar="MESSAGE_ID", help="fork at this message (default: the head)")
+    fork.add_argument("--at", type=int, metavar="N", help="fork after message N, as `show` numbers them (default: the end)")
     fork.add_argument("--title")
     rename = command("rename", s.rename_session, "give a session a new title", actions)
     rename.add_argument("id")

@@ -71,8 +71,8 @@ class ImportResult:
         head += f": {self.messages} message(s)"
         if self.kv == "imported":
             return (
-                f"{head}, {self.blocks_added} new KV block(s), which only these sessions and their forks "
-                f"use until `llama-chat sessions verify {self.session_ids[0]}` recomputes and compares them"
+                f"{head}, with its saved model state (so it resumes at once). That state came from a file: "
+                f"only this chat uses it until `llama-chat sessions verify {self.session_ids[0]}` checks it"
             )
         if self.kv == "none":
             return f"{head}; the file holds no KV, so the first reply computes it"

@@ -133,7 +133,7 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
     assert out.returncode == 0, out.stderr
     new_id = out.stdout.strip()
     assert len(new_id) == 12 and new_id != source.session.id
-    assert "imported 'a chat'" in out.stderr and "new KV block" in out.stderr
+    assert "imported 'a chat'" in out.stderr and "saved model state" in out.stderr
 
     engine = engine_for(source.model, db)
     session = engine.store.get_session(new_id)
@@ -193,7 +193,7 @@ def test_importing_never_overwrites_and_keeps_the_files_blocks_apart(source, tmp
     # each import's blocks live in a namespace of its own, even those equal to blocks stored here
     added = len(store.block_keys(source.session.id))
     assert first.kv == "imported" and first.blocks_added == second.blocks_added == added
-    assert f"{added} new KV block(s)" in first.describe() and "sessions verify" in first.describe()
+    assert added and "saved model state" in first.describe() and "sessions verify" in first.describe()
     assert store.db.conn.execute("SELECT COUNT(*) FROM kv_blocks").fetchone()[0] == n_blocks + 2 * added
     assert conversation(store, source.session.id) == before
     assert conversation(store, first.session_ids[0]) == before == conversation(store, second.session_ids[0])
