@@ -345,13 +345,35 @@ async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
 
 
 @aio
+async def test_api_chats_are_marked_and_f6_hides_them_and_down_goes_from_search_to_results(open_chat, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    api = store.create_session("Name a prime.", origin="api")
+    store.add_message(api.id, "user", "Name a prime.")
+    mine = store.create_session("my own chat")  # the newest: it opens
+    store.add_message(mine.id, "user", "a prime please")
+    async with open_chat() as pilot:
+        app = pilot.app
+        assert (0, "Name a prime. · API") in tree_labels(app)
+        await pilot.press("f6")
+        await until(pilot, lambda: len(tree_labels(app)) == 1, what="the API chat to go")
+        assert [label for _, label in tree_labels(app)] == ["● my own chat"]
+        await pilot.press("ctrl+f", *"prime")
+        await until(pilot, lambda: any("user:" in label for _, label in tree_labels(app)), what="the results")
+        assert not any("API" in label for _, label in tree_labels(app))  # nor in search results
+        await pilot.press("down")  # from the search box to the results, as Tab does
+        assert isinstance(app.focused, SessionTree)
+        await pilot.press("escape", "f6")
+        await until(pilot, lambda: len(tree_labels(app)) >= 2, what="the API chat back")
+
+
+@aio
 async def test_every_action_is_in_the_command_palette(open_chat):
     async with open_chat() as pilot:
         app = pilot.app
         titles = {c.title for c in app.get_system_commands(app.chat)}
         wanted = {"New", "Fork", "Regenerate", "Regenerate ×3", "Edit", "Stop reply", "Rename chat"}
         wanted |= {"Delete chat", "Settings", "Choose model", "Search chats", "Copy", "Copy code"}
-        wanted |= {"Export chat", "Import chat", "Help", "Theme", "Quit", "Sidebar"}
+        wanted |= {"Export chat", "Import chat", "Help", "Theme", "Quit", "Sidebar", "API chats"}
         assert wanted <= titles
         await say(pilot, "hello the world")
         parent = app.chat.session.id
@@ -472,3 +494,10 @@ def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys, qwen2)
     assert len(lines) == 4 and all(line.startswith("llama-chat: error: ") for line in lines)
     assert "missing.gguf: no such file" in lines[0] and "unknown session 'abcdef'" in lines[1]
     assert "config.toml" in lines[2] and "unknown setting 'colour'" in lines[3]
+
+
+@aio
+async def test_a_theme_is_found_by_its_short_name_too(open_chat):
+    async with open_chat(theme="amber", wait=False) as pilot:
+        assert pilot.app.theme == "llama-amber"
+        assert not any("unknown theme" in n.message for n in pilot.app._notifications)

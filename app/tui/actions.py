@@ -89,6 +89,11 @@ class ChatActions:
     def action_toggle_sidebar(self) -> None:
         self.show_sidebar(not self.sidebar.display)
 
+    def action_toggle_api_chats(self) -> None:
+        self.sidebar.hide_api = not self.sidebar.hide_api
+        self.sidebar.show_chats(self.session.id if self.session else None)
+        self.notify("API chats hidden (F6 shows them)" if self.sidebar.hide_api else "API chats shown", timeout=3)
+
     def show_sidebar(self, show: bool) -> None:
         """Show or hide the sidebar, whatever the terminal's width would choose."""
         self.set_class(show, "-show-sidebar")

@@ -92,6 +92,7 @@ class ChatScreen(ChatActions, Screen):
             ("escape", "stop", "Stop reply", False, "Stop the reply being written, keeping what it wrote"),
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
             ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
+            ("f6", "toggle_api_chats", "API chats", False, "Show or hide the chats made through llama-chat serve"),
             ("f2", "rename", "Rename chat", False, "Give this chat a new title"),
             ("f8", "delete", "Delete chat", False, "Delete this chat (asks first)"),
             ("ctrl+s", "settings", "Settings", True, "System prompt and sampling (temperature, top-k, …)"),
