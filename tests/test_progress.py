@@ -36,6 +36,16 @@ def test_each_step_fits_a_narrow_terminal_with_its_percent(monkeypatch):
     assert "preparing weights" in lines[-1] and " 100% " in lines[-1]  # shown as done when it ended
 
 
+def test_a_step_that_counts_stays_on_its_line():
+    terminal = Terminal()
+    with ProgressBar(terminal) as bar:
+        for n in range(3):
+            bar(f"compiling kernels (about a minute, once): {n} compiled", 0, 0)
+        bar("loading the KV codec", 3, 3)
+        steps = [task.description for task in bar.progress.tasks]  # a line each on the screen
+    assert steps == ["compiling kernels (about a minute, once): 2 compiled", "loading the KV codec"]
+
+
 def test_nothing_is_drawn_into_a_file_or_a_pipe():
     log = io.StringIO()
     with ProgressBar(log) as bar:
