@@ -42,7 +42,8 @@ class CompileProgress(event.Listener):
         if self.step is None or self.step[0] != label:
             self.started = self.compiled = 0
         self.step = (label, done, total)
-        self.show()
+        if kernel_step(label) is None or done or self.started:
+            self.show()  # (a kernel step's start is not: the first compile, or the next format, tells which it is)
 
     def show(self) -> None:
         label, done, total = self.step
