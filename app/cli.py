@@ -68,11 +68,13 @@ def add_threads_option(parser, default=None) -> None:
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """The flags of a reply, one per setting of chat/settings.py. A flag not given is None: a stored
     session keeps its own settings."""
-    from .chat.settings import REPLY_SETTINGS
+    from .chat.settings import REPLY_MAX_TOKENS, REPLY_SETTINGS
 
     parser.add_argument("--system", default=None, help="system prompt")
     for setting in REPLY_SETTINGS:
-        default = "" if setting.default is None else f" (default {setting.default})"
+        default = "" if setting.default is None else f" (default: the model's, else {setting.default})"
+        if setting is REPLY_MAX_TOKENS:
+            default = f" (default {setting.default})"
         parser.add_argument(
             setting.option,
             dest=setting.key,
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     fork = command("fork", s.fork_session, "a new session sharing this one's messages and KV", actions)
     fork.add_argument("id")
-    fork.add_argument("--at", type=int, metavar="MESSAGE_ID", help="fork at this message (default: the head)")
+    fork.add_argument("--at", type=int, metavar="N", help="fork after message N, as `show` numbers them (default: the end)")
     fork.add_argument("--title")
     rename = command("rename", s.rename_session, "give a session a new title", actions)
     rename.add_argument("id")
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
-    export.add_argument("-o", "--output", type=Path, metavar="FILE", help="default: <title>-<id>.llamachat")
+    export.add_argument("-o", "--output", type=Path, metavar="FILE", help="a file or folder (default: <title>-<id>.llamachat in ~/Downloads, else in the data folder)")
     kv = export.add_mutually_exclusive_group()
     kv.add_argument("--with-kv", dest="with_kv", action="store_true", default=True, help="with KV (default)")
     kv.add_argument("--no-kv", dest="with_kv", action="store_false", help="messages only: a small file")

@@ -8,20 +8,30 @@ from dataclasses import replace
 from pathlib import Path
 
 from llama_chat.inference import KNOWN_MODELS, ModelError, chat_prompt_ids, constrain
-from llama_chat.inference.catalog import model_status
+from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.storage import ChatStore, Session, StoreError
 
-from .chat.engine import SavedReply, check_fits, load_chat_model, system_message
+from .chat.engine import NEW_CHAT, SavedReply, check_fits, load_chat_model, system_message, title_from_text
 from .chat.jobs import Job
 from .chat.scheduler import Scheduler
-from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_params
+from .chat.settings import (
+    REPLY_SETTINGS,
+    SAMPLING,
+    max_tokens,
+    model_sampling,
+    sampling_defaults,
+    sampling_params,
+)
 from .progress import ProgressBar
 from .signals import ReplySignals
 from .terminal import open_remote, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
-    statuses = [model_status(m) for m in KNOWN_MODELS.values()]
+    statuses = []
+    for model in KNOWN_MODELS.values():
+        defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
+        statuses.append(model_status(model) | {"sampling": defaults.values, "sampling_from": defaults.source})
     if args.json:
         print_json(statuses)
         return 0
@@ -31,6 +41,8 @@ def cmd_models(args) -> int:
             state = "packages not installed"
         print(f"{s['name']:40} {state:22} {s['path']}")
         print(f"  {s['description']}")
+        sampling = ", ".join(f"{key} {value}" for key, value in s["sampling"].items() if value is not None)
+        print(f"  sampling: {sampling} ({s['sampling_from']})")
     return 0
 
 
@@ -90,7 +102,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
             job = engine.submit_reply(
                 session,
                 text,
-                sampling=replace(sampling_params(settings), grammar=reply_grammar(args, engine.model)),
+                sampling=replace(engine.sampling_for(settings), grammar=reply_grammar(args, engine.model)),
                 max_tokens=max_tokens(settings),
                 cancel=signals.cancel,
                 saved=saved,
@@ -124,7 +136,7 @@ def cmd_ask(args) -> int:
     system = args.system if args.system is not None or args.new_session else session.system_prompt
     engine.check_message(system, prompt)
     if args.new_session:
-        title = args.title or " ".join(prompt.split())[:60] or "New chat"
+        title = args.title or title_from_text(prompt)
         session = engine.new_session(title, args.system, flag_settings(args))
         print(f"session {session.id}", file=sys.stderr)
     elif args.system is not None:
@@ -151,7 +163,7 @@ def ask_once(args, prompt: str) -> int:
     with ReplySignals() as signals:
         job = Job(
             lambda: (ids, model.new_sequence(n_ctx)),
-            sampling=replace(sampling_params(settings), grammar=grammar),
+            sampling=replace(sampling_params(settings, model_sampling(model)), grammar=grammar),
             max_tokens=min(max_tokens(settings), n_ctx - len(ids)),
             finish=lambda job: [seq.free() for seq in job.seqs],
             cancel=signals.cancel,
@@ -199,7 +211,7 @@ def cmd_chat(args) -> int:
         for m in engine.store.path(session.head_id)[-4:]:
             print(f"{m.role}: {m.content}", file=sys.stderr)
     else:
-        session = engine.new_session(args.title or "Terminal chat", args.system, flag_settings(args))
+        session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
     while True:

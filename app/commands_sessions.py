@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from datetime import datetime
-from pathlib import Path
 
 from llama_chat.storage import ChatStore, StoreError
 
 from .chat.engine import session_title
 from .commands import open_engine, open_store
+from .config import export_dir
 from .progress import ProgressBar
 from .terminal import print_json
 
@@ -25,9 +25,12 @@ def list_sessions(args) -> int:
     if args.json:
         print_json([s.to_json() for s in sessions])
         return 0
+    if sessions:
+        print(f"{'ID':12}  {'UPDATED':16}  {'TOKENS':>6}  TITLE")
     for s in sessions:
         fork = f"  (fork of {s.forked_from})" if s.forked_from else ""
-        print(f"{s.id}  {when(s.updated)}  {s.n_tokens:>6} tok  {s.title}{fork}")
+        api = "  (API)" if s.origin == "api" else ""
+        print(f"{s.id}  {when(s.updated)}  {s.n_tokens:>6}  {s.title}{fork}{api}")
     return 0
 
 
@@ -41,15 +44,23 @@ def show_session(args) -> int:
     print(f"{session.title} ({session.id}, {session.model_name or 'no model yet'})")
     if session.system_prompt:
         print(f"  system: {session.system_prompt}")
-    for m in messages:
-        print(f"  [{m.id}] {m.role}: {m.content}")
+    for number, m in enumerate(messages, 1):  # numbered in the conversation, as `fork --at` takes them
+        stopped = " [stopped]" if (m.stats or {}).get("stop_reason") == "cancelled" else ""
+        print(f"  [{number}] {m.role}: {m.content}{stopped}")
     return 0
 
 
 def fork_session(args) -> int:
     store = open_store(args)
     title = session_title(args.title) if args.title else None
-    print(store.fork_session(store.get_session(args.id).id, args.at, title).id)
+    session = store.get_session(args.id)
+    at = None
+    if args.at is not None:
+        messages = store.path(session.head_id)
+        if not 1 <= args.at <= len(messages):
+            raise StoreError(f"session {session.id} has messages 1 to {len(messages)}, not {args.at}")
+        at = messages[args.at - 1].id
+    print(store.fork_session(session.id, at, title).id)
     return 0
 
 
@@ -68,9 +79,26 @@ def remove_session(args) -> int:
 
 
 def search_sessions(args) -> int:
-    for session, message in open_store(args).search(args.text):
-        print(f"{session.id}  {session.title}  [{message.id}] {message.role}: {message.content[:100]}")
+    """A line per match: the session, the message's number in it, and the text around the words."""
+    store = open_store(args)
+    found = store.search(args.text)
+    if not found:
+        print(f"nothing found for {args.text!r}", file=sys.stderr)
+        return 1
+    for session, message in found:
+        number = next(i for i, m in enumerate(store.path(session.head_id), 1) if m.id == message.id)
+        print(f"{session.id}  {session.title}  [{number}] {message.role}: {snippet(message.content, args.text)}")
     return 0
+
+
+def snippet(text: str, query: str, width: int = 100) -> str:
+    """One line of `text` around the first word of `query` it holds (code fences and newlines gone)."""
+    line = " ".join(text.replace("```", " ").split())
+    words = [w.lower() for w in query.split()]
+    at = min((i for i in (line.lower().find(w) for w in words) if i >= 0), default=0)
+    start = max(0, at - width // 3)
+    cut = line[start : start + width]
+    return ("…" if start else "") + cut + ("…" if start + width < len(line) else "")
 
 
 def verify_session(args) -> int:
@@ -126,9 +154,10 @@ def cmd_export(args) -> int:
         sys.stdout.write(markdown_transcript(store, session.id))
         return 0
     name = default_file_name(session, ".md" if args.markdown else SUFFIX)
-    out = args.output or Path(name)
+    out = args.output or export_dir() / name
     if out.is_dir():
         out = out / name
+    out.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
     if args.markdown:
         export_markdown(store, session.id, out)
         print(out)

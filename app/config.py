@@ -59,6 +59,16 @@ def config_dir() -> Path:
     return Path(base) / "llama-chat"
 
 
+def export_dir() -> Path:
+    """Where exports go unless told: ~/Downloads where there is one, else llama-chat's folder in the
+    user's data directory (made when needed) — never the current directory, which may be a checkout."""
+    downloads = Path.home() / "Downloads"
+    if downloads.is_dir():
+        return downloads
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "llama-chat" / "exports"
+
+
 def state_path() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "llama-chat" / "state.json"

@@ -19,7 +19,8 @@ from rich.table import Column
 
 class ProgressBar:
     """Callable as progress(label, done, total): a line per step (label, bar, percent, time), the
-    current one moving even while the work reports nothing; a total of 0 means not known. Draws on a
+    current one moving even while the work reports nothing; a total of 0 means not known. A label
+    "step: detail" stays the same step as its detail changes. Draws on a
     terminal only: a file or a pipe gets nothing, so an error that follows stays one line."""
 
     def __init__(self, stream=None):
@@ -45,10 +46,11 @@ class ProgressBar:
                 redirect_stderr=False,
             )
             self.progress.start()
-        if label != self.label:
+        step = label.split(": ")[0]  # "compiling kernels (…): 5 compiled" goes on one line as it counts
+        if step != self.label:
             self.finish_step()
-            self.task, self.label = self.progress.add_task(label, total=total or None), label
-        self.progress.update(self.task, completed=done, total=total or None)
+            self.task, self.label = self.progress.add_task(label, total=total or None), step
+        self.progress.update(self.task, description=label, completed=done, total=total or None)
 
     def finish_step(self) -> None:
         """The step shown last stays on screen as done: a full bar and a tick."""

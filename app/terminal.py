@@ -100,9 +100,12 @@ def stream_reply(job: Job, signals: ReplySignals) -> None:
 
 
 def print_stats(stats: GenerationStats, stop: str | None = None) -> None:
+    # a rate only where there was something to time: one token comes with the prompt, none is decoded
+    prefill = f" at {stats.prefill_tok_s:.1f} tok/s" if stats.prefill_tok_s else ""
+    decode = f" at {stats.decode_tok_s:.1f} tok/s" if stats.decode_tok_s else ""
     say(
-        f"[{stats.prompt_tokens} prompt tokens, {stats.prefilled_tokens} prefilled at {stats.prefill_tok_s:.1f} tok/s; "
-        f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s{lookup_text(stats)}; "
+        f"[{stats.prompt_tokens} prompt tokens, {stats.prefilled_tokens} prefilled{prefill}; "
+        f"{stats.generated_tokens} generated{decode}{lookup_text(stats)}; "
         f"stop: {stop or stats.stop_reason}]"
     )
 

@@ -13,7 +13,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,9 @@ class KnownModel:
     sha256: str
     size: int
     description: str
+    # what its makers recommend sampling with (SamplingParams fields), and where they say so
+    sampling: tuple[tuple[str, float], ...] = ()
+    sampling_source: str = ""
 
     def pip_command(self) -> str:
         return "pip install " + " ".join(f"'{dist}=={self.version}'" for dist, _ in self.chunks)
@@ -49,6 +52,17 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
             description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (default chat model)",
+            # The generation_config.json of Qwen's Qwen2.5 Instruct models on Hugging Face (e.g.
+            # huggingface.co/Qwen/Qwen2.5-0.5B-Instruct); min-p is not part of it, so it is off. At
+            # llama.cpp's defaults the first reply to a plain question was often a question back.
+            sampling=(
+                ("temperature", 0.7),
+                ("top_p", 0.8),
+                ("top_k", 20),
+                ("min_p", 0.0),
+                ("repeat_penalty", 1.05),
+            ),
+            sampling_source="Qwen2.5's model card",
         ),
         KnownModel(
             name="gemma-3-270m-q4_k_m",
@@ -63,12 +77,39 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             size=253_113_024,
             description="Gemma-3-270M, Q4_K_M (base model, no chat template)",
+            # The generation_config.json of Google's Gemma 3 models on Hugging Face (top-k 64, top-p 0.95)
+            # and the temperature 1.0 their model card recommends; no min-p, no repeat penalty.
+            sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95), ("min_p", 0.0)),
+            sampling_source="Gemma 3's model card",
         ),
     ]
 }
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 
 _CHUNK = 8 << 20
+
+# The keys llama.cpp's convert script writes from a model's generation_config.json (gguf.Keys.General),
+# as SamplingParams' fields.
+GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty",
+}
+
+
+def recommended_sampling(path: str | os.PathLike, metadata: Mapping) -> tuple[dict, str]:
+    """The sampling a model's makers recommend (SamplingParams fields, unchecked) and where that is
+    said: the GGUF's own general.sampling.* keys, else the table of a known model (by its file's
+    name), else ({}, "")."""
+    in_file = {field: metadata[key] for key, field in GGUF_SAMPLING.items() if key in metadata}
+    if in_file:
+        return in_file, f"recommended in {Path(path).name}"
+    for model in KNOWN_MODELS.values():
+        if Path(path).name == model_path(model).name:
+            return dict(model.sampling), model.sampling_source
+    return {}, ""
 
 
 def cache_dir() -> Path:
@@ -210,6 +251,8 @@ def _read_record(path: Path) -> dict | None:
 def _write_record(path: Path, sha256: str) -> None:
     st = path.stat()
     record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
-    tmp = _record_path(path).with_suffix(f".{os.getpid()}.tmp")  # two processes checking at once each write their own
+    tmp = _record_path(path).with_suffix(
+        f".{os.getpid()}.tmp"
+    )  # two processes checking at once each write their own
     tmp.write_text(json.dumps(record))
     os.replace(tmp, _record_path(path))

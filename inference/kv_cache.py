@@ -325,7 +325,11 @@ class KVSequence:
 
     def snapshot(self) -> tuple[list[KVBlock], tuple[list[int], np.ndarray, np.ndarray] | None]:
         """What persisting this sequence needs: its shareable full blocks (read their KV with
-        pool.block_kv) and its tail — the tokens after them with their KV (copies), or None."""
+        pool.block_kv) and its tail — the tokens after them with their KV (copies), or None.
+
+        A private sequence has no tail to persist: its KV after the last shared block is not that of its
+        tokens (after a context shift it still saw the dropped ones), and a stored tail is taken back,
+        by a new process or another server, as the KV of its tokens."""
         B = self.pool.block_size
         full = []
         for i, block in enumerate(self.blocks):
@@ -333,7 +337,7 @@ class KVSequence:
                 break
             full.append(block)
         start = len(full) * B
-        if start >= self.n_tokens:
+        if start >= self.n_tokens or self.private:
             return full, None
         return full, (self.tokens[start:], *self.gather(start, self.n_tokens))
 

@@ -32,7 +32,7 @@ from .exchange_file import (
     write_whole,
 )
 from .records import Message, Session
-from .store import ChatStore
+from .store import ChatStore, marked_title
 
 
 @dataclass
@@ -71,8 +71,8 @@ class ImportResult:
         head += f": {self.messages} message(s)"
         if self.kv == "imported":
             return (
-                f"{head}, {self.blocks_added} new KV block(s), which only these sessions and their forks "
-                f"use until `llama-chat sessions verify {self.session_ids[0]}` recomputes and compares them"
+                f"{head}, with its saved model state (so it resumes at once). That state came from a file: "
+                f"only this chat uses it until `llama-chat sessions verify {self.session_ids[0]}` checks it"
             )
         if self.kv == "none":
             return f"{head}; the file holds no KV, so the first reply computes it"
@@ -288,6 +288,7 @@ def import_session(
     file = source if isinstance(source, SessionFile) else read_session_file(source, progress)
     keep = {s.id for s in file.sessions if model_fingerprint and s.model_fingerprint == model_fingerprint}
     sessions = [s if s.id in keep else replace(s, n_tokens=0) for s in file.sessions]
+    sessions = [replace(s, title=marked_title(s.title, "(imported)")) for s in sessions]  # not its original
     blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint and b.tokens]
     block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
     tails = {sid: t for sid, t in file.tails.items() if sid in keep}

@@ -33,7 +33,25 @@ from .kv_tables import KVTables
 from .records import Message, Session
 
 _OF_TENANT = "AND (? IS NULL OR tenant = ?)"  # a tenant's sessions; NULL: every session
+
+# What a title says a session is besides its conversation; one at most, the newest (no "(fork) (edited)")
+TITLE_MARKS = ("(fork)", "(regenerated)", "(edited)", "(imported)")
+
+
+def marked_title(title: str, mark: str) -> str:
+    """`title` with `mark` (one of TITLE_MARKS) after it, in place of the mark it had."""
+    return f"{unmarked_title(title)} {mark}"
+
+
+def unmarked_title(title: str) -> str:
+    """`title` without the marks at its end."""
+    while any(title.endswith(" " + m) for m in TITLE_MARKS):
+        title = title.rsplit(" ", 1)[0]
+    return title
+
+
 BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
+
 
 class ChatStore(KVTables):
     def __init__(self, path: str | Path):
@@ -319,7 +337,7 @@ class ChatStore(KVTables):
         now = time.time()
         return {
             "id": secrets.token_hex(6),
-            "title": title or f"{parent.title} (fork)",
+            "title": title or marked_title(parent.title, "(fork)"),
             "head_id": head,
             "model_fingerprint": parent.model_fingerprint,
             "model_name": parent.model_name,

@@ -98,6 +98,14 @@ def test_models_command_lists_status(fake_model, capsys):
     before = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
     assert before["fakemodel"]["packages_installed"] and not before["fakemodel"]["assembled"]
     assert "qwen2.5-coder-0.5b-instruct-q4_k_m" in before and "gemma-3-270m-q4_k_m" in before
+    qwen = before["qwen2.5-coder-0.5b-instruct-q4_k_m"]
+    assert (qwen["sampling"]["temperature"], qwen["sampling"]["top_k"], qwen["sampling"]["top_p"]) == (
+        0.7,
+        20,
+        0.8,
+    )
+    assert qwen["sampling_from"] == "Qwen2.5's model card"
+    assert before["fakemodel"]["sampling_from"] == "llama.cpp's defaults"
     ensure_model(fake_model)
     assert main(["models"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fakemodel"))

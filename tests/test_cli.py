@@ -142,3 +142,94 @@ def test_bench_times_stored_sessions_and_then_stopped_replies_on_one_loaded_mode
     stopped = ChatStore(tmp_path / "stop.db")
     replies = sorted((s.title, stopped.path(s.head_id)[-1].role) for s in stopped.list_sessions())
     assert replies == [("stop", "assistant")] + [("stop (regenerated)", "assistant")] * 3  # each stored
+
+
+# -- titles ------------------------------------------------------------------------------------------
+
+
+def test_titles_say_what_a_chat_is_about_and_where_it_came_from(qwen2, tmp_path, capsys, monkeypatch):
+    db = tmp_path / "chat.db"
+    base = ["--db", str(db), "--model", str(qwen2)]
+    question = "How do I read a CSV file in Python and sum one column of it quickly?"
+    assert main([*base, "ask", "--new-session", "--temp", "0", "--max-tokens", "3", question]) == 0
+    store = ChatStore(db)
+    (first,) = store.list_sessions()
+    assert first.title == "How do I read a CSV file in Python and sum one…"  # cut between words
+
+    fork = store.fork_session(first.id, store.path(first.head_id)[0].id)  # before message 1
+    store.set_head(fork.id, None)
+    assert store.get_session(fork.id).title == first.title + " (fork)"
+    assert (
+        main([*base, "ask", "--session", fork.id, "--temp", "0", "--max-tokens", "3", "Reverse a string."])
+        == 0
+    )
+    assert store.get_session(fork.id).title == "Reverse a string."  # its first own message names it
+    again = store.fork_session(store.fork_session(fork.id, None, "Reverse a string. (regenerated)").id)
+    assert again.title == "Reverse a string. (fork)"  # marks do not stack
+
+    lines = iter(["hello the world", "and then"])
+
+    def typed(prompt=""):
+        line = next(lines, None)
+        if line is None:
+            raise EOFError  # Ctrl+D
+        return line
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert main([*base, "chat", "--temp", "0", "--max-tokens", "3"]) == 0
+    chat = store.list_sessions()[0]
+    assert chat.title == "hello the world"  # not "Terminal chat", nor renamed by its second line
+
+    export = tmp_path / "first.llamachat"
+    assert main(["--db", str(db), "export", first.id, "-o", str(export)]) == 0
+    assert main(["--db", str(db), "import", str(export)]) == 0
+    imported = store.get_session(capsys.readouterr().out.split()[-1])
+    assert imported.title == first.title + " (imported)"
+
+
+# -- what `sessions …` prints ------------------------------------------------------------------------
+
+
+def test_sessions_list_show_search_and_fork_read_as_a_person_expects(qwen2, tmp_path, capsys):
+    db = tmp_path / "chat.db"
+    store = ChatStore(db)
+    other = store.create_session("another chat")
+    store.add_message(other.id, "user", "unrelated")  # (message ids are the database's, not the chat's)
+    session = store.create_session("code")
+    store.add_message(session.id, "user", "show me code")
+    store.add_message(
+        session.id, "assistant", "Here:\n\n```python\nprint('one')\n```\n", stats={"stop_reason": "stop"}
+    )
+    store.add_message(session.id, "user", "and more")
+    store.add_message(session.id, "assistant", "```python\nprint(", stats={"stop_reason": "cancelled"})
+    cli = ["sessions", "--db", str(db)]
+
+    assert main([*cli, "list"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split() == ["ID", "UPDATED", "TOKENS", "TITLE"] and len(rows) == 2
+
+    assert main([*cli, "show", session.id]) == 0
+    shown = capsys.readouterr().out
+    assert "  [1] user: show me code" in shown and "  [3] user: and more" in shown
+    assert shown.rstrip().endswith("print( [stopped]")  # a reply stopped by Esc or Ctrl+C says so
+
+    assert main([*cli, "search", "one"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()  # one line a match, however many lines the message has
+    assert line.startswith(f"{session.id}  code  [2] assistant: ") and "```" not in line
+
+    assert main([*cli, "search", "nomatch"]) == 1
+    assert capsys.readouterr().err.strip() == "nothing found for 'nomatch'"
+
+    assert main([*cli, "fork", session.id, "--at", "2"]) == 0  # the number `show` gives
+    fork = store.get_session(capsys.readouterr().out.strip())
+    assert [m.content for m in store.path(fork.head_id)][-1].startswith("Here:")
+    assert main([*cli, "fork", session.id, "--at", "9"]) == 2
+    assert "has messages 1 to 4, not 9" in capsys.readouterr().err
+
+
+def test_a_one_token_reply_reports_no_made_up_speed(qwen2, tmp_path, capsys):
+    assert (
+        main(["--db", str(tmp_path / "c.db"), "--model", str(qwen2), "ask", "--max-tokens", "1", "hi"]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "1 generated;" in err and "0.0 tok/s" not in err

@@ -133,12 +133,12 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
     assert out.returncode == 0, out.stderr
     new_id = out.stdout.strip()
     assert len(new_id) == 12 and new_id != source.session.id
-    assert "imported 'a chat'" in out.stderr and "new KV block" in out.stderr
+    assert "imported 'a chat'" in out.stderr and "saved model state" in out.stderr
 
     engine = engine_for(source.model, db)
     session = engine.store.get_session(new_id)
     assert (session.title, session.system_prompt, session.sampling) == (
-        "a chat",
+        "a chat (imported)",  # not to be taken for its original
         "the sun",
         {"temperature": 0.0},
     )
@@ -153,17 +153,22 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
 
 def test_export_and_import_on_the_command_line(source, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     db = tmp_path / "copy.db"
     shutil.copy(source.db, db)
     code, out, err = run("--db", db, "export", source.session.id[:6])
     assert code == 0, err
     written = Path(out.strip())
     assert written.name == f"a-chat-{source.session.id}.llamachat" and written.read_bytes().startswith(MAGIC)
+    assert written.parent == tmp_path / "data" / "llama-chat" / "exports"  # not the current directory
+    (tmp_path / "home" / "Downloads").mkdir(parents=True)
+    code, out, err = run("--db", db, "export", source.session.id)
+    assert Path(out.strip()) == tmp_path / "home" / "Downloads" / written.name  # where there is one
     assert "1 session(s), 4 message(s)" in err and "KV block(s)" in err
 
     code, out, err = run("--db", tmp_path / "other.db", "--model", source.model, "import", written)
     assert code == 0, err
-    assert ChatStore(tmp_path / "other.db").get_session(out.strip()).title == "a chat"
+    assert ChatStore(tmp_path / "other.db").get_session(out.strip()).title == "a chat (imported)"
 
     (tmp_path / "exports").mkdir()
     code, out, _ = run("--db", db, "export", source.session.id, "-o", tmp_path / "exports")
@@ -188,7 +193,7 @@ def test_importing_never_overwrites_and_keeps_the_files_blocks_apart(source, tmp
     # each import's blocks live in a namespace of its own, even those equal to blocks stored here
     added = len(store.block_keys(source.session.id))
     assert first.kv == "imported" and first.blocks_added == second.blocks_added == added
-    assert f"{added} new KV block(s)" in first.describe() and "sessions verify" in first.describe()
+    assert added and "saved model state" in first.describe() and "sessions verify" in first.describe()
     assert store.db.conn.execute("SELECT COUNT(*) FROM kv_blocks").fetchone()[0] == n_blocks + 2 * added
     assert conversation(store, source.session.id) == before
     assert conversation(store, first.session_ids[0]) == before == conversation(store, second.session_ids[0])

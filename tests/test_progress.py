@@ -30,8 +30,20 @@ def test_each_step_fits_a_narrow_terminal_with_its_percent(monkeypatch):
         bar("preparing weights", 3, 0)  # a step whose size is not known
     lines = screen_lines(terminal.getvalue())
     assert lines and all(len(line) <= 48 for line in lines)  # nothing wraps or is cut by the terminal
-    assert any(line.startswith("✓ assembling qwen") and " 100% " in line for line in lines)  # the label gave way
+    assert any(
+        line.startswith("✓ assembling qwen") and " 100% " in line for line in lines
+    )  # the label gave way
     assert "preparing weights" in lines[-1] and " 100% " in lines[-1]  # shown as done when it ended
+
+
+def test_a_step_that_counts_stays_on_its_line():
+    terminal = Terminal()
+    with ProgressBar(terminal) as bar:
+        for n in range(3):
+            bar(f"compiling kernels (about a minute, once): {n} compiled", 0, 0)
+        bar("loading the KV codec", 3, 3)
+        steps = [task.description for task in bar.progress.tasks]  # a line each on the screen
+    assert steps == ["compiling kernels (about a minute, once): 2 compiled", "loading the KV codec"]
 
 
 def test_nothing_is_drawn_into_a_file_or_a_pipe():
@@ -41,3 +53,30 @@ def test_nothing_is_drawn_into_a_file_or_a_pipe():
         bar.clear()
         bar("reading the prompt", 512, 1024)
     assert log.getvalue() == ""
+
+
+# -- making the kernels ready: what numba really does, as it does it -----------------------------------
+
+
+def test_a_warm_start_says_it_loads_and_a_first_start_counts_what_it_compiles():
+    import numba
+
+    from llama_chat.app.chat.compile_progress import CompileProgress
+
+    shown = []
+    with CompileProgress(lambda *step: shown.append(step)) as progress:
+        progress("compiling kernels (first start only)", 0, 4)  # the cache's guess: nothing compiles here
+        progress("compiling kernels (first start only)", 1, 4)
+        assert shown == [("loading compiled kernels", 1, 4)]  # (not at 0: a compile may begin first)
+        progress("compiling the KV codec (first start only)", 3, 3)
+        assert shown[-1] == ("loading the KV codec", 3, 3)
+
+        progress("compiling kernels (first start only)", 0, 4)
+        numba.njit(lambda x: x + 1)(1)  # a kernel no cache holds: numba compiles it now
+        numba.njit(lambda x: x * 2.0)(1.0)
+    compiling = [label for label, done, total in shown if label.startswith("compiling") and total == 0]
+    assert compiling[0] == "compiling kernels (about a minute, once): 0 compiled"  # at once, not after it
+    assert "compiling kernels (about a minute, once): 2 compiled" in compiling  # it moves per kernel
+    count = len(shown)
+    numba.njit(lambda x: x - 1)(1)  # after the load: nobody is told
+    assert len(shown) == count

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
@@ -179,6 +180,34 @@ def test_regenerate_and_edit_make_sibling_branches(qwen2, tmp_path):
     path = engine.store.path(engine.store.get_session(branch.id).head_id)
     assert [m.content for m in path][0] == "the water" and path[0].parent_id is None
     assert len(engine.store.list_sessions()) == 5
+
+
+def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwen2, tmp_path):
+    """Old turns dropped by context shift leave KV that still saw them: it is not the KV of the stored
+    conversation and must not come back as if it were (in a new process, or to another server)."""
+    db = tmp_path / "chat.db"
+    first = engine_for(qwen2, db)
+    session = first.new_session("long")
+    for i in range(4):  # the third turn no longer fits: the first is dropped
+        chat(
+            first,
+            first.store.get_session(session.id),
+            f"question {i} " + "hello the world " * 3,
+            max_tokens=20,
+        )
+    assert first.live[session.id].private  # shifted
+    session = first.store.get_session(session.id)
+    again = engine_for(qwen2, db)
+    resumed, info = again.open(session)
+    assert info.restored > 0  # the blocks before the dropped turns still come back
+    computed = again.model.new_sequence(again.n_ctx)
+    computed.private = True  # all of it computed from the text
+    again.model.forward(again.conversation_ids(session), computed)
+    k, v = resumed.gather(0, resumed.n_tokens)
+    k_text, v_text = computed.gather(0, resumed.n_tokens)
+    # the codec's rounding (q6: about 2 %), not KV that attended to dropped turns (about 40 %)
+    assert np.linalg.norm(k - k_text) < 0.05 * np.linalg.norm(k_text)
+    assert np.linalg.norm(v - v_text) < 0.05 * np.linalg.norm(v_text)
 
 
 CHILD = """

@@ -12,10 +12,15 @@ from llama_chat.app.chat.settings import (
     SettingError,
     checked,
     max_tokens,
+    model_sampling,
+    sampling_defaults,
     sampling_params,
 )
 from llama_chat.app.config import Config, ConfigError
-from llama_chat.inference import SamplingParams
+from llama_chat.inference import Model, SamplingParams
+from llama_chat.inference.catalog import KNOWN_MODELS, model_path, recommended_sampling
+from llama_chat.inference.weights import prepare
+from tiny_models import write_tiny_model
 
 
 def test_the_sampling_settings_are_sampling_params_fields_with_their_defaults():
@@ -84,3 +89,41 @@ def test_config_toml_sampling_is_read_as_the_settings_types(tmp_path):
     config = Config.load(path)
     assert config.sampling == {"temperature": 1.0, "seed": 5} and config.max_tokens == 64
     assert sampling_params(config.sampling).temperature == 1.0
+
+
+# -- the defaults a model brings -----------------------------------------------------------------------
+
+
+def test_a_model_file_recommending_sampling_sets_the_defaults_and_a_session_still_wins(tmp_path):
+    keys = {"general.sampling.temp": 0.7, "general.sampling.top_k": 20, "general.sampling.top_p": 3.0}
+    path = write_tiny_model(tmp_path / "recommends.gguf", "qwen2", metadata=keys)
+    defaults = model_sampling(Model(prepare(path)))
+    assert defaults.source == "recommended in recommends.gguf"
+    # 0.7 as a GGUF's float32 is 0.699999988; top-p 3 is no probability: llama.cpp's default stays
+    assert (defaults.values["temperature"], defaults.values["top_k"], defaults.values["top_p"]) == (
+        0.7,
+        20,
+        0.95,
+    )
+    assert sampling_params({}, defaults) == SamplingParams(temperature=0.7, top_k=20)
+    stored = {"temperature": 0.0, "top_k": None}  # a config's or the settings screen's
+    assert sampling_params(stored, defaults) == SamplingParams(temperature=0.0, top_k=20)
+
+
+def test_the_catalog_models_sample_as_their_makers_recommend_and_others_as_llama_cpp(qwen2):
+    qwen = sampling_defaults(
+        *recommended_sampling(model_path(KNOWN_MODELS["qwen2.5-coder-0.5b-instruct-q4_k_m"]), {})
+    )
+    assert qwen.values | {"seed": None} == {
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.8,
+        "min_p": 0.0,
+        "repeat_penalty": 1.05,
+        "seed": None,
+    }
+    assert qwen.source == "Qwen2.5's model card"
+    gemma = sampling_defaults(*recommended_sampling(model_path(KNOWN_MODELS["gemma-3-270m-q4_k_m"]), {}))
+    assert (gemma.values["temperature"], gemma.values["top_k"], gemma.values["top_p"]) == (1.0, 64, 0.95)
+    plain = model_sampling(Model(prepare(qwen2)))
+    assert (plain.values, plain.source) == ({s.key: s.default for s in SAMPLING}, "llama.cpp's defaults")

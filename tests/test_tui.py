@@ -9,7 +9,7 @@ import shutil
 import time
 
 import pytest
-from textual.widgets import Input, ProgressBar, TextArea
+from textual.widgets import ProgressBar, TextArea
 
 from llama_chat.app.config import State
 from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, TextScreen
@@ -135,6 +135,54 @@ async def test_a_message_sent_while_the_model_loads_waits_for_it(open_chat):
         await until(pilot, lambda: views(app), what="the send")
         await idle(pilot)
         assert [r for r, _ in stored_path(app)] == ["user", "assistant"]
+
+
+@aio
+async def test_while_the_model_loads_the_status_line_says_so_not_that_a_reply_is_written(
+    open_chat, monkeypatch
+):
+    import threading
+
+    from llama_chat.app.tui import chat_screen
+
+    loaded, load = threading.Event(), chat_screen.load_chat_model
+
+    def slow_load(name, progress, **options):
+        loaded.wait(timeout=60)
+        return load(name, progress, **options)
+
+    monkeypatch.setattr(chat_screen, "load_chat_model", slow_load)
+    async with open_chat(wait=False) as pilot:
+        app = pilot.app
+        await until(pilot, lambda: "loading" in app.chat.status.fields.get("work", ""), what="the load")
+        await pilot.press(*"early", "enter")
+        await until(pilot, lambda: views(app), what="the send")
+        await pilot.pause(0.2)
+        assert app.chat.status.fields["work"] == "loading tiny-qwen2.gguf"  # not "writing a reply"
+        loaded.set()
+        await until(
+            pilot,
+            lambda: (
+                app.chat.status.fields.get("work", "").startswith("writing a reply") or not app.chat.replies
+            ),
+            what="the reply",
+        )
+        await idle(pilot)
+        assert [r for r, _ in stored_path(app)] == ["user", "assistant"]
+
+
+@aio
+async def test_keys_typed_as_the_app_starts_go_to_the_message_box(open_chat):
+    from textual import events
+
+    async with open_chat(wait=False) as pilot:
+        app = pilot.app
+        app.chat.set_focus(None)  # as the screen is first shown, before anything took the focus
+        app.chat.post_message(events.ScreenResume())  # Textual focuses the screen's AUTO_FOCUS then
+        await pilot.pause()
+        await pilot.press(*"early")
+        assert app.chat.query_one(ChatInput).text == "early"
+        assert app.chat.sidebar.search.value == ""
 
 
 @aio
@@ -287,8 +335,7 @@ async def test_rename(open_chat):
         await say(pilot, "hello the world")
         await pilot.press("f2")
         assert isinstance(app.screen, TextScreen)
-        app.screen.query_one(Input).value = "Greetings"
-        await pilot.press("enter")
+        await pilot.press(*"Greetings", "enter")  # the old title is selected: typing replaces it
         await idle(pilot)
         assert app.store.get_session(app.chat.session.id).title == "Greetings"
         assert tree_labels(app) == [(0, "● Greetings")]
@@ -407,7 +454,7 @@ async def test_editing_a_past_message_makes_a_sibling_branch(open_chat):
         assert app.focused is app.chat.query_one(ChatInput)  # the message edited is gone: back to typing
         new_first = app.store.path(branch.head_id)[0]
         assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
-        assert (1, "● (edited) · from the start") in tree_labels(app)
+        assert (1, "● hello the sun · from the start") in tree_labels(app)  # named by its own message
 
 
 @aio

@@ -71,6 +71,13 @@ def test_main_screen(snap_compare, tmp_path, tiny_model_paths):
     assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
 
 
+def test_main_screen_on_a_narrow_terminal_gives_the_chat_every_column(
+    snap_compare, tmp_path, tiny_model_paths
+):
+    conversation(ChatStore(tmp_path / "chat.db"), "Adding numbers")
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=(60, 24), run_before=settled)
+
+
 def test_sidebar_with_a_fork(snap_compare, tmp_path, tiny_model_paths):
     store = ChatStore(tmp_path / "chat.db")
     conversation(store, "Weather report", reply="Rain tomorrow.")

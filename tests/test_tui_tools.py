@@ -4,6 +4,7 @@ export and import, keys, the palette, help, themes, the config file and the comm
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from textual.geometry import Region
 from textual.widgets import Input, TextArea
@@ -13,8 +14,9 @@ from llama_chat.app.config import Config
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.dialogs import HelpScreen, SettingsScreen, TextScreen
 from llama_chat.app.tui.sidebar import SessionTree
-from llama_chat.app.tui.widgets import MessageView
+from llama_chat.app.tui.widgets import ChatInput, MessageView
 from llama_chat.storage import ChatStore
+from tiny_models import write_tiny_model
 from tui_pilot import aio, idle, roles_and_text, say, stored_path, tree_labels, until, views
 
 # -- copy, settings, model, search -----------------------------------------------------------------
@@ -64,6 +66,26 @@ async def test_settings_store_a_system_prompt_and_sampling_per_session(open_chat
         assert app.chat.query_one(".system-prompt").content == "system: Answer in one word."
         await say(pilot, "and then")
         assert app.store.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
+
+
+@aio
+async def test_settings_show_the_models_recommended_sampling_and_keep_it_a_default(open_chat, tmp_path):
+    keys = {"general.sampling.top_k": 20, "general.sampling.top_p": 0.8}
+    model = write_tiny_model(tmp_path / "recommends.gguf", "qwen2", metadata=keys)
+    async with open_chat(model=model) as pilot:  # config.toml: temperature 0 for new chats
+        app = pilot.app
+        await say(pilot, "hello the world")
+        await pilot.press("ctrl+s")
+        fields = {
+            key: app.screen.query_one(f"#{key}", Input).value for key in ("temperature", "top_k", "top_p")
+        }
+        assert fields == {"temperature": "0", "top_k": "20", "top_p": "0.8"}  # the user's config wins
+        assert "recommended in recommends.gguf" in str(app.screen.query_one("#defaults").content)
+        app.screen.query_one("#top_p", Input).value = "0.5"
+        await pilot.press("ctrl+s")
+        await idle(pilot)
+        # what was changed is the session's; what was left is the model's default, not copied in
+        assert app.store.get_session(app.chat.session.id).sampling == {"temperature": 0, "top_p": 0.5}
 
 
 @aio
@@ -191,7 +213,7 @@ async def test_titles_are_one_line_with_single_spaces(open_chat):
     async with open_chat() as pilot:
         app = pilot.app
         await say(pilot, "a message   whose title is cut right after a word boundary here")
-        assert app.chat.session.title == "a message whose title is cut right after a word"
+        assert app.chat.session.title == "a message whose title is cut right after a word…"
         await pilot.press("f2")
         app.screen.query_one(Input).value = "  Spaced   out  title "
         await pilot.press("enter")
@@ -209,6 +231,10 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         await pilot.press("f3")
         await pilot.pause()
         assert isinstance(app.screen, TextScreen) and app.screen.query_one(Input).value.endswith(".llamachat")
+        # not the current directory (a checkout, maybe): ~/Downloads, else the data folder (no Downloads here)
+        downloads = Path.home() / "Downloads"
+        folder = downloads if downloads.is_dir() else tmp_path / "data" / "llama-chat" / "exports"
+        assert Path(app.screen.query_one(Input).value).parent == folder
         exported = tmp_path / "out" / "hello.llamachat"
         exported.parent.mkdir()
         app.screen.query_one(Input).value = str(exported)
@@ -276,13 +302,78 @@ async def test_help_shows_the_whole_config_path_on_a_narrow_terminal(open_chat, 
 
 
 @aio
+async def test_the_sidebar_hides_by_itself_on_a_narrow_terminal_and_ctrl_b_toggles_it(open_chat):
+    async with open_chat(size=(80, 24)) as pilot:
+        app = pilot.app
+        sidebar = app.chat.sidebar
+        assert not sidebar.display and app.chat.query_one("#chat").region.width == 80  # the chat has it all
+        await pilot.press("ctrl+b")
+        assert sidebar.display
+        await pilot.press("ctrl+b")
+        assert not sidebar.display
+        await pilot.press("ctrl+f")  # searching shows it
+        assert sidebar.display and sidebar.search.has_focus
+        await pilot.press("ctrl+b")  # and hiding it gives the focus back to the message box
+        assert not sidebar.display and app.focused is app.chat.query_one(ChatInput)
+    async with open_chat(size=(110, 24)) as pilot:
+        assert pilot.app.chat.sidebar.display
+        await pilot.press("f1")
+        text = "\n".join(f"{k} {d} {i}" for _, rows in pilot.app.screen.sections for k, d, i in rows)
+        assert "ctrl+b Sidebar toggle_sidebar" in text
+        await pilot.press("escape", "ctrl+b")
+        assert not pilot.app.chat.sidebar.display
+
+
+@aio
+async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
+    from textual.widgets._toast import Toast
+
+    from tui_pilot import chat_app, ready, released
+
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=(100, 30), notifications=True) as pilot:  # (Pilot shows none by default)
+        await ready(pilot)
+        await say(pilot, "hello the world")
+        await pilot.press("ctrl+o")  # a fork says where it went
+        await until(pilot, lambda: list(app.screen.query(Toast)), what="the notice")
+        await pilot.pause(0.5)  # (it slides in)
+        box = app.chat.query_one(ChatInput).region
+        assert all(not toast.region.overlaps(box) for toast in app.screen.query(Toast))
+        await pilot.press(*"typed")
+        assert app.chat.query_one(ChatInput).text == "typed"
+    released(app)
+
+
+@aio
+async def test_api_chats_are_marked_and_f6_hides_them_and_down_goes_from_search_to_results(open_chat, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    api = store.create_session("Name a prime.", origin="api")
+    store.add_message(api.id, "user", "Name a prime.")
+    mine = store.create_session("my own chat")  # the newest: it opens
+    store.add_message(mine.id, "user", "a prime please")
+    async with open_chat() as pilot:
+        app = pilot.app
+        assert (0, "Name a prime. · API") in tree_labels(app)
+        await pilot.press("f6")
+        await until(pilot, lambda: len(tree_labels(app)) == 1, what="the API chat to go")
+        assert [label for _, label in tree_labels(app)] == ["● my own chat"]
+        await pilot.press("ctrl+f", *"prime")
+        await until(pilot, lambda: any("user:" in label for _, label in tree_labels(app)), what="the results")
+        assert not any("API" in label for _, label in tree_labels(app))  # nor in search results
+        await pilot.press("down")  # from the search box to the results, as Tab does
+        assert isinstance(app.focused, SessionTree)
+        await pilot.press("escape", "f6")
+        await until(pilot, lambda: len(tree_labels(app)) >= 2, what="the API chat back")
+
+
+@aio
 async def test_every_action_is_in_the_command_palette(open_chat):
     async with open_chat() as pilot:
         app = pilot.app
         titles = {c.title for c in app.get_system_commands(app.chat)}
         wanted = {"New", "Fork", "Regenerate", "Regenerate ×3", "Edit", "Stop reply", "Rename chat"}
         wanted |= {"Delete chat", "Settings", "Choose model", "Search chats", "Copy", "Copy code"}
-        wanted |= {"Export chat", "Import chat", "Help", "Theme", "Quit"}
+        wanted |= {"Export chat", "Import chat", "Help", "Theme", "Quit", "Sidebar", "API chats"}
         assert wanted <= titles
         await say(pilot, "hello the world")
         parent = app.chat.session.id
@@ -403,3 +494,10 @@ def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys, qwen2)
     assert len(lines) == 4 and all(line.startswith("llama-chat: error: ") for line in lines)
     assert "missing.gguf: no such file" in lines[0] and "unknown session 'abcdef'" in lines[1]
     assert "config.toml" in lines[2] and "unknown setting 'colour'" in lines[3]
+
+
+@aio
+async def test_a_theme_is_found_by_its_short_name_too(open_chat):
+    async with open_chat(theme="amber", wait=False) as pilot:
+        assert pilot.app.theme == "llama-amber"
+        assert not any("unknown theme" in n.message for n in pilot.app._notifications)

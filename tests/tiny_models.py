@@ -100,9 +100,11 @@ def write_tiny_model(
     arch_name: str | None = None,
     raw_types: dict | None = None,
     chat_template: str = CHATML,
+    metadata: dict | None = None,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
-    unreadable) and `chat_template` make broken or hostile variants for the error tests."""
+    unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
+    adds keys (an int as uint32, a float as float32)."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -119,6 +121,8 @@ def write_tiny_model(
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
+    for key, value in (metadata or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     if arch == "gemma3":
         w.add_sliding_window(8)
         tokens, types, scores = spm_vocab()

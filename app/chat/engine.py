@@ -10,6 +10,7 @@ by another model is simply recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,11 +34,12 @@ from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_plan import model_plan
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
-from llama_chat.storage.store import ChatStore, Message, Session
+from llama_chat.storage.store import ChatStore, Message, Session, marked_title
 
+from .compile_progress import CompileProgress
 from .jobs import Event, Job, stream_text
 from .scheduler import Scheduler
-from .settings import CODEC, MAX_TOKENS, N_CTX, sampling_params
+from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
 
 
 class ReplyNotStored(StoreError):
@@ -88,16 +90,46 @@ def load_chat_model(name: str | None, progress: Callable[[str, int, int], None] 
     """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
     the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
     the compiler. Under the auto codec, the model's KV plan too (measured at its first use)."""
-    model = load_model(name, progress=progress, **options)
-    compile_codec(progress)
+    if progress is None:
+        model = load_model(name, **options)
+        compile_codec()
+    else:
+        with CompileProgress(progress) as told:  # what really compiles, as it does
+            model = load_model(name, progress=told, **options)
+            compile_codec(told)
     if CODEC == AUTO:
         model_plan(model, progress)
     return model
 
 
+NEW_CHAT = "New chat"  # the title of a chat until its first message names it
+TITLE_CHARS = 48  # a title made from a message is cut to this
+
+
 def session_title(text: str) -> str:
     """A title as it is stored: one line, single spaces, none at either end."""
     return " ".join(text.split())
+
+
+def title_from_text(text: str, limit: int = TITLE_CHARS) -> str:
+    """A chat's title from a message: one line, cut after its last whole word that fits, with "…"."""
+    title = session_title(text)
+    if len(title) <= limit:
+        return title or NEW_CHAT
+    cut = title[: limit - 1]
+    if title[limit - 1] != " " and " " in cut:  # else it ends on a whole word, or is one long word
+        cut = cut.rsplit(" ", 1)[0]
+    words = cut
+    return words.rstrip(" ,.;:-") + "…"
+
+
+def named_by(session: Session, user_text: str | None) -> str | None:
+    """The title a session takes from a message of its own: a new chat's first message, and a fork's
+    (or an edit's) first own message, while its title only says what it was forked from."""
+    if user_text is None or not user_text.strip():
+        return None
+    placeholder = session.title == NEW_CHAT or session.title.endswith((" (fork)", " (edited)"))
+    return title_from_text(user_text) if placeholder else None
 
 
 def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
@@ -150,6 +182,7 @@ class ChatEngine:
         self.kv = KVStore(store, model.fingerprint, codec, remote, plan)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
+        self.sampling_defaults = model_sampling(model)  # where a session sets nothing
         self.scheduler = scheduler or Scheduler(model)
         self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
         model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
@@ -158,10 +191,10 @@ class ChatEngine:
     # -- sessions --------------------------------------------------------------------------------
 
     def new_session(
-        self, title: str = "New chat", system_prompt: str | None = None, sampling: dict | None = None
+        self, title: str = NEW_CHAT, system_prompt: str | None = None, sampling: dict | None = None
     ):
         return self.store.create_session(
-            session_title(title) or "New chat",
+            session_title(title) or NEW_CHAT,
             model_fingerprint=self.model.fingerprint,
             model_name=self.model.name,
             system_prompt=system_prompt,
@@ -266,7 +299,12 @@ class ChatEngine:
     # -- replies ---------------------------------------------------------------------------------
 
     def sampling(self, session: Session) -> SamplingParams:
-        return sampling_params(session.sampling)
+        return self.sampling_for(session.sampling)
+
+    def sampling_for(self, settings: dict) -> SamplingParams:
+        """The sampling of a reply with these settings (a session's, a request's), the model's defaults
+        where they set nothing."""
+        return sampling_params(settings, self.sampling_defaults)
 
     def submit_reply(
         self,
@@ -377,6 +415,11 @@ class ChatEngine:
             stored, saved.branched = self.store.append_turn(session.id, session.head_id, turn)
         except StoreError as e:
             raise ReplyNotStored(e) from None
+        title = named_by(session, user_text) if stored.id == session.id else None
+        if title is not None:
+            with contextlib.suppress(StoreError):  # the turn is stored; a title is not worth failing it
+                self.store.update_session(stored.id, title=title)
+                stored = self.store.get_session(stored.id)
         saved.session = stored
         self.note_prefill(stats)
         if stored.id != session.id:  # the KV computed belongs to the new branch now
@@ -487,7 +530,7 @@ class ChatEngine:
             if head is None or head.role != "assistant" or head.parent_id is None:
                 raise ValueError("nothing to regenerate: the conversation does not end with a reply")
             branches = [
-                self.fork(session, head.parent_id, f"{session.title} (regenerated)") for _ in range(n)
+                self.fork(session, head.parent_id, marked_title(session.title, "(regenerated)")) for _ in range(n)
             ]
         read = self.prefetch(branches[0])
 
@@ -528,7 +571,7 @@ class ChatEngine:
         message = self.store.message(message_id)
         if message.role != "user":
             raise ValueError("only a user message can be edited")
-        branch = fork_before(self.store, session, message, f"{session.title} (edited)")
+        branch = fork_before(self.store, session, message, marked_title(session.title, "(edited)"))
         return branch, self.reply(branch, new_text, **kwargs)  # the new text goes beside the old one
 
     def close(self, session_id: str) -> None:

@@ -3,6 +3,10 @@
 The command line's flags, config.toml's [sampling] table, the settings a session stores and the TUI's
 settings screen are all read from REPLY_SETTINGS; a SamplingParams is built by sampling_params() alone.
 `inference/` keeps defaults of its own for use as a library; the app takes its defaults from here.
+
+A reply's sampling, each setting from the first that has it: the command line's flags, the session's
+stored settings (a new chat's come from config.toml), what the model's makers recommend
+(model_sampling: the GGUF's general.sampling.* keys or the catalog's table), llama.cpp's defaults.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llama_chat.inference import SamplingParams
+from llama_chat.inference.catalog import recommended_sampling
 from llama_chat.inference.kv_cache import DEFAULT_CACHE_RAM_MB
 
 # Past this a temperature draws uniformly anyway, and a penalty removes a token; and a value past
@@ -80,7 +85,10 @@ class Setting:
         return f"more than {self.low:g}" if self.low_open else f"{self.low:g} or more"
 
 
-_PARAMS = SamplingParams()  # inference's defaults are the app's
+_PARAMS = (
+    SamplingParams()
+)  # inference's defaults, llama.cpp's, are the app's for a model that recommends none
+LLAMA_CPP = "llama.cpp's defaults"
 
 SAMPLING: tuple[Setting, ...] = (
     Setting(
@@ -149,10 +157,45 @@ def checked(values: dict, known: tuple[Setting, ...] = REPLY_SETTINGS) -> dict:
     return {key: None if value is None else names[key].check(value) for key, value in values.items()}
 
 
-def sampling_params(settings: dict) -> SamplingParams:
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a reply samples with where nothing was set: a value for every sampling setting."""
+
+    values: dict
+    source: str  # where they come from, in words ("Qwen2.5's model card", "llama.cpp's defaults")
+
+
+def sampling_defaults(recommended: dict, source: str) -> SamplingDefaults:
+    """llama.cpp's defaults, overridden by what a model recommends where its values are allowed (a
+    model file's bad value is left out: the default stays)."""
+    values = {s.key: s.default for s in SAMPLING}
+    kept = {}
+    for key, value in recommended.items():
+        if key in values and key != "seed":
+            try:
+                value = SETTINGS[key].check(value)
+            except SettingError:
+                continue
+            kept[key] = (
+                float(f"{value:.6g}") if isinstance(value, float) else value
+            )  # f32 in a GGUF: 0.699999988
+    return SamplingDefaults(values | kept, source if kept else LLAMA_CPP)
+
+
+def model_sampling(model) -> SamplingDefaults:
+    """The sampling defaults of a loaded model (an inference Model)."""
+    return sampling_defaults(*recommended_sampling(model.path, model.metadata))
+
+
+DEFAULT_SAMPLING = sampling_defaults({}, LLAMA_CPP)
+
+
+def sampling_params(settings: dict, defaults: SamplingDefaults = DEFAULT_SAMPLING) -> SamplingParams:
     """The SamplingParams of a reply from its settings (a session's, a config's, flags): keys that are
-    not sampling (max_tokens) are left out; a missing or None one takes the default."""
-    return SamplingParams(**{s.key: settings[s.key] for s in SAMPLING if settings.get(s.key) is not None})
+    not sampling (max_tokens) are left out; a missing or None one takes the model's default."""
+    given = {key: value for key, value in settings.items() if value is not None}
+    values = defaults.values | {s.key: given[s.key] for s in SAMPLING if s.key in given}
+    return SamplingParams(**{key: value for key, value in values.items() if value is not None})
 
 
 def max_tokens(settings: dict, default: int = MAX_TOKENS) -> int:

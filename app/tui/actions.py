@@ -20,6 +20,8 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
 from ..chat.engine import fork_before, session_title
+from ..chat.settings import DEFAULT_SAMPLING
+from ..config import export_dir
 from .dialogs import ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .replies import Reply
 from .sidebar import ChatRef, SessionTree
@@ -81,7 +83,23 @@ class ChatActions:
         self.query_one(ChatInput).focus()
 
     def action_search(self) -> None:
+        self.show_sidebar(True)
         self.sidebar.search.focus()
+
+    def action_toggle_sidebar(self) -> None:
+        self.show_sidebar(not self.sidebar.display)
+
+    def action_toggle_api_chats(self) -> None:
+        self.sidebar.hide_api = not self.sidebar.hide_api
+        self.sidebar.show_chats(self.session.id if self.session else None)
+        self.notify("API chats hidden (F6 shows them)" if self.sidebar.hide_api else "API chats shown", timeout=3)
+
+    def show_sidebar(self, show: bool) -> None:
+        """Show or hide the sidebar, whatever the terminal's width would choose."""
+        self.set_class(show, "-show-sidebar")
+        self.set_class(not show, "-hide-sidebar")
+        if not show and self.sidebar.has_focus_within:
+            self.query_one(ChatInput).focus()
 
     # -- replies in a new branch -----------------------------------------------------------------
 
@@ -232,7 +250,8 @@ class ChatActions:
         title = session.title if session else "New chat"
         system = session.system_prompt if session else self.config.system_prompt
         sampling = session.sampling if session else dict(self.config.sampling)
-        screen = SettingsScreen(title, system, sampling, self.config.max_tokens)
+        defaults = self.engine.sampling_defaults if self.engine else DEFAULT_SAMPLING
+        screen = SettingsScreen(title, system, sampling, self.config.max_tokens, defaults)
 
         def save(settings: dict) -> tuple[Session, list[Message]]:
             settings = {**settings, "title": session_title(settings["title"]) or "New chat"}
@@ -261,7 +280,7 @@ class ChatActions:
         if session is None:
             self.notify("Nothing to export: this chat is not saved yet.", severity="warning")
             return
-        path = Path.cwd() / default_file_name(session)
+        path = export_dir() / default_file_name(session)
         hint = "Enter writes it (a name ending in .md writes a Markdown transcript), Esc cancels"
         screen = TextScreen("Export chat", str(path), hint=hint)
 
@@ -279,6 +298,7 @@ class ChatActions:
         from llama_chat.storage.transcript import export_markdown
 
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
             if target.suffix == ".md":
                 export_markdown(self.store, session_id, target)
                 return f"wrote {target}"

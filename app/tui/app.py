@@ -60,7 +60,7 @@ class ChatApp(App, inherit_bindings=False):
         for theme in themes:
             self.register_theme(theme)
         self.theme_problems = problems
-        self.theme = self.config.theme if self.config.theme in self.available_themes else DEFAULT_THEME
+        self.theme = self.theme_named(self.config.theme) or DEFAULT_THEME
         self.set_keymap(self.config.keymap)
 
     def on_mount(self) -> None:
@@ -70,13 +70,20 @@ class ChatApp(App, inherit_bindings=False):
             self.notify(problem, title="Theme not loaded", severity="warning")
         for problem in self.config.problems:
             self.notify(problem, title="Setting left out", severity="warning")
-        if self.config.theme not in self.available_themes:
+        if self.theme_named(self.config.theme) is None:
             self.notify(f"unknown theme '{self.config.theme}' in {self.config.path}", severity="warning")
         unknown = set(self.config.keymap) - {bid for _, rows in self.key_help() for _, _, bid in rows}
         if unknown:
             self.notify(
                 f"{self.config.path}: unknown binding id(s) {', '.join(sorted(unknown))}", severity="warning"
             )
+
+    def theme_named(self, name: str) -> str | None:
+        """The theme a name means: its own, or one of ours by its short name ("dark": llama-dark)."""
+        for candidate in (name, f"llama-{name}"):
+            if candidate in self.available_themes:
+                return candidate
+        return None
 
     def theme_chosen(self, theme) -> None:
         if theme.name != self.config.theme:

@@ -27,7 +27,7 @@ from textual.worker import Worker, WorkerState
 
 from llama_chat.storage import ChatStore, Message, Session
 
-from ..chat.engine import ChatEngine, load_chat_model, session_title
+from ..chat.engine import ChatEngine, load_chat_model, title_from_text
 from ..chat.jobs import Event
 from ..config import Config
 from . import replies
@@ -50,11 +50,6 @@ FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
 REPLYING = "writing a reply (Esc stops)"
 
 
-def title_for(text: str) -> str:
-    """A chat's title from its first message: one line, single spaces, no space left at the cut."""
-    return session_title(text)[:48].rstrip() or "New chat"
-
-
 def work_label(reply: Reply) -> str:
     return REPLYING if reply.n == 1 else f"writing {reply.n} alternatives (Esc stops)"
 
@@ -75,6 +70,10 @@ class Resumed(UIMessage):
 
 
 class ChatScreen(ChatActions, Screen):
+    # Textual focuses this when the screen is first shown (else the first focusable: the sidebar's
+    # search box, which took what was typed while the app started)
+    AUTO_FOCUS = "ChatInput"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (90, "-wide")]  # narrow: the sidebar hides (the .tcss)
     # Every action of the chat, once: its key (users remap it by id, the action's name), the footer,
     # the help screen and, by its tooltip, the command palette all come from here.
     BINDINGS = [
@@ -92,6 +91,8 @@ class ChatScreen(ChatActions, Screen):
             ("ctrl+t", "regenerate_three", "Regenerate ×3", False, "Three replies at once, each in a branch"),
             ("escape", "stop", "Stop reply", False, "Stop the reply being written, keeping what it wrote"),
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
+            ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
+            ("f6", "toggle_api_chats", "API chats", False, "Show or hide the chats made through llama-chat serve"),
             ("f2", "rename", "Rename chat", False, "Give this chat a new title"),
             ("f8", "delete", "Delete chat", False, "Delete this chat (asks first)"),
             ("ctrl+s", "settings", "Settings", True, "System prompt and sampling (temperature, top-k, …)"),
@@ -254,7 +255,6 @@ class ChatScreen(ChatActions, Screen):
             self.status.set(model=model_label(self.engine.model))
             self.show_context(self.session.n_tokens if self.session else 0)
         for reply in self.replies:  # (sent while it loaded: no reply starts while a model loads)
-            self.status.set(work=work_label(reply))
             self.start(reply)
 
     # -- sessions --------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ class ChatScreen(ChatActions, Screen):
             self.query_one(ChatInput).clear()
             reply = Reply(session, text, self.max_tokens(session))
             reply.new_chat = dict(
-                title=title_for(text),
+                title=title_from_text(text),
                 system_prompt=self.config.system_prompt,
                 sampling=dict(self.config.sampling),
             )
@@ -363,14 +363,14 @@ class ChatScreen(ChatActions, Screen):
             reply.view.set_note(
                 "waiting for the model" if self.loading_model else "reading the conversation…"
             )
-        self.status.set(work=work_label(reply))
-        if reply.n > 1:  # no text streams before the end: a bar says it works
-            self.status.progress(work_label(reply))
-        if not self.loading_model:
+        if not self.loading_model:  # else the load's progress stays on the status line until it is done
             self.start(reply)
         self.flush_timer.resume()
 
     def start(self, reply: Reply) -> None:
+        self.status.set(work=work_label(reply))
+        if reply.n > 1:  # no text streams before the end: a bar says it works
+            self.status.progress(work_label(reply))
         self.in_background(
             partial(replies.submit, self.engine, reply),
             partial(self.reply_started, reply),

@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
-from ..chat.settings import REPLY_SETTINGS, SettingError
+from ..chat.settings import DEFAULT_SAMPLING, REPLY_SETTINGS, SamplingDefaults, SettingError
 
 CANCEL = Binding("escape", "cancel", "Cancel", id="dialog_cancel")
 
@@ -101,11 +101,20 @@ class SettingsScreen(Dialog):
 
     BINDINGS = [Binding("ctrl+s", "save", "Save", id="dialog_save", priority=True)]
 
-    def __init__(self, title: str, system_prompt: str | None, sampling: dict, max_tokens: int):
+    def __init__(
+        self,
+        title: str,
+        system_prompt: str | None,
+        sampling: dict,
+        max_tokens: int,
+        defaults: SamplingDefaults = DEFAULT_SAMPLING,
+    ):
         super().__init__("Chat settings")
         self.session_title, self.system_prompt = title, system_prompt or ""
-        defaults = {s.key: s.default for s in REPLY_SETTINGS} | {"max_tokens": max_tokens}
-        self.values = defaults | sampling
+        self.defaults = defaults.values | {"max_tokens": max_tokens}
+        self.defaults_source = defaults.source
+        self.sampling = sampling
+        self.values = self.defaults | {key: value for key, value in sampling.items() if value is not None}
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog wide"):
@@ -124,6 +133,11 @@ class SettingsScreen(Dialog):
                         id=setting.key,
                         compact=True,
                     )
+            yield Label(
+                f"Unset values are the model's defaults: {self.defaults_source}",
+                id="defaults",
+                classes="hint",
+            )
             yield Label("", id="error", classes="error")
             yield Label("Ctrl+S saves, Esc cancels", classes="hint")
 
@@ -138,8 +152,12 @@ class SettingsScreen(Dialog):
         try:
             for setting in REPLY_SETTINGS:  # max_tokens too: kept with the session, the engine ignores it
                 text = self.query_one(f"#{setting.key}", Input).value.strip()
-                if text:
-                    sampling[setting.key] = setting.parse(text)
+                value = setting.parse(text) if text else None
+                # a default left as it is stays a default: it follows the model of the reply
+                if value is not None and (
+                    value != self.defaults[setting.key] or setting.key in self.sampling
+                ):
+                    sampling[setting.key] = value
         except SettingError as e:
             self.query_one("#error", Label).update(str(e))
             return

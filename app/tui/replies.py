@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
+from llama_chat.storage.store import marked_title
 
 from ..chat.engine import ChatEngine, fork_before
 from ..chat.jobs import Event, Job
@@ -78,11 +79,11 @@ def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
         return None
     store = engine.store
     if reply.edited is not None:
-        branch = fork_before(store, reply.session, reply.edited, f"{reply.session.title} (edited)")
+        branch = fork_before(store, reply.session, reply.edited, marked_title(reply.session.title, "(edited)"))
         before = store.path(reply.edited.parent_id)
     else:
         if reply.regenerate is not None:
-            title = f"{reply.session.title} (regenerated)"
+            title = marked_title(reply.session.title, "(regenerated)")
             branch = engine.fork(reply.session, reply.regenerate.parent_id, title)
         else:
             branch = reply.session or engine.new_session(**reply.new_chat)

@@ -57,6 +57,8 @@ def branch_label(session: Session, parent_title: str, shared: int | None) -> Tex
     if parent_title and title.startswith(parent_title) and title != parent_title:
         title = title[len(parent_title) :].strip() or title
     label = Text(" ".join(title.split()))  # titles stored before they were tidied
+    if session.origin == "api":  # a client of `llama-chat serve` made it (F6 hides them)
+        label.append(" · API", style="dim italic")
     if shared is not None:
         label.append(f" · after msg {shared}" if shared else " · from the start", style="dim")
     return label
@@ -134,9 +136,12 @@ class SessionTree(Tree[ChatRef]):
 class Sidebar(Vertical):
     """The search field and the tree; it reads the store off the UI thread and redraws itself."""
 
+    BINDINGS = [Binding("down", "to_results", "Results", id="search_results", show=False)]
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.current: str | None = None  # the open chat's session, marked with "●"
+        self.hide_api = False  # the chats clients of `llama-chat serve` made are left out
         self._search_timer = None
 
     @property
@@ -175,9 +180,19 @@ class Sidebar(Vertical):
     def search_submitted(self) -> None:
         self.query_one(SessionTree).focus()
 
+    def action_to_results(self) -> None:
+        """↓ in the search field goes down to the chats (or the results), as Tab does."""
+        if self.search.has_focus:
+            self.query_one(SessionTree).focus()
+
+    def listed(self) -> list[Session]:
+        """The chats the list shows (on a worker thread)."""
+        sessions = self.store.list_sessions()
+        return [s for s in sessions if s.origin != "api"] if self.hide_api else sessions
+
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def sessions_worker(self) -> None:
-        sessions = self.store.list_sessions()
+        sessions = self.listed()
         points = branch_points(self.store, sessions)
         self.app.call_from_thread(self.draw, sessions, points)
 
@@ -186,13 +201,16 @@ class Sidebar(Vertical):
         """Sessions whose title contains the words or whose messages match, as a tree (forks under
         their parent); each matching message once, under the first session that had it."""
         words = query.lower().split()
-        sessions = self.store.list_sessions()
+        sessions = self.listed()
         try:
             found = self.store.search(query)
         except StoreError:
             found = []
         first: dict[int, tuple[Session, Message]] = {}  # a message forks share is one hit
+        listed = {s.id for s in sessions}
         for session, message in found:
+            if session.id not in listed:
+                continue
             if message.id not in first or session.created < first[message.id][0].created:
                 first[message.id] = (session, message)
         hits: dict[str, list[SearchHit]] = {}
