@@ -32,7 +32,6 @@ from llama_chat.storage import Message, Session, StoreError
 from ..chat.engine import ChatEngine, ReplyNotStored, reply_stats, session_title
 from ..chat.jobs import Event, Job
 from ..chat.settings import max_tokens as longest
-from ..chat.settings import sampling_params
 
 API_ORIGIN = "api"  # sessions.origin of the conversations this server keeps
 TITLE_CHARS = 48
@@ -133,7 +132,7 @@ class Conversations:
         job = Job(
             prepare,
             n=n,
-            sampling=replace(sampling_params(sampling), grammar=grammar, logprobs=logprobs),
+            sampling=replace(engine.sampling_for(sampling), grammar=grammar, logprobs=logprobs),
             max_tokens=engine.n_ctx if max_tokens is None else max_tokens,
             stop=stop,
             finish=finish,
@@ -249,7 +248,7 @@ class Conversations:
             return engine.submit_reply(
                 session,
                 text,
-                sampling=sampling_params({**session.sampling, **sampling}),
+                sampling=engine.sampling_for({**session.sampling, **sampling}),
                 max_tokens=longest(session.sampling, engine.n_ctx) if max_tokens is None else max_tokens,
                 stop=stop,
                 on_event=on_end,
