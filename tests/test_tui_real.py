@@ -70,7 +70,8 @@ def status_line(screen: str) -> str:
 
 def reply_text(screen: str) -> str:
     """The text of the last reply on screen (the lines after its "assistant" heading)."""
-    lines = [line.partition("▕")[2].strip(" ▎") for line in screen.splitlines()]
+    # right of the sidebar's edge, where there is one (below 90 columns the sidebar hides)
+    lines = [line.rpartition("▕")[2].strip(" ▎") for line in screen.splitlines()]
     if not any(line.startswith("assistant") for line in lines):
         return ""
     start = max(i for i, line in enumerate(lines) if line.startswith("assistant"))
