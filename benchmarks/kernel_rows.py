@@ -69,7 +69,8 @@ def measure(rows: tuple[int, ...], names: list[str], clock=time.perf_counter) ->
         for n in rows:
             x = np.zeros((n, n_cols), np.float32)
             seconds = time_product(kernels.kernel_product, x, w, clock)
-            table[n] = {"ms": round(seconds * 1000, 3), "gflops": round(2 * n * n_rows * n_cols / seconds / 1e9, 1)}
+            gflops = 2 * n * n_rows * n_cols / seconds / 1e9
+            table[n] = {"ms": round(seconds * 1000, 3), "gflops": round(gflops, 1)}
         results["matrices"][name] = table
     return results
 
@@ -103,7 +104,8 @@ def main() -> None:
         print(json.dumps(results) if args.json else print_table(results) or "", flush=True)
         return
     for profile, extra in (("native", {}), ("avx2", AVX2_ENV)):
-        argv = [sys.executable, __file__, "--profile", profile, "--rows", args.rows, "--matrices", args.matrices]
+        argv = [sys.executable, __file__, "--profile", profile, "--rows", args.rows]
+        argv += ["--matrices", args.matrices]
         subprocess.run([*argv, *(["--json"] if args.json else [])], env={**os.environ, **extra}, check=True)
 
 
