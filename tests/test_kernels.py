@@ -191,6 +191,43 @@ def test_the_kernels_exp_is_within_two_float32_ulps():
     assert 0 < kernels._exp_nonpositive(np.float32(-200.0)) < 1.3e-38  # underflow: nothing, not NaN
 
 
+# The exactness checks above, in a process compiled for AVX2 (`NUMBA_CPU_NAME=haswell`: the named
+# processor's own features, no AVX-512) whatever this machine has, so that both register files' kernel
+# shapes are checked on any machine. Only the kernels these checks take are compiled, into the AVX2
+# profile's own cache folder (inference/jit.py): once per machine, as for a user.
+AVX2_CHECKS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import gguf
+import test_kernels as t
+from llama_chat.inference import kernels
+from llama_chat.inference.cpu import PROFILE
+T = gguf.GGMLQuantizationType
+for qtype in (T.Q5_0, T.Q4_K, T.F16):  # integers without offsets, with offsets, float values
+    t.test_packing_keeps_every_weight_exactly(qtype)
+    t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
+    for n in (1, 3, kernels.KERNEL_ROWS):
+        t.test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, kernels.kernel_product)
+t.test_matmul_equals_float_matmul_of_the_dequantized_weights(T.Q4_K, 40, kernels.tile_product)
+print(PROFILE.isa, PROFILE.lanes, PROFILE.rows, PROFILE.pass_lanes)
+"""
+
+
+def test_the_kernels_are_exact_under_the_avx2_profile():
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
+    env["NUMBA_CPU_NAME"] = "haswell"
+    run = subprocess.run(
+        [sys.executable, "-c", AVX2_CHECKS, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    isa, *shape = run.stdout.split()
+    assert (isa, *map(int, shape)) == ("AVX2", *cpu.kernel_shape(8, 16))
+
+
 @pytest.mark.parametrize("isa, floats, registers", list(cpu.REGISTER_FILES.values()))
 def test_the_kernel_shape_fits_the_register_file(isa, floats, registers):
     """Partial sums of ROWS input rows across LANES, a vector of weights and a broadcast input fit the
