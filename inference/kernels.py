@@ -365,7 +365,7 @@ def in_parallel(tasks: list[Callable[[], np.ndarray]]) -> list[np.ndarray]:
     """The tasks' results in order: the first run on this thread, the others on helper threads."""
     global _helpers
     if _helpers is None:
-        _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), "attention")
+        _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), "kernel-helper")
     others = [_helpers.submit(task) for task in tasks[1:]]
     return [tasks[0](), *(f.result() for f in others)]
 
