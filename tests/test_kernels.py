@@ -251,3 +251,14 @@ def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folde
         check=True,
     )
     assert other.stdout.split()[-1].endswith("-16-3x8") and other.stdout.split()[-1] != cpu.PROFILE.key
+
+
+def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkeypatch):
+    """A first start compiles what the model's formats take (Q8_0 and Q6_K: integers without offsets),
+    not the float or offset kernels, and its progress moves after each signature."""
+    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
+    seen = []
+    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), [T.Q8_0, T.Q6_K])
+    steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
+    assert steps == ["unpacking", "integer weights", "attention"]
+    assert [done for _, done, _ in seen] == [0, 1, 2, 3] and {total for _, _, total in seen} == {3}
