@@ -101,14 +101,20 @@ def measure_cold_load(model_arg) -> float:
     return float(_child(code, str(resolve_model(model_arg))))
 
 
-def measure_compile() -> float:
-    """Seconds a first start spends compiling the kernels (an empty numba cache, in a child process)."""
+def measure_compile(model_arg) -> float:
+    """Seconds a first start spends compiling the kernels this model takes (an empty numba cache, in a
+    child process)."""
     import os
     import tempfile
 
-    code = "from llama_chat.inference.quants import compile_kernels; print(compile_kernels())"
+    code = (
+        "import sys; from llama_chat.inference.quants import compile_kernels; "
+        "from llama_chat.inference.weights import model_info; "
+        "print(compile_kernels(None, model_info(sys.argv[1]).matrix_formats))"
+    )
     with tempfile.TemporaryDirectory() as folder:
-        return float(_child(code, env={**os.environ, "NUMBA_CACHE_DIR": folder}))
+        env = {**os.environ, "NUMBA_CACHE_DIR": folder}
+        return float(_child(code, str(resolve_model(model_arg)), env=env))
 
 
 ASK_CHILD = """
@@ -393,7 +399,13 @@ def run_bench(args) -> int:
     import tempfile
     from pathlib import Path
 
-    compile_s = measure_compile()
+    from llama_chat.inference import kernels
+    from llama_chat.inference.cpu import PROFILE
+
+    crossover = f"BLAS from {kernels.blas_from} rows" if kernels.blas_from else "the kernels at any size"
+    report("kernel_profile", PROFILE.key, f"kernels: {PROFILE.describe()}; {crossover}")
+    results["blas_from"] = kernels.blas_from
+    compile_s = measure_compile(args.model)
     report("compile_s", round(compile_s, 2), f"compile kernels (first start only): {compile_s:.2f} s")
     cold = measure_cold_load(args.model)
     report("load_s_cold", round(cold, 3), f"load, cold (GGUF read anew):  {cold:.2f} s")

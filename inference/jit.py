@@ -10,24 +10,36 @@ import os
 # or anything else running (measured here with another job running: 1.8 tok/s spinning, 6.5 sleeping).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import platform  # noqa: E402
-
 import numba  # noqa: E402
-from llvmlite import binding as llvm  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from .catalog import cache_dir  # noqa: E402
+from .cpu import PROFILE  # noqa: E402
 
-# LLVM tunes recent Intel cores to prefer 256-bit vectors even where AVX-512 exists. The kernels keep
-# 4 × 64 partial sums in registers: 16 of the 32 512-bit registers, but all 32 of the 256-bit ones,
-# with none left for the weights (they spilled: the multi-row kernels ran at a third of the speed).
-# It is a tuning flag: on a processor without AVX-512 it changes nothing. NUMBA_CPU_FEATURES wins.
-if not os.environ.get("NUMBA_CPU_FEATURES") and platform.machine().lower() in ("x86_64", "amd64"):
-    numba.config.CPU_FEATURES = llvm.get_host_cpu_features().flatten() + ",-prefer-256-bit"
+# Compiled code lands in a folder per profile: numba keys its cache by processor and features, but
+# not by the module constants a kernel was compiled with (the lanes and rows of cpu.PROFILE), so two
+# profiles sharing a folder could load each other's code. NUMBA_CACHE_DIR, when the user sets it,
+# holds these folders; else our own cache folder does.
+_CACHE_DIR = os.path.join(os.environ.get("NUMBA_CACHE_DIR") or cache_dir() / "numba", PROFILE.key)
 
-# NUMBA_CACHE_DIR, when the user sets it, wins (numba read it on import); else our own cache folder.
-if not os.environ.get("NUMBA_CACHE_DIR"):
-    numba.config.CACHE_DIR = str(cache_dir() / "numba")
+
+def _apply_profile() -> None:
+    """What numba compiles for, as cpu.py read it (NUMBA_CPU_FEATURES, when the user sets it, is kept),
+    and where it caches it."""
+    numba.config.CPU_FEATURES = PROFILE.features
+    numba.config.CACHE_DIR = _CACHE_DIR
+
+
+def _reload_config_keeping_the_profile(reload=numba.core.config.reload_config) -> None:
+    """numba reads its NUMBA_* variables again before each compilation where one has changed since
+    (the tests set NUMBA_CACHE_DIR for the processes they start), which would drop the profile's
+    features and folder: the compiled code would no longer be what cpu.PROFILE says."""
+    reload()
+    _apply_profile()
+
+
+_apply_profile()
+numba.core.config.reload_config = _reload_config_keeping_the_profile
 
 
 def in_cache(kernel) -> bool:

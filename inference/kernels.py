@@ -1,10 +1,10 @@
 """Compiled kernels over packed weights (see quants.py): the matrix work of the forward pass.
 
 Up to KERNEL_ROWS input rows, a kernel reads each weight once for all of them: its vector lanes run
-across 64 interleaved rows of the matrix, each weight is dequantized once (value · scale + offset, as
+across LANES interleaved rows of the matrix, each weight is dequantized once (value · scale + offset, as
 ggml's `dequantize_row_*`) and multiplied into the partial sums of ROWS input rows at a time, which
-stay in registers for the whole row of weights (4 × 64 float32 sums: 16 AVX-512 registers). Activations
-stay float32. Every output row is computed by the same instructions whatever the number of rows (no
+stay in registers for the whole row of weights (LANES and ROWS fit the machine's registers: cpu.py).
+Activations stay float32. Every output row is computed by the same instructions whatever the number of rows (no
 reassociation: only multiply-adds are fused), so a row's result does not depend on what else is in
 the batch (prompt-lookup verification and the scheduler rely on that).
 
@@ -30,16 +30,19 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
 
+from .cpu import PROFILE
 from .jit import njit, prange
 
-LANES = 64  # rows interleaved in the packed layout: 4 AVX-512 (8 AVX2) float vectors
-ROWS = 4  # input rows a kernel multiplies at once: their partial sums fill 16 of 32 AVX-512 registers
-SUMS = ROWS * LANES  # (a literal, as _registers wants it)
+# numba compiles these in as constants: code compiled for other values lives in another cache folder.
+LANES = PROFILE.lanes  # rows interleaved in the packed layout; one or two input rows run across all
+ROWS = PROFILE.rows  # input rows a pass multiplies at once past two, their partial sums in registers,
+PASS_LANES = PROFILE.pass_lanes  # across this many lanes at a time
+SUMS = max(ROWS * PASS_LANES, 2 * LANES)  # (a literal, as _registers wants it)
 KERNEL_ROWS = 32  # up to this many rows the kernels always run: a row's bits never depend on its batch
 # From this many rows on BLAS on dequantized tiles multiplies faster than the kernels; None: the kernels
 # are faster at any size. Measured once per machine when the kernels are compiled (quants.py).
 blas_from: int | None = KERNEL_ROWS + 1
-TILE_BYTES = 512 << 10  # float32 tile of a matrix dequantized for BLAS: 2 groups of 896 columns
+TILE_BYTES = PROFILE.tile_bytes  # float32 tile of a matrix dequantized for BLAS
 F32 = np.float32
 # Multiply-adds may be fused, nothing reassociated: a row's sums are added in one order in every batch.
 EXACT = {"contract"}
@@ -59,83 +62,144 @@ def _registers(typingctx, size):
     return types.CPointer(types.float32)(size), codegen
 
 
-@njit(cache=True, inline="always", fastmath=EXACT)
-def _accumulate(values, scales, offsets, has_offsets, has_scales, x, i0, g, sums, w, rows):
-    """sums[i, r] = Σ_j w[g·L + r, j] · x[i0 + i, j] for i < rows (a constant where it is inlined, so
-    that the loops over i and r unroll), w dequantized one column of 64 weights at a time."""
-    n_cols = values.shape[1]
-    n_blocks = scales.shape[1]
+def _vector_at(builder, pointer, index, element, width):
+    """A pointer to the vector of `width` elements that starts at pointer[index]."""
+    return builder.bitcast(builder.gep(pointer, [index]), ir.VectorType(element, width).as_pointer())
+
+
+@intrinsic
+def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, width):
+    """w[:width] = values.flat[at:at + width] as float32, times scales.flat[scale_at:…] and plus
+    offsets.flat[scale_at:…] where the matrix has them (None: numba types the call without them). Plain
+    multiply and add, as gguf.quants dequantizes: the weights are exactly the GGUF's. A vector of
+    `width` (a literal) floats in LLVM's own vector type, which the target splits into its registers:
+    no vectorizer has to find it (LLVM's did not, once the loops were short enough to unroll first)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        arrays = [
+            context.make_array(t)(context, builder, a).data if isinstance(t, types.Array) else None
+            for t, a in zip(signature.args[:3], args[:3], strict=True)
+        ]
+        element = context.get_data_type(values.dtype)
+        column = builder.load(_vector_at(builder, arrays[0], args[3], element, n), align=1)
+        if isinstance(values.dtype, types.Integer):
+            column = builder.sitofp(column, ir.VectorType(f32, n))
+        if arrays[1] is not None:
+            scales_at = _vector_at(builder, arrays[1], args[4], f32, n)
+            column = builder.fmul(column, builder.load(scales_at, align=4))
+        if arrays[2] is not None:
+            offsets_at = _vector_at(builder, arrays[2], args[4], f32, n)
+            column = builder.fadd(column, builder.load(offsets_at, align=4))
+        builder.store(column, _vector_at(builder, args[5], ir.Constant(ir.IntType(64), 0), f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, scales, offsets, at, scale_at, w, width), codegen
+
+
+@intrinsic
+def _multiply_add(typingctx, sums, i, w, xj, width):
+    """sums[i·width:(i + 1)·width] += w[:width] · xj, fused (one rounding), on a vector of `width` (a
+    literal) floats."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        sums_ptr, i_arg, w_ptr, x, _ = args
+        i64, i32, vector = ir.IntType(64), ir.IntType(32), ir.VectorType(f32, n)
+        start = builder.mul(context.cast(builder, i_arg, signature.args[1], types.int64), ir.Constant(i64, n))
+        at = _vector_at(builder, sums_ptr, start, f32, n)
+        weights = builder.load(_vector_at(builder, w_ptr, ir.Constant(i64, 0), f32, n), align=4)
+        one = builder.insert_element(ir.Constant(vector, ir.Undefined), x, ir.Constant(i32, 0))
+        everywhere = ir.Constant(ir.VectorType(i32, n), [0] * n)
+        broadcast = builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), everywhere)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{n}f32"
+        )
+        builder.store(builder.call(fma, [weights, broadcast, builder.load(at, align=4)]), at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, i, w, xj, width), codegen
+
+
+@njit(cache=True, inline="always")
+def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+    """sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows, r < width (constants where it
+    is inlined, so that the loop over i unrolls), w dequantized one column of `width` weights at a time.
+    Scales and offsets are None where the matrix has none: numba compiles only what a matrix takes.
+    Each sum is added up in the same order (j) whatever the rows and width, one fused multiply-add at a
+    time: a row's bits do not depend on the pass it is computed in."""
+    _, n_cols, lanes = values.shape
+    n_blocks = 1 if scales is None else scales.shape[1]
     size = n_cols // n_blocks
-    for i in range(rows):
-        for r in range(LANES):
-            sums[i, r] = 0
+    for k in range(rows * width):
+        sums[k] = 0
     for b in range(n_blocks):
         for j in range(b * size, (b + 1) * size):
-            if has_offsets:
-                for r in range(LANES):
-                    w[r] = F32(values[g, j, r]) * scales[g, b, r] + offsets[g, b, r]
-            elif has_scales:
-                for r in range(LANES):
-                    w[r] = F32(values[g, j, r]) * scales[g, b, r]
-            else:
-                for r in range(LANES):
-                    w[r] = values[g, j, r]
+            at, scale_at = (g * n_cols + j) * lanes + lane0, (g * n_blocks + b) * lanes + lane0
+            _dequantize_column(values, scales, offsets, at, scale_at, w, width)
             for i in range(rows):
-                xj = x[i0 + i, j]
-                for r in range(LANES):
-                    sums[i, r] += w[r] * xj
+                _multiply_add(sums, i, w, x[i0 + i, j], width)
 
 
-@njit(cache=True, fastmath=EXACT)
-def _group_product(values, scales, offsets, has_offsets, has_scales, x, out, g):
-    """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone, else ROWS at a time (x is
-    padded to a multiple of ROWS)."""
-    sums = carray(_registers(SUMS), (ROWS, LANES))
-    w = carray(_registers(LANES), (LANES,))
+@njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
+def _group_product(values, scales, offsets, x, out, g):
+    """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone across all LANES, else ROWS
+    rows at a time (x is padded to a multiple of ROWS) across PASS_LANES lanes at a time."""
+    registers = _registers(SUMS)
+    w = _registers(LANES)
     n = out.shape[0]
     if n <= 2:  # one token decoded alone, or two replies: no padded rows to compute
+        sums = carray(registers, (2, LANES))
         if n == 1:
-            _accumulate(values, scales, offsets, has_offsets, has_scales, x, 0, g, sums, w, 1)
+            _accumulate(values, scales, offsets, x, 0, g, 0, registers, w, 1, LANES)
         else:
-            _accumulate(values, scales, offsets, has_offsets, has_scales, x, 0, g, sums, w, 2)
+            _accumulate(values, scales, offsets, x, 0, g, 0, registers, w, 2, LANES)
         for i in range(n):
             for r in range(LANES):
                 out[i, g * LANES + r] = sums[i, r]
         return
+    sums = carray(registers, (ROWS, PASS_LANES))
     for i0 in range(0, n, ROWS):
-        _accumulate(values, scales, offsets, has_offsets, has_scales, x, i0, g, sums, w, ROWS)
-        for i in range(min(ROWS, n - i0)):
-            for r in range(LANES):
-                out[i0 + i, g * LANES + r] = sums[i, r]
+        for lane0 in range(0, LANES, PASS_LANES):
+            _accumulate(values, scales, offsets, x, i0, g, lane0, registers, w, ROWS, PASS_LANES)
+            for i in range(min(ROWS, n - i0)):
+                for r in range(PASS_LANES):
+                    out[i0 + i, g * LANES + lane0 + r] = sums[i, r]
 
 
 @njit(cache=True, parallel=True)
-def _product(values, scales, offsets, has_offsets, has_scales, x, out):
+def _product(values, scales, offsets, x, out):
     for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
-        _group_product(values, scales, offsets, has_offsets, has_scales, x, out, g)
+        _group_product(values, scales, offsets, x, out, g)
 
 
-@njit(cache=True, fastmath=True)
-def _dequantize_int8(values, scales, offsets, has_offsets, g0, g1, out):
+@njit(cache=True)
+def _dequantize_int8(values, scales, offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies.
     On the calling thread: a tile takes microseconds, and waking numba's threads for each one, between
     sgemm calls whose OpenBLAS threads still spin, was slower with 2 threads (by 3-20 % at 16-64 rows,
-    in interleaved runs) and no faster with 1."""
+    in interleaved runs) and no faster with 1. Plain multiply and add (offsets None where the matrix has
+    none): the weights exactly as gguf.quants dequantizes them."""
     _, n_cols, _ = values.shape
     n_blocks = scales.shape[1]
     size = n_cols // n_blocks
     for g in range(g0, g1):
         c = (g - g0) * LANES
         for b in range(n_blocks):
-            s, o = scales[g, b], offsets[g, b]
+            s = scales[g, b]
             for j in range(b * size, (b + 1) * size):
                 row, v = out[j, c : c + LANES], values[g, j]
-                if has_offsets:  # two loops, so that each vectorizes without a branch inside
-                    for r in range(LANES):
-                        row[r] = F32(v[r]) * s[r] + o[r]
-                else:
+                if offsets is None:
                     for r in range(LANES):
                         row[r] = F32(v[r]) * s[r]
+                else:
+                    o = offsets[g, b]
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r] + o[r]
 
 
 # -- attention of one new token ----------------------------------------------------------------------
@@ -283,11 +347,9 @@ def blas_on_one_thread(one: bool) -> None:
 
 _blas_on_one = False
 # Query rows × cached positions from which a step of the kernels splits its attention by query rows over
-# the threads (below it, handing work to a thread costs more than it saves). Each part is single-
-# threaded BLAS, exp and sums, all of which let go of the GIL. Measured (interleaved, default model):
-# a 15-token turn after 2,048 tokens 97 → 80 ms, 64 tokens after 4,096 627 → 435 ms, 512 after 4,096
-# 4.64 → 3.33 s; decode (one row) is never split.
-PARALLEL_ATTENTION_FROM = 8192
+# the threads (cpu.py). Each part is single-threaded BLAS, exp and sums, all of which let go of the GIL;
+# decode (one row) is never split.
+PARALLEL_ATTENTION_FROM = PROFILE.parallel_attention_from
 _helpers: ThreadPoolExecutor | None = None
 
 
@@ -303,7 +365,7 @@ def in_parallel(tasks: list[Callable[[], np.ndarray]]) -> list[np.ndarray]:
     """The tasks' results in order: the first run on this thread, the others on helper threads."""
     global _helpers
     if _helpers is None:
-        _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), "attention")
+        _helpers = ThreadPoolExecutor(max(1, numba.config.NUMBA_NUM_THREADS - 1), "kernel-helper")
     others = [_helpers.submit(task) for task in tasks[1:]]
     return [tasks[0](), *(f.result() for f in others)]
 
@@ -333,8 +395,7 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((n, n_groups * LANES), dtype=F32)
     if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
         x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
-    scales = w.values if w.scales is None else w.scales  # (float values: unread)
-    _product(w.values, scales, *_offsets(w), w.scales is not None, x, out)
+    _product(w.values, w.scales, w.offsets, x, out)
     return out[:, : w.n_rows]
 
 
@@ -359,15 +420,7 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
     if w.scales is None:
         out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
     else:
-        _dequantize_int8(w.values, w.scales, *_offsets(w), g0, g1, out)
-
-
-def _offsets(w) -> tuple[np.ndarray, bool]:
-    """A kernel's offsets argument and whether to use it: a matrix without offsets passes its scales
-    (or float values), of the same type, so that one compiled kernel serves both."""
-    if w.offsets is not None:
-        return w.offsets, True
-    return (w.values if w.scales is None else w.scales), False
+        _dequantize_int8(w.values, w.scales, w.offsets, g0, g1, out)
 
 
 def rows(w, ids: np.ndarray) -> np.ndarray:

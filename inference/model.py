@@ -19,6 +19,7 @@ import numpy as np
 
 from . import kernels
 from .config import Config
+from .cpu import PROFILE
 from .errors import ContextFullError
 from .kv_cache import KVSequence, KVViews
 
@@ -212,10 +213,8 @@ class Segment:
 
 
 ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row
-# From this many cached positions one token's attention goes to the compiled kernel (kernels.py): at
-# 4,096 it decoded 29-34 tok/s where BLAS gave 21-23; at 512 the two are level (waking numba's threads
-# costs ~60 µs a call here, so on a short history BLAS is the faster).
-KERNEL_ATTENTION_FROM = 1024
+# From this many cached positions one token's attention goes to the compiled kernel (kernels.py).
+KERNEL_ATTENTION_FROM = PROFILE.kernel_attention_from
 
 
 def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) -> np.ndarray:

@@ -7,9 +7,10 @@ int8 values, a float32 scale per group and, where the format has one, a float32 
 exactly the numbers ggml's `dequantize_row_*` multiplies (ggml-quants.c; one row decoder per format
 below follows it line by line). Float tensors (F32, F16, BF16) and the rarer formats keep float32 values.
 
-Packed, 64 rows are interleaved: values [rows/64, cols, 64]. A kernel then runs its vector lanes across
-64 rows at once and applies each group's scale once per group, outside the innermost loop (a scale per
-32 weights inside a dot product keeps a compiler from vectorizing it).
+Packed, LANES rows are interleaved (cpu.py: 64 for AVX-512, fewer for narrower registers): values
+[rows/LANES, cols, LANES]. A kernel then runs its vector lanes across LANES rows at once and applies
+each group's scale once per group, outside the innermost loop (a scale per 32 weights inside a dot
+product keeps a compiler from vectorizing it).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import gguf
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 
 from . import kernels
+from .cpu import PROFILE
 from .jit import in_cache, njit, prange
 from .kernels import LANES
 
@@ -199,11 +202,13 @@ def _store(tile, values, g, lane0, lane1):
                 values[g, j, lane] = tile[lane, j]
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _unpack_blocks(blocks, qtype, row0, per_row, values, scales, offsets, repeat):
-    """Formats without offsets pass their scales as `offsets` (never written)."""
+@njit(cache=True, nogil=True)
+def _unpack_blocks(blocks, qtype, row0, per_row, values, scales, offsets, repeat, g0, g1):
+    """Groups g0…g1 - 1 of the rows; formats without offsets pass their scales as `offsets` (never
+    written). Not numba's parallel loop: that compiled in 2.4x the time (15.6 against 6.4 s of CPU on
+    a first start), and a thread per part of the groups, the GIL let go, unpacks as fast."""
     n_rows = blocks.shape[0] // per_row
-    for g in prange(row0 // LANES, (row0 + n_rows - 1) // LANES + 1):
+    for g in range(g0, g1):
         lane0, lane1 = max(row0 - g * LANES, 0), min(row0 + n_rows - g * LANES, LANES)
         tile = np.empty((LANES, values.shape[1]), np.int8)
         sc, off = scales[g], offsets[g]
@@ -270,35 +275,70 @@ def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: in
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
     offsets = scales if offsets is None else offsets
-    _unpack_blocks(blocks, int(qtype), row0, shape[1] // block_len, values, scales, offsets, repeat)
+    first, last = row0 // LANES, (row0 + shape[0] - 1) // LANES + 1
+    parts = np.linspace(first, last, min(numba.config.NUMBA_NUM_THREADS, last - first) + 1).astype(int)
+    args = (blocks, int(qtype), row0, shape[1] // block_len, values, scales, offsets, repeat)
+    kernels.in_parallel([partial(_unpack_blocks, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
 def compile_kernels(progress=None, formats=None) -> float:
-    """Compile (first start) or load from the cache (later starts) the kernels of `formats` (every
-    format when None), on a tiny example of each, so that no reply waits on the compiler. Returns the
-    seconds it took."""
+    """Compile (first start) or load from the cache (later starts) the kernels that matrices of
+    `formats` (every format when None) take, so that no reply waits on the compiler: each signature
+    once, on a tiny example, progress told after each. Returns the seconds it took."""
     t0 = time.perf_counter()
-    shape = (LANES, 256)
-    unpackers = [_unpack_blocks, _interleave_rows]
-    cached = all(in_cache(k) for k in (*unpackers, *kernels.COMPILED))
+    steps = _compile_steps(set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats))
+    cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
-    wanted = set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats)
-    formats = [q for q in INTEGER_FORMATS if q in wanted] + ([Q.F32] if wanted - set(INTEGER_FORMATS) else [])
-    x = np.zeros((1, shape[1]), F32)
-    for i, qtype in enumerate(formats):
+    for i, (what, compile_one) in enumerate(steps):
         if progress:
-            progress(label, i, len(formats))
-        block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        w = pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
-        kernels.matmul(x, w)  # the decode kernels, with and without offsets, float
-        if i == 0:
-            kernels.matmul(np.zeros((kernels.KERNEL_ROWS + 1, shape[1]), F32), w)  # the prefill tiles
-            kv = np.zeros((1, 2, 64), F32)
-            kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])  # decode's attention
+            progress(f"{label}: {what}", i, len(steps))
+        compile_one()
     if progress:
-        progress(label, len(formats), len(formats))
+        progress(label, len(steps), len(steps))
     kernels.blas_from = measured_blas_from(progress)
+    if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these formats
+        for what, compile_one in _tile_steps(formats):
+            if progress:
+                progress(f"{label}: {what}", len(steps), len(steps))
+            compile_one()
     return time.perf_counter() - t0
+
+
+def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256)) -> PackedMatrix:
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    return pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
+
+
+def _kinds(formats: set) -> list[tuple[str, Q]]:
+    """The kinds of packed matrix that `formats` make, each with a format of that kind: the kernels
+    compile once per kind (integers with or without offsets, or float values), not per format."""
+    kinds = [
+        ("integer weights", [q for q in INTEGER_FORMATS if q in formats and q not in HAS_OFFSETS]),
+        ("integer weights with offsets", [q for q in INTEGER_FORMATS if q in formats and q in HAS_OFFSETS]),
+        ("float weights", [Q.F32] if formats - set(INTEGER_FORMATS) else []),
+    ]
+    return [(what, found[0]) for what, found in kinds if found]
+
+
+def _compile_steps(formats: set) -> list[tuple[str, Callable[[], object]]]:
+    kinds = _kinds(formats)
+    steps = [("unpacking", partial(_example, Q.Q8_0))] if formats & set(INTEGER_FORMATS) else []
+    steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
+    kv = np.zeros((1, 2, 64), F32)
+    attention = partial(kernels.one_token_attention, np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
+    return [*steps, ("attention", attention)]
+
+
+def _tile_steps(formats) -> list[tuple[str, Callable[[], object]]]:
+    wanted = set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats)
+    return [
+        (f"{what}, tiles for BLAS", partial(_multiply_example, qtype, kernels.tile_product))
+        for what, qtype in _kinds(wanted)
+    ]
+
+
+def _multiply_example(qtype: Q, product=kernels.kernel_product) -> None:
+    product(np.zeros((1, 256), F32), _example(qtype))
 
 
 # Input rows at which BLAS on tiles and the kernels are timed against each other, on a matrix the size
@@ -308,10 +348,15 @@ CROSSOVER_SHAPE = (4096, 1024)
 _measured: dict[str, int | None] = {}  # this process's, by machine
 
 
+def crossover_key() -> str:
+    """What the crossover depends on: the machine profile (the kernels' code and shape) and the threads."""
+    return f"{PROFILE.key} {numba.config.NUMBA_NUM_THREADS} threads"
+
+
 def measured_blas_from(progress=None) -> int | None:
-    """kernels.blas_from for this machine and thread count: measured on its first start (under a
-    second), then read from a file beside the compiled kernels."""
-    machine = f"{llvm.get_host_cpu_name()} {numba.config.NUMBA_NUM_THREADS} threads"
+    """kernels.blas_from for this machine profile and thread count: measured on its first start (under a
+    second), then read from a file beside the profile's compiled kernels."""
+    machine = crossover_key()
     path = Path(numba.config.CACHE_DIR) / "blas_from.json"
     if machine not in _measured:
         try:

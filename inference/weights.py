@@ -56,6 +56,12 @@ class Prepared:
     weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
 
     @property
+    def matrix_formats(self) -> list[gguf.GGMLQuantizationType]:
+        """The GGUF types of the model's matrices: what the kernels must be compiled for."""
+        names = {t.type_name for t in self.tensors.values() if len(t.shape) == 2}
+        return [gguf.GGMLQuantizationType[name] for name in sorted(names)]
+
+    @property
     def fingerprint(self) -> str:
         """Stable hash of architecture, hyperparameters and tensor names/types/shapes: what KV depends on."""
         blob = json.dumps([asdict(self.config), sorted(self.tensor_types.items())], sort_keys=True)
@@ -199,8 +205,7 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
     formats (int8 values with their scales), small tensors (norms, biases) become float32, the
     embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
     path, cfg = info.path, info.config
-    matrices = {t.type_name for t in info.tensors.values() if len(t.shape) == 2}
-    quants.compile_kernels(progress, [gguf.GGMLQuantizationType[name] for name in matrices])
+    quants.compile_kernels(progress, info.matrix_formats)
 
     def need(name: str, shape: tuple[int, ...]) -> TensorEntry:
         t = info.tensors.get(name)

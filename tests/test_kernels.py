@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
+import numba
 import numpy as np
 import pytest
 
-from llama_chat.inference import kernels, quants
+from llama_chat.inference import cpu, kernels, quants
 
 T = gguf.GGMLQuantizationType
 FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -78,13 +84,12 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     monkeypatch.setattr(kernels, "blas_from", None)  # the kernels win at any size: the same bits
     assert np.array_equal(kernels.matmul(x, w), alone)
     monkeypatch.setattr(kernels, "blas_from", 64)
+    by_blas = []
+    tile_product = kernels.tile_product
+    monkeypatch.setattr(kernels, "tile_product", lambda x, w: by_blas.append(len(x)) or tile_product(x, w))
     assert np.array_equal(kernels.matmul(x[:63], w), alone[:63])
-    assert np.array_equal(kernels.matmul(x, w), kernels.tile_product(x, w))
-    through_blas = []
-    monkeypatch.setattr(kernels, "tile_product", lambda x, w: through_blas.append(len(x)))
-    kernels.matmul(x[:63], w)
-    kernels.matmul(x, w)
-    assert through_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
+    assert np.allclose(kernels.matmul(x, w), alone, rtol=1e-5, atol=1e-5)
+    assert by_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
 
 
 def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
@@ -101,8 +106,7 @@ def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_pa
 def test_a_damaged_crossover_file_is_measured_again(monkeypatch, tmp_path, damaged):
     monkeypatch.setattr(quants.numba.config, "CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(quants, "_measured", {})
-    machine = f"{quants.llvm.get_host_cpu_name()} {quants.numba.config.NUMBA_NUM_THREADS} threads"
-    (tmp_path / "blas_from.json").write_text(damaged.replace("%s", machine))
+    (tmp_path / "blas_from.json").write_text(damaged.replace("%s", quants.crossover_key()))
     monkeypatch.setattr(quants, "measure_blas_from", lambda: 256)
     assert quants.measured_blas_from() == 256
     monkeypatch.setattr(quants, "_measured", {})
@@ -185,3 +189,76 @@ def test_the_kernels_exp_is_within_two_float32_ulps():
     expected = np.exp(x.astype(np.float64))
     assert (np.abs(got - expected) / expected).max() <= 2.4e-7  # 2 ulps of float32
     assert 0 < kernels._exp_nonpositive(np.float32(-200.0)) < 1.3e-38  # underflow: nothing, not NaN
+
+
+# The exactness checks above, in a process compiled for AVX2 (`NUMBA_CPU_NAME=haswell`: the named
+# processor's own features, no AVX-512) whatever this machine has, so that both register files' kernel
+# shapes are checked on any machine. Only the kernels these checks take are compiled, into the AVX2
+# profile's own cache folder (inference/jit.py): once per machine, as for a user.
+AVX2_CHECKS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import gguf
+import test_kernels as t
+from llama_chat.inference import kernels
+from llama_chat.inference.cpu import PROFILE
+T = gguf.GGMLQuantizationType
+for qtype in (T.Q5_0, T.Q4_K, T.F16):  # integers without offsets, with offsets, float values
+    t.test_packing_keeps_every_weight_exactly(qtype)
+    t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
+    for n in (1, 3, kernels.KERNEL_ROWS):
+        t.test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, kernels.kernel_product)
+t.test_matmul_equals_float_matmul_of_the_dequantized_weights(T.Q4_K, 40, kernels.tile_product)
+print(PROFILE.isa, PROFILE.lanes, PROFILE.rows, PROFILE.pass_lanes)
+"""
+
+
+def test_the_kernels_are_exact_under_the_avx2_profile():
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
+    env["NUMBA_CPU_NAME"] = "haswell"
+    run = subprocess.run(
+        [sys.executable, "-c", AVX2_CHECKS, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    isa, *shape = run.stdout.split()
+    assert (isa, *map(int, shape)) == ("AVX2", *cpu.kernel_shape(8, 16))
+
+
+@pytest.mark.parametrize("isa, floats, registers", list(cpu.REGISTER_FILES.values()))
+def test_the_kernel_shape_fits_the_register_file(isa, floats, registers):
+    """Partial sums of ROWS input rows across LANES, a vector of weights and a broadcast input fit the
+    vector registers: sums that spill cost a third of the speed (AVX2 with AVX-512's shape)."""
+    lanes, rows, pass_lanes = cpu.kernel_shape(floats, registers)
+    assert lanes % pass_lanes == 0 and pass_lanes % floats == 0
+    for n, width in ((2, lanes), (rows, pass_lanes)):  # one or two rows across all lanes; passes
+        assert n * width // floats + width // floats + 1 <= registers, isa
+
+
+def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folder():
+    """numba keys its cache by processor and features but not by LANES and ROWS, which change the
+    code and the packed layout: each profile (its key names them) has a folder of its own."""
+    assert Path(numba.config.CACHE_DIR).name == cpu.PROFILE.key
+    assert f"{kernels.LANES}-{kernels.ROWS}x{kernels.PASS_LANES}" in cpu.PROFILE.key
+    other = subprocess.run(
+        [sys.executable, "-c", "from llama_chat.inference.cpu import PROFILE; print(PROFILE.key)"],
+        env={**os.environ, "LLAMA_CHAT_KERNEL_SHAPE": "16x3x8"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert other.stdout.split()[-1].endswith("-16-3x8") and other.stdout.split()[-1] != cpu.PROFILE.key
+
+
+def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkeypatch):
+    """A first start compiles what the model's formats take (Q8_0 and Q6_K: integers without offsets),
+    not the float or offset kernels, and its progress moves after each signature."""
+    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
+    seen = []
+    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), [T.Q8_0, T.Q6_K])
+    steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
+    assert steps == ["unpacking", "integer weights", "attention"]
+    assert [done for _, done, _ in seen] == [0, 1, 2, 3] and {total for _, _, total in seen} == {3}

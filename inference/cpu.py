@@ -1,0 +1,154 @@
+"""The machine the kernels are compiled for: its vector registers, and from them the kernels' shape and
+the thresholds tuned for it. One profile per process, read before anything compiles (jit.py).
+
+What numba targets is the host's processor, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES where they are
+set: `NUMBA_CPU_NAME=haswell` alone gives AVX2 code on any x86 machine (the features are then the
+named processor's own, not the host's), which is how AVX2 is checked on an AVX-512 machine. The
+vector width is what LLVM makes of a 16-float vector for that target, so no table of processor names
+is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llvmlite import binding as llvm
+
+# Floats per register and how many registers, by the register LLVM picks for a 16-float vector:
+# AVX-512 32 × zmm, AVX2 16 × ymm, SSE 16 × xmm, NEON 32 × v (128 bits).
+REGISTER_FILES = {
+    "zmm": ("AVX-512", 16, 32),
+    "ymm": ("AVX2", 8, 16),
+    "xmm": ("SSE", 4, 16),
+    "v": ("NEON", 4, 32),
+}
+
+# The kernels' shapes, (LANES, ROWS, PASS_LANES): LANES rows of the matrix interleaved in the packed
+# layout, across which one or two input rows run; past two, passes of ROWS input rows across PASS_LANES
+# of them (a part of LANES). A shape fits a register file when the partial sums of a pass (rows ×
+# lanes / width vectors), a vector of weights per lane vector and a broadcast input fit (kernel_shape).
+# Among those that fit, the first of this list is taken: measured best first (benchmarks/kernel_rows.py
+# --cpu-time, NUMBA_NUM_THREADS=1, on a Zen 4 shared with other work; ms for the default model's
+# ffn_gate_up 9,728 × 896 at 1 / 4 / 8 / 32 input rows, LANES × ROWS × PASS_LANES):
+# - AVX-512: 64 × 4 × 64 0.40 / 0.78 / 1.66 / 6.8; 64 × 8 × 32 0.41 / 1.74 / 1.81 / 6.3 (4 rows padded
+#   to 8).
+# - AVX2 (NUMBA_CPU_NAME=haswell): 32 × 4 × 16 0.44 / 0.96 / 2.17 / 7.5; 32 × 2 × 32 0.43 / 1.33 /
+#   2.61 / 9.9; 16 × 4 × 16 0.61 / 0.94 / 1.99 / 7.4; 32 × 6 × 16 0.45 / 1.80 / 3.32 / 11.5; 32 × 3 × 32
+#   (spills) 0.45 / 2.4 / 3.4 / 12.2; 64 × 4 × 64, AVX-512's shape (spills) 0.91 / 2.4 / 4.5 / 15.0.
+# One input row needs LANES / width ≥ 4 sums in flight to hide a fused multiply-add's latency (16 AVX2
+# lanes have 2: a third slower), several rows want passes whose sums leave registers for the weights:
+# so AVX2 interleaves 32 rows and multiplies 4 input rows across 16 of them at a time.
+SHAPES = ((64, 4, 64), (32, 4, 16), (16, 4, 8), (8, 4, 4))
+
+# Measured on an AMD EPYC (Zen 5), 2 threads, with the default model, and kept for every machine until
+# measured elsewhere. From this many cached positions one token's attention goes to the compiled kernel
+# (model.py): at 4,096 it decoded 29-34 tok/s where BLAS gave 21-23; at 512 the two are level (waking
+# numba's threads costs ~60 µs a call, so on a short history BLAS is the faster).
+KERNEL_ATTENTION_FROM = 1024
+# From this many query rows × cached positions a step of the kernels splits its attention over the
+# threads (kernels.attention_threads; below it handing work to a thread costs more than it saves):
+# interleaved, a 15-token turn after 2,048 tokens 97 → 80 ms, 64 tokens after 4,096 627 → 435 ms,
+# 512 after 4,096 4.64 → 3.33 s.
+PARALLEL_ATTENTION_FROM = 8192
+
+
+@dataclass(frozen=True)
+class Profile:
+    cpu_name: str  # what numba compiles for
+    features: str = field(repr=False)  # LLVM's "+avx2,-avx512f,..." ("": the named processor's own)
+    isa: str  # "AVX-512", "AVX2", "SSE", "NEON"
+    vector_floats: int  # float32 numbers per vector register
+    vector_registers: int
+    lanes: int  # rows interleaved in the packed layout: the kernels' vector lanes run across them
+    rows: int  # input rows whose partial sums stay in registers for a pass over the weights
+    pass_lanes: int  # the lanes of such a pass (LANES in passes of PASS_LANES)
+    tile_bytes: int  # float32 tile dequantized for BLAS: half the core's L2, so sgemm reads it from there
+    kernel_attention_from: int
+    parallel_attention_from: int
+
+    @property
+    def key(self) -> str:
+        """Names what compiled code and packed weights depend on: a cache folder of its own."""
+        isa = self.isa.lower().replace("-", "")
+        return f"{self.cpu_name}-{isa}-{self.lanes}-{self.rows}x{self.pass_lanes}"
+
+    def describe(self) -> str:
+        return (
+            f"{self.isa} ({self.cpu_name}: {self.vector_registers} registers of {self.vector_floats} floats),"
+            " "
+            f"kernels of {self.lanes} lanes, passes of {self.rows} rows × {self.pass_lanes} lanes"
+        )
+
+
+def target() -> tuple[str, str]:
+    """The processor name and features numba compiles for (jit.py hands the features to numba)."""
+    name = os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name()
+    features = os.environ.get("NUMBA_CPU_FEATURES")
+    if features is None:
+        # A named processor brings its own features; the host's, with AVX-512, would undo the name.
+        features = "" if os.environ.get("NUMBA_CPU_NAME") else llvm.get_host_cpu_features().flatten()
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            # LLVM tunes recent Intel cores to prefer 256-bit vectors even where AVX-512 exists: the
+            # kernels' partial sums, sized for 32 512-bit registers, then spilled (a third of the speed).
+            features = ",".join(f for f in (features, "-prefer-256-bit") if f)
+    return name, features
+
+
+def register_file(name: str, features: str) -> tuple[str, int, int]:
+    """(ISA, floats per vector, vector registers) of a target, from the register LLVM gives a 16-float
+    vector in the target's own code."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    module = llvm.parse_assembly(
+        "define <16 x float> @f(<16 x float> %a) {\n %b = fadd <16 x float> %a, %a\n ret <16 x float> %b\n}"
+    )
+    machine = llvm.Target.from_default_triple().create_target_machine(cpu=name, features=features)
+    code = machine.emit_assembly(module)
+    for register in REGISTER_FILES:
+        if re.search(rf"\b%?{register}\d+\b" if register != "v" else r"\bv\d+\.4s\b", code):
+            return REGISTER_FILES[register]
+    return REGISTER_FILES["xmm"]
+
+
+def kernel_shape(vector_floats: int, vector_registers: int) -> tuple[int, int, int]:
+    """(LANES, ROWS, PASS_LANES): the first of SHAPES whose passes fit the registers, two input rows
+    across LANES and ROWS across PASS_LANES: their partial sums, a vector of weights per lane vector
+    and a broadcast input, which LLVM keeps live across the innermost loop without spilling."""
+    override = os.environ.get("LLAMA_CHAT_KERNEL_SHAPE")  # "LANESxROWSxPASS_LANES": to measure others
+    if override:
+        lanes, rows, *pass_lanes = (int(n) for n in override.lower().split("x"))
+        return lanes, rows, (pass_lanes or [lanes])[0]
+
+    def fits(rows: int, lanes: int) -> bool:
+        vectors = lanes // vector_floats
+        return lanes % vector_floats == 0 and rows * vectors + vectors + 1 <= vector_registers
+
+    for lanes, rows, pass_lanes in SHAPES:
+        if fits(2, lanes) and fits(rows, pass_lanes):
+            return lanes, rows, pass_lanes
+    return SHAPES[-1]
+
+
+def l2_bytes() -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
+        return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]]
+    except (OSError, ValueError, KeyError, IndexError):
+        return 1 << 20
+
+
+def read_profile() -> Profile:
+    name, features = target()
+    isa, floats, registers = register_file(name, features)
+    lanes, rows, pass_lanes = kernel_shape(floats, registers)
+    return Profile(
+        name, features, isa, floats, registers, lanes, rows, pass_lanes, l2_bytes() // 2,
+        KERNEL_ATTENTION_FROM, PARALLEL_ATTENTION_FROM,
+    )
+
+
+PROFILE = read_profile()
