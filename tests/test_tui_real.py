@@ -93,6 +93,10 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
         "TERM": "xterm-256color",
     }
     env.pop("TMUX", None)
+    # The app must size itself from tmux's window: under xdist a worker that ran other tests had
+    # COLUMNS=80 and LINES=24 in its environment, and the app took them (80 columns: no sidebar).
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
     command = [str(Path(sys.executable).parent / "llama-chat"), "--db", str(tmp_path / "chat.db")]
     tmux = Tmux(f"llama-chat-test-{os.getpid()}", env)
     try:
