@@ -11,7 +11,7 @@ values and int8 scales, each tensor's d set so that its weights have a trained m
 
 The tokenizer (and so the vocabulary size) is copied from another GGUF, the default model's unless
 --tokenizer-from says otherwise: llama-3.1-8b then has Qwen's 151,936 tokens instead of its 128,256
-(its embedding and output 18 % larger, about 0.1 GB of its 4.9 GB). The file goes to
+(its embedding and output 18 % larger: 5.05 GB instead of 4.92). The file goes to
 ~/.cache/llama-chat-bench/ unless --out says where; one already there is kept. --check loads it with
 llama-chat and checks that a few tokens give finite logits.
 """
