@@ -294,6 +294,9 @@ def main() -> int:
     for _ in range(args.rounds):
         for isa in profiles:
             ours = run_child(sys.executable, OURS_CHILD, spec, our_env(isa))
+            print(
+                json.dumps({"isa": isa, "engine": "llama-chat", **rounded(ours)}), file=sys.stderr, flush=True
+            )
             keep_best(best[isa][0], ours)
             if isa in theirs_python:
                 code = {k: ours[k] for k in ("code_prompt", "end_ids") if k in ours}
@@ -301,6 +304,11 @@ def main() -> int:
                     theirs_python[isa],
                     LLAMACPP_CHILD,
                     {**spec, **code, "lookup_tokens": args.lookup_tokens if code else 0},
+                )
+                print(
+                    json.dumps({"isa": isa, "engine": "llama.cpp", **rounded(theirs)}),
+                    file=sys.stderr,
+                    flush=True,
                 )
                 keep_best(best[isa][1], theirs)
     for isa, (ours, theirs) in best.items():
