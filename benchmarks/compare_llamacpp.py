@@ -62,7 +62,7 @@ if spec["warm_up_only"]:
     print(json.dumps(out))
     raise SystemExit
 import numba
-out["isa"] = f"numba {numba.config.CPU_NAME or 'host'}, avx512f {'+avx512f' in (numba.config.CPU_FEATURES or '+avx512f')}"
+out["build"] = f"numba {numba.config.CPU_NAME or 'host'}, avx512f {'+avx512f' in (numba.config.CPU_FEATURES or '+avx512f')}"
 ids, short, long, cached, turn = (spec[k] for k in ("ids", "prefill_short", "prefill_long", "turn_cached", "turn"))
 
 def timed(tokens, seq):
@@ -116,7 +116,7 @@ out = {"load_s": time.perf_counter() - t, "import_s": import_s}
 if spec["warm_up_only"]:
     print(json.dumps(out))
     raise SystemExit
-out["isa"] = "llama.cpp " + " ".join(p.strip() for p in llama_cpp.llama_print_system_info().decode().split("|")
+out["build"] = "llama.cpp " + " ".join(p.strip() for p in llama_cpp.llama_print_system_info().decode().split("|")
                                      if p.strip().startswith(("AVX", "CPU")) and p.strip().endswith("= 1"))
 ids, short, long, cached, turn = (spec[k] for k in ("ids", "prefill_short", "prefill_long", "turn_cached", "turn"))
 
@@ -313,7 +313,7 @@ def main() -> int:
                 keep_best(best[isa][1], theirs)
     for isa, (ours, theirs) in best.items():
         result[isa] = {"ours": rounded(ours), "llamacpp": rounded(theirs), **ratios(ours, theirs)}
-        print(f"-- {isa}: {ours.get('isa')} | {theirs.get('isa', 'no llama.cpp')}")
+        print(f"-- {isa}: {ours.get('build')} | {theirs.get('build', 'no llama.cpp')}")
         print(f"{'':22}{'llama-chat':>12}{'llama.cpp':>12}")
         for key in MEASURES:
             if key in ours or key in theirs:
