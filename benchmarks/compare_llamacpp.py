@@ -24,7 +24,9 @@ of llama-chat; it builds llama.cpp from source (several minutes), one build per 
         -DGGML_F16C=ON -DGGML_AVX512=OFF" ~/llamacpp-avx2/bin/pip install --no-binary llama-cpp-python \\
         --no-cache-dir numpy llama-cpp-python
 
-A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b (then --model that file).
+Only libggml-cpu is built with ISA flags (ggml-base and llama get none), so a copy of the native venv with
+its libggml-cpu.so* replaced by one built with those options (`cmake --build B --target ggml-cpu`, a few
+minutes) is the same AVX2 build. A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b (then --model that file).
 """
 
 from __future__ import annotations
