@@ -36,10 +36,6 @@ GGML_X86_OPTIONS = {
     "AVX512_BF16": ("avx512_bf16",),
 }
 
-# LLVM features that a Haswell-class (AVX2) x86 CPU lacks.
-NOT_IN_AVX2 = ("avx512", "amx", "avxvnni", "avxifma", "avxneconvert", "avx10", "evex512")
-
-
 def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -75,16 +71,12 @@ def llama_cpp_cmake_args(isa: str) -> list[str]:
 
 
 def our_env(isa: str, base: dict | None = None) -> dict:
-    """The environment that runs llama-chat's kernels compiled for `isa` (native: unchanged)."""
+    """The environment that runs llama-chat's kernels compiled for `isa` (native: unchanged). A named
+    processor alone brings its own features (inference/cpu.py), and each profile compiles into its own
+    cache folder, so `NUMBA_CPU_NAME=haswell` is all the AVX2 profile needs."""
     env = dict(os.environ if base is None else base)
     if isa == "native":
         return env
-    from llvmlite import binding as llvm
-
-    features = llvm.get_host_cpu_features()
+    env.pop("NUMBA_CPU_FEATURES", None)
     env["NUMBA_CPU_NAME"] = "haswell"
-    env["NUMBA_CPU_FEATURES"] = ",".join(
-        ("+" if on and not name.startswith(NOT_IN_AVX2) else "-") + name for name, on in features.items()
-    )
-    env["NUMBA_CACHE_DIR"] = str(Path.home() / ".cache" / "llama-chat-bench" / f"numba-{isa}")
     return env
