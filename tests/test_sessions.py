@@ -262,19 +262,20 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
     )
     assert unanswered.fetchone()[0] == 0
     fresh = engine_for(qwen2, db, block_size=64)
-    no_kv = tmp_path / "no-kv.db"  # the same conversations with every KV dropped: computed from text
-    conn.execute("VACUUM INTO ?", (str(no_kv),))
-    with sqlite3.connect(no_kv) as copy:
-        copy.execute("DELETE FROM kv_blocks")
-        copy.execute("DELETE FROM session_tails")
-    recomputed = engine_for(qwen2, no_kv, block_size=64)
     for s in sessions:
         session = fresh.store.get_session(s.id)
-        _, info = fresh.open(session)
+        resumed, info = fresh.open(session)
         assert info.tokens > 0 and session.head_id is not None  # what was stored opens
+        # The KV that survived the kills is the KV of the stored text, up to the codec's rounding. (Not
+        # compared as greedy replies: on the tiny random model the codec's rounding meets near-ties.)
+        computed = fresh.model.new_sequence(fresh.n_ctx)
+        computed.private = True  # all of it computed from the text
+        fresh.model.forward(fresh.conversation_ids(session), computed)
+        k, v = resumed.gather(0, resumed.n_tokens)
+        k_text, v_text = computed.gather(0, resumed.n_tokens)
+        assert np.linalg.norm(k - k_text) < 0.05 * np.linalg.norm(k_text)
+        assert np.linalg.norm(v - v_text) < 0.05 * np.linalg.norm(v_text)
         reply, _ = chat(fresh, session, "still there?", max_tokens=3)  # and the session goes on
-        expected, _ = chat(recomputed, session, "still there?", max_tokens=3)
-        assert reply == expected  # the KV that survived the kills is as good as none
         path = fresh.store.path(fresh.store.get_session(s.id).head_id)
         assert [(m.role, m.content) for m in path[-2:]] == [("user", "still there?"), ("assistant", reply)]
 
