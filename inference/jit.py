@@ -43,12 +43,12 @@ numba.core.config.reload_config = _reload_config_keeping_the_profile
 
 
 def in_cache(kernel) -> bool:
-    """Whether a kernel's compiled code is in the cache for its current source (else it compiles)."""
+    """Whether a kernel's compiled code is in the cache for its current source (else it compiles). Asked
+    of numba's own index, which stamps the source by its contents: comparing modification times said
+    "compiling" for a checkout cloned again over the same path, whose cache numba still loaded."""
     try:
-        index = kernel._cache._cache_file._index_path
-        source = kernel.py_func.__code__.co_filename
-        return os.path.getmtime(index) >= os.path.getmtime(source)
-    except (AttributeError, OSError):
+        return bool(kernel._cache._cache_file._load_index())
+    except Exception:  # a private interface of numba's: if it changes, say "compiling", never fail
         return False
 
 
