@@ -200,12 +200,17 @@ def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwe
     again = engine_for(qwen2, db)
     resumed, info = again.open(session)
     assert info.restored > 0  # the blocks before the dropped turns still come back
-    computed = again.model.new_sequence(again.n_ctx)
+    # the codec's rounding (about 2 %), not KV that attended to dropped turns (about 40 %)
+    assert_kv_is_the_texts(again, session, resumed)
+
+
+def assert_kv_is_the_texts(engine, session, resumed) -> None:
+    """The KV a session resumed with is the KV its stored text computes, up to the codec's rounding."""
+    computed = engine.model.new_sequence(engine.n_ctx)
     computed.private = True  # all of it computed from the text
-    again.model.forward(again.conversation_ids(session), computed)
+    engine.model.forward(engine.conversation_ids(session), computed)
     k, v = resumed.gather(0, resumed.n_tokens)
     k_text, v_text = computed.gather(0, resumed.n_tokens)
-    # the codec's rounding (q6: about 2 %), not KV that attended to dropped turns (about 40 %)
     assert np.linalg.norm(k - k_text) < 0.05 * np.linalg.norm(k_text)
     assert np.linalg.norm(v - v_text) < 0.05 * np.linalg.norm(v_text)
 
@@ -268,13 +273,7 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
         assert info.tokens > 0 and session.head_id is not None  # what was stored opens
         # The KV that survived the kills is the KV of the stored text, up to the codec's rounding. (Not
         # compared as greedy replies: on the tiny random model the codec's rounding meets near-ties.)
-        computed = fresh.model.new_sequence(fresh.n_ctx)
-        computed.private = True  # all of it computed from the text
-        fresh.model.forward(fresh.conversation_ids(session), computed)
-        k, v = resumed.gather(0, resumed.n_tokens)
-        k_text, v_text = computed.gather(0, resumed.n_tokens)
-        assert np.linalg.norm(k - k_text) < 0.05 * np.linalg.norm(k_text)
-        assert np.linalg.norm(v - v_text) < 0.05 * np.linalg.norm(v_text)
+        assert_kv_is_the_texts(fresh, session, resumed)
         reply, _ = chat(fresh, session, "still there?", max_tokens=3)  # and the session goes on
         path = fresh.store.path(fresh.store.get_session(s.id).head_id)
         assert [(m.role, m.content) for m in path[-2:]] == [("user", "still there?"), ("assistant", reply)]
