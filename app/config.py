@@ -75,7 +75,7 @@ def state_path() -> Path:
 
 
 @dataclass
-class Config:
+class UserConfig:
     path: Path
     model: str | None = None
     theme: str = DEFAULT_THEME
@@ -98,7 +98,7 @@ class Config:
                 )
 
     @classmethod
-    def load(cls, path: Path | None = None) -> Config:
+    def load(cls, path: Path | None = None) -> UserConfig:
         path = path or config_dir() / "config.toml"
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}

@@ -177,13 +177,13 @@ import asyncio, json, sys, time
 from pathlib import Path
 started = time.perf_counter()
 from textual import events
-from llama_chat.app.config import Config
+from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.widgets import ChatInput
 
 async def main():
     folder = Path(sys.argv[2])
-    config = Config(path=folder / "config.toml", max_tokens=200, sampling={"temperature": 0})
+    config = UserConfig(path=folder / "config.toml", max_tokens=200, sampling={"temperature": 0})
     app = ChatApp(folder / "app.db", model=sys.argv[1], config=config)
     async with app.run_test(size=(110, 34)) as pilot:
         screen_s = time.perf_counter() - started

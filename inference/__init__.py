@@ -5,7 +5,7 @@ Knows nothing of SQLite or Textual, so it can be used as a library on its own.
 
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from .chat_template import ChatTemplate
-from .config import Config
+from .config import ModelConfig
 from .errors import ModelError
 from .generate import (
     Alternative,
@@ -17,7 +17,7 @@ from .generate import (
     shift_to,
 )
 from .kv_cache import BlockPool, BlockSource, KVSequence
-from .llm import DEFAULT_PREFILL_BATCH, Model, load_model
+from .model import DEFAULT_PREFILL_BATCH, Model, load_model
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -32,7 +32,7 @@ __all__ = [
     "GenerationStats",
     "BlockPool",
     "BlockSource",
-    "Config",
+    "ModelConfig",
     "DEFAULT_PREFILL_BATCH",
     "KVSequence",
     "Model",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Config:
+class ModelConfig:
     """Hyperparameters, with architecture differences as data."""
 
     arch: str

@@ -46,7 +46,7 @@ SHAPES = ((64, 4, 64), (32, 4, 16), (16, 4, 8), (8, 4, 4))
 
 # Measured on an AMD EPYC (Zen 5), 2 threads, with the default model, and kept for every machine until
 # measured elsewhere. From this many cached positions one token's attention goes to the compiled kernel
-# (model.py): at 4,096 it decoded 29-34 tok/s where BLAS gave 21-23; at 512 the two are level (waking
+# (forward.py): at 4,096 it decoded 29-34 tok/s where BLAS gave 21-23; at 512 the two are level (waking
 # numba's threads costs ~60 µs a call, so on a short history BLAS is the faster).
 KERNEL_ATTENTION_FROM = 1024
 # From this many query rows × cached positions a step of the kernels splits its attention over the

@@ -13,8 +13,8 @@ from .chat_template import completion_prompt, content_texts, map_contents
 from .constrain import Constraint
 from .kernels import KERNEL_ROWS
 from .kv_cache import KVSequence
-from .llm import Model
 from .lookup import MAX_DRAFT, PromptLookup
+from .model import Model
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 
 

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .config import Config
+from .config import ModelConfig
 from .errors import ContextFullError
 
 DEFAULT_BLOCK_SIZE = 64
@@ -92,7 +92,7 @@ class BlockPool:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: ModelConfig,
         fingerprint: str,
         block_size: int = DEFAULT_BLOCK_SIZE,
         ram_mb: float = DEFAULT_CACHE_RAM_MB,

@@ -1,408 +1,198 @@
-"""The transformer forward pass in plain NumPy: one function per idea, float32 activations throughout
-(the weights stay quantized; their matrix products are compiled kernels, see kernels.py).
-
-Shapes in comments: T new tokens, S cached positions, d = n_embd, hd = head_dim.
-Architecture differences (QKV bias, q/k norms, post-norms, sliding windows, GELU vs SiLU,
-embedding scale, soft-capping) are switches in `Config`, read from the GGUF metadata.
-The weights come as `Weights` (built once at load by weights.py), the KV as `KVSequence`s whose
-memory layout is kv_cache.py's business. One call of `step` is one forward pass: cutting a long
-prompt into passes is the caller's (llm.Model.prefill).
-"""
+"""A loaded model: config, weights, tokenizer and chat template behind one small object."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache, partial
-from typing import TYPE_CHECKING, Protocol
+import os
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from . import kernels
-from .config import Config
-from .cpu import PROFILE
-from .errors import ContextFullError
-from .kv_cache import KVSequence, KVViews
+from . import forward
+from .catalog import Progress, resolve_model
+from .chat_template import ChatTemplate
+from .config import ModelConfig
+from .kernels import KERNEL_ROWS
+from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
+from .tokenizer import Tokenizer
+from .weights import prepare
 
-if TYPE_CHECKING:
-    from .quants import PackedMatrix
-
-F32 = np.float32
-
-
-class Embeddings(Protocol):
-    def rows(self, ids: np.ndarray) -> np.ndarray: ...  # float32 [len(ids), d]
+# Tokens of a prompt per forward pass: bounds the activations and attention scores a pass holds, and
+# how long a cancel or another reply's next token waits.
+DEFAULT_PREFILL_BATCH = 512
 
 
-@dataclass(frozen=True)
-class LayerWeights:
-    """One transformer block's weights as the kernels read them; the optional ones are None where the
-    architecture has none."""
-
-    attn_norm: np.ndarray  # [d]
-    attn_qkv: PackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
-    attn_output: PackedMatrix  # [d, q_dim]
-    ffn_norm: np.ndarray  # [d]
-    ffn_gate_up: PackedMatrix  # gate and up fused: [2·n_ff, d]
-    ffn_down: PackedMatrix  # [d, n_ff]
-    attn_qkv_bias: np.ndarray | None = None  # [q_dim + 2·kv_dim] (qwen2)
-    attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3)
-    attn_k_norm: np.ndarray | None = None  # [hd]
-    post_attention_norm: np.ndarray | None = None  # [d] (gemma3)
-    post_ffw_norm: np.ndarray | None = None  # [d]
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Everything the forward pass reads of a model's tensors."""
-
-    token_embd: Embeddings
-    output_norm: np.ndarray  # [d]
-    output: PackedMatrix  # [n_vocab, d]
-    layers: tuple[LayerWeights, ...]
-    rope_freqs: np.ndarray | None = None  # [hd/2] per-frequency factors (llama 3)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    # x [..., n]; mean over the last axis in float32 (np.float32 eps keeps NumPy from promoting), as
-    # np.mean computes it but without its Python wrapper: 49 norms run for every decoded token
-    mean_square = np.add.reduce(x * x, axis=-1, keepdims=True) / F32(x.shape[-1])
-    return x * (1.0 / np.sqrt(mean_square + F32(eps))) * weight
-
-
-@lru_cache(maxsize=8)
-def _rope_cos_sin(positions: bytes, head_dim: int, base: float, freq_factors: bytes | None) -> tuple:
-    """cos and sin of position·frequency [T, hd/2]; the same for every layer of a step (per RoPE base)."""
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    if freq_factors is not None:
-        inv = inv / np.frombuffer(freq_factors, dtype=np.float32)
-    angles = np.frombuffer(positions, dtype=np.int64).astype(np.float64)[:, None] * inv[None, :]
-    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
-    cos.flags.writeable = sin.flags.writeable = False
-    return cos, sin
-
-
-def rope(
-    x: np.ndarray, positions: np.ndarray, base: float, neox: bool, freq_factors: np.ndarray | None
-) -> np.ndarray:
-    """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative)."""
-    hd = x.shape[-1]
-    factors = None if freq_factors is None else np.asarray(freq_factors).tobytes()
-    cos, sin = _rope_cos_sin(np.asarray(positions, dtype=np.int64).tobytes(), hd, base, factors)
-    if neox:  # pairs are (i, i + hd/2)
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]  # pairs are (2i, 2i + 1)
-    out = np.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x2 * cos + x1 * sin
-    return out
-
-
-def linear(x: np.ndarray, weight) -> np.ndarray:
-    """x [n, in] @ weight[out, in].T → [n, out], weight packed from the GGUF (kernels.py: the kernels
-    read each weight once for all rows; past KERNEL_ROWS rows BLAS on dequantized tiles, where this
-    machine measured it faster)."""
-    return kernels.matmul(x, weight)
-
-
-def exp_shifted_(x: np.ndarray) -> np.ndarray:
-    """exp(x - max) over the last axis, in place (the scores are large in a long prefill); returns the
-    row sums. Softmax without its division: the caller divides the S-times-smaller attention output."""
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    return x.sum(axis=-1, keepdims=True)
-
-
-def _join(pieces: list[np.ndarray], axis: int) -> np.ndarray:
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
-
-
-def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
-    """Grouped-query attention. q [n_head, T, hd]; parts: (k, v) pieces of the cache, each [n_kv, S_i, hd],
-    in position order; mask [T, S] (0 or -inf) or None → [T, n_head·hd]."""
-    n_head, T, hd = q.shape
-    n_kv = parts[0][0].shape[0]
-    group = n_head // n_kv
-    # query heads that share a kv head, stacked; scaled here, where there are fewer numbers than scores
-    qg = q.reshape(n_kv, group * T, hd) * F32(scale)
-    # The cache is read where it lies, not copied. For one new token, keys @ queries is the faster BLAS
-    # shape (the long side S as rows, not 2-14 query rows); for many, queries @ keys is (5x at T=512).
-    if T == 1:
-        pieces = [k @ qg.transpose(0, 2, 1) for k, _ in parts]  # [n_kv, S_i, group]
-        scores = _join(pieces, axis=1).transpose(0, 2, 1)
-    else:
-        scores = _join([qg @ k.transpose(0, 2, 1) for k, _ in parts], axis=2)  # [n_kv, group·T, S]
-    # Contiguous rows for the softmax: over a strided view it costs more than the matmul itself
-    # (np.concatenate keeps its inputs' memory order, so a joined view needs this too).
-    scores = np.ascontiguousarray(scores)
-    S = scores.shape[-1]
-    scores = scores.reshape(n_kv, group, T, S)
-    if softcap:
-        scores = np.tanh(scores / F32(softcap)) * F32(softcap)
-    if mask is not None:
-        scores += mask
-    total = exp_shifted_(scores).reshape(n_kv, group * T, 1)
-    weights = scores.reshape(n_kv, group * T, S)
-    out, start = None, 0
-    for _, v in parts:
-        part = weights[:, :, start : start + v.shape[1]] @ v
-        out = part if out is None else out + part
-        start += v.shape[1]
-    out /= total  # softmax's normalisation, on [.., hd] rather than [.., S]
-    return out.reshape(n_head, T, hd).transpose(1, 0, 2).reshape(T, n_head * hd)
-
-
-def one_token_attention(q, k, v, runs, scale: float) -> np.ndarray:
-    """attention() of one query row by the compiled kernel: q [n_head, 1, hd]; k, v one layer of the
-    cache [n_kv, N, hd] and the runs (first, n) of it to attend to (KVViews.runs) → [1, n_head·hd]."""
-    n_head, _, hd = q.shape
-    qg = q.reshape(k.shape[0], n_head // k.shape[0], hd) * F32(scale)  # query heads by the kv head they share
-    return kernels.one_token_attention(qg, k, v, runs).reshape(1, n_head * hd)
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return F32(0.5) * x * (F32(1.0) + np.tanh(F32(0.7978845608028654) * (x + F32(0.044715) * x * x * x)))
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    e = np.negative(x)  # x / (1 + e^-x), in one fresh array: these are the largest activations
-    np.exp(e, out=e)
-    e += F32(1.0)
-    return np.divide(x, e, out=e)
-
-
-def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: Config) -> np.ndarray:
-    gate_up = linear(x, lw.ffn_gate_up)  # [T, 2·n_ff]
-    gate, up = gate_up[:, : cfg.n_ff], gate_up[:, cfg.n_ff :]
-    act = gelu_tanh(gate) if cfg.ffn_act == "gelu" else silu(gate)
-    act *= up
-    return linear(act, lw.ffn_down)  # [T, d]
-
-
-class Segment:
-    """The rows of a forward step that belong to one sequence, and where their KV goes."""
-
+class Model:
     def __init__(
-        self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int, all_rows: bool, commit: bool
+        self,
+        prepared,
+        cache_ram_mb: float = DEFAULT_CACHE_RAM_MB,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prompt_lookup: bool = True,
+        prefill_batch: int = DEFAULT_PREFILL_BATCH,
+        source: BlockSource | None = None,
     ):
-        self.seq, self.rows, self.tokens = seq, rows, tokens
-        self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)
-        # the rows that go on past the last layer's attention: all of them (their logits are wanted) or
-        # only the last (a prompt's: llama.cpp's skipping of unused outputs)
-        self.kept = rows if all_rows else slice(rows.stop - 1, rows.stop)
-        self.commit = commit  # whether the sequence takes the new tokens (else see verify_draft)
-        self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
-        self.where = seq.reserve(len(tokens))  # where the new tokens' KV goes (for seq.write)
-        self._views: dict[tuple[int, int, int], tuple] = {}
-
-    def view(self, window: int, lo: int, hi: int) -> tuple[KVViews, np.ndarray | None]:
-        """What rows lo..hi-1 attend to: the cached positions from the first key any of them sees to the
-        last row's own, and their mask (made once per window, read by every layer)."""
-        if (window, lo, hi) not in self._views:
-            positions = self.positions[lo:hi]
-            first = max(int(positions[0]) - window + 1, 0) if window else 0
-            end = int(positions[-1]) + 1
-            views = self.seq.views(first, end)
-            dist = positions[:, None] - np.arange(first, end)[None, :]  # [rows, S]
-            hidden = dist < 0
-            if window:
-                hidden |= dist >= window
-            mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
-            self._views[window, lo, hi] = (views, mask)
-        return self._views[window, lo, hi]
-
-
-ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row
-# From this many cached positions one token's attention goes to the compiled kernel (kernels.py).
-KERNEL_ATTENTION_FROM = PROFILE.kernel_attention_from
-
-
-def attend(q: np.ndarray, seg: Segment, layer: int, cfg: Config, window: int) -> np.ndarray:
-    """One sequence's attention over its cached blocks, read as slices of the arena. q holds the
-    segment's last rows (all of them, or only the last one). A long prefill goes in groups of rows:
-    causal attention lets the early rows skip the later keys, a quarter to a third of the work."""
-    scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
-    T, rows = len(seg.tokens), q.shape[1]
-    out = []
-    for lo in range(T - rows, T, seg.attention_rows):
-        hi = min(lo + seg.attention_rows, T)
-        views, mask = seg.view(window, lo, hi)
-        q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
-        softcap = cfg.attn_logit_softcap
-        if hi - lo == 1 and mask is None and not softcap and views.n_positions >= KERNEL_ATTENTION_FROM:
-            out.append(one_token_attention(q_rows, *views.runs(layer), scale))
-        else:
-            out.append(attention_in_threads(q_rows, views, layer, mask, scale, softcap))
-    return _join(out, axis=0)
-
-
-def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, softcap: float) -> np.ndarray:
-    """attention() with the query rows split over the threads where that pays (kernels.attention_threads).
-    Where a row's bits matter (a prompt read alone or beside others) the split depends only on its own
-    segment's rows, so it is the same either way."""
-    parts = views.layer(layer)
-    T = q.shape[1]
-    n = kernels.attention_threads(T, views.n_positions)
-    if n == 1:
-        return attention(q, parts, mask, scale, softcap)
-    cuts = [T * i // n for i in range(n + 1)]
-    tasks = [
-        partial(attention, q[:, a:b], parts, None if mask is None else mask[a:b], scale, softcap)
-        for a, b in zip(cuts, cuts[1:])
-    ]
-    return np.concatenate(kernels.in_parallel(tasks))
-
-
-def self_attention(
-    x: np.ndarray,
-    w: Weights,
-    layer: int,
-    cfg: Config,
-    segments: list[Segment],
-    positions: np.ndarray,
-    last_layer: bool,
-):
-    """Writes every row's K and V; returns the attention output of every row, or in the last layer of
-    the rows each segment keeps."""
-    lw = w.layers[layer]
-    T = x.shape[0]
-    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    qkv = linear(x, lw.attn_qkv)  # [T, q_dim + 2·kv_dim]
-    if lw.attn_qkv_bias is not None:
-        qkv += lw.attn_qkv_bias
-    q = qkv[:, :q_dim].reshape(T, cfg.n_head, cfg.head_dim).transpose(1, 0, 2)  # [n_head, T, hd]
-    k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
-    v = qkv[:, q_dim + kv_dim :].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
-    if cfg.qk_norm:
-        q = rms_norm(q, lw.attn_q_norm, cfg.norm_eps)
-        k = rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
-    sliding = cfg.is_sliding(layer)
-    base = cfg.rope_base_swa if sliding else cfg.rope_base
-    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs)
-    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs)
-    window = cfg.sliding_window if sliding else 0
-    rows = [seg.kept if last_layer else seg.rows for seg in segments]
-    out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
-    at = 0
-    for seg, r in zip(segments, rows, strict=True):
-        seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
-        out[at : at + r.stop - r.start] = attend(q[:, r], seg, layer, cfg, window)
-        at += r.stop - r.start
-    return linear(out, lw.attn_output)  # [rows, d]
-
-
-def transformer_block(
-    x: np.ndarray,
-    w: Weights,
-    layer: int,
-    cfg: Config,
-    segments: list[Segment],
-    positions,
-    last_layer: bool = False,
-):
-    """In the last layer, go on with the rows each segment keeps (Segment.kept: nothing reads the others
-    there but their K and V)."""
-    lw = w.layers[layer]
-    h = self_attention(rms_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer)
-    if last_layer and any(seg.kept != seg.rows for seg in segments):
-        x = x[np.concatenate([np.arange(seg.kept.start, seg.kept.stop) for seg in segments])]
-    if cfg.post_norms:
-        h = rms_norm(h, lw.post_attention_norm, cfg.norm_eps)
-    x = x + h
-    h = feed_forward(rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw, cfg)
-    if cfg.post_norms:
-        h = rms_norm(h, lw.post_ffw_norm, cfg.norm_eps)
-    return x + h
-
-
-def output_logits(x: np.ndarray, w: Weights, cfg: Config) -> np.ndarray:
-    x = rms_norm(x, w.output_norm, cfg.norm_eps)
-    logits = linear(x, w.output)  # [n, n_vocab]
-    if cfg.final_logit_softcap:
-        logits = np.tanh(logits / F32(cfg.final_logit_softcap)) * F32(cfg.final_logit_softcap)
-    return logits
-
-
-def run_parts(parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: Config) -> np.ndarray:
-    """One forward step over new tokens of one or more sequences, each with its own (tokens,
-    attention_rows, all_rows, commit): e.g. a prompt's piece (its last row kept, taken) beside replies'
-    rows being verified (all kept; without commit their KV is written but the sequences do not take
-    them yet, see verify_draft). Returns the final hidden states of the rows kept, in order."""
-    segments, row = [], 0
-    for seq, tokens, attention_rows, all_rows, commit in parts:
-        segments.append(Segment(seq, slice(row, row + len(tokens)), tokens, attention_rows, all_rows, commit))
-        row += len(tokens)
-    tokens = np.concatenate([seg.tokens for seg in segments])
-    positions = np.concatenate([s.positions for s in segments])
-    kernels.use_blas_threads_for(len(tokens))
-    x = w.token_embd.rows(tokens)  # [T, d]
-    if cfg.embed_scale != 1.0:
-        x = x * F32(cfg.embed_scale)
-    for layer in range(cfg.n_layer):
-        x = transformer_block(x, w, layer, cfg, segments, positions, layer == cfg.n_layer - 1)
-    for seg in segments:
-        if seg.commit:
-            seg.seq.commit(seg.tokens)
-    return x
-
-
-def check_room(seq: KVSequence, n_new: int) -> None:
-    if seq.n_tokens + n_new > seq.n_ctx:
-        raise ContextFullError(
-            f"{seq.n_tokens + n_new:,} tokens do not fit in the context window of {seq.n_ctx:,} (raise --ctx)"
+        if prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be at least 1, not {prefill_batch}")
+        self.path = prepared.path
+        self.prompt_lookup = prompt_lookup  # generate()'s default: guess runs from the conversation
+        self.prefill_batch = prefill_batch
+        self.config: ModelConfig = prepared.config
+        self.weights: forward.Weights = prepared.weights
+        self.metadata = prepared.metadata
+        self.fingerprint: str = prepared.fingerprint
+        self.name: str = prepared.metadata.get("general.name") or self.path.stem
+        self.tokenizer = Tokenizer.from_metadata(prepared.metadata)
+        # KV of every sequence of this model lives in one pool, so equal prefixes are computed once
+        self.pool = BlockPool(self.config, self.fingerprint, block_size, cache_ram_mb, source)
+        template = prepared.metadata.get("tokenizer.chat_template")
+        self.has_chat_template = template is not None
+        self.chat_template = ChatTemplate(
+            template,
+            bos_token=self._token_text(self.tokenizer.bos_id),
+            eos_token=self._token_text(self.tokenizer.eos_id),
+            name=f"chat template of {self.path.name}",
         )
 
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
 
-def step(
-    batch: list[tuple[KVSequence, np.ndarray]],
-    w: Weights,
-    cfg: Config,
-    all_logits: bool = False,
-    commit: bool = True,
-    attention_rows: int = ATTENTION_ROWS,
-) -> np.ndarray:
-    """One forward pass over new tokens of one or more sequences (a prompt's batch, one token of each of
-    several replies, or both): logits of every row [T, n_vocab], or of each sequence's last row
-    [n_seqs, n_vocab]. A row gets the same bits whatever else is in the step as long as the step has at
-    most kernels.KERNEL_ROWS rows (more may go to BLAS, equal within float32 rounding) and its sequence's KV
-    lies in the same slots (attention sums the history piece by piece as it lies in the arena)."""
-    parts = [(seq, tokens, attention_rows, all_logits, commit) for seq, tokens in batch]
-    return step_parts(parts, w, cfg)
+    def new_sequence(self, n_ctx: int = 4096) -> KVSequence:
+        """An empty sequence in the model's block pool; `free()` it when done."""
+        return self.pool.new_sequence(min(n_ctx, self.config.n_ctx_train))
 
+    def step(
+        self, batch: list[tuple[KVSequence, Sequence[int]]], all_logits: bool = False
+    ) -> list[np.ndarray]:
+        """One forward pass over new tokens of several sequences at once — a batch of one's prompt (at
+        most `prefill_batch` tokens) beside the next token of others: the weights are read once for all.
+        Each sequence takes its tokens. Returns, in batch order, the logits of each sequence's last new
+        token [n_vocab] (all_logits: of every new token, [n, n_vocab])."""
+        logits = forward.step(batch, self.weights, self.config, all_logits)
+        if not all_logits:
+            return list(logits)
+        ends = np.cumsum([len(tokens) for _, tokens in batch])
+        return np.split(logits, ends[:-1])
 
-def step_parts(parts: list[tuple], w: Weights, cfg: Config) -> np.ndarray:
-    """run_parts, checked (no empty part, every part fits its context window), → logits of the rows kept."""
-    parts = [(seq, np.asarray(tokens, dtype=np.int64), *options) for seq, tokens, *options in parts]
-    for seq, tokens, *_ in parts:
+    def prefill(
+        self, tokens: Sequence[int], seq: KVSequence, all_logits: bool = False
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Run tokens after what the sequence holds, one forward pass of at most `prefill_batch` tokens
+        at a time (the one place a long prompt is cut). After each pass yields (tokens done, logits of
+        the pass's last token [n_vocab], or all_logits: of each of its tokens [n, n_vocab]). Stopping
+        between two passes leaves the sequence holding the passes done."""
+        forward.check_room(seq, len(tokens))  # refused before any pass runs
+        done = 0
+        while done < len(tokens):
+            piece = self.next_piece(tokens, done)
+            done += len(piece)
+            yield done, self.step([(seq, piece)], all_logits)[0]
+
+    def next_piece(self, tokens: Sequence[int], done: int) -> Sequence[int]:
+        """The prompt's piece after its first `done` tokens that one pass computes: where prefilling it
+        alone cuts it, whatever else shares the pass, so that its KV and logits get the same bits."""
+        return tokens[done : done + self.prefill_batch]
+
+    def warm_up(self) -> None:
+        """One decode pass and one prefill pass on a throwaway sequence, as llama.cpp's server does before
+        it says it is ready: every weight page is read in and the thread pools and buffers exist, so the
+        first client's first token does not pay for them."""
+        seq = self.new_sequence(2 * KERNEL_ROWS + 2)
+        try:
+            bos = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
+            self.step([(seq, [bos])])
+            self.step([(seq, [bos] * (KERNEL_ROWS + 1))])
+        finally:
+            seq.free()
+
+    def check_room(self, seq: KVSequence, n_new: int) -> None:
+        """ContextFullError unless n_new more tokens fit in the sequence's context window."""
+        forward.check_room(seq, n_new)
+
+    def forward(self, tokens: Sequence[int], seq: KVSequence, all_logits: bool = False) -> np.ndarray:
+        """Append tokens to a sequence; logits of the last new token ([1, n_vocab]) or of all of them."""
         if len(tokens) == 0:
-            raise ValueError("a forward step needs at least one token per sequence")
-        check_room(seq, len(tokens))
-    return output_logits(run_parts(parts, w, cfg), w, cfg)
+            raise ValueError("forward needs at least one token")
+        passes = [logits for _, logits in self.prefill(tokens, seq, all_logits)]
+        return np.concatenate(passes) if all_logits else passes[-1][None]
+
+    def verify_draft(self, tokens: list[int], seq: KVSequence) -> np.ndarray:
+        """Logits [n, n_vocab] of a few tokens after the sequence (its next token and a guessed run after
+        it), each row exactly as decoding that token alone would give (same kernels per row, attention
+        row by row). Their KV is written but not taken: the caller commits the rows it accepts
+        (`seq.commit(tokens[:m])`), then `seq.truncate(seq.n_tokens)` gives back the rest."""
+        return self.verify_rows([(seq, tokens)])[0]
+
+    def verify_rows(self, batch: list[tuple[KVSequence, Sequence[int]]]) -> list[np.ndarray]:
+        """verify_draft for several sequences at once: logits [n_i, n_vocab] per sequence, each row as
+        decoding its token alone computes it. Passes hold at most kernels.KERNEL_ROWS rows, the most the
+        decode kernels take (more would go to BLAS, whose rounding depends on the batch), so what one
+        conversation gets never depends on what else is being decoded."""
+        out: list[np.ndarray] = []
+        group: list[tuple[KVSequence, Sequence[int]]] = []
+
+        def run() -> None:
+            logits = forward.step(
+                group, self.weights, self.config, all_logits=True, commit=False, attention_rows=1
+            )
+            out.extend(np.split(logits, np.cumsum([len(t) for _, t in group])[:-1]))
+            group.clear()
+
+        for seq, tokens in batch:
+            if group and sum(len(t) for _, t in group) + len(tokens) > KERNEL_ROWS:
+                run()
+            group.append((seq, tokens))
+        if group:
+            run()
+        return out
+
+    def read_and_verify(
+        self, reads: list[tuple[KVSequence, Sequence[int]]], checks: list[tuple[KVSequence, Sequence[int]]]
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """step() of prompts' pieces and verify_rows() of replies' rows in one pass, the weights read
+        once for both: the last row's logits per piece [n_vocab], every row's per check [n_i, n_vocab].
+        Only where the kernels take the whole pass (kernels.kernels_take) does each row keep the bits
+        it gets in its own pass."""
+        first, rows = forward.read_and_verify(reads, checks, self.weights, self.config)
+        ends = np.cumsum([len(t) for _, t in checks])[:-1]
+        return list(first), np.split(rows, ends) if checks else []
+
+    def decode_batch(self, tokens: list[int], seqs: list[KVSequence]) -> np.ndarray:
+        """One new token for each of several sequences (of any lengths, related or not), in one pass:
+        one [n, d] @ W per weight, not n. Logits [len(seqs), n_vocab]; up to kernels.KERNEL_ROWS
+        sequences, each row has the bits decoding its sequence alone would give (see model.step)."""
+        batch = [(s, [t]) for s, t in zip(seqs, tokens, strict=True)]
+        return forward.step(batch, self.weights, self.config)
+
+    def context_shift(self, seq: KVSequence, keep: int, drop: int) -> None:
+        """Drop `drop` tokens after the first `keep`, re-rotating the keys of the rest (no recompute)."""
+        forward.context_shift(seq, keep, drop, self.weights, self.config)
+
+    def logits(self, ids) -> np.ndarray:
+        """Teacher forcing from a fresh sequence: logits [len(ids), n_vocab], float32."""
+        seq = self.new_sequence(max(len(ids), 1))
+        try:
+            return self.forward(ids, seq, all_logits=True)
+        finally:
+            seq.free()
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r}, arch={self.config.arch}, layers={self.config.n_layer})"
 
 
-def read_and_verify(
-    reads: list[tuple[KVSequence, np.ndarray]],
-    checks: list[tuple[KVSequence, np.ndarray]],
-    w: Weights,
-    cfg: Config,
-) -> tuple[np.ndarray, np.ndarray]:
-    """One forward pass over prompts' pieces (`reads`: taken by their sequences, attention in groups of
-    ATTENTION_ROWS, the last row's logits) and replies' rows (`checks`: written, not taken, attention row
-    by row, every row's logits, as verify_rows computes them): logits [len(reads), n_vocab] and
-    [Σ len(checks_i), n_vocab]. Each row has the bits of its own pass where the kernels take this one
-    (kernels.kernels_take of all its rows): a piece's as read alone, a reply's row as decoded alone."""
-    parts = [(seq, t, ATTENTION_ROWS, False, True) for seq, t in reads]
-    logits = step_parts(parts + [(seq, t, 1, True, False) for seq, t in checks], w, cfg)
-    return logits[: len(reads)], logits[len(reads) :]
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+    cache_ram_mb: float = DEFAULT_CACHE_RAM_MB,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    prompt_lookup: bool = True,
+    prefill_batch: int = DEFAULT_PREFILL_BATCH,
+    source: BlockSource | None = None,
+) -> Model:
+    """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
-
-def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: Config) -> None:
-    """Forget positions keep..keep+drop-1 and move the later ones back by `drop`, re-rotating their keys
-    (RoPE is a rotation: one more rotation by -drop) instead of recomputing them, as llama.cpp's
-    seq_rm + seq_add do (see KVSequence.shift)."""
-
-    def rerotate(layer: int, k: np.ndarray) -> np.ndarray:  # k [kv_head, m, hd]
-        base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
-        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs)
-
-    seq.shift(keep, drop, rerotate)
+    `cache_ram_mb` bounds the KV block pool; `block_size` is the tokens per KV block; `prompt_lookup`
+    is whether replies guess runs of tokens from the conversation (the text is the same either way);
+    `prefill_batch` is the tokens of a prompt per forward pass; `source` is where the pool looks for
+    KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source)."""
+    path = resolve_model(name_or_path, progress)
+    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source)

@@ -23,10 +23,10 @@ import numpy as np
 
 from . import kernels, quants
 from .catalog import cache_dir
-from .config import Config
+from .config import ModelConfig
 from .errors import ModelError
+from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
-from .model import LayerWeights, Weights
 
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -50,7 +50,7 @@ class Prepared:
 
     path: Path
     metadata: dict
-    config: Config
+    config: ModelConfig
     tensor_types: dict[str, list]  # name → [type name, shape] of the GGUF's tensors (for the fingerprint)
     tensors: dict[str, TensorEntry] = field(repr=False)
     weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
@@ -68,7 +68,7 @@ class Prepared:
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def read_config(meta: dict, path: Path) -> Config:
+def read_config(meta: dict, path: Path) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
@@ -115,10 +115,10 @@ def read_config(meta: dict, path: Path) -> Config:
             ffn_act="gelu",
             attn_scale=float(scale),
         )
-    return Config(**common)
+    return ModelConfig(**common)
 
 
-def expected_shapes(cfg: Config, layer: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """The GGUF tensors of one layer and their (rows, cols) shapes; optional ones are marked by the loader."""
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     p = f"blk.{layer}."
@@ -358,4 +358,4 @@ def _load_prepared(path: Path, target: Path) -> Prepared:
         name: TensorEntry(t["type_name"], tuple(t["shape"]), t["offset"], t["nbytes"])
         for name, t in table["tensors"].items()
     }
-    return Prepared(path, meta, Config(**table["config"]), table["tensor_types"], tensors)
+    return Prepared(path, meta, ModelConfig(**table["config"]), table["tensor_types"], tensors)

@@ -10,7 +10,7 @@ from test_chat_template import EXCHANGE, TEMPLATES
 
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
-from llama_chat.app.config import Config
+from llama_chat.app.config import UserConfig
 from llama_chat.inference import Model, SamplingParams, chat_prompt_ids, load_model
 from llama_chat.inference.chat_template import ChatTemplate, TemplateError
 from llama_chat.storage import ChatStore
@@ -90,7 +90,7 @@ def test_a_binding_to_a_key_that_does_not_exist_keeps_the_default(qwen2, tmp_pat
     config_file = tmp_path / "config" / "llama-chat" / "config.toml"
     config_file.parent.mkdir(parents=True)
     config_file.write_text('[keymap]\nfork = "ctrl+banana+!!"\nnew_chat = "f6"\n')
-    config = Config.load()
+    config = UserConfig.load()
     assert config.keymap == {"new_chat": "f6"}
     assert any("fork" in p and "ctrl+banana+!!" in p for p in config.problems)
 

@@ -188,16 +188,15 @@ def test_decode_past_1024_positions_agrees_with_blas_attention(real_model, monke
     """Past KERNEL_ATTENTION_FROM cached positions a decoded token's attention is the compiled kernel's
     (gemma3: its global layers; the sliding ones see 512): the logits stay where BLAS puts them."""
     from llama_chat.app.bench import sample_tokens
-    from llama_chat.inference import kernels
-    from llama_chat.inference import model as model_module
+    from llama_chat.inference import forward, kernels
 
     calls = []
     by_kernel = kernels.one_token_attention
     monkeypatch.setattr(kernels, "one_token_attention", lambda *args: calls.append(1) or by_kernel(*args))
     ids = sample_tokens(real_model.tokenizer, 1100)
     logits = {}
-    for name, kernels_from in (("blas", 10**9), ("kernel", model_module.KERNEL_ATTENTION_FROM)):
-        monkeypatch.setattr(model_module, "KERNEL_ATTENTION_FROM", kernels_from)
+    for name, kernels_from in (("blas", 10**9), ("kernel", forward.KERNEL_ATTENTION_FROM)):
+        monkeypatch.setattr(forward, "KERNEL_ATTENTION_FROM", kernels_from)
         seq = real_model.new_sequence(len(ids))
         real_model.forward(ids[:1090], seq)
         logits[name] = np.concatenate([real_model.forward([t], seq) for t in ids[1090:]])

@@ -80,7 +80,7 @@ def digest(*paths: Path) -> list[str | None]:
 # reply is being read or written; the prefill batch made small, so that a short prompt has several.
 CHILD = """
 import sys, time
-from llama_chat.inference import llm
+from llama_chat.inference import model as llm
 slow = float(sys.argv[2])
 def slowed(real):
     def run(self, *args, **kwargs):

@@ -16,7 +16,7 @@ from llama_chat.app.chat.settings import (
     sampling_defaults,
     sampling_params,
 )
-from llama_chat.app.config import Config, ConfigError
+from llama_chat.app.config import ConfigError, UserConfig
 from llama_chat.inference import Model, SamplingParams
 from llama_chat.inference.catalog import KNOWN_MODELS, model_path, recommended_sampling
 from llama_chat.inference.weights import prepare
@@ -79,14 +79,14 @@ def test_a_bad_setting_in_config_toml_names_the_file_and_the_setting(tmp_path, t
     path = tmp_path / "config.toml"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(ConfigError) as error:
-        Config.load(path)
+        UserConfig.load(path)
     assert str(error.value).startswith(f"{path}: {complaint}")
 
 
 def test_config_toml_sampling_is_read_as_the_settings_types(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text("max_tokens = 64\n[sampling]\ntemperature = 1\nseed = 5\n", encoding="utf-8")
-    config = Config.load(path)
+    config = UserConfig.load(path)
     assert config.sampling == {"temperature": 1.0, "seed": 5} and config.max_tokens == 64
     assert sampling_params(config.sampling).temperature == 1.0
 

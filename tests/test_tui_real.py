@@ -15,7 +15,7 @@ import pytest
 
 import conftest
 from conftest import real_cache
-from llama_chat.app.config import Config
+from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
 from tui_pilot import idle, opened, type_while_replying
 
@@ -137,7 +137,7 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
 
 def test_keys_typed_while_the_default_model_streams_reach_the_input(qwen_model_path, tmp_path):
     """Every key reaches the input while the real model writes (how fast: `llama-chat bench`, app_key_ms)."""
-    config = Config(path=tmp_path / "config.toml", max_tokens=60, sampling={"temperature": 0})
+    config = UserConfig(path=tmp_path / "config.toml", max_tokens=60, sampling={"temperature": 0})
 
     async def run() -> str:
         app = ChatApp(tmp_path / "chat.db", model=str(qwen_model_path), config=config)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_chat.app.config import Config
+from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
 from llama_chat.storage import ChatStore
 from tui_pilot import ready
@@ -44,7 +44,7 @@ def in_tmp_path(tmp_path, monkeypatch):
 
 
 def app_on(tmp_path, tiny_model_paths, theme: str = "llama-dark", session_id: str | None = None) -> ChatApp:
-    config = Config(path=Path("config", "llama-chat", "config.toml"), theme=theme)
+    config = UserConfig(path=Path("config", "llama-chat", "config.toml"), theme=theme)
     return ChatApp(
         tmp_path / "chat.db", model=str(tiny_model_paths["qwen2"]), session_id=session_id, config=config
     )

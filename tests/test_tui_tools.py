@@ -10,7 +10,7 @@ from textual.geometry import Region
 from textual.widgets import Input, TextArea
 
 from llama_chat.app.cli import main
-from llama_chat.app.config import Config
+from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.dialogs import HelpScreen, SettingsScreen, TextScreen
 from llama_chat.app.tui.sidebar import SessionTree
@@ -111,7 +111,7 @@ async def test_choose_another_model(open_chat, tiny_model_paths):
         await until(pilot, lambda: app.chat.engine.model.name == "tiny-llama", what="the new model")
         await idle(pilot)
         assert app.chat.status.fields["model"] == "tiny-llama"
-        assert Config.load(app.config.path).model == str(tiny_model_paths["llama"])  # opens next time
+        assert UserConfig.load(app.config.path).model == str(tiny_model_paths["llama"])  # opens next time
         await say(pilot, "and then")  # the conversation goes on with the new model
         assert len(stored_path(app)) == 4
 
@@ -292,7 +292,7 @@ async def test_help_shows_the_whole_config_path_on_a_narrow_terminal(open_chat, 
     deep = (
         tmp_path / "a-long-home-directory" / "with-nested-folders" / "config" / "llama-chat" / "config.toml"
     )
-    app = ChatApp(tmp_path / "chat.db", model=str(qwen2), config=Config(path=deep))
+    app = ChatApp(tmp_path / "chat.db", model=str(qwen2), config=UserConfig(path=deep))
     async with open_chat(app=app, wait=False, size=(80, 24)) as pilot:
         await pilot.press("f1")
         assert app.screen.query_one(".dialog").region.right <= 80  # the box fits: nothing cut at the right
@@ -432,7 +432,7 @@ async def test_themes_from_files_and_the_choice_persists(open_chat, qwen2, tmp_p
         await pilot.pause()
     text = config_file.read_text()
     assert 'theme = "llama-light"' in text and "# my settings" in text and "temperature = 0" in text
-    assert Config.load().theme == "llama-light" and Config.load().sampling == {"temperature": 0}
+    assert UserConfig.load().theme == "llama-light" and UserConfig.load().sampling == {"temperature": 0}
     again = ChatApp(tmp_path / "chat.db", model=str(qwen2))
     async with open_chat(app=again, wait=False):
         assert again.theme == "llama-light"
@@ -466,13 +466,13 @@ temperature = 0  # greedy
 def test_saving_a_setting_keeps_the_file_as_the_user_wrote_it(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(HAND_WRITTEN)
-    config = Config.load(path)
+    config = UserConfig.load(path)
     config.save_setting("theme", "llama-light")
     config.save_setting("model", "gemma-3-270m-q4_k_m")
     expected = HAND_WRITTEN.replace("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
     expected = expected.replace('"""\n\n[sampling]', '"""\ntheme = "llama-light"\n\n[sampling]')
     assert path.read_text() == expected  # one key changed in place, one added before the first table
-    again = Config.load(path)
+    again = UserConfig.load(path)
     assert (again.model, again.theme) == ("gemma-3-270m-q4_k_m", "llama-light")
     assert again.system_prompt == 'theme = "is not a setting here"\n'
 

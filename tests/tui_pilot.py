@@ -17,7 +17,7 @@ from pathlib import Path
 from textual import events
 from textual.keys import _character_to_key
 
-from llama_chat.app.config import Config
+from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.sidebar import SessionTree
 from llama_chat.app.tui.widgets import ChatInput
@@ -36,10 +36,10 @@ def aio(test):
     return run
 
 
-def greedy_config(folder: Path, **settings) -> Config:
+def greedy_config(folder: Path, **settings) -> UserConfig:
     """Greedy replies of a few tokens: the same text on every run."""
     settings = {"sampling": {"temperature": 0}, "max_tokens": 8, **settings}
-    return Config(path=folder / "config" / "llama-chat" / "config.toml", **settings)
+    return UserConfig(path=folder / "config" / "llama-chat" / "config.toml", **settings)
 
 
 def chat_app(folder: Path, model: Path, **settings) -> ChatApp:

@@ -15,7 +15,7 @@ from llama_chat.inference import KNOWN_MODELS, resolve_model
 from llama_chat.storage import ChatStore
 
 from ..chat.settings import CACHE_RAM_MB
-from ..config import DEFAULT_THEME, Config, ConfigError, State, load_themes
+from ..config import DEFAULT_THEME, ConfigError, State, UserConfig, load_themes
 from ..terminal import open_remote
 from .chat_screen import ChatScreen
 from .sidebar import SessionTree
@@ -41,7 +41,7 @@ class ChatApp(App, inherit_bindings=False):
         db: Path,
         model: str | None = None,
         session_id: str | None = None,
-        config: Config | None = None,
+        config: UserConfig | None = None,
         cache_ram_mb: int = CACHE_RAM_MB,
         prompt_lookup: bool = True,
         remote: Callable[[str], RemoteTier | None] = lambda fingerprint: None,
@@ -49,7 +49,7 @@ class ChatApp(App, inherit_bindings=False):
         super().__init__()
         self.prompt_lookup = prompt_lookup
         self.remote = remote  # the shared KV tier (--kv-remote) for a model's fingerprint, or None
-        self.config = config or Config.load()
+        self.config = config or UserConfig.load()
         self.store = ChatStore(db)
         self.state = State()
         self.cache_ram_mb = cache_ram_mb
@@ -128,7 +128,7 @@ class ChatApp(App, inherit_bindings=False):
 def cmd_tui(args) -> int:
     """`llama-chat` (no command): the full-screen chat."""
     try:
-        config = Config.load()
+        config = UserConfig.load()
     except ConfigError as e:
         print(f"llama-chat: error: {e}", file=sys.stderr)
         return 2

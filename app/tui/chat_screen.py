@@ -29,7 +29,7 @@ from llama_chat.storage import ChatStore, Message, Session
 
 from ..chat.engine import ChatEngine, load_chat_model, title_from_text
 from ..chat.jobs import Event
-from ..config import Config
+from ..config import UserConfig
 from . import replies
 from .actions import ChatActions
 from .conversation import ConversationView
@@ -118,7 +118,7 @@ class ChatScreen(ChatActions, Screen):
         return self.app.store
 
     @property
-    def config(self) -> Config:
+    def config(self) -> UserConfig:
         return self.app.config
 
     @property

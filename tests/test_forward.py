@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from llama_chat.app.cli import main
-from llama_chat.inference import ModelError, kernels, load_model, quants
-from llama_chat.inference import model as model_module
-from llama_chat.inference.model import rope
+from llama_chat.inference import ModelError, forward, kernels, load_model, quants
+from llama_chat.inference.forward import rope
 from tiny_models import write_tiny_model
 
 
@@ -54,9 +53,9 @@ def test_attention_in_groups_of_rows_equals_all_rows_at_once(tiny_model_path, mo
     row; groups of 5 rows (several per prompt, across gemma3's window of 8) must equal one group."""
     model = load_model(tiny_model_path)
     ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
-    monkeypatch.setattr(model_module, "ATTENTION_ROWS", 10_000)
+    monkeypatch.setattr(forward, "ATTENTION_ROWS", 10_000)
     whole = model.logits(ids)
-    monkeypatch.setattr(model_module, "ATTENTION_ROWS", 5)
+    monkeypatch.setattr(forward, "ATTENTION_ROWS", 5)
     grouped = model.logits(ids)
     assert np.abs(grouped - whole).max() <= 1e-5
 
@@ -205,7 +204,7 @@ def test_one_token_attention_by_the_kernels_equals_blas(tiny_model_path, monkeyp
     monkeypatch.setattr(kernels, "one_token_attention", lambda *args: calls.append(1) or by_kernels(*args))
 
     def decoded(kernels_from: int) -> np.ndarray:
-        monkeypatch.setattr(model_module, "KERNEL_ATTENTION_FROM", kernels_from)
+        monkeypatch.setattr(forward, "KERNEL_ATTENTION_FROM", kernels_from)
         seq = model.new_sequence(len(ids))
         model.forward(ids[:5], seq)
         return np.concatenate([model.forward([t], seq) for t in ids[5:]])
