@@ -363,8 +363,8 @@ def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
     p -= np.log(np.exp(p).sum())
     B = model.pool.block_size
     for codec in table:
-        seq = model.new_sequence(n_tokens + n_greedy + 2)
-        seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
+        # private: keep the decoded KV (sharing by prefix key would hand back the live blocks)
+        seq = model.new_sequence(n_tokens + n_greedy + 2, private=True)
         for start in range(0, n_tokens, B):
             dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec, plan))
             seq.append_kv(ids[start : start + dk.shape[2]], dk, dv)

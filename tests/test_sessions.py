@@ -206,8 +206,7 @@ def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwe
 
 def assert_kv_is_the_texts(engine, session, resumed) -> None:
     """The KV a session resumed with is the KV its stored text computes, up to the codec's rounding."""
-    computed = engine.model.new_sequence(engine.n_ctx)
-    computed.private = True  # all of it computed from the text
+    computed = engine.model.new_sequence(engine.n_ctx, private=True)  # all of it computed from the text
     engine.model.forward(engine.conversation_ids(session), computed)
     k, v = resumed.gather(0, resumed.n_tokens)
     k_text, v_text = computed.gather(0, resumed.n_tokens)

@@ -27,7 +27,6 @@ from llama_chat.inference import (
     shift_to,
 )
 from llama_chat.inference.errors import ContextFullError
-from llama_chat.inference.kv_cache import prefix_key
 from llama_chat.storage.codec import AUTO
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.db import StoreError
@@ -231,8 +230,8 @@ class ChatEngine:
             if seq is None or seq.namespace != session.kv_namespace:  # (verify moves it to the shared one)
                 if seq is not None:
                     seq.free()
-                seq = self.live[session.id] = self.model.new_sequence(self.n_ctx)
-                seq.namespace = session.kv_namespace
+                seq = self.model.new_sequence(self.n_ctx, namespace=session.kv_namespace)
+                self.live[session.id] = seq
             if seq.private:
                 shift_to(self.model, seq, ids)
             seq.reuse_prefix(ids)  # keeps what RAM holds, then takes blocks from RAM or the store
@@ -266,17 +265,11 @@ class ChatEngine:
         if self.kv.remote is None:
             return None
         pool, B = self.model.pool, self.model.pool.block_size
-        missing, keys, parent = [], [], None
-        for i in range(len(ids) // B):
-            tokens = tuple(ids[i * B : (i + 1) * B])
-            parent = prefix_key(self.model.fingerprint, parent, tokens)
-            keys.append(parent)
-            if (None, parent) not in pool.by_key:  # (read without the lock: only what to fetch depends on it)
-                missing.append((parent, tokens))
+        missing = pool.missing(ids)  # (read without the lock: only what to fetch depends on it)
         tail = None
-        if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(keys):
-            n = len(tail_of) // B * B
-            tail = (keys[n // B - 1] if n else None, tuple(tail_of[n:]))
+        if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(ids) // B:
+            keys = pool.block_keys(tail_of)
+            tail = (keys[-1] if keys else None, tuple(tail_of[len(keys) * B :]))
         return self.kv.read_remote(missing, tail, session_id)
 
     def restore_tail(self, session: Session | None, seq: KVSequence, ids: list[int]) -> int:
@@ -285,7 +278,7 @@ class ChatEngine:
         that came from the remote tier."""
         if seq.n_tokens % self.model.pool.block_size or seq.n_tokens >= len(ids):
             return 0
-        parent = seq.blocks[-1].key if seq.blocks else None
+        parent = seq.last_key
         found = self.kv.tail(session.id, parent, ids[seq.n_tokens :]) if session is not None else None
         remote = found is None and seq.namespace is None and not seq.private  # an import's KV never travels
         if remote:
@@ -480,15 +473,14 @@ class ChatEngine:
             if namespace is None:
                 return VerifyResult(imported=False)
             ids = self.conversation_ids(session)
-            fresh = self.model.new_sequence(self.n_ctx)
-            fresh.private = True  # all of it computed now: no block taken from RAM or the store
+            # private: all of it computed now, no block taken from RAM or the store
+            fresh = self.model.new_sequence(self.n_ctx, private=True)
             self.model.forward(ids, fresh)
-            B, parent = self.model.pool.block_size, None
+            B = self.model.pool.block_size
             matched, differed = [], 0
-            for i, block in enumerate(fresh.blocks[: len(ids) // B]):
-                tokens = ids[i * B : (i + 1) * B]
-                parent = prefix_key(self.model.fingerprint, parent, tokens)
-                stored = self.kv.load(parent, namespace)
+            for i, key in enumerate(self.model.pool.block_keys(ids)):
+                tokens, block = ids[i * B : (i + 1) * B], fresh.blocks[i]
+                stored = self.kv.load(key, namespace)
                 if stored is None:
                     continue  # nothing imported to compare: it is computed here anyway
                 if self.kv.matches(stored, tokens, self.model.pool.block_kv(block)):

@@ -104,8 +104,7 @@ class Conversations:
             remote = engine.read_remote(prompt[:-1], tail_of=previous, session_id=kept.id if kept else None)
 
         def prepare() -> tuple[list[int], KVSequence]:
-            seq = self.model.new_sequence(engine.n_ctx)
-            seq.namespace = namespace
+            seq = self.model.new_sequence(engine.n_ctx, namespace=namespace)
             base.append(seq)
             job.remote = remote
             if previous is not None:  # a returning conversation takes the tail its last reply left too
