@@ -375,9 +375,11 @@ def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_l
 
 
 def test_what_is_cheap_to_refuse_is_refused_before_the_prompt_is_tokenized(served, monkeypatch):
+    from llama_chat.app.chat import conversations
+
     prompts = []
-    prompt = served.state.conversations.prompt
-    monkeypatch.setattr(served.state.conversations, "prompt", lambda messages: prompts.append(1) or prompt(messages))
+    render = conversations.chat_prompt_ids
+    monkeypatch.setattr(conversations, "chat_prompt_ids", lambda *a, **kw: prompts.append(1) or render(*a, **kw))
     n_ctx = served.state.engine.n_ctx
     many = [{"role": "user", "content": "a"}] * n_ctx
     status, error = error_of(served.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": many}).encode()))

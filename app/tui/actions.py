@@ -19,8 +19,9 @@ from llama_chat.inference import KNOWN_MODELS
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
-from ..chat.engine import fork_before, session_title
+from ..chat.engine import fork_before
 from ..chat.settings import DEFAULT_SAMPLING
+from ..chat.titles import session_title
 from ..config import export_dir
 from .dialogs import ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .replies import Reply
@@ -159,12 +160,12 @@ class ChatActions:
 
     def fork_at(self, session: Session, at: Message | None) -> tuple[Session, list[Message], str | None, str]:
         """On a worker thread: the fork, its messages, the text to put in the input, what to say."""
+        engine = self.engine
         if at is not None and at.role == "user":
-            child = fork_before(self.store, session, at)
+            child = engine.fork(session, before=at.id) if engine else fork_before(self.store, session, at)
             draft, done = at.content, "Forked before your message: change it, then Enter sends it"
         else:
             at_id = at.id if at is not None and at.id != session.head_id else None
-            engine = self.engine
             child = engine.fork(session, at_id) if engine else self.store.fork_session(session.id, at_id)
             draft, done = None, "Forked after this reply" if at_id else f"Forked into “{child.title}”"
         return child, self.store.path(child.head_id), draft, done
@@ -224,10 +225,10 @@ class ChatActions:
             self.app.push_screen(screen, lambda yes: yes and self.in_background(delete, deleted))
 
         def delete() -> tuple[Session | None, list[Message]] | None:
-            self.store.delete_session(session_id)
-            if self.engine is not None:
-                with self.engine.lock:
-                    self.engine.close(session_id)
+            if self.engine is not None:  # its KV goes too
+                self.engine.delete(session_id)
+            else:
+                self.store.delete_session(session_id)
             if self.session is None or self.session.id != session_id:
                 return None
             sessions = self.store.list_sessions()

@@ -1,8 +1,7 @@
 """The chat screen: the sidebar, the conversation, the input and the status line.
 
-The UI thread only draws. A reply is a job of the chat layer's scheduler (app/chat/): the screen
-submits it (from a worker: that writes the store) and, every FLUSH_S while one runs, draws the events
-its job told, so a reply streams into a Markdown stream in batches and the whole message is never
+The UI thread only draws. A reply is asked of the chat engine (app/chat/): the screen asks (from a
+worker: that writes the store) and, every FLUSH_S while one runs, draws the events its job told, so a reply streams into a Markdown stream in batches and the whole message is never
 re-rendered per token. What reads or writes the store, or loads the model, runs in a thread worker
 that hands its result back to the UI thread.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from itertools import groupby
 from pathlib import Path
@@ -27,8 +27,10 @@ from textual.worker import Worker, WorkerState
 
 from llama_chat.storage import ChatStore, Message, Session
 
-from ..chat.engine import ChatEngine, load_chat_model, title_from_text
+from ..chat.build import open_engine
+from ..chat.engine import ChatEngine
 from ..chat.jobs import Event
+from ..chat.titles import title_from_text
 from ..config import UserConfig
 from . import replies
 from .actions import ChatActions
@@ -215,23 +217,15 @@ class ChatScreen(ChatActions, Screen):
     def load_engine(self, name: str | None, remember: bool = False) -> None:
         """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
         self.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
+        options = replace(self.app.engine_options, model=name, store=self.store, n_ctx=self.config.n_ctx)
         try:
-            model = load_chat_model(
-                name,
-                self.progress_reporter(),
-                cache_ram_mb=self.app.cache_ram_mb,
-                prompt_lookup=self.app.prompt_lookup,
-            )
-            engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
+            engine = open_engine(options, self.progress_reporter())
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
         old, self.engine = self.engine, engine
         if old is not None:  # its KV goes with it; no reply runs on it (none starts while a model loads)
-            old.scheduler.close()
-            with old.lock:
-                for session_id in list(old.live):
-                    old.close(session_id)
+            old.close()
         self.model_name = name
         if self.session is not None:
             self.open_in_engine(self.session)
@@ -265,13 +259,7 @@ class ChatScreen(ChatActions, Screen):
         engine = self.engine
         if engine is None:
             return
-        session = self.store.get_session(session.id)
-        read = engine.prefetch(session)  # before the lock: a slow store holds up no reply being decoded
-        with engine.lock:
-            for other in list(engine.live):
-                if other != session.id:
-                    engine.close(other)
-            _, info = engine.open(session, read)
+        info = engine.resume(session)
         self.post_message(Resumed(session.id, resume_text(info), info.tokens))
 
     def resume(self, session: Session) -> None:
@@ -356,8 +344,8 @@ class ChatScreen(ChatActions, Screen):
         self.submit(reply)
 
     def submit(self, reply: Reply) -> None:
-        """Start a reply (it waits for a model being loaded): its job goes to the scheduler from a
-        worker, and its events are drawn every FLUSH_S until it ends."""
+        """Start a reply (it waits for a model being loaded): it is asked of the engine from a worker,
+        and its job's events are drawn every FLUSH_S until it ends."""
         self.replies.append(reply)
         if reply.view is not None:
             reply.view.set_note(
@@ -438,10 +426,11 @@ class ChatScreen(ChatActions, Screen):
             await reply.view.finish()
         if job.error is not None:
             self.notify(error_text(job.error), title="No reply", severity="error", timeout=10)
+        saved = replies.saved_replies(reply)
         if reply.n > 1:
-            self.alternatives += job.result or []
+            self.alternatives += [(s.session, job.text(i)) for i, s in enumerate(saved) if s.session]
             return self.reply_done(reply)
-        stored = job.result.session if job.result else None
+        stored = saved[0].session if saved else None
         if job.error is None and stored is not None:
             self.in_background(
                 partial(self.store.path, stored.head_id),

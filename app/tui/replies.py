@@ -1,8 +1,8 @@
-"""A reply the screen asked for, submitted as a job to the chat layer's scheduler.
+"""A reply the screen asked for, asked of the chat engine's verbs (reply, regenerate, edit).
 
 The screen makes a `Reply` on the UI thread, with its cancel and the queue the job's events go to (the
 scheduler's thread only puts them there); `submit` then runs on a worker thread, since it writes the
-store (a new chat, a branch) and waits for the scheduler's lock. The screen takes the events off the
+store (a new chat, a branch) and waits for the engine's lock. The screen takes the events off the
 queue as it draws, never waiting for them.
 """
 
@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
-from llama_chat.storage.store import marked_title
 
-from ..chat.engine import ChatEngine, fork_before
-from ..chat.jobs import Event, Job
+from ..chat.engine import ChatEngine, SavedReply
+from ..chat.jobs import Event, JobView
 from ..config import ConfigError
 from .widgets import MessageView
 
@@ -55,7 +54,7 @@ class Reply:
     view: MessageView | None = None  # the message it streams into; None: shown once its branch is
     cancel: threading.Event = field(default_factory=threading.Event)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    job: Job | None = None  # once submitted
+    job: JobView | None = None  # once submitted
     started: bool = False  # submitted, and its branch (if it makes one) is on screen
 
     def take_events(self) -> list[Event]:
@@ -74,19 +73,20 @@ def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
     if engine is None:
         raise ModelError("no model is loaded (Ctrl+L chooses one)")
     options = dict(max_tokens=reply.max_tokens, cancel=reply.cancel, on_event=reply.events.put)
-    if reply.n > 1:  # one job of n replies, decoded together
-        reply.job = engine.submit_regenerate(reply.session, reply.n, **options)
-        return None
-    store = engine.store
-    if reply.edited is not None:
-        branch = fork_before(store, reply.session, reply.edited, marked_title(reply.session.title, "(edited)"))
-        before = store.path(reply.edited.parent_id)
+    if reply.regenerate is not None:  # one job of n replies, decoded together, each in its branch
+        branches, reply.job = engine.regenerate(reply.session, reply.n, reply_id=reply.regenerate.id, **options)
+        if reply.n > 1:
+            return None
+        branch = branches[0]
+    elif reply.edited is not None:
+        branch, reply.job = engine.edit(reply.session, reply.edited.id, reply.text, **options)
     else:
-        if reply.regenerate is not None:
-            title = marked_title(reply.session.title, "(regenerated)")
-            branch = engine.fork(reply.session, reply.regenerate.parent_id, title)
-        else:
-            branch = reply.session or engine.new_session(**reply.new_chat)
-        before = store.path(branch.head_id)
-    reply.job = engine.submit_reply(branch, reply.text, **options)
-    return Branch(branch, before, reply.text)
+        branch = reply.session or engine.new_session(**reply.new_chat)
+        reply.job = engine.reply(branch, reply.text, **options)
+    return Branch(branch, engine.store.path(branch.head_id), reply.text)
+
+
+def saved_replies(reply: Reply) -> list[SavedReply]:
+    """Where the reply's job stored what it made, one per alternative (none: it stored nothing)."""
+    result = reply.job.result
+    return [] if result is None else result if isinstance(result, list) else [result]
