@@ -186,6 +186,47 @@ def test_regenerate_and_edit_make_sibling_branches(qwen2, tmp_path):
     assert len(engine.store.list_sessions()) == 5
 
 
+def test_an_earlier_reply_regenerates_beside_itself_and_an_empty_edit_makes_no_branch(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("x")
+    chat(engine, session, "hello the world", max_tokens=4)
+    chat(engine, session, "and then", max_tokens=4)
+    session = engine.store.get_session(session.id)
+    first_question, first_reply = engine.store.path(session.head_id)[:2]
+    (branch,), job = engine.regenerate(session, reply_id=first_reply.id, max_tokens=4, sampling=GREEDY)
+    job.wait()
+    assert [m.id for m in engine.store.path(engine.store.get_session(branch.id).head_id)][0] == first_question.id
+    assert len(engine.store.path(engine.store.get_session(branch.id).head_id)) == 2  # the later turn is not in it
+    with pytest.raises(ValueError, match="empty"):
+        engine.edit(session, first_question.id, "  ")
+    with pytest.raises(ValueError, match="only a user message"):
+        engine.edit(session, first_reply.id, "hello")
+    assert len(engine.store.list_sessions()) == 2  # the session and the regenerated branch, nothing else
+
+
+def test_delete_waits_for_the_turn_being_made_and_lets_go_of_its_kv(qwen2, tmp_path):
+    import threading
+
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("doomed")
+    writing, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(event):  # the reply is held after its first piece, until the delete has been asked for
+        if event.kind == "text" and not writing.is_set():
+            writing.set()
+            go_on.wait(60)
+
+    job = engine.reply(session, "hello the world", sampling=GREEDY, max_tokens=6, on_event=hold)
+    writing.wait(60)
+    deleter = threading.Thread(target=lambda: engine.delete(session.id) and deleted.set())
+    deleter.start()
+    assert not deleted.wait(0.2) and engine.store.get_session(session.id)  # it waits for the turn
+    go_on.set()
+    deleter.join(60)
+    assert job.error is None and job.result.session.id == session.id  # the turn was stored, then deleted
+    assert deleted.is_set() and engine.store.list_sessions() == [] and engine.live.get(session.id) is None
+
+
 def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwen2, tmp_path):
     """Old turns dropped by context shift leave KV that still saw them: it is not the KV of the stored
     conversation and must not come back as if it were (in a new process, or to another server)."""
