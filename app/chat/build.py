@@ -30,7 +30,9 @@ class EngineOptions:
 
     model: str | None = None  # --model: a known model's name or a .gguf path; None: the default model
     db: Path | str = IN_MEMORY  # --db: the conversation database
-    store: ChatStore | None = None  # an open database to use instead of `db` (the app's: it shows chats first)
+    store: ChatStore | None = (
+        None  # an open database to use instead of `db` (the app's: it shows chats first)
+    )
     n_ctx: int = N_CTX  # --ctx
     cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
     block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
@@ -42,7 +44,9 @@ class EngineOptions:
     queue: int = DEFAULT_QUEUE  # --queue: replies waiting beyond those
 
 
-def load_chat_model(name: str | None, progress: Progress | None = None, codec: str = CODEC, **options) -> Model:
+def load_chat_model(
+    name: str | None, progress: Progress | None = None, codec: str = CODEC, **options
+) -> Model:
     """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
     the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
     the compiler. Under the auto `codec`, the model's KV plan too (measured at its first use)."""
@@ -78,7 +82,9 @@ def open_remote(options: EngineOptions, fingerprint: str):
     return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
 
 
-def open_engine(options: EngineOptions, progress: Progress | None = None, model: Model | None = None) -> ChatEngine:
+def open_engine(
+    options: EngineOptions, progress: Progress | None = None, model: Model | None = None
+) -> ChatEngine:
     """The chat engine `options` describe: its model loaded (unless `model` is one loaded already from
     them), its database and remote tier opened. Whoever built it closes it (ChatEngine.close), and
     closes the store it opened (engine.store) unless the options brought one."""

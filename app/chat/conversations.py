@@ -118,7 +118,9 @@ class Conversations:
         previous = self.live.window_ids(messages[:-1])
         return previous if prompt[: len(previous)] == previous else None
 
-    def _kept_session(self, messages: list[dict], tenant: str | None, namespace: bytes | None) -> Session | None:
+    def _kept_session(
+        self, messages: list[dict], tenant: str | None, namespace: bytes | None
+    ) -> Session | None:
         """The API session a returning conversation was kept in after its last reply (its tail, the KV
         after its last full block, is stored with it), if it is here. (Full blocks are shared by
         content; a tail by the tokens it ends, or another server's through the remote tier.)"""

@@ -103,7 +103,12 @@ class ChatEngine:
             return self.live.open(session, read)[1]
 
     def fork(
-        self, session: Session, at_message: int | None = None, title: str | None = None, *, before: int | None = None
+        self,
+        session: Session,
+        at_message: int | None = None,
+        title: str | None = None,
+        *,
+        before: int | None = None,
     ) -> Session:
         """A new session sharing this one's messages and KV up to `at_message` (default: the head), or
         ending just before the message `before` (empty, before the first)."""
@@ -203,7 +208,9 @@ class ChatEngine:
         sampling = self._sampling(session.sampling, settings, sampling, grammar, logprobs)
         self._count_turn(session.id, +1)  # from here: a delete waits for this turn to be stored
         try:
-            plan = self._turn(session, text, max_tokens, saved if saved is not None else SavedReply(), store, keep_kv)
+            plan = self._turn(
+                session, text, max_tokens, saved if saved is not None else SavedReply(), store, keep_kv
+            )
             return self._submit(plan, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event,
                                 cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
         except BaseException:
@@ -248,7 +255,9 @@ class ChatEngine:
 
         sampling = self._sampling(session.sampling, settings, sampling)
         plan = Plan(prepare, finish, session_id=session.id)
-        return branches, self._submit(plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event, cancel=cancel)
+        return branches, self._submit(
+            plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event, cancel=cancel
+        )
 
     def edit(self, session: Session, message_id: int, new_text: str, **options) -> tuple[Session, Job]:
         """Change a past user message: a sibling branch, made now, with the new text beside the old one,
@@ -286,7 +295,13 @@ class ChatEngine:
                 self._turns_changed.notify_all()
 
     def _turn(
-        self, session: Session, text: str | None, max_tokens: int, saved: SavedReply, store: bool, keep_kv: bool
+        self,
+        session: Session,
+        text: str | None,
+        max_tokens: int,
+        saved: SavedReply,
+        store: bool,
+        keep_kv: bool,
     ) -> Plan:
         """The plan of a session's next turn: the reply to `text` (None: to its last message)."""
         read = self.live.prefetch(session)  # here: a slow store holds up this reply only

@@ -27,7 +27,9 @@ class PromptTooLong(ContextFullError):
     """A prompt that leaves no room for a reply in the context window."""
 
     def __init__(self, prompt_tokens: int, n_ctx: int):
-        super().__init__(f"the prompt is {prompt_tokens:,} tokens; the context window holds {n_ctx:,} (--ctx)")
+        super().__init__(
+            f"the prompt is {prompt_tokens:,} tokens; the context window holds {n_ctx:,} (--ctx)"
+        )
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
 
 

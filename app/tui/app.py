@@ -90,7 +90,7 @@ class ChatApp(App, inherit_bindings=False):
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
         if isinstance(screen, ChatScreen):
-            yield from screen.commands()
+            yield from screen.actions.commands()
 
     def key_help(self) -> list[tuple[str, list[tuple[str, str, str]]]]:
         """The keys by place, with the user's keymap applied: (heading, [(keys, description, id)])."""
@@ -114,7 +114,7 @@ class ChatApp(App, inherit_bindings=False):
 
     async def action_quit(self) -> None:
         """Quit; a reply being written is stopped and stored first."""
-        await self.chat.stop_replies()
+        await self.chat.flow.stop_and_wait()
         self.exit()
 
 
