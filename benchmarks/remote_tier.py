@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from llama_chat.app.chat.engine import ChatEngine  # noqa: E402
 from llama_chat.app.chat.jobs import stream_text  # noqa: E402
 from llama_chat.inference import GenerationStats, SamplingParams, load_model  # noqa: E402
-from llama_chat.inference.kv_cache import BlockPool  # noqa: E402
 from llama_chat.storage import ChatStore  # noqa: E402
 from llama_chat.storage.exchange import export_session, import_session  # noqa: E402
 from llama_chat.storage.remote import RemoteTier  # noqa: E402
@@ -67,8 +66,9 @@ def build(engine: ChatEngine, n_tokens: int):
 
 
 def fresh_server(model, folder: Path, exported: Path, tier: RemoteTier | None, prefill_tok_s: float | None):
-    """What a new server process sees: an empty block pool, a database holding only the messages."""
-    model.pool = BlockPool(model.config, model.fingerprint, model.pool.block_size)
+    """What a new server process sees: the model loaded anew (an empty block pool), a database holding
+    only the messages."""
+    model = load_model(model.path, block_size=model.pool.block_size)
     folder.mkdir(parents=True)
     store = ChatStore(folder / "chat.db")
     session_id = import_session(store, exported, model_fingerprint=model.fingerprint).session_ids[0]
