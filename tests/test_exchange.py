@@ -21,9 +21,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llama_chat.app.bench.stored import measure_exchange
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
-from llama_chat.app.measure import measure_exchange
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import encode_kv

@@ -1,389 +1,39 @@
-"""`llama-chat bench`: load time, prefill and decode speed, tokenizer speed and memory on a real model.
+"""`llama-chat bench`: load time, prefill and decode speed, tokenizer speed, memory, sessions and the
+app on a real model, printed as lines (or one JSON object with --json).
 
-Timing lives here, never in unit tests. Figures are meant to be read as ratios against a baseline
-run in the same process or the same run (benchmarks/compare_llamacpp.py runs llama.cpp beside it).
+Timing lives in this package, never in unit tests. Figures are meant to be read as ratios against a
+baseline run in the same process or the same run (benchmarks/compare_llamacpp.py runs llama.cpp
+beside it). Only the `bench` command imports this package.
 """
 
 from __future__ import annotations
 
 import json
 import resource
-import subprocess
 import sys
+import tempfile
 import time
-
-import numpy as np
-
-from llama_chat.inference import load_model, resolve_model
-
-from .chat.settings import CODEC
-from .measure import measure_app, measure_codecs, measure_sessions, measure_stop
-from .progress import ProgressBar
-
-# Plain prose and code, repeated to any length: a stand-in for a real conversation's text.
-SAMPLE_TEXT = """The little lighthouse keeper woke before dawn, as she had every morning for thirty years.
-She climbed the spiral stairs, trimmed the wick, and watched the fishing boats slip out of the harbour.
-def fibonacci(n):
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-When the storm came in the autumn, the whole village gathered in the tower, telling stories until
-the wind dropped and the sea, grey and tired, lay down again like an old dog by the fire.
-"""
-
-
-# A reply that repeats code from the prompt with small edits: where prompt lookup pays.
-CODE_EDIT = [
-    {
-        "role": "user",
-        "content": """Rename `area` to `rectangle_area` everywhere and change nothing else:
-
-```python
-def area(width, height):
-    \"\"\"The area of a rectangle.\"\"\"
-    if width < 0 or height < 0:
-        raise ValueError("negative size")
-    return width * height
-
-
-def describe(width, height):
-    return f"{width} x {height} = {area(width, height)}"
-
-
-def total_area(shapes):
-    total = 0
-    for width, height in shapes:
-        total += area(width, height)
-    return total
-
-
-def largest(shapes):
-    return max(shapes, key=lambda s: area(*s))
-```""",
-    }
-]
-
-
-def sample_text() -> str:
-    """Real, varied text: the source of a standard-library module (code, comments and docstrings),
-    after the prose above. Repeated text would let the model copy, which hides cache errors."""
-    import argparse
-
-    with open(argparse.__file__, encoding="utf-8") as f:
-        return SAMPLE_TEXT + f.read()
-
-
-def sample_tokens(tokenizer, n: int) -> list[int]:
-    text = sample_text()
-    ids = tokenizer.encode(text[: n * 6])
-    while len(ids) < n:
-        text += text
-        ids = tokenizer.encode(text[: n * 6])
-    return ids[:n]
-
-
-def _child(code: str, *args: str, env: dict | None = None) -> str:
-    """The last line a Python child process prints: timings and RSS of a start of its own."""
-    out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, env=env
-    )
-    return out.stdout.strip().splitlines()[-1]
-
-
-def measure_cold_load(model_arg) -> float:
-    """Load from the GGUF without the prepared cache (metadata read again, weights packed), in a child
-    process so RSS here stays honest; compiled kernels come from their cache (see measure_compile)."""
-    code = (
-        "import sys, time; from llama_chat.inference.weights import prepare; "
-        "t = time.perf_counter(); prepare(sys.argv[1], use_cache=False); print(time.perf_counter() - t)"
-    )
-    return float(_child(code, str(resolve_model(model_arg))))
-
-
-def measure_compile(model_arg) -> float:
-    """Seconds a first start spends compiling the kernels this model takes (an empty numba cache, in a
-    child process)."""
-    import os
-    import tempfile
-
-    code = (
-        "import sys; from llama_chat.inference.quants import compile_kernels; "
-        "from llama_chat.inference.weights import model_info; "
-        "print(compile_kernels(None, model_info(sys.argv[1]).matrix_formats))"
-    )
-    with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "NUMBA_CACHE_DIR": folder}
-        return float(_child(code, str(resolve_model(model_arg)), env=env))
-
-
-ASK_CHILD = """
-import resource, sys
-from llama_chat.app.cli import main
-main(sys.argv[1:])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-"""
-
-
-def measure_ask_rss(model_arg, folder) -> float:
-    """Peak RSS (MB) of `llama-chat ask` answering a short question, in a process of its own."""
-    path = str(resolve_model(model_arg))
-    args = ["--model", path, "--db", str(folder / "rss.db"), "ask", "Say hello.", "--max-tokens", "16"]
-    return float(_child(ASK_CHILD, *args))
-
-
-def measure_lookup(model, max_tokens: int) -> dict:
-    """Greedy decode of a reply that edits code from the prompt, with and without prompt lookup."""
-    from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate
-
-    ids = chat_prompt_ids(model, CODE_EDIT)
-    runs = {}
-    for lookup in (False, True):
-        stats = GenerationStats()
-        greedy = SamplingParams(temperature=0)
-        text = "".join(
-            generate(model, ids, sampling=greedy, max_tokens=max_tokens, stats=stats, lookup=lookup)
-        )
-        runs[lookup] = (text, stats)
-    (plain, plain_stats), (looked, stats) = runs[False], runs[True]
-    return {
-        "plain_tok_s": plain_stats.decode_tok_s,
-        "lookup_tok_s": stats.decode_tok_s,
-        "drafted": stats.drafted_tokens,
-        "accepted": stats.accepted_tokens,
-        "same_text": looked == plain,
-        "token_ids": stats.token_ids,
-    }
-
-
-PET_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "kind": {"enum": ["cat", "dog", "bird"]},
-        "owner": {"type": "object", "properties": {"city": {"type": "string"}, "age": {"type": "integer"}}},
-        "tags": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["name", "kind", "owner", "tags"],
-}
-
-
-def measure_json_mask(model, max_tokens: int) -> dict:
-    """A greedy reply under a JSON schema (nested object, enum, array): its decode time per token, and
-    the grammar's share of it (its mask and step per token, replayed alone over the same tokens)."""
-    from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate
-    from llama_chat.inference.constrain import Constraint, check_grammar, json_schema_grammar
-
-    grammar = check_grammar(model.tokenizer, json_schema_grammar(PET_SCHEMA))  # the vocabulary read once
-    ids = chat_prompt_ids(model, [{"role": "user", "content": "Invent a pet and its owner, as JSON."}])
-    stats = GenerationStats()
-    sampling = SamplingParams(temperature=0, grammar=grammar)
-    "".join(generate(model, ids, sampling=sampling, max_tokens=max_tokens, stats=stats, lookup=False))
-    constraint, logits = Constraint(model.tokenizer, grammar), np.zeros(model.config.n_vocab, np.float32)
-    t = time.perf_counter()
-    for token in stats.token_ids:
-        constraint.mask(logits)
-        constraint.accept(token)
-    mask_ms = 1000 * (time.perf_counter() - t) / max(len(stats.token_ids), 1)
-    decode_ms = 1000 / stats.decode_tok_s if stats.decode_tok_s else 0.0
-    return {"mask_ms": mask_ms, "decode_ms": decode_ms, "tokens": len(stats.token_ids)}
-
-
-def measure_prefill(model, n: int, repeats: int) -> float:
-    ids = sample_tokens(model.tokenizer, n)
-    best = float("inf")
-    for _ in range(repeats):
-        seq = model.new_sequence(n + 1)
-        t = time.perf_counter()
-        model.forward(ids, seq)  # forward never looks for shared blocks: every token is computed
-        best = min(best, time.perf_counter() - t)
-        seq.free()
-    return n / best
-
-
-def measure_short_prefill(model, cached: int, n: int, repeats: int) -> float:
-    """Milliseconds to read a new turn of n tokens after `cached` tokens already in the cache (the time
-    to first token of a continued chat), the best of `repeats`, each on a fork of the cached sequence."""
-    ids = sample_tokens(model.tokenizer, cached + n)
-    seq = model.new_sequence(cached + n + 1)
-    model.forward(ids[:cached], seq)
-    best = float("inf")
-    for _ in range(repeats):
-        turn = seq.fork()
-        t = time.perf_counter()
-        model.forward(ids[cached:], turn)
-        best = min(best, time.perf_counter() - t)
-        turn.free()
-    seq.free()
-    return best * 1000
-
-
-def measure_decode(model, context: int, n_tokens: int) -> float:
-    ids = sample_tokens(model.tokenizer, context)
-    seq = model.new_sequence(context + n_tokens + 1)
-    logits = model.forward(ids, seq)[-1]
-    t = time.perf_counter()
-    for _ in range(n_tokens):
-        logits = model.forward([int(np.argmax(logits))], seq)[-1]
-    elapsed = time.perf_counter() - t
-    seq.free()
-    return n_tokens / elapsed
-
-
-def measure_decode_contexts(model, contexts: tuple[int, ...], n_tokens: int) -> list[float]:
-    """Decode tokens/s at several context lengths, one token of each in turn, so that a busy moment
-    of this shared machine slows every context alike and their ratio stays meaningful."""
-    ids = sample_tokens(model.tokenizer, max(contexts))
-    seqs, logits = [], []
-    for n in contexts:
-        seqs.append(model.new_sequence(n + n_tokens + 1))
-        logits.append(model.forward(ids[:n], seqs[-1])[-1])
-    elapsed = [0.0] * len(contexts)
-    for _ in range(n_tokens):
-        for i, seq in enumerate(seqs):
-            t = time.perf_counter()
-            logits[i] = model.forward([int(np.argmax(logits[i]))], seq)[-1]
-            elapsed[i] += time.perf_counter() - t
-    for seq in seqs:
-        seq.free()
-    return [n_tokens / e for e in elapsed]
-
-
-def measure_prefix_reuse(model, shared: int, extra: int) -> dict:
-    """A second conversation whose first `shared` tokens equal an earlier one's prefills only the rest."""
-    ids = sample_tokens(model.tokenizer, shared + extra)
-    first = model.new_sequence(shared + extra + 1)
-    model.forward(ids[:shared], first)
-    second = model.new_sequence(shared + extra + 1)
-    other = ids[:shared] + sample_tokens(model.tokenizer, extra + 7)[7:]  # same start, different end
-    t = time.perf_counter()
-    saved = second.reuse_prefix(other)
-    model.forward(other[saved:], second)
-    reuse_s = time.perf_counter() - t
-    third = model.new_sequence(shared + extra + 1)
-    t = time.perf_counter()
-    model.forward(other, third)
-    full_s = time.perf_counter() - t
-    for seq in (first, second, third):
-        seq.free()
-    return {"saved_tokens": saved, "reuse_ms": reuse_s * 1000, "full_ms": full_s * 1000}
-
-
-def measure_fork(model, n: int) -> dict:
-    seq = model.new_sequence(n + 1)
-    model.forward(sample_tokens(model.tokenizer, n), seq)
-    before = model.pool.memory_breakdown()["in_use_bytes"]
-    t = time.perf_counter()
-    child = seq.fork()
-    fork_ms = (time.perf_counter() - t) * 1000
-    added = model.pool.memory_breakdown()["in_use_bytes"] - before
-    child.free()
-    seq.free()
-    return {"fork_ms": fork_ms, "added_bytes": added}
-
-
-def measure_batch3(model, context: int, n_tokens: int) -> float:
-    """Time of 3 alternatives decoded together over the time of one, after a shared prompt."""
-    seq = model.new_sequence(context + n_tokens + 1)
-    model.forward(sample_tokens(model.tokenizer, context), seq)
-    one = seq.fork()
-    t = time.perf_counter()
-    for _ in range(n_tokens):
-        model.decode_batch([42], [one])
-    single = time.perf_counter() - t
-    three = [seq.fork() for _ in range(3)]
-    t = time.perf_counter()
-    for _ in range(n_tokens):
-        model.decode_batch([42, 43, 44], three)
-    batch = time.perf_counter() - t
-    for s in [seq, one, *three]:
-        s.free()
-    return batch / single
-
-
-def measure_jobs_at_once(model, context: int, n_tokens: int, counts: tuple[int, ...] = (2, 8)) -> dict[int, float]:
-    """C conversations replying at once through the scheduler (one batch per step) against one alone, for
-    each C of counts: decode time per token of the slowest of the C over that of the one. Each
-    conversation is a shared prompt read before the clock starts and a token of its own."""
-    from .chat.jobs import Job
-    from .chat.scheduler import Scheduler
-
-    scheduler = Scheduler(model, parallel=max(counts))
-    ids = sample_tokens(model.tokenizer, context)
-    base = model.new_sequence(context + n_tokens + 2)
-    model.forward(ids[:-1], base)
-    vocab = sorted(set(ids))
-
-    def job(i: int) -> Job:
-        prompt = [*ids, vocab[i % len(vocab)]]  # its own last token: a reply of its own
-        return Job(
-            lambda: (prompt, base.fork()),
-            max_tokens=n_tokens,
-            lookup=False,  # the same work per token for every reply
-            finish=lambda job: [s.free() for s in job.seqs],
-        )
-
-    def per_token(jobs: list[Job]) -> float:
-        for j in jobs:
-            scheduler.submit(j)
-        for j in jobs:
-            j.wait()
-        return max(j.stats[0].decode_s / max(j.stats[0].generated_tokens, 1) for j in jobs)
-
-    one = per_token([job(0)])
-    ratios = {c: per_token([job(1 + i) for i in range(c)]) / one for c in counts}
-    scheduler.close()
-    base.free()
-    return ratios
-
-
-def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
-    """Every codec on the model's real KV: size and speed (measure.measure_codecs), KL divergence
-    of the next-token distribution against the live cache, and how many greedy tokens match live."""
-    from llama_chat.storage.codec import decode_kv, encode_kv
-    from llama_chat.storage.kv_plan import model_plan
-
-    plan = model_plan(model)
-    ids = sample_tokens(model.tokenizer, n_tokens + 1)
-    live = model.new_sequence(n_tokens + n_greedy + 2)
-    model.forward(ids[:n_tokens], live)
-    k, v = live.gather(0, n_tokens)
-    table = measure_codecs(k, v, plan)
-
-    def greedy(seq, first: int) -> tuple[np.ndarray, list[int]]:
-        logits = model.forward([first], seq)[-1]
-        out, row = [], logits
-        for _ in range(n_greedy):
-            out.append(int(np.argmax(row)))
-            row = model.forward([out[-1]], seq)[-1]
-        return logits, out
-
-    live_logits, live_tokens = greedy(live, ids[n_tokens])
-    p = live_logits.astype(np.float64) - live_logits.max()
-    p -= np.log(np.exp(p).sum())
-    B = model.pool.block_size
-    for codec in table:
-        seq = model.new_sequence(n_tokens + n_greedy + 2)
-        seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
-        for start in range(0, n_tokens, B):
-            dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec, plan))
-            seq.append_kv(ids[start : start + dk.shape[2]], dk, dv)
-        logits, tokens = greedy(seq, ids[n_tokens])
-        q = logits.astype(np.float64) - logits.max()
-        q -= np.log(np.exp(q).sum())
-        same = next((i for i, (a, b) in enumerate(zip(tokens, live_tokens, strict=True)) if a != b), n_greedy)
-        table[codec]["kl"] = float((np.exp(p) * (p - q)).sum())
-        table[codec]["greedy_match"] = f"{same}/{n_greedy}"
-        seq.free()
-    live.free()
-    return table
-
-
-def measure_tokenizer(tokenizer, n_tokens: int) -> tuple[int, float]:
-    text = sample_text()[: n_tokens * 4]
-    t = time.perf_counter()
-    ids = tokenizer.encode(text)
-    return len(ids), time.perf_counter() - t
+from pathlib import Path
+
+from llama_chat.inference import load_model
+
+from ..chat.settings import CODEC
+from ..progress import ProgressBar
+from .forward import (
+    measure_batch3,
+    measure_decode_contexts,
+    measure_fork,
+    measure_jobs_at_once,
+    measure_json_mask,
+    measure_lookup,
+    measure_prefill,
+    measure_prefix_reuse,
+    measure_short_prefill,
+    measure_tokenizer,
+)
+from .processes import measure_app, measure_ask_rss, measure_cold_load, measure_compile
+from .samples import SAMPLE_TEXT, sample_tokens
+from .stored import measure_codec_quality, measure_sessions, measure_stop
 
 
 def run_bench(args) -> int:
@@ -396,9 +46,6 @@ def run_bench(args) -> int:
 
     with ProgressBar() as bar:
         load_model(args.model, progress=bar)  # make sure the model is assembled and prepared
-    import tempfile
-    from pathlib import Path
-
     from llama_chat.inference import kernels
     from llama_chat.inference.cpu import PROFILE
 
