@@ -161,3 +161,21 @@ def test_prompt_lookup_changes_no_token(tiny_model_path, temperature):
         assert plain_stats.drafted_tokens == 0
         drafted += stats.drafted_tokens
     assert drafted > 0  # guesses were made and checked
+
+
+def test_forward_passes_sees_every_row_the_scheduler_computes(qwen2, tmp_path, forward_passes):
+    """The fixture that slows the app's tests (conftest.py) must see the passes the scheduler makes:
+    two replies at once, so that a prompt's pieces are read beside the other reply's rows."""
+    from llama_chat.app.chat.engine import ChatEngine
+    from llama_chat.storage import ChatStore
+
+    engine = ChatEngine(qwen2, ChatStore(tmp_path / "chat.db"))
+    texts = ("hello the world and the sun " * 8, "the rain over the hills, then the sea " * 8)
+    jobs = [engine.submit_reply(engine.new_session(t[:9]), t, sampling=GREEDY, max_tokens=12) for t in texts]
+    for job in jobs:
+        job.wait()
+    stats = [job.stats[0] for job in jobs]
+    assert all(s.prefilled_tokens > 40 and s.generated_tokens == 12 for s in stats)
+    computed = sum(s.prefilled_tokens + s.generated_tokens - 1 for s in stats)  # the last token needs no pass
+    assert sum(forward_passes) >= computed
+    engine.scheduler.close()
