@@ -30,7 +30,8 @@ def test_stops_at_the_token_limit(qwen2):
     text, stats = reply(qwen2, ids, sampling=GREEDY, max_tokens=7)
     assert stats.generated_tokens == 7 and stats.stop_reason == "length"
     assert text == qwen2.tokenizer.decode(stats.token_ids)
-    assert stats.prefill_tok_s > 0 and stats.decode_tok_s > 0
+    assert (stats.prompt_tokens, stats.prefilled_tokens, stats.decoded_tokens) == (len(ids), len(ids), 6)
+    assert stats.prefill_tok_s > 0 and stats.decode_tok_s > 0  # both timed: no 0.0 tok/s printed
 
 
 def test_stop_string_ends_the_reply_before_it(qwen2):

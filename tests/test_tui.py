@@ -193,14 +193,12 @@ async def test_a_first_load_shows_its_progress_and_the_screen_works_meanwhile(op
 
 @aio
 async def test_the_status_bar_shows_its_percent_sign_whole(open_chat):
-    from textual.widgets._progress_bar import PercentageStatus
-
     async with open_chat() as pilot:
         app = pilot.app
         app.chat.status.progress("loading a model", 64, 100)
         await pilot.pause()
         bar = app.chat.status.query_one(ProgressBar)
-        percent = bar.query_one(PercentageStatus)
+        percent = bar.query_one("#percentage")  # ProgressBar's own part
         assert str(percent.render()) == "64%" and bar.region.contains_region(percent.region)
 
 

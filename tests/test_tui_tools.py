@@ -326,8 +326,6 @@ async def test_the_sidebar_hides_by_itself_on_a_narrow_terminal_and_ctrl_b_toggl
 
 @aio
 async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
-    from textual.widgets._toast import Toast
-
     from tui_pilot import chat_app, ready, released
 
     app = chat_app(tmp_path, qwen2)
@@ -335,10 +333,10 @@ async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
         await ready(pilot)
         await say(pilot, "hello the world")
         await pilot.press("ctrl+o")  # a fork says where it went
-        await until(pilot, lambda: list(app.screen.query(Toast)), what="the notice")
+        await until(pilot, lambda: list(app.screen.query("Toast")), what="the notice")
         await pilot.pause(0.5)  # (it slides in)
         box = app.chat.query_one(ChatInput).region
-        assert all(not toast.region.overlaps(box) for toast in app.screen.query(Toast))
+        assert all(not toast.region.overlaps(box) for toast in app.screen.query("Toast"))
         await pilot.press(*"typed")
         assert app.chat.query_one(ChatInput).text == "typed"
     released(app)
