@@ -6,7 +6,7 @@ or, with --soak, a bounded soak of `llama-chat serve` alone.
     python benchmarks/serve_load.py --soak SECONDS [--clients N] [--max-tokens 32] [--threads 2] [--model ...]
 
 C clients at once, each a 3-turn conversation (streamed, seeded) that starts with the same system
-prompt of about 1,000 tokens. Per C and per server: TTFT p50/p95, time per output token, aggregate
+prompt of about 1,000 tokens (--system-tokens). Per C and per server: TTFT p50/p95, time per output token, aggregate
 output tok/s, prompt tokens computed vs cached, KV bytes and peak RSS. Then both servers are restarted
 and every conversation sends its next turn: llama-chat reads its KV back from the database,
 llama-server recomputes it. Prints a table with the ratios (llama-chat / llama-server), then one JSON
@@ -46,17 +46,16 @@ from llama_chat.inference import DEFAULT_MODEL, resolve_model
 from llama_chat.inference.tokenizer import load_tokenizer
 
 TURNS = 3
-SYSTEM_TOKENS = 1000
 
 
 # -- the clients -----------------------------------------------------------------------------------------
 
 
-def system_prompt(gguf: Path) -> str:
-    """About SYSTEM_TOKENS tokens of house rules, the same for every client."""
+def system_prompt(gguf: Path, tokens: int) -> str:
+    """About `tokens` tokens of house rules, the same for every client."""
     tokenizer = load_tokenizer(gguf)
     rules, n = [], 0
-    while n < SYSTEM_TOKENS:
+    while n < tokens:
         i = len(rules) + 1
         rules.append(f"Rule {i}: when asked about topic {i}, answer in one short sentence and cite rule {i}.")
         n += len(tokenizer.encode(" " + rules[-1]))
@@ -257,7 +256,7 @@ def soak(model: str, threads: int, folder: Path, seconds: float, clients: int, m
                 if turn.error is None and session is None:
                     whole.append((conv, turn.text))
             if turn.error == "busy":
-                time.sleep(rng.uniform(0.1, 0.5))  # the clients retry, but not in a tight loop
+                time.sleep(rng.uniform(0.5, 1.0))  # about the second the 429's Retry-After asks for
 
     try:
         sessions = [server.post("/v1/sessions", {"title": f"soak {n}"})["id"] for n in range(3)]
@@ -343,6 +342,7 @@ def main() -> int:
     parser.add_argument("--clients", default="1,4,8,16", help="client counts to run; with --soak, its clients (the largest)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--system-tokens", type=int, default=1000, help="the shared system prompt's length")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (default: built once)")
     parser.add_argument("--no-llama-server", action="store_true", help="llama-chat's column only")
@@ -352,7 +352,7 @@ def main() -> int:
     gguf = resolve_model(args.model)
     clients = [int(x) for x in args.clients.split(",") if x]
     if args.soak:
-        return run_soak(args, max(clients, default=16), system_prompt(gguf))
+        return run_soak(args, max(clients, default=16), system_prompt(gguf, args.system_tokens))
     binary, why = None, None
     if not args.no_llama_server:
         try:
@@ -360,7 +360,7 @@ def main() -> int:
         except (OSError, subprocess.CalledProcessError, ValueError) as e:
             why = f"llama-server could not be built here ({e}); its column is left out"
             log(why)
-    system = system_prompt(gguf)
+    system = system_prompt(gguf, args.system_tokens)
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
