@@ -504,9 +504,10 @@ def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
 # pool holds them (strided views of its arena) and tails (copies), of every codec, compile nothing more.
 AFTER_COMPILE = """
 import numpy as np
-from llama_chat.storage.codec import KVPlan, _kernels, compile_kernels, decode_kv, encode_kv
+from llama_chat.storage import codec_kernels
+from llama_chat.storage.codec import KVPlan, compile_kernels, decode_kv, encode_kv
 compile_kernels()
-count = lambda: {k.__name__: len(k.signatures) for k in _kernels().COMPILED}
+count = lambda: {k.__name__: len(k.signatures) for k in codec_kernels.COMPILED}
 ready = count()
 k = np.random.default_rng(0).standard_normal((3, 2, 80, 64)).astype(np.float32)
 plan = KVPlan(((4, 6), (8, 16), (6, 8)), ((16, 8), (6, 4), (4, 4)))
