@@ -27,8 +27,13 @@ from llama_chat.app.measure import measure_exchange
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import encode_kv
-from llama_chat.storage.exchange import export_session, import_session
-from llama_chat.storage.exchange_file import MAGIC, ExchangeError, read_session_file
+from llama_chat.storage.exchange import (
+    MAGIC,
+    ExchangeError,
+    export_session,
+    import_session,
+    read_session_file,
+)
 
 GREEDY = SamplingParams(temperature=0)
 PROBE = "tell me more"  # the next user turn; the tiny model answers it with a non-empty greedy reply
