@@ -110,7 +110,7 @@ def verify_session(args) -> int:
 
 def collect_garbage(args) -> int:
     budget = None if args.budget is None else args.budget * 2**20
-    result = open_store(args).gc(budget)
+    result = open_store(args).kv.gc(budget)
     print(
         f"removed {result['blocks_removed']} block(s), {result['bytes_freed'] / 2**20:.1f} MB; "
         f"{result['blocks']} block(s), {result['bytes'] / 2**20:.1f} MB kept"

@@ -7,7 +7,8 @@ import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..store import ChatStore, marked_title
+from ..records import marked_title
+from ..store import ChatStore
 from .format import Progress
 from .reader import SessionFile, read_session_file
 

@@ -99,7 +99,7 @@ def _collect(
         messages, sessions = store.path(main.head_id), [main]
     file_ids = {s.id for s in sessions}
 
-    keys = {s.id: store.block_keys(s.id) if with_kv and s.model_fingerprint else [] for s in sessions}
+    keys = {s.id: store.kv.block_keys(s.id) if with_kv and s.model_fingerprint else [] for s in sessions}
     block_blobs: list[bytes] = []  # the data section: blocks, then tails
     tail_blobs: list[bytes] = []
     block_entries: list[dict] = []
@@ -110,7 +110,7 @@ def _collect(
             if key in seen:
                 continue
             seen.add(key)
-            block = store.load_block(key, s.model_fingerprint, s.kv_namespace)
+            block = store.kv.load_block(key, s.model_fingerprint, s.kv_namespace)
             data = block and _export_bytes(block.data, block.checksum, block.codec, codec)
             if data:
                 block_blobs.append(data)
@@ -125,7 +125,7 @@ def _collect(
                         "checksum": entry_checksum(data),
                     }
                 )
-        tail = store.load_tail(s.id, s.model_fingerprint) if with_kv and s.model_fingerprint else None
+        tail = store.kv.load_tail(s.id, s.model_fingerprint) if with_kv and s.model_fingerprint else None
         data = tail and _export_bytes(tail.data, tail.checksum, tail.codec, codec)
         if data:
             tail_blobs.append(data)
