@@ -143,4 +143,3 @@ class StoreConnection:
                 return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
             except sqlite3.Error as e:
                 raise self._error(e, "it cannot be read") from None
-

@@ -1,5 +1,5 @@
 """The chat store's KV tables: content-addressed blocks, each session's block list and tail. ChatStore
-(store.py) holds them as `kv`, on its own connection: one database, one place with SQL.
+(store.py) holds them as `kv`, on the store's connection: one database, one place with SQL.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from .records import StoredBlock, StoredTail
 
 
 class KVTables:
+    """KV blocks (shared, or in an import's namespace), each session's block list and its tail. The
+    insert_* verbs write inside a transaction their caller holds (a snapshot, an import)."""
+
     def __init__(self, connection: StoreConnection):
         self.connection = connection
         self.db = connection.db

@@ -1,4 +1,5 @@
-"""The conversation store: models, sessions, the message tree and KV blocks — the only place with SQL.
+"""The conversation store: models, sessions, the message tree, and (as `kv`, kv_tables.py) the KV blocks —
+with kv_tables.py the only place with SQL.
 
 A session is a pointer to a message of the tree (its head) plus settings. Forking, editing a past
 message or regenerating a reply makes a new session on a sibling branch; nothing is copied. Messages
@@ -23,6 +24,7 @@ from .kv_tables import KVTables
 from .records import Message, Session, StoredBlock, StoredTail, marked_title
 
 _OF_TENANT = "AND (? IS NULL OR tenant = ?)"  # a tenant's sessions; NULL: every session
+
 
 class ChatStore:
     """Models, sessions and the message tree; the KV tables are `kv`."""
@@ -342,7 +344,9 @@ class ChatStore:
     def children(self, message_id: int) -> list[Message]:
         return [
             Message.from_row(r)
-            for r in self.connection.rows("SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,))
+            for r in self.connection.rows(
+                "SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,)
+            )
         ]
 
     def message_tree(self, root_id: int) -> list[Message]:

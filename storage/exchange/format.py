@@ -84,5 +84,7 @@ def declared_sections(name: str, head: bytes) -> tuple[int, int]:
             f"{name}: declares a {manifest_size:,}-byte manifest, over the limit of {MAX_MANIFEST_BYTES:,}"
         )
     if data_size > MAX_DATA_BYTES:
-        raise ExchangeError(f"{name}: declares {data_size:,} bytes of KV, over the limit of {MAX_DATA_BYTES:,}")
+        raise ExchangeError(
+            f"{name}: declares {data_size:,} bytes of KV, over the limit of {MAX_DATA_BYTES:,}"
+        )
     return manifest_size, data_size

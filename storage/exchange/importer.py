@@ -71,7 +71,9 @@ def import_session(
     namespace = secrets.token_bytes(16) if blocks or tails else kv_namespace
     if progress:
         progress(f"importing {file.path.name}", 0, 1)
-    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails, namespace, tenant)
+    new_ids, added = store.add_imported(
+        file.messages, sessions, blocks, block_lists, tails, namespace, tenant
+    )
     if progress:
         progress(f"importing {file.path.name}", 1, 1)
     main = file.sessions[0]
