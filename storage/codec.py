@@ -14,8 +14,9 @@ from .codec_formats import AUTO, GROUP, TABLE, KVPlan, kernels
 from .codec_formats import PLAN_BITS as PLAN_BITS  # (the codec's public name, defined beside the table)
 from .zstd_frames import FrameError, compress_frame, decompress_frame
 
-CODECS: tuple[str, ...] = tuple(n for n, c in TABLE.items() if c.bits)  # one precision for all layers, heads
-STORED_CODECS: tuple[str, ...] = tuple(TABLE)  # what a stored block may say it is
+# CODECS give every layer and head one precision; STORED_CODECS are what a stored block may say it is
+CODECS: tuple[str, ...] = tuple(n for n, c in TABLE.items() if c.bits is not None)
+STORED_CODECS: tuple[str, ...] = tuple(TABLE)
 
 # Layout: a 22-byte header (magic, format version, codec id, n_layer, n_kv_head, n_tokens, head_dim),
 # then one zstd frame (with content size and checksum) holding a copy of the header and the codec's
