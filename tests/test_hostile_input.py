@@ -211,10 +211,10 @@ def forged_export(path, folder):
     ask(engine, pirate, "who are you, and where is the gold hidden now? " * 3)
     store = engine.store
     # all but the last two blocks (or as many as the pirate has), but for a first block both share
-    pairs = zip(store.block_keys(bait.id)[:-2], store.block_keys(pirate.id), strict=False)
+    pairs = zip(store.kv.block_keys(bait.id)[:-2], store.kv.block_keys(pirate.id), strict=False)
     pairs = [(victim_key, forged_key) for victim_key, forged_key in pairs if victim_key != forged_key]
     for victim_key, forged_key in pairs:
-        forged = store.load_block(forged_key, engine.model.fingerprint)
+        forged = store.kv.load_block(forged_key, engine.model.fingerprint)
         store.db.conn.execute(
             "UPDATE kv_blocks SET data = ?, checksum = ? WHERE key = ?",
             (forged.data, forged.checksum, victim_key),
@@ -233,7 +233,7 @@ def test_forged_kv_in_an_import_changes_no_other_session(qwen2, tmp_path, victim
     engine = engine_for(qwen2, tmp_path / "victim.db")
     if victim_had_blocks:  # the victim's blocks were stored, then collected
         engine.store.delete_session(ask_in_new(engine, PROMPT).id)
-        engine.store.gc(budget_bytes=0)
+        engine.store.kv.gc(budget_bytes=0)
     imported = import_session(engine.store, gift, model_fingerprint=engine.model.fingerprint).session_ids[0]
     victim = engine_for(qwen2, tmp_path / "victim.db")  # a later process: nothing held in RAM
     assert ask(victim, victim.new_session("mine", system_prompt=PROMPT[0]), PROMPT[1]) == expected
@@ -261,7 +261,7 @@ def ask_in_new(engine, prompt):
 def test_a_stored_block_is_used_only_for_the_tokens_it_was_made_from(qwen2, tmp_path):
     engine = engine_for(qwen2, tmp_path / "chat.db")
     session = ask_in_new(engine, PROMPT)
-    key = engine.store.block_keys(session.id)[0]
+    key = engine.store.kv.block_keys(session.id)[0]
     engine.store.db.conn.execute("UPDATE kv_blocks SET tokens = ? WHERE key = ?", (b"\0" * 32, key))
     again = engine_for(qwen2, tmp_path / "chat.db")
     _, info = again.open(again.store.get_session(session.id))

@@ -78,7 +78,7 @@ def test_a_block_written_under_one_plan_reads_under_another(tmp_path):
     later = KVStore(store, "fp", AUTO, plan=KVPlan.uniform(2, 2, 4))
     got = np.empty_like(k), np.empty_like(v)
     assert later.fetch(b"k" * 16, tokens, None, got)
-    stored = store.load_block(b"k" * 16, "fp")
+    stored = store.kv.load_block(b"k" * 16, "fp")
     assert block_plan(stored.data) == first
     assert np.array_equal(got[0], decode_kv(stored.data)[0])
     assert np.abs(got[0] - k).max() < 0.05  # 8 bits, not the 4 of the plan it was read under
@@ -95,12 +95,6 @@ def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
     assert abs(table[AUTO]["bytes"] - table["q4"]["bytes"]) < 0.1 * table["q4"]["bytes"]
 
 
-def stored_blocks(store: ChatStore, session) -> list:
-    """A stored session's full KV blocks, as the store hands them out."""
-    keys = store.block_keys(session.id)
-    return [store.load_block(k, session.model_fingerprint, session.kv_namespace) for k in keys]
-
-
 def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny_model_paths, tmp_path):
     """Under the auto codec a conversation is stored under the model's plan, resumes in a fresh engine
     with nothing recomputed, and its export file imports elsewhere with its blocks as they are."""
@@ -115,9 +109,9 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
         engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
     )
     session = engine.store.get_session(session.id)
-    blocks = stored_blocks(engine.store, session)
-    assert blocks and {b.codec for b in blocks} == {AUTO}
-    assert {block_plan(b.data) for b in blocks} == {model_plan(engine.model)}
+    blocks = engine.store.connection.rows("SELECT codec, data FROM kv_blocks")
+    assert blocks and {b["codec"] for b in blocks} == {AUTO}
+    assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model)}
 
     fresh = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec="q6")
     _, info = fresh.open(fresh.store.get_session(session.id))
@@ -127,7 +121,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     target = ChatStore(tmp_path / "b.db")
     result = import_session(target, tmp_path / "s.llamachat", model_fingerprint=engine.model.fingerprint)
     assert result.kv == "imported" and result.blocks_added == len(blocks)
-    assert {b.codec for b in stored_blocks(target, target.get_session(result.session_ids[0]))} == {AUTO}
+    assert {r["codec"] for r in target.connection.rows("SELECT codec FROM kv_blocks")} == {AUTO}
     elsewhere = ChatEngine(load_model(path, block_size=8), target)
     _, info = elsewhere.open(target.get_session(result.session_ids[0]))
     assert info.restored == info.tokens

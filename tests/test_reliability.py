@@ -173,7 +173,7 @@ def test_a_full_disk_stores_the_whole_turn_or_nothing_and_says_so(qwen2, tmp_pat
         database.conn.execute(f"PRAGMA max_page_count = {pages}")
         return database
 
-    monkeypatch.setattr("llama_chat.storage.store.open_database", cramped)
+    monkeypatch.setattr("llama_chat.storage.connection.open_database", cramped)
     ask = ["ask", "--session", session_id, "--temp", "0", "--max-tokens", "150", "and what then"]
     assert main(cli_args(db, qwen2, *ask)) == 2
     out, err = capsys.readouterr()

@@ -282,7 +282,7 @@ def test_a_conversation_goes_on_at_a_second_server_from_the_shared_store(
     assert main(["--db", str(tmp_path / "a.db"), *shared, *ask, "--new-session", HISTORY]) == 0
     session_id = next(w.split()[1] for w in capsys.readouterr().err.splitlines() if w.startswith("session "))
     a = ChatStore(tmp_path / "a.db")
-    n_blocks = len(a.block_keys(session_id))
+    n_blocks = len(a.kv.block_keys(session_id))
     assert n_blocks >= 2
     wait_for(lambda: redis_server.client().dbsize() >= n_blocks)  # written behind the reply
 
@@ -327,15 +327,15 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
     _, info = second.open(moved)
     assert info.tokens % 8  # a tail after the full blocks: it comes through the cluster too
     assert info.remote == info.restored == info.tokens >= 32
-    keys = first.store.block_keys(session.id)
-    assert second.store.stored_keys(keys) == set()  # read into RAM: no SQLite before the first token
+    keys = first.store.kv.block_keys(session.id)
+    assert second.store.kv.stored_keys(keys) == set()  # read into RAM: no SQLite before the first token
     reply, stats = chat(second, moved, "and then")
     assert stats.prefilled_tokens == stats.prompt_tokens - info.tokens
     # then stored with the reply's snapshot, as read (not encoded again), and not sent back
-    assert second.store.stored_keys(keys) == set(keys)
+    assert second.store.kv.stored_keys(keys) == set(keys)
     assert all(
-        second.store.load_block(k, second.model.fingerprint).data
-        == first.store.load_block(k, first.model.fingerprint).data
+        second.store.kv.load_block(k, second.model.fingerprint).data
+        == first.store.kv.load_block(k, first.model.fingerprint).data
         for k in keys
     )
     second.kv.remote.flush()
@@ -521,8 +521,8 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
     for s in servers:  # nothing local lost: every session whole, every block it lists stored
         for stored in s.store.list_sessions():
             assert [m.role for m in s.store.path(stored.head_id)][-2:] == ["user", "assistant"]
-            keys = s.store.block_keys(stored.id)
-            assert s.store.stored_keys(keys) == set(keys)
+            keys = s.store.kv.block_keys(stored.id)
+            assert s.store.kv.stored_keys(keys) == set(keys)
 
 
 def test_the_command_line_refuses_a_tier_without_a_secret(qwen2, tmp_path, redis_server, capsys, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.inference import SamplingParams, load_model
-from llama_chat.storage import ChatStore, remote
+from llama_chat.storage import ChatStore, remote_wire
 from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.records import StoredBlock
 from llama_chat.storage.remote import RemoteTier
@@ -61,7 +61,7 @@ def a_block() -> StoredBlock:
 
 def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2, tmp_path, peer, monkeypatch):
     # An answer's cap, lowered from 512 MiB so that the endless value is cut off after a few MiB here
-    monkeypatch.setattr(remote, "MAX_ANSWER_BYTES", 4 << 20)
+    monkeypatch.setattr(remote_wire, "MAX_ANSWER_BYTES", 4 << 20)
     alone = reply(engine(qwen2, tmp_path / "alone.db", None), HISTORY)
     served = engine(qwen2, tmp_path / "a.db", peer.url)
     tier = served.kv.remote

@@ -111,10 +111,10 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
     t3 = time.perf_counter()
     target.close()
     stored = 0
-    for key in store.block_keys(session.id):
-        block = store.load_block(key, session.model_fingerprint, session.kv_namespace)
+    for key in store.kv.block_keys(session.id):
+        block = store.kv.load_block(key, session.model_fingerprint, session.kv_namespace)
         stored += len(block.data) if block else 0
-    tail = store.load_tail(session.id, session.model_fingerprint)
+    tail = store.kv.load_tail(session.id, session.model_fingerprint)
     stored += len(tail.data) if tail else 0
     for m in store.path(session.head_id):
         stored += len(m.content.encode()) + 4 * len(m.token_ids or [])
@@ -162,7 +162,7 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     result = json.loads(child_line(RESUME_CHILD, str(model.path), str(db), session.id))
 
     def stored_bytes():
-        sizes = engine.store.kv_bytes()
+        sizes = engine.store.kv.kv_bytes()
         return sizes["blocks"] + sizes["tails"]
 
     before = stored_bytes()
@@ -170,7 +170,7 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     engine.fork(session)
     result["fork_ms"] = (time.perf_counter() - t) * 1000
     result["fork_added_bytes"] = stored_bytes() - before
-    result["stored_block_bytes"] = engine.store.kv_bytes()["largest_block"]
+    result["stored_block_bytes"] = engine.store.kv.kv_bytes()["largest_block"]
     result["exchange"] = measure_exchange(engine.store, session.id, folder)
     engine.store.close()
     return result
