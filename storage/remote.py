@@ -72,6 +72,7 @@ class RemoteTier:
         backoff_s: float = DEFAULT_BACKOFF_S,
         queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
         always_fetch: bool = False,
+        clock=time.monotonic,
     ):
         if not secret:
             raise RemoteTierError(
@@ -84,6 +85,7 @@ class RemoteTier:
         self.where = where  # the URL without its password, for messages
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
+        self.clock = clock  # () -> seconds: when a backoff ends (tests move it on rather than wait)
         self.always_fetch = always_fetch  # skip the rule: read whatever is missing (benchmarks, tests)
         self._client = None
         self._client_lock = threading.Lock()
@@ -279,7 +281,7 @@ class RemoteTier:
     @property
     def down(self) -> bool:
         """Backing off after a failure: reads miss and writes drop without touching the network."""
-        return time.monotonic() < self._down_until
+        return self.clock() < self._down_until
 
     def _round_trip(self, work, moved: str):
         """work(client) -> (result, bytes moved), timed and counted under `moved`; None when the tier is
@@ -307,7 +309,7 @@ class RemoteTier:
     def _fail(self, error: Exception) -> None:
         """Count a failure, back off, and say it (the first time in the log; the last in stats)."""
         self._count("failures")
-        self._down_until = time.monotonic() + self.backoff_s
+        self._down_until = self.clock() + self.backoff_s
         self._drop_client()
         self.last_error = f"{type(error).__name__}: {_reason(error)}"
         self._warn_once(

@@ -21,9 +21,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llama_chat.app.bench.stored import measure_exchange
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
-from llama_chat.app.measure import measure_exchange
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import encode_kv
@@ -368,8 +368,13 @@ def test_measure_exchange_reports_times_and_sizes(source, tmp_path):
     db = tmp_path / "copy.db"
     shutil.copy(source.db, db)
     result = measure_exchange(ChatStore(db), source.session.id, tmp_path)
-    assert result["kv"] == "imported" and result["file_bytes"] > 0 and result["stored_bytes"] > 0
-    assert result["export_ms"] > 0 and result["import_ms"] > 0
+    assert result["kv"] == "imported" and result["tokens"] == source.session.n_tokens
+    (exported,) = tmp_path.glob(f"*{source.session.id}*")
+    assert result["file_bytes"] == exported.stat().st_size  # the file it wrote, as written
+    assert result["size_ratio"] == result["file_bytes"] / result["stored_bytes"]
+    (imported,) = ChatStore(tmp_path / "imported.db").list_sessions()
+    assert imported.n_tokens == source.session.n_tokens  # the import it timed happened
+    assert {"export_ms", "import_ms"} <= set(result)  # how fast: `llama-chat bench`, not asserted here
 
 
 # -- bad files -----------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_a_block_written_under_one_plan_reads_under_another(tmp_path):
 
 def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
     """`bench --json` lists auto beside the uniform codecs, under the model's plan."""
-    from llama_chat.app.measure import measure_codecs
+    from llama_chat.app.bench.stored import measure_codecs
 
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((2, 2, 100, 16)).astype(np.float32) for _ in range(2))
