@@ -167,3 +167,19 @@ def test_the_chat_engine_has_a_dozen_verbs_at_most():
     ]
     assert set(verbs) >= {"reply", "regenerate", "edit", "fork", "delete", "resume", "close"}
     assert len(verbs) <= 12, verbs
+
+
+def test_only_the_bench_command_imports_the_measurements():
+    """The measurement code ships for `llama-chat bench` alone: no other module of the product loads it."""
+    graph = import_graph()
+    assert "llama_chat.app.bench.run" in graph  # the walk sees the bench package
+    users = {
+        name
+        for name, targets in graph.items()
+        if not name.startswith("llama_chat.app.bench")
+        and any(t == "llama_chat.app.bench" or t.startswith("llama_chat.app.bench.") for t in targets)
+    }
+    assert users == {"llama_chat.app.commands"}
+    commands = ast.parse((ROOT / "app" / "commands.py").read_text(encoding="utf-8"))
+    top_level = [n for n in commands.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("bench")]
+    assert top_level == []  # imported inside cmd_bench, when the command runs
