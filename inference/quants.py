@@ -31,6 +31,7 @@ from . import kernels
 from .cpu import PROFILE
 from .jit import in_cache, njit, prange
 from .kernels import LANES
+from .q4_k import _scale_min_k4
 
 F32 = np.float32
 Q = gguf.GGMLQuantizationType
@@ -43,14 +44,23 @@ _Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 class PackedMatrix:
     """A weight matrix [n_rows, n_cols] as the kernels read it (rows padded to a multiple of LANES)."""
 
-    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats
+    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats (Q4_K: q4_k.py)
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
-    offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+    offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
 
     @property
+    def in_q4_k(self) -> bool:
+        """Q4_K in its GGUF bits: values, scales and offsets are q4_k.py's qs, halves and six_bits."""
+        return self.values.dtype == np.uint8
+
+    @property
+    def n_cols(self) -> int:
+        return self.values.shape[1] * (2 if self.in_q4_k else 1)
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.n_rows, self.values.shape[1]
+        return self.n_rows, self.n_cols
 
     @property
     def nbytes(self) -> int:
@@ -136,17 +146,6 @@ def _row_q8_0(row, out, scales, lane, repeat):
 
 
 @njit(cache=True, inline="always")
-def _scale_min_k4(j, block):
-    """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j, packed in 12 bytes at byte 4."""
-    s = 4
-    if j < 4:
-        return block[s + j] & 63, block[s + j + 4] & 63
-    sc = (block[s + j + 4] & 0xF) | ((block[s + j - 4] >> 6) << 4)
-    m = (block[s + j + 4] >> 4) | ((block[s + j] >> 6) << 4)
-    return sc, m
-
-
-@njit(cache=True, inline="always")
 def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
     """Q4_K (qs at byte 16) and Q5_K (qh at 16, qs at 48): 8 sub-blocks of 32, each d·sc·q − dmin·m."""
     at_qs = 48 if five_bits else 16
@@ -203,7 +202,7 @@ def _store(tile, values, g, lane0, lane1):
 
 
 @njit(cache=True, nogil=True)
-def _unpack_blocks(blocks, qtype, row0, per_row, values, scales, offsets, repeat, g0, g1):
+def _unpack_blocks(blocks, row0, per_row, values, scales, offsets, repeat, qtype, g0, g1):
     """Groups g0…g1 - 1 of the rows; formats without offsets pass their scales as `offsets` (never
     written). Not numba's parallel loop: that compiled in 2.4x the time (15.6 against 6.4 s of CPU on
     a first start), and a thread per part of the groups, the GIL let go, unpacks as fast."""
@@ -226,6 +225,26 @@ def _unpack_blocks(blocks, qtype, row0, per_row, values, scales, offsets, repeat
             else:
                 _row_q6_k(row, out, sc, lane, repeat)
         _store(tile, values, g, lane0, lane1)
+
+
+@njit(cache=True, nogil=True)
+def _pack_q4_k_blocks(blocks, row0, per_row, qs, halves, six_bits, g0, g1):
+    """Groups g0…g1 - 1 of Q4_K rows in q4_k.py's layout: each block's bytes keep their order, its
+    6-bit fields get a byte each (a tile of the group's rows, then transposed, as _unpack_blocks)."""
+    n_rows = blocks.shape[0] // per_row
+    for g in range(g0, g1):
+        lane0, lane1 = max(row0 - g * LANES, 0), min(row0 + n_rows - g * LANES, LANES)
+        tile = np.empty((LANES, qs.shape[1]), np.uint8)
+        for lane in range(lane0, lane1):
+            first = (g * LANES + lane - row0) * per_row
+            for cb in range(per_row):
+                block = blocks[first + cb]
+                for k in range(2):  # d, dmin: their float16 bits
+                    halves[g, cb, k, lane] = np.uint16(block[2 * k]) | (np.uint16(block[2 * k + 1]) << 8)
+                for sub in range(8):
+                    six_bits[g, cb, sub, lane], six_bits[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
+                tile[lane, 128 * cb : 128 * (cb + 1)] = block[16:]
+        _store(tile, qs, g, lane0, lane1)
 
 
 @njit(cache=True, parallel=True)
@@ -257,6 +276,8 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
             _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
             row0 += shape[0]
         return PackedMatrix(values, None, None, n_rows)
+    if all(qtype == Q.Q4_K for _, qtype, _ in parts):
+        return _pack_q4_k(parts, n_rows, groups, n_cols)
     group = min(GROUP.get(qtype, 32) for _, qtype, _ in parts)
     with_offsets = any(qtype in HAS_OFFSETS for _, qtype, _ in parts)
     values = np.zeros((groups, n_cols, LANES), np.int8)
@@ -270,15 +291,33 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     return PackedMatrix(values, scales, offsets, n_rows)
 
 
+def _pack_q4_k(parts, n_rows: int, groups: int, n_cols: int) -> PackedMatrix:
+    """Q4_K tensors kept in their bits (q4_k.py): a third of the bytes of int8 with float32 scales."""
+    qs = np.zeros((groups, n_cols // 2, LANES), np.uint8)
+    halves = np.zeros((groups, n_cols // 256, 2, LANES), np.uint16)
+    six_bits = np.zeros((groups, n_cols // 256, 16, LANES), np.uint8)
+    row0 = 0
+    for raw, _, shape in parts:
+        _in_parallel_over_groups(_pack_q4_k_blocks, raw, Q.Q4_K, shape, row0, (qs, halves, six_bits))
+        row0 += shape[0]
+    return PackedMatrix(qs, halves, six_bits, n_rows)
+
+
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
     """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
+    offsets = scales if offsets is None else offsets
+    _in_parallel_over_groups(_unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype)))
+
+
+def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) -> None:
+    """unpack(blocks, row0, blocks per row, *arrays, g0, g1) for the groups of rows row0… of one
+    tensor, split over the threads."""
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
-    offsets = scales if offsets is None else offsets
     first, last = row0 // LANES, (row0 + shape[0] - 1) // LANES + 1
     parts = np.linspace(first, last, min(numba.config.NUMBA_NUM_THREADS, last - first) + 1).astype(int)
-    args = (blocks, int(qtype), row0, shape[1] // block_len, values, scales, offsets, repeat)
-    kernels.in_parallel([partial(_unpack_blocks, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
+    args = (blocks, row0, shape[1] // block_len, *arrays)
+    kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
 def compile_kernels(progress=None, formats=None) -> float:
@@ -311,13 +350,17 @@ def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256)) -> PackedMatrix:
 
 def _kinds(formats: set) -> list[tuple[str, Q]]:
     """The kinds of packed matrix that `formats` make, each with a format of that kind: the kernels
-    compile once per kind (integers with or without offsets, or float values), not per format."""
+    compile once per kind (integers with or without offsets, Q4_K in its bits, float values), not per
+    format. Q4_K joined with another format (q/k beside a Q6_K v) packs as integers with offsets."""
+    integers = formats & set(INTEGER_FORMATS)
+    offsets = integers & set(HAS_OFFSETS) - {Q.Q4_K} or (Q.Q4_K in integers and len(integers) > 1)
     kinds = [
-        ("integer weights", [q for q in INTEGER_FORMATS if q in formats and q not in HAS_OFFSETS]),
-        ("integer weights with offsets", [q for q in INTEGER_FORMATS if q in formats and q in HAS_OFFSETS]),
-        ("float weights", [Q.F32] if formats - set(INTEGER_FORMATS) else []),
+        ("integer weights", Q.Q8_0 if integers - set(HAS_OFFSETS) else None),
+        ("integer weights with offsets", Q.Q4_1 if offsets else None),
+        ("Q4_K weights", Q.Q4_K if Q.Q4_K in integers else None),
+        ("float weights", Q.F32 if formats - set(INTEGER_FORMATS) else None),
     ]
-    return [(what, found[0]) for what, found in kinds if found]
+    return [(what, example) for what, example in kinds if example is not None]
 
 
 def _compile_steps(formats: set) -> list[tuple[str, Callable[[], object]]]:
