@@ -49,6 +49,13 @@ F32 = np.float32
 EXACT = {"contract"}
 
 
+@njit(cache=True)
+def _n_blocks(scales):
+    """Groups of weights with a scale of their own in a row (a function of its own, where numba drops
+    the branch a None takes: the layouts' overload below is typed without that pruning)."""
+    return 1 if scales is None else scales.shape[1]
+
+
 def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
     it compiles): int8 or float values (_accumulate_values) or Q4_K's own bits (q4_k.accumulate)."""
@@ -56,12 +63,13 @@ def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
 
 @overload(_accumulate, inline="always", prefer_literal=True)
 def _accumulate_by_layout(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-    accumulate = q4_k.accumulate if values.dtype == types.uint8 else _accumulate_values
+    if values.dtype != types.uint8:
+        return _accumulate_values.py_func
 
-    def by_layout(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-        accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
+    def in_q4_k(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+        q4_k.accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
 
-    return by_layout
+    return in_q4_k
 
 
 @njit(cache=True, inline="always")
@@ -72,7 +80,7 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
     Each sum is added up in the same order (j) whatever the rows and width, one fused multiply-add at a
     time: a row's bits do not depend on the pass it is computed in."""
     _, n_cols, lanes = values.shape
-    n_blocks = 1 if scales is None else scales.shape[1]
+    n_blocks = _n_blocks(scales)
     size = n_cols // n_blocks
     for k in range(rows * width):
         sums[k] = 0
