@@ -76,7 +76,7 @@ def timed(tokens, seq):
 seq = model.new_sequence(short + 1)
 out["prefill_short"] = short / timed(ids[:short], seq)[0]
 seq.free()
-seq = model.new_sequence(cached + turn + 1)
+seq = model.new_sequence(max(cached + turn, long + spec["decode_tokens"]) + 1)
 elapsed, logits = timed(ids[:long], seq)
 out["prefill_long"] = long / elapsed
 decoding = seq.fork()  # decode at context `long`, then the turn continues the prompt itself

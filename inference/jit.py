@@ -19,8 +19,8 @@ from .catalog import cache_dir  # noqa: E402
 from .cpu import PROFILE  # noqa: E402
 
 # The modules whose numba code the kernels inline from one another (kernels.py's products inline
-# vectors.py's intrinsics and q4_k.py's loops).
-KERNEL_SOURCES = ("vectors.py", "q4_k.py", "kernels.py", "quants.py")
+# vectors.py's intrinsics and k_quants.py's loops).
+KERNEL_SOURCES = ("vectors.py", "k_quants.py", "kernels.py", "quants.py")
 
 
 def _sources_digest() -> str:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import gguf
 import numba
 import numpy as np
 from llvmlite import ir
@@ -29,7 +30,7 @@ from numba import carray, types
 from numba.extending import intrinsic, overload
 from threadpoolctl import ThreadpoolController
 
-from . import q4_k
+from . import k_quants
 from .cpu import PROFILE
 from .jit import njit, prange
 from .vectors import _dequantize_column, _multiply_add, _registers
@@ -58,18 +59,20 @@ def _n_blocks(scales):
 
 def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
-    it compiles): int8 or float values (_accumulate_values) or Q4_K's own bits (q4_k.accumulate)."""
+    it compiles): int8 or float values (_accumulate_values), or Q4_K's or Q6_K's own bits (k_quants.py)."""
 
 
 @overload(_accumulate, inline="always", prefer_literal=True)
 def _accumulate_by_layout(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-    if values.dtype != types.uint8:
+    layout = k_quants.layout_of(values.dtype, getattr(scales, "dtype", None))
+    if layout == "values":
         return _accumulate_values.py_func
+    accumulate = k_quants.ACCUMULATE[layout]
 
-    def in_q4_k(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-        q4_k.accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
+    def in_gguf_bits(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+        accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
 
-    return in_q4_k
+    return in_gguf_bits
 
 
 @njit(cache=True, inline="always")
@@ -260,7 +263,7 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np
     return (acc * scale[..., None]).sum(axis=1) / total[..., None]
 
 
-COMPILED = (_product, _group_product, _dequantize_int8, q4_k.dequantize_tile, _one_token_attention)
+COMPILED = (_product, _group_product, _dequantize_int8, *k_quants.DEQUANTIZE_TILE.values(), _one_token_attention)
 
 # OpenBLAS's threads spin for a while after each call before they sleep. In a step of the kernels
 # (≤ KERNEL_ROWS rows) BLAS only multiplies the attention's small matrices, and its spinning threads
@@ -366,8 +369,8 @@ def tile_product(x: np.ndarray, w) -> np.ndarray:
 def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
     if w.scales is None:
         out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
-    elif w.in_q4_k:
-        q4_k.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
+    elif w.layout != "values":
+        k_quants.DEQUANTIZE_TILE[w.layout](w.values, w.scales, w.offsets, g0, g1, out)
     else:
         _dequantize_int8(w.values, w.scales, w.offsets, g0, g1, out)
 
@@ -375,8 +378,9 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
 def rows(w, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a PackedMatrix as float32 [len(ids), n_cols] (a tied embedding table's lookups)."""
     ids = np.asarray(ids, dtype=np.int64)
-    if w.in_q4_k:
-        return q4_k.rows(w.values, w.scales, w.offsets, ids)
+    if w.layout != "values":
+        blocks = k_quants.gguf_blocks(w.layout, w.values, w.scales, w.offsets, ids)
+        return np.asarray(gguf.quants.dequantize(blocks, k_quants.GGUF_TYPES[w.layout]), F32)
     g, lane = ids // LANES, ids % LANES
     values = w.values[g, :, lane]  # [n, n_cols]
     if w.scales is None:

@@ -11,6 +11,10 @@ Packed, LANES rows are interleaved (cpu.py: 64 for AVX-512, fewer for narrower r
 [rows/LANES, cols, LANES]. A kernel then runs its vector lanes across LANES rows at once and applies
 each group's scale once per group, outside the innermost loop (a scale per 32 weights inside a dot
 product keeps a compiler from vectorizing it).
+
+A matrix all in Q4_K or all in Q6_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits
+instead, interleaved the same way (k_quants.py): int8 with float32 scales is 2.2x (Q4_K) and 1.5x
+(Q6_K) their bytes, which decode reads every token and which RAM holds.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import numpy as np
 from . import kernels
 from .cpu import PROFILE
 from .jit import in_cache, njit, prange
+from .k_quants import _pack_k_blocks, _scale_min_k4, _store, layout_of
 from .kernels import LANES
-from .q4_k import _scale_min_k4
 
 F32 = np.float32
 Q = gguf.GGMLQuantizationType
@@ -44,19 +48,20 @@ _Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 class PackedMatrix:
     """A weight matrix [n_rows, n_cols] as the kernels read it (rows padded to a multiple of LANES)."""
 
-    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats (Q4_K: q4_k.py)
+    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats (Q4_K, Q6_K: k_quants.py)
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
     offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
 
     @property
-    def in_q4_k(self) -> bool:
-        """Q4_K in its GGUF bits: values, scales and offsets are q4_k.py's qs, halves and six_bits."""
-        return self.values.dtype == np.uint8
+    def layout(self) -> str:
+        """"values", or "q4_k" / "q6_k": the format's own bits, in k_quants.py's layouts."""
+        return layout_of(self.values.dtype, getattr(self.scales, "dtype", None))
 
     @property
     def n_cols(self) -> int:
-        return self.values.shape[1] * (2 if self.in_q4_k else 1)
+        n = self.values.shape[1]  # value bytes per row: 4 bits a weight in Q4_K, 6 in Q6_K
+        return {"values": n, "q4_k": 2 * n, "q6_k": n * 4 // 3}[self.layout]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -187,20 +192,6 @@ def _row_q6_k(row, out, scales, lane, repeat):
                 out[at + 96] = ((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32
 
 
-@njit(cache=True, inline="always")
-def _store(tile, values, g, lane0, lane1):
-    """Rows lane0… of a tile [LANES, n_cols] into lanes lane0… of the packed group values[g]; lanes
-    outside belong to the part packed before or after this one, or stay zero (padding)."""
-    if lane0 == 0 and lane1 == LANES:  # the common case, with a constant count the compiler unrolls
-        for j in range(tile.shape[1]):
-            for lane in range(LANES):
-                values[g, j, lane] = tile[lane, j]
-    else:
-        for j in range(tile.shape[1]):
-            for lane in range(lane0, lane1):
-                values[g, j, lane] = tile[lane, j]
-
-
 @njit(cache=True, nogil=True)
 def _unpack_blocks(blocks, row0, per_row, values, scales, offsets, repeat, qtype, g0, g1):
     """Groups g0…g1 - 1 of the rows; formats without offsets pass their scales as `offsets` (never
@@ -227,26 +218,6 @@ def _unpack_blocks(blocks, row0, per_row, values, scales, offsets, repeat, qtype
         _store(tile, values, g, lane0, lane1)
 
 
-@njit(cache=True, nogil=True)
-def _pack_q4_k_blocks(blocks, row0, per_row, qs, halves, six_bits, g0, g1):
-    """Groups g0…g1 - 1 of Q4_K rows in q4_k.py's layout: each block's bytes keep their order, its
-    6-bit fields get a byte each (a tile of the group's rows, then transposed, as _unpack_blocks)."""
-    n_rows = blocks.shape[0] // per_row
-    for g in range(g0, g1):
-        lane0, lane1 = max(row0 - g * LANES, 0), min(row0 + n_rows - g * LANES, LANES)
-        tile = np.empty((LANES, qs.shape[1]), np.uint8)
-        for lane in range(lane0, lane1):
-            first = (g * LANES + lane - row0) * per_row
-            for cb in range(per_row):
-                block = blocks[first + cb]
-                for k in range(2):  # d, dmin: their float16 bits
-                    halves[g, cb, k, lane] = np.uint16(block[2 * k]) | (np.uint16(block[2 * k + 1]) << 8)
-                for sub in range(8):
-                    six_bits[g, cb, sub, lane], six_bits[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
-                tile[lane, 128 * cb : 128 * (cb + 1)] = block[16:]
-        _store(tile, qs, g, lane0, lane1)
-
-
 @njit(cache=True, parallel=True)
 def _interleave_rows(a, row0, out):
     """Rows of a [n, cols] into out [groups, cols, LANES] as rows row0…: out[g, col, lane] = a[row, col]."""
@@ -260,6 +231,31 @@ def _interleave_rows(a, row0, out):
 INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
 HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
+# The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
+# per format. Q4_K and Q6_K keep their GGUF bits (k_quants.py) where a matrix is all of one format;
+# joined with another (q/k beside a Q6_K v) they unpack to int8 as the others.
+KINDS = {
+    Q.Q8_0: "integer weights",
+    Q.Q4_1: "integer weights with offsets",
+    Q.Q4_K: "Q4_K weights",
+    Q.Q6_K: "Q6_K weights",
+    Q.F32: "float weights",
+}
+# The dtype, the count per 256 columns and the count per block (0: none) of values, scales and offsets
+# of the kinds kept in their GGUF bits.
+GGUF_BITS = {
+    "Q4_K weights": ((np.uint8, 128, 0), (np.uint16, 1, 2), (np.uint8, 1, 16)),
+    "Q6_K weights": ((np.uint8, 192, 0), (np.int8, 1, 16), (np.uint16, 1, 1)),
+}
+
+
+def kind_of(formats: set) -> str:
+    """The kind of packed matrix that parts of these formats make (pack decides by it)."""
+    if formats - set(INTEGER_FORMATS):
+        return "float weights"
+    if len(formats) == 1 and KINDS.get(next(iter(formats))) in GGUF_BITS:
+        return KINDS[next(iter(formats))]
+    return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
 
 
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
@@ -269,17 +265,18 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     n_cols = parts[0][2][1]
     n_rows = sum(shape[0] for _, _, shape in parts)
     groups = -(-n_rows // LANES)
-    if any(qtype not in INTEGER_FORMATS for _, qtype, _ in parts):
+    kind = kind_of({qtype for _, qtype, _ in parts})
+    if kind == "float weights":
         values = np.zeros((groups, n_cols, LANES), F32)
         row0 = 0
         for raw, qtype, shape in parts:
             _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
             row0 += shape[0]
         return PackedMatrix(values, None, None, n_rows)
-    if all(qtype == Q.Q4_K for _, qtype, _ in parts):
-        return _pack_q4_k(parts, n_rows, groups, n_cols)
+    if kind in GGUF_BITS:
+        return _pack_in_gguf_bits(parts, groups)
     group = min(GROUP.get(qtype, 32) for _, qtype, _ in parts)
-    with_offsets = any(qtype in HAS_OFFSETS for _, qtype, _ in parts)
+    with_offsets = kind == "integer weights with offsets"
     values = np.zeros((groups, n_cols, LANES), np.int8)
     scales = np.zeros((groups, n_cols // group, LANES), F32)
     offsets = np.zeros_like(scales) if with_offsets else None
@@ -291,16 +288,18 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     return PackedMatrix(values, scales, offsets, n_rows)
 
 
-def _pack_q4_k(parts, n_rows: int, groups: int, n_cols: int) -> PackedMatrix:
-    """Q4_K tensors kept in their bits (q4_k.py): a third of the bytes of int8 with float32 scales."""
-    qs = np.zeros((groups, n_cols // 2, LANES), np.uint8)
-    halves = np.zeros((groups, n_cols // 256, 2, LANES), np.uint16)
-    six_bits = np.zeros((groups, n_cols // 256, 16, LANES), np.uint8)
+def _pack_in_gguf_bits(parts, groups: int) -> PackedMatrix:
+    """Q4_K or Q6_K tensors kept in their bits (k_quants.py): half the bytes of int8 with float32 scales."""
+    n_cols, qtype = parts[0][2][1], parts[0][1]
+    values, scales, offsets = (
+        np.zeros((groups, n_cols * size // 256, *((per_block,) if per_block else ()), LANES), dtype)
+        for dtype, size, per_block in GGUF_BITS[KINDS[qtype]]
+    )
     row0 = 0
     for raw, _, shape in parts:
-        _in_parallel_over_groups(_pack_q4_k_blocks, raw, Q.Q4_K, shape, row0, (qs, halves, six_bits))
+        _in_parallel_over_groups(_pack_k_blocks, raw, qtype, shape, row0, (values, scales, offsets, int(qtype)))
         row0 += shape[0]
-    return PackedMatrix(qs, halves, six_bits, n_rows)
+    return PackedMatrix(values, scales, offsets, row0)
 
 
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
@@ -320,12 +319,13 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
     kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
-def compile_kernels(progress=None, formats=None) -> float:
-    """Compile (first start) or load from the cache (later starts) the kernels that matrices of
-    `formats` (every format when None) take, so that no reply waits on the compiler: each signature
-    once, on a tiny example, progress told after each. Returns the seconds it took."""
+def compile_kernels(progress=None, matrices=None) -> float:
+    """Compile (first start) or load from the cache (later starts) the kernels that the model's
+    `matrices` take (each a format, or the set of formats joined in one; None: every kind), so that no
+    reply waits on the compiler: each signature once, on a tiny example, progress told after each.
+    Returns the seconds it took."""
     t0 = time.perf_counter()
-    steps = _compile_steps(set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats))
+    steps = _compile_steps(matrices)
     cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     for i, (what, compile_one) in enumerate(steps):
@@ -336,7 +336,7 @@ def compile_kernels(progress=None, formats=None) -> float:
         progress(label, len(steps), len(steps))
     kernels.blas_from = measured_blas_from(progress)
     if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these formats
-        for what, compile_one in _tile_steps(formats):
+        for what, compile_one in _tile_steps(matrices):
             if progress:
                 progress(f"{label}: {what}", len(steps), len(steps))
             compile_one()
@@ -348,35 +348,28 @@ def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256)) -> PackedMatrix:
     return pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
 
 
-def _kinds(formats: set) -> list[tuple[str, Q]]:
-    """The kinds of packed matrix that `formats` make, each with a format of that kind: the kernels
-    compile once per kind (integers with or without offsets, Q4_K in its bits, float values), not per
-    format. Q4_K joined with another format (q/k beside a Q6_K v) packs as integers with offsets."""
-    integers = formats & set(INTEGER_FORMATS)
-    offsets = integers & set(HAS_OFFSETS) - {Q.Q4_K} or (Q.Q4_K in integers and len(integers) > 1)
-    kinds = [
-        ("integer weights", Q.Q8_0 if integers - set(HAS_OFFSETS) else None),
-        ("integer weights with offsets", Q.Q4_1 if offsets else None),
-        ("Q4_K weights", Q.Q4_K if Q.Q4_K in integers else None),
-        ("float weights", Q.F32 if formats - set(INTEGER_FORMATS) else None),
-    ]
-    return [(what, example) for what, example in kinds if example is not None]
+def _kinds(matrices) -> list[tuple[str, Q]]:
+    """The kinds of packed matrix among `matrices` (each a format or a set of formats joined in one
+    matrix; None: every kind), each with its example format."""
+    if matrices is None:
+        return [(kind, qtype) for qtype, kind in KINDS.items()]
+    found = {kind_of({m} if isinstance(m, Q) else set(m)) for m in matrices}
+    return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 
-def _compile_steps(formats: set) -> list[tuple[str, Callable[[], object]]]:
-    kinds = _kinds(formats)
-    steps = [("unpacking", partial(_example, Q.Q8_0))] if formats & set(INTEGER_FORMATS) else []
+def _compile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
+    kinds = _kinds(matrices)
+    steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
     kv = np.zeros((1, 2, 64), F32)
     attention = partial(kernels.one_token_attention, np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
     return [*steps, ("attention", attention)]
 
 
-def _tile_steps(formats) -> list[tuple[str, Callable[[], object]]]:
-    wanted = set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats)
+def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
     return [
         (f"{what}, tiles for BLAS", partial(_multiply_example, qtype, kernels.tile_product))
-        for what, qtype in _kinds(wanted)
+        for what, qtype in _kinds(matrices)
     ]
 
 

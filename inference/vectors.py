@@ -1,7 +1,7 @@
 """The kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch array,
 a column of weights dequantized, a fused multiply-add. LLVM splits a vector of `width` floats into the
 target's registers, so no vectorizer has to find the loops (LLVM's did not, once they were short
-enough to unroll first); `width` is a literal wherever these are called (kernels.py, q4_k.py)."""
+enough to unroll first); `width` is a literal wherever these are called (kernels.py, k_quants.py)."""
 
 from __future__ import annotations
 
@@ -99,67 +99,83 @@ def _data(context, builder, array_type, array):
 
 
 @intrinsic
-def _k_scales(typingctx, halves, six_bits, d_at, sc_at, lanes, scale, offset, width):
-    """A Q4_K sub-block's scale and offset for `width` lanes (q4_k.py's layout): scale[:width] =
-    d · sc and offset[:width] = -(dmin · m), with d (dmin) the float16 at halves.flat[d_at…]
-    ([d_at + lanes…]) and sc (m) the 6-bit integer at six_bits.flat[sc_at…] ([sc_at + 8·lanes…]): the
-    products gguf.quants forms, in float32, so that every weight is its value bit for bit."""
+def _k_scales(typingctx, halves, small, d_at, sc_at, lanes, scale, offset, width):
+    """A K-quant sub-block's scale (and offset) for `width` lanes (k_quants.py's layouts): scale[:width]
+    = d · sc, with d the float16 at halves.flat[d_at…] and sc the integer at small.flat[sc_at…] (Q4_K:
+    6 bits, Q6_K: a signed byte), and for Q4_K offset[:width] = -(dmin · m), dmin at [d_at + lanes…] and
+    m at [sc_at + 8·lanes…] (offset None: Q6_K has none). The products gguf.quants forms, in float32,
+    so that every weight is its value bit for bit."""
     if not isinstance(width, types.IntegerLiteral):
         return None
     n, f32 = width.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         halves_ptr = _data(context, builder, signature.args[0], args[0])
-        bits_ptr = _data(context, builder, signature.args[1], args[1])
+        small_ptr = _data(context, builder, signature.args[1], args[1])
         i16, i8, i64 = ir.IntType(16), ir.IntType(8), ir.IntType(64)
         d_at, sc_at, lanes = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:5], signature.args[2:5]))
-        floats = ir.VectorType(f32, n)
+        floats, words = ir.VectorType(f32, n), ir.VectorType(ir.IntType(32), n)
 
         def half(at):  # float16 bits → float32, exactly (vcvtph2ps)
             bits = builder.load(_vector_at(builder, halves_ptr, at, i16, n), align=2)
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n)), floats)
 
-        def six(at):
-            six_bits = builder.load(_vector_at(builder, bits_ptr, at, i8, n), align=1)
-            return builder.sitofp(builder.zext(six_bits, ir.VectorType(ir.IntType(32), n)), floats)
+        def integer(at):
+            small_ints = builder.load(_vector_at(builder, small_ptr, at, i8, n), align=1)
+            widen = builder.sext if small.dtype.signed else builder.zext
+            return builder.sitofp(widen(small_ints, words), floats)
 
-        d, dmin = half(d_at), half(builder.add(d_at, lanes))
-        sc, m = six(sc_at), six(builder.add(sc_at, builder.mul(lanes, ir.Constant(i64, 8))))
         zero = ir.Constant(i64, 0)
-        builder.store(builder.fmul(d, sc), _vector_at(builder, args[5], zero, f32, n), align=4)
-        builder.store(builder.fneg(builder.fmul(dmin, m)), _vector_at(builder, args[6], zero, f32, n), align=4)
+        scale = builder.fmul(half(d_at), integer(sc_at))
+        builder.store(scale, _vector_at(builder, args[5], zero, f32, n), align=4)
+        if not isinstance(signature.args[6], types.NoneType):
+            dmin, m = half(builder.add(d_at, lanes)), integer(builder.add(sc_at, builder.mul(lanes, ir.Constant(i64, 8))))
+            builder.store(builder.fneg(builder.fmul(dmin, m)), _vector_at(builder, args[6], zero, f32, n), align=4)
         return context.get_dummy_value()
 
-    return types.void(halves, six_bits, d_at, sc_at, lanes, scale, offset, width), codegen
+    return types.void(halves, small, d_at, sc_at, lanes, scale, offset, width), codegen
 
 
 @intrinsic
-def _dequantize_nibbles(typingctx, qs, at, shift, scale, offset, w, width):
-    """w[:width] = ((qs.flat[at:at + width] >> shift) & 15) · scale[:width] + offset[:width]: a column of
-    4-bit weights (shift 0: the low nibbles, 4: the high), plain multiply and add as gguf.quants. The
-    shift is a literal too: x86 has no shift of bytes, and LLVM turned one by a variable into a loop
-    of its own (the kernel at 1 row took twice the time of int8 weights)."""
-    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+def _dequantize_bits(typingctx, values, at, shift, high_at, high_shift, high_bits, scale, offset, w, width):
+    """w[:width] = q · scale[:width] + offset[:width], a column of K-quant weights: q the 4 bits of
+    values.flat[at:at + width] from bit `shift` on (0: low nibbles, 4: high), and with high_bits 2
+    (a literal: Q6_K) 2 more bits above them from values.flat[high_at…] at bit `high_shift`, less 32
+    (Q6_K's ql, qh and bias); offset None: no offset. Plain multiply and add, as gguf.quants."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(high_bits, types.IntegerLiteral):
         return None
     n, f32 = width.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         i8, i64 = ir.IntType(8), ir.IntType(64)
-        at = context.cast(builder, args[1], signature.args[1], types.int64)
-        qs_ptr = _data(context, builder, signature.args[0], args[0])
-        # 16 bytes at a time, each widened by itself (vpmovzxbd): LLVM masked a whole 64-byte
-        # vector first, then took it apart with three extracts per column, a fifth slower.
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        at, shift, high_at, high_shift = (
+            context.cast(builder, args[k], signature.args[k], types.int64) for k in range(1, 5)
+        )
+
+        def bits(start, k, m, by, mask):  # ((bytes >> by) & mask) as m 32-bit integers
+            words = ir.VectorType(ir.IntType(32), m)
+            at_k = builder.add(start, ir.Constant(i64, k))
+            packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, i8, m), align=1), words)
+            by = _splat(builder, words, builder.trunc(by, ir.IntType(32)))  # one vpsrld for all
+            return builder.and_(builder.lshr(packed, by), ir.Constant(words, [mask] * m))
+
+        # 16 bytes at a time, each widened to 32 bits by itself (vpmovzxbd) before the shift: LLVM
+        # masked a whole 64-byte vector, then took it apart with three extracts per column (a fifth
+        # slower), and x86 has no shift of bytes.
         for k in range(0, n, min(n, 16)):
             m = min(n - k, 16)
             words = ir.VectorType(ir.IntType(32), m)
-            packed = builder.load(_vector_at(builder, qs_ptr, builder.add(at, ir.Constant(i64, k)), i8, m), align=1)
-            shifted = builder.lshr(builder.zext(packed, words), ir.Constant(words, [shift.literal_value] * m))
-            nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
-            column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
+            q = bits(at, k, m, shift, 15)
+            if high_bits.literal_value:
+                two = builder.shl(bits(high_at, k, m, high_shift, 3), ir.Constant(words, [4] * m))
+                q = builder.sub(builder.or_(q, two), ir.Constant(words, [32] * m))
+            column = builder.sitofp(q, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
             where = ir.Constant(i64, k)
-            column = builder.fmul(column, builder.load(_vector_at(builder, args[3], where, f32, m), align=4))
-            column = builder.fadd(column, builder.load(_vector_at(builder, args[4], where, f32, m), align=4))
-            builder.store(column, _vector_at(builder, args[5], where, f32, m), align=4)
+            column = builder.fmul(column, builder.load(_vector_at(builder, args[6], where, f32, m), align=4))
+            if not isinstance(signature.args[7], types.NoneType):
+                column = builder.fadd(column, builder.load(_vector_at(builder, args[7], where, f32, m), align=4))
+            builder.store(column, _vector_at(builder, args[8], where, f32, m), align=4)
         return context.get_dummy_value()
 
-    return types.void(qs, at, shift, scale, offset, w, width), codegen
+    return types.void(values, at, shift, high_at, high_shift, high_bits, scale, offset, w, width), codegen
