@@ -163,6 +163,22 @@ def _dequantize_bits(typingctx, values, at, shift, high_at, high_shift, high_bit
         # 16 bytes at a time, each widened to 32 bits by itself (vpmovzxbd) before the shift: LLVM
         # masked a whole 64-byte vector, then took it apart with three extracts per column (a fifth
         # slower), and x86 has no shift of bytes.
+        if high_bits.literal_value:  # Q6_K: its bits combined as bytes, all at once, then widened
+            bytes_type = ir.VectorType(i8, n)
+
+            def byte_bits(start, by, mask):
+                packed = builder.load(_vector_at(builder, values_ptr, start, i8, n), align=1)
+                by = _splat(builder, bytes_type, builder.trunc(by, i8))
+                return builder.and_(builder.lshr(packed, by), ir.Constant(bytes_type, [mask] * n))
+
+            two = builder.shl(byte_bits(high_at, high_shift, 3), ir.Constant(bytes_type, [4] * n))
+            q = builder.or_(byte_bits(at, shift, 15), two)
+            q = builder.sub(q, ir.Constant(bytes_type, [32] * n))
+            column = builder.sitofp(q, ir.VectorType(f32, n))
+            zero = ir.Constant(i64, 0)
+            column = builder.fmul(column, builder.load(_vector_at(builder, args[6], zero, f32, n), align=4))
+            builder.store(column, _vector_at(builder, args[8], zero, f32, n), align=4)
+            return context.get_dummy_value()
         for k in range(0, n, min(n, 16)):
             m = min(n - k, 16)
             words = ir.VectorType(ir.IntType(32), m)
