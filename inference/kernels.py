@@ -59,20 +59,18 @@ def _n_blocks(scales):
 
 def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
-    it compiles): int8 or float values (_accumulate_values), or Q4_K's or Q6_K's own bits (k_quants.py)."""
+    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py)."""
 
 
 @overload(_accumulate, inline="always", prefer_literal=True)
 def _accumulate_by_layout(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-    layout = k_quants.layout_of(values.dtype, getattr(scales, "dtype", None))
-    if layout == "values":
+    if values.dtype != types.uint8:
         return _accumulate_values.py_func
-    accumulate = k_quants.ACCUMULATE[layout]
 
-    def in_gguf_bits(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-        accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
+    def in_q4_k(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+        k_quants.accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
 
-    return in_gguf_bits
+    return in_q4_k
 
 
 @njit(cache=True, inline="always")
@@ -263,7 +261,7 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np
     return (acc * scale[..., None]).sum(axis=1) / total[..., None]
 
 
-COMPILED = (_product, _group_product, _dequantize_int8, *k_quants.DEQUANTIZE_TILE.values(), _one_token_attention)
+COMPILED = (_product, _group_product, _dequantize_int8, k_quants.dequantize_tile, _one_token_attention)
 
 # OpenBLAS's threads spin for a while after each call before they sleep. In a step of the kernels
 # (≤ KERNEL_ROWS rows) BLAS only multiplies the attention's small matrices, and its spinning threads
@@ -369,8 +367,8 @@ def tile_product(x: np.ndarray, w) -> np.ndarray:
 def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
     if w.scales is None:
         out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
-    elif w.layout != "values":
-        k_quants.DEQUANTIZE_TILE[w.layout](w.values, w.scales, w.offsets, g0, g1, out)
+    elif w.in_q4_k:
+        k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
     else:
         _dequantize_int8(w.values, w.scales, w.offsets, g0, g1, out)
 
@@ -378,9 +376,9 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
 def rows(w, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a PackedMatrix as float32 [len(ids), n_cols] (a tied embedding table's lookups)."""
     ids = np.asarray(ids, dtype=np.int64)
-    if w.layout != "values":
-        blocks = k_quants.gguf_blocks(w.layout, w.values, w.scales, w.offsets, ids)
-        return np.asarray(gguf.quants.dequantize(blocks, k_quants.GGUF_TYPES[w.layout]), F32)
+    if w.in_q4_k:
+        blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
+        return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)
     g, lane = ids // LANES, ids % LANES
     values = w.values[g, :, lane]  # [n, n_cols]
     if w.scales is None:

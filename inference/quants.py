@@ -12,9 +12,9 @@ Packed, LANES rows are interleaved (cpu.py: 64 for AVX-512, fewer for narrower r
 each group's scale once per group, outside the innermost loop (a scale per 32 weights inside a dot
 product keeps a compiler from vectorizing it).
 
-A matrix all in Q4_K or all in Q6_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits
-instead, interleaved the same way (k_quants.py): int8 with float32 scales is 2.2x (Q4_K) and 1.5x
-(Q6_K) their bytes, which decode reads every token and which RAM holds.
+A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
+the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
+and which RAM holds.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import gguf
 import numba
 import numpy as np
 
-from . import kernels
+from . import k_quants, kernels
 from .cpu import PROFILE
 from .jit import in_cache, njit, prange
-from .k_quants import _pack_k_blocks, _scale_min_k4, _store, layout_of
+from .k_quants import _scale_min_k4, _store
 from .kernels import LANES
 
 F32 = np.float32
@@ -54,14 +54,13 @@ class PackedMatrix:
     n_rows: int
 
     @property
-    def layout(self) -> str:
-        """"values", or "q4_k" / "q6_k": the format's own bits, in k_quants.py's layouts."""
-        return layout_of(self.values.dtype, getattr(self.scales, "dtype", None))
+    def in_q4_k(self) -> bool:
+        """Q4_K in its own bits: values, scales and offsets in k_quants.py's layout."""
+        return self.values.dtype == np.uint8
 
     @property
     def n_cols(self) -> int:
-        n = self.values.shape[1]  # value bytes per row: 4 bits a weight in Q4_K, 6 in Q6_K
-        return {"values": n, "q4_k": 2 * n, "q6_k": n * 4 // 3}[self.layout]
+        return self.values.shape[1] * (2 if self.in_q4_k else 1)  # Q4_K: two weights a byte
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -232,20 +231,13 @@ INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_
 GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
 HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
-# per format. Q4_K and Q6_K keep their GGUF bits (k_quants.py) where a matrix is all of one format;
-# joined with another (q/k beside a Q6_K v) they unpack to int8 as the others.
+# per format. Q4_K keeps its GGUF bits (k_quants.py) where a matrix is all Q4_K; joined with another
+# format (q/k beside a Q6_K v) it unpacks to int8 as the others.
 KINDS = {
     Q.Q8_0: "integer weights",
     Q.Q4_1: "integer weights with offsets",
     Q.Q4_K: "Q4_K weights",
-    Q.Q6_K: "Q6_K weights",
     Q.F32: "float weights",
-}
-# The dtype, the count per 256 columns and the count per block (0: none) of values, scales and offsets
-# of the kinds kept in their GGUF bits.
-GGUF_BITS = {
-    "Q4_K weights": ((np.uint8, 128, 0), (np.uint16, 1, 2), (np.uint8, 1, 16)),
-    "Q6_K weights": ((np.uint8, 192, 0), (np.int8, 1, 16), (np.uint16, 1, 1)),
 }
 
 
@@ -253,8 +245,8 @@ def kind_of(formats: set) -> str:
     """The kind of packed matrix that parts of these formats make (pack decides by it)."""
     if formats - set(INTEGER_FORMATS):
         return "float weights"
-    if len(formats) == 1 and KINDS.get(next(iter(formats))) in GGUF_BITS:
-        return KINDS[next(iter(formats))]
+    if formats == {Q.Q4_K}:
+        return "Q4_K weights"
     return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
 
 
@@ -273,8 +265,8 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
             _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
             row0 += shape[0]
         return PackedMatrix(values, None, None, n_rows)
-    if kind in GGUF_BITS:
-        return _pack_in_gguf_bits(parts, groups)
+    if kind == "Q4_K weights":
+        return _pack_q4_k(parts, groups)
     group = min(GROUP.get(qtype, 32) for _, qtype, _ in parts)
     with_offsets = kind == "integer weights with offsets"
     values = np.zeros((groups, n_cols, LANES), np.int8)
@@ -288,16 +280,15 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     return PackedMatrix(values, scales, offsets, n_rows)
 
 
-def _pack_in_gguf_bits(parts, groups: int) -> PackedMatrix:
-    """Q4_K or Q6_K tensors kept in their bits (k_quants.py): half the bytes of int8 with float32 scales."""
-    n_cols, qtype = parts[0][2][1], parts[0][1]
-    values, scales, offsets = (
-        np.zeros((groups, n_cols * size // 256, *((per_block,) if per_block else ()), LANES), dtype)
-        for dtype, size, per_block in GGUF_BITS[KINDS[qtype]]
-    )
+def _pack_q4_k(parts, groups: int) -> PackedMatrix:
+    """Q4_K tensors kept in their bits (k_quants.py): 148 bytes per 256 weights, int8 took 320."""
+    n_cols = parts[0][2][1]
+    values = np.zeros((groups, n_cols // 2, LANES), np.uint8)
+    scales = np.zeros((groups, n_cols // 256, 2, LANES), np.uint16)
+    offsets = np.zeros((groups, n_cols // 256, 16, LANES), np.uint8)
     row0 = 0
-    for raw, _, shape in parts:
-        _in_parallel_over_groups(_pack_k_blocks, raw, qtype, shape, row0, (values, scales, offsets, int(qtype)))
+    for raw, qtype, shape in parts:
+        _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
         row0 += shape[0]
     return PackedMatrix(values, scales, offsets, row0)
 

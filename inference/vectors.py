@@ -99,19 +99,18 @@ def _data(context, builder, array_type, array):
 
 
 @intrinsic
-def _k_scales(typingctx, halves, small, d_at, sc_at, lanes, scale, offset, width):
-    """A K-quant sub-block's scale (and offset) for `width` lanes (k_quants.py's layouts): scale[:width]
-    = d · sc, with d the float16 at halves.flat[d_at…] and sc the integer at small.flat[sc_at…] (Q4_K:
-    6 bits, Q6_K: a signed byte), and for Q4_K offset[:width] = -(dmin · m), dmin at [d_at + lanes…] and
-    m at [sc_at + 8·lanes…] (offset None: Q6_K has none). The products gguf.quants forms, in float32,
-    so that every weight is its value bit for bit."""
+def _q4_k_scales(typingctx, halves, six_bits, d_at, sc_at, lanes, scale, offset, width):
+    """A Q4_K run's scale and offset for `width` lanes (k_quants.py's layout): scale[:width] = d · sc
+    and offset[:width] = -(dmin · m), with d (dmin) the float16 at halves.flat[d_at…] ([d_at + lanes…])
+    and sc (m) the 6-bit integer at six_bits.flat[sc_at…] ([sc_at + 8·lanes…]): the products
+    gguf.quants forms, in float32, so that every weight is its value bit for bit."""
     if not isinstance(width, types.IntegerLiteral):
         return None
     n, f32 = width.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         halves_ptr = _data(context, builder, signature.args[0], args[0])
-        small_ptr = _data(context, builder, signature.args[1], args[1])
+        bits_ptr = _data(context, builder, signature.args[1], args[1])
         i16, i8, i64 = ir.IntType(16), ir.IntType(8), ir.IntType(64)
         d_at, sc_at, lanes = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:5], signature.args[2:5]))
         floats, words = ir.VectorType(f32, n), ir.VectorType(ir.IntType(32), n)
@@ -120,78 +119,47 @@ def _k_scales(typingctx, halves, small, d_at, sc_at, lanes, scale, offset, width
             bits = builder.load(_vector_at(builder, halves_ptr, at, i16, n), align=2)
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n)), floats)
 
-        def integer(at):
-            small_ints = builder.load(_vector_at(builder, small_ptr, at, i8, n), align=1)
-            widen = builder.sext if small.dtype.signed else builder.zext
-            return builder.sitofp(widen(small_ints, words), floats)
+        def six(at):  # (sitofp: AVX2 has no unsigned conversion)
+            return builder.sitofp(builder.zext(builder.load(_vector_at(builder, bits_ptr, at, i8, n), align=1), words), floats)
 
+        d, dmin = half(d_at), half(builder.add(d_at, lanes))
+        sc, m = six(sc_at), six(builder.add(sc_at, builder.mul(lanes, ir.Constant(i64, 8))))
         zero = ir.Constant(i64, 0)
-        scale = builder.fmul(half(d_at), integer(sc_at))
-        builder.store(scale, _vector_at(builder, args[5], zero, f32, n), align=4)
-        if not isinstance(signature.args[6], types.NoneType):
-            dmin, m = half(builder.add(d_at, lanes)), integer(builder.add(sc_at, builder.mul(lanes, ir.Constant(i64, 8))))
-            builder.store(builder.fneg(builder.fmul(dmin, m)), _vector_at(builder, args[6], zero, f32, n), align=4)
+        builder.store(builder.fmul(d, sc), _vector_at(builder, args[5], zero, f32, n), align=4)
+        builder.store(builder.fneg(builder.fmul(dmin, m)), _vector_at(builder, args[6], zero, f32, n), align=4)
         return context.get_dummy_value()
 
-    return types.void(halves, small, d_at, sc_at, lanes, scale, offset, width), codegen
+    return types.void(halves, six_bits, d_at, sc_at, lanes, scale, offset, width), codegen
 
 
 @intrinsic
-def _dequantize_bits(typingctx, values, at, shift, high_at, high_shift, high_bits, scale, offset, w, width):
-    """w[:width] = q · scale[:width] + offset[:width], a column of K-quant weights: q the 4 bits of
-    values.flat[at:at + width] from bit `shift` on (0: low nibbles, 4: high), and with high_bits 2
-    (a literal: Q6_K) 2 more bits above them from values.flat[high_at…] at bit `high_shift`, less 32
-    (Q6_K's ql, qh and bias); offset None: no offset. Plain multiply and add, as gguf.quants."""
-    if not isinstance(width, types.IntegerLiteral) or not isinstance(high_bits, types.IntegerLiteral):
+def _dequantize_nibbles(typingctx, values, at, shift, scale, offset, w, width):
+    """w[:width] = ((values.flat[at:at + width] >> shift) & 15) · scale[:width] + offset[:width]: a
+    column of 4-bit weights (shift 0: the low nibbles, 4: the high ones, a literal), plain multiply and
+    add as gguf.quants."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
         return None
     n, f32 = width.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         i8, i64 = ir.IntType(8), ir.IntType(64)
         values_ptr = _data(context, builder, signature.args[0], args[0])
-        at, shift, high_at, high_shift = (
-            context.cast(builder, args[k], signature.args[k], types.int64) for k in range(1, 5)
-        )
-
-        def bits(start, k, m, by, mask):  # ((bytes >> by) & mask) as m 32-bit integers
-            words = ir.VectorType(ir.IntType(32), m)
-            at_k = builder.add(start, ir.Constant(i64, k))
-            packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, i8, m), align=1), words)
-            by = _splat(builder, words, builder.trunc(by, ir.IntType(32)))  # one vpsrld for all
-            return builder.and_(builder.lshr(packed, by), ir.Constant(words, [mask] * m))
-
-        # 16 bytes at a time, each widened to 32 bits by itself (vpmovzxbd) before the shift: LLVM
-        # masked a whole 64-byte vector, then took it apart with three extracts per column (a fifth
-        # slower), and x86 has no shift of bytes.
-        if high_bits.literal_value:  # Q6_K: its bits combined as bytes, all at once, then widened
-            bytes_type = ir.VectorType(i8, n)
-
-            def byte_bits(start, by, mask):
-                packed = builder.load(_vector_at(builder, values_ptr, start, i8, n), align=1)
-                by = _splat(builder, bytes_type, builder.trunc(by, i8))
-                return builder.and_(builder.lshr(packed, by), ir.Constant(bytes_type, [mask] * n))
-
-            two = builder.shl(byte_bits(high_at, high_shift, 3), ir.Constant(bytes_type, [4] * n))
-            q = builder.or_(byte_bits(at, shift, 15), two)
-            q = builder.sub(q, ir.Constant(bytes_type, [32] * n))
-            column = builder.sitofp(q, ir.VectorType(f32, n))
-            zero = ir.Constant(i64, 0)
-            column = builder.fmul(column, builder.load(_vector_at(builder, args[6], zero, f32, n), align=4))
-            builder.store(column, _vector_at(builder, args[8], zero, f32, n), align=4)
-            return context.get_dummy_value()
+        at = context.cast(builder, args[1], signature.args[1], types.int64)
+        # 16 bytes at a time, each widened to 32 bits by itself (vpmovzxbd) before the shift and mask:
+        # LLVM masked a whole 64-byte vector, then took it apart with three extracts per column (a
+        # fifth slower; x86 has no shift of bytes).
         for k in range(0, n, min(n, 16)):
             m = min(n - k, 16)
             words = ir.VectorType(ir.IntType(32), m)
-            q = bits(at, k, m, shift, 15)
-            if high_bits.literal_value:
-                two = builder.shl(bits(high_at, k, m, high_shift, 3), ir.Constant(words, [4] * m))
-                q = builder.sub(builder.or_(q, two), ir.Constant(words, [32] * m))
-            column = builder.sitofp(q, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
+            at_k = builder.add(at, ir.Constant(i64, k))
+            packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, i8, m), align=1), words)
+            shifted = builder.lshr(packed, ir.Constant(words, [shift.literal_value] * m))
+            nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
+            column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
             where = ir.Constant(i64, k)
-            column = builder.fmul(column, builder.load(_vector_at(builder, args[6], where, f32, m), align=4))
-            if not isinstance(signature.args[7], types.NoneType):
-                column = builder.fadd(column, builder.load(_vector_at(builder, args[7], where, f32, m), align=4))
-            builder.store(column, _vector_at(builder, args[8], where, f32, m), align=4)
+            column = builder.fmul(column, builder.load(_vector_at(builder, args[3], where, f32, m), align=4))
+            column = builder.fadd(column, builder.load(_vector_at(builder, args[4], where, f32, m), align=4))
+            builder.store(column, _vector_at(builder, args[5], where, f32, m), align=4)
         return context.get_dummy_value()
 
-    return types.void(values, at, shift, high_at, high_shift, high_bits, scale, offset, w, width), codegen
+    return types.void(values, at, shift, scale, offset, w, width), codegen
