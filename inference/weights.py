@@ -215,8 +215,9 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
 
 def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
     """Read the weights from the GGUF and pack them for the kernels: matrices stay in their integer
-    formats (int8 values with their scales), small tensors (norms, biases) become float32, the
-    embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
+    formats (Q4_K in its own bits, the others int8 with their scales), small tensors (norms, biases)
+    become float32, the embedding table stays in the file. Fused matrices (FUSED): one kernel call for
+    q/k/v and one for gate/up."""
     path, cfg = info.path, info.config
     quants.compile_kernels(progress, info.matrix_formats)
 
