@@ -2,6 +2,7 @@
 
     python benchmarks/compare_llamacpp.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--llamacpp ISA=PYTHON ...] [--decode-tokens 16] [--lookup-tokens 160] [--full]
+        [--prefill-long 512] [--turn-cached 1024]
 
 Per engine: warm load (to the first token: llama.cpp maps the file, llama-chat reads its prepared
 weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at context 512, a 64-token turn after
@@ -75,7 +76,7 @@ def timed(tokens, seq):
 seq = model.new_sequence(short + 1)
 out["prefill_short"] = short / timed(ids[:short], seq)[0]
 seq.free()
-seq = model.new_sequence(cached + turn + 1)
+seq = model.new_sequence(max(cached + turn, long + spec["decode_tokens"]) + 1)
 elapsed, logits = timed(ids[:long], seq)
 out["prefill_long"] = long / elapsed
 decoding = seq.fork()  # decode at context `long`, then the turn continues the prompt itself
@@ -84,13 +85,14 @@ for _ in range(spec["decode_tokens"]):
     logits = model.forward([int(np.argmax(logits))], decoding)[-1]
 out["decode"] = spec["decode_tokens"] / (time.perf_counter() - t)
 decoding.free()
-model.forward(ids[long:cached], seq)
-best = float("inf")
-for _ in range(spec["turn_repeats"]):
-    fork = seq.fork()
-    best = min(best, timed(ids[cached:cached + turn], fork)[0])
-    fork.free()
-out["turn_ms"] = best * 1000
+if cached:
+    model.forward(ids[long:cached], seq)
+    best = float("inf")
+    for _ in range(spec["turn_repeats"]):
+        fork = seq.fork()
+        best = min(best, timed(ids[cached:cached + turn], fork)[0])
+        fork.free()
+    out["turn_ms"] = best * 1000
 seq.free()
 if spec["lookup_tokens"]:
     from llama_chat.app.bench.forward import measure_lookup
@@ -138,13 +140,14 @@ t = time.perf_counter()
 for _ in range(spec["decode_tokens"]):
     llm.eval([int(np.argmax(last_logits()))])
 out["decode"] = spec["decode_tokens"] / (time.perf_counter() - t)
-llm.n_tokens = long  # eval drops the KV from n_tokens on: back to the prompt
-llm.eval(ids[long:cached])
-best = float("inf")
-for _ in range(spec["turn_repeats"]):
-    llm.n_tokens = cached
-    best = min(best, timed(ids[cached:cached + turn]))
-out["turn_ms"] = best * 1000
+if cached:
+    llm.n_tokens = long  # eval drops the KV from n_tokens on: back to the prompt
+    llm.eval(ids[long:cached])
+    best = float("inf")
+    for _ in range(spec["turn_repeats"]):
+        llm.n_tokens = cached
+        best = min(best, timed(ids[cached:cached + turn]))
+    out["turn_ms"] = best * 1000
 if spec["lookup_tokens"]:  # the code edit, greedy: plain decode as llama.cpp runs it
     llm.reset()
     llm.eval(spec["code_prompt"])
@@ -241,6 +244,15 @@ def main() -> int:
     )
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument(
+        "--prefill-long", type=int, default=PREFILL_LONG, help="the long prefill, and decode's context"
+    )
+    parser.add_argument(
+        "--turn-cached",
+        type=int,
+        default=TURN_CACHED,
+        help="cached tokens before the timed turn (0: no turn; a 7B's 1,024 take minutes on 2 cores)",
+    )
+    parser.add_argument(
         "--lookup-tokens", type=int, default=160, help="the code edit's length (0: no code edit)"
     )
     parser.add_argument(
@@ -271,10 +283,10 @@ def main() -> int:
     spec = {
         "path": path,
         "threads": args.threads,
-        "ids": sample_tokens(tokenizer, TURN_CACHED + TURN),
+        "ids": sample_tokens(tokenizer, max(args.turn_cached, args.prefill_long) + TURN),
         "prefill_short": PREFILL_SHORT,
-        "prefill_long": PREFILL_LONG,
-        "turn_cached": TURN_CACHED,
+        "prefill_long": args.prefill_long,
+        "turn_cached": args.turn_cached,
         "turn": TURN,
         "turn_repeats": TURN_REPEATS,
         "decode_tokens": args.decode_tokens,

@@ -3,7 +3,9 @@ nothing. Every module with kernels imports `njit` and `prange` from here."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 # numba's OpenMP threads sleep between kernels instead of spinning: a kernel runs ~100 times per
 # token, and spinning threads on a 2-core machine take the cores from BLAS, the other kernel thread
@@ -16,11 +18,27 @@ from numba import njit, prange  # noqa: E402
 from .catalog import cache_dir  # noqa: E402
 from .cpu import PROFILE  # noqa: E402
 
+# The modules whose numba code the kernels inline from one another (kernels.py's products inline
+# vectors.py's intrinsics and k_quants.py's loops).
+KERNEL_SOURCES = ("vectors.py", "k_quants.py", "kernels.py", "quants.py")
+
+
+def _sources_digest() -> str:
+    """numba checks a cached kernel against its own source file only, so a kernel would keep the old
+    code of what it inlines from another module: compiled code is kept per version of them all."""
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 # Compiled code lands in a folder per profile: numba keys its cache by processor and features, but
 # not by the module constants a kernel was compiled with (the lanes and rows of cpu.PROFILE), so two
 # profiles sharing a folder could load each other's code. NUMBA_CACHE_DIR, when the user sets it,
 # holds these folders; else our own cache folder does.
-_CACHE_DIR = os.path.join(os.environ.get("NUMBA_CACHE_DIR") or cache_dir() / "numba", PROFILE.key)
+_CACHE_DIR = os.path.join(
+    os.environ.get("NUMBA_CACHE_DIR") or cache_dir() / "numba", _sources_digest(), PROFILE.key
+)
 
 
 def _apply_profile() -> None:

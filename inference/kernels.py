@@ -22,16 +22,18 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import gguf
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from threadpoolctl import ThreadpoolController
 
+from . import k_quants
 from .cpu import PROFILE
 from .jit import njit, prange
+from .vectors import _dequantize_column, _multiply_add, _registers
 
 # numba compiles these in as constants: code compiled for other values lives in another cache folder.
 LANES = PROFILE.lanes  # rows interleaved in the packed layout; one or two input rows run across all
@@ -48,92 +50,38 @@ F32 = np.float32
 EXACT = {"contract"}
 
 
-@intrinsic
-def _registers(typingctx, size):
-    """A float32 scratch array of `size` (a literal) on the stack. numba's arrays live on the heap,
-    where LLVM keeps partial sums in memory, loaded and stored for every weight; a stack array whose
-    every index is known after unrolling becomes registers."""
-    if not isinstance(size, types.IntegerLiteral):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=size.literal_value)
-
-    return types.CPointer(types.float32)(size), codegen
+@njit(cache=True)
+def _n_blocks(scales):
+    """Groups of weights with a scale of their own in a row (a function of its own, where numba drops
+    the branch a None takes: the layouts' overload below is typed without that pruning)."""
+    return 1 if scales is None else scales.shape[1]
 
 
-def _vector_at(builder, pointer, index, element, width):
-    """A pointer to the vector of `width` elements that starts at pointer[index]."""
-    return builder.bitcast(builder.gep(pointer, [index]), ir.VectorType(element, width).as_pointer())
+def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+    """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
+    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py)."""
 
 
-@intrinsic
-def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, width):
-    """w[:width] = values.flat[at:at + width] as float32, times scales.flat[scale_at:…] and plus
-    offsets.flat[scale_at:…] where the matrix has them (None: numba types the call without them). Plain
-    multiply and add, as gguf.quants dequantizes: the weights are exactly the GGUF's. A vector of
-    `width` (a literal) floats in LLVM's own vector type, which the target splits into its registers:
-    no vectorizer has to find it (LLVM's did not, once the loops were short enough to unroll first)."""
-    if not isinstance(width, types.IntegerLiteral):
-        return None
-    n, f32 = width.literal_value, ir.FloatType()
+@overload(_accumulate, inline="always", prefer_literal=True)
+def _accumulate_by_layout(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+    if values.dtype != types.uint8:
+        return _accumulate_values.py_func
 
-    def codegen(context, builder, signature, args):
-        arrays = [
-            context.make_array(t)(context, builder, a).data if isinstance(t, types.Array) else None
-            for t, a in zip(signature.args[:3], args[:3], strict=True)
-        ]
-        element = context.get_data_type(values.dtype)
-        column = builder.load(_vector_at(builder, arrays[0], args[3], element, n), align=1)
-        if isinstance(values.dtype, types.Integer):
-            column = builder.sitofp(column, ir.VectorType(f32, n))
-        if arrays[1] is not None:
-            scales_at = _vector_at(builder, arrays[1], args[4], f32, n)
-            column = builder.fmul(column, builder.load(scales_at, align=4))
-        if arrays[2] is not None:
-            offsets_at = _vector_at(builder, arrays[2], args[4], f32, n)
-            column = builder.fadd(column, builder.load(offsets_at, align=4))
-        builder.store(column, _vector_at(builder, args[5], ir.Constant(ir.IntType(64), 0), f32, n), align=4)
-        return context.get_dummy_value()
+    def in_q4_k(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+        k_quants.accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
 
-    return types.void(values, scales, offsets, at, scale_at, w, width), codegen
-
-
-@intrinsic
-def _multiply_add(typingctx, sums, i, w, xj, width):
-    """sums[i·width:(i + 1)·width] += w[:width] · xj, fused (one rounding), on a vector of `width` (a
-    literal) floats."""
-    if not isinstance(width, types.IntegerLiteral):
-        return None
-    n, f32 = width.literal_value, ir.FloatType()
-
-    def codegen(context, builder, signature, args):
-        sums_ptr, i_arg, w_ptr, x, _ = args
-        i64, i32, vector = ir.IntType(64), ir.IntType(32), ir.VectorType(f32, n)
-        start = builder.mul(context.cast(builder, i_arg, signature.args[1], types.int64), ir.Constant(i64, n))
-        at = _vector_at(builder, sums_ptr, start, f32, n)
-        weights = builder.load(_vector_at(builder, w_ptr, ir.Constant(i64, 0), f32, n), align=4)
-        one = builder.insert_element(ir.Constant(vector, ir.Undefined), x, ir.Constant(i32, 0))
-        everywhere = ir.Constant(ir.VectorType(i32, n), [0] * n)
-        broadcast = builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), everywhere)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{n}f32"
-        )
-        builder.store(builder.call(fma, [weights, broadcast, builder.load(at, align=4)]), at, align=4)
-        return context.get_dummy_value()
-
-    return types.void(sums, i, w, xj, width), codegen
+    return in_q4_k
 
 
 @njit(cache=True, inline="always")
-def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
     """sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows, r < width (constants where it
     is inlined, so that the loop over i unrolls), w dequantized one column of `width` weights at a time.
     Scales and offsets are None where the matrix has none: numba compiles only what a matrix takes.
     Each sum is added up in the same order (j) whatever the rows and width, one fused multiply-add at a
     time: a row's bits do not depend on the pass it is computed in."""
     _, n_cols, lanes = values.shape
-    n_blocks = 1 if scales is None else scales.shape[1]
+    n_blocks = _n_blocks(scales)
     size = n_cols // n_blocks
     for k in range(rows * width):
         sums[k] = 0
@@ -313,7 +261,7 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np
     return (acc * scale[..., None]).sum(axis=1) / total[..., None]
 
 
-COMPILED = (_product, _group_product, _dequantize_int8, _one_token_attention)
+COMPILED = (_product, _group_product, _dequantize_int8, k_quants.dequantize_tile, _one_token_attention)
 
 # OpenBLAS's threads spin for a while after each call before they sleep. In a step of the kernels
 # (≤ KERNEL_ROWS rows) BLAS only multiplies the attention's small matrices, and its spinning threads
@@ -391,7 +339,7 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
 def kernel_product(x: np.ndarray, w) -> np.ndarray:
     """matmul in the kernels: each weight read once for all rows."""
     n = x.shape[0]
-    n_groups, n_cols, _ = w.values.shape
+    n_groups, n_cols = w.values.shape[0], w.n_cols
     out = np.empty((n, n_groups * LANES), dtype=F32)
     if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
         x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
@@ -402,7 +350,7 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
 def tile_product(x: np.ndarray, w) -> np.ndarray:
     """matmul by BLAS, on tiles of w dequantized into a reused buffer."""
     n = x.shape[0]
-    n_groups, n_cols, _ = w.values.shape
+    n_groups, n_cols = w.values.shape[0], w.n_cols
     out = np.empty((n, w.n_rows), dtype=F32)
     tile = max(1, TILE_BYTES // (4 * n_cols * LANES))  # groups per tile
     buf = _tile_buffer(n_cols * tile * LANES)
@@ -419,6 +367,8 @@ def tile_product(x: np.ndarray, w) -> np.ndarray:
 def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
     if w.scales is None:
         out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
+    elif w.in_q4_k:
+        k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
     else:
         _dequantize_int8(w.values, w.scales, w.offsets, g0, g1, out)
 
@@ -426,6 +376,9 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
 def rows(w, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a PackedMatrix as float32 [len(ids), n_cols] (a tied embedding table's lookups)."""
     ids = np.asarray(ids, dtype=np.int64)
+    if w.in_q4_k:
+        blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
+        return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)
     g, lane = ids // LANES, ids % LANES
     values = w.values[g, :, lane]  # [n, n_cols]
     if w.scales is None:

@@ -11,6 +11,10 @@ Packed, LANES rows are interleaved (cpu.py: 64 for AVX-512, fewer for narrower r
 [rows/LANES, cols, LANES]. A kernel then runs its vector lanes across LANES rows at once and applies
 each group's scale once per group, outside the innermost loop (a scale per 32 weights inside a dot
 product keeps a compiler from vectorizing it).
+
+A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
+the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
+and which RAM holds.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import gguf
 import numba
 import numpy as np
 
-from . import kernels
+from . import k_quants, kernels
 from .cpu import PROFILE
 from .jit import in_cache, njit, prange
+from .k_quants import _scale_min_k4, _store
 from .kernels import LANES
 
 F32 = np.float32
@@ -43,14 +48,23 @@ _Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 class PackedMatrix:
     """A weight matrix [n_rows, n_cols] as the kernels read it (rows padded to a multiple of LANES)."""
 
-    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats
+    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats (Q4_K, Q6_K: k_quants.py)
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
-    offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+    offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
 
     @property
+    def in_q4_k(self) -> bool:
+        """Q4_K in its own bits: values, scales and offsets in k_quants.py's layout."""
+        return self.values.dtype == np.uint8
+
+    @property
+    def n_cols(self) -> int:
+        return self.values.shape[1] * (2 if self.in_q4_k else 1)  # Q4_K: two weights a byte
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.n_rows, self.values.shape[1]
+        return self.n_rows, self.n_cols
 
     @property
     def nbytes(self) -> int:
@@ -136,17 +150,6 @@ def _row_q8_0(row, out, scales, lane, repeat):
 
 
 @njit(cache=True, inline="always")
-def _scale_min_k4(j, block):
-    """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j, packed in 12 bytes at byte 4."""
-    s = 4
-    if j < 4:
-        return block[s + j] & 63, block[s + j + 4] & 63
-    sc = (block[s + j + 4] & 0xF) | ((block[s + j - 4] >> 6) << 4)
-    m = (block[s + j + 4] >> 4) | ((block[s + j] >> 6) << 4)
-    return sc, m
-
-
-@njit(cache=True, inline="always")
 def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
     """Q4_K (qs at byte 16) and Q5_K (qh at 16, qs at 48): 8 sub-blocks of 32, each d·sc·q − dmin·m."""
     at_qs = 48 if five_bits else 16
@@ -188,22 +191,8 @@ def _row_q6_k(row, out, scales, lane, repeat):
                 out[at + 96] = ((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32
 
 
-@njit(cache=True, inline="always")
-def _store(tile, values, g, lane0, lane1):
-    """Rows lane0… of a tile [LANES, n_cols] into lanes lane0… of the packed group values[g]; lanes
-    outside belong to the part packed before or after this one, or stay zero (padding)."""
-    if lane0 == 0 and lane1 == LANES:  # the common case, with a constant count the compiler unrolls
-        for j in range(tile.shape[1]):
-            for lane in range(LANES):
-                values[g, j, lane] = tile[lane, j]
-    else:
-        for j in range(tile.shape[1]):
-            for lane in range(lane0, lane1):
-                values[g, j, lane] = tile[lane, j]
-
-
 @njit(cache=True, nogil=True)
-def _unpack_blocks(blocks, qtype, row0, per_row, values, scales, offsets, repeat, g0, g1):
+def _unpack_blocks(blocks, row0, per_row, values, scales, offsets, repeat, qtype, g0, g1):
     """Groups g0…g1 - 1 of the rows; formats without offsets pass their scales as `offsets` (never
     written). Not numba's parallel loop: that compiled in 2.4x the time (15.6 against 6.4 s of CPU on
     a first start), and a thread per part of the groups, the GIL let go, unpacks as fast."""
@@ -241,6 +230,24 @@ def _interleave_rows(a, row0, out):
 INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
 HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
+# The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
+# per format. Q4_K keeps its GGUF bits (k_quants.py) where a matrix is all Q4_K; joined with another
+# format (q/k beside a Q6_K v) it unpacks to int8 as the others.
+KINDS = {
+    Q.Q8_0: "integer weights",
+    Q.Q4_1: "integer weights with offsets",
+    Q.Q4_K: "Q4_K weights",
+    Q.F32: "float weights",
+}
+
+
+def kind_of(formats: set) -> str:
+    """The kind of packed matrix that parts of these formats make (pack decides by it)."""
+    if formats - set(INTEGER_FORMATS):
+        return "float weights"
+    if formats == {Q.Q4_K}:
+        return "Q4_K weights"
+    return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
 
 
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
@@ -250,15 +257,18 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     n_cols = parts[0][2][1]
     n_rows = sum(shape[0] for _, _, shape in parts)
     groups = -(-n_rows // LANES)
-    if any(qtype not in INTEGER_FORMATS for _, qtype, _ in parts):
+    kind = kind_of({qtype for _, qtype, _ in parts})
+    if kind == "float weights":
         values = np.zeros((groups, n_cols, LANES), F32)
         row0 = 0
         for raw, qtype, shape in parts:
             _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
             row0 += shape[0]
         return PackedMatrix(values, None, None, n_rows)
+    if kind == "Q4_K weights":
+        return _pack_q4_k(parts, groups)
     group = min(GROUP.get(qtype, 32) for _, qtype, _ in parts)
-    with_offsets = any(qtype in HAS_OFFSETS for _, qtype, _ in parts)
+    with_offsets = kind == "integer weights with offsets"
     values = np.zeros((groups, n_cols, LANES), np.int8)
     scales = np.zeros((groups, n_cols // group, LANES), F32)
     offsets = np.zeros_like(scales) if with_offsets else None
@@ -270,23 +280,43 @@ def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     return PackedMatrix(values, scales, offsets, n_rows)
 
 
+def _pack_q4_k(parts, groups: int) -> PackedMatrix:
+    """Q4_K tensors kept in their bits (k_quants.py): 148 bytes per 256 weights, int8 took 320."""
+    n_cols = parts[0][2][1]
+    values = np.zeros((groups, n_cols // 2, LANES), np.uint8)
+    scales = np.zeros((groups, n_cols // 256, 2, LANES), np.uint16)
+    offsets = np.zeros((groups, n_cols // 256, 16, LANES), np.uint8)
+    row0 = 0
+    for raw, qtype, shape in parts:
+        _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
+        row0 += shape[0]
+    return PackedMatrix(values, scales, offsets, row0)
+
+
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
     """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
+    offsets = scales if offsets is None else offsets
+    _in_parallel_over_groups(_unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype)))
+
+
+def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) -> None:
+    """unpack(blocks, row0, blocks per row, *arrays, g0, g1) for the groups of rows row0… of one
+    tensor, split over the threads."""
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
-    offsets = scales if offsets is None else offsets
     first, last = row0 // LANES, (row0 + shape[0] - 1) // LANES + 1
     parts = np.linspace(first, last, min(numba.config.NUMBA_NUM_THREADS, last - first) + 1).astype(int)
-    args = (blocks, int(qtype), row0, shape[1] // block_len, values, scales, offsets, repeat)
-    kernels.in_parallel([partial(_unpack_blocks, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
+    args = (blocks, row0, shape[1] // block_len, *arrays)
+    kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
-def compile_kernels(progress=None, formats=None) -> float:
-    """Compile (first start) or load from the cache (later starts) the kernels that matrices of
-    `formats` (every format when None) take, so that no reply waits on the compiler: each signature
-    once, on a tiny example, progress told after each. Returns the seconds it took."""
+def compile_kernels(progress=None, matrices=None) -> float:
+    """Compile (first start) or load from the cache (later starts) the kernels that the model's
+    `matrices` take (each a format, or the set of formats joined in one; None: every kind), so that no
+    reply waits on the compiler: each signature once, on a tiny example, progress told after each.
+    Returns the seconds it took."""
     t0 = time.perf_counter()
-    steps = _compile_steps(set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats))
+    steps = _compile_steps(matrices)
     cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     for i, (what, compile_one) in enumerate(steps):
@@ -297,7 +327,7 @@ def compile_kernels(progress=None, formats=None) -> float:
         progress(label, len(steps), len(steps))
     kernels.blas_from = measured_blas_from(progress)
     if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these formats
-        for what, compile_one in _tile_steps(formats):
+        for what, compile_one in _tile_steps(matrices):
             if progress:
                 progress(f"{label}: {what}", len(steps), len(steps))
             compile_one()
@@ -309,31 +339,28 @@ def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256)) -> PackedMatrix:
     return pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
 
 
-def _kinds(formats: set) -> list[tuple[str, Q]]:
-    """The kinds of packed matrix that `formats` make, each with a format of that kind: the kernels
-    compile once per kind (integers with or without offsets, or float values), not per format."""
-    kinds = [
-        ("integer weights", [q for q in INTEGER_FORMATS if q in formats and q not in HAS_OFFSETS]),
-        ("integer weights with offsets", [q for q in INTEGER_FORMATS if q in formats and q in HAS_OFFSETS]),
-        ("float weights", [Q.F32] if formats - set(INTEGER_FORMATS) else []),
-    ]
-    return [(what, found[0]) for what, found in kinds if found]
+def _kinds(matrices) -> list[tuple[str, Q]]:
+    """The kinds of packed matrix among `matrices` (each a format or a set of formats joined in one
+    matrix; None: every kind), each with its example format."""
+    if matrices is None:
+        return [(kind, qtype) for qtype, kind in KINDS.items()]
+    found = {kind_of({m} if isinstance(m, Q) else set(m)) for m in matrices}
+    return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 
-def _compile_steps(formats: set) -> list[tuple[str, Callable[[], object]]]:
-    kinds = _kinds(formats)
-    steps = [("unpacking", partial(_example, Q.Q8_0))] if formats & set(INTEGER_FORMATS) else []
+def _compile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
+    kinds = _kinds(matrices)
+    steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
     kv = np.zeros((1, 2, 64), F32)
     attention = partial(kernels.one_token_attention, np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
     return [*steps, ("attention", attention)]
 
 
-def _tile_steps(formats) -> list[tuple[str, Callable[[], object]]]:
-    wanted = set(INTEGER_FORMATS) | {Q.F32} if formats is None else set(formats)
+def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
     return [
         (f"{what}, tiles for BLAS", partial(_multiply_example, qtype, kernels.tile_product))
-        for what, qtype in _kinds(wanted)
+        for what, qtype in _kinds(matrices)
     ]
 
 

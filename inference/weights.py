@@ -28,6 +28,14 @@ from .errors import ModelError
 from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
 
+# The GGUF's matrices that the forward pass multiplies as one (one kernel call for q/k/v, one for gate/up).
+FUSED = {
+    "attn_q": "attn_qkv",
+    "attn_k": "attn_qkv",
+    "attn_v": "attn_qkv",
+    "ffn_gate": "ffn_gate_up",
+    "ffn_up": "ffn_gate_up",
+}
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -56,10 +64,15 @@ class Prepared:
     weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
 
     @property
-    def matrix_formats(self) -> list[gguf.GGMLQuantizationType]:
-        """The GGUF types of the model's matrices: what the kernels must be compiled for."""
-        names = {t.type_name for t in self.tensors.values() if len(t.shape) == 2}
-        return [gguf.GGMLQuantizationType[name] for name in sorted(names)]
+    def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
+        """The GGUF types of each matrix the kernels multiply (q/k/v and gate/up each one matrix of
+        their parts' types): what the kernels must be compiled for."""
+        matrices: dict[str, set] = {}
+        for name, t in self.tensors.items():
+            if len(t.shape) == 2:
+                prefix, _, part = name.removesuffix(".weight").rpartition(".")
+                matrices.setdefault(f"{prefix}.{FUSED.get(part, part)}", set()).add(t.type_name)
+        return sorted({tuple(gguf.GGMLQuantizationType[n] for n in sorted(names)) for names in matrices.values()})
 
     @property
     def fingerprint(self) -> str:
@@ -202,8 +215,9 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
 
 def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
     """Read the weights from the GGUF and pack them for the kernels: matrices stay in their integer
-    formats (int8 values with their scales), small tensors (norms, biases) become float32, the
-    embedding table stays in the file. Fused matrices: one kernel call for q/k/v and one for gate/up."""
+    formats (Q4_K in its own bits, the others int8 with their scales), small tensors (norms, biases)
+    become float32, the embedding table stays in the file. Fused matrices (FUSED): one kernel call for
+    q/k/v and one for gate/up."""
     path, cfg = info.path, info.config
     quants.compile_kernels(progress, info.matrix_formats)
 
@@ -282,17 +296,10 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             shapes = expected_shapes(cfg, i)
-            layer = {
-                "attn_qkv": matrix(
-                    *(p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
-                    shapes=[shapes[p + n] for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")],
-                ),
-                "ffn_gate_up": matrix(
-                    p + "ffn_gate.weight",
-                    p + "ffn_up.weight",
-                    shapes=[shapes[p + "ffn_gate.weight"], shapes[p + "ffn_up.weight"]],
-                ),
-            }
+            layer = {}
+            for whole in dict.fromkeys(FUSED.values()):  # attn_qkv, ffn_gate_up
+                names = [f"{p}{part}.weight" for part, into in FUSED.items() if into == whole]
+                layer[whole] = matrix(*names, shapes=[shapes[n] for n in names])
             for n in ("attn_output", "ffn_down"):
                 layer[n] = matrix(p + n + ".weight", shapes=[shapes[p + n + ".weight"]])
             for name, shape in shapes.items():

@@ -117,6 +117,22 @@ def test_the_crossover_measurement_gives_a_size_it_measured_or_none():
     assert quants.measure_blas_from(repeats=1) in (*quants.CROSSOVER_ROWS, None)
 
 
+def test_q4_k_stays_in_its_gguf_bytes_and_multiplies_as_unpacked_to_int8():
+    """A Q4_K matrix is held in (about) its GGUF bytes, and its products have the bits of the same
+    weights unpacked to int8 with float32 scales (joined with a Q8_0 row, which does so): the same
+    sums in the same order, so replies do not change with the layout."""
+    shape = (128, 512)
+    raw = raw_tensor(T.Q4_K, shape)
+    w = quants.pack([(raw, T.Q4_K, shape)])
+    assert w.in_q4_k and w.nbytes <= 1.03 * raw.nbytes
+    q8_row = raw_tensor(T.Q8_0, (1, 512))
+    unpacked = quants.pack([(raw, T.Q4_K, shape), (q8_row, T.Q8_0, (1, 512))])
+    assert not unpacked.in_q4_k and unpacked.values.dtype == np.int8
+    x = np.random.default_rng(5).standard_normal((kernels.KERNEL_ROWS, shape[1])).astype(np.float32)
+    for n in (1, 2, 3, kernels.KERNEL_ROWS):
+        assert np.array_equal(kernels.matmul(x[:n], w), kernels.matmul(x[:n], unpacked)[:, : shape[0]]), n
+
+
 def test_joined_matrices_of_different_formats_multiply_as_each_alone():
     """q/k/v or gate/up are fused into one matrix even when their formats differ (Q5_0 beside Q6_K)."""
     parts = [(T.Q5_0, (64, 256)), (T.Q6_K, (32, 256)), (T.Q4_K, (40, 256))]
@@ -203,7 +219,7 @@ import test_kernels as t
 from llama_chat.inference import kernels
 from llama_chat.inference.cpu import PROFILE
 T = gguf.GGMLQuantizationType
-for qtype in (T.Q5_0, T.Q4_K, T.F16):  # integers without offsets, with offsets, float values
+for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16):  # integers without offsets, with offsets, Q4_K's bits, floats
     t.test_packing_keeps_every_weight_exactly(qtype)
     t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
     for n in (1, 3, kernels.KERNEL_ROWS):
@@ -254,11 +270,13 @@ def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folde
 
 
 def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkeypatch):
-    """A first start compiles what the model's formats take (Q8_0 and Q6_K: integers without offsets),
-    not the float or offset kernels, and its progress moves after each signature."""
+    """A first start compiles what the model's matrices take (a Q8_0 one, and Q5_0 joined with Q6_K:
+    integers without offsets), not the float, offset or GGUF-bits kernels, and its progress moves
+    after each signature."""
     monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
     seen = []
-    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), [T.Q8_0, T.Q6_K])
+    matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]
+    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices)
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
     assert steps == ["unpacking", "integer weights", "attention"]
     assert [done for _, done, _ in seen] == [0, 1, 2, 3] and {total for _, _, total in seen} == {3}

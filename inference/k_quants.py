@@ -1,0 +1,151 @@
+"""Q4_K weights kept in their GGUF bits: the packed layout, and the kernels' half of reading it.
+
+ggml's Q4_K block holds 256 weights of a row in 144 bytes: d and dmin (float16), 12 bytes of 6-bit
+scales and mins (8 of each, one per run of 32 weights), and 128 bytes of 4-bit values whose byte
+32·k + l holds weight 64·k + l in its low nibble and weight 64·k + 32 + l in its high one. Weight =
+d·sc·q − dmin·m (gguf.quants, ggml's dequantize_row_q4_K).
+
+Packed, LANES rows are interleaved as in quants.py, and every value byte keeps its place in its row:
+- values [groups, n_cols / 2, LANES] uint8: byte k of a row's block b at values[g, 128·b + k, lane];
+- scales [groups, n_cols / 256, 2, LANES] uint16: the float16 bits of d and dmin;
+- offsets [groups, n_cols / 256, 16, LANES] uint8: the 8 scales, then the 8 mins.
+148 bytes per 256 weights (the GGUF's 144, the 6-bit fields a byte each) where int8 values with a
+float32 scale and offset per 32 took 320. The kernels shift and mask a column of bytes into weights
+and form a run's scale and offset once, as gguf.quants does, in float32: every weight is the GGUF's,
+bit for bit, and the sums run over the columns in their order (the products have the int8 layout's
+bits).
+
+Q6_K (the output matrix and some ffn_down of a Q4_K_M model) could be kept the same way (ql and qh
+bytes, 210 bytes per 256 as the GGUF), but its kernel, six bits from two bytes, took 1.4–2x int8's CPU
+time per product on the Zen 4 and minutes more to compile: it unpacks to int8 as the other formats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray
+
+from .cpu import PROFILE
+from .jit import njit
+from .vectors import _dequantize_nibbles, _multiply_add, _q4_k_scales, _registers
+
+LANES = PROFILE.lanes
+F32 = np.float32
+
+
+@njit(cache=True, inline="always")
+def _scale_min_k4(j, block):
+    """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j, packed in 12 bytes at byte 4."""
+    s = 4
+    if j < 4:
+        return block[s + j] & 63, block[s + j + 4] & 63
+    sc = (block[s + j + 4] & 0xF) | ((block[s + j - 4] >> 6) << 4)
+    m = (block[s + j + 4] >> 4) | ((block[s + j] >> 6) << 4)
+    return sc, m
+
+
+@njit(cache=True, inline="always")
+def _store(tile, values, g, lane0, lane1):
+    """Rows lane0… of a tile [LANES, n_cols] into lanes lane0… of the packed group values[g]; lanes
+    outside belong to the part packed before or after this one, or stay zero (padding)."""
+    if lane0 == 0 and lane1 == LANES:  # the common case, with a constant count the compiler unrolls
+        for j in range(tile.shape[1]):
+            for lane in range(LANES):
+                values[g, j, lane] = tile[lane, j]
+    else:
+        for j in range(tile.shape[1]):
+            for lane in range(lane0, lane1):
+                values[g, j, lane] = tile[lane, j]
+
+
+
+@njit(cache=True, nogil=True)
+def pack_blocks(blocks, row0, per_row, values, scales, offsets, g0, g1):
+    """Groups g0…g1 - 1 of Q4_K rows in this layout: each block's value bytes keep their order (a tile
+    of the group's rows, then transposed, as quants._unpack_blocks), its 6-bit fields a byte each and
+    its float16s their bits."""
+    n_rows = blocks.shape[0] // per_row
+    for g in range(g0, g1):
+        lane0, lane1 = max(row0 - g * LANES, 0), min(row0 + n_rows - g * LANES, LANES)
+        tile = np.empty((LANES, values.shape[1]), np.uint8)
+        for lane in range(lane0, lane1):
+            first = (g * LANES + lane - row0) * per_row
+            for cb in range(per_row):
+                block = blocks[first + cb]
+                for k in range(2):  # d, dmin
+                    scales[g, cb, k, lane] = np.uint16(block[2 * k]) | (np.uint16(block[2 * k + 1]) << 8)
+                for sub in range(8):
+                    offsets[g, cb, sub, lane], offsets[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
+                tile[lane, 128 * cb : 128 * (cb + 1)] = block[16:]
+        _store(tile, values, g, lane0, lane1)
+
+
+@njit(cache=True, inline="always")
+def _run(values, g, r, lane0):
+    """Where run r (of 32 columns) of group g lies, from lane lane0 on: the flat indices of its d, its
+    scale and its first column's bytes (whose low nibbles hold an even run, the high ones an odd run)."""
+    n_bytes, lanes = values.shape[1], values.shape[2]
+    block = g * (n_bytes // 128) + r // 8
+    d_at, sc_at = (block * 2) * lanes + lane0, (block * 16 + r % 8) * lanes + lane0
+    return d_at, sc_at, (g * n_bytes + 32 * (r // 2)) * lanes + lane0
+
+
+@njit(cache=True, inline="always")
+def _run_sums(values, scales, offsets, x, i0, sums, w, scale, offset, g, r, lane0, shift, rows, width):
+    """Run r's 32 columns, dequantized `width` lanes at a time (their nibbles from bit `shift`, a
+    literal: a shift by a variable cost a tenth of the speed), multiplied into the sums of `rows` rows."""
+    lanes = values.shape[2]
+    d_at, sc_at, at = _run(values, g, r, lane0)
+    _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
+    for t in range(32):
+        _dequantize_nibbles(values, at + t * lanes, shift, scale, offset, w, width)
+        for i in range(rows):
+            _multiply_add(sums, i, w, x[i0 + i, 32 * r + t], width)
+
+
+@njit(cache=True, inline="always")
+def accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+    """kernels._accumulate for Q4_K: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows,
+    r < width, j in column order, one fused multiply-add at a time (the int8 layout's arithmetic)."""
+    scale, offset = _registers(width), _registers(width)
+    for k in range(rows * width):
+        sums[k] = 0
+    for r in range(0, x.shape[1] // 32, 2):  # a run in low nibbles, then the run in their high ones
+        _run_sums(values, scales, offsets, x, i0, sums, w, scale, offset, g, r, lane0, 0, rows, width)
+        _run_sums(values, scales, offsets, x, i0, sums, w, scale, offset, g, r + 1, lane0, 4, rows, width)
+
+
+@njit(cache=True, inline="always")
+def _run_tile(values, scales, offsets, scale, offset, column, g, r, shift, out, c):
+    """Run r's 32 columns into its rows of out, from column c on."""
+    d_at, sc_at, at = _run(values, g, r, 0)
+    _q4_k_scales(scales, offsets, d_at, sc_at, LANES, scale, offset, LANES)
+    weights = carray(column, LANES)
+    for t in range(32):
+        _dequantize_nibbles(values, at + t * LANES, shift, scale, offset, column, LANES)
+        row = out[32 * r + t]
+        for lane in range(LANES):
+            row[c + lane] = weights[lane]
+
+
+@njit(cache=True)
+def dequantize_tile(values, scales, offsets, g0, g1, out):
+    """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies
+    (kernels.tile_product), through the same vector code as the kernels."""
+    scale, offset, column = _registers(LANES), _registers(LANES), _registers(LANES)
+    for g in range(g0, g1):
+        for r in range(0, out.shape[0] // 32, 2):
+            _run_tile(values, scales, offsets, scale, offset, column, g, r, 0, out, (g - g0) * LANES)
+            _run_tile(values, scales, offsets, scale, offset, column, g, r + 1, 4, out, (g - g0) * LANES)
+
+
+def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a packed matrix as the GGUF's blocks again [len(ids), bytes per row], for
+    gguf.quants to dequantize (a tied embedding table's lookups)."""
+    g, lane = ids // LANES, ids % LANES
+    n = len(ids)
+    sc, m = offsets[g, :, :8, lane], offsets[g, :, 8:, lane]  # [n, blocks, 8]: ggml's 12 bytes again
+    low, high = sc[..., 4:], m[..., 4:]
+    packed = [sc[..., :4] | (low >> 4) << 6, m[..., :4] | (high >> 4) << 6, (low & 15) | high << 4]
+    d_dmin = scales[g, :, :, lane].view(np.uint8)  # [n, blocks, 4]
+    return np.concatenate([d_dmin, *packed, values[g, :, lane].reshape(n, -1, 128)], axis=2).reshape(n, -1)

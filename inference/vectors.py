@@ -1,0 +1,165 @@
+"""The kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch array,
+a column of weights dequantized, a fused multiply-add. LLVM splits a vector of `width` floats into the
+target's registers, so no vectorizer has to find the loops (LLVM's did not, once they were short
+enough to unroll first); `width` is a literal wherever these are called (kernels.py, k_quants.py)."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _registers(typingctx, size):
+    """A float32 scratch array of `size` (a literal) on the stack. numba's arrays live on the heap,
+    where LLVM keeps partial sums in memory, loaded and stored for every weight; a stack array whose
+    every index is known after unrolling becomes registers."""
+    if not isinstance(size, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=size.literal_value)
+
+    return types.CPointer(types.float32)(size), codegen
+
+
+def _vector_at(builder, pointer, index, element, width):
+    """A pointer to the vector of `width` elements that starts at pointer[index]."""
+    return builder.bitcast(builder.gep(pointer, [index]), ir.VectorType(element, width).as_pointer())
+
+
+@intrinsic
+def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, width):
+    """w[:width] = values.flat[at:at + width] as float32, times scales.flat[scale_at:…] and plus
+    offsets.flat[scale_at:…] where the matrix has them (None: numba types the call without them). Plain
+    multiply and add, as gguf.quants dequantizes: the weights are exactly the GGUF's. A vector of
+    `width` (a literal) floats in LLVM's own vector type, which the target splits into its registers:
+    no vectorizer has to find it (LLVM's did not, once the loops were short enough to unroll first)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        arrays = [
+            context.make_array(t)(context, builder, a).data if isinstance(t, types.Array) else None
+            for t, a in zip(signature.args[:3], args[:3], strict=True)
+        ]
+        element = context.get_data_type(values.dtype)
+        column = builder.load(_vector_at(builder, arrays[0], args[3], element, n), align=1)
+        if isinstance(values.dtype, types.Integer):
+            column = builder.sitofp(column, ir.VectorType(f32, n))
+        if arrays[1] is not None:
+            scales_at = _vector_at(builder, arrays[1], args[4], f32, n)
+            column = builder.fmul(column, builder.load(scales_at, align=4))
+        if arrays[2] is not None:
+            offsets_at = _vector_at(builder, arrays[2], args[4], f32, n)
+            column = builder.fadd(column, builder.load(offsets_at, align=4))
+        builder.store(column, _vector_at(builder, args[5], ir.Constant(ir.IntType(64), 0), f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, scales, offsets, at, scale_at, w, width), codegen
+
+
+@intrinsic
+def _multiply_add(typingctx, sums, i, w, xj, width):
+    """sums[i·width:(i + 1)·width] += w[:width] · xj, fused (one rounding), on a vector of `width` (a
+    literal) floats."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        sums_ptr, i_arg, w_ptr, x, _ = args
+        i64, vector = ir.IntType(64), ir.VectorType(f32, n)
+        start = builder.mul(context.cast(builder, i_arg, signature.args[1], types.int64), ir.Constant(i64, n))
+        at = _vector_at(builder, sums_ptr, start, f32, n)
+        weights = builder.load(_vector_at(builder, w_ptr, ir.Constant(i64, 0), f32, n), align=4)
+        broadcast = _splat(builder, vector, x)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{n}f32"
+        )
+        builder.store(builder.call(fma, [weights, broadcast, builder.load(at, align=4)]), at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, i, w, xj, width), codegen
+
+
+def _splat(builder, vector_type, value):
+    """`value` in every element of a vector of `vector_type`."""
+    i32 = ir.IntType(32)
+    one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(i32, 0))
+    everywhere = ir.Constant(ir.VectorType(i32, vector_type.count), [0] * vector_type.count)
+    return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), everywhere)
+
+
+def _data(context, builder, array_type, array):
+    return context.make_array(array_type)(context, builder, array).data
+
+
+@intrinsic
+def _q4_k_scales(typingctx, halves, six_bits, d_at, sc_at, lanes, scale, offset, width):
+    """A Q4_K run's scale and offset for `width` lanes (k_quants.py's layout): scale[:width] = d · sc
+    and offset[:width] = -(dmin · m), with d (dmin) the float16 at halves.flat[d_at…] ([d_at + lanes…])
+    and sc (m) the 6-bit integer at six_bits.flat[sc_at…] ([sc_at + 8·lanes…]): the products
+    gguf.quants forms, in float32, so that every weight is its value bit for bit."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        halves_ptr = _data(context, builder, signature.args[0], args[0])
+        bits_ptr = _data(context, builder, signature.args[1], args[1])
+        i16, i8, i64 = ir.IntType(16), ir.IntType(8), ir.IntType(64)
+        d_at, sc_at, lanes = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:5], signature.args[2:5]))
+        floats, words = ir.VectorType(f32, n), ir.VectorType(ir.IntType(32), n)
+
+        def half(at):  # float16 bits → float32, exactly (vcvtph2ps)
+            bits = builder.load(_vector_at(builder, halves_ptr, at, i16, n), align=2)
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n)), floats)
+
+        def six(at):  # (sitofp: AVX2 has no unsigned conversion)
+            return builder.sitofp(builder.zext(builder.load(_vector_at(builder, bits_ptr, at, i8, n), align=1), words), floats)
+
+        d, dmin = half(d_at), half(builder.add(d_at, lanes))
+        sc, m = six(sc_at), six(builder.add(sc_at, builder.mul(lanes, ir.Constant(i64, 8))))
+        zero = ir.Constant(i64, 0)
+        builder.store(builder.fmul(d, sc), _vector_at(builder, args[5], zero, f32, n), align=4)
+        builder.store(builder.fneg(builder.fmul(dmin, m)), _vector_at(builder, args[6], zero, f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(halves, six_bits, d_at, sc_at, lanes, scale, offset, width), codegen
+
+
+@intrinsic
+def _dequantize_nibbles(typingctx, values, at, shift, scale, offset, w, width):
+    """w[:width] = ((values.flat[at:at + width] >> shift) & 15) · scale[:width] + offset[:width]: a
+    column of 4-bit weights (shift 0: the low nibbles, 4: the high ones, a literal), plain multiply and
+    add as gguf.quants."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        i8, i64 = ir.IntType(8), ir.IntType(64)
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        at = context.cast(builder, args[1], signature.args[1], types.int64)
+        # 16 bytes at a time, each widened to 32 bits by itself (vpmovzxbd) before the shift and mask:
+        # LLVM masked a whole 64-byte vector, then took it apart with three extracts per column (a
+        # fifth slower; x86 has no shift of bytes).
+        for k in range(0, n, min(n, 16)):
+            m = min(n - k, 16)
+            words = ir.VectorType(ir.IntType(32), m)
+            at_k = builder.add(at, ir.Constant(i64, k))
+            packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, i8, m), align=1), words)
+            shifted = builder.lshr(packed, ir.Constant(words, [shift.literal_value] * m))
+            nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
+            column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
+            where = ir.Constant(i64, k)
+            column = builder.fmul(column, builder.load(_vector_at(builder, args[3], where, f32, m), align=4))
+            column = builder.fadd(column, builder.load(_vector_at(builder, args[4], where, f32, m), align=4))
+            builder.store(column, _vector_at(builder, args[5], where, f32, m), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, shift, scale, offset, w, width), codegen
