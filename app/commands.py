@@ -27,7 +27,10 @@ def cmd_models(args) -> int:
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
-        statuses.append(model_status(model) | {"sampling": defaults.values, "sampling_from": defaults.source})
+        statuses.append(
+            model_status(model)
+            | {"sampling": defaults.values, "sampling_from": defaults.source, "system_prompt": model.system_prompt}
+        )
     if args.json:
         print_json(statuses)
         return 0
@@ -39,6 +42,8 @@ def cmd_models(args) -> int:
         print(f"  {s['description']}")
         sampling = ", ".join(f"{key} {value}" for key, value in s["sampling"].items() if value is not None)
         print(f"  sampling: {sampling} ({s['sampling_from']})")
+        if s["system_prompt"]:
+            print(f"  system prompt for new chats: {s['system_prompt']}")
     return 0
 
 
@@ -124,7 +129,10 @@ def cmd_ask(args) -> int:
         session = store.get_session(args.session)  # an unknown session fails before the model loads
     engine = open_engine(args, store)
     # before the session is made or changed: a refused prompt leaves nothing behind
-    system = args.system if args.system is not None or args.new_session else session.system_prompt
+    if args.system is not None:
+        system = args.system
+    else:
+        system = engine.system_prompt if args.new_session else session.system_prompt
     engine.check_message(system, prompt)
     if args.new_session:
         title = args.title or title_from_text(prompt)
@@ -146,7 +154,8 @@ def cmd_ask(args) -> int:
 def ask_once(args, prompt: str) -> int:
     """A one-off question: the reply streams, nothing is stored (the database is not opened)."""
     engine = open_engine(args)
-    conversation = Conversation(system_message(args.system) + [{"role": "user", "content": prompt}])
+    system = engine.system_prompt if args.system is None else args.system
+    conversation = Conversation(system_message(system) + [{"role": "user", "content": prompt}])
     settings = reply_settings(args)
     try:
         with ReplySignals() as signals:

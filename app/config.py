@@ -31,7 +31,7 @@ EXAMPLE = f"""\
 # theme = {'"' + DEFAULT_THEME + '"':<39}# set from the app too (command palette: Theme)
 # max_tokens = {MAX_TOKENS:<34}# longest reply
 # n_ctx = {N_CTX:<39}# context window in tokens
-# system_prompt = "You are a concise assistant." # for new chats
+# system_prompt = "You are a concise assistant." # for new chats ("" for none; unset: the model's)
 #
 # [sampling]                                     # for new chats
 # temperature = 0.7

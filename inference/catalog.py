@@ -35,6 +35,8 @@ class KnownModel:
     # what its makers recommend sampling with (SamplingParams fields), and where they say so
     sampling: tuple[tuple[str, float], ...] = ()
     sampling_source: str = ""
+    # the system prompt new chats get when the user sets none (the template's own default otherwise)
+    system_prompt: str = ""
 
     def pip_command(self) -> str:
         return "pip install " + " ".join(f"'{dist}=={self.version}'" for dist, _ in self.chunks)
@@ -63,6 +65,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 ("repeat_penalty", 1.05),
             ),
             sampling_source="Qwen2.5's model card",
+            # Asked to do something ("Reverse a string in Python."), even at the card's sampling this
+            # model often answers with the user's request as a question ("How can I reverse a string
+            # in Python?"): 2 of 20 sampled replies to five plain questions, 0 of 20 with this prompt
+            # (P("How" first) 0.36 -> under 0.07 for that request).
+            system_prompt=(
+                "You are a helpful assistant. When the user asks for something, do it: "
+                "answer with the solution, not with a question."
+            ),
         ),
         KnownModel(
             name="gemma-3-270m-q4_k_m",
@@ -99,6 +109,18 @@ GGUF_SAMPLING = {
 }
 
 
+def known_model_at(path: str | os.PathLike) -> KnownModel | None:
+    """The catalog's model a file is (by its name), if any."""
+    return next((m for m in KNOWN_MODELS.values() if Path(path).name == model_path(m).name), None)
+
+
+def recommended_system_prompt(path: str | os.PathLike) -> str | None:
+    """The system prompt new chats with a known model (by its file's name) get where the user sets none;
+    None: the chat template's own default."""
+    model = known_model_at(path)
+    return (model.system_prompt or None) if model else None
+
+
 def recommended_sampling(path: str | os.PathLike, metadata: Mapping) -> tuple[dict, str]:
     """The sampling a model's makers recommend (SamplingParams fields, unchecked) and where that is
     said: the GGUF's own general.sampling.* keys, else the table of a known model (by its file's
@@ -106,10 +128,8 @@ def recommended_sampling(path: str | os.PathLike, metadata: Mapping) -> tuple[di
     in_file = {field: metadata[key] for key, field in GGUF_SAMPLING.items() if key in metadata}
     if in_file:
         return in_file, f"recommended in {Path(path).name}"
-    for model in KNOWN_MODELS.values():
-        if Path(path).name == model_path(model).name:
-            return dict(model.sampling), model.sampling_source
-    return {}, ""
+    model = known_model_at(path)
+    return (dict(model.sampling), model.sampling_source) if model else ({}, "")
 
 
 def cache_dir() -> Path:

@@ -24,6 +24,7 @@ from llama_chat.inference import (
     fit_messages,
     shift_to,
 )
+from llama_chat.inference.catalog import recommended_system_prompt
 from llama_chat.storage.codec import AUTO
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_plan import model_plan
@@ -65,6 +66,7 @@ class ChatEngine:
         self.kv = KVStore(store, model.fingerprint, codec, remote, plan)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.sampling_defaults = model_sampling(model)  # where a session sets nothing
+        self.system_prompt = recommended_system_prompt(model.path)  # a new chat's, where the user sets none
         self.scheduler = scheduler or Scheduler(model)
         self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
         self.live = LiveSessions(model, store, self.kv, self.lock, self.n_ctx)  # sessions open here
@@ -84,11 +86,12 @@ class ChatEngine:
     def new_session(
         self, title: str = NEW_CHAT, system_prompt: str | None = None, sampling: dict | None = None
     ) -> Session:
+        """A new chat; without a system prompt it takes the model's recommended one ("": none)."""
         return self.store.create_session(
             session_title(title) or NEW_CHAT,
             model_fingerprint=self.model.fingerprint,
             model_name=self.model.name,
-            system_prompt=system_prompt,
+            system_prompt=self.system_prompt if system_prompt is None else system_prompt or None,
             sampling=sampling,
         )
 

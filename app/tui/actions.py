@@ -257,6 +257,8 @@ class ChatActions:
         session = self.screen.session
         title = session.title if session else "New chat"
         system = session.system_prompt if session else self.screen.config.system_prompt
+        if session is None and system is None and self.screen.engine:
+            system = self.screen.engine.system_prompt  # the model's, which a new chat takes
         sampling = session.sampling if session else dict(self.screen.config.sampling)
         defaults = self.screen.engine.sampling_defaults if self.screen.engine else DEFAULT_SAMPLING
         screen = SettingsScreen(title, system, sampling, self.screen.config.max_tokens, defaults)
