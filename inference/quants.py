@@ -324,9 +324,13 @@ def _compile_steps(formats: set) -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(formats)
     steps = [("unpacking", partial(_example, Q.Q8_0))] if formats & set(INTEGER_FORMATS) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    kv = np.zeros((1, 2, 64), F32)
-    attention = partial(kernels.one_token_attention, np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
-    return [*steps, ("attention", attention)]
+    q = np.zeros((1, 1, 64), F32)
+    kvs = [np.zeros((1, 2, 64), t) for t in (np.float16, F32)]  # a cache of each type (kv_cache.CACHE_TYPES)
+    attention = [
+        (f"attention, {kv.dtype.name} cache", partial(kernels.one_token_attention, q, kv, kv, [(0, 2)]))
+        for kv in kvs
+    ]
+    return [*steps, *attention]
 
 
 def _tile_steps(formats) -> list[tuple[str, Callable[[], object]]]:

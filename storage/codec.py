@@ -112,15 +112,17 @@ def compile_kernels(progress=None) -> float:
     cached = all(in_cache(k) for k in _kernels().COMPILED)
     label = "loading the KV codec" if cached else "compiling the KV codec (first start only)"
     arena = np.zeros((2, 2, 40, GROUP), _F32)
+    arena16 = np.zeros(arena.shape, _F16)  # the live cache's default type (inference/kv_cache.py)
     plan = KVPlan(((4, 6), (8, 16)), ((16, 8), (6, 4)))  # every precision, for keys and for values
     codecs = ("q8", "q6", "q4", AUTO)
     for i, codec in enumerate(codecs):
         if progress:
             progress(label, i, len(codecs))
         # a view with gaps, as the arena's, and contiguous, as a tail's copy; decoded into new arrays
-        # and into the arena
+        # and into the arena, float32 and float16
         data = encode_kv(arena[:, :, :33], arena[:, :, :33], codec, plan)
         decode_kv(data, (arena[:, :, 1:34], arena[:, :, 2:35]))
+        decode_kv(data, (arena16[:, :, 1:34], arena16[:, :, 2:35]))
         decode_kv(data)
         encode_kv(arena, arena, codec, plan)
     if progress:
@@ -357,7 +359,8 @@ def _plan_of(data: bytes, dims) -> KVPlan:
 def decode_kv(data: bytes, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The (k, v) float32 arrays encode_kv was given (or their quantized approximation).
 
-    `out`: float32 arrays (views of the KV arena, say) to decode into, which are returned; a block of
+    `out`: float32 or float16 arrays (views of the KV arena, say) to decode into, which are returned
+    (a float16 one holds the decoded values rounded once to float16); a block of
     another shape is refused. Raises CorruptBlockError for anything that isn't intact output of
     encode_kv (out then holds anything); memory use is bounded by the shape the header declares,
     which is itself bounded by MAX_ELEMENTS.
@@ -429,6 +432,7 @@ def _decode_quantized(codec: str, raw: memoryview, k: np.ndarray, v: np.ndarray)
         qk, qv = qk[:n].reshape(cshape), qv[:n].reshape(shape)
         scales = _unshuffle(raw[2 * size :], _F16).astype(np.float32)
         sk, sv, mk, mv = np.split(scales, [gk, gk + gv, 2 * gk + gv])
+    k, v = compiled.bits_view(k), compiled.bits_view(v)
     compiled.dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1), _GROUP_BITS, k, True)
     compiled.dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1), _GROUP_BITS, v, False)
 
@@ -463,17 +467,17 @@ def _decode_auto(plan: KVPlan, raw: memoryview, k: np.ndarray, v: np.ndarray) ->
     L, H, T, D = shape
     offset = 0
     for is_key, bits, chosen, size in _auto_parts(plan, shape):
-        part = _decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key)
+        part = _decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, k.dtype)
         (k if is_key else v)[chosen // H, chosen % H] = part  # (written through: k may be the arena's view)
         offset += size
 
 
-def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: bool) -> np.ndarray:
-    """n heads [n, T, D] float32 of one part of an auto block."""
+def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: bool, dtype) -> np.ndarray:
+    """n heads [n, T, D] of one part of an auto block, of dtype (float32 or float16: the arena's)."""
     values = n * T * D
     shape = (1, n, T, D)
     if bits == 16:
-        return _unshuffle(raw, _F16).reshape(n, T, D).astype(np.float32)
+        return _unshuffle(raw, _F16).reshape(n, T, D).astype(dtype, copy=False)
     coded = (1, n, D, T) if is_key else shape
     if bits == 8:
         size = values
@@ -488,9 +492,10 @@ def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: boo
         unpack(np.frombuffer(raw, np.uint8, size), q)
         q = q[:values].reshape(coded)
     scales, mins = np.split(_unshuffle(raw[size:], _F16).astype(np.float32), 2)
-    out = np.empty(shape, np.float32)
+    out = np.empty(shape, dtype)
     groups = (*coded[:3], -1)
-    _kernels().dequantize(q, scales.reshape(groups), mins.reshape(groups), _GROUP_BITS, out, is_key)
+    compiled = _kernels()
+    compiled.dequantize(q, scales.reshape(groups), mins.reshape(groups), _GROUP_BITS, compiled.bits_view(out), is_key)
     return out[0]
 
 
