@@ -324,13 +324,14 @@ def _compile_steps(formats: set) -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(formats)
     steps = [("unpacking", partial(_example, Q.Q8_0))] if formats & set(INTEGER_FORMATS) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    q = np.zeros((1, 1, 64), F32)
-    kvs = [np.zeros((1, 2, 64), t) for t in (np.float16, F32)]  # a cache of each type (kv_cache.CACHE_TYPES)
-    attention = [
-        (f"attention, {kv.dtype.name} cache", partial(kernels.one_token_attention, q, kv, kv, [(0, 2)]))
-        for kv in kvs
-    ]
-    return [*steps, *attention]
+    return [*steps, ("attention", _attention_example)]
+
+
+def _attention_example() -> None:
+    """One token's attention over a cache of each type (kv_cache.CACHE_TYPES)."""
+    for dtype in (np.float16, F32):
+        kv = np.zeros((1, 2, 64), dtype)
+        kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
 
 
 def _tile_steps(formats) -> list[tuple[str, Callable[[], object]]]:
