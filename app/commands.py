@@ -48,7 +48,13 @@ def cmd_models(args) -> int:
 
 def open_model(args):
     with ProgressBar() as bar:
-        return load_chat_model(args.model, bar, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup)
+        return load_chat_model(
+            args.model,
+            bar,
+            cache_ram_mb=args.cache_ram,
+            cache_type=args.cache_type,
+            prompt_lookup=not args.no_lookup,
+        )
 
 
 def flag_settings(args, settings=SAMPLING) -> dict:

@@ -193,7 +193,8 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
         raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
     options = ServeOptions(
-        db=args.db, model=args.model, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup,
+        db=args.db, model=args.model, cache_ram_mb=args.cache_ram, cache_type=args.cache_type,
+        prompt_lookup=not args.no_lookup,
         kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),
         allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()), **given,
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
-from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
 from llama_chat.storage import ChatStore
 
 from ..chat.engine import ChatEngine, load_chat_model
@@ -47,6 +47,7 @@ class ServeOptions:
     api_key: str | None = None
     ctx: int = N_CTX
     cache_ram_mb: float = CACHE_RAM_MB
+    cache_type: str = DEFAULT_CACHE_TYPE  # the live KV cache's element type (kv_cache.CACHE_TYPES)
     block_size: int = DEFAULT_BLOCK_SIZE
     prompt_lookup: bool = True
     max_body: int = MAX_BODY
@@ -179,6 +180,7 @@ def open_model(options: ServeOptions) -> Model:
             options.model,
             bar,
             cache_ram_mb=options.cache_ram_mb,
+            cache_type=options.cache_type,
             block_size=options.block_size,
             prompt_lookup=options.prompt_lookup,
         )

@@ -12,6 +12,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from llama_chat.inference import KNOWN_MODELS, resolve_model
+from llama_chat.inference.kv_cache import DEFAULT_CACHE_TYPE
 from llama_chat.storage import ChatStore
 
 from ..chat.settings import CACHE_RAM_MB
@@ -44,6 +45,7 @@ class ChatApp(App, inherit_bindings=False):
         config: UserConfig | None = None,
         cache_ram_mb: int = CACHE_RAM_MB,
         prompt_lookup: bool = True,
+        cache_type: str = DEFAULT_CACHE_TYPE,
         remote: Callable[[str], RemoteTier | None] = lambda fingerprint: None,
     ):
         super().__init__()
@@ -53,6 +55,7 @@ class ChatApp(App, inherit_bindings=False):
         self.store = ChatStore(db)
         self.state = State()
         self.cache_ram_mb = cache_ram_mb
+        self.cache_type = cache_type
         # an unknown --session fails here, before the screen opens (one line, exit 2)
         session_id = self.store.get_session(session_id).id if session_id else None
         self.chat = ChatScreen(model or self.config.model, session_id)
@@ -142,6 +145,7 @@ def cmd_tui(args) -> int:
         config,
         args.cache_ram,
         not args.no_lookup,
+        args.cache_type,
         remote=lambda fingerprint: open_remote(args, fingerprint),
     )
     app.run()

@@ -220,6 +220,7 @@ class ChatScreen(ChatActions, Screen):
                 name,
                 self.progress_reporter(),
                 cache_ram_mb=self.app.cache_ram_mb,
+                cache_type=self.app.cache_type,
                 prompt_lookup=self.app.prompt_lookup,
             )
             engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
