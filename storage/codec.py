@@ -418,8 +418,8 @@ def _decode_quantized(codec: str, raw: memoryview, k: np.ndarray, v: np.ndarray)
     gk, gv = _n_groups(shape)
     cshape = (n_layer, n_head, head_dim, n_tokens)
     if codec == "q8":
-        qk = np.cumsum(np.frombuffer(raw, np.uint8, n).reshape(cshape), axis=-1, dtype=np.uint8).view(np.int8)
-        qv = np.frombuffer(raw, np.int8, n, offset=n).reshape(shape)
+        qk = np.frombuffer(raw, np.uint8, n).reshape(cshape)  # token-to-token differences
+        qv = np.frombuffer(raw, np.uint8, n, offset=n).reshape(shape)
         scales = _unshuffle(raw[2 * n :], _F16).astype(np.float32)
         sk, sv = scales[:gk], scales[gk:]
         mk, mv = np.zeros_like(sk), np.zeros_like(sv)  # symmetric: mins of zero, to share the loop
@@ -432,9 +432,10 @@ def _decode_quantized(codec: str, raw: memoryview, k: np.ndarray, v: np.ndarray)
         qk, qv = qk[:n].reshape(cshape), qv[:n].reshape(shape)
         scales = _unshuffle(raw[2 * size :], _F16).astype(np.float32)
         sk, sv, mk, mv = np.split(scales, [gk, gk + gv, 2 * gk + gv])
-    k, v = compiled.bits_view(k), compiled.bits_view(v)
-    compiled.dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1), _GROUP_BITS, k, True)
-    compiled.dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1), _GROUP_BITS, v, False)
+    k, v, q8 = compiled.bits_view(k), compiled.bits_view(v), codec == "q8"
+    sk, mk = sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1)
+    compiled.dequantize(qk, sk, mk, _GROUP_BITS, k, True, q8, q8)
+    compiled.dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1), _GROUP_BITS, v, False, q8, False)
 
 
 def _auto_parts(plan: KVPlan, shape):
@@ -481,9 +482,7 @@ def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: boo
     coded = (1, n, D, T) if is_key else shape
     if bits == 8:
         size = values
-        q = np.frombuffer(raw, np.uint8, values).reshape(coded)
-        if is_key:
-            q = np.cumsum(q, axis=-1, dtype=np.uint8)
+        q = np.frombuffer(raw, np.uint8, values).reshape(coded)  # keys: token-to-token differences
     else:
         codec = "q6" if bits == 6 else "q4"
         size = _packed_size(codec, values)
@@ -495,7 +494,10 @@ def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: boo
     out = np.empty(shape, dtype)
     groups = (*coded[:3], -1)
     compiled = _kernels()
-    compiled.dequantize(q, scales.reshape(groups), mins.reshape(groups), _GROUP_BITS, compiled.bits_view(out), is_key)
+    differences = is_key and bits == 8
+    compiled.dequantize(
+        q, scales.reshape(groups), mins.reshape(groups), _GROUP_BITS, compiled.bits_view(out), is_key, False, differences
+    )
     return out[0]
 
 
