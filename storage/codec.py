@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -562,7 +563,7 @@ def _decompress(frame: bytes, expected: int) -> bytes:
             f"KV block payload declares {params.content_size} bytes, the header implies {expected}"
         )
     # decompressobj rather than decompress(): it also reports a truncated frame and trailing bytes.
-    d = zstandard.ZstdDecompressor().decompressobj()
+    d = _decompressor().decompressobj()
     try:
         raw = d.decompress(frame)
     except zstandard.ZstdError as e:
@@ -572,6 +573,17 @@ def _decompress(frame: bytes, expected: int) -> bytes:
             f"KV block payload is truncated or has extra bytes ({len(raw)} of {expected} bytes decoded)"
         )
     return raw
+
+
+_per_thread = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (one is not for two threads at once), made once: making one per block
+    took half the time of decompressing 32 blocks of a resumed conversation."""
+    if not hasattr(_per_thread, "decompressor"):
+        _per_thread.decompressor = zstandard.ZstdDecompressor()
+    return _per_thread.decompressor
 
 
 def _unshuffle(buf, dtype: np.dtype) -> np.ndarray:
