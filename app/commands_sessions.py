@@ -110,7 +110,7 @@ def verify_session(args) -> int:
 
 def collect_garbage(args) -> int:
     budget = None if args.budget is None else args.budget * 2**20
-    result = open_store(args).gc(budget)
+    result = open_store(args).kv.gc(budget)
     print(
         f"removed {result['blocks_removed']} block(s), {result['bytes_freed'] / 2**20:.1f} MB; "
         f"{result['blocks']} block(s), {result['bytes'] / 2**20:.1f} MB kept"
@@ -138,8 +138,7 @@ def check_database_file(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from llama_chat.storage.exchange import default_file_name, export_session
-    from llama_chat.storage.exchange_file import SUFFIX
+    from llama_chat.storage.exchange import SUFFIX, default_file_name, export_session
     from llama_chat.storage.transcript import export_markdown, markdown_transcript
 
     store = ChatStore(args.db)
@@ -185,8 +184,7 @@ def model_here(args) -> tuple[str | None, str | None]:
 
 
 def cmd_import(args) -> int:
-    from llama_chat.storage.exchange import import_session
-    from llama_chat.storage.exchange_file import read_session_file
+    from llama_chat.storage.exchange import import_session, read_session_file
 
     with ProgressBar() as bar:
         exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens

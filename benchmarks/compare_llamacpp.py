@@ -38,7 +38,7 @@ import sys
 
 from isa import ISAS, cpu_name, our_env
 
-from llama_chat.app.bench import sample_tokens
+from llama_chat.app.bench.samples import sample_tokens
 from llama_chat.inference import resolve_model
 from llama_chat.inference.tokenizer import load_tokenizer
 
@@ -93,7 +93,8 @@ for _ in range(spec["turn_repeats"]):
 out["turn_ms"] = best * 1000
 seq.free()
 if spec["lookup_tokens"]:
-    from llama_chat.app.bench import CODE_EDIT, measure_lookup
+    from llama_chat.app.bench.forward import measure_lookup
+    from llama_chat.app.bench.samples import CODE_EDIT
     from llama_chat.inference import chat_prompt_ids
     lookup = measure_lookup(model, spec["lookup_tokens"])
     out.update(lookup=lookup["lookup_tok_s"], lookup_same_as_plain=lookup["same_text"], code_ids=lookup["token_ids"],

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from llama_chat.app.bench import SAMPLE_TEXT, sample_text
+from llama_chat.app.bench.samples import SAMPLE_TEXT, sample_text
 from llama_chat.inference import chat_prompt_ids, load_model
 from llama_chat.storage.codec import AUTO, CODECS, decode_kv, encode_kv
 from llama_chat.storage.kv_plan import model_plan

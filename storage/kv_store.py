@@ -92,7 +92,7 @@ class KVStore:
         """A stored block of the namespace decoded into `out` (the pool's arena), checked against its
         checksum, the tokens it stands for and out's shape; a bad one is dropped so it gets recomputed."""
         fetched = self._fetched(key) if namespace is None else None
-        block = fetched or self.store.load_block(key, self.fingerprint, namespace)
+        block = fetched or self.store.kv.load_block(key, self.fingerprint, namespace)
         if block is None:
             return False
         # one from the remote tier had its signature and checksum checked as it was read
@@ -100,7 +100,7 @@ class KVStore:
         kv = _decoded(block.data, out) if intact and block.tokens == list(tokens) else None
         if kv is None:
             self._forget([key])
-            self.store.drop_block(key, namespace)
+            self.store.kv.drop_block(key, namespace)
         return kv is not None
 
     def _fetched(self, key: bytes) -> StoredBlock | None:
@@ -126,7 +126,7 @@ class KVStore:
     ) -> tuple[list[int], KV] | None:
         """The stored tail of a session (the KV after its last full block) as far as it matches `want`,
         the tokens that follow `parent_key`; None when it does not fit or is damaged."""
-        tail = self.store.load_tail(session_id, self.fingerprint)
+        tail = self.store.kv.load_tail(session_id, self.fingerprint)
         n = _fits(tail, parent_key, want)
         kv = decode_checked(tail.data, tail.checksum) if n else None
         if kv is None or kv[0].shape[2] != len(tail.tokens):
@@ -146,7 +146,7 @@ class KVStore:
         """Store a session's KV in one transaction: its full blocks (key, tokens) — encoding only those
         not stored yet, block_kv(i) gives the i-th one's KV — and its tail. Returns the new blocks."""
         keys = [key for key, _ in blocks]
-        stored = self.store.stored_keys(keys, namespace)
+        stored = self.store.kv.stored_keys(keys, namespace)
         new_blocks, remote_keys = [], set()
         for i, (key, tokens) in enumerate(blocks):
             if key in stored:
@@ -165,7 +165,7 @@ class KVStore:
             tokens, k, v = tail
             data = encode_kv(k, v, self.codec, self.plan)
             stored_tail = StoredTail(keys[-1] if keys else None, tokens, self.codec, data, checksum(data))
-        self.store.save_snapshot(
+        self.store.kv.save_snapshot(
             session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace
         )
         if namespace is None:
@@ -197,7 +197,7 @@ class KVStore:
     def has_tail(self, session_id: str, parent_key: bytes | None, tokens: Sequence[int]) -> bool:
         """Whether the session's tail stored here follows `parent_key` and starts as `tokens` do (then
         restore_tail takes it, and no other server's is needed)."""
-        return _fits(self.store.load_tail(session_id, self.fingerprint), parent_key, tokens) > 0
+        return _fits(self.store.kv.load_tail(session_id, self.fingerprint), parent_key, tokens) > 0
 
     def read_remote(
         self,
@@ -217,7 +217,7 @@ class KVStore:
         t0 = time.perf_counter()
         with self._fetched_lock:
             missing = [(key, tokens) for key, tokens in missing if key not in self.fetched]
-        stored = self.store.stored_keys([key for key, _ in missing])
+        stored = self.store.kv.stored_keys([key for key, _ in missing])
         missing = [(key, tokens) for key, tokens in missing if key not in stored]
         if missing:
             n_bytes = self.remote.estimated_bytes(len(missing))
@@ -260,7 +260,7 @@ class KVStore:
         return [(key, tail[1])]
 
     def load(self, key: bytes, namespace: bytes | None) -> StoredBlock | None:
-        return self.store.load_block(key, self.fingerprint, namespace)
+        return self.store.kv.load_block(key, self.fingerprint, namespace)
 
     @staticmethod
     def matches(stored: StoredBlock, tokens: Sequence[int], kv: KV) -> bool:

@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# What a title says a session is besides its conversation; one at most, the newest (no "(fork) (edited)")
+TITLE_MARKS = ("(fork)", "(regenerated)", "(edited)", "(imported)")
+
+
+def marked_title(title: str, mark: str) -> str:
+    """`title` with `mark` (one of TITLE_MARKS) after it, in place of the mark it had."""
+    return f"{unmarked_title(title)} {mark}"
+
+
+def unmarked_title(title: str) -> str:
+    """`title` without the marks at its end."""
+    while any(title.endswith(" " + m) for m in TITLE_MARKS):
+        title = title.rsplit(" ", 1)[0]
+    return title
+
 
 @dataclass
 class Session:

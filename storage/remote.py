@@ -7,13 +7,9 @@ its token ids are the ones its prefix key stands for, and its checksum holds. An
 slow, flushed or lying server, an evicted or altered block — is a miss: the block is recomputed, and
 nothing held locally is touched.
 
-URLs (`--kv-remote`, LLAMA_CHAT_KV_REMOTE):
-  redis://[:PASSWORD@]HOST:PORT[/DB]      one server (Valkey speaks the same protocol)
-  rediss://...                            the same over TLS
-  redis+cluster://HOST:PORT               a Redis Cluster, reached through any one of its nodes
-  rediss+cluster://HOST:PORT              the same over TLS
-Bound it on the server side with `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`; every block is
-also written with a TTL (refreshed on each read), so an unbounded server forgets what nobody reads.
+The URLs it takes and the connections it makes are remote_wire.py's. Bound it on the server side with
+`maxmemory <bytes>` and `maxmemory-policy allkeys-lru`; every block is also written with a TTL
+(refreshed on each read), so an unbounded server forgets what nobody reads.
 """
 
 from __future__ import annotations
@@ -23,45 +19,31 @@ import hashlib
 import hmac
 import logging
 import queue
-import socket
 import struct
 import threading
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.retry import Retry
 
 from .codec import block_info, checksum
 from .records import StoredBlock
+from .remote_wire import DEFAULT_TIMEOUT_S, RemoteTierError, connector
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 7 * 24 * 3600  # a week: a conversation nobody continues within it is recomputed
-DEFAULT_TIMEOUT_S = 0.25  # connect and answer: a store slower than this is no faster than computing
-PACE_BYTES = 64 * 1024  # an answer may take the timeout once, and once more for each 64 KiB it moves
 DEFAULT_BACKOFF_S = 30.0  # after a failure the tier is skipped this long (a plain circuit breaker)
 DEFAULT_QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond it new ones are dropped
 WRITE_BATCH = 32  # blocks written in one round trip
 SMALL_ROUND_TRIP = 64 * 1024  # bytes under which a round trip measures latency, above it throughput
 MAX_VALUE_BYTES = 64 * 2**20  # a value beyond any real block: not read into a block
-# The most one answer may bring: a 32k-token conversation's blocks are ~170 MB at q6. A peer that
-# announces a larger value is cut off as it sends, not after its bytes have filled memory.
-MAX_ANSWER_BYTES = 512 * 2**20
 KEY_PREFIX = "llama-chat:kv1"  # the layout version: a new value format gets a new prefix
-SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}  # → cluster?
 
 _MAC = 32  # bytes of an HMAC-SHA256
 _BODY = struct.Struct("<4sI")  # magic, number of token ids
 _MAGIC = b"LCRB"
 _CHECKSUM = 8  # hex digits of codec.checksum
-
-
-class RemoteTierError(ValueError):
-    """A remote tier that cannot be set up as asked: one line for the user."""
 
 
 class MovingAverage:
@@ -90,6 +72,7 @@ class RemoteTier:
         backoff_s: float = DEFAULT_BACKOFF_S,
         queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
         always_fetch: bool = False,
+        clock=time.monotonic,
     ):
         if not secret:
             raise RemoteTierError(
@@ -102,6 +85,7 @@ class RemoteTier:
         self.where = where  # the URL without its password, for messages
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
+        self.clock = clock  # () -> seconds: when a backoff ends (tests move it on rather than wait)
         self.always_fetch = always_fetch  # skip the rule: read whatever is missing (benchmarks, tests)
         self._client = None
         self._client_lock = threading.Lock()
@@ -133,40 +117,9 @@ class RemoteTier:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **options,
     ) -> RemoteTier:
-        """A tier on the server at `url` (see the module's doc for the forms). Nothing is contacted
+        """A tier on the server at `url` (see remote_wire.py for the forms). Nothing is contacted
         yet: a server that is down now is tried again later, and meanwhile blocks are computed."""
-        parts = urlsplit(url)
-        shown = url.replace(parts.password, "***") if parts.password else url  # messages name no password
-        if parts.scheme not in SCHEMES or not parts.hostname:
-            raise RemoteTierError(
-                f"--kv-remote {shown!r}: expected redis://HOST:PORT[/DB], rediss://..., or redis+cluster://HOST:PORT"
-            )
-        try:
-            parts.port  # noqa: B018 (a port that is not a number raises here, not on first use)
-        except ValueError:
-            raise RemoteTierError(f"--kv-remote {shown!r}: the port is not a number") from None
-        cluster = SCHEMES[parts.scheme]
-        # redis-py is given a redis:// URL and the connection class, TLS or not: a rediss:// URL would
-        # make a cluster client replace the class with its own
-        plain = urlunsplit(parts._replace(scheme="redis"))
-        client_options = {
-            "retry": Retry(NoBackoff(), 0),  # a failed call is a miss now, not three slower tries
-            "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
-            "connection_class": PacedSSLConnection if parts.scheme.startswith("rediss") else PacedConnection,
-        }
-        if cluster:
-            if parts.path.strip("/"):
-                raise RemoteTierError(f"--kv-remote {shown!r}: a Redis Cluster has no database number")
-
-            def connect():
-                return RedisCluster.from_url(plain, **client_options)
-        else:
-
-            def connect():
-                return redis.Redis.from_url(plain, **client_options)
-
-        where = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{parts.port or 6379}"))
+        connect, where = connector(url, timeout_s)
         return cls(connect, fingerprint, secret or b"", where=where, **options)
 
     # -- names and signatures ----------------------------------------------------------------------
@@ -328,7 +281,7 @@ class RemoteTier:
     @property
     def down(self) -> bool:
         """Backing off after a failure: reads miss and writes drop without touching the network."""
-        return time.monotonic() < self._down_until
+        return self.clock() < self._down_until
 
     def _round_trip(self, work, moved: str):
         """work(client) -> (result, bytes moved), timed and counted under `moved`; None when the tier is
@@ -356,7 +309,7 @@ class RemoteTier:
     def _fail(self, error: Exception) -> None:
         """Count a failure, back off, and say it (the first time in the log; the last in stats)."""
         self._count("failures")
-        self._down_until = time.monotonic() + self.backoff_s
+        self._down_until = self.clock() + self.backoff_s
         self._drop_client()
         self.last_error = f"{type(error).__name__}: {_reason(error)}"
         self._warn_once(
@@ -453,73 +406,3 @@ def _reason(error: Exception) -> str:
     """An error's message on one line, without the command a pipeline failed on (it would print a
     block's bytes)."""
     return " ".join(str(error).rpartition("caused error: ")[2].split())[:200]
-
-
-# -- a whole answer in time ----------------------------------------------------------------------------
-# redis-py's socket_timeout bounds each recv, not an answer: a peer sending one byte every 0.2 s never
-# trips a 0.25 s timeout and held a request 20 s for 100 bytes. So every connection's socket is wrapped:
-# an exchange (what is sent, then its whole answer) may take the timeout once, and once more for every
-# PACE_BYTES it moves. A trickle runs out of time after one timeout; a real slow link is not cut off (a
-# flat deadline would refuse the 10 MB answers a 10 MB/s link delivers in 1 s, which the rule reads, and
-# writes as large): at the default 0.25 s the floor is 256 KiB/s, below where reading pays for any model.
-
-
-class PacedSocket:
-    """A connection's socket whose every exchange must keep pace (see above); all else is the socket's."""
-
-    def __init__(self, sock: socket.socket, timeout_s: float):
-        self._sock = sock
-        self._timeout_s = timeout_s
-        self._started = time.monotonic()  # when the exchange began: its first send
-        self._moved = 0  # bytes sent and received in it
-        self._received = 0  # bytes received in it
-        self._answering = False  # something was received since the last send
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-    def sendall(self, data, *args):
-        if self._answering:  # a new exchange
-            self._started, self._moved, self._received, self._answering = time.monotonic(), 0, 0, False
-        self._moved += len(data)
-        return self._sock.sendall(data, *args)
-
-    def recv(self, *args):
-        data = self._paced(self._sock.recv, *args)
-        self._count(len(data))
-        return data
-
-    def recv_into(self, *args):
-        n = self._paced(self._sock.recv_into, *args)
-        self._count(n)
-        return n
-
-    def _count(self, received: int) -> None:
-        self._moved += received
-        self._received += received
-        if self._received > MAX_ANSWER_BYTES:
-            raise ConnectionError(f"an answer of more than {MAX_ANSWER_BYTES >> 20} MiB")
-
-    def _paced(self, receive, *args):
-        self._answering = True
-        timeout = self._sock.gettimeout()
-        if timeout == 0:  # a poll for what is there already (redis-py's check of an idle connection)
-            return receive(*args)
-        left = self._started + self._timeout_s * (1 + self._moved / PACE_BYTES) - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"slower than {self._timeout_s:g} s per {PACE_BYTES // 1024} KiB")
-        self._sock.settimeout(left if timeout is None else min(timeout, left))
-        try:
-            return receive(*args)
-        finally:
-            self._sock.settimeout(timeout)
-
-
-class PacedConnection(redis.Connection):
-    def _connect(self):
-        return PacedSocket(super()._connect(), self.socket_timeout)
-
-
-class PacedSSLConnection(redis.SSLConnection):
-    def _connect(self):
-        return PacedSocket(super()._connect(), self.socket_timeout)

@@ -1,4 +1,5 @@
-"""The conversation store: models, sessions, the message tree and KV blocks — the only place with SQL.
+"""The conversation store: models, sessions, the message tree, and (as `kv`, kv_tables.py) the KV blocks —
+with kv_tables.py the only place with SQL.
 
 A session is a pointer to a message of the tree (its head) plus settings. Forking, editing a past
 message or regenerating a reply makes a new session on a sibling branch; nothing is copied. Messages
@@ -11,165 +12,52 @@ from __future__ import annotations
 import json
 import secrets
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from .db import (
-    BUSY_S,
-    DISK_FULL,
-    StoreError,
-    begin_immediate,
-    disk_full,
-    is_damage,
-    open_database,
-    store_error,
-)
+from .connection import StoreConnection
+from .db import StoreError
 from .kv_tables import KVTables
-from .records import Message, Session
+from .records import Message, Session, StoredBlock, StoredTail, marked_title
 
 _OF_TENANT = "AND (? IS NULL OR tenant = ?)"  # a tenant's sessions; NULL: every session
 
-# What a title says a session is besides its conversation; one at most, the newest (no "(fork) (edited)")
-TITLE_MARKS = ("(fork)", "(regenerated)", "(edited)", "(imported)")
 
+class ChatStore:
+    """Models, sessions and the message tree; the KV tables are `kv`."""
 
-def marked_title(title: str, mark: str) -> str:
-    """`title` with `mark` (one of TITLE_MARKS) after it, in place of the mark it had."""
-    return f"{unmarked_title(title)} {mark}"
-
-
-def unmarked_title(title: str) -> str:
-    """`title` without the marks at its end."""
-    while any(title.endswith(" " + m) for m in TITLE_MARKS):
-        title = title.rsplit(" ", 1)[0]
-    return title
-
-
-BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on use (checksums), not on open
-
-
-class ChatStore(KVTables):
     def __init__(self, path: str | Path):
-        self.db_path = Path(path)
-        self.db = open_database(self.db_path)
-        self._lock = threading.RLock()  # one connection, used from the UI's workers one at a time
-        # open_database() opens a file we may not write read-only, and marks the connection so
-        self.read_only = bool(self.db.conn.execute("PRAGMA query_only").fetchone()[0])
-        # Damaged pages may read as fewer rows, without an error: look before showing or writing anything.
-        self.damage = self._quick_check()  # why the file is not fit to be used, once found
-        if self.damage:
-            self.close()
-            raise self._damaged()
-        # Called as on_wait(seconds) while another process holds the write lock; it may raise to give up.
-        self.on_wait: Callable[[float], None] | None = None
+        self.connection = StoreConnection(path)  # raises StoreError for a damaged file
+        self.db_path = self.connection.db_path
+        self.db = self.connection.db
+        self.kv = KVTables(self.connection)  # KV blocks, each session's block list and tail
 
     def close(self) -> None:
-        self.db.conn.close()
+        self.connection.close()
 
-    @contextmanager
     def transaction(self):
-        """All or nothing: a crash or an error inside leaves the database as it was. Waits as long as
-        another process holds the write lock (telling on_wait), and refuses a damaged or read-only file."""
-        with self._lock:
-            self.check_writable()
-            conn = self.db.conn
-            try:
-                begin_immediate(conn, self.on_wait)
-            except sqlite3.Error as e:
-                raise self._error(e, "nothing was changed") from None
-            try:
-                yield
-                conn.execute("COMMIT")
-            except BaseException as e:
-                if conn.in_transaction:  # a failed COMMIT (a full disk) leaves it open
-                    conn.execute("ROLLBACK")
-                if isinstance(e, sqlite3.Error):
-                    raise self._error(e, "nothing was changed") from None
-                raise
-            self._checkpoint()
+        """All or nothing (StoreConnection.transaction)."""
+        return self.connection.transaction()
 
-    @contextmanager
     def reading(self):
-        """One consistent view for several reads, even while another process writes: a read
-        transaction, which takes no write lock and works on a read-only file."""
-        with self._lock:
-            conn = self.db.conn
-            conn.execute("BEGIN")  # deferred: the view is fixed by the first read
-            try:
-                yield
-            finally:
-                conn.execute("COMMIT")
-
-    def _checkpoint(self) -> None:
-        """Copy what was committed into the main file and empty the -wal: a -wal lost or damaged later
-        (a crash, a copy made without it) then takes nothing committed with it."""
-        conn = self.db.conn
-        conn.execute("PRAGMA busy_timeout = 0")  # never wait for it: readers elsewhere may hold the -wal
-        try:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        except sqlite3.Error:
-            pass  # the commit stands; the next commit or the last connection to close checkpoints
-        finally:
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_S * 1000)}")
+        """One consistent view for several reads (StoreConnection.reading)."""
+        return self.connection.reading()
 
     def check_writable(self) -> None:
         """Nothing is written into a read-only or damaged file."""
-        if self.read_only:
-            full = disk_full(self.db_path)
-            why = f"{DISK_FULL if full else 'read-only here (the file or its folder)'}; nothing was changed"
-            raise StoreError(f"{self.db_path}: {why}", why, full)
-        if self.damage:
-            raise self._damaged()
+        self.connection.check_writable()
 
-    def _quick_check(self) -> str | None:
-        """PRAGMA quick_check of the tables that hold conversations (cheap: the KV tables, the bulk of
-        the file, are checked block by block against their checksums as they are read)."""
-        conn = self.db.conn
-        try:
-            tables = conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table' AND sql NOT LIKE 'CREATE VIRTUAL%'"
-            ).fetchall()
-            for (table,) in tables:
-                found = (
-                    [] if table in BULK_TABLES else conn.execute(f'PRAGMA quick_check("{table}")').fetchall()
-                )
-                if found and found != [("ok",)]:  # several lines, the first a heading: one line of it
-                    detail = " ".join(" ".join(r[0] for r in found).split("***")[-1].split())
-                    return f"table {table} is damaged ({detail[:120]})"
-        except sqlite3.Error as e:
-            return f"it is damaged ({e})"
-        return None
+    @property
+    def on_wait(self) -> Callable[[float], None] | None:
+        """Called as on_wait(seconds) while another process holds the write lock; it may raise to give up."""
+        return self.connection.on_wait
 
-    def _damaged(self) -> StoreError:
-        why = f"{self.damage}; it was left untouched: `llama-chat sessions check` recovers what can be read"
-        return StoreError(f"{self.db_path}: {why}", why)
-
-    def _error(self, e: sqlite3.Error, consequence: str) -> StoreError:
-        """One line for a failed query; a damaged file found this way is not written to again."""
-        if is_damage(e):
-            self.damage = self.damage or str(e)
-        return store_error(self.db_path, e, consequence)
-
-    def _insert(self, table: str, row: dict) -> None:
-        # plain SQL: sqlite-utils' writers commit on their own, which would end our transaction early
-        names = ", ".join(row)
-        self.db.conn.execute(
-            f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})", list(row.values())
-        )
-
-    def _rows(self, sql: str, params=()) -> list[dict]:
-        with self._lock:
-            try:
-                cur = self.db.conn.execute(sql, params)
-                names = [d[0] for d in cur.description]
-                return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-            except sqlite3.Error as e:
-                raise self._error(e, "it cannot be read") from None
+    @on_wait.setter
+    def on_wait(self, callback: Callable[[float], None] | None) -> None:
+        self.connection.on_wait = callback
 
     # -- models ----------------------------------------------------------------------------------
 
@@ -218,7 +106,7 @@ class ChatStore(KVTables):
             "kv_namespace": kv_namespace,
         }
         with self.transaction():
-            self._insert("sessions", row)
+            self.connection.insert("sessions", row)
             parent = head_id
             for m in turn:
                 parent = self._insert_message(parent, m).id
@@ -233,7 +121,7 @@ class ChatStore(KVTables):
         prefix = id_or_prefix.strip().lower()
         if not prefix or any(c not in "0123456789abcdef" for c in prefix):
             raise StoreError(f"unknown session '{id_or_prefix}'")
-        rows = self._rows(
+        rows = self.connection.rows(
             f"SELECT * FROM sessions WHERE id >= ? AND id < ? {_OF_TENANT} LIMIT 2",
             (prefix, prefix + "g", tenant, tenant),
         )
@@ -245,7 +133,7 @@ class ChatStore(KVTables):
 
     def list_sessions(self, tenant: str | None = None) -> list[Session]:
         """Every session, newest first; with a `tenant`, that tenant's only."""
-        rows = self._rows(
+        rows = self.connection.rows(
             f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} ORDER BY updated DESC, created DESC", (tenant, tenant)
         )
         return [Session.from_row(r) for r in rows]
@@ -264,7 +152,7 @@ class ChatStore(KVTables):
         if not turns:
             return None
         role, content = turns[-1]
-        rows = self._rows(
+        rows = self.connection.rows(
             "SELECT s.* FROM sessions s JOIN messages m ON m.id = s.head_id WHERE s.origin = ? "
             f"AND m.role = ? AND m.content = ? AND s.system_prompt IS ? AND s.kv_namespace IS ? {_OF_TENANT} "
             "ORDER BY s.updated DESC",
@@ -318,7 +206,7 @@ class ChatStore(KVTables):
             raise StoreError(f"message {at_message} is not in session {parent.id}")
         row = self._fork_row(parent, head, title)
         with self.transaction():
-            self._insert("sessions", row)
+            self.connection.insert("sessions", row)
             self.db.conn.execute(
                 "INSERT INTO session_blocks (session_id, position, key) "
                 "SELECT ?, position, key FROM session_blocks WHERE session_id = ?",
@@ -407,7 +295,7 @@ class ChatStore(KVTables):
             target = session_id
             if head != expected_head:
                 row = self._fork_row(self.get_session(session_id), expected_head, None)
-                self._insert("sessions", row)
+                self.connection.insert("sessions", row)
                 target = row["id"]
             parent = expected_head
             for m in turn:
@@ -436,7 +324,7 @@ class ChatStore(KVTables):
         )
 
     def message(self, message_id: int) -> Message:
-        rows = self._rows("SELECT * FROM messages WHERE id = ?", (message_id,))
+        rows = self.connection.rows("SELECT * FROM messages WHERE id = ?", (message_id,))
         if not rows:
             raise StoreError(f"unknown message {message_id}")
         return Message.from_row(rows[0])
@@ -445,7 +333,7 @@ class ChatStore(KVTables):
         """The messages from the root of the tree down to head_id."""
         if head_id is None:
             return []
-        rows = self._rows(
+        rows = self.connection.rows(
             "WITH RECURSIVE up(id, depth) AS (SELECT ?, 0 UNION ALL "
             "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id WHERE m.parent_id IS NOT NULL) "
             "SELECT messages.* FROM up JOIN messages ON messages.id = up.id ORDER BY up.depth DESC",
@@ -456,8 +344,20 @@ class ChatStore(KVTables):
     def children(self, message_id: int) -> list[Message]:
         return [
             Message.from_row(r)
-            for r in self._rows("SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,))
+            for r in self.connection.rows(
+                "SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,)
+            )
         ]
+
+    def message_tree(self, root_id: int) -> list[Message]:
+        """Every message under root_id, itself included, parents before children."""
+        rows = self.connection.rows(
+            "WITH RECURSIVE down(id) AS (SELECT ? UNION ALL "
+            "SELECT m.id FROM messages m JOIN down ON m.parent_id = down.id) "
+            "SELECT messages.* FROM down JOIN messages ON messages.id = down.id ORDER BY messages.id",
+            (root_id,),
+        )
+        return [Message.from_row(r) for r in rows]  # ids grow, so a parent's id is below its children's
 
     def search(self, text: str, limit: int = 50) -> list[tuple[Session, Message]]:
         """Sessions whose conversation contains the text (full-text search), with each matching message."""
@@ -466,7 +366,7 @@ class ChatStore(KVTables):
             return []
         query = " ".join(f'"{w}"' for w in words)
         try:
-            hits = self._rows(
+            hits = self.connection.rows(
                 "SELECT messages.* FROM messages_fts JOIN messages ON messages.id = messages_fts.rowid "
                 "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
                 (query, limit),
@@ -480,3 +380,67 @@ class ChatStore(KVTables):
             # a message shared by forks belongs to each of them
             found += [(s, Message.from_row(row)) for s in sessions if row["id"] in paths[s.id]]
         return found
+
+    # -- import (storage/exchange/ reads and checks the files) ---------------------------------------
+
+    def add_imported(
+        self,
+        messages: list[Message],
+        sessions: list[Session],
+        blocks: list[tuple[str, StoredBlock]],
+        block_lists: dict[str, list[bytes]],
+        tails: dict[str, StoredTail],
+        namespace: bytes | None,
+        tenant: str | None = None,
+    ) -> tuple[dict[str, str], int]:
+        """Add sessions read from a file, in one transaction, under new ids; nothing is overwritten.
+
+        Ids in the arguments are the file's: messages' id and parent_id (parents first), sessions'
+        id, head_id and forked_from; block_lists and tails are keyed by the file's session id.
+        blocks are (model fingerprint, block), stored in the import's own `namespace`, which the
+        sessions get; one already stored there under its key is kept as it is.
+        Returns ({file session id: new id}, how many blocks were new)."""
+        now = time.time()
+        with self.transaction():
+            conn = self.db.conn
+            new_message: dict[int, int] = {}
+            for m in messages:
+                parent = None if m.parent_id is None else new_message[m.parent_id]
+                new_message[m.id] = self._insert_message(parent, m).id
+            new_session: dict[str, str] = {}
+            for s in sessions:
+                new_id = secrets.token_hex(6)
+                while conn.execute("SELECT 1 FROM sessions WHERE id = ?", (new_id,)).fetchone():
+                    new_id = secrets.token_hex(6)
+                new_session[s.id] = new_id
+                self.connection.insert(
+                    "sessions",
+                    {
+                        "id": new_id,
+                        "title": s.title,
+                        "head_id": None if s.head_id is None else new_message[s.head_id],
+                        "model_fingerprint": s.model_fingerprint,
+                        "model_name": s.model_name,
+                        "system_prompt": s.system_prompt,
+                        "sampling": json.dumps(s.sampling),
+                        "forked_from": None,  # set below, once every session of the file exists
+                        "n_tokens": s.n_tokens,
+                        "created": s.created,
+                        "updated": now,  # an imported session comes first in the list
+                        "kv_namespace": namespace,
+                        "tenant": tenant,
+                    },
+                )
+            for s in sessions:
+                if s.forked_from is not None:
+                    conn.execute(
+                        "UPDATE sessions SET forked_from = ? WHERE id = ?",
+                        (new_session[s.forked_from], new_session[s.id]),
+                    )
+            added = self.kv.insert_blocks(blocks, namespace, now)
+            for file_id, keys in block_lists.items():
+                self.kv.insert_block_list(new_session[file_id], keys)
+            fingerprints = {s.id: s.model_fingerprint for s in sessions}
+            for file_id, tail in tails.items():
+                self.kv.insert_tail(new_session[file_id], fingerprints[file_id], tail, now)
+        return new_session, added

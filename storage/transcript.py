@@ -8,7 +8,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .exchange_file import write_whole
+from .exchange.writer import write_whole
 from .store import ChatStore
 
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from llama_chat.storage.codec import (
-    _F16,
-    _F16_MAX,
+from llama_chat.storage.codec import block_bytes
+from llama_chat.storage.codec_formats import (
+    F16,
+    F16_MAX,
     GROUP,
-    _f16_ceil,
-    _f16_floor,
-    _n_groups,
-    _packed_size,
-    _shuffle,
-    _unshuffle,
-    block_bytes,
+    f16_ceil,
+    f16_floor,
+    n_groups,
+    packed_size,
+    shuffle,
+    unshuffle,
 )
 
 
@@ -27,13 +27,13 @@ def encode(k: np.ndarray, v: np.ndarray, codec: str) -> bytes:
         qk, sk = quantize_q8(keys)
         qv, sv = quantize_q8(v)
         dk = np.diff(qk.view(np.uint8), axis=-1, prepend=np.uint8(0))  # each channel's token-to-token step
-        streams = [dk, qv, _shuffle(np.concatenate([sk.ravel(), sv.ravel()]))]
+        streams = [dk, qv, shuffle(np.concatenate([sk.ravel(), sv.ravel()]))]
     else:
         bits = 6 if codec == "q6" else 4
         pack = pack_sixes if codec == "q6" else pack_nibbles
         qk, sk, mk = quantize_asymmetric(keys, bits)
         qv, sv, mv = quantize_asymmetric(v, bits)
-        streams = [pack(qk), pack(qv), _shuffle(np.concatenate([sk, sv, mk, mv], axis=None))]
+        streams = [pack(qk), pack(qv), shuffle(np.concatenate([sk, sv, mk, mv], axis=None))]
     return block_bytes(codec, k.shape, streams)
 
 
@@ -41,20 +41,20 @@ def decode(payload: memoryview, codec: str, shape: tuple[int, ...]) -> tuple[np.
     """k, v of a q8, q6 or q4 payload (the frame's content after its header)."""
     n_layer, n_head, n_tokens, head_dim = shape
     n = n_layer * n_head * n_tokens * head_dim
-    gk, gv = _n_groups(shape)
+    gk, gv = n_groups(shape)
     cshape = (n_layer, n_head, head_dim, n_tokens)
     if codec == "q8":
         qk = np.cumsum(np.frombuffer(payload, np.uint8, n).reshape(cshape), axis=-1, dtype=np.uint8).view(np.int8)
         qv = np.frombuffer(payload, np.int8, n, offset=n).reshape(shape)
-        scales = _unshuffle(payload[2 * n :], _F16)
+        scales = unshuffle(payload[2 * n :], F16)
         k = dequantize(qk, scales[:gk].reshape(*cshape[:3], -1))
         v = dequantize(qv, scales[gk:].reshape(*shape[:3], -1))
     else:
-        size = _packed_size(codec, n)
+        size = packed_size(6 if codec == "q6" else 4, n)
         unpack = unpack_sixes if codec == "q6" else unpack_nibbles
         qk = unpack(np.frombuffer(payload, np.uint8, size), n).reshape(cshape)
         qv = unpack(np.frombuffer(payload, np.uint8, size, offset=size), n).reshape(shape)
-        sk, sv, mk, mv = np.split(_unshuffle(payload[2 * size :], _F16), [gk, gk + gv, 2 * gk + gv])
+        sk, sv, mk, mv = np.split(unshuffle(payload[2 * size :], F16), [gk, gk + gv, 2 * gk + gv])
         k = dequantize(qk, sk.reshape(*cshape[:3], -1), mk.reshape(*cshape[:3], -1))
         v = dequantize(qv, sv.reshape(*shape[:3], -1), mv.reshape(*shape[:3], -1))
     return np.ascontiguousarray(k.transpose(0, 1, 3, 2)), v
@@ -82,7 +82,7 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8, groups of 32 along the last axis; the float16 scale rounded up."""
     g = groups(x)
     lo, hi = ranges(g)
-    scale = _f16_ceil(np.minimum(np.maximum(np.abs(lo), np.abs(hi)) / np.float32(127), _F16_MAX))
+    scale = f16_ceil(np.minimum(np.maximum(np.abs(lo), np.abs(hi)) / np.float32(127), F16_MAX))
     s = scale.astype(np.float32)
     q = np.rint(g / np.where(s > 0, s, np.float32(1))).clip(-127, 127).astype(np.int8)
     return ungroup(q, x.shape[-1]), scale[..., 0]
@@ -93,9 +93,9 @@ def quantize_asymmetric(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
     top = np.float32(2**bits - 1)
     g = groups(x)
     lo, hi = ranges(g)
-    mn = _f16_floor(np.clip(lo, -_F16_MAX, _F16_MAX))
+    mn = f16_floor(np.clip(lo, -F16_MAX, F16_MAX))
     m = mn.astype(np.float32)
-    scale = _f16_ceil(np.minimum((hi - m) / top, _F16_MAX))
+    scale = f16_ceil(np.minimum((hi - m) / top, F16_MAX))
     s = scale.astype(np.float32)
     q = np.rint((g - m) / np.where(s > 0, s, np.float32(1))).clip(0, top).astype(np.uint8)
     return ungroup(q, x.shape[-1]), scale[..., 0], mn[..., 0]

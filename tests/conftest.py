@@ -8,6 +8,7 @@ import contextlib
 import functools
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,40 @@ def qwen_model(qwen_model_path):
 @pytest.fixture(scope="session")
 def gemma_model(gemma_model_path):
     return _load_real(gemma_model_path)
+
+
+class ForwardPasses(list):
+    """The rows of every forward pass the model made, in order; each pass also waits `delay` seconds."""
+
+    delay = 0.0
+
+
+@pytest.fixture
+def forward_passes(monkeypatch) -> ForwardPasses:
+    """Every forward pass, whoever asks for it (the scheduler's prompt pieces and reply rows, the
+    engine, a prefill): they all end in inference/forward.py's step or read_and_verify. Setting
+    `.delay` makes each wait as a real model's matrix maths would (without holding the GIL)."""
+    from llama_chat.inference import forward
+
+    seen = ForwardPasses()
+
+    def watched(real, rows):
+        @functools.wraps(real)
+        def run(*args, **kwargs):
+            seen.append(rows(*args))
+            time.sleep(seen.delay)
+            return real(*args, **kwargs)
+
+        return run
+
+    def batch_rows(batch, *_):
+        return sum(len(tokens) for _, tokens in batch)
+
+    monkeypatch.setattr(forward, "step", watched(forward.step, batch_rows))
+    monkeypatch.setattr(
+        forward, "read_and_verify", watched(forward.read_and_verify, lambda a, b, *_: batch_rows(a) + batch_rows(b))
+    )
+    return seen
 
 
 @pytest.fixture

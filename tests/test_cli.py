@@ -141,7 +141,7 @@ def test_a_session_keeps_its_longest_reply_on_the_command_line(qwen2, tmp_path, 
 def test_bench_times_stored_sessions_and_then_stopped_replies_on_one_loaded_model(qwen2, tmp_path):
     """`llama-chat bench` measures resume/fork/export on a store, then Esc on another store: a model's
     block pool reads from one store, so the second measurement must not take over the first's model."""
-    from llama_chat.app.measure import measure_sessions, measure_stop
+    from llama_chat.app.bench.stored import measure_sessions, measure_stop
     from llama_chat.inference import load_model
 
     model = load_model(qwen2, cache_ram_mb=64)

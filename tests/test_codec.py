@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -288,6 +289,31 @@ def test_checksum_changes_with_any_flipped_byte():
         assert checksum(bytes(flipped)) != checksum(data)
 
 
+# -- blocks stored before ----------------------------------------------------------------------
+
+
+def stored_v1_kv():
+    """The KV tests/kv_blocks_v1.json's blocks were written from, and the plan of its auto block."""
+    shape = (2, 2, 3, 8)
+    n = int(np.prod(shape))
+    k = (np.sin(np.arange(n) * 0.7) * 4 + 20).astype(np.float32).reshape(shape)
+    v = np.cos(np.arange(n) * 1.3).astype(np.float32).reshape(shape)
+    return k, v, KVPlan(((4, 6), (8, 16)), ((16, 8), (6, 4)))
+
+
+@pytest.mark.parametrize("codec", STORED_CODECS)
+def test_blocks_stored_in_format_version_1_read_as_they_did(codec, pytestconfig):
+    """Databases and export files keep blocks for good: one of each codec, as an earlier llama-chat
+    wrote it, decodes to what the same KV encodes to now (and f32 to the KV itself)."""
+    stored = json.loads((pytestconfig.rootpath / "tests" / "kv_blocks_v1.json").read_text())["blocks"]
+    k, v, plan = stored_v1_kv()
+    old = decode_kv(bytes.fromhex(stored[codec]))
+    for a, b in zip(old, decode_kv(encode_kv(k, v, codec, plan)), strict=True):
+        assert np.array_equal(a, b)
+    if codec == "f32":
+        assert np.array_equal(old[0], k) and np.array_equal(old[1], v)
+
+
 # -- bad input to encode -------------------------------------------------------------------------
 
 
@@ -506,9 +532,10 @@ def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
 # pool holds them (strided views of its arena) and tails (copies), of every codec, compile nothing more.
 AFTER_COMPILE = """
 import numpy as np
-from llama_chat.storage.codec import KVPlan, _kernels, compile_kernels, decode_kv, encode_kv
+from llama_chat.storage import codec_kernels
+from llama_chat.storage.codec import KVPlan, compile_kernels, decode_kv, encode_kv
 compile_kernels()
-count = lambda: {k.__name__: len(k.signatures) for k in _kernels().COMPILED}
+count = lambda: {k.__name__: len(k.signatures) for k in codec_kernels.COMPILED}
 ready = count()
 k = np.random.default_rng(0).standard_normal((3, 2, 80, 64)).astype(np.float32)
 plan = KVPlan(((4, 6), (8, 16), (6, 8)), ((16, 8), (6, 4), (4, 4)))

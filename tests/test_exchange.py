@@ -21,14 +21,19 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llama_chat.app.bench.stored import measure_exchange
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
-from llama_chat.app.measure import measure_exchange
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import encode_kv
-from llama_chat.storage.exchange import export_session, import_session
-from llama_chat.storage.exchange_file import MAGIC, ExchangeError, read_session_file
+from llama_chat.storage.exchange import (
+    MAGIC,
+    ExchangeError,
+    export_session,
+    import_session,
+    read_session_file,
+)
 
 GREEDY = SamplingParams(temperature=0)
 PROBE = "tell me more"  # the next user turn; the tiny model answers it with a non-empty greedy reply
@@ -191,7 +196,7 @@ def test_importing_never_overwrites_and_keeps_the_files_blocks_apart(source, tmp
     ids = {source.session.id, first.session_ids[0], second.session_ids[0]}
     assert len(ids) == 3  # two new sessions, the original untouched
     # each import's blocks live in a namespace of its own, even those equal to blocks stored here
-    added = len(store.block_keys(source.session.id))
+    added = len(store.kv.block_keys(source.session.id))
     assert first.kv == "imported" and first.blocks_added == second.blocks_added == added
     assert added and "saved model state" in first.describe() and "sessions verify" in first.describe()
     assert store.db.conn.execute("SELECT COUNT(*) FROM kv_blocks").fetchone()[0] == n_blocks + 2 * added
@@ -355,7 +360,7 @@ def test_the_file_layout_is_as_documented(source):
     ]
     assert sum(sizes) == len(section)
     first_key = bytes.fromhex(manifest["blocks"][0]["key"])
-    stored = ChatStore(source.db).load_block(first_key, source.session.model_fingerprint)
+    stored = ChatStore(source.db).kv.load_block(first_key, source.session.model_fingerprint)
     assert section[: sizes[0]] == stored.data  # blocks travel as stored, not re-encoded
 
 
@@ -363,8 +368,13 @@ def test_measure_exchange_reports_times_and_sizes(source, tmp_path):
     db = tmp_path / "copy.db"
     shutil.copy(source.db, db)
     result = measure_exchange(ChatStore(db), source.session.id, tmp_path)
-    assert result["kv"] == "imported" and result["file_bytes"] > 0 and result["stored_bytes"] > 0
-    assert result["export_ms"] > 0 and result["import_ms"] > 0
+    assert result["kv"] == "imported" and result["tokens"] == source.session.n_tokens
+    (exported,) = tmp_path.glob(f"*{source.session.id}*")
+    assert result["file_bytes"] == exported.stat().st_size  # the file it wrote, as written
+    assert result["size_ratio"] == result["file_bytes"] / result["stored_bytes"]
+    (imported,) = ChatStore(tmp_path / "imported.db").list_sessions()
+    assert imported.n_tokens == source.session.n_tokens  # the import it timed happened
+    assert {"export_ms", "import_ms"} <= set(result)  # how fast: `llama-chat bench`, not asserted here
 
 
 # -- bad files -----------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def test_stops_at_the_token_limit(qwen2):
     text, stats = reply(qwen2, ids, sampling=GREEDY, max_tokens=7)
     assert stats.generated_tokens == 7 and stats.stop_reason == "length"
     assert text == qwen2.tokenizer.decode(stats.token_ids)
-    assert stats.prefill_tok_s > 0 and stats.decode_tok_s > 0
+    assert (stats.prompt_tokens, stats.prefilled_tokens, stats.decoded_tokens) == (len(ids), len(ids), 6)
+    assert stats.prefill_tok_s > 0 and stats.decode_tok_s > 0  # both timed: no 0.0 tok/s printed
 
 
 def test_stop_string_ends_the_reply_before_it(qwen2):
@@ -161,3 +162,21 @@ def test_prompt_lookup_changes_no_token(tiny_model_path, temperature):
         assert plain_stats.drafted_tokens == 0
         drafted += stats.drafted_tokens
     assert drafted > 0  # guesses were made and checked
+
+
+def test_forward_passes_sees_every_row_the_scheduler_computes(qwen2, tmp_path, forward_passes):
+    """The fixture that slows the app's tests (conftest.py) must see the passes the scheduler makes:
+    two replies at once, so that a prompt's pieces are read beside the other reply's rows."""
+    from llama_chat.app.chat.engine import ChatEngine
+    from llama_chat.storage import ChatStore
+
+    engine = ChatEngine(qwen2, ChatStore(tmp_path / "chat.db"))
+    texts = ("hello the world and the sun " * 8, "the rain over the hills, then the sea " * 8)
+    jobs = [engine.submit_reply(engine.new_session(t[:9]), t, sampling=GREEDY, max_tokens=12) for t in texts]
+    for job in jobs:
+        job.wait()
+    stats = [job.stats[0] for job in jobs]
+    assert all(s.prefilled_tokens > 40 and s.generated_tokens == 12 for s in stats)
+    computed = sum(s.prefilled_tokens + s.generated_tokens - 1 for s in stats)  # the last token needs no pass
+    assert sum(forward_passes) >= computed
+    engine.scheduler.close()

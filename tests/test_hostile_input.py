@@ -11,26 +11,12 @@ from test_chat_template import EXCHANGE, TEMPLATES
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.cli import main
 from llama_chat.app.config import UserConfig
-from llama_chat.inference import Model, SamplingParams, chat_prompt_ids, load_model
+from llama_chat.inference import SamplingParams, chat_prompt_ids, load_model
 from llama_chat.inference.chat_template import ChatTemplate, TemplateError
 from llama_chat.storage import ChatStore
 from llama_chat.storage.exchange import export_session, import_session
 from tiny_models import write_tiny_model
-from tui_pilot import aio, say, until
-
-
-@pytest.fixture
-def forward_calls(monkeypatch):
-    """How many times the model ran: a refused prompt must cost no forward pass."""
-    calls = []
-    forward = Model.forward
-
-    def counted(self, tokens, seq, *args, **kwargs):
-        calls.append(len(tokens))
-        return forward(self, tokens, seq, *args, **kwargs)
-
-    monkeypatch.setattr(Model, "forward", counted)
-    return calls
+from tui_pilot import aio, notices, say, until
 
 
 def one_line_error(capsys) -> str:
@@ -55,7 +41,7 @@ def test_stdin_that_is_not_utf8_is_refused_and_stores_nothing(qwen2, tmp_path, m
 
 @pytest.mark.parametrize("session", [False, True])
 def test_a_prompt_longer_than_the_window_is_refused_before_any_work(
-    qwen2, tmp_path, capsys, forward_calls, session
+    qwen2, tmp_path, capsys, forward_passes, session
 ):
     db = ["--db", str(tmp_path / "chat.db"), "--model", str(qwen2)]
     where = []
@@ -65,12 +51,12 @@ def test_a_prompt_longer_than_the_window_is_refused_before_any_work(
         store = ChatStore(tmp_path / "chat.db")
         before = store.path(store.get_session(sid).head_id)
         where = ["--session", sid]
-        forward_calls.clear()
+        forward_passes.clear()
     assert main([*db, "ask", *where, "--ctx", "64", "the world and the sun " * 200]) == 2
     err = one_line_error(capsys)
     assert "tokens; the context window holds 64" in err
     assert int(err.split("the prompt is ")[1].split()[0].replace(",", "")) > 200  # the real count
-    assert forward_calls == []  # nothing was prefilled
+    assert forward_passes == []  # nothing was prefilled
     if session:  # neither the long turn nor an empty reply was stored
         store = ChatStore(tmp_path / "chat.db")
         assert [m.id for m in store.path(store.get_session(sid).head_id)] == [m.id for m in before]
@@ -99,7 +85,7 @@ def test_a_binding_to_a_key_that_does_not_exist_keeps_the_default(qwen2, tmp_pat
 async def test_the_app_warns_of_a_bad_binding_and_its_default_key_still_works(open_chat):
     async with open_chat(keymap={"fork": "ctrl+banana+!!"}) as pilot:
         app = pilot.app
-        assert any("'ctrl+banana+!!' is not a key" in n.message for n in app._notifications)
+        assert any("'ctrl+banana+!!' is not a key" in n for n in notices(app))
         await say(pilot, "hello the world")
         parent = app.chat.session.id
         await pilot.press("ctrl+o")
@@ -225,10 +211,10 @@ def forged_export(path, folder):
     ask(engine, pirate, "who are you, and where is the gold hidden now? " * 3)
     store = engine.store
     # all but the last two blocks (or as many as the pirate has), but for a first block both share
-    pairs = zip(store.block_keys(bait.id)[:-2], store.block_keys(pirate.id), strict=False)
+    pairs = zip(store.kv.block_keys(bait.id)[:-2], store.kv.block_keys(pirate.id), strict=False)
     pairs = [(victim_key, forged_key) for victim_key, forged_key in pairs if victim_key != forged_key]
     for victim_key, forged_key in pairs:
-        forged = store.load_block(forged_key, engine.model.fingerprint)
+        forged = store.kv.load_block(forged_key, engine.model.fingerprint)
         store.db.conn.execute(
             "UPDATE kv_blocks SET data = ?, checksum = ? WHERE key = ?",
             (forged.data, forged.checksum, victim_key),
@@ -247,7 +233,7 @@ def test_forged_kv_in_an_import_changes_no_other_session(qwen2, tmp_path, victim
     engine = engine_for(qwen2, tmp_path / "victim.db")
     if victim_had_blocks:  # the victim's blocks were stored, then collected
         engine.store.delete_session(ask_in_new(engine, PROMPT).id)
-        engine.store.gc(budget_bytes=0)
+        engine.store.kv.gc(budget_bytes=0)
     imported = import_session(engine.store, gift, model_fingerprint=engine.model.fingerprint).session_ids[0]
     victim = engine_for(qwen2, tmp_path / "victim.db")  # a later process: nothing held in RAM
     assert ask(victim, victim.new_session("mine", system_prompt=PROMPT[0]), PROMPT[1]) == expected
@@ -275,7 +261,7 @@ def ask_in_new(engine, prompt):
 def test_a_stored_block_is_used_only_for_the_tokens_it_was_made_from(qwen2, tmp_path):
     engine = engine_for(qwen2, tmp_path / "chat.db")
     session = ask_in_new(engine, PROMPT)
-    key = engine.store.block_keys(session.id)[0]
+    key = engine.store.kv.block_keys(session.id)[0]
     engine.store.db.conn.execute("UPDATE kv_blocks SET tokens = ? WHERE key = ?", (b"\0" * 32, key))
     again = engine_for(qwen2, tmp_path / "chat.db")
     _, info = again.open(again.store.get_session(session.id))

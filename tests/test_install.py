@@ -41,3 +41,14 @@ def test_python_in_the_checkout_runs_the_installed_package(tmp_path):
         out = subprocess.run([sys.executable, "-S", *args], cwd=ROOT, env=env, capture_output=True, text=True)
         assert out.returncode == 0, f"python {how} from the checkout: {out.stderr.strip().splitlines()[-1:]}"
     assert out.stdout.strip() == str(site / "llama_chat" / "__init__.py")
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """setuptools ships only the packages pyproject lists: a folder of the package missing from the list
+    imports in the checkout (editable) and fails in an installed copy."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    for name, folder in setup["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            assert ".".join([name, *parts]) in listed, f"{init.parent} is not in pyproject's packages"

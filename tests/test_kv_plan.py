@@ -78,7 +78,7 @@ def test_a_block_written_under_one_plan_reads_under_another(tmp_path):
     later = KVStore(store, "fp", AUTO, plan=KVPlan.uniform(2, 2, 4))
     got = np.empty_like(k), np.empty_like(v)
     assert later.fetch(b"k" * 16, tokens, None, got)
-    stored = store.load_block(b"k" * 16, "fp")
+    stored = store.kv.load_block(b"k" * 16, "fp")
     assert block_plan(stored.data) == first
     assert np.array_equal(got[0], decode_kv(stored.data)[0])
     assert np.abs(got[0] - k).max() < 0.05  # 8 bits, not the 4 of the plan it was read under
@@ -86,7 +86,7 @@ def test_a_block_written_under_one_plan_reads_under_another(tmp_path):
 
 def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
     """`bench --json` lists auto beside the uniform codecs, under the model's plan."""
-    from llama_chat.app.measure import measure_codecs
+    from llama_chat.app.bench.stored import measure_codecs
 
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((2, 2, 100, 16)).astype(np.float32) for _ in range(2))
@@ -109,7 +109,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
         engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
     )
     session = engine.store.get_session(session.id)
-    blocks = engine.store._rows("SELECT codec, data FROM kv_blocks")
+    blocks = engine.store.connection.rows("SELECT codec, data FROM kv_blocks")
     assert blocks and {b["codec"] for b in blocks} == {AUTO}
     assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model)}
 
@@ -121,7 +121,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     target = ChatStore(tmp_path / "b.db")
     result = import_session(target, tmp_path / "s.llamachat", model_fingerprint=engine.model.fingerprint)
     assert result.kv == "imported" and result.blocks_added == len(blocks)
-    assert {r["codec"] for r in target._rows("SELECT codec FROM kv_blocks")} == {AUTO}
+    assert {r["codec"] for r in target.connection.rows("SELECT codec FROM kv_blocks")} == {AUTO}
     elsewhere = ChatEngine(load_model(path, block_size=8), target)
     _, info = elsewhere.open(target.get_session(result.session_ids[0]))
     assert info.restored == info.tokens

@@ -109,3 +109,19 @@ def test_the_chat_layer_imports_no_ui_code():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             assert not [n for n in names if n.split(".")[0] in ui], f"{path.name} imports {names}"
+
+
+def test_only_the_bench_command_imports_the_measurements():
+    """The measurement code ships for `llama-chat bench` alone: no other module of the product loads it."""
+    graph = import_graph()
+    assert "llama_chat.app.bench.run" in graph  # the walk sees the bench package
+    users = {
+        name
+        for name, targets in graph.items()
+        if not name.startswith("llama_chat.app.bench")
+        and any(t == "llama_chat.app.bench" or t.startswith("llama_chat.app.bench.") for t in targets)
+    }
+    assert users == {"llama_chat.app.commands"}
+    commands = ast.parse((ROOT / "app" / "commands.py").read_text(encoding="utf-8"))
+    top_level = [n for n in commands.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("bench")]
+    assert top_level == []  # imported inside cmd_bench, when the command runs

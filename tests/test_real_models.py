@@ -124,7 +124,7 @@ def test_gemma_completion_continues_text(gemma_model):
 
 def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model):
     """A reply that copies code from the prompt: lookup guesses most of it, and the text is unchanged."""
-    from llama_chat.app.bench import measure_lookup
+    from llama_chat.app.bench.forward import measure_lookup
 
     run = measure_lookup(qwen_model, 160)
     assert run["same_text"]
@@ -187,7 +187,7 @@ def test_more_texts_agree_with_llamacpp(extra_logits, name, text):
 def test_decode_past_1024_positions_agrees_with_blas_attention(real_model, monkeypatch):
     """Past KERNEL_ATTENTION_FROM cached positions a decoded token's attention is the compiled kernel's
     (gemma3: its global layers; the sliding ones see 512): the logits stay where BLAS puts them."""
-    from llama_chat.app.bench import sample_tokens
+    from llama_chat.app.bench.samples import sample_tokens
     from llama_chat.inference import forward, kernels
 
     calls = []

@@ -78,15 +78,17 @@ def digest(*paths: Path) -> list[str | None]:
 
 # The model made slow (each forward pass says so on stderr, then waits), so that a test can act while a
 # reply is being read or written; the prefill batch made small, so that a short prompt has several.
+# Every pass, whichever Model method the scheduler calls, ends in forward.step or forward.read_and_verify
+# (tests/conftest.py's forward_passes does the same in-process).
 CHILD = """
 import sys, time
-from llama_chat.inference import model as llm
+from llama_chat.inference import forward, model as llm
 slow = float(sys.argv[2])
 def slowed(real):
-    def run(self, *args, **kwargs):
+    def run(*args, **kwargs):
         print("(forward)", file=sys.stderr, flush=True)
         time.sleep(slow)
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
     return run
 def small_batches(real):
     def init(self, *args, **kwargs):
@@ -94,8 +96,8 @@ def small_batches(real):
         self.prefill_batch = int(sys.argv[1])
     return init
 llm.Model.__init__ = small_batches(llm.Model.__init__)
-llm.Model.step = slowed(llm.Model.step)  # each forward pass of a prompt
-llm.Model.verify_rows = slowed(llm.Model.verify_rows)  # decode (every reply, every pass)
+forward.step = slowed(forward.step)  # a prompt's piece, or the replies' next rows
+forward.read_and_verify = slowed(forward.read_and_verify)  # both in one pass
 from llama_chat.app.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -171,7 +173,7 @@ def test_a_full_disk_stores_the_whole_turn_or_nothing_and_says_so(qwen2, tmp_pat
         database.conn.execute(f"PRAGMA max_page_count = {pages}")
         return database
 
-    monkeypatch.setattr("llama_chat.storage.store.open_database", cramped)
+    monkeypatch.setattr("llama_chat.storage.connection.open_database", cramped)
     ask = ["ask", "--session", session_id, "--temp", "0", "--max-tokens", "150", "and what then"]
     assert main(cli_args(db, qwen2, *ask)) == 2
     out, err = capsys.readouterr()

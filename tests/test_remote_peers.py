@@ -11,11 +11,11 @@ import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.inference import SamplingParams, load_model
-from llama_chat.storage import ChatStore, remote
+from llama_chat.storage import ChatStore, remote_wire
 from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.records import StoredBlock
 from llama_chat.storage.remote import RemoteTier
-from redis_servers import MisbehavingRedis
+from redis_servers import MisbehavingRedis, end_backoff
 from served import Served
 
 SECRET = "a secret the servers share"
@@ -61,7 +61,7 @@ def a_block() -> StoredBlock:
 
 def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2, tmp_path, peer, monkeypatch):
     # An answer's cap, lowered from 512 MiB so that the endless value is cut off after a few MiB here
-    monkeypatch.setattr(remote, "MAX_ANSWER_BYTES", 4 << 20)
+    monkeypatch.setattr(remote_wire, "MAX_ANSWER_BYTES", 4 << 20)
     alone = reply(engine(qwen2, tmp_path / "alone.db", None), HISTORY)
     served = engine(qwen2, tmp_path / "a.db", peer.url)
     tier = served.kv.remote
@@ -76,13 +76,13 @@ def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2
         assert peer.sent < 64 << 20
 
     for attempt in (2, 3):  # writes meet the peer too: counted, dropped, and the writer goes on
-        tier._down_until = 0  # the backoff ends (rather than waiting 30 s)
+        end_backoff(tier)
         assert tier.put(a_block())
-        assert tier.flush()
+        assert tier.flush()  # the writer took it off the queue: it is alive
         stats = tier.stats()
         assert stats["failures"] == attempt and stats["written"] == 0
         assert stats["dropped_writes"] >= attempt - 1
-        assert tier._writer.is_alive() and not stats["up"] and stats["queued_writes"] == 0
+        assert not stats["up"] and stats["queued_writes"] == 0
     if peer.misbehaviour == "trickle":
         assert peer.sent < TRICKLED // 2
 
@@ -101,7 +101,12 @@ def test_serve_answers_and_reports_the_tier_down(qwen2, tmp_path, misbehaviour):
         remote = json.loads(body)["kv_remote"]
         assert status == 200 and not remote["up"] and remote["failures"] == 1
         assert remote["last_error"].startswith(FAILURE[misbehaviour])
-        assert server.state.engine.kv.remote._writer.is_alive()
+        tier = server.state.engine.kv.remote
+        end_backoff(tier)  # then a write meets the peer: the writer thread counts it and goes on
+        tier.put(a_block())
+        assert tier.flush()  # the writer finished with it (a writer that died would leave it unfinished)
+        remote = json.loads(server.raw("GET", "/health")[2])["kv_remote"]
+        assert not remote["up"] and remote["failures"] >= 2 and remote["queued_writes"] == 0
     finally:
         server.stop()
         peer.close()

@@ -160,7 +160,7 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
         first = s.ask("hello there", extra_body={"session": sid}, seed=1)
         store = s.state.engine.store
         filler = store.create_session("filler")
-        with store._lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
+        with store.connection.lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
             pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
             store.db.conn.execute(f"PRAGMA max_page_count = {pages}")
         fill_up(lambda: store.add_message(filler.id, "user", "x"))  # no room for a message any more

@@ -121,20 +121,20 @@ def test_snapshot_bookkeeping_and_gc(store):
     s = conversation(store)
     blocks = [StoredBlock(bytes([i]) * 16, 64, "q8", b"x" * 1000, "c") for i in range(3)]
     tail = StoredTail(blocks[-1].key, [1, 2, 3], "q8", b"t" * 50, "c")
-    store.save_snapshot(s.id, "fp", [b.key for b in blocks], blocks, tail, 195)
+    store.kv.save_snapshot(s.id, "fp", [b.key for b in blocks], blocks, tail, 195)
     assert store.get_session(s.id).n_tokens == 195
-    assert store.stored_keys([b.key for b in blocks] + [b"nope"]) == {b.key for b in blocks}
-    assert store.load_tail(s.id, "fp").tokens == [1, 2, 3]
-    assert store.load_tail(s.id, "other model") is None
-    assert store.load_block(blocks[0].key, "other model") is None
+    assert store.kv.stored_keys([b.key for b in blocks] + [b"nope"]) == {b.key for b in blocks}
+    assert store.kv.load_tail(s.id, "fp").tokens == [1, 2, 3]
+    assert store.kv.load_tail(s.id, "other model") is None
+    assert store.kv.load_block(blocks[0].key, "other model") is None
     fork = store.fork_session(s.id)
-    assert store.load_tail(fork.id, "fp").tokens == [1, 2, 3]  # a fork at the head shares the tail
+    assert store.kv.load_tail(fork.id, "fp").tokens == [1, 2, 3]  # a fork at the head shares the tail
     # a newer snapshot that needs only the first block leaves two for gc
-    store.save_snapshot(s.id, "fp", [blocks[0].key], [], None, 64)
+    store.kv.save_snapshot(s.id, "fp", [blocks[0].key], [], None, 64)
     store.delete_session(fork.id)
-    result = store.gc()
+    result = store.kv.gc()
     assert result["blocks_removed"] == 2 and result["blocks"] == 1
-    assert store.gc(budget_bytes=0)["blocks"] == 0  # over budget even needed blocks go (recomputed later)
+    assert store.kv.gc(budget_bytes=0)["blocks"] == 0  # over budget even needed blocks go (recomputed later)
 
 
 def test_sessions_cli(store, capsys, tmp_path):

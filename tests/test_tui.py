@@ -3,10 +3,8 @@ checked against the store (the tools around it: test_tui_tools.py)."""
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
-import time
 
 import pytest
 from textual.widgets import ProgressBar, TextArea
@@ -15,11 +13,11 @@ from llama_chat.app.config import State
 from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, TextScreen
 from llama_chat.app.tui.sidebar import SessionTree
 from llama_chat.app.tui.widgets import ChatInput, MessageView
-from llama_chat.inference import Model
 from llama_chat.storage import ChatStore, Message, Session
 from tui_pilot import (
     aio,
     idle,
+    notices,
     ready,
     roles_and_text,
     say,
@@ -32,21 +30,12 @@ from tui_pilot import (
 
 
 @pytest.fixture
-def slow_decode(monkeypatch):
-    """Each forward pass (a prefill batch, a decode step, a checked draft, a batch of replies) also
-    waits, as a real model's matrix maths would (without holding the GIL)."""
+def slow_decode(forward_passes):
+    """slow_decode(s): each forward pass (a prompt's piece, the replies' next rows, or both in one pass)
+    also waits s seconds, as a real model's matrix maths would."""
 
-    def slow(delay: float):
-        def slowed(method):
-            @functools.wraps(method)
-            def waiting(self, *args, **kwargs):
-                time.sleep(delay)
-                return method(self, *args, **kwargs)
-
-            return waiting
-
-        for name in ("forward", "verify_draft", "verify_rows", "decode_batch"):
-            monkeypatch.setattr(Model, name, slowed(getattr(Model, name)))
+    def slow(delay: float) -> None:
+        forward_passes.delay = delay
 
     return slow
 
@@ -204,14 +193,12 @@ async def test_a_first_load_shows_its_progress_and_the_screen_works_meanwhile(op
 
 @aio
 async def test_the_status_bar_shows_its_percent_sign_whole(open_chat):
-    from textual.widgets._progress_bar import PercentageStatus
-
     async with open_chat() as pilot:
         app = pilot.app
         app.chat.status.progress("loading a model", 64, 100)
         await pilot.pause()
         bar = app.chat.status.query_one(ProgressBar)
-        percent = bar.query_one(PercentageStatus)
+        percent = bar.query_one("#percentage")  # ProgressBar's own part
         assert str(percent.render()) == "64%" and bar.region.contains_region(percent.region)
 
 
@@ -406,7 +393,7 @@ async def test_the_fork_key_on_a_selected_earlier_message_forks_there(open_chat)
         parent, first_reply = await fork_two_exchanges_at(pilot, 3)  # last reply, "and then", first reply
         assert first_reply.role == "assistant" and app.chat.session.head_id == first_reply.id
         assert roles_and_text(app) == stored_path(app, parent.id)[:2]
-        assert any("after this reply" in n.message for n in app._notifications)
+        assert any("after this reply" in n for n in notices(app))
         await pilot.press(*"typed next")  # goes to the input, not to the message selected before
         assert app.chat.query_one(ChatInput).text == "typed next"
 
@@ -420,7 +407,7 @@ async def test_the_fork_key_on_a_message_of_yours_forks_before_it_with_its_text_
         assert stored_path(app) == stored_path(app, parent.id)[:2]  # the branch ends on a reply
         assert roles_and_text(app) == stored_path(app)
         assert app.chat.query_one(ChatInput).text == "and then"  # ready to change and send
-        assert any("before your message" in n.message for n in app._notifications)
+        assert any("before your message" in n for n in notices(app))
         await pilot.press(*" now", "enter")
         await until(pilot, lambda: len(views(app)) == 4, what="the send")
         await idle(pilot)

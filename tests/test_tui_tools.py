@@ -17,7 +17,7 @@ from llama_chat.app.tui.sidebar import SessionTree
 from llama_chat.app.tui.widgets import ChatInput, MessageView
 from llama_chat.storage import ChatStore
 from tiny_models import write_tiny_model
-from tui_pilot import aio, idle, roles_and_text, say, stored_path, tree_labels, until, views
+from tui_pilot import aio, idle, notices, roles_and_text, say, stored_path, tree_labels, until, views
 
 # -- copy, settings, model, search -----------------------------------------------------------------
 
@@ -126,7 +126,7 @@ async def test_a_missing_model_file_is_one_line_in_the_app(open_chat, qwen2, tmp
         await pilot.press("enter")
         await idle(pilot)
         assert app.chat.engine.model.name == "tiny-qwen2"  # the loaded model stays
-        assert any("no such file" in n.message for n in app._notifications)
+        assert any("no such file" in n for n in notices(app))
 
 
 @aio
@@ -265,7 +265,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         app.screen.query_one(Input).value = str(tmp_path / "out" / "hello.md")  # not a session file
         await pilot.press("enter")
         await idle(pilot)
-        assert any("hello.md" in n.message for n in app._notifications)
+        assert any("hello.md" in n for n in notices(app))
         assert len(app.store.list_sessions()) == 2
 
 
@@ -326,8 +326,6 @@ async def test_the_sidebar_hides_by_itself_on_a_narrow_terminal_and_ctrl_b_toggl
 
 @aio
 async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
-    from textual.widgets._toast import Toast
-
     from tui_pilot import chat_app, ready, released
 
     app = chat_app(tmp_path, qwen2)
@@ -335,10 +333,10 @@ async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
         await ready(pilot)
         await say(pilot, "hello the world")
         await pilot.press("ctrl+o")  # a fork says where it went
-        await until(pilot, lambda: list(app.screen.query(Toast)), what="the notice")
+        await until(pilot, lambda: list(app.screen.query("Toast")), what="the notice")
         await pilot.pause(0.5)  # (it slides in)
         box = app.chat.query_one(ChatInput).region
-        assert all(not toast.region.overlaps(box) for toast in app.screen.query(Toast))
+        assert all(not toast.region.overlaps(box) for toast in app.screen.query("Toast"))
         await pilot.press(*"typed")
         assert app.chat.query_one(ChatInput).text == "typed"
     released(app)
@@ -427,7 +425,7 @@ async def test_themes_from_files_and_the_choice_persists(open_chat, qwen2, tmp_p
         assert {"llama-dark", "llama-light", "llama-amber", "mine"} <= set(app.available_themes)
         assert "broken" not in app.available_themes
         assert app.theme == "llama-dark"
-        assert any("primry" in n.message for n in app._notifications)  # the bad file is named
+        assert any("primry" in n for n in notices(app))  # the bad file is named
         app.theme = "llama-light"
         await pilot.pause()
     text = config_file.read_text()
@@ -500,4 +498,4 @@ def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys, qwen2)
 async def test_a_theme_is_found_by_its_short_name_too(open_chat):
     async with open_chat(theme="amber", wait=False) as pilot:
         assert pilot.app.theme == "llama-amber"
-        assert not any("unknown theme" in n.message for n in pilot.app._notifications)
+        assert not any("unknown theme" in n for n in notices(pilot.app))

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import time
+import weakref
 from pathlib import Path
 
 from textual import events
@@ -46,9 +47,33 @@ def chat_app(folder: Path, model: Path, **settings) -> ChatApp:
     return ChatApp(folder / "chat.db", model=str(model), config=greedy_config(folder, **settings))
 
 
+# Each app's notifications, as their text: headless tests draw no toasts, so the app's own `notify`
+# (Textual's public call, which every screen and widget goes through) is what a test reads.
+_shown: weakref.WeakKeyDictionary[ChatApp, list[str]] = weakref.WeakKeyDictionary()
+
+
+def record_notices(app: ChatApp) -> None:
+    """From now on, keep the text (title and message) of every notification `app` shows."""
+    shown = _shown.setdefault(app, [])
+    show = app.notify
+
+    def recorded(message, *args, title: str = "", **kwargs):
+        shown.append(f"{title}: {message}" if title else str(message))
+        return show(message, *args, title=title, **kwargs)
+
+    app.notify = recorded
+
+
+def notices(app: ChatApp) -> list[str]:
+    """The notifications `app` has shown since it was opened, oldest first."""
+    return list(_shown.get(app, []))
+
+
 @contextlib.asynccontextmanager
 async def opened(app: ChatApp, size: tuple[int, int] = SIZE, wait: bool = True):
-    """Run the app headless; `wait`: until the model is loaded and nothing runs."""
+    """Run the app headless, its notifications recorded (notices); `wait`: until the model is loaded
+    and nothing runs."""
+    record_notices(app)
     try:
         async with app.run_test(size=size) as pilot:
             if wait:

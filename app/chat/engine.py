@@ -496,7 +496,7 @@ class ChatEngine:
                 else:
                     differed += 1
             fresh.free()
-            self.store.promote_session(session.id, self.model.fingerprint, matched)
+            self.store.kv.promote_session(session.id, self.model.fingerprint, matched)
             session = self.store.get_session(session.id)
             seq, _ = self.open(session)  # now in the shared namespace, with the blocks that matched
             self.snapshot(session, seq)  # and the others computed again, and the tail

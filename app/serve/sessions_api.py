@@ -18,15 +18,16 @@ from starlette.routing import Route
 
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.exchange import (
+    HEADER_SIZE,
     MAX_DATA_BYTES,
     MAX_MANIFEST_BYTES,
     ExchangeError,
+    declared_size,
     default_file_name,
     export_session,
     import_session,
     read_session_file,
 )
-from llama_chat.storage.exchange_file import HEADER_SIZE, declared_size
 
 from ..chat.engine import session_title
 from .completions import find_session

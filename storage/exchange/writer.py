@@ -1,38 +1,34 @@
-"""Session export and import files (.llamachat): a conversation and its KV, checked, bounded, portable.
-The file's layout and reading it back: exchange_file.py."""
+"""Exporting a session to a .llamachat file: its branch (or its whole tree) and its KV as stored, written
+whole or not at all."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-
-import zstandard
 
 from llama_chat import __version__
 
-from .codec import CODECS, CorruptBlockError, checksum, decode_kv, encode_kv
-from .exchange_file import (
-    _HEADER,
+from ..codec import CODECS, CorruptBlockError, checksum, decode_kv, encode_kv
+from ..records import Message, Session
+from ..store import ChatStore
+from ..zstd_frames import compress_frame
+from .format import (
     FORMAT,
-    MAGIC,
+    MANIFEST_ZSTD_LEVEL,
     MAX_DATA_BYTES,
     MAX_MANIFEST_BYTES,
     SUFFIX,
     VERSION,
     ExchangeError,
     Progress,
-    SessionFile,
-    _digest,
-    _entry_checksum,
-    read_session_file,
-    write_whole,
+    entry_checksum,
+    file_digest,
+    pack_header,
 )
-from .records import Message, Session
-from .store import ChatStore, marked_title
 
 
 @dataclass
@@ -52,33 +48,6 @@ class ExportSummary:
         return (
             f"wrote {self.path}: {self.sessions} session(s), {self.messages} message(s), {kv}; "
             f"{self.bytes / 2**20:.1f} MB in all"
-        )
-
-
-@dataclass
-class ImportResult:
-    session_ids: list[str]  # the new ids, the exported session's first
-    title: str
-    messages: int
-    kv: str  # "imported"; "none": the file has no KV; "recompute": made by a model not here
-    blocks_added: int  # in the import's own namespace
-    model_name: str | None
-
-    def describe(self) -> str:
-        head = f"imported '{self.title}' as {self.session_ids[0]}"
-        if len(self.session_ids) > 1:
-            head += f" (and {len(self.session_ids) - 1} more session(s) of its tree)"
-        head += f": {self.messages} message(s)"
-        if self.kv == "imported":
-            return (
-                f"{head}, with its saved model state (so it resumes at once). That state came from a file: "
-                f"only this chat uses it until `llama-chat sessions verify {self.session_ids[0]}` checks it"
-            )
-        if self.kv == "none":
-            return f"{head}; the file holds no KV, so the first reply computes it"
-        return (
-            f"{head}; its KV was made by {self.model_name or 'another model'}, which is not the model "
-            f"here: it will be recomputed on first use"
         )
 
 
@@ -130,7 +99,7 @@ def _collect(
         messages, sessions = store.path(main.head_id), [main]
     file_ids = {s.id for s in sessions}
 
-    keys = {s.id: store.block_keys(s.id) if with_kv and s.model_fingerprint else [] for s in sessions}
+    keys = {s.id: store.kv.block_keys(s.id) if with_kv and s.model_fingerprint else [] for s in sessions}
     block_blobs: list[bytes] = []  # the data section: blocks, then tails
     tail_blobs: list[bytes] = []
     block_entries: list[dict] = []
@@ -141,7 +110,7 @@ def _collect(
             if key in seen:
                 continue
             seen.add(key)
-            block = store.load_block(key, s.model_fingerprint, s.kv_namespace)
+            block = store.kv.load_block(key, s.model_fingerprint, s.kv_namespace)
             data = block and _export_bytes(block.data, block.checksum, block.codec, codec)
             if data:
                 block_blobs.append(data)
@@ -153,10 +122,10 @@ def _collect(
                         "n_tokens": block.n_tokens,
                         "tokens": block.tokens,
                         "size": len(data),
-                        "checksum": _entry_checksum(data),
+                        "checksum": entry_checksum(data),
                     }
                 )
-        tail = store.load_tail(s.id, s.model_fingerprint) if with_kv and s.model_fingerprint else None
+        tail = store.kv.load_tail(s.id, s.model_fingerprint) if with_kv and s.model_fingerprint else None
         data = tail and _export_bytes(tail.data, tail.checksum, tail.codec, codec)
         if data:
             tail_blobs.append(data)
@@ -165,7 +134,7 @@ def _collect(
                 "tokens": tail.tokens,
                 "codec": codec or tail.codec,
                 "size": len(data),
-                "checksum": _entry_checksum(data),
+                "checksum": entry_checksum(data),
             }
 
     manifest = {
@@ -240,12 +209,12 @@ def _export_bytes(data: bytes, expected_checksum: str, stored_codec: str, codec:
 
 
 def _write_file(path: Path, manifest: dict, blobs: list[bytes], progress: Progress | None) -> int:
-    packed = zstandard.ZstdCompressor(level=9, write_checksum=True).compress(json.dumps(manifest).encode())
+    packed = compress_frame(json.dumps(manifest).encode(), MANIFEST_ZSTD_LEVEL)
     data_size = sum(map(len, blobs))
     if len(packed) > MAX_MANIFEST_BYTES or data_size > MAX_DATA_BYTES:
         raise ExchangeError(f"{path}: the session is too large for one file")
-    parts = [_HEADER.pack(MAGIC, VERSION, len(packed), data_size), packed, *blobs]
-    digest = _digest()
+    parts = [pack_header(len(packed), data_size), packed, *blobs]
+    digest = file_digest()
 
     def chunks():
         for i, part in enumerate(parts):
@@ -264,50 +233,19 @@ def default_file_name(session: Session, suffix: str = SUFFIX) -> str:
     return f"{slug or 'session'}-{session.id}{suffix}"
 
 
-def import_session(
-    store: ChatStore,
-    source: SessionFile | str | Path,
-    *,
-    model_fingerprint: str | None,
-    progress: Progress | None = None,
-    tenant: str | None = None,
-    kv_namespace: bytes | None = None,
-) -> ImportResult:
-    """Add the session(s) of a file under new ids, in one transaction; never overwrites anything.
-
-    `model_fingerprint` is the model that will resume them here (None: no model). KV made by
-    another model is left out: the messages come in, and the first reply recomputes it. A file is
-    read and checked whole before the database is touched, so a bad file leaves it as it was.
-
-    A file's KV is not trusted: its blocks could hold anything under any key, and a block stored
-    under a key other sessions use would change their replies. So they go into a namespace of this
-    import's own (vLLM's cache_salt), which only its sessions and their forks read, until `sessions
-    verify` recomputes and compares them. Blocks without their tokens (files from before blocks
-    carried them) are left out: a block is used only where its tokens match. A file without KV makes
-    sessions in `kv_namespace` (a server's tenant's), and makes them that tenant's (`tenant`)."""
-    file = source if isinstance(source, SessionFile) else read_session_file(source, progress)
-    keep = {s.id for s in file.sessions if model_fingerprint and s.model_fingerprint == model_fingerprint}
-    sessions = [s if s.id in keep else replace(s, n_tokens=0) for s in file.sessions]
-    sessions = [replace(s, title=marked_title(s.title, "(imported)")) for s in sessions]  # not its original
-    blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint and b.tokens]
-    block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
-    tails = {sid: t for sid, t in file.tails.items() if sid in keep}
-    namespace = secrets.token_bytes(16) if blocks or tails else kv_namespace
-    if progress:
-        progress(f"importing {file.path.name}", 0, 1)
-    new_ids, added = store.add_imported(file.messages, sessions, blocks, block_lists, tails, namespace, tenant)
-    if progress:
-        progress(f"importing {file.path.name}", 1, 1)
-    main = file.sessions[0]
-    if not file.has_kv:
-        kv = "none"
-    else:
-        kv = "imported" if blocks or tails else "recompute"
-    return ImportResult(
-        session_ids=[new_ids[s.id] for s in file.sessions],
-        title=main.title,
-        messages=len(file.messages),
-        kv=kv,
-        blocks_added=added,
-        model_name=main.model_name,
-    )
+def write_whole(path: Path, chunks) -> int:
+    """Write through a temporary file renamed into place, so a failed export leaves no half file."""
+    if not path.parent.is_dir():
+        raise ExchangeError(f"{path}: no such folder {path.parent}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                size += len(chunk)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ExchangeError(f"{path}: cannot write ({e.strerror or e})") from None
+    return size

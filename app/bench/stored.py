@@ -1,15 +1,10 @@
-"""Measurements for `llama-chat bench` beyond the forward pass: the KV codecs, export and import,
-resume in a fresh process, how soon a stopped reply is stored, and how the app starts and answers keys.
-
-Timing lives here and in bench.py, never in unit tests, where a busy machine would fail them.
+"""Measurements of what is kept: the KV codecs on a model's real cache, export and import, resume in a
+fresh process, fork, and how soon a stopped reply is stored.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,8 +15,11 @@ from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore
 from llama_chat.storage.codec import AUTO, CODECS, KVPlan, decode_kv, encode_kv
 from llama_chat.storage.exchange import default_file_name, export_session, import_session
+from llama_chat.storage.kv_plan import model_plan
 
-from .chat.engine import ChatEngine
+from ..chat.engine import ChatEngine
+from .processes import child_line
+from .samples import sample_tokens
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -57,6 +55,46 @@ def measure_codecs(k: np.ndarray, v: np.ndarray, plan: KVPlan | None = None) -> 
     return out
 
 
+def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
+    """Every codec on the model's real KV: size and speed (measure_codecs above), KL divergence
+    of the next-token distribution against the live cache, and how many greedy tokens match live."""
+
+    plan = model_plan(model)
+    ids = sample_tokens(model.tokenizer, n_tokens + 1)
+    live = model.new_sequence(n_tokens + n_greedy + 2)
+    model.forward(ids[:n_tokens], live)
+    k, v = live.gather(0, n_tokens)
+    table = measure_codecs(k, v, plan)
+
+    def greedy(seq, first: int) -> tuple[np.ndarray, list[int]]:
+        logits = model.forward([first], seq)[-1]
+        out, row = [], logits
+        for _ in range(n_greedy):
+            out.append(int(np.argmax(row)))
+            row = model.forward([out[-1]], seq)[-1]
+        return logits, out
+
+    live_logits, live_tokens = greedy(live, ids[n_tokens])
+    p = live_logits.astype(np.float64) - live_logits.max()
+    p -= np.log(np.exp(p).sum())
+    B = model.pool.block_size
+    for codec in table:
+        seq = model.new_sequence(n_tokens + n_greedy + 2)
+        seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
+        for start in range(0, n_tokens, B):
+            dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec, plan))
+            seq.append_kv(ids[start : start + dk.shape[2]], dk, dv)
+        logits, tokens = greedy(seq, ids[n_tokens])
+        q = logits.astype(np.float64) - logits.max()
+        q -= np.log(np.exp(q).sum())
+        same = next((i for i, (a, b) in enumerate(zip(tokens, live_tokens, strict=True)) if a != b), n_greedy)
+        table[codec]["kl"] = float((np.exp(p) * (p - q)).sum())
+        table[codec]["greedy_match"] = f"{same}/{n_greedy}"
+        seq.free()
+    live.free()
+    return table
+
+
 def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> dict:
     """Export a stored session with its KV, then read and import the file into an empty database in
     `folder`: milliseconds of each, file bytes, and the bytes the session holds in the store (its
@@ -73,10 +111,10 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
     t3 = time.perf_counter()
     target.close()
     stored = 0
-    for key in store.block_keys(session.id):
-        block = store.load_block(key, session.model_fingerprint, session.kv_namespace)
+    for key in store.kv.block_keys(session.id):
+        block = store.kv.load_block(key, session.model_fingerprint, session.kv_namespace)
         stored += len(block.data) if block else 0
-    tail = store.load_tail(session.id, session.model_fingerprint)
+    tail = store.kv.load_tail(session.id, session.model_fingerprint)
     stored += len(tail.data) if tail else 0
     for m in store.path(session.head_id):
         stored += len(m.content.encode()) + 4 * len(m.token_ids or [])
@@ -121,16 +159,10 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     session = engine.new_session("bench")
     "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=16))
     session = engine.store.get_session(session.id)
-    out = subprocess.run(
-        [sys.executable, "-c", RESUME_CHILD, str(model.path), str(db), session.id],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(child_line(RESUME_CHILD, str(model.path), str(db), session.id))
 
     def stored_bytes():
-        sizes = engine.store.kv_bytes()
+        sizes = engine.store.kv.kv_bytes()
         return sizes["blocks"] + sizes["tails"]
 
     before = stored_bytes()
@@ -138,7 +170,7 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     engine.fork(session)
     result["fork_ms"] = (time.perf_counter() - t) * 1000
     result["fork_added_bytes"] = stored_bytes() - before
-    result["stored_block_bytes"] = engine.store.kv_bytes()["largest_block"]
+    result["stored_block_bytes"] = engine.store.kv.kv_bytes()["largest_block"]
     result["exchange"] = measure_exchange(engine.store, session.id, folder)
     engine.store.close()
     return result
@@ -170,61 +202,3 @@ def measure_stop(model, text: str, folder: Path, max_tokens: int) -> dict:
     engine.scheduler.close()
     engine.store.close()
     return {"stop_ms": one, "stop_three_ms": three}
-
-
-APP_CHILD = """
-import asyncio, json, sys, time
-from pathlib import Path
-started = time.perf_counter()
-from textual import events
-from llama_chat.app.config import UserConfig
-from llama_chat.app.tui import ChatApp
-from llama_chat.app.tui.widgets import ChatInput
-
-async def main():
-    folder = Path(sys.argv[2])
-    config = UserConfig(path=folder / "config.toml", max_tokens=200, sampling={"temperature": 0})
-    app = ChatApp(folder / "app.db", model=sys.argv[1], config=config)
-    async with app.run_test(size=(110, 34)) as pilot:
-        screen_s = time.perf_counter() - started
-        while app.chat.loading_model is not None:
-            await asyncio.sleep(0.01)
-        ready_s = time.perf_counter() - started
-        await pilot.press(*"Write a story about caches.", "enter")
-        views = app.chat.conversation.views
-        while not (len(views()) == 2 and views()[1].content):
-            await asyncio.sleep(0.01)
-        chat_input = app.chat.query_one(ChatInput)
-        keys = []
-        for ch in "abcdefghij":
-            t = time.perf_counter()
-            app.post_message(events.Key(ch, ch))  # as the terminal driver sends it
-            while not chat_input.text.endswith(ch):
-                await asyncio.sleep(0.001)
-            keys.append(time.perf_counter() - t)
-            await asyncio.sleep(0.1)
-        t = time.perf_counter()
-        app.chat.action_stop()
-        while app.chat.replies:
-            await asyncio.sleep(0.005)
-        esc_s = time.perf_counter() - t
-    print(json.dumps({"screen_s": screen_s, "ready_s": ready_s, "key_ms": max(keys) * 1000,
-                      "esc_ms": esc_s * 1000}))
-
-asyncio.run(main())
-"""
-
-
-def measure_app(model_path: Path, folder: Path) -> dict:
-    """The full-screen app in a process of its own (Textual's test driver, no terminal): seconds from
-    its imports to the chat screen and to the model loaded; while a reply streams, the slowest of ten
-    keys to reach the input; and Esc to the reply stopped and stored."""
-    env = {**os.environ, "XDG_CONFIG_HOME": str(folder / "config"), "XDG_STATE_HOME": str(folder / "state")}
-    out = subprocess.run(
-        [sys.executable, "-c", APP_CHILD, str(model_path), str(folder)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,67 +1,38 @@
-"""The .llamachat file format: its layout and limits, and reading a file back with every check
-(sizes before reading, the digest before parsing, each block before decoding). Writing is exchange.py's."""
+"""Reading a .llamachat file back, with every check: sizes before reading, the digest before parsing,
+each block before decoding. It reads only; nothing here writes a file or the database."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import re
-import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zstandard
-
-from . import codec as block_codec  # for the layout of a block's header
-from .codec import MAX_ELEMENTS, STORED_CODECS, CorruptBlockError, checksum, decode_kv
-from .db import StoreError
-from .records import Message, Session, StoredBlock, StoredTail
-
-Progress = Callable[[str, int, int], None]  # (label, done, total), as app/progress.py draws it
-
-# File layout (integers little-endian):
-#   header    MAGIC, format version u16, manifest size u32, data size u64
-#   manifest  one zstd frame (with its content size and checksum) of UTF-8 JSON: format name and
-#             version, model, messages, sessions, and one entry per KV block and per tail
-#   data      the KV blocks, then the sessions' tails, back to back in the manifest's order, as the
-#             database stores them (already quantized and compressed, so not compressed again)
-#   digest    blake2b-256 of everything before it
-# PNG-style magic: a text-mode transfer that changes line ends or the high bit shows up at once.
-MAGIC = b"\x89LLAMACHAT\r\n\x1a\n"
-FORMAT = "llama-chat-session"
-VERSION = 1
-SUFFIX = ".llamachat"
-_HEADER = struct.Struct("<14sHIQ")
-_DIGEST_SIZE = 32
-
-# Hard caps, checked against the sizes the header declares before anything is read or decompressed.
-MAX_MANIFEST_BYTES = 64 << 20  # JSON of messages and block entries; a very long tree is a few MB
-MAX_DATA_BYTES = 2 << 30  # KV bytes; a full 4,096-token context in f32 is about 80 MB per session
-# Decoded float32 bytes per stored byte of a block. Real blocks stay near 20 (q4); a block of zeros
-# declaring a huge shape (a decompression bomb) is refused before it is decoded.
-MAX_EXPANSION = 256
-MAX_TOKEN_ID = 2**31 - 1
-ROLES = ("system", "user", "assistant", "tool")  # what a chat template is written to render
-
-
-class ExchangeError(StoreError):
-    """A session file that cannot be written or read: one line naming the file and the problem."""
+from ..codec import MAX_ELEMENTS, STORED_CODECS, CorruptBlockError, block_info, checksum, decode_kv
+from ..records import Message, Session, StoredBlock, StoredTail
+from ..zstd_frames import FrameError, decompress_frame
+from .format import (
+    DIGEST_SIZE,
+    FORMAT,
+    HEADER,
+    MAX_EXPANSION,
+    MAX_MANIFEST_BYTES,
+    MAX_TOKEN_ID,
+    ROLES,
+    VERSION,
+    ExchangeError,
+    Progress,
+    declared_sections,
+    entry_checksum,
+    file_digest,
+    file_size,
+)
 
 
 class _Invalid(Exception):
     """Something in a file's manifest or data that is missing, of the wrong kind or inconsistent."""
-
-
-def _digest() -> hashlib.blake2b:
-    return hashlib.blake2b(digest_size=_DIGEST_SIZE)
-
-
-def _entry_checksum(data: bytes) -> str:
-    """The file's own checksum of each block (blake2b-128), independent of how the database checks them."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 # -- what a file holds -----------------------------------------------------------------------------
@@ -90,7 +61,7 @@ class SessionFile:
         return bool(self.blocks or self.tails)
 
 
-# -- import --------------------------------------------------------------------------------------------
+# -- reading -------------------------------------------------------------------------------------------
 
 
 def read_session_file(path: str | Path, progress: Progress | None = None) -> SessionFile:
@@ -100,7 +71,7 @@ def read_session_file(path: str | Path, progress: Progress | None = None) -> Ses
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(_HEADER.size)
+            head = f.read(HEADER.size)
             data_size = _check_header(path, head, size)
             content = bytearray(head)
             while len(content) < size:
@@ -121,14 +92,14 @@ def read_session_file(path: str | Path, progress: Progress | None = None) -> Ses
     if len(content) != size:
         raise ExchangeError(f"{path}: changed while it was read")
     content = bytes(content)
-    body = memoryview(content)[: size - _DIGEST_SIZE]
-    digest = _digest()
+    body = memoryview(content)[: size - DIGEST_SIZE]
+    digest = file_digest()
     digest.update(body)
-    if digest.digest() != content[size - _DIGEST_SIZE :]:
+    if digest.digest() != content[size - DIGEST_SIZE :]:
         raise ExchangeError(f"{path}: checksum mismatch: the file is damaged or incomplete")
-    manifest_end = size - _DIGEST_SIZE - data_size
+    manifest_end = size - DIGEST_SIZE - data_size
     try:
-        manifest = _decompress_manifest(body[_HEADER.size : manifest_end])
+        manifest = _decompress_manifest(body[HEADER.size : manifest_end])
         return _parse(path, size, manifest, body[manifest_end:], progress)
     except _Invalid as e:
         raise ExchangeError(f"{path}: invalid session file: {e}") from None
@@ -138,8 +109,8 @@ def _check_header(path: Path, head: bytes, size: int) -> int:
     """The data size the header declares, once magic, version and sizes are plausible."""
     if not head:
         raise ExchangeError(f"{path}: an empty file, not a llama-chat session file")
-    manifest_size, data_size = _declared(str(path), head)
-    expected = _HEADER.size + manifest_size + data_size + _DIGEST_SIZE
+    manifest_size, data_size = declared_sections(str(path), head)
+    expected = file_size(manifest_size, data_size)
     if size < expected:
         raise ExchangeError(f"{path}: truncated ({size:,} of {expected:,} bytes)")
     if size > expected:
@@ -149,53 +120,11 @@ def _check_header(path: Path, head: bytes, size: int) -> int:
     return data_size
 
 
-HEADER_SIZE = _HEADER.size
-
-
-def declared_size(name: str, head: bytes) -> int:
-    """The size of the whole file whose first HEADER_SIZE bytes are `head`, once its magic, version and
-    sizes are plausible (else ExchangeError naming `name`): an upload is checked by it as it arrives."""
-    manifest_size, data_size = _declared(name, head)
-    return _HEADER.size + manifest_size + data_size + _DIGEST_SIZE
-
-
-def _declared(name: str, head: bytes) -> tuple[int, int]:
-    """The manifest's and the data's sizes a header declares, within the caps."""
-    if not head.startswith(MAGIC[: len(head)]):
-        raise ExchangeError(f"{name}: not a llama-chat session file")
-    if len(head) < _HEADER.size:
-        raise ExchangeError(f"{name}: truncated ({len(head):,} bytes, shorter than the header)")
-    _, version, manifest_size, data_size = _HEADER.unpack(head)
-    if version != VERSION:
-        newer = " (written by a newer llama-chat)" if version > VERSION else ""
-        raise ExchangeError(
-            f"{name}: format version {version} is not supported{newer}; this llama-chat reads {VERSION}"
-        )
-    if manifest_size > MAX_MANIFEST_BYTES:
-        raise ExchangeError(
-            f"{name}: declares a {manifest_size:,}-byte manifest, over the limit of {MAX_MANIFEST_BYTES:,}"
-        )
-    if data_size > MAX_DATA_BYTES:
-        raise ExchangeError(f"{name}: declares {data_size:,} bytes of KV, over the limit of {MAX_DATA_BYTES:,}")
-    return manifest_size, data_size
-
-
 def _decompress_manifest(packed) -> dict:
-    packed = bytes(packed)
     try:
-        params = zstandard.get_frame_parameters(packed)
-    except zstandard.ZstdError as e:
-        raise _Invalid(f"the manifest is not a zstd frame ({e})") from None
-    # zstd never writes more than the frame declares, so bounding the declaration bounds memory
-    if params.content_size == zstandard.CONTENTSIZE_UNKNOWN or params.content_size > MAX_MANIFEST_BYTES:
-        raise _Invalid(f"the manifest declares {params.content_size:,} bytes (limit {MAX_MANIFEST_BYTES:,})")
-    d = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        raw = d.decompress(packed)
-    except zstandard.ZstdError as e:
-        raise _Invalid(f"the manifest does not decompress ({e})") from None
-    if not d.eof or d.unused_data or len(raw) != params.content_size:
-        raise _Invalid("the manifest is truncated or followed by stray bytes")
+        raw = decompress_frame(bytes(packed), "the manifest", limit=MAX_MANIFEST_BYTES)
+    except FrameError as e:
+        raise _Invalid(str(e)) from None
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -403,7 +332,7 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
         (f"the tail of session {sid!r}", fingerprints[sid], t, len(t.tokens)) for sid, t in tails.items()
     ]
     for i, ((what, fp, record, n_tokens), piece) in enumerate(zip(checked, pieces, strict=True)):
-        if _entry_checksum(piece) != record.checksum:
+        if entry_checksum(piece) != record.checksum:
             raise _Invalid(f"{what} fails its checksum")
         record.checksum = checksum(piece)  # as the database checks it
         dims = _check_block(what, piece, record.codec, n_tokens)
@@ -429,7 +358,7 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
 def _check_block(what: str, data: bytes, codec: str, n_tokens: int) -> tuple[int, int, int]:
     """A block's (n_layer, n_kv_head, head_dim), once its header agrees with the manifest, its
     decoded size is within MAX_EXPANSION of its stored size, and it decodes."""
-    info = block_codec.block_info(data)
+    info = block_info(data)
     if info is None or info[0] != codec:
         raise _Invalid(f"{what} is not a {codec} KV block")
     n_layer, n_head, tokens, head_dim = info[1]
@@ -443,21 +372,3 @@ def _check_block(what: str, data: bytes, codec: str, n_tokens: int) -> tuple[int
     except CorruptBlockError as e:
         raise _Invalid(f"{what} does not decode ({e})") from None
     return n_layer, n_head, head_dim
-
-
-def write_whole(path: Path, chunks) -> int:
-    """Write through a temporary file renamed into place, so a failed export leaves no half file."""
-    if not path.parent.is_dir():
-        raise ExchangeError(f"{path}: no such folder {path.parent}")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    size = 0
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                size += len(chunk)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ExchangeError(f"{path}: cannot write ({e.strerror or e})") from None
-    return size
