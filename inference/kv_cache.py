@@ -15,8 +15,7 @@ Unreferenced full blocks stay cached and are evicted least-recently-used under t
 
 Blocks missing from RAM may come from a `BlockSource` handed to the pool when it is built (the
 conversation store): `source.fetch(key, tokens, namespace, out)` writes the block's keys and values
-into `out`, the (k, v) views [layer, kv_head, B, head_dim] of a free slot of the arena (of the pool's
-`cache_type`: float16 by default, as llama.cpp's cache), and
+into `out`, the (k, v) views [layer, kv_head, B, head_dim] (of CACHE_TYPES) of a free slot, and
 says True if it holds a block of that prefix key in that namespace made from exactly those tokens and
 of that shape, else False. Decoded where it will be read, a stored block is never copied again; the
 pool keeps what it fetched in RAM.
@@ -39,9 +38,8 @@ from .errors import ContextFullError
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CACHE_RAM_MB = 1024
 PREFAULT_TOKENS = 4096
-# The live cache's element type by name (llama.cpp's --cache-type-k/v). float16 halves the RAM and the
-# bytes attention reads per token (the kernels convert and accumulate in float32) and is what
-# llama.cpp's reference chats were made with; float32 keeps the KV exactly as computed.
+# The live cache's element type (llama.cpp's --cache-type-k/v): float16, as llama.cpp's default, halves
+# RAM and what attention reads (it accumulates in float32); float32 keeps the KV exactly as computed.
 CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
 DEFAULT_CACHE_TYPE = "f16"
 
@@ -372,8 +370,7 @@ class KVSequence:
         self.append_kv(moved_tokens, k, v)
 
     def gather(self, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the keys and values of positions first..end-1, [layer, kv_head, n, head_dim], of the
-        pool's cache type."""
+        """Copies of the keys and values of positions first..end-1, [layer, kv_head, n, head_dim]."""
         where = self._arena_positions(first, end)
         return self.pool._k[:, :, where], self.pool._v[:, :, where]
 
