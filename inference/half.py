@@ -10,6 +10,8 @@ Where the processor converts halves itself (F16C on every AVX2 and AVX-512 x86, 
 the conversion is one instruction (LLVM's fpext / fptrunc, vectorized). Elsewhere LLVM would call a
 runtime function numba does not link, a crash; there the same conversion is done in integer
 arithmetic (Maratyszcza's FP16 library), slower but with the same results (tests/test_half.py).
+numba's cache keys a kernel by its own file: a change here reaches cached kernels that use it only
+once their files change too (or the cache is cleared).
 """
 
 from __future__ import annotations
