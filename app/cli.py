@@ -23,7 +23,7 @@ def default_db_path() -> Path:
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of every command. Before the command they have their defaults; after it (as users
     type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
-    from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+    from llama_chat.inference.kv_cache import CACHE_TYPES, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
 
     from .chat.settings import CACHE_RAM_MB, CODEC
 
@@ -49,6 +49,13 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         default=default(None),
         metavar="N",
         help=f"tokens per KV block, the unit KV is shared and stored in (default {DEFAULT_BLOCK_SIZE})",
+    )
+    group.add_argument(
+        "--cache-type",
+        choices=tuple(CACHE_TYPES),
+        default=default(None),
+        help=f"element type of the live KV cache in RAM (default {DEFAULT_CACHE_TYPE}, as llama.cpp's; "
+        "f32 keeps the KV exactly as computed, in twice the RAM)",
     )
     group.add_argument(
         "--kv-codec",

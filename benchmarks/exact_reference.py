@@ -1,10 +1,10 @@
 """How far llama.cpp's logits, and ours, lie from the model computed exactly (not CI).
 
-    .venv/bin/python benchmarks/exact_reference.py [--model NAME]
+    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32]
 
 "Exactly": the same forward pass with every matrix product in float64 on the GGUF's weights
-dequantized (as ggml dequantizes them), so no rounding of activations, attention or KV is left to
-speak of. For each text of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints
+dequantized (as ggml dequantizes them) and a float32 KV cache, so no rounding of activations,
+attention or KV is left to speak of (ours: the live cache of --cache-type, float16 by default). For each text of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints
 the worst top-20 |difference| over the positions, on llama.cpp's 20 best tokens: ours vs llama.cpp
 (what the real-model tests check), llama.cpp vs the exact logits, and ours vs the exact logits.
 Where ours is near zero from the exact logits, the distance to llama.cpp is llama.cpp's own rounding
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from llama_chat.inference import kernels, load_model
+from llama_chat.inference.kv_cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llamacpp"
 MODELS = ("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
@@ -57,16 +58,19 @@ def worst_top20(logits: np.ndarray, ref: dict, other: np.ndarray | None = None) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default=None, help="one model (default: both)")
+    parser.add_argument(
+        "--cache-type", choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE, help="our live KV cache's type"
+    )
     args = parser.parse_args()
     names = [args.model] if args.model else list(MODELS)
     ours = {}
     for name in names:
-        model = load_model(name)
+        model = load_model(name, cache_type=args.cache_type)
         ours[name] = {text: model.logits(ref["ids"]) for text, ref in cases(name)}
     exact_products()
     print(f"{'model':36} {'text':8} {'ours-llama.cpp':>14} {'llama.cpp-exact':>15} {'ours-exact':>10}")
     for name in names:
-        model = load_model(name)
+        model = load_model(name, cache_type="f32")  # the exact pass keeps its KV as computed
         for text, ref in cases(name):
             exact = model.logits(ref["ids"])
             mine = ours[name][text]

@@ -240,7 +240,8 @@ def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, soft
     """attention() with the query rows split over the threads where that pays (kernels.attention_threads).
     Where a row's bits matter (a prompt read alone or beside others) the split depends only on its own
     segment's rows, so it is the same either way."""
-    parts = views.layer(layer)
+    parts = [(k.astype(F32, copy=False), v.astype(F32, copy=False)) for k, v in views.layer(layer)]  # (BLAS has
+    # no float16: a float16 cache is read once per call into float32, shared by the threads below)
     T = q.shape[1]
     n = kernels.attention_threads(T, views.n_positions)
     if n == 1:

@@ -32,6 +32,7 @@ from threadpoolctl import ThreadpoolController
 
 from . import k_quants
 from .cpu import PROFILE
+from .half import bits_view, to_f32
 from .jit import njit, prange
 from .vectors import _dequantize_column, _multiply_add, _registers
 
@@ -222,7 +223,7 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
             for g in range(group):
                 dot = F32(0)
                 for d in range(hd):
-                    dot += q[h, g, d] * k[h, row, d]
+                    dot += q[h, g, d] * to_f32(k[h, row, d])
                 scores[g, i] = dot
         acc = np.zeros((group, hd), F32)
         for g in range(group):
@@ -240,22 +241,22 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
             for g in range(group):
                 weight = scores[g, i]
                 for d in range(hd):
-                    acc[g, d] += weight * v[h, row, d]
+                    acc[g, d] += weight * to_f32(v[h, row, d])
         acc_out[h, c] = acc
 
 
 def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np.ndarray:
     """softmax(q · keys) · values for one new token: q [n_kv, group, hd] (scaled), k, v one layer of the
-    cache [n_kv, N, hd] and the runs (first, n) of it to attend to → [n_kv, group, hd]. One call for
-    all heads: waking numba's threads costs ~60 µs a call here (one call per head cost more than it
-    saved)."""
+    cache [n_kv, N, hd] (float32, or float16 read as float32) and the runs (first, n) of it to attend to
+    → [n_kv, group, hd]. One call for all heads: waking numba's threads costs ~60 µs a call here (one
+    call per head cost more than it saved)."""
     n_kv, group, hd = q.shape
     runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)  # (as it comes from KVViews.runs: no copy)
     chunks = -(-int(runs[:, 1].sum()) // ATTENTION_CHUNK)
     m = np.empty((n_kv, chunks, group), F32)
     l = np.empty((n_kv, chunks, group), F32)
     acc = np.empty((n_kv, chunks, group, hd), F32)
-    _one_token_attention(q, k, v, runs, m, l, acc)
+    _one_token_attention(q, bits_view(k), bits_view(v), runs, m, l, acc)
     scale = np.exp(m - m.max(axis=1, keepdims=True))  # each chunk's weights against the largest max
     total = (l * scale).sum(axis=1)  # [n_kv, group]
     return (acc * scale[..., None]).sum(axis=1) / total[..., None]

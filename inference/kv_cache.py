@@ -15,7 +15,7 @@ Unreferenced full blocks stay cached and are evicted least-recently-used under t
 
 Blocks missing from RAM may come from a `BlockSource` handed to the pool when it is built (the
 conversation store): `source.fetch(key, tokens, namespace, out)` writes the block's keys and values
-into `out`, the (k, v) views [layer, kv_head, B, head_dim] float32 of a free slot of the arena, and
+into `out`, the (k, v) views [layer, kv_head, B, head_dim] (of CACHE_TYPES) of a free slot, and
 says True if it holds a block of that prefix key in that namespace made from exactly those tokens and
 of that shape, else False. Decoded where it will be read, a stored block is never copied again; the
 pool keeps what it fetched in RAM.
@@ -38,18 +38,22 @@ from .errors import ContextFullError
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CACHE_RAM_MB = 1024
 PREFAULT_TOKENS = 4096
+# The live cache's element type (llama.cpp's --cache-type-k/v): float16, as llama.cpp's default, halves
+# RAM and what attention reads (it accumulates in float32); float32 keeps the KV exactly as computed.
+CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
+DEFAULT_CACHE_TYPE = "f16"
 
 
 class CacheFullError(MemoryError):
     """Every block of the pool is in use by a live sequence: the RAM budget is too small."""
 
 
-def _arena(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeroed float32 memory whose pages are only taken when first written (anonymous mmap)."""
-    buf = mmap.mmap(-1, int(np.prod(shape)) * 4)
+def _arena(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeroed memory whose pages are only taken when first written (anonymous mmap)."""
+    buf = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -97,16 +101,22 @@ class BlockPool:
         block_size: int = DEFAULT_BLOCK_SIZE,
         ram_mb: float = DEFAULT_CACHE_RAM_MB,
         source: BlockSource | None = None,
+        cache_type: str = DEFAULT_CACHE_TYPE,
     ):
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown KV cache type {cache_type!r}; expected one of {', '.join(CACHE_TYPES)}")
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.block_size = block_size
-        self.block_bytes = 2 * cfg.n_layer * cfg.n_head_kv * block_size * cfg.head_dim * 4
+        self.cache_type = cache_type
+        dtype = np.dtype(CACHE_TYPES[cache_type])
+        self.token_bytes = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * dtype.itemsize  # k and v
+        self.block_bytes = self.token_bytes * block_size
         self.n_slots = max(int(ram_mb * 2**20) // self.block_bytes, 2)
         shape = (cfg.n_layer, cfg.n_head_kv, self.n_slots * block_size, cfg.head_dim)
         # The arena [layer, kv_head, slot·B + i, head_dim]: read and written in this module only.
-        self._k = _arena(shape)
-        self._v = _arena(shape)
+        self._k = _arena(shape, dtype)
+        self._v = _arena(shape, dtype)
         # Fault in the first slots now, as llama.cpp allocates its KV buffer when a context is made:
         # the kernel's page faults would otherwise cost a resumed conversation more than decoding it.
         warm = min(self.n_slots, -(-PREFAULT_TOKENS // block_size)) * block_size

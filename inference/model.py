@@ -12,7 +12,14 @@ from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .kernels import KERNEL_ROWS
-from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
+from .kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CACHE_RAM_MB,
+    DEFAULT_CACHE_TYPE,
+    BlockPool,
+    BlockSource,
+    KVSequence,
+)
 from .tokenizer import Tokenizer
 from .weights import prepare
 
@@ -30,6 +37,7 @@ class Model:
         prompt_lookup: bool = True,
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
         source: BlockSource | None = None,
+        cache_type: str = DEFAULT_CACHE_TYPE,
     ):
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be at least 1, not {prefill_batch}")
@@ -43,7 +51,7 @@ class Model:
         self.name: str = prepared.metadata.get("general.name") or self.path.stem
         self.tokenizer = Tokenizer.from_metadata(prepared.metadata)
         # KV of every sequence of this model lives in one pool, so equal prefixes are computed once
-        self.pool = BlockPool(self.config, self.fingerprint, block_size, cache_ram_mb, source)
+        self.pool = BlockPool(self.config, self.fingerprint, block_size, cache_ram_mb, source, cache_type)
         template = prepared.metadata.get("tokenizer.chat_template")
         self.has_chat_template = template is not None
         self.chat_template = ChatTemplate(
@@ -189,12 +197,14 @@ def load_model(
     prompt_lookup: bool = True,
     prefill_batch: int = DEFAULT_PREFILL_BATCH,
     source: BlockSource | None = None,
+    cache_type: str = DEFAULT_CACHE_TYPE,
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
     `cache_ram_mb` bounds the KV block pool; `block_size` is the tokens per KV block; `prompt_lookup`
     is whether replies guess runs of tokens from the conversation (the text is the same either way);
     `prefill_batch` is the tokens of a prompt per forward pass; `source` is where the pool looks for
-    KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source)."""
+    KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source);
+    `cache_type` the live KV cache's element type (kv_cache.CACHE_TYPES: "f16" or "f32")."""
     path = resolve_model(name_or_path, progress)
-    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source)
+    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)

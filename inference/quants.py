@@ -352,9 +352,14 @@ def _compile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(matrices)
     steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    kv = np.zeros((1, 2, 64), F32)
-    attention = partial(kernels.one_token_attention, np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
-    return [*steps, ("attention", attention)]
+    return [*steps, ("attention", _attention_example)]
+
+
+def _attention_example() -> None:
+    """One token's attention over a cache of each type (kv_cache.CACHE_TYPES)."""
+    for dtype in (np.float16, F32):
+        kv = np.zeros((1, 2, 64), dtype)
+        kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
 
 
 def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:

@@ -64,15 +64,17 @@ def compile_kernels(progress=None) -> float:
     cached = all(in_cache(k) for k in kernels().COMPILED)
     label = "loading the KV codec" if cached else "compiling the KV codec (first start only)"
     arena = np.zeros((2, 2, 40, GROUP), np.float32)
+    arena16 = np.zeros(arena.shape, np.float16)  # the live cache's default type (inference/kv_cache.py)
     plan = KVPlan(((4, 6), (8, 16)), ((16, 8), (6, 4)))  # every precision, for keys and for values
     codecs = [name for name, form in TABLE.items() if form.quantized]
     for i, codec in enumerate(codecs):
         if progress:
             progress(label, i, len(codecs))
         # a view with gaps, as the arena's, and contiguous, as a tail's copy; decoded into new arrays
-        # and into the arena
+        # and into the arena, float32 and float16
         data = encode_kv(arena[:, :, :33], arena[:, :, :33], codec, plan)
         decode_kv(data, (arena[:, :, 1:34], arena[:, :, 2:35]))
+        decode_kv(data, (arena16[:, :, 1:34], arena16[:, :, 2:35]))
         decode_kv(data)
         encode_kv(arena, arena, codec, plan)
     if progress:
@@ -168,8 +170,9 @@ def _plan_of(data: bytes, dims) -> KVPlan:
 def decode_kv(data: bytes, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The (k, v) float32 arrays encode_kv was given (or their quantized approximation).
 
-    `out`: float32 arrays (views of the KV arena, say) to decode into, which are returned; a block of
-    another shape is refused. Raises CorruptBlockError for anything that isn't intact output of
+    `out`: float32 or float16 arrays (views of the KV arena, say) to decode into, which are returned
+    (a float16 one holds the decoded values rounded once to float16); a block of another shape is
+    refused. Raises CorruptBlockError for anything that isn't intact output of
     encode_kv (out then holds anything); memory use is bounded by the shape the header declares,
     which is itself bounded by MAX_ELEMENTS.
     """

@@ -123,11 +123,24 @@ def quantize_asymmetric(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarra
     return quantized_codes(x, scale, m, 0, top, np.uint8), scale, mn
 
 
-def dequantize(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, out: np.ndarray, keys: bool) -> None:
-    """out = min + code * scale per group, by the compiled loop; codes [A, B, R, n] with a scale and a
-    min per group along n; keys (codes channel-major) are written back token-major."""
+def dequantize(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray,
+    out: np.ndarray,
+    keys: bool,
+    signed: bool = False,
+    differences: bool = False,
+) -> None:
+    """out = min + code * scale per group, by the compiled loop; codes [A, B, R, n] uint8 with a scale
+    and a min per group along n; keys (codes channel-major) are written back token-major. out is
+    float32 or float16 (the KV arena's type), written as it is read. signed: the codes are int8's
+    bits; differences: each is its code minus the one before along n, mod 256 (codec_kernels.py)."""
     groups = (*codes.shape[:3], -1)
-    kernels().dequantize(codes, scales.reshape(groups), mins.reshape(groups), GROUP_BITS, out, keys)
+    compiled = kernels()
+    compiled.dequantize(
+        codes, scales.reshape(groups), mins.reshape(groups), GROUP_BITS, compiled.bits_view(out), keys, signed, differences
+    )
 
 
 def f16_ceil(x: np.ndarray) -> np.ndarray:
@@ -212,7 +225,7 @@ class Codec:
         raise NotImplementedError
 
     def decode(self, raw: memoryview, k: np.ndarray, v: np.ndarray, plan: KVPlan | None) -> None:
-        """The streams in raw decoded into k and v (float32, maybe views of the KV arena)."""
+        """The streams in raw decoded into k and v (float32 or float16, maybe views of the KV arena)."""
         raise NotImplementedError
 
     def payload_size(self, shape: Shape, plan: KVPlan | None) -> int:
@@ -257,13 +270,13 @@ class SymmetricCodec(Codec):
     def decode(self, raw, k, v, plan):
         n = k.size
         gk, _ = n_groups(k.shape)
-        keys = np.frombuffer(raw, np.uint8, n).reshape(channel_major(k).shape)
-        qk = np.cumsum(keys, axis=-1, dtype=np.uint8).view(np.int8)
-        qv = np.frombuffer(raw, np.int8, n, offset=n).reshape(v.shape)
+        qk = np.frombuffer(raw, np.uint8, n).reshape(channel_major(k).shape)  # token-to-token differences
+        qv = np.frombuffer(raw, np.uint8, n, offset=n).reshape(v.shape)
         scales = unshuffle(raw[2 * n :], F16).astype(np.float32)
         sk, sv = scales[:gk], scales[gk:]
-        dequantize(qk, sk, np.zeros_like(sk), k, True)  # symmetric: mins of zero, to share the loop
-        dequantize(qv, sv, np.zeros_like(sv), v, False)
+        # symmetric: mins of zero, to share the loop
+        dequantize(qk, sk, np.zeros_like(sk), k, True, signed=True, differences=True)
+        dequantize(qv, sv, np.zeros_like(sv), v, False, signed=True)
 
     def payload_size(self, shape, plan):
         return 2 * math.prod(shape) + 2 * sum(n_groups(shape))
@@ -311,7 +324,7 @@ class PlannedCodec(Codec):
         _, H, T, D = k.shape
         offset = 0
         for x, bits, is_key, chosen, size in self._parts(plan, k.shape, k, v):
-            part = self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key)
+            part = self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, x.dtype)
             x[chosen // H, chosen % H] = part  # (written through: x may be the arena's view)
             offset += size
 
@@ -350,21 +363,19 @@ class PlannedCodec(Codec):
         return [codes, shuffle(np.concatenate([scales, mins], axis=None))]
 
     @staticmethod
-    def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: bool) -> np.ndarray:
-        """n heads [n, T, D] float32 of one part."""
+    def _decode_part(raw: memoryview, n: int, T: int, D: int, bits: int, is_key: bool, dtype) -> np.ndarray:
+        """n heads [n, T, D] of one part, of dtype (float32 or float16: the KV arena's)."""
         values = n * T * D
         if bits == 16:
-            return unshuffle(raw, F16).reshape(n, T, D).astype(np.float32)
+            return unshuffle(raw, F16).reshape(n, T, D).astype(dtype, copy=False)
         coded = (1, n, D, T) if is_key else (1, n, T, D)
         if bits == 8:
-            q = np.frombuffer(raw, np.uint8, values).reshape(coded)
-            if is_key:
-                q = np.cumsum(q, axis=-1, dtype=np.uint8)
+            q = np.frombuffer(raw, np.uint8, values).reshape(coded)  # keys: token-to-token differences
         else:
             q = unpack(raw, bits, values).reshape(coded)
         scales, mins = np.split(unshuffle(raw[packed_size(bits, values) :], F16).astype(np.float32), 2)
-        out = np.empty((1, n, T, D), np.float32)
-        dequantize(q, scales, mins, out, is_key)
+        out = np.empty((1, n, T, D), dtype)
+        dequantize(q, scales, mins, out, is_key, differences=is_key and bits == 8)
         return out[0]
 
 

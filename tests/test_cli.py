@@ -32,6 +32,17 @@ def test_global_options_work_after_the_command_too(qwen2, tmp_path, capsys):
     assert "hello the world" in capsys.readouterr().out
 
 
+def test_cache_type_chooses_the_live_kv_cache_of_the_model_a_command_opens(qwen2, tmp_path):
+    from llama_chat.app.commands import open_model
+
+    parser = build_parser()
+    for given, dtype in (([], "float16"), (["--cache-type", "f32"], "float32")):
+        args = parser.parse_args(["--model", str(qwen2), *given, "sessions", "list"])
+        model = open_model(args)
+        k, v = model.new_sequence(8).gather(0, 0)
+        assert k.dtype == v.dtype == dtype and model.pool.cache_type == args.cache_type
+
+
 def test_an_option_before_the_command_is_kept_when_not_given_again(tmp_path):
     parser = build_parser()
     args = parser.parse_args(["--db", str(tmp_path / "a.db"), "--cache-ram", "64", "sessions", "list"])

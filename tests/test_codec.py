@@ -119,16 +119,18 @@ def test_views_into_a_larger_arena_encode_like_copies(codec):
     assert encode(k, v, codec) == encode(k.copy(), v.copy(), codec)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the live cache's types (kv_cache.CACHE_TYPES)
 @pytest.mark.parametrize("codec", STORED_CODECS)
-def test_a_block_decodes_into_a_view_of_a_larger_arena_as_into_new_arrays(codec):
-    """As a resumed block is decoded: straight into its slot of the KV arena."""
+def test_a_block_decodes_into_a_view_of_a_larger_arena_as_into_new_arrays(codec, dtype):
+    """As a resumed block is decoded: straight into its slot of the KV arena, a float16 one holding
+    the decoded values rounded once (as float16 rounds: to nearest even)."""
     k, v = realistic_kv((3, 2, 64, 64))
     data = encode(k, v, codec)
-    arena = np.full((2, 3, 2, 200, 64), np.nan, np.float32)
+    arena = np.full((2, 3, 2, 200, 64), np.nan, dtype)
     out = arena[0, :, :, 70:134], arena[1, :, :, 70:134]
     assert decode_kv(data, out) is out
     for got, want in zip(out, decode_kv(data), strict=True):
-        assert np.array_equal(got, want)
+        assert np.array_equal(got, want.astype(dtype))
     assert np.isnan(arena[:, :, :, :70]).all() and np.isnan(arena[:, :, :, 134:]).all()  # nothing else
 
 

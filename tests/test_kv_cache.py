@@ -19,10 +19,21 @@ from tiny_models import write_tiny_model
 B = 8  # a small block size, so tiny prompts span several blocks
 
 
-def tiny(path, ram_blocks: int = 64, arch_block: int = B):
-    model = load_model(path, block_size=arch_block)
+# Two computations of the same logits differ by float32 rounding (a different order of sums); in a
+# float16 cache such a difference may also move a cached value to the next float16 (2^-11 relative),
+# and that shows in later tokens: each comparison is made with the exact float32 cache at its tight
+# bound and with the default float16 cache at a bound that leaves room for that.
+CACHE_TYPES = pytest.mark.parametrize("cache_type, slack", [("f32", 1.0), ("f16", 20.0)])
+
+
+def tiny(path, ram_blocks: int = 64, arch_block: int = B, cache_type: str = "f16"):
+    model = load_model(path, block_size=arch_block, cache_type=cache_type)
     model.pool.__init__(
-        model.config, model.fingerprint, arch_block, ram_blocks * model.pool.block_bytes / 2**20
+        model.config,
+        model.fingerprint,
+        arch_block,
+        ram_blocks * model.pool.block_bytes / 2**20,
+        cache_type=cache_type,
     )
     return model
 
@@ -37,7 +48,9 @@ def ids_of(model, n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(3, 200, size=n)]
 
 
-def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(model):
+@CACHE_TYPES
+def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(tiny_model_path, cache_type, slack):
+    model = tiny(tiny_model_path, cache_type=cache_type)
     shared = ids_of(model, 3 * B + 5)
     first = model.new_sequence(128)
     model.forward(shared + ids_of(model, 4, seed=1), first)
@@ -48,7 +61,7 @@ def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(model):
     assert second.blocks == first.blocks[:3]
     reused = model.forward(prompt[held:], second, all_logits=True)
     fresh = model.logits(prompt)[held:]
-    assert np.abs(reused - fresh).max() <= 1e-4
+    assert np.abs(reused - fresh).max() <= 1e-4 * slack
 
 
 def test_the_pool_names_the_blocks_a_prompt_would_reuse_and_those_ram_lacks(model):
@@ -151,10 +164,11 @@ def test_fork_is_constant_time_and_free(model):
     assert all(f.tokens == seq.tokens for f in forks)
 
 
-def test_context_shift_equals_a_fresh_prefill_of_the_shortened_text(tmp_path):
+@CACHE_TYPES
+def test_context_shift_equals_a_fresh_prefill_of_the_shortened_text(tmp_path, cache_type, slack):
     """With one layer, a token's K and V depend only on the token and its position, so re-rotating the
     kept keys must reproduce a fresh prefill exactly (deeper models get llama.cpp's approximation)."""
-    model = tiny(write_tiny_model(tmp_path / "one.gguf", "qwen2", n_layer=1))
+    model = tiny(write_tiny_model(tmp_path / "one.gguf", "qwen2", n_layer=1), cache_type=cache_type)
     system, old, recent = ids_of(model, 5, 1), ids_of(model, 13, 2), ids_of(model, 9, 3)
     seq = model.new_sequence(64)
     model.forward(system + old + recent, seq)
@@ -163,19 +177,20 @@ def test_context_shift_equals_a_fresh_prefill_of_the_shortened_text(tmp_path):
     nxt = ids_of(model, 3, 4)
     assert (
         np.abs(model.forward(nxt, seq, all_logits=True) - model.logits(system + recent + nxt)[-3:]).max()
-        <= 1e-3
+        <= 1e-3 * slack
     )
 
 
-def test_context_shift_keeps_gemma3_and_llama_rotations_right(tmp_path):
+@CACHE_TYPES
+def test_context_shift_keeps_gemma3_and_llama_rotations_right(tmp_path, cache_type, slack):
     for arch in ("gemma3", "llama"):
-        model = tiny(write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_layer=1))
+        model = tiny(write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_layer=1), cache_type=cache_type)
         a, b, c = ids_of(model, 4, 1), ids_of(model, 6, 2), ids_of(model, 5, 3)
         seq = model.new_sequence(64)
         model.forward(a + b + c, seq)
         model.context_shift(seq, keep=len(a), drop=len(b))
         nxt = ids_of(model, 2, 4)
-        assert np.abs(model.forward(nxt, seq) - model.logits(a + c + nxt)[-1:]).max() <= 1e-3
+        assert np.abs(model.forward(nxt, seq) - model.logits(a + c + nxt)[-1:]).max() <= 1e-3 * slack
 
 
 def test_batched_decode_equals_one_sequence_at_a_time(model):

@@ -202,5 +202,8 @@ def test_decode_past_1024_positions_agrees_with_blas_attention(real_model, monke
         logits[name] = np.concatenate([real_model.forward([t], seq) for t in ids[1090:]])
         seq.free()
     assert calls  # the kernel's run went through it
-    assert np.abs(logits["kernel"] - logits["blas"]).max() <= 1e-3  # measured 4-5e-5
+    # Both read the same float16 cache; a decoded token's own K and V come from attention sums added in
+    # another order, which may round them to the next float16 (2^-11 relative), and later tokens read
+    # those: measured 4e-3 (qwen) and 8e-3 (gemma) over these 10 tokens; 4-5e-5 with a float32 cache.
+    assert np.abs(logits["kernel"] - logits["blas"]).max() <= 2e-2
     assert (logits["kernel"].argmax(axis=1) == logits["blas"].argmax(axis=1)).all()

@@ -65,6 +65,11 @@ def run_bench(args) -> int:
     report("peak_rss_mb", round(rss, 1), f"peak RSS of `ask`:           {rss:.0f} MB")
     results["model"] = model.name
     results["fingerprint"] = model.fingerprint
+    report(
+        "live_kv_bytes_per_token",
+        model.pool.token_bytes,
+        f"live KV cache in RAM: {model.pool.token_bytes:,} bytes/token ({model.pool.cache_type})",
+    )
 
     n_prefill = 64 if quick else 512
     prefill = measure_prefill(model, n_prefill, 1 if quick else 2)

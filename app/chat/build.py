@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import Model, load_model
-from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
 from llama_chat.storage.codec import AUTO
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
@@ -36,6 +36,7 @@ class EngineOptions:
     n_ctx: int = N_CTX  # --ctx
     cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
     block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
+    cache_type: str = DEFAULT_CACHE_TYPE  # --cache-type: the live KV cache's element type
     prompt_lookup: bool = True  # --no-lookup
     codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
     kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
@@ -69,6 +70,7 @@ def open_model(options: EngineOptions, progress: Progress | None = None) -> Mode
         options.codec,
         cache_ram_mb=options.cache_ram_mb,
         block_size=options.block_size,
+        cache_type=options.cache_type,
         prompt_lookup=options.prompt_lookup,
     )
 

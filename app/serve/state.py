@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
-from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
 
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
@@ -46,6 +46,7 @@ class ServeOptions:
     api_key: str | None = None
     ctx: int = N_CTX
     cache_ram_mb: float = CACHE_RAM_MB
+    cache_type: str = DEFAULT_CACHE_TYPE  # the live KV cache's element type (kv_cache.CACHE_TYPES)
     block_size: int = DEFAULT_BLOCK_SIZE
     codec: str = CODEC
     prompt_lookup: bool = True
@@ -68,6 +69,7 @@ class ServeOptions:
             n_ctx=self.ctx,
             cache_ram_mb=self.cache_ram_mb,
             block_size=self.block_size,
+            cache_type=self.cache_type,
             prompt_lookup=self.prompt_lookup,
             codec=self.codec,
             kv_remote=self.kv_remote,
