@@ -11,6 +11,7 @@ from llama_chat.inference import KNOWN_MODELS, ModelError, chat_prompt_ids, cons
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.storage import ChatStore, Session, StoreError
 
+from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.engine import NEW_CHAT, SavedReply, check_fits, load_chat_model, system_message, title_from_text
 from .chat.jobs import Job
 from .chat.scheduler import Scheduler
@@ -24,7 +25,7 @@ from .chat.settings import (
 )
 from .progress import ProgressBar
 from .signals import ReplySignals
-from .terminal import open_remote, print_json, read_prompt, read_text, say, stream_reply
+from .terminal import UsageError, open_remote, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
@@ -124,7 +125,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
 
 
 def cmd_ask(args) -> int:
-    prompt = read_prompt(args.prompt)
+    prompt = question(args)
     if not (args.session or args.new_session):
         return ask_once(args, prompt)
     store = open_store(args)
@@ -150,6 +151,17 @@ def cmd_ask(args) -> int:
     finally:
         if args.new_session:
             forget_if_empty(store, session)
+
+
+def question(args) -> str:
+    """The question of `ask`, the files of `-f` before it; a file that cannot be attached is one line."""
+    if [args.prompt, *args.files].count("-") > 1:
+        raise UsageError("stdin can be read once: '-' as the prompt or as one -f, not both")
+    prompt = read_prompt(args.prompt)
+    try:
+        return with_attachments(prompt, [read_attachment(path) for path in args.files])
+    except AttachmentError as e:
+        raise UsageError(str(e)) from None
 
 
 def ask_once(args, prompt: str) -> int:

@@ -31,6 +31,7 @@ from llama_chat.inference.kv_cache import prefix_key
 from llama_chat.storage.codec import AUTO
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.db import StoreError
+from llama_chat.storage.fragments import brief
 from llama_chat.storage.kv_plan import model_plan
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.remote import RemoteTier
@@ -113,7 +114,7 @@ def session_title(text: str) -> str:
 
 def title_from_text(text: str, limit: int = TITLE_CHARS) -> str:
     """A chat's title from a message: one line, cut after its last whole word that fits, with "…"."""
-    title = session_title(text)
+    title = session_title(brief(text))  # an attached file by its name
     if len(title) <= limit:
         return title or NEW_CHAT
     cut = title[: limit - 1]
