@@ -1,0 +1,41 @@
+"""An MCP server for the tests, written with the `mcp` SDK and spoken to over stdio:
+
+    python tests/mcp_server.py [well | hang | slow-start | garbage]
+
+`well`: get_weather(city) and add(a, b) answer at once; `hang`: get_weather never answers;
+`slow-start`: nothing answers the handshake; `garbage`: prints lines that are not JSON-RPC, then hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mcp.server.mcpserver import MCPServer
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "well"
+server = MCPServer("llama-chat test server")
+
+
+@server.tool()
+def get_weather(city: str) -> str:
+    """The weather in a city, now."""
+    if MODE == "hang":
+        time.sleep(3600)
+    return f"Sunny, 21 °C in {city}."
+
+
+@server.tool()
+def add(a: int, b: int) -> int:
+    """The sum of two integers."""
+    return a + b
+
+
+if __name__ == "__main__":
+    if MODE == "slow-start":
+        time.sleep(3600)
+    if MODE == "garbage":
+        for _ in range(50):
+            print("this is not JSON-RPC {{{", flush=True)
+        time.sleep(3600)
+    server.run("stdio")
