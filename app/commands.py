@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from llama_chat.inference import KNOWN_MODELS, ModelError, chat_prompt_ids, constrain
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
+from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import ChatStore, Session, StoreError
 
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
@@ -23,6 +25,7 @@ from .chat.settings import (
     sampling_defaults,
     sampling_params,
 )
+from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
 from .progress import ProgressBar
 from .signals import ReplySignals
 from .terminal import UsageError, open_remote, print_json, read_prompt, read_text, say, stream_reply
@@ -225,18 +228,40 @@ def cmd_chat(args) -> int:
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
-    print("Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if not line.strip():
-            continue
-        session, code = stored_reply(engine, session, line, args)
-        if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
-            return code
+    print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
+    files, tools = PendingFiles(), open_tools(engine, user_config().mcp_servers)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            if not line.strip() or files.command(line):
+                continue
+            try:
+                session, code = stored_reply(engine, session, files.message(line), args)
+            except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
+                say(f"llama-chat: {e}")
+                continue
+            if tools is not None and not code:
+                again = partial(stored_reply, engine, text=None, args=args)
+                session, code = answer_calls(engine, session, tools, again, ask_yes)
+            if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
+                return code
+    finally:
+        if tools is not None:
+            tools.close()
+
+
+def user_config():
+    """config.toml, for `chat`'s MCP servers; a file that cannot be used is one line."""
+    from .config import ConfigError, UserConfig  # loads Textual's key names: only for `chat`
+
+    try:
+        return UserConfig.load()
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_tokenize(args) -> int:

@@ -184,6 +184,7 @@ class ChatEngine:
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.live: dict[str, KVSequence] = {}  # sessions opened in this process
         self.sampling_defaults = model_sampling(model)  # where a session sets nothing
+        self.tools: list[dict] | None = None  # function definitions every prompt offers (`chat`'s MCP tools)
         self.scheduler = scheduler or Scheduler(model)
         self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
         model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
@@ -217,7 +218,7 @@ class ChatEngine:
 
     def window_ids(self, messages: list[dict]) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window."""
-        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False)[1]
+        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=self.tools)[1]
 
     def open(self, session: Session, read: RemoteRead | None = None) -> tuple[KVSequence, ResumeInfo]:
         """The session's KV, ready for its next reply: from RAM, stored blocks and tail; nothing computed.
@@ -387,14 +388,14 @@ class ChatEngine:
         if not user_text.strip():
             raise ValueError("the message is empty")
         alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
-        check_fits(chat_prompt_ids(self.model, alone), self.n_ctx)
+        check_fits(chat_prompt_ids(self.model, alone, tools=self.tools), self.n_ctx)
 
     def prompt(self, messages: list[dict], seq: KVSequence, max_tokens: int) -> list[int]:
         """The prompt for the next reply to `messages`; when they outgrow the window, the oldest turns
         go and the cached KV follows by context shift. A reply may use what the window has left."""
         # Room for the reply; what open() restored (up to a full window) is cut down by context shift.
         budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
-        kept, prompt = fit_messages(self.model, messages, budget)
+        kept, prompt = fit_messages(self.model, messages, budget, tools=self.tools)
         if len(kept) < len(messages):
             shift_to(self.model, seq, prompt)
         return prompt

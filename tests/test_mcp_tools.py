@@ -1,0 +1,131 @@
+"""MCP tools in `chat`: the servers config.toml names (tests/mcp_server.py, written with the `mcp` SDK,
+over stdio), their tools called after a y/n, each answer stored as a tool message; a server that
+hangs, never starts or prints garbage is one line and a timeout."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig, ToolError, server_configs
+from llama_chat.app.cli import main
+from llama_chat.app.config import ConfigError, UserConfig
+from llama_chat.storage import ChatStore
+
+SERVER = str(Path(__file__).parent / "mcp_server.py")
+START_S = 120.0  # for a server that does start: a Python process importing the SDK, on a busy machine
+
+
+def server(mode: str, timeout: float = START_S) -> ServerConfig:
+    return ServerConfig("test", sys.executable, [SERVER, mode], timeout=timeout)
+
+
+@pytest.fixture
+def tools():
+    opened = []
+
+    def open_(*configs):
+        opened.append(MCPTools(list(configs)))
+        return opened[-1]
+
+    yield open_
+    for t in opened:
+        t.close()
+
+
+def test_a_server_s_tools_are_offered_and_called(tools):
+    mcp = tools(server("well"))
+    assert mcp.connect() == ["MCP server 'test': 2 tool(s): get_weather, add"]
+    weather = next(t["function"] for t in mcp.tools if t["function"]["name"] == "get_weather")
+    assert weather["parameters"]["required"] == ["city"]
+    assert mcp.call("get_weather", {"city": "Paris"}) == "Sunny, 21 °C in Paris."
+    assert mcp.call("add", {"a": 2, "b": 3}) == "5"
+    assert mcp.call("add", {"a": "two"}).startswith("error: ")  # the model reads why
+    with pytest.raises(ToolError, match="no MCP server offers a tool 'rm'"):
+        mcp.call("rm", {})
+
+
+def test_a_call_that_hangs_times_out_in_one_line_and_its_server_is_stopped(tools):
+    mcp = tools(server("hang", timeout=START_S))
+    mcp.connect()
+    mcp.servers["test"].config.timeout = 2  # started; now each call gets 2 s
+    with pytest.raises(ToolError) as e:
+        mcp.call("get_weather", {"city": "Paris"})
+    assert str(e.value) == "MCP tool 'get_weather' (server 'test') did not answer within 2 s; it was stopped"
+    assert mcp.tools == []
+    with pytest.raises(ToolError, match="MCP server 'test' is stopped"):
+        mcp.call("add", {"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize("mode", ["slow-start", "garbage"])
+def test_a_server_that_never_answers_or_prints_garbage_is_one_line(tools, mode, capfd):
+    mcp = tools(server(mode, timeout=3), ServerConfig("missing", "/no/such/mcp-server"))
+    lines = mcp.connect()
+    assert lines[0] == "MCP server 'test' did not answer within 3 s; it was stopped"
+    assert lines[1].startswith("MCP server 'missing' failed to start: ") and "\n" not in lines[1]
+    assert mcp.tools == []
+    assert capfd.readouterr().err == ""  # nothing of the SDK's own logging reaches the terminal
+
+
+@pytest.mark.parametrize(
+    "table, says",
+    [
+        ({"a": "python"}, "[mcp_servers.a]: must be a table"),
+        ({"a": {"command": "x", "url": "http://h"}}, "either 'command'"),
+        ({"a": {"command": "x", "args": "-v"}}, "'args' must be a list"),
+        ({"a": {"url": "http://h", "timeout": 0}}, "'timeout' must be a positive number"),
+        ({"a": {"command": "x", "cwd": "/"}}, "unknown key 'cwd'"),
+    ],
+)
+def test_a_server_written_wrongly_is_one_line(table, says):
+    with pytest.raises(ToolError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        server_configs(table)
+
+
+def test_config_toml_with_a_server_written_wrongly_is_one_line(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[mcp_servers.a]\ncommand = "x"\nargs = "-v"\n')
+    with pytest.raises(ConfigError, match="'args' must be a list of strings"):
+        UserConfig.load(path)
+
+
+def chat(monkeypatch, tmp_path, model: Path, mode: str, timeout: float, lines: str) -> int:
+    config = Path(tmp_path / "config" / "llama-chat" / "config.toml")
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f"[mcp_servers.test]\ncommand = {str(sys.executable)!r}\nargs = [{SERVER!r}, {mode!r}]\ntimeout = {timeout}\n"
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    return main(["chat", "--model", str(model), "--db", str(tmp_path / "chat.db"), "--temp", "0",
+                 "--max-tokens", "60", "--cache-ram", "256"])
+
+
+@pytest.mark.real_model
+def test_chat_calls_a_tool_after_a_yes_and_stores_its_answer(monkeypatch, tmp_path, qwen_model_path, capsys):
+    assert chat(monkeypatch, tmp_path, qwen_model_path, "well", START_S, "What is the weather in Paris?\ny\n") == 0
+    out = capsys.readouterr()
+    assert 'run the tool call get_weather({"city": "Paris"})? [y/N]' in out.out
+    assert "MCP server 'test': 2 tool(s): get_weather, add" in out.err
+    store = ChatStore(tmp_path / "chat.db")
+    (session,) = store.list_sessions()
+    roles = [(m.role, m.content) for m in store.path(session.head_id)]
+    assert roles[0] == ("user", "What is the weather in Paris?")
+    assert roles[1][0] == "assistant" and "get_weather" in roles[1][1]
+    assert roles[2] == ("tool", "Sunny, 21 °C in Paris.")
+    assert roles[3][0] == "assistant"  # the model went on with the answer in front of it
+
+
+@pytest.mark.real_model
+def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(monkeypatch, tmp_path, qwen_model_path, capsys):
+    code = chat(monkeypatch, tmp_path, qwen_model_path, "hang", 20, "What is the weather in Paris?\ny\nn\nn\n")
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped\n" in err
+    assert "Traceback" not in err
+    store = ChatStore(tmp_path / "chat.db")
+    (session,) = store.list_sessions()
+    told = [m.content for m in store.path(session.head_id) if m.role == "tool"]
+    assert told[0] == "error: MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped"
