@@ -12,6 +12,7 @@ from llama_chat.inference import KNOWN_MODELS, ModelError, chat_prompt_ids, cons
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import ChatStore, Session, StoreError
+from llama_chat.storage.fragments import brief
 
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.engine import NEW_CHAT, SavedReply, check_fits, load_chat_model, system_message, title_from_text
@@ -224,7 +225,7 @@ def cmd_chat(args) -> int:
         _, info = engine.open(session)
         print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
         for m in engine.store.path(session.head_id)[-4:]:
-            print(f"{m.role}: {m.content}", file=sys.stderr)
+            print(f"{m.role}: {brief(m.content)}", file=sys.stderr)  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
