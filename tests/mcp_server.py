@@ -1,9 +1,10 @@
 """An MCP server for the tests, written with the `mcp` SDK and spoken to over stdio:
 
-    python tests/mcp_server.py [well | hang | slow-start | garbage]
+    python tests/mcp_server.py [well | hang | slow-start | garbage] [PORT]
 
 `well`: get_weather(city) and add(a, b) answer at once; `hang`: get_weather never answers;
 `slow-start`: nothing answers the handshake; `garbage`: prints lines that are not JSON-RPC, then hangs.
+With a PORT, it serves streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio.
 """
 
 from __future__ import annotations
@@ -38,4 +39,7 @@ if __name__ == "__main__":
         for _ in range(50):
             print("this is not JSON-RPC {{{", flush=True)
         time.sleep(3600)
-    server.run("stdio")
+    if len(sys.argv) > 2:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run("stdio")

@@ -5,7 +5,10 @@ hangs, never starts or prints garbage is one line and a timeout."""
 from __future__ import annotations
 
 import io
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,26 @@ def test_a_call_that_hangs_times_out_in_one_line_and_its_server_is_stopped(tools
     assert mcp.tools == []
     with pytest.raises(ToolError, match="MCP server 'test' is stopped"):
         mcp.call("add", {"a": 1, "b": 2})
+
+
+def test_a_server_at_a_url_is_called_the_same_way(tools):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, SERVER, "well", str(port)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        mcp = tools(ServerConfig("web", url=f"http://127.0.0.1:{port}/mcp", timeout=START_S))
+        assert mcp.connect() == ["MCP server 'web': 2 tool(s): get_weather, add"]
+        assert mcp.call("add", {"a": 20, "b": 22}) == "42"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 @pytest.mark.parametrize("mode", ["slow-start", "garbage"])
