@@ -215,11 +215,21 @@ def forget_if_empty(store: ChatStore, session: Session) -> None:
 
 
 def cmd_chat(args) -> int:
+    servers = user_config().mcp_servers  # a config.toml that cannot be used fails before the model loads
     store = open_store(args)
     store.check_writable()
     if args.session:
         store.get_session(args.session)  # an unknown session fails before the model loads
     engine = open_engine(args, store)
+    tools = open_tools(engine, servers)  # before a session's KV is restored: its prompts offer them
+    try:
+        return chat_lines(engine, tools, args)
+    finally:
+        if tools is not None:
+            tools.close()
+
+
+def chat_lines(engine, tools, args) -> int:
     if args.session:
         session = engine.store.get_session(args.session)
         _, info = engine.open(session)
@@ -230,29 +240,25 @@ def cmd_chat(args) -> int:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
-    files, tools = PendingFiles(), open_tools(engine, user_config().mcp_servers)
-    try:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                print(file=sys.stderr)
-                return 0
-            if not line.strip() or files.command(line):
-                continue
-            try:
-                session, code = stored_reply(engine, session, files.message(line), args)
-            except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
-                say(f"llama-chat: {e}")
-                continue
-            if tools is not None and not code:
-                again = partial(stored_reply, engine, text=None, args=args)
-                session, code = answer_calls(engine, session, tools, again, ask_yes)
-            if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
-                return code
-    finally:
-        if tools is not None:
-            tools.close()
+    files = PendingFiles()
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip() or files.command(line):
+            continue
+        try:
+            session, code = stored_reply(engine, session, files.message(line), args)
+        except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
+            say(f"llama-chat: {e}")
+            continue
+        if tools is not None and not code:
+            again = partial(stored_reply, engine, text=None, args=args)
+            session, code = answer_calls(engine, session, tools, again, ask_yes)
+        if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
+            return code
 
 
 def user_config():

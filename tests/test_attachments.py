@@ -12,9 +12,11 @@ import pytest
 
 from llama_chat.app.chat.attachments import MAX_FILE_BYTES, AttachmentError, read_attachment
 from llama_chat.app.cli import main
+from llama_chat.app.tui.dialogs import TextScreen
 from llama_chat.storage import ChatStore
 from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.fragments import inline
+from tui_pilot import aio, say
 
 TEXT = "hello the world\n" * 12  # 132 tokens of the tiny vocabulary: with its header, two full KV blocks
 
@@ -137,3 +139,29 @@ def test_chat_attaches_a_file_to_the_next_message(qwen2, tmp_path, notes, monkey
     asked = [m.content for m in store.path(session.head_id) if m.role == "user"]
     assert asked == [inline("notes.txt", TEXT) + "hello the world", "the world"]  # once, with the next message
     assert len(fragment_rows(db)) == 1
+
+
+@aio
+async def test_the_app_attaches_a_file_with_f5(open_chat, notes, tmp_path):
+    async with open_chat() as pilot:
+        app = pilot.app
+        await pilot.press("f5")
+        assert isinstance(app.screen, TextScreen)
+        await pilot.press(*"notes.txt", "enter")
+        await say(pilot, "hello the world")
+        (asked, _) = [m.content for m in app.store.path(app.store.get_session(app.chat.session.id).head_id)]
+        assert asked.endswith("hello the world") and TEXT in asked and "notes.txt" in asked
+        assert app.chat.attached == []  # sent once
+        assert "notes.txt" in app.chat.session.title
+
+
+def test_chat_refuses_a_file_too_long_for_the_window_in_one_line_and_goes_on(qwen2, tmp_path, notes, monkeypatch, capsys):
+    Path("long.txt").write_text(TEXT * 3)
+    monkeypatch.setattr("sys.stdin", io.StringIO("/attach long.txt\nhello the world\nthe world\n"))
+    db = tmp_path / "chat.db"
+    assert main(["chat", "--model", str(qwen2), "--db", str(db), "--cache-ram", "64", "--temp", "0", "--max-tokens", "2"]) == 0
+    assert "llama-chat: the prompt is " in capsys.readouterr().err
+    store = ChatStore(db)
+    (session,) = store.list_sessions()
+    assert [m.content for m in store.path(session.head_id) if m.role == "user"] == ["the world"]
+    assert fragment_rows(db) == []

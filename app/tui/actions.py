@@ -1,5 +1,5 @@
 """What the chat's keys do, beyond sending and stopping: open chats, branch (regenerate, edit, fork),
-rename, delete, settings, model, export, import, help, and the command palette built from the bindings.
+rename, delete, settings, model, export, import, attach a file, help, and the command palette built from the bindings.
 
 A part of ChatScreen (it is mixed into it): each action checks what it can, asks in a dialog, and
 leaves the store's work to `in_background` and a reply's to `submit`. Handlers are named `on_…`:
@@ -19,6 +19,7 @@ from llama_chat.inference import KNOWN_MODELS
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
+from ..chat.attachments import AttachmentError, read_attachment
 from ..chat.engine import fork_before, session_title
 from ..chat.settings import DEFAULT_SAMPLING
 from ..config import export_dir
@@ -338,6 +339,22 @@ class ChatActions:
     def imported(self, result) -> None:
         self.notify(result.describe(), title="Imported", timeout=8)
         self.switch_to(result.session_ids[0])
+
+    def action_attach(self) -> None:
+        screen = TextScreen("Attach file", str(Path.cwd()) + "/", hint="A text file: it goes with your next message")
+
+        def attach(path: str | None) -> None:
+            if not path or not path.strip():
+                return
+            try:
+                self.attached.append(read_attachment(str(Path(path.strip()).expanduser())))
+            except AttachmentError as e:
+                self.notify(str(e), title="Not attached", severity="error", timeout=10)
+                return
+            names = ", ".join(a.name for a in self.attached)
+            self.notify(f"{names}: sent with your next message", title="Attached")
+
+        self.app.push_screen(screen, attach)
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(self.app.key_help(), str(self.config.path)))

@@ -27,6 +27,7 @@ from textual.worker import Worker, WorkerState
 
 from llama_chat.storage import ChatStore, Message, Session
 
+from ..chat.attachments import Attachment, with_attachments
 from ..chat.engine import ChatEngine, load_chat_model, title_from_text
 from ..chat.jobs import Event
 from ..config import UserConfig
@@ -99,6 +100,7 @@ class ChatScreen(ChatActions, Screen):
             ("ctrl+l", "choose_model", "Choose model", False, "Load another model"),
             ("f3", "export", "Export chat", False, "Write this chat to a .llamachat (or .md) file"),
             ("f4", "import", "Import chat", False, "Add the chat(s) of a .llamachat file"),
+            ("f5", "attach", "Attach file", False, "Attach a text file to your next message"),
             ("f1", "help", "Help", True, "Every key, and how to change them"),
         ]
     ]
@@ -112,6 +114,7 @@ class ChatScreen(ChatActions, Screen):
         self.session: Session | None = None  # None: a new chat, stored when its first message is sent
         self.replies: list[Reply] = []  # replies being written
         self.alternatives: list[tuple[Session, str]] = []  # replies written side by side, offered at the end
+        self.attached: list[Attachment] = []  # files for the next message (F5)
 
     @property
     def store(self) -> ChatStore:
@@ -339,6 +342,7 @@ class ChatScreen(ChatActions, Screen):
             return
         if text.strip():
             self.query_one(ChatInput).clear()
+            text, self.attached = with_attachments(text, self.attached), []
             reply = Reply(session, text, self.max_tokens(session))
             reply.new_chat = dict(
                 title=title_from_text(text),
