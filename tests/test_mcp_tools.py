@@ -16,6 +16,7 @@ import pytest
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig, ToolError, server_configs
 from llama_chat.app.cli import main
 from llama_chat.app.config import ConfigError, UserConfig
+from llama_chat.inference.tool_calls import ToolCall, split_offered_calls
 from llama_chat.storage import ChatStore
 
 SERVER = str(Path(__file__).parent / "mcp_server.py")
@@ -152,3 +153,12 @@ def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(monkeypatch
     (session,) = store.list_sessions()
     told = [m.content for m in store.path(session.head_id) if m.role == "tool"]
     assert told[0] == "error: MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped"
+
+
+def test_a_call_in_a_json_fence_counts_only_for_a_tool_offered():
+    fenced = 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    assert split_offered_calls(fenced, {"get_weather"}) == ("Let me look.", [ToolCall("get_weather", {"city": "Paris"})])
+    assert split_offered_calls(fenced, {"add"}) is None  # JSON someone asked for, not a call
+    tagged = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert split_offered_calls(tagged, set()) == ("", [ToolCall("add", {"a": 1, "b": 2})])
+    assert split_offered_calls("```json\n{not json}\n```", {"get_weather"}) is None
