@@ -153,6 +153,7 @@ class ChatStore:
         if not turns:
             return None
         role, content = turns[-1]
+        content = fragments.cut(content)[0]  # as it is stored: its attached files' texts apart
         rows = self.connection.rows(
             "SELECT s.* FROM sessions s JOIN messages m ON m.id = s.head_id WHERE s.origin = ? "
             f"AND m.role = ? AND m.content = ? AND s.system_prompt IS ? AND s.kv_namespace IS ? {_OF_TENANT} "

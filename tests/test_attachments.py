@@ -13,7 +13,7 @@ import pytest
 from llama_chat.app.chat.attachments import MAX_FILE_BYTES, AttachmentError, read_attachment
 from llama_chat.app.cli import main
 from llama_chat.app.tui.dialogs import TextScreen
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, Message
 from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.fragments import inline
 from tui_pilot import aio, say
@@ -165,3 +165,10 @@ def test_chat_refuses_a_file_too_long_for_the_window_in_one_line_and_goes_on(qwe
     (session,) = store.list_sessions()
     assert [m.content for m in store.path(session.head_id) if m.role == "user"] == ["the world"]
     assert fragment_rows(db) == []
+
+
+def test_a_client_resending_a_conversation_with_a_file_finds_its_session(tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    asked = inline("notes.txt", TEXT) + "why?"
+    made = store.create_session(origin="api", turn=[Message(0, None, "user", asked, None, 0.0, None)])
+    assert store.session_ending_with("api", None, [("user", asked)]).id == made.id

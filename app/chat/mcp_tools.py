@@ -161,16 +161,20 @@ class MCPTools:
     async def _serve(self, server: _Server, listed: asyncio.Future) -> None:
         from mcp import ClientSession
 
+        calls = server.calls
         try:
-            async with _transport(server.config) as streams, ClientSession(streams[0], streams[1]) as session:
-                await session.initialize()
-                listed.set_result((await session.list_tools()).tools)
-                while True:
-                    tool, arguments, answer = await server.calls.get()
-                    try:
-                        answer.set_result(await session.call_tool(tool, arguments))
-                    except Exception as e:  # the caller says it in one line
-                        answer.set_exception(e)
+            with open(os.devnull, "w") as errlog:  # a server's stderr would break the chat's lines
+                async with _transport(server.config, errlog) as streams, ClientSession(*streams[:2]) as session:
+                    await session.initialize()
+                    listed.set_result((await session.list_tools()).tools)
+                    while True:
+                        tool, arguments, answer = await calls.get()
+                        if not answer.set_running_or_notify_cancel():
+                            continue  # its caller gave up waiting
+                        try:
+                            answer.set_result(await session.call_tool(tool, arguments))
+                        except Exception as e:  # the caller says it in one line
+                            answer.set_exception(e)
         except BaseException as e:  # whatever ends the connection, the caller hears of it
             if not listed.done():
                 listed.set_exception(e if isinstance(e, Exception) else ToolError("stopped"))
@@ -199,7 +203,7 @@ class MCPTools:
         self.tools = [t for t in self.tools if self.server_of[t["function"]["name"]] != name]
 
 
-def _transport(config: ServerConfig):
+def _transport(config: ServerConfig, errlog):
     """The SDK's client transport for a server: its streams (read, write, ...) as a context."""
     if config.url is not None:
         from mcp.client.streamable_http import streamable_http_client
@@ -208,7 +212,7 @@ def _transport(config: ServerConfig):
     from mcp import StdioServerParameters, stdio_client
 
     params = StdioServerParameters(command=config.command, args=config.args, env=config.env or None)
-    return stdio_client(params, errlog=open(os.devnull, "w"))  # its lines would break the chat's
+    return stdio_client(params, errlog=errlog)
 
 
 def function_definition(tool) -> dict:
