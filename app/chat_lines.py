@@ -3,18 +3,14 @@ config.toml — each shown and run only when the user answers y, its answer stor
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Callable
 
-from llama_chat.inference.tool_calls import split_offered_calls, takes_tools
 from llama_chat.storage import Session
 
 from .chat.attachments import Attachment, AttachmentError, read_attachment, with_attachments
-from .chat.mcp_tools import MCPTools, ToolError, server_configs
+from .chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
 from .terminal import say
-
-MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
 
 
 class PendingFiles:
@@ -51,18 +47,10 @@ class PendingFiles:
 
 
 def open_tools(engine, servers: dict) -> MCPTools | None:
-    """The MCP servers of config.toml ([mcp_servers]) started, their tools offered in every prompt;
-    None when there are none, or the model's template cannot take them (said in one line)."""
-    if not servers:
-        return None
-    model = engine.model
-    if not (model.has_chat_template and takes_tools(model.chat_template)):
-        say(f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started")
-        return None
-    tools = MCPTools(server_configs(servers))
-    for line in tools.connect():
+    """start_tools, each server's line said on stderr."""
+    tools, lines = start_tools(engine, servers)
+    for line in lines:
         say(line)
-    engine.tools = tools.tools or None
     return tools
 
 
@@ -74,23 +62,17 @@ def answer_calls(engine, session: Session, tools: MCPTools, reply: Callable[[Ses
     asks again and again). Returns the session and the exit code reply() asked for (0: none)."""
     for _ in range(MAX_TOOL_ROUNDS):
         head = engine.store.message(session.head_id)
-        known = set(tools.server_of)  # (a stopped server's too: calling one says it stopped)
-        parsed = split_offered_calls(head.content, known) if head.role == "assistant" else None
-        if parsed is None:
+        calls = tools.calls_in(head.content) if head.role == "assistant" else []
+        if not calls:
             return session, 0
         ran = 0
-        for call in parsed[1]:
-            shown = f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
-            if confirm(f"run the tool call {shown}? [y/N] "):
-                ran += 1
-                try:
-                    answer = tools.call(call.name, call.arguments)
-                except ToolError as e:
-                    say(str(e))
-                    answer = f"error: {e}"
-            else:
-                answer = "error: the user declined this call"
+        for call in calls:
+            confirmed = confirm(f"run the tool call {shown(call)}? [y/N] ")
+            answer, problem = tools.answer(call, confirmed)
+            if problem:
+                say(problem)
             engine.store.add_message(session.id, "tool", answer)
+            ran += confirmed
         session = engine.store.get_session(session.id)
         if not ran:
             return session, 0

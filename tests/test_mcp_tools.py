@@ -16,8 +16,10 @@ import pytest
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig, ToolError, server_configs
 from llama_chat.app.cli import main
 from llama_chat.app.config import ConfigError, UserConfig
+from llama_chat.app.tui.dialogs import ConfirmScreen
 from llama_chat.inference.tool_calls import ToolCall, split_offered_calls
 from llama_chat.storage import ChatStore
+from tui_pilot import aio, idle, say, stored_path, until
 
 SERVER = str(Path(__file__).parent / "mcp_server.py")
 START_S = 120.0  # for a server that does start: a Python process importing the SDK, on a busy machine
@@ -162,3 +164,20 @@ def test_a_call_in_a_json_fence_counts_only_for_a_tool_offered():
     tagged = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert split_offered_calls(tagged, set()) == ("", [ToolCall("add", {"a": 1, "b": 2})])
     assert split_offered_calls("```json\n{not json}\n```", {"get_weather"}) is None
+
+
+@pytest.mark.real_model
+@aio
+async def test_the_app_asks_before_a_tool_call_and_goes_on_with_its_answer(open_chat, qwen_model_path):
+    servers = {"test": {"command": sys.executable, "args": [SERVER, "well"], "timeout": START_S}}
+    async with open_chat(model=qwen_model_path, max_tokens=60, mcp_servers=servers) as pilot:
+        app = pilot.app
+        await say(pilot, "What is the weather in Paris?")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+        assert 'get_weather({"city": "Paris"})' in app.screen.question
+        await pilot.press("y")
+        await until(pilot, lambda: len(stored_path(app)) >= 4, what="the answer and the next reply")
+        await idle(pilot)
+        roles = stored_path(app)
+        assert roles[2] == ("tool", "Sunny, 21 °C in Paris.")
+        assert roles[3][0] == "assistant"

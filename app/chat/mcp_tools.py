@@ -25,7 +25,10 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from llama_chat.inference.tool_calls import ToolCall, split_offered_calls, takes_tools
+
 DEFAULT_TIMEOUT_S = 30.0
+MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
 CLOSE_S = 5.0  # for the servers to end when the chat does
 MAX_RESULT_CHARS = 16_000  # a tool's answer beyond this is cut: it goes into the context window whole
 
@@ -132,6 +135,21 @@ class MCPTools:
             raise
         return result_text(result)
 
+    def calls_in(self, reply: str) -> list[ToolCall]:
+        """The calls a reply makes of the servers' tools (a stopped server's too: calling one says so)."""
+        parsed = split_offered_calls(reply, set(self.server_of))
+        return parsed[1] if parsed else []
+
+    def answer(self, call: ToolCall, confirmed: bool) -> tuple[str, str | None]:
+        """The tool message for a call: its answer if `confirmed`, else that the user declined it; and
+        the line to show the user when it failed (None: it did not)."""
+        if not confirmed:
+            return "error: the user declined this call", None
+        try:
+            return self.call(call.name, call.arguments), None
+        except ToolError as e:
+            return f"error: {e}", str(e)
+
     def close(self) -> None:
         """Stop every server (a server started here is ended by the SDK), then the loop."""
         for name in self.servers:
@@ -203,6 +221,21 @@ class MCPTools:
         self.tools = [t for t in self.tools if self.server_of[t["function"]["name"]] != name]
 
 
+def start_tools(engine, servers: dict) -> tuple[MCPTools | None, list[str]]:
+    """The MCP servers of config.toml ([mcp_servers]) started and their tools offered in every prompt
+    of `engine` (a ChatEngine); a line per server to show. None when there are none, or when the
+    model's chat template cannot take tools (a line says so)."""
+    if not servers:
+        return None, []
+    model = engine.model
+    if not (model.has_chat_template and takes_tools(model.chat_template)):
+        return None, [f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"]
+    tools = MCPTools(server_configs(servers))
+    lines = tools.connect()
+    engine.tools = tools.tools or None
+    return tools, lines
+
+
 def _transport(config: ServerConfig, errlog):
     """The SDK's client transport for a server: its streams (read, write, ...) as a context."""
     if config.url is not None:
@@ -213,6 +246,11 @@ def _transport(config: ServerConfig, errlog):
 
     params = StdioServerParameters(command=config.command, args=config.args, env=config.env or None)
     return stdio_client(params, errlog=errlog)
+
+
+def shown(call: ToolCall) -> str:
+    """A call as the user is asked about it: name(arguments as JSON)."""
+    return f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
 
 
 def function_definition(tool) -> dict:

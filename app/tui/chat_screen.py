@@ -35,6 +35,7 @@ from . import replies
 from .actions import ChatActions
 from .conversation import ConversationView
 from .dialogs import AlternativesScreen
+from .mcp_calls import ToolCalls
 from .replies import USER_ERRORS, Branch, Reply, error_text
 from .sidebar import Sidebar
 from .widgets import (
@@ -115,6 +116,7 @@ class ChatScreen(ChatActions, Screen):
         self.replies: list[Reply] = []  # replies being written
         self.alternatives: list[tuple[Session, str]] = []  # replies written side by side, offered at the end
         self.attached: list[Attachment] = []  # files for the next message (F5)
+        self.tool_calls = ToolCalls(self)  # MCP servers, and the calls a reply makes
 
     @property
     def store(self) -> ChatStore:
@@ -226,6 +228,7 @@ class ChatScreen(ChatActions, Screen):
                 prompt_lookup=self.app.prompt_lookup,
             )
             engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
+            self.tool_calls.offer(engine)
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
@@ -472,6 +475,7 @@ class ChatScreen(ChatActions, Screen):
         self.status.set(speed=speed_text(stats))
         self.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
         self.reply_done(reply)
+        self.tool_calls.after_reply(session, path)
 
     def reply_done(self, reply: Reply) -> None:
         if reply in self.replies:
@@ -489,6 +493,9 @@ class ChatScreen(ChatActions, Screen):
     def open_picked(self, session_id: str | None) -> None:
         if session_id:
             self.switch_to(session_id)
+
+    def on_unmount(self) -> None:
+        self.tool_calls.close()
 
     def action_stop(self) -> None:
         """Esc: stop the replies at once (what was written is kept), else leave the search or a message."""
