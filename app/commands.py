@@ -223,13 +223,14 @@ def cmd_chat(args) -> int:
     engine = open_engine(args, store)
     tools = open_tools(engine, servers)  # before a session's KV is restored: its prompts offer them
     try:
-        return chat_lines(engine, tools, args)
+        return chat_loop(engine, tools, args)
     finally:
         if tools is not None:
             tools.close()
 
 
-def chat_lines(engine, tools, args) -> int:
+def chat_loop(engine, tools, args) -> int:
+    """The session of `chat` (resumed or new), then its lines until Ctrl+D."""
     if args.session:
         session = engine.store.get_session(args.session)
         _, info = engine.open(session)

@@ -102,7 +102,7 @@ class MCPTools:
         lines = []
         for name, future in started.items():
             try:
-                listed = self._wait(future, self.servers[name].config.timeout, f"MCP server '{name}'", "to start")
+                listed = self._wait(future, name, f"MCP server '{name}'", "to start")
             except ToolError as e:
                 self._stop(name)
                 lines.append(str(e))
@@ -128,12 +128,7 @@ class MCPTools:
             raise ToolError(f"MCP server '{name}' is stopped: '{tool}' cannot be called")
         future = concurrent.futures.Future()
         self.loop.call_soon_threadsafe(server.calls.put_nowait, (tool, arguments, future))
-        try:
-            result = self._wait(future, server.config.timeout, f"MCP tool '{tool}' (server '{name}')", "to answer")
-        except ToolError:
-            self._stop(name)  # a server that hung once is not asked again
-            raise
-        return result_text(result)
+        return result_text(self._wait(future, name, f"MCP tool '{tool}' (server '{name}')", "to answer"))
 
     def calls_in(self, reply: str) -> list[ToolCall]:
         """The calls a reply makes of the servers' tools (a stopped server's too: calling one says so)."""
@@ -203,11 +198,15 @@ class MCPTools:
     def _submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
-    def _wait(self, future: concurrent.futures.Future, timeout: float, what: str, doing: str):
+    def _wait(self, future: concurrent.futures.Future, name: str, what: str, doing: str):
+        """What server `name` answered within its timeout; a server that did not is stopped (it is
+        not asked again)."""
+        timeout = self.servers[name].config.timeout
         try:
             return future.result(timeout)
         except TimeoutError:
             future.cancel()
+            self._stop(name)
             raise ToolError(f"{what} did not answer within {timeout:g} s; it was stopped") from None
         except Exception as e:  # a server's failure, whatever its kind, is one line
             raise ToolError(f"{what} failed {doing}: {one_line(e)}") from None
