@@ -31,6 +31,9 @@ class PendingFiles:
         if not paths:
             say("/attach FILE...: attach text files to your next message")
         for path in paths:
+            if path == "-":
+                say("/attach: stdin is where the chat reads your lines; give a file's path")
+                continue
             try:
                 attachment = read_attachment(path)
             except AttachmentError as e:

@@ -128,12 +128,13 @@ def test_stdin_is_attached_as_a_file_and_read_once(monkeypatch):
 
 def test_chat_attaches_a_file_to_the_next_message(qwen2, tmp_path, notes, monkeypatch, capsys):
     Path("bad.bin").write_bytes(b"\0\1\2")
-    lines = "/attach bad.bin\n/attach notes.txt\nhello the world\nthe world\n"
+    lines = "/attach bad.bin\n/attach -\n/attach notes.txt\nhello the world\nthe world\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     db = tmp_path / "chat.db"
     assert main(["chat", "--model", str(qwen2), "--db", str(db), "--cache-ram", "64", "--temp", "0", "--max-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "bad.bin: a binary file; only text files can be attached\n" in err
+    assert "/attach: stdin is where the chat reads your lines; give a file's path\n" in err
     store = ChatStore(db)
     (session,) = store.list_sessions()
     asked = [m.content for m in store.path(session.head_id) if m.role == "user"]
