@@ -228,7 +228,6 @@ class ChatScreen(ChatActions, Screen):
                 prompt_lookup=self.app.prompt_lookup,
             )
             engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
-            self.tool_calls.offer(engine)
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
@@ -242,6 +241,7 @@ class ChatScreen(ChatActions, Screen):
         if self.session is not None:
             self.open_in_engine(self.session)
         self.post_message(ModelReady())
+        self.tool_calls.offer(engine)  # after: a server slow to start holds up no reply
         if remember:
             try:
                 self.config.save_setting("model", name)
