@@ -4,11 +4,13 @@
 
 `well`: get_weather(city) and add(a, b) answer at once; `hang`: get_weather never answers;
 `slow-start`: nothing answers the handshake; `garbage`: prints lines that are not JSON-RPC, then hangs.
-With a PORT, it serves streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio.
+With a PORT, it serves streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio. With PID_FILE in its
+environment, it adds its process id to that file first.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -33,6 +35,9 @@ def add(a: int, b: int) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("PID_FILE"):
+        with open(os.environ["PID_FILE"], "a") as f:
+            f.write(f"{os.getpid()}\n")
     if MODE == "slow-start":
         time.sleep(3600)
     if MODE == "garbage":

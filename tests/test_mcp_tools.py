@@ -5,6 +5,7 @@ hangs, never starts or prints garbage is one line and a timeout."""
 from __future__ import annotations
 
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -25,8 +26,21 @@ SERVER = str(Path(__file__).parent / "mcp_server.py")
 START_S = 120.0  # for a server that does start: a Python process importing the SDK, on a busy machine
 
 
-def server(mode: str, timeout: float = START_S) -> ServerConfig:
-    return ServerConfig("test", sys.executable, [SERVER, mode], timeout=timeout)
+def server(mode: str, timeout: float = START_S, pid_file: Path | None = None) -> ServerConfig:
+    env = {"PID_FILE": str(pid_file)} if pid_file else {}
+    return ServerConfig("test", sys.executable, [SERVER, mode], env=env, timeout=timeout)
+
+
+def running(pid_file: Path) -> list[int]:
+    """The processes of the servers that wrote their ids to pid_file, still running."""
+    alive = []
+    for pid in map(int, pid_file.read_text().split()):
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
 
 
 @pytest.fixture
@@ -54,8 +68,8 @@ def test_a_server_s_tools_are_offered_and_called(tools):
         mcp.call("rm", {})
 
 
-def test_a_call_that_hangs_times_out_in_one_line_and_its_server_is_stopped(tools):
-    mcp = tools(server("hang", timeout=START_S))
+def test_a_call_that_hangs_times_out_in_one_line_and_its_server_is_stopped(tools, tmp_path):
+    mcp = tools(server("hang", timeout=START_S, pid_file=tmp_path / "pids"))
     mcp.connect()
     mcp.servers["test"].config.timeout = 2  # started; now each call gets 2 s
     with pytest.raises(ToolError) as e:
@@ -64,6 +78,8 @@ def test_a_call_that_hangs_times_out_in_one_line_and_its_server_is_stopped(tools
     assert mcp.tools == []
     with pytest.raises(ToolError, match="MCP server 'test' is stopped"):
         mcp.call("add", {"a": 1, "b": 2})
+    mcp.close()
+    assert running(tmp_path / "pids") == []  # its process ended with it, hung as it was
 
 
 def test_a_server_at_a_url_is_called_the_same_way(tools):
@@ -87,13 +103,15 @@ def test_a_server_at_a_url_is_called_the_same_way(tools):
 
 
 @pytest.mark.parametrize("mode", ["slow-start", "garbage"])
-def test_a_server_that_never_answers_or_prints_garbage_is_one_line(tools, mode, capfd):
-    mcp = tools(server(mode, timeout=3), ServerConfig("missing", "/no/such/mcp-server"))
+def test_a_server_that_never_answers_or_prints_garbage_is_one_line(tools, mode, capfd, tmp_path):
+    mcp = tools(server(mode, timeout=3, pid_file=tmp_path / "pids"), ServerConfig("missing", "/no/such/mcp-server"))
     lines = mcp.connect()
     assert lines[0] == "MCP server 'test' did not answer within 3 s; it was stopped"
     assert lines[1].startswith("MCP server 'missing' failed to start: ") and "\n" not in lines[1]
     assert mcp.tools == []
     assert capfd.readouterr().err == ""  # nothing of the SDK's own logging reaches the terminal
+    mcp.close()
+    assert running(tmp_path / "pids") == []
 
 
 @pytest.mark.parametrize(

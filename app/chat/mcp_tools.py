@@ -25,11 +25,13 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+import anyio
+
 from llama_chat.inference.tool_calls import ToolCall, split_offered_calls, takes_tools
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
-CLOSE_S = 5.0  # for the servers to end when the chat does
+CLOSE_S = 10.0  # for the servers to end with the chat: the SDK gives one 2 s after stdin closes, 2 more after SIGTERM
 MAX_RESULT_CHARS = 16_000  # a tool's answer beyond this is cut: it goes into the context window whole
 
 
@@ -78,6 +80,9 @@ class _Server:
     config: ServerConfig
     calls: asyncio.Queue | None = None  # (tool name, arguments, future) for its task; None: not connected
     task: asyncio.Task | None = None
+    # Stops its connection's work: then the SDK ends its process (stdin closed, then SIGTERM, SIGKILL).
+    # Not task.cancel(): a task cancelled the asyncio way skips that, leaving the process behind.
+    scope: anyio.CancelScope | None = None  # (made on the loop: anyio wants one running)
 
 
 class MCPTools:
@@ -146,7 +151,9 @@ class MCPTools:
             return f"error: {e}", str(e)
 
     def close(self) -> None:
-        """Stop every server (a server started here is ended by the SDK), then the loop."""
+        """Stop every server (a server started here is ended by the SDK), then the loop; once."""
+        if not self.thread.is_alive():
+            return
         for name in self.servers:
             self._stop(name)
         tasks = [s.task for s in self.servers.values() if s.task is not None]
@@ -161,13 +168,15 @@ class MCPTools:
             pass  # the process ends anyway: its daemon thread does not hold it up
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=CLOSE_S)
+        if not self.thread.is_alive():
+            self.loop.close()
 
     # -- on the loop's thread ----------------------------------------------------------------------
 
     async def _open(self, server: _Server) -> list:
         """Start the server's task; its tools once it listed them."""
         listed: asyncio.Future = self.loop.create_future()
-        server.calls = asyncio.Queue()
+        server.calls, server.scope = asyncio.Queue(), anyio.CancelScope()
         server.task = self.loop.create_task(self._serve(server, listed))
         return await listed
 
@@ -177,23 +186,26 @@ class MCPTools:
         calls = server.calls
         try:
             with open(os.devnull, "w") as errlog:  # a server's stderr would break the chat's lines
-                async with _transport(server.config, errlog) as streams, ClientSession(*streams[:2]) as session:
-                    await session.initialize()
-                    listed.set_result((await session.list_tools()).tools)
-                    while True:
-                        tool, arguments, answer = await calls.get()
-                        if not answer.set_running_or_notify_cancel():
-                            continue  # its caller gave up waiting
-                        try:
-                            answer.set_result(await session.call_tool(tool, arguments))
-                        except Exception as e:  # the caller says it in one line
-                            answer.set_exception(e)
-        except BaseException as e:  # whatever ends the connection, the caller hears of it
+                async with _transport(server.config, errlog) as streams:
+                    with server.scope:
+                        async with ClientSession(*streams[:2]) as session:
+                            await session.initialize()
+                            listed.set_result((await session.list_tools()).tools)
+                            while True:
+                                tool, arguments, answer = await calls.get()
+                                if not answer.set_running_or_notify_cancel():
+                                    continue  # its caller gave up waiting
+                                try:
+                                    answer.set_result(await session.call_tool(tool, arguments))
+                                except Exception as e:  # the caller says it in one line
+                                    answer.set_exception(e)
+        except Exception as e:  # whatever ends the connection, the caller hears of it
             if not listed.done():
-                listed.set_exception(e if isinstance(e, Exception) else ToolError("stopped"))
+                listed.set_exception(e)
+        finally:
             server.calls = None
-            if isinstance(e, asyncio.CancelledError):
-                raise
+            if not listed.done():
+                listed.set_exception(ToolError("stopped"))
 
     def _submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
@@ -214,9 +226,8 @@ class MCPTools:
     def _stop(self, name: str) -> None:
         server = self.servers[name]
         server.calls = None
-        task = server.task
-        if task is not None and not task.done():
-            self.loop.call_soon_threadsafe(task.cancel)
+        if server.scope is not None:
+            self.loop.call_soon_threadsafe(server.scope.cancel)
         self.tools = [t for t in self.tools if self.server_of[t["function"]["name"]] != name]
 
 
