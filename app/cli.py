@@ -23,7 +23,9 @@ def default_db_path() -> Path:
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of every command. Before the command they have their defaults; after it (as users
     type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
-    from .chat.settings import CACHE_RAM_MB
+    from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+
+    from .chat.settings import CACHE_RAM_MB, CODEC
 
     def default(value):
         return argparse.SUPPRESS if after_command else value
@@ -40,6 +42,19 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         default=default(CACHE_RAM_MB),
         metavar="MB",
         help=f"RAM for the KV block pool (default {CACHE_RAM_MB})",
+    )
+    group.add_argument(
+        "--block-size",
+        type=positive,
+        default=default(None),
+        metavar="N",
+        help=f"tokens per KV block, the unit KV is shared and stored in (default {DEFAULT_BLOCK_SIZE})",
+    )
+    group.add_argument(
+        "--kv-codec",
+        choices=codecs(),
+        default=default(None),
+        help=f"what new KV snapshots are stored in (default {CODEC}: its resumed replies match live ones)",
     )
     group.add_argument(
         "--no-lookup",
@@ -59,6 +74,23 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         default=default(os.environ.get("LLAMA_CHAT_KV_SECRET")),
         help="the secret that signs blocks in --kv-remote (better: LLAMA_CHAT_KV_SECRET)",
     )
+
+
+def positive(text: str) -> int:
+    """argparse's `type` for a count that must be 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+def codecs() -> tuple[str, ...]:
+    from llama_chat.storage.codec import AUTO, CODECS
+
+    return (*CODECS, AUTO)
 
 
 def add_threads_option(parser, default=None) -> None:

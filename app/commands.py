@@ -4,32 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from llama_chat.inference import KNOWN_MODELS, ModelError, chat_prompt_ids, constrain
+from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import ChatStore, Session, StoreError
 from llama_chat.storage.fragments import brief
+from llama_chat.storage.remote import RemoteTierError
 
+from .chat import build
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
-from .chat.engine import NEW_CHAT, SavedReply, check_fits, load_chat_model, system_message, title_from_text
-from .chat.jobs import Job
-from .chat.scheduler import Scheduler
-from .chat.settings import (
-    REPLY_SETTINGS,
-    SAMPLING,
-    max_tokens,
-    model_sampling,
-    sampling_defaults,
-    sampling_params,
-)
+from .chat.conversations import Conversation
+from .chat.engine import ChatEngine, SavedReply
+from .chat.resume import system_message
+from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
+from .chat.titles import NEW_CHAT, title_from_text
 from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
+from .flags import engine_options
 from .progress import ProgressBar
 from .signals import ReplySignals
-from .terminal import UsageError, open_remote, print_json, read_prompt, read_text, say, stream_reply
+from .terminal import UsageError, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
@@ -53,7 +49,7 @@ def cmd_models(args) -> int:
 
 def open_model(args):
     with ProgressBar() as bar:
-        return load_chat_model(args.model, bar, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup)
+        return build.open_model(engine_options(args), bar)
 
 
 def flag_settings(args, settings=SAMPLING) -> dict:
@@ -88,11 +84,14 @@ def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
     return on_wait
 
 
-def open_engine(args, store: ChatStore):
-    from .chat.engine import ChatEngine
-
-    model = open_model(args)
-    return ChatEngine(model, store, n_ctx=args.ctx, remote=open_remote(args, model.fingerprint))
+def open_engine(args, store: ChatStore | None = None) -> ChatEngine:
+    """The chat engine of this command line's flags, on `store` (None: one that keeps nothing)."""
+    options = engine_options(args, store=store) if store else engine_options(args, db=build.IN_MEMORY)
+    try:
+        with ProgressBar() as bar:
+            return build.open_engine(options, bar)
+    except RemoteTierError as e:  # a bad --kv-remote URL, a missing secret
+        raise UsageError(str(e)) from None
 
 
 def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Session, int]:
@@ -104,15 +103,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
     with ReplySignals() as signals:
         engine.store.on_wait = waiting_notice(engine.store, signals)
         try:
-            job = engine.submit_reply(
-                session,
-                text,
-                sampling=replace(engine.sampling_for(settings), grammar=reply_grammar(args, engine.model)),
-                max_tokens=max_tokens(settings),
-                cancel=signals.cancel,
-                saved=saved,
-            )
-            stream_reply(job, signals)
+            stream_reply_to(engine, session, text, args, settings, signals, saved=saved)
         finally:
             engine.store.on_wait = waiting_notice(engine.store)
     if saved.session is None:
@@ -147,7 +138,7 @@ def cmd_ask(args) -> int:
     elif args.system is not None:
         store.update_session(session.id, system_prompt=args.system)
         session = store.get_session(session.id)
-    _, info = engine.open(session)
+    info = engine.resume(session)
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
     try:
@@ -169,23 +160,31 @@ def question(args) -> str:
 
 
 def ask_once(args, prompt: str) -> int:
-    """A one-off question: the reply streams, nothing is stored."""
-    model = open_model(args)
-    ids = chat_prompt_ids(model, system_message(args.system) + [{"role": "user", "content": prompt}])
-    n_ctx = min(args.ctx, model.config.n_ctx_train)
-    check_fits(ids, n_ctx)
+    """A one-off question: the reply streams, nothing is stored (the database is not opened)."""
+    engine = open_engine(args)
+    conversation = Conversation(system_message(args.system) + [{"role": "user", "content": prompt}])
     settings = reply_settings(args)
-    grammar = reply_grammar(args, model)
-    with ReplySignals() as signals:
-        job = Job(
-            lambda: (ids, model.new_sequence(n_ctx)),
-            sampling=replace(sampling_params(settings, model_sampling(model)), grammar=grammar),
-            max_tokens=min(max_tokens(settings), n_ctx - len(ids)),
-            finish=lambda job: [seq.free() for seq in job.seqs],
-            cancel=signals.cancel,
-        )
-        stream_reply(Scheduler(model).submit(job), signals)
+    try:
+        with ReplySignals() as signals:
+            stream_reply_to(engine, conversation, None, args, settings, signals, store=False)
+    finally:
+        engine.close()
     return signals.exit_code
+
+
+def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: dict, signals, **options) -> None:
+    """A reply (to a session's turn, or to a conversation) as this command line's flags and `settings`
+    ask, streamed on the terminal; `signals` stop it."""
+    job = engine.reply(
+        to,
+        text,
+        settings=settings,
+        grammar=reply_grammar(args, engine.model),
+        max_tokens=max_tokens(settings),
+        cancel=signals.cancel,
+        **options,
+    )
+    stream_reply(job, signals)
 
 
 def reply_grammar(args, model) -> str | None:
@@ -229,11 +228,11 @@ def cmd_chat(args) -> int:
             tools.close()
 
 
-def chat_loop(engine, tools, args) -> int:
+def chat_loop(engine: ChatEngine, tools, args) -> int:
     """The session of `chat` (resumed or new), then its lines until Ctrl+D."""
     if args.session:
         session = engine.store.get_session(args.session)
-        _, info = engine.open(session)
+        info = engine.resume(session)
         print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
         for m in engine.store.path(session.head_id)[-4:]:
             print(f"{m.role}: {brief(m.content)}", file=sys.stderr)  # an attached file by its name

@@ -9,7 +9,7 @@ from datetime import datetime
 
 from llama_chat.storage import ChatStore, StoreError
 
-from .chat.engine import session_title
+from .chat.titles import session_title
 from .commands import open_engine, open_store
 from .config import export_dir
 from .progress import ProgressBar

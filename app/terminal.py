@@ -9,7 +9,7 @@ import sys
 from llama_chat.inference import GenerationStats
 from llama_chat.storage import StoreError
 
-from .chat.jobs import Job, stream_text
+from .chat.jobs import JobView, stream_text
 from .progress import ProgressBar
 from .signals import ReplySignals
 
@@ -72,7 +72,7 @@ def prefill_bar():
     return report
 
 
-def stream_reply(job: Job, signals: ReplySignals) -> None:
+def stream_reply(job: JobView, signals: ReplySignals) -> None:
     """One reply on the terminal: a bar on stderr while its prompt is read, its text on stdout as it
     comes, then a line of stats on stderr. The job should stop at `signals.cancel`. However the writing
     ends (the reply's end, a cancel, a closed terminal, a second signal), the job is cancelled and
@@ -115,15 +115,3 @@ def lookup_text(stats: GenerationStats) -> str:
     if not stats.drafted_tokens:
         return ""
     return f" ({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted)"
-
-
-def open_remote(args, fingerprint: str):
-    """The remote KV tier of --kv-remote, if one is named; a bad URL or a missing secret is one line."""
-    if not args.kv_remote:
-        return None
-    from llama_chat.storage.remote import RemoteTier, RemoteTierError
-
-    try:
-        return RemoteTier.from_url(args.kv_remote, args.kv_secret, fingerprint)
-    except RemoteTierError as e:
-        raise UsageError(str(e)) from None

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from llama_chat.app.chat.attachments import Attachment, with_attachments
-from llama_chat.app.chat.engine import ChatEngine, load_chat_model
+from llama_chat.app.chat.build import load_chat_model
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.chat.jobs import stream_text
 from llama_chat.inference import SamplingParams
 from llama_chat.storage import ChatStore
@@ -46,7 +47,7 @@ def timed_reply(engine: ChatEngine, text: str) -> dict:
     """A new conversation's first reply (4 tokens, greedy): time to its first token, and its prefill."""
     session = engine.new_session("attachments benchmark")
     t0 = time.perf_counter()
-    job = engine.submit_reply(session, text, sampling=SamplingParams(temperature=0.0), max_tokens=4)
+    job = engine.reply(session, text, sampling=SamplingParams(temperature=0.0), max_tokens=4)
     ttft = None
     for _ in stream_text(job):
         ttft = ttft or time.perf_counter() - t0
@@ -64,7 +65,7 @@ def run(db: Path, model_name: str | None, file: Path, cases: list[tuple[str, boo
         question = QUESTIONS[asked]
         text = with_attachments(question, [attached]) if files_first else question + "\n\n" + attached.inline()
         out[name] = timed_reply(engine, text)
-    engine.scheduler.close()
+    engine.close()
     return out
 
 

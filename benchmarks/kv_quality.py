@@ -221,8 +221,8 @@ def measure_text(model, ids: list[int], n: int, codecs, plan) -> dict:
     out = {}
     for codec in codecs:
         pieces, n_bytes = stored(k, v, codec, model.pool.block_size, plan)
-        seq = model.new_sequence(len(ids) + n + 1)
-        seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
+        # private: keep the decoded KV (sharing by prefix key would hand back the live blocks)
+        seq = model.new_sequence(len(ids) + n + 1, private=True)
         try:
             at = 0
             for dk, dv in pieces:

@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from llama_chat.app.chat.engine import ChatEngine  # noqa: E402
+from llama_chat.app.chat.jobs import stream_text  # noqa: E402
 from llama_chat.inference import GenerationStats, SamplingParams, load_model  # noqa: E402
-from llama_chat.inference.kv_cache import BlockPool  # noqa: E402
 from llama_chat.storage import ChatStore  # noqa: E402
 from llama_chat.storage.exchange import export_session, import_session  # noqa: E402
 from llama_chat.storage.remote import RemoteTier  # noqa: E402
@@ -52,22 +52,23 @@ BREAK_EVEN = (2.0, 0.5)
 def build(engine: ChatEngine, n_tokens: int):
     """A stored conversation of about n_tokens, its KV computed once and stored (and sent to the tier)."""
     session = engine.new_session("remote tier benchmark", system_prompt="You are a helpful assistant.")
-    while len(engine.conversation_ids(session)) < n_tokens:
+    while len(engine.live.conversation_ids(session)) < n_tokens:
         turn = [
             Message(0, None, "user", QUESTION, None, time.time(), None),
             Message(0, None, "assistant", ANSWER, None, time.time(), None),
         ]
         engine.store.append_turn(session.id, session.head_id, turn)
         session = engine.store.get_session(session.id)
-    seq, _ = engine.open(session)
+    engine.resume(session)
     t0 = time.perf_counter()
-    engine.snapshot(session, seq)
+    engine.live.snapshot(session, engine.live[session.id])
     return session, time.perf_counter() - t0
 
 
 def fresh_server(model, folder: Path, exported: Path, tier: RemoteTier | None, prefill_tok_s: float | None):
-    """What a new server process sees: an empty block pool, a database holding only the messages."""
-    model.pool = BlockPool(model.config, model.fingerprint, model.pool.block_size)
+    """What a new server process sees: the model loaded anew (an empty block pool), a database holding
+    only the messages."""
+    model = load_model(model.path, block_size=model.pool.block_size)
     folder.mkdir(parents=True)
     store = ChatStore(folder / "chat.db")
     session_id = import_session(store, exported, model_fingerprint=model.fingerprint).session_ids[0]
@@ -80,15 +81,16 @@ def fresh_server(model, folder: Path, exported: Path, tier: RemoteTier | None, p
 def first_token(engine: ChatEngine, session) -> dict:
     """The next turn's time to first token, with how much of the conversation came back and from where."""
     t0 = time.perf_counter()
-    _, info = engine.open(session)
+    info = engine.resume(session)
     restore_s = time.perf_counter() - t0
     stats = GenerationStats()
-    pieces = engine.reply(session, NEXT, sampling=SamplingParams(temperature=0), max_tokens=2, stats=stats)
+    job = engine.reply(session, NEXT, sampling=SamplingParams(temperature=0), max_tokens=2, stats=stats)
+    pieces = stream_text(job)
     next(pieces)
     ttft = time.perf_counter() - t0
     for _ in pieces:
         pass
-    engine.scheduler.close()
+    engine.close()
     return {
         "ttft_s": round(ttft, 3),
         "restore_s": round(restore_s, 3),
@@ -125,10 +127,10 @@ def main() -> int:
         )
         session, compute_s = build(a, args.tokens)
         a.kv.remote.flush(60)
-        a.scheduler.close()
+        a.close()
         keys = a.store.kv.block_keys(session.id)
         stored_bytes = sum(len(a.store.kv.load_block(k, model.fingerprint).data) for k in keys)
-        n_tokens = len(a.conversation_ids(session))
+        n_tokens = len(a.live.conversation_ids(session))
         exported = folder / "conversation.llamachat"
         export_session(a.store, session.id, exported, with_kv=False)
         report.update(

@@ -186,6 +186,28 @@ class BlockPool:
         self.by_key[block.name] = block
         return block
 
+    def block_keys(self, ids: Sequence[int]) -> list[bytes]:
+        """The prefix keys of the full blocks of `ids`, in order: each names its block and every token
+        before it."""
+        B, keys, parent = self.block_size, [], None
+        for i in range(len(ids) // B):
+            parent = prefix_key(self.fingerprint, parent, ids[i * B : (i + 1) * B])
+            keys.append(parent)
+        return keys
+
+    def missing(
+        self, ids: Sequence[int], namespace: bytes | None = None
+    ) -> list[tuple[bytes, tuple[int, ...]]]:
+        """The full blocks of `ids` that RAM lacks in `namespace`, as (prefix key, tokens): what a
+        slower tier may be asked for. (It may be read without the pool's lock: it only says what to
+        fetch, and lookup confirms every block taken.)"""
+        B = self.block_size
+        return [
+            (key, tuple(ids[i * B : (i + 1) * B]))
+            for i, key in enumerate(self.block_keys(ids))
+            if (namespace, key) not in self.by_key
+        ]
+
     def lookup(self, key: bytes, tokens: tuple[int, ...], namespace: bytes | None = None) -> KVBlock | None:
         """The shared full block with this prefix key in this namespace: from RAM, else from `source`
         (then kept in RAM). A hit is confirmed against its tokens (as nano-vllm's block manager does)."""
@@ -224,8 +246,10 @@ class BlockPool:
 
     # -- sequences ------------------------------------------------------------------------------
 
-    def new_sequence(self, n_ctx: int) -> KVSequence:
-        seq = KVSequence(self, next(self._ids), n_ctx)
+    def new_sequence(self, n_ctx: int, private: bool = False, namespace: bytes | None = None) -> KVSequence:
+        """An empty sequence: sharing blocks within `namespace` (None: every sequence's), or none at all
+        (`private`, see KVSequence)."""
+        seq = KVSequence(self, next(self._ids), n_ctx, private, namespace)
         self.sequences[seq.seq_id] = seq
         return seq
 
@@ -250,7 +274,9 @@ class BlockPool:
 class KVSequence:
     """The KV of one sequence: a list of blocks (all full but maybe the last) and its tokens."""
 
-    def __init__(self, pool: BlockPool, seq_id: int, n_ctx: int):
+    def __init__(
+        self, pool: BlockPool, seq_id: int, n_ctx: int, private: bool = False, namespace: bytes | None = None
+    ):
         self.pool = pool
         self.seq_id = seq_id
         self.n_ctx = n_ctx
@@ -258,24 +284,27 @@ class KVSequence:
         self.tokens: list[int] = []  # the token at each cached position
         # Whose blocks it shares (vLLM's cache_salt): None, every sequence's; a session resumed from an
         # imported file reads and makes blocks in that import's namespace, which no other session reaches.
-        self.namespace: bytes | None = None
+        self.namespace = namespace
         # Private KV is not that of a plain prefix (after a context shift, or decoded by a lossy codec
         # for a measurement): it is never shared under a prefix key, nor taken from the pool.
-        self.private = False
+        self.private = private
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def last_key(self) -> bytes | None:
+        """The prefix key of its last block, once that one is full and shared (else None)."""
+        return self.blocks[-1].key if self.blocks else None
+
     # -- llama.cpp's sequence operations ----------------------------------------------------------
 
     def fork(self) -> KVSequence:
         """A new sequence sharing every block (seq_cp): O(blocks), no KV copied."""
-        child = self.pool.new_sequence(self.n_ctx)
+        child = self.pool.new_sequence(self.n_ctx, self.private, self.namespace)
         child.blocks = [self.pool.acquire(b) for b in self.blocks]
         child.tokens = list(self.tokens)
-        child.private = self.private
-        child.namespace = self.namespace
         return child
 
     def truncate(self, n_tokens: int) -> None:
@@ -306,7 +335,7 @@ class KVSequence:
         B = self.pool.block_size
         while not self.private and self.n_tokens % B == 0 and self.n_tokens + B <= len(ids):
             chunk = tuple(ids[self.n_tokens : self.n_tokens + B])
-            parent = self.blocks[-1].key if self.blocks else None
+            parent = self.last_key
             if self.blocks and parent is None:
                 break
             block = self.pool.lookup(prefix_key(self.pool.fingerprint, parent, chunk), chunk, self.namespace)

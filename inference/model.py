@@ -56,9 +56,11 @@ class Model:
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
 
-    def new_sequence(self, n_ctx: int = 4096) -> KVSequence:
-        """An empty sequence in the model's block pool; `free()` it when done."""
-        return self.pool.new_sequence(min(n_ctx, self.config.n_ctx_train))
+    def new_sequence(
+        self, n_ctx: int = 4096, private: bool = False, namespace: bytes | None = None
+    ) -> KVSequence:
+        """An empty sequence in the model's block pool (see BlockPool.new_sequence); `free()` it when done."""
+        return self.pool.new_sequence(min(n_ctx, self.config.n_ctx_train), private, namespace)
 
     def step(
         self, batch: list[tuple[KVSequence, Sequence[int]]], all_logits: bool = False

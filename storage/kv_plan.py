@@ -127,8 +127,8 @@ class Calibration:
         self.reference = self._log_probs(self.k, self.v)
 
     def _log_probs(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        seq = self.model.new_sequence(len(self.context) + len(self.fed))
-        seq.private = True  # this KV is not the prefix's: never shared, nor taken from the pool
+        # private: this KV is not the prefix's, never shared nor taken from the pool
+        seq = self.model.new_sequence(len(self.context) + len(self.fed), private=True)
         try:
             seq.append_kv(self.context, k, v)
             logits = self.model.forward(self.fed, seq, all_logits=True).astype(np.float64)

@@ -89,6 +89,8 @@ def test_every_reply_setting_is_a_flag_and_one_not_given_is_not_set():
         ("--repeat-penalty", "0", "repeat_penalty must be more than 0 and at most 100, not 0.0"),
         ("--top-k", "1.5", "top_k must be an integer, not '1.5'"),
         ("--max-tokens", "0", "max_tokens must be 1 or more, not 0"),
+        ("--block-size", "0", "must be 1 or more"),
+        ("--kv-codec", "q3", "invalid choice: 'q3'"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_flag(tmp_path, capsys, flag, value, complaint):
@@ -233,3 +235,4 @@ def test_a_one_token_reply_reports_no_made_up_speed(qwen2, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "1 generated;" in err and "0.0 tok/s" not in err
+    assert not (tmp_path / "c.db").exists()  # a question without a session stores nothing

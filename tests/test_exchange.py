@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from llama_chat.app.bench.stored import measure_exchange
 from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
@@ -50,7 +51,7 @@ def engine_for(path, db) -> ChatEngine:
 
 def chat(engine, session, text, max_tokens=6):
     stats = GenerationStats()
-    reply = "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats))
+    reply = "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)))
     return reply, stats
 
 
@@ -149,7 +150,7 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
     )
     original = ChatStore(source.db)
     assert conversation(engine.store, new_id) == conversation(original, source.session.id)
-    _, info = engine.open(session)
+    info = engine.resume(session)
     assert info.tokens > 3 * 8 and info.restored == info.tokens  # every imported token back, none computed
     reply, stats = chat(engine, session, PROBE)
     assert reply == source.reply
@@ -213,7 +214,7 @@ def test_without_kv_the_file_is_small_and_the_first_reply_computes_it(source, tm
     assert code == 0 and "holds no KV" in err
     engine = engine_for(source.model, tmp_path / "chat.db")
     session = engine.store.get_session(new_id.strip())
-    assert engine.open(session)[1].restored == 0
+    assert engine.resume(session).restored == 0
     assert chat(engine, session, PROBE)[0] == source.reply  # the messages are the truth
 
 
@@ -249,7 +250,7 @@ def test_the_codec_option_re_encodes_the_kv(source, tmp_path):
     result = import_session(
         engine.store, tmp_path / "q4.llamachat", model_fingerprint=engine.model.fingerprint
     )
-    _, info = engine.open(engine.store.get_session(result.session_ids[0]))
+    info = engine.resume(engine.store.get_session(result.session_ids[0]))
     assert info.restored == info.tokens > 0
     code, _, err = run("--db", source.db, "export", source.session.id, "--codec", "q3", "-o", tmp_path / "x")
     assert code == 2 and "unknown KV codec 'q3'" in err and not (tmp_path / "x").exists()
@@ -261,11 +262,9 @@ def test_a_tree_export_brings_every_branch_and_each_block_once(tiny_model_paths,
     session = engine.new_session("tree")
     chat(engine, session, "hello the world " * 2)
     session = engine.store.get_session(session.id)
-    ((branch, _),) = engine.regenerate(session, max_tokens=6)
-    edited, pieces = engine.edit(
-        session, engine.store.path(session.head_id)[0].id, "hello there", max_tokens=6
-    )
-    "".join(pieces)
+    engine.regenerate(session, max_tokens=6)[1].wait()
+    edited, job = engine.edit(session, engine.store.path(session.head_id)[0].id, "hello there", max_tokens=6)
+    job.wait()
     sessions = {s.id: s for s in engine.store.list_sessions()}
     assert len(sessions) == 3
 
@@ -292,7 +291,7 @@ def test_a_tree_export_brings_every_branch_and_each_block_once(tiny_model_paths,
         assert conversation(fresh.store, new_id) == conversation(engine.store, old_id)
         forked_from = fresh.store.get_session(new_id).forked_from
         assert forked_from == new_ids.get(sessions[old_id].forked_from)
-        _, info = fresh.open(fresh.store.get_session(new_id))
+        info = fresh.resume(fresh.store.get_session(new_id))
         assert info.restored == info.tokens
     roots = fresh.store.db.conn.execute("SELECT COUNT(*) FROM messages WHERE parent_id IS NULL").fetchone()[0]
     assert roots == 2  # the edited first message is a root of its own, as it was
@@ -634,7 +633,7 @@ def test_on_the_default_model_an_imported_session_replies_as_the_live_one(qwen_m
 
     imported = ChatEngine(fresh_model(), ChatStore(tmp_path / "imported.db"))
     (copy,) = imported.store.list_sessions()
-    _, info = imported.open(copy)
+    info = imported.resume(copy)
     assert info.restored == info.tokens > 64
     expected, _ = chat(live, live.fork(session), "Now add type hints.", max_tokens=48)
     reply, stats = chat(imported, copy, "Now add type hints.", max_tokens=48)

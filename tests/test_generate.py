@@ -172,11 +172,11 @@ def test_forward_passes_sees_every_row_the_scheduler_computes(qwen2, tmp_path, f
 
     engine = ChatEngine(qwen2, ChatStore(tmp_path / "chat.db"))
     texts = ("hello the world and the sun " * 8, "the rain over the hills, then the sea " * 8)
-    jobs = [engine.submit_reply(engine.new_session(t[:9]), t, sampling=GREEDY, max_tokens=12) for t in texts]
+    jobs = [engine.reply(engine.new_session(t[:9]), t, sampling=GREEDY, max_tokens=12) for t in texts]
     for job in jobs:
         job.wait()
     stats = [job.stats[0] for job in jobs]
     assert all(s.prefilled_tokens > 40 and s.generated_tokens == 12 for s in stats)
     computed = sum(s.prefilled_tokens + s.generated_tokens - 1 for s in stats)  # the last token needs no pass
     assert sum(forward_passes) >= computed
-    engine.scheduler.close()
+    engine.close()

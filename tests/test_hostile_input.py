@@ -9,6 +9,7 @@ import pytest
 from test_chat_template import EXCHANGE, TEMPLATES
 
 from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.app.config import UserConfig
 from llama_chat.inference import SamplingParams, chat_prompt_ids, load_model
@@ -197,7 +198,7 @@ def engine_for(path, db) -> ChatEngine:
 
 
 def ask(engine, session, text, max_tokens=10) -> str:
-    return "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens))
+    return "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens)))
 
 
 def forged_export(path, folder):
@@ -264,7 +265,7 @@ def test_a_stored_block_is_used_only_for_the_tokens_it_was_made_from(qwen2, tmp_
     key = engine.store.kv.block_keys(session.id)[0]
     engine.store.db.conn.execute("UPDATE kv_blocks SET tokens = ? WHERE key = ?", (b"\0" * 32, key))
     again = engine_for(qwen2, tmp_path / "chat.db")
-    _, info = again.open(again.store.get_session(session.id))
+    info = again.resume(again.store.get_session(session.id))
     assert info.restored == 0  # the block under that key does not say it holds these tokens
 
 

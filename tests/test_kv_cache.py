@@ -51,6 +51,32 @@ def test_prefix_reuse_gives_the_same_logits_as_a_full_prefill(model):
     assert np.abs(reused - fresh).max() <= 1e-4
 
 
+def test_the_pool_names_the_blocks_a_prompt_would_reuse_and_those_ram_lacks(model):
+    shared = ids_of(model, 3 * B + 5)
+    keys = model.pool.block_keys(shared)
+    assert len(keys) == 3 and len(set(keys)) == 3  # full blocks only, each named by its whole prefix
+    assert model.pool.block_keys(shared[: 2 * B]) == keys[:2]
+    assert model.pool.block_keys(ids_of(model, 3 * B, seed=1))[0] != keys[0]
+    assert [key for key, _ in model.pool.missing(shared)] == keys  # nothing computed yet
+    seq = model.new_sequence(128)
+    model.forward(shared[: 2 * B + 1], seq)
+    assert seq.last_key is None  # its last block is partial
+    assert model.pool.missing(shared) == [(keys[2], tuple(shared[2 * B : 3 * B]))]
+    assert len(model.pool.missing(shared, namespace=b"an import")) == 3  # another namespace shares nothing
+    seq.truncate(2 * B)
+    assert seq.last_key == keys[1]
+
+
+def test_a_sequence_made_private_or_in_a_namespace_takes_no_shared_block(model):
+    prompt = ids_of(model, 2 * B + 3)
+    model.forward(prompt, model.new_sequence(64))
+    assert model.new_sequence(64).reuse_prefix(prompt) == 2 * B
+    assert model.new_sequence(64, private=True).reuse_prefix(prompt) == 0
+    imported = model.new_sequence(64, namespace=b"an import")
+    assert imported.reuse_prefix(prompt) == 0
+    assert imported.fork().namespace == b"an import" and model.new_sequence(64, private=True).fork().private
+
+
 def test_the_same_code_path_gives_bitwise_equal_logits(model):
     prompt = ids_of(model, 2 * B + 3)
     a = model.new_sequence(64)

@@ -99,6 +99,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     """Under the auto codec a conversation is stored under the model's plan, resumes in a fresh engine
     with nothing recomputed, and its export file imports elsewhere with its blocks as they are."""
     from llama_chat.app.chat.engine import ChatEngine
+    from llama_chat.app.chat.jobs import stream_text
     from llama_chat.inference import SamplingParams, load_model
     from llama_chat.storage.exchange import export_session, import_session
 
@@ -106,7 +107,9 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     engine = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec=AUTO)
     session = engine.new_session("auto")
     "".join(
-        engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
+        stream_text(
+            engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
+        )
     )
     session = engine.store.get_session(session.id)
     blocks = engine.store.connection.rows("SELECT codec, data FROM kv_blocks")
@@ -114,7 +117,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model)}
 
     fresh = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec="q6")
-    _, info = fresh.open(fresh.store.get_session(session.id))
+    info = fresh.resume(fresh.store.get_session(session.id))
     assert info.tokens > 8 and info.restored == info.tokens  # read under another codec: nothing computed
 
     export_session(engine.store, session.id, tmp_path / "s.llamachat")
@@ -123,5 +126,5 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     assert result.kv == "imported" and result.blocks_added == len(blocks)
     assert {r["codec"] for r in target.connection.rows("SELECT codec FROM kv_blocks")} == {AUTO}
     elsewhere = ChatEngine(load_model(path, block_size=8), target)
-    _, info = elsewhere.open(target.get_session(result.session_ids[0]))
+    info = elsewhere.resume(target.get_session(result.session_ids[0]))
     assert info.restored == info.tokens

@@ -111,6 +111,64 @@ def test_the_chat_layer_imports_no_ui_code():
             assert not [n for n in names if n.split(".")[0] in ui], f"{path.name} imports {names}"
 
 
+FRONT_ENDS = ("app/tui", "app/serve", "app/cli*.py", "app/commands*.py", "app/terminal.py", "app/flags.py")
+# what only the chat layer does: make and schedule jobs, and the KV steps its verbs order and lock
+CHAT_INTERNALS = {"Job", "Scheduler", "scheduler", "lock", "live"}
+KV_STEPS = {"hold_kv", "store_kv", "restore_tail", "read_remote", "prefetch", "window_ids", "snapshot"}
+
+
+def front_end_files() -> list[Path]:
+    found = []
+    for pattern in FRONT_ENDS:
+        found += sorted((ROOT / pattern).rglob("*.py")) if "*" not in pattern else sorted(ROOT.glob(pattern))
+    return found
+
+
+def chat_internals_used(path: Path) -> list[str]:
+    """What a front end's module imports of the chat layer's jobs and scheduler, and the KV steps and
+    engine internals (its lock, its open sessions, its scheduler) it reaches for."""
+    used = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import) and any(a.name.endswith(".chat.scheduler") for a in node.names):
+            used.append("imports the scheduler")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] in ("jobs", "scheduler"):
+            used += [f"imports {a.name}" for a in node.names if a.name in CHAT_INTERNALS]
+            used += ["imports the scheduler"] if node.module.endswith("scheduler") else []
+        elif isinstance(node, ast.Attribute) and node.attr in KV_STEPS:
+            used.append(f"calls {node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr in CHAT_INTERNALS and "engine" in ast.unparse(node.value):
+            used.append(f"reaches {ast.unparse(node)}")
+    return used
+
+
+def test_front_ends_speak_only_the_engines_verbs():
+    files = front_end_files()
+    assert {f.name for f in files} >= {"cli.py", "commands.py", "chat_screen.py", "completions.py"}
+    wrong = {str(f.relative_to(ROOT)): chat_internals_used(f) for f in files}
+    assert {name: used for name, used in wrong.items() if used} == {}
+
+
+def test_the_check_of_front_ends_sees_what_it_forbids(tmp_path):
+    sample = tmp_path / "front.py"
+    sample.write_text(
+        "from ..chat.jobs import Job, stream_text\nfrom ..chat.scheduler import QueueFull\n"
+        "def f(engine, seq):\n    with engine.lock:\n        engine.live.prefetch(seq)\n"
+    )
+    assert sorted(chat_internals_used(sample)) == [
+        "calls prefetch", "imports Job", "imports the scheduler", "reaches engine.live", "reaches engine.lock"
+    ]
+
+
+def test_the_chat_engine_has_a_dozen_verbs_at_most():
+    from llama_chat.app.chat.engine import ChatEngine
+
+    verbs = [
+        name for name, value in vars(ChatEngine).items() if callable(value) and not name.startswith("_")
+    ]
+    assert set(verbs) >= {"reply", "regenerate", "edit", "fork", "delete", "resume", "close"}
+    assert len(verbs) <= 12, verbs
+
+
 def test_only_the_bench_command_imports_the_measurements():
     """The measurement code ships for `llama-chat bench` alone: no other module of the product loads it."""
     graph = import_graph()

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import real_cache
 from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.chat.settings import CODEC
 from llama_chat.inference import GenerationStats, Model, SamplingParams, chat_prompt_ids
 from llama_chat.inference.weights import prepare
@@ -36,19 +37,21 @@ def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_pa
     db = tmp_path / "chat.db"
     live = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
     session = live.new_session("t", system_prompt=system)
-    "".join(live.reply(session, turns[0], sampling=greedy, max_tokens=48))
+    "".join(stream_text(live.reply(session, turns[0], sampling=greedy, max_tokens=48)))
     session = live.store.get_session(session.id)
 
     resumed = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
-    _, info = resumed.open(session)
+    info = resumed.resume(session)
     assert info.restored == info.tokens  # all of it from the store, nothing recomputed
 
     live_stats, resumed_stats = GenerationStats(), GenerationStats()
     live_reply = "".join(
-        live.reply(live.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=live_stats)
+        stream_text(live.reply(live.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=live_stats))
     )
     resumed_reply = "".join(
-        resumed.reply(resumed.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=resumed_stats)
+        stream_text(
+            resumed.reply(resumed.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=resumed_stats)
+        )
     )
     assert resumed_stats.prefilled_tokens == resumed_stats.prompt_tokens - info.tokens
     if resumed_stats.token_ids != live_stats.token_ids:
@@ -59,7 +62,7 @@ def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_pa
         )
         prompt = chat_prompt_ids(
             live.model,
-            live.messages(live.store.get_session(session.id)) + [{"role": "user", "content": turns[1]}],
+            live.live.messages(live.store.get_session(session.id)) + [{"role": "user", "content": turns[1]}],
         )
         logits = live.model.logits(prompt + live_stats.token_ids)[len(prompt) - 1 :]
         margins = [float(np.diff(np.sort(row)[-2:])[0]) for row in logits[: first + 1]]

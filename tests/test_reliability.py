@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from llama_chat.app.chat.engine import ChatEngine, SavedReply
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore, open_database
@@ -41,7 +42,7 @@ def engine_for(path, db):
 
 
 def chat(engine, session, text, max_tokens=8):
-    return "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens))
+    return "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens)))
 
 
 def roles(db: Path, session_id: str) -> list[str]:
@@ -465,7 +466,7 @@ def test_two_replies_at_once_in_one_session_never_interleave(qwen2, tmp_path):
     saved = SavedReply()
     other_ended = threading.Event()
     # the first reply is under way (its first piece out, its scheduler held there)...
-    slow = first.submit_reply(
+    slow = first.reply(
         session,
         "hello the world",
         sampling=GREEDY,

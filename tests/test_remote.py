@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
@@ -248,7 +249,7 @@ def chat(
     new ones are not written yet)."""
     stats = GenerationStats()
     pieces = []
-    for piece in engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats):
+    for piece in stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)):
         if not pieces and during is not None:
             during()
         pieces.append(piece)
@@ -324,7 +325,7 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
     chat(first, session, HISTORY)
     first.kv.remote.flush()
     moved = move(first, session.id, second, tmp_path)
-    _, info = second.open(moved)
+    info = second.resume(moved)
     assert info.tokens % 8  # a tail after the full blocks: it comes through the cluster too
     assert info.remote == info.restored == info.tokens >= 32
     keys = first.store.kv.block_keys(session.id)
@@ -347,7 +348,7 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
 def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_path, redis_server, monkeypatch):
     monkeypatch.setattr(kv_store, "MAX_FETCHED_BYTES", 1)  # every block read is forgotten at once
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "bounded")
-    _, info = second.open(moved)
+    info = second.resume(moved)
     assert not second.kv.fetched and info.restored < 8  # nothing kept: the blocks are computed
     assert (
         chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
@@ -361,7 +362,7 @@ def test_a_returning_conversation_reads_its_blocks_and_tail_in_one_round_trip(qw
     tier = second.kv.remote
     tier.fetch(b"\0" * 32, (1,), "f32")  # this thread's connection made, its latency measured
     before = tier.stats()["round_trips"]
-    _, info = second.open(moved)
+    info = second.resume(moved)
     assert info.tokens % 8 and info.remote == info.restored == info.tokens  # the blocks and the tail
     assert tier.stats()["round_trips"] - before == 1
     assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
@@ -374,8 +375,8 @@ def test_a_tail_alone_is_read_before_the_reply_is_queued_and_only_where_none_is_
     tail is read when the reply is submitted, in one round trip, and opening reads nothing more. Where
     the session's own tail is here, nothing is read at all."""
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "tail only")
-    _, info = second.open(moved)
-    second.snapshot(moved, second.live[moved.id])  # its blocks and its tail stored here now
+    info = second.resume(moved)
+    second.live.snapshot(moved, second.live[moved.id])  # its blocks and its tail stored here now
     assert info.tokens % 8 and info.remote == info.tokens
     with sqlite3.connect(tmp_path / "b.db") as db:  # as if the tail here were another server's
         db.execute("DELETE FROM session_tails")
@@ -384,12 +385,12 @@ def test_a_tail_alone_is_read_before_the_reply_is_queued_and_only_where_none_is_
         tier = third.kv.remote
         tier.fetch(b"\0" * 32, (1,), "f32")  # connected, latency measured
         before = tier.stats()["round_trips"]
-        read = third.prefetch(moved)
+        read = third.live.prefetch(moved)
         assert tier.stats()["round_trips"] - before == (0 if tail_here else 1)
-        _, info = third.open(moved, read)
+        _, info = third.live.open(moved, read)
         assert tier.stats()["round_trips"] - before == (0 if tail_here else 1)  # open read nothing
         assert info.restored == info.tokens and info.remote == (0 if tail_here else info.tokens % 8)
-        third.snapshot(moved, third.live[moved.id])  # now the tail is here too
+        third.live.snapshot(moved, third.live[moved.id])  # now the tail is here too
     assert chat(third, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
 
 
@@ -428,7 +429,7 @@ def test_where_the_rule_computes_the_blocks_no_tail_is_asked_for(qwen2, tmp_path
     tier.rtt_s.add(5.0)  # as measured on a far, slow link
     tier.bytes_per_s.add(1000.0)
     second.kv.prefill_tok_s.add(100.0)
-    _, info = second.open(moved)
+    info = second.resume(moved)
     assert info.remote_read.choice == "compute" and info.remote == info.restored == 0
     assert tier.stats()["hits"] == tier.stats()["misses"] == 0
     assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
@@ -442,7 +443,7 @@ def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
     assert redis_server.client().dbsize() > 0
     ours = server(qwen2, tmp_path / "b.db", redis_server.url)
     moved = move(stranger, session.id, ours, tmp_path)
-    _, info = ours.open(moved)
+    info = ours.resume(moved)
     assert info.remote == 0 and info.restored == 0 and ours.kv.remote.stats()["rejected"] > 0
     alone = server(qwen2, tmp_path / "c.db", None)
     assert (
@@ -506,7 +507,7 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
             for tier in (s.kv.remote for s in servers):
                 end_backoff(tier)
             text = f"t{turn}"
-            _, info = here.open(session)
+            info = here.resume(session)
             reply, stats = chat(here, session, text, max_tokens=4, during=during)
             assert stats.prompt_tokens > info.tokens  # (no turn dropped from the window, nothing shifted)
             expected, _ = chat(alone, expected_session, text, max_tokens=4)

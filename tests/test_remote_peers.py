@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore, remote_wire
 from llama_chat.storage.codec import checksum, encode_kv
@@ -50,7 +51,7 @@ def engine(model_path, db, url: str | None) -> ChatEngine:
 
 def reply(engine: ChatEngine, text: str) -> str:
     session = engine.new_session("peer", system_prompt="the sun")
-    return "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=8))
+    return "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=8)))
 
 
 def a_block() -> StoredBlock:

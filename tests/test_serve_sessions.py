@@ -222,7 +222,7 @@ def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):
     again = Served(db, qwen2).wait_ready()  # a new process's pool: empty; the database has the KV
     try:
         engine = again.state.engine
-        held = chat_prompt_ids(again.model, engine.messages(engine.store.get_session(sid)), False)
+        held = chat_prompt_ids(again.model, engine.live.messages(engine.store.get_session(sid)), False)
         turn = again.ask("and the sun", extra_body={"session": sid}, seed=1)
         assert turn.usage.prompt_tokens_details.cached_tokens == len(held)  # blocks and tail, from disk
 

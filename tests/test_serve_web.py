@@ -375,9 +375,11 @@ def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_l
 
 
 def test_what_is_cheap_to_refuse_is_refused_before_the_prompt_is_tokenized(served, monkeypatch):
+    from llama_chat.app.chat import conversations
+
     prompts = []
-    prompt = served.state.conversations.prompt
-    monkeypatch.setattr(served.state.conversations, "prompt", lambda messages: prompts.append(1) or prompt(messages))
+    render = conversations.chat_prompt_ids
+    monkeypatch.setattr(conversations, "chat_prompt_ids", lambda *a, **kw: prompts.append(1) or render(*a, **kw))
     n_ctx = served.state.engine.n_ctx
     many = [{"role": "user", "content": "a"}] * n_ctx
     status, error = error_of(served.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": many}).encode()))
@@ -396,6 +398,9 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
                                       "--cors-origin", PAGE, "--max-connections", "9"])
     options, _ = options_from(args)
     assert (options.allowed_hosts, options.cors_origins, options.max_connections) == (("nas.lan", "nas"), (PAGE,), 9)
+    args = build_parser().parse_args([*db, "--block-size", "16", "serve", "--kv-codec", "f16", "--ctx", "512"])
+    engine = options_from(args)[0].engine  # what the server's chat engine is built from
+    assert (engine.block_size, engine.codec, engine.n_ctx, engine.db) == (16, "f16", 512, tmp_path / "chat.db")
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
     assert main([*db, "serve", "--max-connections", "0"]) == 2
     assert capsys.readouterr().err.strip() == "llama-chat: error: --max-connections must be 1 or more"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.storage import ChatStore
@@ -33,7 +34,7 @@ def qwen2(tiny_model_paths):
 
 def chat(engine, session, text, max_tokens=12):
     stats = GenerationStats()
-    reply = "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats))
+    reply = "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)))
     return reply, stats
 
 
@@ -46,7 +47,7 @@ def test_a_session_resumes_in_a_new_process_without_recomputing(qwen2, tmp_path)
     session = first.store.get_session(session.id)
 
     again = engine_for(qwen2, db)
-    seq, info = again.open(session)
+    info = again.resume(session)
     assert info.tokens > 3 * 8 and info.restored == info.tokens  # every token back, nothing computed
     live_reply, _ = chat(first, first.fork(session), "is it", max_tokens=6)
     resumed_reply, stats = chat(again, again.fork(session), "is it", max_tokens=6)
@@ -88,7 +89,7 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     conn.execute("UPDATE kv_blocks SET data = ? WHERE key = ?", (bytes(bad), key))
     conn.commit()
     fresh = engine_for(qwen2, db)
-    _, info = fresh.open(session)
+    info = fresh.resume(session)
     assert 0 < info.restored < info.tokens
     assert conn.execute("SELECT COUNT(*) FROM kv_blocks WHERE key = ?", (key,)).fetchone()[0] == 0
     reply, _ = chat(fresh, fresh.store.fork_session(session.id), "then")
@@ -98,12 +99,12 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     conn.execute("DELETE FROM session_tails")
     conn.commit()
     nothing = engine_for(qwen2, db)
-    _, info = nothing.open(session)
+    info = nothing.resume(session)
     assert info.restored == 0
     assert chat(nothing, nothing.store.fork_session(session.id), "then")[0] == expected
 
     other = engine_for(tiny_model_paths["qwen3"], db)  # same vocabulary, other model: other fingerprint
-    _, info = other.open(session)
+    info = other.resume(session)
     assert info.restored == 0
 
 
@@ -114,7 +115,7 @@ def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path
     engine.model.prefill_batch = 8
     session = engine.new_session("stopped")
     # Esc as the first batch is reported: the scheduler hears the cancel before its next batch
-    job = engine.submit_reply(
+    job = engine.reply(
         session,
         "hello the world and the sun " * 4,
         sampling=GREEDY,
@@ -127,9 +128,9 @@ def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path
     assert [m.role for m in stored] == ["user", "assistant"] and stored[-1].stats[
         "stop_reason"
     ] == "cancelled"
-    seq, _ = engine.open(engine.store.get_session(session.id))
-    assert seq.n_tokens == 8  # the one batch read before the stop, not the whole prompt
-    _, info = engine_for(qwen2, tmp_path / "chat.db").open(engine.store.get_session(session.id))
+    engine.resume(engine.store.get_session(session.id))
+    assert engine.live[session.id].n_tokens == 8  # the one batch read before the stop, not the whole prompt
+    info = engine_for(qwen2, tmp_path / "chat.db").resume(engine.store.get_session(session.id))
     assert info.restored == 8  # and that is what was stored
     after, stats = chat(engine, engine.store.get_session(session.id), "and then")
     assert stats.prefilled_tokens < stats.prompt_tokens
@@ -158,7 +159,7 @@ def test_fork_is_quick_and_adds_at_most_one_block(qwen2, tmp_path):
     fork = engine.fork(session)
     assert stored() == (blocks, tails + 1)  # no block copied; the fork shares the tail record
     again = engine_for(qwen2, db)
-    _, info = again.open(again.store.get_session(fork.id))
+    info = again.resume(again.store.get_session(fork.id))
     assert info.restored == info.tokens
 
 
@@ -168,18 +169,62 @@ def test_regenerate_and_edit_make_sibling_branches(qwen2, tmp_path):
     chat(engine, session, "hello the world")
     session = engine.store.get_session(session.id)
     original = engine.store.path(session.head_id)
-    branches = engine.regenerate(session, n=3, sampling=SamplingParams(temperature=5.0, seed=1), max_tokens=6)
-    assert len(branches) == 3
-    for branch, text in branches:
-        path = engine.store.path(branch.head_id)
+    made, job = engine.regenerate(session, n=3, sampling=SamplingParams(temperature=5.0, seed=1), max_tokens=6)
+    job.wait()
+    assert len(made) == len(job.result) == 3
+    for i, (branch, saved) in enumerate(zip(made, job.result, strict=True)):
+        assert saved.session.id == branch.id
+        text = job.text(i)
+        path = engine.store.path(saved.session.head_id)
         assert path[0].id == original[0].id  # the same user message
         assert path[1].id != original[1].id and path[1].content == text  # a sibling reply
     assert engine.store.path(engine.store.get_session(session.id).head_id) == original  # untouched
-    branch, pieces = engine.edit(session, original[0].id, "the water")
-    "".join(pieces)
+    branch, job = engine.edit(session, original[0].id, "the water")
+    job.wait()
     path = engine.store.path(engine.store.get_session(branch.id).head_id)
     assert [m.content for m in path][0] == "the water" and path[0].parent_id is None
     assert len(engine.store.list_sessions()) == 5
+
+
+def test_an_earlier_reply_regenerates_beside_itself_and_an_empty_edit_makes_no_branch(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("x")
+    chat(engine, session, "hello the world", max_tokens=4)
+    chat(engine, session, "and then", max_tokens=4)
+    session = engine.store.get_session(session.id)
+    first_question, first_reply = engine.store.path(session.head_id)[:2]
+    (branch,), job = engine.regenerate(session, reply_id=first_reply.id, max_tokens=4, sampling=GREEDY)
+    job.wait()
+    assert [m.id for m in engine.store.path(engine.store.get_session(branch.id).head_id)][0] == first_question.id
+    assert len(engine.store.path(engine.store.get_session(branch.id).head_id)) == 2  # the later turn is not in it
+    with pytest.raises(ValueError, match="empty"):
+        engine.edit(session, first_question.id, "  ")
+    with pytest.raises(ValueError, match="only a user message"):
+        engine.edit(session, first_reply.id, "hello")
+    assert len(engine.store.list_sessions()) == 2  # the session and the regenerated branch, nothing else
+
+
+def test_delete_waits_for_the_turn_being_made_and_lets_go_of_its_kv(qwen2, tmp_path):
+    import threading
+
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("doomed")
+    writing, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(event):  # the reply is held after its first piece, until the delete has been asked for
+        if event.kind == "text" and not writing.is_set():
+            writing.set()
+            go_on.wait(60)
+
+    job = engine.reply(session, "hello the world", sampling=GREEDY, max_tokens=6, on_event=hold)
+    writing.wait(60)
+    deleter = threading.Thread(target=lambda: engine.delete(session.id) and deleted.set())
+    deleter.start()
+    assert not deleted.wait(0.2) and engine.store.get_session(session.id)  # it waits for the turn
+    go_on.set()
+    deleter.join(60)
+    assert job.error is None and job.result.session.id == session.id  # the turn was stored, then deleted
+    assert deleted.is_set() and engine.store.list_sessions() == [] and engine.live.get(session.id) is None
 
 
 def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwen2, tmp_path):
@@ -198,7 +243,8 @@ def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwe
     assert first.live[session.id].private  # shifted
     session = first.store.get_session(session.id)
     again = engine_for(qwen2, db)
-    resumed, info = again.open(session)
+    info = again.resume(session)
+    resumed = again.live[session.id]
     assert info.restored > 0  # the blocks before the dropped turns still come back
     # the codec's rounding (about 2 %), not KV that attended to dropped turns (about 40 %)
     assert_kv_is_the_texts(again, session, resumed)
@@ -206,9 +252,8 @@ def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwe
 
 def assert_kv_is_the_texts(engine, session, resumed) -> None:
     """The KV a session resumed with is the KV its stored text computes, up to the codec's rounding."""
-    computed = engine.model.new_sequence(engine.n_ctx)
-    computed.private = True  # all of it computed from the text
-    engine.model.forward(engine.conversation_ids(session), computed)
+    computed = engine.model.new_sequence(engine.n_ctx, private=True)  # all of it computed from the text
+    engine.model.forward(engine.live.conversation_ids(session), computed)
     k, v = resumed.gather(0, resumed.n_tokens)
     k_text, v_text = computed.gather(0, resumed.n_tokens)
     assert np.linalg.norm(k - k_text) < 0.05 * np.linalg.norm(k_text)
@@ -269,7 +314,8 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
     fresh = engine_for(qwen2, db, block_size=64)
     for s in sessions:
         session = fresh.store.get_session(s.id)
-        resumed, info = fresh.open(session)
+        info = fresh.resume(session)
+        resumed = fresh.live[session.id]
         assert info.tokens > 0 and session.head_id is not None  # what was stored opens
         # The KV that survived the kills is the KV of the stored text, up to the codec's rounding. (Not
         # compared as greedy replies: on the tiny random model the codec's rounding meets near-ties.)
@@ -324,5 +370,5 @@ def test_a_conversation_longer_than_the_window_shifts_instead_of_recomputing(qwe
             shifted = True
             assert stats.prefilled_tokens < stats.prompt_tokens // 2
     assert shifted
-    messages = engine.messages(engine.store.get_session(session.id))
+    messages = engine.live.messages(engine.store.get_session(session.id))
     assert len(messages) == 1 + 2 * 12  # every turn is still stored, only the window moved

@@ -134,13 +134,13 @@ async def test_while_the_model_loads_the_status_line_says_so_not_that_a_reply_is
 
     from llama_chat.app.tui import chat_screen
 
-    loaded, load = threading.Event(), chat_screen.load_chat_model
+    loaded, load = threading.Event(), chat_screen.open_engine
 
-    def slow_load(name, progress, **options):
+    def slow_load(options, progress):
         loaded.wait(timeout=60)
-        return load(name, progress, **options)
+        return load(options, progress)
 
-    monkeypatch.setattr(chat_screen, "load_chat_model", slow_load)
+    monkeypatch.setattr(chat_screen, "open_engine", slow_load)
     async with open_chat(wait=False) as pilot:
         app = pilot.app
         await until(pilot, lambda: "loading" in app.chat.status.fields.get("work", ""), what="the load")

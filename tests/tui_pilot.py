@@ -90,7 +90,7 @@ def released(app: ChatApp) -> None:
     TUI tests' time)."""
     engine = app.chat.engine
     if engine is not None:
-        engine.scheduler.close()  # idle: quitting stops a reply first
+        engine.close()  # idle: quitting stops a reply first
 
 
 async def until(pilot, condition, what: str = "the condition") -> None:

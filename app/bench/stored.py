@@ -18,6 +18,7 @@ from llama_chat.storage.exchange import default_file_name, export_session, impor
 from llama_chat.storage.kv_plan import model_plan
 
 from ..chat.engine import ChatEngine
+from ..chat.jobs import stream_text
 from .processes import child_line
 from .samples import sample_tokens
 
@@ -79,8 +80,8 @@ def measure_codec_quality(model, n_tokens: int, n_greedy: int) -> dict:
     p -= np.log(np.exp(p).sum())
     B = model.pool.block_size
     for codec in table:
-        seq = model.new_sequence(n_tokens + n_greedy + 2)
-        seq.private = True  # keep the decoded KV: sharing by prefix key would hand back the live blocks
+        # private: keep the decoded KV (sharing by prefix key would hand back the live blocks)
+        seq = model.new_sequence(n_tokens + n_greedy + 2, private=True)
         for start in range(0, n_tokens, B):
             dk, dv = decode_kv(encode_kv(k[:, :, start : start + B], v[:, :, start : start + B], codec, plan))
             seq.append_kv(ids[start : start + dk.shape[2]], dk, dv)
@@ -133,15 +134,16 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
 # plan) are ready before a conversation is opened, so the resume is timed without them.
 RESUME_CHILD = """
 import json, sys, time
-from llama_chat.app.chat.engine import ChatEngine, load_chat_model
+from llama_chat.app.chat.build import load_chat_model
+from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.storage import ChatStore
 model = load_chat_model(sys.argv[1])
 engine = ChatEngine(model, ChatStore(sys.argv[2]))
 session = engine.store.get_session(sys.argv[3])
 t = time.perf_counter()
-seq, info = engine.open(session)
+info = engine.resume(session)
 resume = time.perf_counter() - t
-ids = engine.conversation_ids(session)
+ids = engine.live.conversation_ids(session)
 fresh = model.new_sequence(len(ids) + 1)
 t = time.perf_counter()
 model.forward(ids, fresh)
@@ -157,7 +159,7 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     db = folder / "bench.db"
     engine = ChatEngine(model, ChatStore(db))
     session = engine.new_session("bench")
-    "".join(engine.reply(session, text, sampling=GREEDY, max_tokens=16))
+    "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=16)))
     session = engine.store.get_session(session.id)
     result = json.loads(child_line(RESUME_CHILD, str(model.path), str(db), session.id))
 
@@ -193,12 +195,12 @@ def measure_stop(model, text: str, folder: Path, max_tokens: int) -> dict:
         return (time.perf_counter() - t) * 1000
 
     one = stopped_ms(
-        lambda **kw: engine.submit_reply(session, text, sampling=GREEDY, max_tokens=max_tokens, **kw)
+        lambda **kw: engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, **kw)
     )
     session = engine.store.get_session(session.id)
     three = stopped_ms(
-        lambda **kw: engine.submit_regenerate(session, 3, sampling=GREEDY, max_tokens=max_tokens, **kw)
+        lambda **kw: engine.regenerate(session, 3, sampling=GREEDY, max_tokens=max_tokens, **kw)[1]
     )
-    engine.scheduler.close()
+    engine.close()
     engine.store.close()
     return {"stop_ms": one, "stop_three_ms": three}

@@ -1,5 +1,6 @@
-"""A job: one reply being made (or n alternatives of it), as a front end sees it — a state, a cancel,
-and a stream of events. The scheduler (scheduler.py) runs it; front ends only submit and render."""
+"""A job: one reply being made (or n alternatives of it) — a state, a cancel, and a stream of events.
+The chat engine's verbs make jobs and the scheduler (scheduler.py) runs them; front ends hold what a
+verb returned (JobView) and render its events."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from llama_chat.inference import GenerationStats, KVSequence, SamplingParams
+
+
+class QueueFull(Exception):
+    """Too many jobs wait already: try again later."""
 
 
 class State(enum.Enum):
@@ -41,6 +46,32 @@ class Event:
     state: State | None = None
 
 
+class JobView(Protocol):
+    """A job as a front end holds it (what the chat engine's verbs return): it reads its state, text,
+    stats and result, and may cancel it; the scheduler alone runs it."""
+
+    n: int  # replies made side by side (alternatives)
+    state: State
+    stats: list[GenerationStats]  # one per alternative, filled in as it goes
+    result: Any  # what the verb says it leaves once the job ended (a SavedReply, …)
+    error: BaseException | None  # why it failed
+    remote: Any  # what the remote KV tier did for its prompt (a RemoteRead), if there is one
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    @property
+    def answered(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    def text(self, alt: int = 0) -> str: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def events(self) -> Iterator[Event]: ...
+
+
 # prepare() → (prompt token ids, the sequence to prefill them into), run by the scheduler when the job
 # is admitted; finish(job) → job.result, run by the scheduler when decoding ended (also when cancelled).
 Prepare = Callable[[], tuple[list[int], KVSequence]]
@@ -63,9 +94,13 @@ class Job:
         stats: GenerationStats | None = None,
         session_id: str | None = None,
         drop_unanswered: bool = False,
+        on_end: Callable[[Job], None] | None = None,
     ):
         self.prepare = prepare
         self.finish = finish
+        # The chat layer's own bookkeeping when the job ends however it ends (on the scheduler's thread,
+        # which holds the pool), before its "end" event: KV given back, a session's turn counted off.
+        self.on_end = on_end
         self.n = n
         self.sampling = sampling or SamplingParams()
         self.max_tokens = max_tokens
@@ -147,11 +182,15 @@ class Job:
 
     def end(self, state: State, error: BaseException | None = None) -> None:
         self.state, self.error = state, error
-        self._ended.set()  # before the event: whoever hears "end" may wait() on it
-        self.emit("end")
+        try:
+            if self.on_end is not None:
+                self.on_end(self)
+        finally:
+            self._ended.set()  # before the event: whoever hears "end" may wait() on it
+            self.emit("end")
 
 
-def stream_text(job: Job, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[str]:
+def stream_text(job: JobView, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[str]:
     """A job's first reply as text pieces, as they come; on_prefill(done, total) hears of a long
     prompt's progress. Leaving early (an exception, Ctrl+C) cancels the job and waits for it to end,
     so what it made is kept; a job that failed raises its error at the end."""

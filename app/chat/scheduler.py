@@ -23,14 +23,10 @@ from llama_chat.inference import Model
 from llama_chat.inference.generate import ReplyStream, draft_rooms, run_streams, start_streams
 from llama_chat.inference.kernels import KERNEL_ROWS, kernels_take
 
-from .jobs import Job, State
+from .jobs import Job, QueueFull, State
 
 DEFAULT_PARALLEL = 4  # replies decoded together; more wait in the queue
 DEFAULT_QUEUE = 64  # jobs waiting beyond those; more are refused (QueueFull)
-
-
-class QueueFull(Exception):
-    """Too many jobs wait already: try again later."""
 
 
 @dataclass

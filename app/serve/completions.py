@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
@@ -20,9 +21,11 @@ from llama_chat.inference.tool_calls import CallSplitter, Delta, call_grammar, s
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
+from ..chat.conversations import Conversation
 from ..chat.engine import ChatEngine, ReplyNotStored, SavedReply
-from ..chat.jobs import Job, State
-from ..chat.scheduler import QueueFull
+from ..chat.jobs import Event, JobView, QueueFull, State
+from ..chat.replies import PromptTooLong
+from ..chat.settings import max_tokens as longest
 from .errors import (
     ApiError,
     busy,
@@ -123,7 +126,7 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
     return None
 
 
-def kv_remote(engine: ChatEngine, job: Job) -> dict | None:
+def kv_remote(engine: ChatEngine, job: JobView) -> dict | None:
     """The remote tier's numbers, and what it did for this request's prompt: "fetch" (and the tokens it
     read), "compute" (the rule found fetching slower), or "local" (RAM and SQLite held every block)."""
     if engine.kv.remote is None:
@@ -142,7 +145,7 @@ def find_session(state: ServerState, session_id: str, tenant: str | None) -> Ses
         raise session_not_found(str(e)) from None
 
 
-def _submitted(submit: Callable[[], Job]) -> Job:
+def _submitted(submit: Callable[[], JobView]) -> JobView:
     """submit(), with the scheduler's refusals said as the API says them."""
     try:
         return submit()
@@ -158,7 +161,7 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
     """What is refused before a conversation is rendered, tokenized and looked up in the KV tiers
     (seconds of CPU and a network read for 100k messages): a full queue, or more messages than the
     context window holds tokens (each message takes one at least)."""
-    if engine.scheduler.load()["queued"] >= engine.scheduler.max_queued:
+    if engine.queue_full:
         raise busy(RETRY_AFTER_S)
     if len(messages) >= engine.n_ctx:
         raise invalid(
@@ -171,26 +174,26 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
 
 def _submit_conversation(
     state: ServerState, req: CompletionRequest, events: JobEvents, tenant: str | None, grammar: str | None = None
-) -> Job:
-    conversations, n_ctx = state.conversations, state.engine.n_ctx
-    _refused_early(state.engine, req.messages)
-    prompt = conversations.prompt(req.messages, req.tools)
-    if len(prompt) >= n_ctx:
-        raise context_length_exceeded(len(prompt), n_ctx)
-    return conversations.submit(
-        req.messages,
-        prompt,
-        n=req.n,
-        sampling=req.sampling,
-        max_tokens=req.max_tokens,
-        stop=req.stop,
-        store=req.store and not _has_tools(req),
-        on_event=events,
-        grammar=grammar,
-        logprobs=req.logprobs,
-        tenant=tenant,
-        cache_key=req.prompt_cache_key,
-    )
+) -> JobView:
+    """A conversation sent whole: n replies, kept as an API session of the tenant's (job.result: the
+    future of that session)."""
+    engine = state.engine
+    _refused_early(engine, req.messages)
+    conversation = Conversation(req.messages, req.tools, tenant, req.prompt_cache_key)
+    try:
+        return engine.reply(
+            conversation,
+            n=req.n,
+            settings=req.sampling,
+            grammar=grammar,
+            logprobs=req.logprobs,
+            max_tokens=engine.n_ctx if req.max_tokens is None else req.max_tokens,
+            stop=req.stop,
+            store=req.store and not _has_tools(req),
+            on_event=events,
+        )
+    except PromptTooLong as e:
+        raise context_length_exceeded(e.prompt_tokens, e.n_ctx) from None
 
 
 def _has_tools(req: CompletionRequest) -> bool:
@@ -203,16 +206,30 @@ def _has_tool_messages(req: CompletionRequest) -> bool:
     return any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
 
 
-def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, events: JobEvents) -> Job:
+def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, events: JobEvents) -> JobView:
+    """The next turn of a stored session, as long as the request or else the session's settings allow;
+    job.result is a SavedReply (where it was stored; not `store`: nowhere). It waits in the queue with
+    every other reply, behind the session's earlier turns; cancelled before its first token (its client
+    left), it stores nothing. The session's KV stays in RAM only as cached blocks once it ended, so that
+    no session holds the pool: the next turn takes them back (or reads them from the database)."""
+    engine = state.engine
+
+    def on_event(event: Event) -> None:
+        if event.kind == "end" and isinstance(event.job.error, ReplyNotStored):  # the client still gets it
+            print(f"llama-chat serve: session {session.id}: {event.job.error}", file=sys.stderr)
+        events(event)
+
     try:
-        return state.conversations.submit_turn(
+        return engine.reply(
             session,
             req.messages[-1]["content"],
-            sampling=req.sampling,
-            max_tokens=req.max_tokens,
+            settings=req.sampling,
+            max_tokens=longest(session.sampling, engine.n_ctx) if req.max_tokens is None else req.max_tokens,
             stop=req.stop,
             store=req.store,
-            on_event=events,
+            on_event=on_event,
+            keep_kv=False,
+            drop_unanswered=True,
         )
     except ValueError as e:  # an empty message
         raise invalid(f"The new message cannot be used: {e}.", param="messages") from None
@@ -222,7 +239,7 @@ def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, e
         raise session_not_found(str(e)) from None
 
 
-async def kept_where(job: Job) -> Kept:
+async def kept_where(job: JobView) -> Kept:
     """The session the reply was stored in, if it was (waiting for the writer to store it), or why not."""
     result = job.result
     try:
@@ -237,7 +254,7 @@ async def kept_where(job: Job) -> Kept:
     return Kept(result.id if isinstance(result, Session) else None)
 
 
-def _failure(job: Job, kept: Kept) -> ApiError | None:
+def _failure(job: JobView, kept: Kept) -> ApiError | None:
     """Why the job has no reply to send, as the API says it; None when it has one (even one that could
     not be stored: the client gets it, with a note)."""
     if job.state is State.DONE or isinstance(job.error, ReplyNotStored):
@@ -251,7 +268,7 @@ def _failure(job: Job, kept: Kept) -> ApiError | None:
 
 
 async def _chunks(
-    job: Job,
+    job: JobView,
     events: JobEvents,
     reply: Reply,
     include_usage: bool,
@@ -299,7 +316,7 @@ async def _chunks(
 class _Logprobs:
     """A stream's log-probabilities: those of each alternative's tokens not sent yet."""
 
-    def __init__(self, job: Job, tokenizer):
+    def __init__(self, job: JobView, tokenizer):
         self.job, self.tokenizer = job, tokenizer
         self.sent = [0] * job.n
 

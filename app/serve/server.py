@@ -192,6 +192,10 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
             raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
     if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
         raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
+    if getattr(args, "block_size", None) is not None:
+        given["block_size"] = args.block_size
+    if getattr(args, "kv_codec", None) is not None:
+        given["codec"] = args.kv_codec
     options = ServeOptions(
         db=args.db, model=args.model, cache_ram_mb=args.cache_ram, prompt_lookup=not args.no_lookup,
         kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),

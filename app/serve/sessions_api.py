@@ -29,9 +29,9 @@ from llama_chat.storage.exchange import (
     read_session_file,
 )
 
-from ..chat.engine import session_title
+from ..chat.conversations import API_ORIGIN, kv_salt
+from ..chat.titles import session_title
 from .completions import find_session
-from .conversations import API_ORIGIN, kv_salt
 from .errors import ApiError, invalid
 from .openai_api import text_field
 from .state import ServerState
@@ -110,14 +110,7 @@ async def delete_session(request: Request) -> Response:
     state = _state(request)
     session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
 
-    def delete() -> int:
-        engine = state.engine
-        state.conversations.wait_for_turns(session.id)  # after a turn being made in it has been stored
-        with engine.lock:
-            engine.close(session.id)
-        return engine.store.delete_session(session.id)
-
-    removed = await run_in_threadpool(delete)
+    removed = await run_in_threadpool(state.engine.delete, session.id)  # after a turn being made is stored
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True, "messages": removed})
 
 

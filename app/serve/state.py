@@ -18,13 +18,12 @@ from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.storage import ChatStore
 
-from ..chat.engine import ChatEngine, load_chat_model
-from ..chat.scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
-from ..chat.settings import CACHE_RAM_MB, N_CTX
+from ..chat import build
+from ..chat.build import EngineOptions, open_engine
+from ..chat.engine import ChatEngine
+from ..chat.settings import CACHE_RAM_MB, CODEC, N_CTX
 from ..progress import ProgressBar
-from .conversations import Conversations
 from .errors import model_not_found, unavailable
 
 DEFAULT_HOST = "127.0.0.1"
@@ -42,12 +41,13 @@ class ServeOptions:
     model: str | None = None  # a known model's name or a .gguf path; None: the default model
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    parallel: int = DEFAULT_PARALLEL
-    queue: int = DEFAULT_QUEUE
+    parallel: int = EngineOptions.parallel
+    queue: int = EngineOptions.queue
     api_key: str | None = None
     ctx: int = N_CTX
     cache_ram_mb: float = CACHE_RAM_MB
     block_size: int = DEFAULT_BLOCK_SIZE
+    codec: str = CODEC
     prompt_lookup: bool = True
     max_body: int = MAX_BODY
     kv_remote: str | None = None  # a Redis/Valkey URL: KV blocks shared with other servers
@@ -58,6 +58,23 @@ class ServeOptions:
     keep_alive_s: float = KEEP_ALIVE_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+
+    @property
+    def engine(self) -> EngineOptions:
+        """The options of the server's chat engine."""
+        return EngineOptions(
+            model=self.model,
+            db=self.db,
+            n_ctx=self.ctx,
+            cache_ram_mb=self.cache_ram_mb,
+            block_size=self.block_size,
+            prompt_lookup=self.prompt_lookup,
+            codec=self.codec,
+            kv_remote=self.kv_remote,
+            kv_secret=self.kv_secret,
+            parallel=self.parallel,
+            queue=self.queue,
+        )
 
     @property
     def model_id(self) -> str:
@@ -96,7 +113,6 @@ class ServerState:
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
-        self.conversations: Conversations | None = None
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
@@ -111,19 +127,16 @@ class ServerState:
         options, t0 = self.options, time.perf_counter()
         say(f"loading {options.model_id}")
         try:
-            store = ChatStore(options.db)
             model = self._load(options)
             model.warm_up()
-            scheduler = Scheduler(model, options.parallel, options.queue)
-            remote = open_remote(options, model.fingerprint)
-            engine = ChatEngine(model, store, n_ctx=options.ctx, scheduler=scheduler, remote=remote)
+            engine = open_engine(options.engine, model=model)
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
-        self.engine, self.conversations = engine, Conversations(engine)
+        self.engine = engine
         if self.phase == "loading":
             self.phase = "ready"
         say(
@@ -135,15 +148,14 @@ class ServerState:
         """New requests get 503; every running reply is cancelled (what was made is kept)."""
         self.phase = "closing"
         if self.engine is not None:
-            threading.Thread(target=self.engine.scheduler.close, name="closing", daemon=True).start()
+            threading.Thread(target=self.engine.close, name="closing", daemon=True).start()
 
     def close(self) -> None:
         self.begin_closing()
         if self._thread is not None:
             self._thread.join()
         if self.engine is not None:
-            self.engine.scheduler.close()
-            self.conversations.close()
+            self.engine.close()
             self.engine.store.close()
 
     # -- what requests ask -------------------------------------------------------------------------
@@ -165,32 +177,12 @@ class ServerState:
     def health(self) -> dict:
         """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
         the remote tier's numbers when there is one."""
-        engine = self.ready()
-        with engine.lock:  # the pool changes at every step
-            memory = engine.model.pool.memory_breakdown()
-        kv = {k: memory[k] for k in ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")}
-        remote = {} if engine.kv.remote is None else {"kv_remote": engine.kv.remote.stats()}
-        return {"status": "ok", "model": self.options.model_id, **engine.scheduler.load(), "kv": kv, **remote}
+        return {"status": "ok", "model": self.options.model_id, **self.ready().health()}
 
 
 def open_model(options: ServeOptions) -> Model:
     with ProgressBar() as bar:
-        return load_chat_model(
-            options.model,
-            bar,
-            cache_ram_mb=options.cache_ram_mb,
-            block_size=options.block_size,
-            prompt_lookup=options.prompt_lookup,
-        )
-
-
-def open_remote(options: ServeOptions, fingerprint: str):
-    """The remote KV tier of --kv-remote, if one is named (RemoteTierError says what is wrong)."""
-    if not options.kv_remote:
-        return None
-    from llama_chat.storage.remote import RemoteTier
-
-    return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
+        return build.open_model(options.engine, bar)
 
 
 def api_keys_from(flags: list[str] | None) -> dict[str, str | None]:

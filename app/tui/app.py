@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from textual.app import App
 from textual.binding import Binding
@@ -14,15 +12,12 @@ from textual.screen import Screen
 from llama_chat.inference import KNOWN_MODELS, resolve_model
 from llama_chat.storage import ChatStore
 
-from ..chat.settings import CACHE_RAM_MB
+from ..chat.build import EngineOptions
 from ..config import DEFAULT_THEME, ConfigError, State, UserConfig, load_themes
-from ..terminal import open_remote
+from ..flags import engine_options
 from .chat_screen import ChatScreen
 from .sidebar import SessionTree
 from .widgets import ChatInput, MessageView
-
-if TYPE_CHECKING:  # redis is imported only where a tier is used
-    from llama_chat.storage.remote import RemoteTier
 
 
 class ChatApp(App, inherit_bindings=False):
@@ -42,17 +37,15 @@ class ChatApp(App, inherit_bindings=False):
         model: str | None = None,
         session_id: str | None = None,
         config: UserConfig | None = None,
-        cache_ram_mb: int = CACHE_RAM_MB,
-        prompt_lookup: bool = True,
-        remote: Callable[[str], RemoteTier | None] = lambda fingerprint: None,
+        engine: EngineOptions | None = None,
     ):
         super().__init__()
-        self.prompt_lookup = prompt_lookup
-        self.remote = remote  # the shared KV tier (--kv-remote) for a model's fingerprint, or None
+        # how the chat engine is built (--cache-ram, --kv-remote, …); its model, database and context
+        # window are the app's: the model chosen, the chats shown, the config's n_ctx
+        self.engine_options = engine or EngineOptions()
         self.config = config or UserConfig.load()
         self.store = ChatStore(db)
         self.state = State()
-        self.cache_ram_mb = cache_ram_mb
         # an unknown --session fails here, before the screen opens (one line, exit 2)
         session_id = self.store.get_session(session_id).id if session_id else None
         self.chat = ChatScreen(model or self.config.model, session_id)
@@ -97,7 +90,7 @@ class ChatApp(App, inherit_bindings=False):
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
         if isinstance(screen, ChatScreen):
-            yield from screen.commands()
+            yield from screen.actions.commands()
 
     def key_help(self) -> list[tuple[str, list[tuple[str, str, str]]]]:
         """The keys by place, with the user's keymap applied: (heading, [(keys, description, id)])."""
@@ -121,7 +114,7 @@ class ChatApp(App, inherit_bindings=False):
 
     async def action_quit(self) -> None:
         """Quit; a reply being written is stopped and stored first."""
-        await self.chat.stop_replies()
+        await self.chat.flow.stop_and_wait()
         self.exit()
 
 
@@ -135,15 +128,7 @@ def cmd_tui(args) -> int:
     model = args.model or config.model
     if model is not None and model not in KNOWN_MODELS:
         resolve_model(model)  # a missing or foreign file: one line and exit 2, before the screen opens
-    app = ChatApp(
-        args.db,
-        model,
-        args.session,
-        config,
-        args.cache_ram,
-        not args.no_lookup,
-        remote=lambda fingerprint: open_remote(args, fingerprint),
-    )
+    app = ChatApp(args.db, model, args.session, config, engine_options(args))
     app.run()
     if app.chat.loading_model:  # a worker thread cannot be stopped; the process ends when it does
         print(f"llama-chat: {app.chat.loading_model}; exiting when it ends", file=sys.stderr)

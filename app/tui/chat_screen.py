@@ -1,19 +1,19 @@
 """The chat screen: the sidebar, the conversation, the input and the status line.
 
-The UI thread only draws. A reply is a job of the chat layer's scheduler (app/chat/): the screen
-submits it (from a worker: that writes the store) and, every FLUSH_S while one runs, draws the events
-its job told, so a reply streams into a Markdown stream in batches and the whole message is never
-re-rendered per token. What reads or writes the store, or loads the model, runs in a thread worker
-that hands its result back to the UI thread.
+The UI thread only draws. A reply is asked of the chat engine (app/chat/) by the screen's reply flow
+(replies.py) from a worker, since that writes the store; every FLUSH_S while one runs, the flow draws
+the events its job told, so a reply streams into a Markdown stream in batches and the whole message
+is never re-rendered per token. The other keys' actions are the screen's ChatActions (actions.py).
+What reads or writes the store, or loads the model, runs in a thread worker that hands its result
+back to the UI thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
-from itertools import groupby
 from pathlib import Path
 
 from textual import on, work
@@ -22,22 +22,20 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Footer, Tree
 from textual.worker import Worker, WorkerState
 
 from llama_chat.storage import ChatStore, Message, Session
 
-from ..chat.attachments import Attachment, with_attachments
-from ..chat.engine import ChatEngine, load_chat_model, title_from_text
-from ..chat.jobs import Event
+from ..chat.attachments import Attachment
+from ..chat.build import open_engine
+from ..chat.engine import ChatEngine
 from ..config import UserConfig
-from . import replies
 from .actions import ChatActions
 from .conversation import ConversationView
-from .dialogs import AlternativesScreen
 from .mcp_calls import ToolCalls
-from .replies import USER_ERRORS, Branch, Reply, error_text
-from .sidebar import Sidebar
+from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
+from .sidebar import SessionTree, Sidebar
 from .widgets import (
     ChatInput,
     MessageView,
@@ -49,13 +47,6 @@ from .widgets import (
 )
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
-REPLYING = "writing a reply (Esc stops)"
-
-
-def work_label(reply: Reply) -> str:
-    return REPLYING if reply.n == 1 else f"writing {reply.n} alternatives (Esc stops)"
-
-
 # -- what workers tell the screen ------------------------------------------------------------------
 
 
@@ -71,7 +62,7 @@ class Resumed(UIMessage):
         self.session_id, self.text, self.tokens = session_id, text, tokens
 
 
-class ChatScreen(ChatActions, Screen):
+class ChatScreen(Screen):
     # Textual focuses this when the screen is first shown (else the first focusable: the sidebar's
     # search box, which took what was typed while the app started)
     AUTO_FOCUS = "ChatInput"
@@ -94,7 +85,13 @@ class ChatScreen(ChatActions, Screen):
             ("escape", "stop", "Stop reply", False, "Stop the reply being written, keeping what it wrote"),
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
             ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
-            ("f6", "toggle_api_chats", "API chats", False, "Show or hide the chats made through llama-chat serve"),
+            (
+                "f6",
+                "toggle_api_chats",
+                "API chats",
+                False,
+                "Show or hide the chats made through llama-chat serve",
+            ),
             ("f2", "rename", "Rename chat", False, "Give this chat a new title"),
             ("f8", "delete", "Delete chat", False, "Delete this chat (asks first)"),
             ("ctrl+s", "settings", "Settings", True, "System prompt and sampling (temperature, top-k, …)"),
@@ -113,8 +110,8 @@ class ChatScreen(ChatActions, Screen):
         self.engine: ChatEngine | None = None
         self.loading_model: str | None = "loading the model"  # while a model loads, replies wait for it
         self.session: Session | None = None  # None: a new chat, stored when its first message is sent
-        self.replies: list[Reply] = []  # replies being written
-        self.alternatives: list[tuple[Session, str]] = []  # replies written side by side, offered at the end
+        self.flow = ReplyFlow(self)  # the replies asked for, as they are written
+        self.actions = ChatActions(self)  # what the other keys do
         self.attached: list[Attachment] = []  # files for the next message (F5)
         self.tool_calls = ToolCalls(self)  # MCP servers, and the calls a reply makes
 
@@ -151,7 +148,7 @@ class ChatScreen(ChatActions, Screen):
         self.query_one(ChatInput).focus()
         self.conversation.anchor()
         self.status.progress("opening conversations")
-        self.flush_timer = self.set_interval(FLUSH_S, self.render_replies, pause=True)
+        self.flush_timer = self.set_interval(FLUSH_S, self.flow.render, pause=True)
         self.in_background(self.last_session, self.started)
 
     # -- work off the UI thread ------------------------------------------------------------------
@@ -220,23 +217,15 @@ class ChatScreen(ChatActions, Screen):
     def load_engine(self, name: str | None, remember: bool = False) -> None:
         """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
         self.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
+        options = replace(self.app.engine_options, model=name, store=self.store, n_ctx=self.config.n_ctx)
         try:
-            model = load_chat_model(
-                name,
-                self.progress_reporter(),
-                cache_ram_mb=self.app.cache_ram_mb,
-                prompt_lookup=self.app.prompt_lookup,
-            )
-            engine = ChatEngine(model, self.store, n_ctx=self.config.n_ctx, remote=self.app.remote(model.fingerprint))
+            engine = open_engine(options, self.progress_reporter())
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
         old, self.engine = self.engine, engine
         if old is not None:  # its KV goes with it; no reply runs on it (none starts while a model loads)
-            old.scheduler.close()
-            with old.lock:
-                for session_id in list(old.live):
-                    old.close(session_id)
+            old.close()
         self.model_name = name
         if self.session is not None:
             self.open_in_engine(self.session)
@@ -261,7 +250,7 @@ class ChatScreen(ChatActions, Screen):
             self.status.set(model=model_label(self.engine.model))
             self.show_context(self.session.n_tokens if self.session else 0)
         for reply in self.replies:  # (sent while it loaded: no reply starts while a model loads)
-            self.start(reply)
+            self.flow.start(reply)
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -271,13 +260,7 @@ class ChatScreen(ChatActions, Screen):
         engine = self.engine
         if engine is None:
             return
-        session = self.store.get_session(session.id)
-        read = engine.prefetch(session)  # before the lock: a slow store holds up no reply being decoded
-        with engine.lock:
-            for other in list(engine.live):
-                if other != session.id:
-                    engine.close(other)
-            _, info = engine.open(session, read)
+        info = engine.resume(session)
         self.post_message(Resumed(session.id, resume_text(info), info.tokens))
 
     def resume(self, session: Session) -> None:
@@ -306,6 +289,21 @@ class ChatScreen(ChatActions, Screen):
         self.sidebar.show_chats(session.id if session else None)
         self.app.state.remember_session(self.store.db_path, session.id if session else None)
 
+    def switch_to(self, session_id: str, message_id: int | None = None) -> None:
+        """Open a session (at one of its messages: a search hit) and resume it."""
+
+        def read() -> tuple[Session, list[Message]]:
+            session = self.store.get_session(session_id)
+            return session, self.store.path(session.head_id)
+
+        async def opened(result: tuple[Session, list[Message]]) -> None:
+            await self.show_session(*result)
+            if message_id is not None:
+                self.show_message(message_id)
+            self.resume(result[0])
+
+        self.in_background(read, opened)
+
     def show_message(self, message_id: int) -> None:
         if not self.conversation.show_message(message_id):  # among the earliest of a very long chat
             self.notify("That message is further back than the chat shows; Export chat shows it all.")
@@ -316,210 +314,80 @@ class ChatScreen(ChatActions, Screen):
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def can_start(self, what: str) -> bool:
-        """One reply at a time; say why not, rather than queue silently. A model load is waited for."""
-        if self.replies:
-            self.notify(f"A reply is being written; Esc stops it, then {what}.", severity="warning")
-            return False
-        if self.loading_model and what == "change the model":
-            self.notify(f"Busy: {self.loading_model}. Wait for it, then {what}.", severity="warning")
-            return False
-        return True
-
-    def can_reply(self, what: str = "send") -> bool:
-        if not self.can_start(what):
-            return False
-        if self.loading_model is None and self.engine is None:
-            self.notify("No model is loaded: Ctrl+L chooses one.", severity="error")
-            return False
-        return True
-
-    def max_tokens(self, session: Session | None) -> int:
-        return int((session.sampling if session else {}).get("max_tokens") or self.config.max_tokens)
+    @property
+    def replies(self) -> list[Reply]:
+        """The replies being written."""
+        return self.flow.running
 
     @on(ChatInput.Submitted)
     async def send(self, event: ChatInput.Submitted) -> None:
-        """Send the message; an empty one answers a message of yours left without a reply."""
-        text, session = event.text, self.session
-        if not self.can_reply():
-            return
-        if text.strip():
-            self.query_one(ChatInput).clear()
-            text, self.attached = with_attachments(text, self.attached), []
-            reply = Reply(session, text, self.max_tokens(session))
-            reply.new_chat = dict(
-                title=title_from_text(text),
-                system_prompt=self.config.system_prompt,
-                sampling=dict(self.config.sampling),
-            )
-            sent = [MessageView("user", text)]
-        else:
-            last = self.conversation.last()
-            if session is None or last is None or last.role != "user":
-                return
-            reply, sent = Reply(session, None, self.max_tokens(session)), []
-        reply.view = MessageView("assistant")
-        await self.conversation.add(*sent, reply.view)
-        self.submit(reply)
+        await self.flow.send(event.text)
 
-    def submit(self, reply: Reply) -> None:
-        """Start a reply (it waits for a model being loaded): its job goes to the scheduler from a
-        worker, and its events are drawn every FLUSH_S until it ends."""
-        self.replies.append(reply)
-        if reply.view is not None:
-            reply.view.set_note(
-                "waiting for the model" if self.loading_model else "reading the conversation…"
-            )
-        if not self.loading_model:  # else the load's progress stays on the status line until it is done
-            self.start(reply)
-        self.flush_timer.resume()
-
-    def start(self, reply: Reply) -> None:
-        self.status.set(work=work_label(reply))
-        if reply.n > 1:  # no text streams before the end: a bar says it works
-            self.status.progress(work_label(reply))
-        self.in_background(
-            partial(replies.submit, self.engine, reply),
-            partial(self.reply_started, reply),
-            failed=partial(self.reply_refused, reply),
-        )
-
-    async def reply_started(self, reply: Reply, branch: Branch | None) -> None:
-        """The job is submitted: show the new branch it goes to, or adopt a new chat."""
-        if branch is not None and reply.view is None:  # its messages, the new text, the reply to come
-            await self.show_session(branch.session, branch.path)
-            reply.view = MessageView("assistant")
-            sent = [MessageView("user", branch.user_text)] if branch.user_text is not None else []
-            await self.conversation.add(*sent, reply.view)
-            self.query_one(ChatInput).focus()  # the message it was made from is gone with the old view
-        elif branch is not None and (self.session is None or self.session.id != branch.session.id):
-            self.opened(branch.session)  # a new chat, stored now
-        if reply.view is not None:
-            reply.view.set_note("reading the conversation…")
-        reply.started = True
-
-    async def reply_refused(self, reply: Reply, error: str) -> None:
-        """The job could not be submitted (an empty message, one longer than the context, no model)."""
-        if reply.view is not None and not reply.view.content:
-            await reply.view.remove()
-        self.notify(error, title="No reply", severity="error", timeout=10)
-        self.reply_done(reply)
-
-    async def render_replies(self) -> None:
-        """Draw what each reply's job told since the last time: its text in one piece, the newest
-        progress of its prompt, its end."""
-        for reply in list(self.replies):
-            if not reply.started:
-                continue
-            for kind, events in groupby(reply.take_events(), lambda event: event.kind):
-                events = list(events)
-                if kind == "text":
-                    await self.show_text(reply, "".join(e.text for e in events if e.alt == 0))
-                elif kind == "prefill":
-                    self.show_prefill(reply, events[-1])
-                elif kind == "end":
-                    await self.reply_ended(reply)
-
-    def show_prefill(self, reply: Reply, event: Event) -> None:
-        """How far a long prompt has been read, as a bar; then back to the work that follows."""
-        self.status.progress("reading the conversation", event.done, event.total)
-        if event.done >= event.total:
-            self.status.progress(work_label(reply))
-
-    async def show_text(self, reply: Reply, text: str) -> None:
-        view = reply.view
-        if not text or view is None:  # (alternatives show when all are written)
-            return
-        if view.note and view.note != "stopped":
-            view.set_note("")
-            self.status.done()  # the prefill's bar, if the prompt was long
-            self.status.set(work=REPLYING)
-        stats = reply.job.stats[0]
-        self.show_context(stats.prompt_tokens + stats.generated_tokens)
-        await view.append(text)
-
-    async def reply_ended(self, reply: Reply) -> None:
-        """The job ended: what it made is stored (also when stopped, and as far as it got when it failed)."""
-        job = reply.job
-        if reply.view is not None:
-            await reply.view.finish()
-        if job.error is not None:
-            self.notify(error_text(job.error), title="No reply", severity="error", timeout=10)
-        if reply.n > 1:
-            self.alternatives += job.result or []
-            return self.reply_done(reply)
-        stored = job.result.session if job.result else None
-        if job.error is None and stored is not None:
-            self.in_background(
-                partial(self.store.path, stored.head_id),
-                partial(self.reply_stored, reply, stored),
-                failed=lambda error: self.reply_done(reply),
-            )
-            return
-        session = stored or self.session
-        if session is not None:
-            self.switch_to(session.id)  # show what was stored
-        elif reply.view is not None and not reply.view.content:
-            await reply.view.remove()
-        self.reply_done(reply)
-
-    async def reply_stored(self, reply: Reply, session: Session, path: list[Message]) -> None:
-        """The stored reply: its message ids to the messages shown (or the conversation drawn again,
-        if what is stored differs), its speed and the context it filled."""
-        stats = (path[-1].stats or {}) if path else {}
-        if self.conversation.adopt(path):
-            reply.view.set_note("stopped" if stats.get("stop_reason") == "cancelled" else "")
-            self.opened(session)
-        else:
-            await self.show_session(session, path)
-        self.status.set(speed=speed_text(stats))
-        self.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
-        self.reply_done(reply)
-        self.tool_calls.after_reply(session, path)
-
-    def reply_done(self, reply: Reply) -> None:
-        if reply in self.replies:
-            self.replies.remove(reply)
-        if self.replies:
-            return
-        self.flush_timer.pause()
-        self.status.done()
-        if self.alternatives:
-            alternatives = [(session.id, text) for session, text in self.alternatives]
-            self.alternatives = []
-            self.sidebar.show_chats(self.session.id if self.session else None)
-            self.app.push_screen(AlternativesScreen(alternatives), self.open_picked)
-
-    def open_picked(self, session_id: str | None) -> None:
-        if session_id:
-            self.switch_to(session_id)
+    def action_stop(self) -> None:
+        """Esc: stop the replies at once (what was written is kept), else leave the search or a message."""
+        if not self.flow.stop():
+            self.sidebar.leave_search()
+            self.query_one(ChatInput).focus()
 
     def on_unmount(self) -> None:
         self.tool_calls.close()
 
-    def action_stop(self) -> None:
-        """Esc: stop the replies at once (what was written is kept), else leave the search or a message."""
-        if self.replies:
-            for reply in self.replies:
-                reply.cancel.set()
-                if reply.view is not None:
-                    reply.view.set_note("stopped")
-            return
-        self.sidebar.leave_search()
-        self.query_one(ChatInput).focus()
-
-    async def stop_replies(self) -> None:
-        """Stop every reply and wait (without holding the screen) until what each wrote is stored; one
-        waiting for a model being loaded is not written at all."""
-        for reply in self.replies:
-            reply.cancel.set()
-
-        def running(reply: Reply) -> bool:
-            return not reply.job.state.ended if reply.job else self.loading_model is None
-
-        while any(running(reply) for reply in self.replies):
-            await asyncio.sleep(0.02)
-
     @on(ChatInput.LeaveUp)
     def focus_last_message(self) -> None:
         self.conversation.focus_last()
+
+    # -- what the other keys and the sidebar do (actions.py) --------------------------------------
+
+    def on_tree_node_selected(self, event: Tree.NodeSelected) -> None:
+        self.actions.open_ref(event.node.data)
+
+    def on_session_tree_delete(self, event: SessionTree.Delete) -> None:
+        self.actions.delete(event.session_id)
+
+    def on_message_view_edit(self, event: MessageView.Edit) -> None:
+        self.actions.edit(event.view)
+
+    async def action_new_chat(self) -> None:
+        await self.actions.new_chat()
+
+    def action_fork(self) -> None:
+        self.actions.fork()
+
+    def action_regenerate(self) -> None:
+        self.actions.regenerate()
+
+    def action_regenerate_three(self) -> None:
+        self.actions.regenerate_three()
+
+    def action_search(self) -> None:
+        self.actions.search()
+
+    def action_toggle_sidebar(self) -> None:
+        self.actions.toggle_sidebar()
+
+    def action_toggle_api_chats(self) -> None:
+        self.actions.toggle_api_chats()
+
+    def action_rename(self) -> None:
+        self.actions.rename()
+
+    def action_delete(self) -> None:
+        self.actions.delete(self.session.id if self.session else None)
+
+    def action_settings(self) -> None:
+        self.actions.settings()
+
+    def action_choose_model(self) -> None:
+        self.actions.choose_model()
+
+    def action_export(self) -> None:
+        self.actions.export()
+
+    def action_import(self) -> None:
+        self.actions.import_chat()
+
+    def action_attach(self) -> None:
+        self.actions.attach()
+
+    def action_help(self) -> None:
+        self.actions.help()

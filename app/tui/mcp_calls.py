@@ -76,10 +76,10 @@ class ToolCalls:
         if screen.engine is not None:
             screen.engine.tools = self.tools.tools or None  # without those of a server that stopped
         await screen.show_session(session, path)
-        reply = Reply(session, None, screen.max_tokens(session))
+        reply = Reply(session, None, screen.flow.max_tokens(session))
         reply.view = MessageView("assistant")
         await screen.conversation.add(reply.view)
-        screen.submit(reply)
+        screen.flow.submit(reply)
 
     def close(self) -> None:
         if self.tools is not None:

@@ -1,25 +1,30 @@
-"""A reply the screen asked for, submitted as a job to the chat layer's scheduler.
+"""The replies the chat screen asks for, asked of the chat engine's verbs (reply, regenerate, edit).
 
-The screen makes a `Reply` on the UI thread, with its cancel and the queue the job's events go to (the
-scheduler's thread only puts them there); `submit` then runs on a worker thread, since it writes the
-store (a new chat, a branch) and waits for the scheduler's lock. The screen takes the events off the
-queue as it draws, never waiting for them.
+The screen's `ReplyFlow` makes a `Reply` on the UI thread, with its cancel and the queue the job's
+events go to (the scheduler's thread only puts them there); `submit` then runs on a worker thread,
+since it writes the store (a new chat, a branch) and waits for the engine's lock. The flow takes the
+events off the queue as the screen draws, never waiting for them, and offers alternatives at the end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import groupby
 
 from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
-from llama_chat.storage.store import marked_title
 
-from ..chat.engine import ChatEngine, fork_before
-from ..chat.jobs import Event, Job
+from ..chat.attachments import with_attachments
+from ..chat.engine import ChatEngine, SavedReply
+from ..chat.jobs import Event, JobView
+from ..chat.titles import title_from_text
 from ..config import ConfigError
-from .widgets import MessageView
+from .dialogs import AlternativesScreen
+from .widgets import ChatInput, MessageView, speed_text
 
 USER_ERRORS = (ModelError, StoreError, ConfigError, ValueError, OSError)
 
@@ -55,7 +60,7 @@ class Reply:
     view: MessageView | None = None  # the message it streams into; None: shown once its branch is
     cancel: threading.Event = field(default_factory=threading.Event)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    job: Job | None = None  # once submitted
+    job: JobView | None = None  # once submitted
     started: bool = False  # submitted, and its branch (if it makes one) is on screen
 
     def take_events(self) -> list[Event]:
@@ -74,19 +79,243 @@ def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
     if engine is None:
         raise ModelError("no model is loaded (Ctrl+L chooses one)")
     options = dict(max_tokens=reply.max_tokens, cancel=reply.cancel, on_event=reply.events.put)
-    if reply.n > 1:  # one job of n replies, decoded together
-        reply.job = engine.submit_regenerate(reply.session, reply.n, **options)
-        return None
-    store = engine.store
-    if reply.edited is not None:
-        branch = fork_before(store, reply.session, reply.edited, marked_title(reply.session.title, "(edited)"))
-        before = store.path(reply.edited.parent_id)
+    if reply.regenerate is not None:  # one job of n replies, decoded together, each in its branch
+        branches, reply.job = engine.regenerate(
+            reply.session, reply.n, reply_id=reply.regenerate.id, **options
+        )
+        if reply.n > 1:
+            return None
+        branch = branches[0]
+    elif reply.edited is not None:
+        branch, reply.job = engine.edit(reply.session, reply.edited.id, reply.text, **options)
     else:
-        if reply.regenerate is not None:
-            title = marked_title(reply.session.title, "(regenerated)")
-            branch = engine.fork(reply.session, reply.regenerate.parent_id, title)
+        branch = reply.session or engine.new_session(**reply.new_chat)
+        reply.job = engine.reply(branch, reply.text, **options)
+    return Branch(branch, engine.store.path(branch.head_id), reply.text)
+
+
+def saved_replies(reply: Reply) -> list[SavedReply]:
+    """Where the reply's job stored what it made, one per alternative (none: it stored nothing)."""
+    result = reply.job.result
+    return [] if result is None else result if isinstance(result, list) else [result]
+
+
+REPLYING = "writing a reply (Esc stops)"
+
+
+def work_label(reply: Reply) -> str:
+    return REPLYING if reply.n == 1 else f"writing {reply.n} alternatives (Esc stops)"
+
+
+class ReplyFlow:
+    """The chat screen's replies, from the ask to what was stored (held by the screen, which it draws
+    on): one at a time, each submitted from a worker, its job's events drawn as they come."""
+
+    def __init__(self, screen):
+        self.screen = screen  # the ChatScreen
+        self.running: list[Reply] = []  # replies being written
+        self.alternatives: list[tuple[Session, str]] = []  # replies written side by side, offered at the end
+
+    def can_start(self, what: str) -> bool:
+        """One reply at a time; say why not, rather than queue silently. A model load is waited for."""
+        if self.running:
+            self.screen.notify(f"A reply is being written; Esc stops it, then {what}.", severity="warning")
+            return False
+        if self.screen.loading_model and what == "change the model":
+            self.screen.notify(
+                f"Busy: {self.screen.loading_model}. Wait for it, then {what}.", severity="warning"
+            )
+            return False
+        return True
+
+    def can_reply(self, what: str = "send") -> bool:
+        if not self.can_start(what):
+            return False
+        if self.screen.loading_model is None and self.screen.engine is None:
+            self.screen.notify("No model is loaded: Ctrl+L chooses one.", severity="error")
+            return False
+        return True
+
+    def max_tokens(self, session: Session | None) -> int:
+        return int((session.sampling if session else {}).get("max_tokens") or self.screen.config.max_tokens)
+
+    async def send(self, text: str) -> None:
+        """Send the message; an empty one answers a message of yours left without a reply."""
+        session = self.screen.session
+        if not self.can_reply():
+            return
+        if text.strip():
+            self.screen.query_one(ChatInput).clear()
+            text, self.screen.attached = with_attachments(text, self.screen.attached), []
+            reply = Reply(session, text, self.max_tokens(session))
+            reply.new_chat = dict(
+                title=title_from_text(text),
+                system_prompt=self.screen.config.system_prompt,
+                sampling=dict(self.screen.config.sampling),
+            )
+            sent = [MessageView("user", text)]
         else:
-            branch = reply.session or engine.new_session(**reply.new_chat)
-        before = store.path(branch.head_id)
-    reply.job = engine.submit_reply(branch, reply.text, **options)
-    return Branch(branch, before, reply.text)
+            last = self.screen.conversation.last()
+            if session is None or last is None or last.role != "user":
+                return
+            reply, sent = Reply(session, None, self.max_tokens(session)), []
+        reply.view = MessageView("assistant")
+        await self.screen.conversation.add(*sent, reply.view)
+        self.submit(reply)
+
+    def submit(self, reply: Reply) -> None:
+        """Start a reply (it waits for a model being loaded): it is asked of the engine from a worker,
+        and its job's events are drawn every FLUSH_S until it ends."""
+        self.running.append(reply)
+        if reply.view is not None:
+            reply.view.set_note(
+                "waiting for the model" if self.screen.loading_model else "reading the conversation…"
+            )
+        if (
+            not self.screen.loading_model
+        ):  # else the load's progress stays on the status line until it is done
+            self.start(reply)
+        self.screen.flush_timer.resume()
+
+    def start(self, reply: Reply) -> None:
+        self.screen.status.set(work=work_label(reply))
+        if reply.n > 1:  # no text streams before the end: a bar says it works
+            self.screen.status.progress(work_label(reply))
+        self.screen.in_background(
+            partial(submit, self.screen.engine, reply),
+            partial(self.reply_started, reply),
+            failed=partial(self.reply_refused, reply),
+        )
+
+    async def reply_started(self, reply: Reply, branch: Branch | None) -> None:
+        """The job is submitted: show the new branch it goes to, or adopt a new chat."""
+        if branch is not None and reply.view is None:  # its messages, the new text, the reply to come
+            await self.screen.show_session(branch.session, branch.path)
+            reply.view = MessageView("assistant")
+            sent = [MessageView("user", branch.user_text)] if branch.user_text is not None else []
+            await self.screen.conversation.add(*sent, reply.view)
+            self.screen.query_one(ChatInput).focus()  # the message it was made from is gone with the old view
+        elif branch is not None and (
+            self.screen.session is None or self.screen.session.id != branch.session.id
+        ):
+            self.screen.opened(branch.session)  # a new chat, stored now
+        if reply.view is not None:
+            reply.view.set_note("reading the conversation…")
+        reply.started = True
+
+    async def reply_refused(self, reply: Reply, error: str) -> None:
+        """The job could not be submitted (an empty message, one longer than the context, no model)."""
+        if reply.view is not None and not reply.view.content:
+            await reply.view.remove()
+        self.screen.notify(error, title="No reply", severity="error", timeout=10)
+        self.reply_done(reply)
+
+    async def render(self) -> None:
+        """Draw what each reply's job told since the last time: its text in one piece, the newest
+        progress of its prompt, its end."""
+        for reply in list(self.running):
+            if not reply.started:
+                continue
+            for kind, events in groupby(reply.take_events(), lambda event: event.kind):
+                events = list(events)
+                if kind == "text":
+                    await self.show_text(reply, "".join(e.text for e in events if e.alt == 0))
+                elif kind == "prefill":
+                    self.show_prefill(reply, events[-1])
+                elif kind == "end":
+                    await self.reply_ended(reply)
+
+    def show_prefill(self, reply: Reply, event: Event) -> None:
+        """How far a long prompt has been read, as a bar; then back to the work that follows."""
+        self.screen.status.progress("reading the conversation", event.done, event.total)
+        if event.done >= event.total:
+            self.screen.status.progress(work_label(reply))
+
+    async def show_text(self, reply: Reply, text: str) -> None:
+        view = reply.view
+        if not text or view is None:  # (alternatives show when all are written)
+            return
+        if view.note and view.note != "stopped":
+            view.set_note("")
+            self.screen.status.done()  # the prefill's bar, if the prompt was long
+            self.screen.status.set(work=REPLYING)
+        stats = reply.job.stats[0]
+        self.screen.show_context(stats.prompt_tokens + stats.generated_tokens)
+        await view.append(text)
+
+    async def reply_ended(self, reply: Reply) -> None:
+        """The job ended: what it made is stored (also when stopped, and as far as it got when it failed)."""
+        job = reply.job
+        if reply.view is not None:
+            await reply.view.finish()
+        if job.error is not None:
+            self.screen.notify(error_text(job.error), title="No reply", severity="error", timeout=10)
+        saved = saved_replies(reply)
+        if reply.n > 1:
+            self.alternatives += [(s.session, job.text(i)) for i, s in enumerate(saved) if s.session]
+            return self.reply_done(reply)
+        stored = saved[0].session if saved else None
+        if job.error is None and stored is not None:
+            self.screen.in_background(
+                partial(self.screen.store.path, stored.head_id),
+                partial(self.reply_stored, reply, stored),
+                failed=lambda error: self.reply_done(reply),
+            )
+            return
+        session = stored or self.screen.session
+        if session is not None:
+            self.screen.switch_to(session.id)  # show what was stored
+        elif reply.view is not None and not reply.view.content:
+            await reply.view.remove()
+        self.reply_done(reply)
+
+    async def reply_stored(self, reply: Reply, session: Session, path: list[Message]) -> None:
+        """The stored reply: its message ids to the messages shown (or the conversation drawn again,
+        if what is stored differs), its speed and the context it filled."""
+        stats = (path[-1].stats or {}) if path else {}
+        if self.screen.conversation.adopt(path):
+            reply.view.set_note("stopped" if stats.get("stop_reason") == "cancelled" else "")
+            self.screen.opened(session)
+        else:
+            await self.screen.show_session(session, path)
+        self.screen.status.set(speed=speed_text(stats))
+        self.screen.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
+        self.reply_done(reply)
+        self.screen.tool_calls.after_reply(session, path)
+
+    def reply_done(self, reply: Reply) -> None:
+        if reply in self.running:
+            self.running.remove(reply)
+        if self.running:
+            return
+        self.screen.flush_timer.pause()
+        self.screen.status.done()
+        if self.alternatives:
+            alternatives = [(session.id, text) for session, text in self.alternatives]
+            self.alternatives = []
+            self.screen.sidebar.show_chats(self.screen.session.id if self.screen.session else None)
+            self.screen.app.push_screen(AlternativesScreen(alternatives), self.open_picked)
+
+    def open_picked(self, session_id: str | None) -> None:
+        if session_id:
+            self.screen.switch_to(session_id)
+
+    def stop(self) -> bool:
+        """Esc: stop the replies at once (what was written is kept); False when none was being written."""
+        for reply in self.running:
+            reply.cancel.set()
+            if reply.view is not None:
+                reply.view.set_note("stopped")
+        return bool(self.running)
+
+    async def stop_and_wait(self) -> None:
+        """Stop every reply and wait (without holding the screen) until what each wrote is stored; one
+        waiting for a model being loaded is not written at all."""
+        for reply in self.running:
+            reply.cancel.set()
+
+        def running(reply: Reply) -> bool:
+            return not reply.job.state.ended if reply.job else self.screen.loading_model is None
+
+        while any(running(reply) for reply in self.running):
+            await asyncio.sleep(0.02)

@@ -16,7 +16,7 @@ from llama_chat.storage import Message
 if TYPE_CHECKING:
     from llama_chat.inference import Model
 
-    from ..chat.engine import ResumeInfo
+    from ..chat.resume import ResumeInfo
 
 AUTHORS = {"user": "you", "assistant": "assistant"}
 

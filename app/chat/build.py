@@ -1,0 +1,100 @@
+"""The one way a chat engine is built, by the app, the command line and the server alike: one options
+object (each field has its flag), the model loaded with the KV codec's compiled loops made ready, the
+store and the remote KV tier opened."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_chat.inference import Model, load_model
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.storage.codec import AUTO
+from llama_chat.storage.codec import compile_kernels as compile_codec
+from llama_chat.storage.kv_plan import model_plan
+from llama_chat.storage.store import ChatStore
+
+from .compile_progress import CompileProgress
+from .engine import ChatEngine
+from .scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
+from .settings import CACHE_RAM_MB, CODEC, N_CTX
+
+Progress = Callable[[str, int, int], None]
+IN_MEMORY = ":memory:"  # the database of an engine that keeps nothing (a one-off question)
+
+
+@dataclass
+class EngineOptions:
+    """What a chat engine is built from; each has its flag (app/cli.py)."""
+
+    model: str | None = None  # --model: a known model's name or a .gguf path; None: the default model
+    db: Path | str = IN_MEMORY  # --db: the conversation database
+    store: ChatStore | None = (
+        None  # an open database to use instead of `db` (the app's: it shows chats first)
+    )
+    n_ctx: int = N_CTX  # --ctx
+    cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
+    block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
+    prompt_lookup: bool = True  # --no-lookup
+    codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
+    kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
+    kv_secret: str | None = None  # --kv-secret: what signs them there
+    parallel: int = DEFAULT_PARALLEL  # --parallel: replies decoded together
+    queue: int = DEFAULT_QUEUE  # --queue: replies waiting beyond those
+
+
+def load_chat_model(
+    name: str | None, progress: Progress | None = None, codec: str = CODEC, **options
+) -> Model:
+    """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
+    the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
+    the compiler. Under the auto `codec`, the model's KV plan too (measured at its first use)."""
+    if progress is None:
+        model = load_model(name, **options)
+        compile_codec()
+    else:
+        with CompileProgress(progress) as told:  # what really compiles, as it does
+            model = load_model(name, progress=told, **options)
+            compile_codec(told)
+    if codec == AUTO:
+        model_plan(model, progress)
+    return model
+
+
+def open_model(options: EngineOptions, progress: Progress | None = None) -> Model:
+    return load_chat_model(
+        options.model,
+        progress,
+        options.codec,
+        cache_ram_mb=options.cache_ram_mb,
+        block_size=options.block_size,
+        prompt_lookup=options.prompt_lookup,
+    )
+
+
+def open_remote(options: EngineOptions, fingerprint: str):
+    """The remote KV tier of --kv-remote, if one is named (RemoteTierError says what is wrong)."""
+    if not options.kv_remote:
+        return None
+    from llama_chat.storage.remote import RemoteTier  # redis is imported only where a tier is used
+
+    return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
+
+
+def open_engine(
+    options: EngineOptions, progress: Progress | None = None, model: Model | None = None
+) -> ChatEngine:
+    """The chat engine `options` describe: its model loaded (unless `model` is one loaded already from
+    them), its database and remote tier opened. Whoever built it closes it (ChatEngine.close), and
+    closes the store it opened (engine.store) unless the options brought one."""
+    store = options.store or ChatStore(options.db)
+    try:
+        model = model or open_model(options, progress)
+        remote = open_remote(options, model.fingerprint)
+        scheduler = Scheduler(model, options.parallel, options.queue)
+        return ChatEngine(model, store, options.codec, options.n_ctx, scheduler, remote)
+    except BaseException:
+        if options.store is None:
+            store.close()
+        raise

@@ -1,0 +1,184 @@
+"""Conversations sent whole (OpenAI's way: each request carries its history), replied to and kept.
+
+Its prompt is prefilled into a fresh sequence of the shared block pool, so every full block any
+earlier request (or the app, or an earlier process, through the database, or another server, through
+the remote tier) computed is reused, not recomputed. When the reply is done the conversation is kept
+as a session made by the API — appended to the session where the same history left off, else a new
+one — and its KV snapshotted as a session's is. So its blocks outlive the process (and `sessions gc`,
+which keeps what sessions use), and the client's next turn after a restart reads them from disk. A
+reply not to be stored keeps nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from llama_chat.inference import KVSequence, chat_prompt_ids
+from llama_chat.storage import Message, Session, StoreError
+
+from .jobs import Job
+from .replies import Plan, ReplyNotStored, check_fits, reply_message
+from .resume import LiveSessions
+from .titles import TITLE_CHARS, session_title
+
+API_ORIGIN = "api"  # sessions.origin of the conversations the server keeps
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation sent whole: its messages (a leading system message is its system prompt), the
+    tools offered, and whose it is: a `tenant`'s (and a `cache_key`'s: OpenAI's prompt_cache_key)
+    share KV only among themselves (kv_salt), and keep it in sessions of theirs."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    tenant: str | None = None
+    cache_key: str | None = None
+
+
+def kv_salt(tenant: str | None, cache_key: str | None = None) -> bytes | None:
+    """The KV namespace of a tenant's requests (vLLM's cache_salt), narrowed by a prompt_cache_key: no
+    block, in RAM or stored, is shared across two, so no cached_tokens tell of another's prompts. None,
+    without either: the blocks every session shares (and the remote tier, which only those reach)."""
+    if tenant is None and cache_key is None:
+        return None
+    return hashlib.sha256(json.dumps(["llama-chat kv salt", tenant, cache_key]).encode()).digest()[:16]
+
+
+def split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    """A leading system message becomes the session's system prompt; the rest are its turns."""
+    if messages and messages[0]["role"] == "system":
+        return messages[0]["content"], messages[1:]
+    return None, messages
+
+
+def title_of(turns: list[dict]) -> str:
+    first = next((m["content"] for m in turns if m["role"] == "user"), "")
+    return session_title(first)[:TITLE_CHARS].rstrip() or "API chat"
+
+
+class Conversations:
+    def __init__(self, live: LiveSessions, closing):
+        self.live, self.model, self.store = live, live.model, live.store
+        self.closing = closing  # () → whether the engine is closing: a reply cut short by it is kept
+        # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
+
+    def plan(self, conversation: Conversation, settings: dict, store: bool) -> Plan:
+        """The plan of replies to a conversation; job.result is the future of the session it is kept in
+        (None: not kept). `settings`: the request's, stored with a new session. PromptTooLong, before
+        anything is read or computed, for a conversation that leaves no room for a reply."""
+        messages, live = conversation.messages, self.live
+        prompt = chat_prompt_ids(self.model, messages, tools=conversation.tools)
+        check_fits(prompt, live.n_ctx)
+        base: list[KVSequence] = []
+        namespace = kv_salt(conversation.tenant, conversation.cache_key)
+        previous = self._previous_ids(messages, prompt)
+        kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None
+        # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
+        # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
+        remote = None
+        if namespace is None:  # (a namespace's KV never travels, as an import's does not)
+            remote = live.read_remote(prompt[:-1], tail_of=previous, session_id=kept.id if kept else None)
+
+        def prepare(job: Job) -> tuple[list[int], KVSequence]:
+            seq = self.model.new_sequence(live.n_ctx, namespace=namespace)
+            base.append(seq)
+            job.remote = remote
+            if previous is not None:  # a returning conversation takes the tail its last reply left too
+                seq.reuse_prefix(previous)
+                live.restore_tail(kept, seq, previous)
+            return prompt, seq
+
+        def finish(job: Job) -> Future | None:
+            live.note_prefill(job.stats[0])
+            ended = job.stats[0].stop_reason in ("eog", "stop", "length")
+            # a reply cut short by the engine's closing is kept as it is, as a stopped one (the client
+            # is told where); one its client left, or that failed, leaves nothing to continue from
+            cut = job.cancelled and self.closing() and job.answered
+            if not store or not (ended or cut):
+                return None
+            return self._keep(messages, settings, job, conversation.tenant)
+
+        def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool: give the KV back
+            for seq in {id(s): s for s in [*base, *job.seqs]}.values():
+                seq.free()
+
+        return Plan(prepare, finish, ended)
+
+    def _previous_ids(self, messages: list[dict], prompt: list[int]) -> list[int] | None:
+        """The conversation before its new message as it was kept after its last reply, where the prompt
+        goes on from it; None for a first message."""
+        if len(split_system(messages)[1]) < 2:
+            return None  # a first message: no reply before it
+        previous = self.live.window_ids(messages[:-1])
+        return previous if prompt[: len(previous)] == previous else None
+
+    def _kept_session(
+        self, messages: list[dict], tenant: str | None, namespace: bytes | None
+    ) -> Session | None:
+        """The API session a returning conversation was kept in after its last reply (its tail, the KV
+        after its last full block, is stored with it), if it is here. (Full blocks are shared by
+        content; a tail by the tokens it ends, or another server's through the remote tier.)"""
+        system, turns = split_system(messages)
+        try:
+            return self.store.session_ending_with(
+                API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]], tenant, namespace
+            )
+        except StoreError:  # the tail is only a cache: computing it is the way back
+            return None
+
+    def _keep(self, messages: list[dict], settings: dict, job: Job, tenant: str | None) -> Future:
+        """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
+        (alternative 0) is brought up to its stored form and held; storing it, and the messages, is
+        left to the writer thread, so the replies streaming meanwhile do not wait on SQLite. Returns
+        the future of the session they go in (None: not stored)."""
+        reply = reply_message(job)
+        conversation = [*messages, {"role": "assistant", "content": reply.content}]
+        # a reply cut short keeps the KV it holds, as a session's do
+        held = self.live.hold_kv(job.seqs[0], self.live.window_ids(conversation), not job.cancelled)
+        return self.writer.submit(self._store, messages, settings, reply, held, tenant)
+
+    def _store(
+        self, messages: list[dict], settings: dict, reply: Message, held: KVSequence, tenant: str | None
+    ) -> Session:
+        """The conversation and its reply stored — appended to the API session where the same history
+        left off, else in a new one (with the request's settings), in one transaction — then its KV. A
+        failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
+        system, turns = split_system(messages)
+        asked = [Message(0, None, m["role"], m["content"], None, reply.created, None) for m in turns]
+        try:
+            history = [(m["role"], m["content"]) for m in turns[:-1]]
+            session = self.store.session_ending_with(API_ORIGIN, system, history, tenant, held.namespace)
+            if session is None:
+                stored = self.store.create_session(
+                    title_of(turns),
+                    model_fingerprint=self.model.fingerprint,
+                    model_name=self.model.name,
+                    system_prompt=system,
+                    sampling=settings,
+                    origin=API_ORIGIN,
+                    turn=[*asked, reply],
+                    tenant=tenant,
+                    kv_namespace=held.namespace,
+                )
+            else:
+                stored, _ = self.store.append_turn(session.id, session.head_id, [asked[-1], reply])
+        except StoreError as e:
+            with self.live.lock:
+                held.free()
+            print(f"llama-chat serve: a conversation was not stored: {e}", file=sys.stderr)
+            raise ReplyNotStored(e) from None
+        try:
+            self.live.store_kv(stored.id, held)
+        except StoreError as e:
+            print(f"llama-chat serve: a conversation's KV was not stored: {e}", file=sys.stderr)
+        return stored
+
+    def close(self) -> None:
+        """Wait for what the writer has left to store."""
+        self.writer.shutdown(wait=True)

@@ -1,0 +1,79 @@
+"""What every reply shares, a session's turn or a conversation sent whole: the plan a job is made
+from, the message a reply is stored as, and why a reply was refused or not stored."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llama_chat.inference import GenerationStats, KVSequence
+from llama_chat.inference.errors import ContextFullError
+from llama_chat.storage.db import StoreError
+from llama_chat.storage.store import Message, Session
+
+from .jobs import Job
+
+
+class ReplyNotStored(StoreError):
+    """A reply was made but could not be stored (the disk is full, …): whoever made it still has it."""
+
+    def __init__(self, e: StoreError):
+        super().__init__(f"the reply was not stored: {e}", e.brief, e.full)
+
+
+class PromptTooLong(ContextFullError):
+    """A prompt that leaves no room for a reply in the context window."""
+
+    def __init__(self, prompt_tokens: int, n_ctx: int):
+        super().__init__(
+            f"the prompt is {prompt_tokens:,} tokens; the context window holds {n_ctx:,} (--ctx)"
+        )
+        self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
+
+
+def check_fits(prompt: list[int], n_ctx: int) -> None:
+    """Refuse a prompt that leaves no room for a reply, before anything is stored or computed."""
+    if len(prompt) >= n_ctx:
+        raise PromptTooLong(len(prompt), n_ctx)
+
+
+@dataclass
+class SavedReply:
+    """Where a session's reply was stored: its job's result, filled in when it ends."""
+
+    session: Session | None = None  # the session ending with the reply; None: not stored (an error says why)
+    branched: bool = False  # the session had moved on meanwhile: the reply went on a new branch of it
+    kv_skipped: str | None = None  # why the KV snapshot was not stored (it is recomputed when needed)
+
+
+@dataclass
+class Plan:
+    """A reply as the scheduler runs it: prepare(job) → (prompt, sequence) when it is admitted;
+    finish(job) → job.result when it ended; ended(job) however it ended (KV given back, …)."""
+
+    prepare: Callable[[Job], tuple[list[int], KVSequence]]
+    finish: Callable[[Job], Any]
+    ended: Callable[[Job], None] | None = None
+    session_id: str | None = None  # the jobs of one session run one after another
+
+
+def reply_stats(stats: GenerationStats) -> dict:
+    """What is stored with a reply about how it was made."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "prefilled_tokens": stats.prefilled_tokens,
+        "prefill_tok_s": round(stats.prefill_tok_s, 2),
+        "generated_tokens": stats.generated_tokens,
+        "decode_tok_s": round(stats.decode_tok_s, 2),
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "stop_reason": stats.stop_reason,
+    }
+
+
+def reply_message(job: Job, alt: int = 0) -> Message:
+    """Alternative `alt` of a job's replies, as it is stored."""
+    stats = job.stats[alt]
+    return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), reply_stats(stats))
