@@ -169,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")
+    ask.add_argument(
+        "-f", "--file", dest="files", action="append", default=[], metavar="FILE",
+        help="attach a text file, inlined with its name before the question (repeatable; '-' reads stdin)",
+    )
     where = ask.add_mutually_exclusive_group()
     where.add_argument("--session", metavar="ID", help="continue a stored session (id or unique prefix)")
     where.add_argument("--new-session", action="store_true", help="start a stored session (prints its id)")

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from functools import partial
 from pathlib import Path
 
 from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
+from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import ChatStore, Session, StoreError
+from llama_chat.storage.fragments import brief
 from llama_chat.storage.remote import RemoteTierError
 
 from .chat import build
+from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
 from .chat.resume import system_message
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
+from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
 from .flags import engine_options
 from .progress import ProgressBar
 from .signals import ReplySignals
@@ -120,7 +125,7 @@ def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Sess
 
 
 def cmd_ask(args) -> int:
-    prompt = read_prompt(args.prompt)
+    prompt = question(args)
     if not (args.session or args.new_session):
         return ask_once(args, prompt)
     store = open_store(args)
@@ -149,6 +154,17 @@ def cmd_ask(args) -> int:
     finally:
         if args.new_session:
             forget_if_empty(store, session)
+
+
+def question(args) -> str:
+    """The question of `ask`, the files of `-f` before it; a file that cannot be attached is one line."""
+    if [args.prompt, *args.files].count("-") > 1:
+        raise UsageError("stdin can be read once: '-' as the prompt or as one -f, not both")
+    prompt = read_prompt(args.prompt)
+    try:
+        return with_attachments(prompt, [read_attachment(path) for path in args.files])
+    except AttachmentError as e:
+        raise UsageError(str(e)) from None
 
 
 def ask_once(args, prompt: str) -> int:
@@ -207,32 +223,61 @@ def forget_if_empty(store: ChatStore, session: Session) -> None:
 
 
 def cmd_chat(args) -> int:
+    servers = user_config().mcp_servers  # a config.toml that cannot be used fails before the model loads
     store = open_store(args)
     store.check_writable()
     if args.session:
         store.get_session(args.session)  # an unknown session fails before the model loads
     engine = open_engine(args, store)
+    tools = open_tools(engine, servers)  # before a session's KV is restored: its prompts offer them
+    try:
+        return chat_loop(engine, tools, args)
+    finally:
+        if tools is not None:
+            tools.close()
+
+
+def chat_loop(engine: ChatEngine, tools, args) -> int:
+    """The session of `chat` (resumed or new), then its lines until Ctrl+D."""
     if args.session:
         session = engine.store.get_session(args.session)
         info = engine.resume(session)
         print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
         for m in engine.store.path(session.head_id)[-4:]:
-            print(f"{m.role}: {m.content}", file=sys.stderr)
+            print(f"{m.role}: {brief(m.content)}", file=sys.stderr)  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
-    print("Ctrl+D ends, Ctrl+C stops a reply.", file=sys.stderr)
+    print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
+    files = PendingFiles()
     while True:
         try:
             line = input("> ")
         except EOFError:
             print(file=sys.stderr)
             return 0
-        if not line.strip():
+        if not line.strip() or files.command(line):
             continue
-        session, code = stored_reply(engine, session, line, args)
+        try:
+            session, code = stored_reply(engine, session, files.message(line), args)
+        except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
+            say(f"llama-chat: {e}")
+            continue
+        if tools is not None and not code:
+            again = partial(stored_reply, engine, text=None, args=args)
+            session, code = answer_calls(engine, session, tools, again, ask_yes)
         if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
             return code
+
+
+def user_config():
+    """config.toml, for `chat`'s MCP servers; a file that cannot be used is one line."""
+    from .config import ConfigError, UserConfig  # loads Textual's key names: only for `chat`
+
+    try:
+        return UserConfig.load()
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_tokenize(args) -> int:

@@ -13,6 +13,7 @@ import tomlkit.exceptions
 from textual.keys import KEY_ALIASES, REPLACED_KEYS, Keys, key_to_character
 from textual.theme import Theme
 
+from .chat.mcp_tools import ToolError, server_configs
 from .chat.settings import MAX_TOKENS, N_CTX, REPLY_MAX_TOKENS, SAMPLING, SettingError, checked
 
 DEFAULT_THEME = "llama-dark"
@@ -38,6 +39,10 @@ EXAMPLE = f"""\
 #
 # [keymap]                                       # binding id = keys (F1 lists the ids)
 # fork = "ctrl+k"
+#
+# [mcp_servers.weather]                          # MCP tools for `chat` (docs/tools.md)
+# command = "python"
+# args = ["weather_server.py"]
 """
 
 
@@ -84,6 +89,7 @@ class UserConfig:
     system_prompt: str | None = None
     sampling: dict = field(default_factory=dict)
     keymap: dict[str, str] = field(default_factory=dict)
+    mcp_servers: dict = field(default_factory=dict)  # [mcp_servers.NAME] tables: app/chat/mcp_tools.py
     problems: list[str] = field(default_factory=list)  # settings left out, a line each, for the app to show
 
     def __post_init__(self) -> None:
@@ -105,7 +111,7 @@ class UserConfig:
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: {e}") from None
         types = {"model": str, "theme": str, "max_tokens": int, "n_ctx": int, "system_prompt": str}
-        types |= {"sampling": dict, "keymap": dict}
+        types |= {"sampling": dict, "keymap": dict, "mcp_servers": dict}
         for key, value in data.items():
             if key not in types:
                 raise ConfigError(f"{path}: unknown setting '{key}' (known: {', '.join(types)})")
@@ -118,6 +124,10 @@ class UserConfig:
         try:
             REPLY_MAX_TOKENS.check(data.get("max_tokens", MAX_TOKENS))
         except SettingError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        try:
+            server_configs(data.get("mcp_servers", {}))
+        except ToolError as e:
             raise ConfigError(f"{path}: {e}") from None
         if not all(isinstance(v, str) for v in data.get("keymap", {}).values()):
             raise ConfigError(f'{path}: [keymap] values must be key strings such as "ctrl+k"')

@@ -60,21 +60,26 @@ def chat_prompt_ids(
 
 
 def fit_messages(
-    model: Model, messages: list[dict], budget: int, add_generation_prompt: bool = True
+    model: Model,
+    messages: list[dict],
+    budget: int,
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> tuple[list[dict], list[int]]:
     """Drop the oldest turns after the system prompt until the prompt fits in `budget` tokens.
-    The last message always stays (a prompt longer than the window fails in forward)."""
+    The last message always stays (a prompt longer than the window fails in forward). `tools`: as
+    chat_prompt_ids'."""
     messages = list(messages)
     if not messages:
         return [], []
-    ids = chat_prompt_ids(model, messages, add_generation_prompt)
+    ids = chat_prompt_ids(model, messages, add_generation_prompt, tools)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     while len(ids) > budget and len(messages) - first > 1:
         del messages[first]
         # a conversation does not start with the assistant's reply to a dropped question
         while len(messages) - first > 1 and messages[first]["role"] == "assistant":
             del messages[first]
-        ids = chat_prompt_ids(model, messages, add_generation_prompt)
+        ids = chat_prompt_ids(model, messages, add_generation_prompt, tools)
     return messages, ids
 
 

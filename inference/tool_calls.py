@@ -72,6 +72,25 @@ def split_calls(text: str) -> tuple[str, list[ToolCall]] | None:
     return content.strip(), calls
 
 
+# Small models often write a call as a JSON object in a Markdown fence instead; llama.cpp's Hermes
+# parser takes that form too (its open_regex: an optional ```json fence before `{"name"`).
+_FENCED = re.compile(r"```(?:json|xml)?\n\s*(\{.*?\})\s*```", re.DOTALL)
+
+
+def split_offered_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
+    """split_calls(), or else the fenced JSON calls in the text, of tools offered (`names`) only: a
+    fence of JSON is also what a model writes when asked for JSON, not a call. The content is the text
+    before the first call."""
+    parsed = split_calls(text)
+    if parsed is not None:
+        return parsed
+    fenced = [(m.start(), _call(m.group(1))) for m in _FENCED.finditer(text)]
+    calls = [(at, call) for at, call in fenced if call is not None and call.name in names]
+    if not calls:
+        return None
+    return text[: calls[0][0]].strip(), [call for _, call in calls]
+
+
 def _call(body: str) -> ToolCall | None:
     try:
         value = json.loads(body)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import sqlite_utils
 
+from . import fragments
+
 
 class StoreError(Exception):
     """A problem with the conversation store a user can cause: one line naming the thing and the problem.
@@ -155,7 +157,13 @@ def _v4(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE sessions ADD COLUMN tenant TEXT")
 
 
-MIGRATIONS = [_v1, _v2, _v3, _v4]  # step i brings user_version from i to i + 1
+def _v5(conn: sqlite3.Connection) -> None:
+    """Attached files: their texts stored once, by content hash, and referred to by messages
+    (storage/fragments.py)."""
+    _run_script(conn, fragments.SCHEMA)
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4, _v5]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 DISK_FULL = "the disk is full"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import fragments
 from .connection import StoreConnection
 from .db import StoreError
 from .kv_tables import KVTables
@@ -152,6 +153,7 @@ class ChatStore:
         if not turns:
             return None
         role, content = turns[-1]
+        content = fragments.cut(content)[0]  # as it is stored: its attached files' texts apart
         rows = self.connection.rows(
             "SELECT s.* FROM sessions s JOIN messages m ON m.id = s.head_id WHERE s.origin = ? "
             f"AND m.role = ? AND m.content = ? AND s.system_prompt IS ? AND s.kv_namespace IS ? {_OF_TENANT} "
@@ -312,11 +314,19 @@ class ChatStore:
     def _insert_message(self, parent_id: int | None, m: Message) -> Message:
         """m below parent_id (m's own id and parent_id are not used): the stored message."""
         blob = None if m.token_ids is None else np.asarray(m.token_ids, dtype=np.int32).tobytes()
+        content, attached = fragments.cut(m.content)  # each attached file's text once, in `fragments`
         cur = self.db.conn.execute(
             "INSERT INTO messages (parent_id, role, content, token_ids, created, stats) VALUES (?, ?, ?, ?, ?, ?)",
-            (parent_id, m.role, m.content, blob, m.created, json.dumps(m.stats) if m.stats else None),
+            (parent_id, m.role, content, blob, m.created, json.dumps(m.stats) if m.stats else None),
         )
+        fragments.save(self.db.conn, cur.lastrowid, attached)
         return Message(cur.lastrowid, parent_id, m.role, m.content, m.token_ids, m.created, m.stats)
+
+    def _messages(self, sql: str, params=()) -> list[Message]:
+        """The messages `sql` selects (rows of the messages table), their attached files put back."""
+        with self.connection.lock:  # one view of the messages and their files
+            rows = fragments.restore(self.connection.rows, self.connection.rows(sql, params))
+        return [Message.from_row(r) for r in rows]
 
     def _move_head(self, session_id: str, message_id: int) -> None:
         self.db.conn.execute(
@@ -324,40 +334,33 @@ class ChatStore:
         )
 
     def message(self, message_id: int) -> Message:
-        rows = self.connection.rows("SELECT * FROM messages WHERE id = ?", (message_id,))
-        if not rows:
+        found = self._messages("SELECT * FROM messages WHERE id = ?", (message_id,))
+        if not found:
             raise StoreError(f"unknown message {message_id}")
-        return Message.from_row(rows[0])
+        return found[0]
 
     def path(self, head_id: int | None) -> list[Message]:
         """The messages from the root of the tree down to head_id."""
         if head_id is None:
             return []
-        rows = self.connection.rows(
+        return self._messages(
             "WITH RECURSIVE up(id, depth) AS (SELECT ?, 0 UNION ALL "
             "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id WHERE m.parent_id IS NOT NULL) "
             "SELECT messages.* FROM up JOIN messages ON messages.id = up.id ORDER BY up.depth DESC",
             (head_id,),
         )
-        return [Message.from_row(r) for r in rows]
 
     def children(self, message_id: int) -> list[Message]:
-        return [
-            Message.from_row(r)
-            for r in self.connection.rows(
-                "SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,)
-            )
-        ]
+        return self._messages("SELECT * FROM messages WHERE parent_id = ? ORDER BY id", (message_id,))
 
     def message_tree(self, root_id: int) -> list[Message]:
         """Every message under root_id, itself included, parents before children."""
-        rows = self.connection.rows(
+        return self._messages(  # ids grow, so a parent's id is below its children's
             "WITH RECURSIVE down(id) AS (SELECT ? UNION ALL "
             "SELECT m.id FROM messages m JOIN down ON m.parent_id = down.id) "
             "SELECT messages.* FROM down JOIN messages ON messages.id = down.id ORDER BY messages.id",
             (root_id,),
         )
-        return [Message.from_row(r) for r in rows]  # ids grow, so a parent's id is below its children's
 
     def search(self, text: str, limit: int = 50) -> list[tuple[Session, Message]]:
         """Sessions whose conversation contains the text (full-text search), with each matching message."""
@@ -366,7 +369,7 @@ class ChatStore:
             return []
         query = " ".join(f'"{w}"' for w in words)
         try:
-            hits = self.connection.rows(
+            hits = self._messages(
                 "SELECT messages.* FROM messages_fts JOIN messages ON messages.id = messages_fts.rowid "
                 "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
                 (query, limit),
@@ -376,9 +379,9 @@ class ChatStore:
         found = []
         sessions = self.list_sessions()
         paths = {s.id: {m.id for m in self.path(s.head_id)} for s in sessions}
-        for row in hits:
+        for hit in hits:
             # a message shared by forks belongs to each of them
-            found += [(s, Message.from_row(row)) for s in sessions if row["id"] in paths[s.id]]
+            found += [(s, hit) for s in sessions if hit.id in paths[s.id]]
         return found
 
     # -- import (storage/exchange/ reads and checks the files) ---------------------------------------

@@ -77,6 +77,15 @@ class ChatEngine:
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
     @property
+    def tools(self) -> list[dict] | None:
+        """The function definitions every session's prompt offers (`chat`'s MCP tools); None: none."""
+        return self.live.tools
+
+    @tools.setter
+    def tools(self, tools: list[dict] | None) -> None:
+        self.live.tools = tools
+
+    @property
     def queue_full(self) -> bool:
         """Whether a reply asked for now would be refused (QueueFull): as many wait as may."""
         return self.scheduler.load()["queued"] >= self.scheduler.max_queued
@@ -162,7 +171,7 @@ class ChatEngine:
         if not user_text.strip():
             raise ValueError("the message is empty")
         alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
-        check_fits(chat_prompt_ids(self.model, alone), self.n_ctx)
+        check_fits(chat_prompt_ids(self.model, alone, tools=self.tools), self.n_ctx)
 
     def reply(
         self,
@@ -340,7 +349,7 @@ class ChatEngine:
         go and the cached KV follows by context shift. A reply may use what the window has left."""
         # Room for the reply; what open() restored (up to a full window) is cut down by context shift.
         budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
-        kept, prompt = fit_messages(self.model, messages, budget)
+        kept, prompt = fit_messages(self.model, messages, budget, tools=self.tools)
         if len(kept) < len(messages):
             shift_to(self.model, seq, prompt)
         return prompt

@@ -60,6 +60,7 @@ class LiveSessions:
     def __init__(self, model: Model, store: ChatStore, kv: KVStore, lock: threading.RLock, n_ctx: int):
         self.model, self.store, self.kv, self.lock, self.n_ctx = model, store, kv, lock, n_ctx
         self._seqs: dict[str, KVSequence] = {}
+        self.tools: list[dict] | None = None  # function definitions every session's prompt offers (MCP tools)
 
     # -- which are open ----------------------------------------------------------------------------
 
@@ -112,7 +113,7 @@ class LiveSessions:
 
     def window_ids(self, messages: list[dict]) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window."""
-        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False)[1]
+        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=self.tools)[1]
 
     # -- bringing KV back --------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llama_chat.storage.fragments import brief
 from llama_chat.storage.store import Session
 
 NEW_CHAT = "New chat"  # the title of a chat until its first message names it
@@ -15,7 +16,7 @@ def session_title(text: str) -> str:
 
 def title_from_text(text: str, limit: int = TITLE_CHARS) -> str:
     """A chat's title from a message: one line, cut after its last whole word that fits, with "…"."""
-    title = session_title(text)
+    title = session_title(brief(text))  # an attached file by its name
     if len(title) <= limit:
         return title or NEW_CHAT
     cut = title[: limit - 1]

@@ -1,5 +1,6 @@
 """What the chat's keys do, beyond sending and stopping: open chats, branch (regenerate, edit, fork),
-rename, delete, settings, model, export, import, help, and the command palette built from the bindings.
+rename, delete, settings, model, export, import, attach a file, help, and the command palette built
+from the bindings.
 
 ChatActions is held by the chat screen, whose actions and handlers call it: each checks what it can,
 asks in a dialog, and leaves the store's work to the screen's `in_background` and a reply's to its
@@ -18,6 +19,7 @@ from llama_chat.inference import KNOWN_MODELS
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
+from ..chat.attachments import AttachmentError, read_attachment
 from ..chat.engine import fork_before
 from ..chat.settings import DEFAULT_SAMPLING
 from ..chat.titles import session_title
@@ -355,6 +357,23 @@ class ChatActions:
     def imported(self, result) -> None:
         self.screen.notify(result.describe(), title="Imported", timeout=8)
         self.screen.switch_to(result.session_ids[0])
+
+    def attach(self) -> None:
+        """F5: a text file for the next message (the screen's `attached`, sent with it)."""
+        screen = TextScreen("Attach file", str(Path.cwd()) + "/", hint="A text file: it goes with your next message")
+
+        def attach(path: str | None) -> None:
+            if not path or not path.strip():
+                return
+            try:
+                self.screen.attached.append(read_attachment(str(Path(path.strip()).expanduser())))
+            except AttachmentError as e:
+                self.screen.notify(str(e), title="Not attached", severity="error", timeout=10)
+                return
+            names = ", ".join(a.name for a in self.screen.attached)
+            self.screen.notify(f"{names}: sent with your next message", title="Attached")
+
+        self.screen.app.push_screen(screen, attach)
 
     def help(self) -> None:
         self.screen.app.push_screen(HelpScreen(self.screen.app.key_help(), str(self.screen.config.path)))

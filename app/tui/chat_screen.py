@@ -27,11 +27,13 @@ from textual.worker import Worker, WorkerState
 
 from llama_chat.storage import ChatStore, Message, Session
 
+from ..chat.attachments import Attachment
 from ..chat.build import open_engine
 from ..chat.engine import ChatEngine
 from ..config import UserConfig
 from .actions import ChatActions
 from .conversation import ConversationView
+from .mcp_calls import ToolCalls
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
 from .sidebar import SessionTree, Sidebar
 from .widgets import (
@@ -96,6 +98,7 @@ class ChatScreen(Screen):
             ("ctrl+l", "choose_model", "Choose model", False, "Load another model"),
             ("f3", "export", "Export chat", False, "Write this chat to a .llamachat (or .md) file"),
             ("f4", "import", "Import chat", False, "Add the chat(s) of a .llamachat file"),
+            ("f5", "attach", "Attach file", False, "Attach a text file to your next message"),
             ("f1", "help", "Help", True, "Every key, and how to change them"),
         ]
     ]
@@ -109,6 +112,8 @@ class ChatScreen(Screen):
         self.session: Session | None = None  # None: a new chat, stored when its first message is sent
         self.flow = ReplyFlow(self)  # the replies asked for, as they are written
         self.actions = ChatActions(self)  # what the other keys do
+        self.attached: list[Attachment] = []  # files for the next message (F5)
+        self.tool_calls = ToolCalls(self)  # MCP servers, and the calls a reply makes
 
     @property
     def store(self) -> ChatStore:
@@ -225,6 +230,7 @@ class ChatScreen(Screen):
         if self.session is not None:
             self.open_in_engine(self.session)
         self.post_message(ModelReady())
+        self.tool_calls.offer(engine)  # after: a server slow to start holds up no reply
         if remember:
             try:
                 self.config.save_setting("model", name)
@@ -323,6 +329,9 @@ class ChatScreen(Screen):
             self.sidebar.leave_search()
             self.query_one(ChatInput).focus()
 
+    def on_unmount(self) -> None:
+        self.tool_calls.close()
+
     @on(ChatInput.LeaveUp)
     def focus_last_message(self) -> None:
         self.conversation.focus_last()
@@ -376,6 +385,9 @@ class ChatScreen(Screen):
 
     def action_import(self) -> None:
         self.actions.import_chat()
+
+    def action_attach(self) -> None:
+        self.actions.attach()
 
     def action_help(self) -> None:
         self.actions.help()

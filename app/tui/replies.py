@@ -18,6 +18,7 @@ from itertools import groupby
 from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
 
+from ..chat.attachments import with_attachments
 from ..chat.engine import ChatEngine, SavedReply
 from ..chat.jobs import Event, JobView
 from ..chat.titles import title_from_text
@@ -145,6 +146,7 @@ class ReplyFlow:
             return
         if text.strip():
             self.screen.query_one(ChatInput).clear()
+            text, self.screen.attached = with_attachments(text, self.screen.attached), []
             reply = Reply(session, text, self.max_tokens(session))
             reply.new_chat = dict(
                 title=title_from_text(text),
@@ -279,6 +281,7 @@ class ReplyFlow:
         self.screen.status.set(speed=speed_text(stats))
         self.screen.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
         self.reply_done(reply)
+        self.screen.tool_calls.after_reply(session, path)
 
     def reply_done(self, reply: Reply) -> None:
         if reply in self.running:
