@@ -22,6 +22,7 @@ from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.records import StoredBlock
 from llama_chat.storage.remote import RemoteTier, RemoteTierError
+from llama_chat.storage.remote_wire import DEFAULT_TIMEOUT_S
 from redis_servers import REDIS_SERVER, RedisServer, SlowProxy, end_backoff, start_cluster
 
 pytestmark = pytest.mark.skipif(
@@ -233,11 +234,17 @@ def qwen2(tiny_model_paths):
     return tiny_model_paths["qwen2"]
 
 
+BUSY_TIMEOUT_S = 5.0
+
+
 def server(model_path, db, url: str | None, secret: str = SECRET, **options) -> ChatEngine:
     """A fresh process's engine on its own SQLite file, with the remote tier at `url` (None: none).
     Blocks are stored lossless (f32), so a reply read from blocks is the reply computed in full: a
     random tiny model flips a greedy choice on a lossy codec's rounding."""
     model = load_model(model_path, block_size=8)
+    # a busy machine (the suite beside a CPU burner) can take longer than the tier's 0.25 s to answer
+    # a healthy local Redis: then the tier is rightly called down and the test's remote reads fail
+    options.setdefault("timeout_s", BUSY_TIMEOUT_S)
     remote = RemoteTier.from_url(url, secret, model.fingerprint, **options) if url else None
     return ChatEngine(model, ChatStore(db), codec="f32", remote=remote)
 
@@ -476,7 +483,10 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
     link = SlowProxy(redis_server.port)
     # (always_fetch: the tiny model computes a few blocks faster than a loaded machine reads them, and
     # the point here is what reading does when the store misbehaves)
-    servers = [server(qwen2, tmp_path / f"{n}.db", link.url, backoff_s=0.05, always_fetch=True) for n in "ab"]
+    servers = [
+        server(qwen2, tmp_path / f"{n}.db", link.url, backoff_s=0.05, always_fetch=True, timeout_s=DEFAULT_TIMEOUT_S)
+        for n in "ab"
+    ]
     alone = server(qwen2, tmp_path / "alone.db", None)
 
     def garbage():
