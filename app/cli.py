@@ -23,7 +23,8 @@ def default_db_path() -> Path:
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of every command. Before the command they have their defaults; after it (as users
     type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
-    from llama_chat.inference.kv_cache import CACHE_TYPES, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
+    from llama_chat.inference.kv_arena import CACHE_TYPES, DEFAULT_CACHE_TYPE
+    from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 
     from .chat.settings import CACHE_RAM_MB, CODEC
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from llama_chat.inference import kernels, load_model
-from llama_chat.inference.kv_cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from llama_chat.inference.kv_arena import CACHE_TYPES, DEFAULT_CACHE_TYPE
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llamacpp"
 MODELS = ("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")

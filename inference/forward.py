@@ -21,7 +21,8 @@ from . import kernels
 from .config import ModelConfig
 from .cpu import PROFILE
 from .errors import ContextFullError
-from .kv_cache import KVSequence, KVViews
+from .kv_arena import KVViews
+from .kv_cache import KVSequence
 
 if TYPE_CHECKING:
     from .quants import PackedMatrix

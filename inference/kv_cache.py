@@ -6,16 +6,13 @@ its KV depends on nothing else, so any sequence whose tokens start the same way 
 Full blocks are immutable; a sequence writes only into its own last, partial block, and copies that
 block first when another sequence shares it (copy-on-write). So `fork` is a list copy, no KV moves.
 
-All blocks live in one arena per pool, laid out `[layer, kv_head, slot·B + i, head_dim]`: each head's
-keys are contiguous rows, and a sequence whose blocks sit in consecutive slots (the allocator tries to
-keep them so) is read by attention as a plain slice — no gathering of the history on every token.
-That layout is this module's own: the forward pass reads a sequence through `KVSequence.views`,
-writes it through `reserve` + `write`, and copies it out with `gather`.
+All blocks live in one arena per pool (kv_arena.py says how it is laid out and read); the forward pass
+reads a sequence through `KVSequence.views`, writes it through `reserve` + `write`, copies it with `gather`.
 Unreferenced full blocks stay cached and are evicted least-recently-used under the RAM budget.
 
 Blocks missing from RAM may come from a `BlockSource` handed to the pool when it is built (the
 conversation store): `source.fetch(key, tokens, namespace, out)` writes the block's keys and values
-into `out`, the (k, v) views [layer, kv_head, B, head_dim] (of CACHE_TYPES) of a free slot, and
+into `out`, the (k, v) views [layer, kv_head, B, head_dim] (of kv_arena.CACHE_TYPES) of a free slot, and
 says True if it holds a block of that prefix key in that namespace made from exactly those tokens and
 of that shape, else False. Decoded where it will be read, a stored block is never copied again; the
 pool keeps what it fetched in RAM.
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -34,26 +30,14 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextFullError
+from .kv_arena import DEFAULT_CACHE_TYPE, KVViews, arena, element_type
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CACHE_RAM_MB = 1024
-PREFAULT_TOKENS = 4096
-# The live cache's element type (llama.cpp's --cache-type-k/v): float16, as llama.cpp's default, halves
-# RAM and what attention reads (it accumulates in float32); float32 keeps the KV exactly as computed.
-CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
-DEFAULT_CACHE_TYPE = "f16"
 
 
 class CacheFullError(MemoryError):
     """Every block of the pool is in use by a live sequence: the RAM budget is too small."""
-
-
-def _arena(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Zeroed memory whose pages are only taken when first written (anonymous mmap)."""
-    buf = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -103,25 +87,17 @@ class BlockPool:
         source: BlockSource | None = None,
         cache_type: str = DEFAULT_CACHE_TYPE,
     ):
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"unknown KV cache type {cache_type!r}; expected one of {', '.join(CACHE_TYPES)}")
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.cache_type = cache_type
-        dtype = np.dtype(CACHE_TYPES[cache_type])
+        dtype = element_type(cache_type)
         self.token_bytes = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * dtype.itemsize  # k and v
         self.block_bytes = self.token_bytes * block_size
         self.n_slots = max(int(ram_mb * 2**20) // self.block_bytes, 2)
         shape = (cfg.n_layer, cfg.n_head_kv, self.n_slots * block_size, cfg.head_dim)
         # The arena [layer, kv_head, slot·B + i, head_dim]: read and written in this module only.
-        self._k = _arena(shape, dtype)
-        self._v = _arena(shape, dtype)
-        # Fault in the first slots now, as llama.cpp allocates its KV buffer when a context is made:
-        # the kernel's page faults would otherwise cost a resumed conversation more than decoding it.
-        warm = min(self.n_slots, -(-PREFAULT_TOKENS // block_size)) * block_size
-        self._k[:, :, :warm] = 0
-        self._v[:, :, :warm] = 0
+        self._k, self._v = arena(shape, dtype, block_size)
         self.free_slots: set[int] = set(range(self.n_slots))
         # Full blocks by name (namespace, prefix key): a namespace's blocks are shared only within it.
         self.by_key: dict[BlockName, KVBlock] = {}
@@ -146,7 +122,6 @@ class BlockPool:
         self._source = source
 
     # -- blocks ---------------------------------------------------------------------------------
-
     def allocate(self, after: int | None = None) -> KVBlock:
         """A fresh block, in the slot right after `after` when that one is free (keeps runs contiguous)."""
         if not self.free_slots:
@@ -205,9 +180,7 @@ class BlockPool:
             keys.append(parent)
         return keys
 
-    def missing(
-        self, ids: Sequence[int], namespace: bytes | None = None
-    ) -> list[tuple[bytes, tuple[int, ...]]]:
+    def missing(self, ids: Sequence[int], namespace: bytes | None = None) -> list[tuple[bytes, tuple[int, ...]]]:
         """The full blocks of `ids` that RAM lacks in `namespace`, as (prefix key, tokens): what a
         slower tier may be asked for. (It may be read without the pool's lock: it only says what to
         fetch, and lookup confirms every block taken.)"""
@@ -255,7 +228,6 @@ class BlockPool:
         return self._k[:, :, s : s + n], self._v[:, :, s : s + n]
 
     # -- sequences ------------------------------------------------------------------------------
-
     def new_sequence(self, n_ctx: int, private: bool = False, namespace: bytes | None = None) -> KVSequence:
         """An empty sequence: sharing blocks within `namespace` (None: every sequence's), or none at all
         (`private`, see KVSequence)."""
@@ -265,10 +237,7 @@ class BlockPool:
 
     def memory_breakdown(self) -> dict:
         """Bytes of KV in use, shared between sequences, cached for reuse, and per sequence."""
-        live: dict[int, KVBlock] = {}
-        for seq in self.sequences.values():
-            for b in seq.blocks:
-                live[id(b)] = b
+        live = {id(b): b for seq in self.sequences.values() for b in seq.blocks}
         return {
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
@@ -309,7 +278,6 @@ class KVSequence:
         return self.blocks[-1].key if self.blocks else None
 
     # -- llama.cpp's sequence operations ----------------------------------------------------------
-
     def fork(self) -> KVSequence:
         """A new sequence sharing every block (seq_cp): O(blocks), no KV copied."""
         child = self.pool.new_sequence(self.n_ctx, self.private, self.namespace)
@@ -404,7 +372,6 @@ class KVSequence:
         return self.pool._k[:, :, where], self.pool._v[:, :, where]
 
     # -- what the forward pass uses ---------------------------------------------------------------
-
     def reserve(self, n_new: int) -> np.ndarray:
         """Make room for n_new tokens after the current ones; return their arena positions."""
         if self.n_tokens + n_new > self.n_ctx:
@@ -436,7 +403,7 @@ class KVSequence:
 
     def views(self, first: int, end: int) -> KVViews:
         """Positions first..end-1 (first may be negative: from 0) as they lie in the arena, for attention."""
-        return KVViews(self.pool, [slice(a, a + n) for a, n in self._runs(first, end)])
+        return KVViews(self.pool._k, self.pool._v, [slice(a, a + n) for a, n in self._runs(first, end)])
 
     def _runs(self, first: int, end: int) -> list[tuple[int, int]]:
         """Positions first..end-1 as runs of consecutive arena positions: (arena start, length)."""
@@ -480,26 +447,3 @@ class KVSequence:
 
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes
-
-
-class KVViews:
-    """Some positions of a sequence where they lie in the arena: per layer, (k, v) pieces
-    [kv_head, S_i, head_dim], one per run of consecutive slots, in position order. Views, not copies:
-    valid until the sequence's blocks change (made once per forward step, read by every layer)."""
-
-    __slots__ = ("_pool", "_slices", "_runs", "n_positions")
-
-    def __init__(self, pool: BlockPool, slices: list[slice]):
-        self._pool, self._slices = pool, slices
-        # the same runs as (first, n) rows, for the compiled kernels: built once, read by every layer
-        self._runs = np.array([(s.start, s.stop - s.start) for s in slices], dtype=np.int64).reshape(-1, 2)
-        self.n_positions = int(self._runs[:, 1].sum())
-
-    def layer(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        k, v = self._pool._k[layer], self._pool._v[layer]
-        return [(k[:, s], v[:, s]) for s in self._slices]
-
-    def runs(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The same positions for compiled kernels: the layer's keys and values whole, [kv_head, N,
-        head_dim] and C-contiguous, and the runs [n_runs, 2] (first, n) along N where they lie."""
-        return self._pool._k[layer], self._pool._v[layer], self._runs

@@ -12,14 +12,8 @@ from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .kernels import KERNEL_ROWS
-from .kv_cache import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CACHE_RAM_MB,
-    DEFAULT_CACHE_TYPE,
-    BlockPool,
-    BlockSource,
-    KVSequence,
-)
+from .kv_arena import DEFAULT_CACHE_TYPE
+from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
 from .tokenizer import Tokenizer
 from .weights import prepare
 

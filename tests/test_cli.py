@@ -36,11 +36,11 @@ def test_cache_type_chooses_the_live_kv_cache_of_the_model_a_command_opens(qwen2
     from llama_chat.app.commands import open_model
 
     parser = build_parser()
-    for given, dtype in (([], "float16"), (["--cache-type", "f32"], "float32")):
+    for given, cache_type, dtype in (([], "f16", "float16"), (["--cache-type", "f32"], "f32", "float32")):
         args = parser.parse_args(["--model", str(qwen2), *given, "sessions", "list"])
         model = open_model(args)
         k, v = model.new_sequence(8).gather(0, 0)
-        assert k.dtype == v.dtype == dtype and model.pool.cache_type == args.cache_type
+        assert k.dtype == v.dtype == dtype and model.pool.cache_type == cache_type
 
 
 def test_an_option_before_the_command_is_kept_when_not_given_again(tmp_path):

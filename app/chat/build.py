@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import Model, load_model
-from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
+from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.storage.codec import AUTO
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan

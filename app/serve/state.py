@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
-from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TYPE
+from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE
+from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
