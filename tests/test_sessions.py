@@ -251,7 +251,10 @@ def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwe
 
 
 def assert_kv_is_the_texts(engine, session, resumed) -> None:
-    """The KV a session resumed with is the KV its stored text computes, up to the codec's rounding."""
+    """The KV a session resumed with is the KV its stored text computes, up to the codec's rounding.
+    (None at all is right too where a kill came between a turn's messages and its KV: it is computed.)"""
+    if resumed.n_tokens == 0:
+        return
     computed = engine.model.new_sequence(engine.n_ctx, private=True)  # all of it computed from the text
     engine.model.forward(engine.live.conversation_ids(session), computed)
     k, v = resumed.gather(0, resumed.n_tokens)

@@ -95,12 +95,16 @@ class ChatEngine:
     def new_session(
         self, title: str = NEW_CHAT, system_prompt: str | None = None, sampling: dict | None = None
     ) -> Session:
-        """A new chat; without a system prompt it takes the model's recommended one ("": none)."""
+        """A new chat; without a system prompt it takes the model's recommended one ("": none), unless
+        tools are offered: the template then writes its own system text on calling them, and ours made
+        the default model write bare JSON lines instead of calls (tests/test_mcp_tools.py)."""
+        if system_prompt is None:
+            system_prompt = None if self.tools else self.system_prompt
         return self.store.create_session(
             session_title(title) or NEW_CHAT,
             model_fingerprint=self.model.fingerprint,
             model_name=self.model.name,
-            system_prompt=self.system_prompt if system_prompt is None else system_prompt or None,
+            system_prompt=system_prompt or None,
             sampling=sampling,
         )
 
