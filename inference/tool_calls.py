@@ -30,6 +30,17 @@ class ToolCall:
     arguments: dict  # the JSON object the model wrote
 
 
+def call_text(calls: list[dict]) -> str:
+    """OpenAI `tool_calls` as the model writes them (what Qwen's template renders them as)."""
+    bodies = []
+    for call in calls:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        bodies.append(f"{OPEN}\n{json.dumps({'name': function['name'], 'arguments': arguments})}\n{CLOSE}")
+    return "\n".join(bodies)
+
+
 def takes_tools(template: ChatTemplate) -> bool:
     """The template renders `tools` and asks for calls in this format (a template without either would
     drop the tools silently, or ask for a format this module does not read)."""

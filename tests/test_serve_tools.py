@@ -245,3 +245,39 @@ def test_a_reply_under_a_json_schema_on_the_tiny_model_parses(served):
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
     reply = served.ask("x y z", response_format=fmt, temperature=0, max_tokens=300)
     assert json.loads(reply.choices[0].message.content)["w"] in ("hello", "world")
+
+
+@pytest.mark.real_model
+def test_a_tool_conversation_continued_after_a_restart_reuses_its_kv(tmp_path, qwen_model_path):
+    """The tool round trip's conversation is kept like any: a server started again on the same database
+    answers its next turn from the stored KV (all but the tokens after the last full block)."""
+
+    def load(options):
+        with real_cache():
+            return open_model(options)
+
+    first = Served(tmp_path / "chat.db", qwen_model_path, load=load).wait_ready()
+    name = qwen_model_path.stem
+    try:
+        reply = first.client.chat.completions.create(
+            model=name, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80
+        )
+        call = _call_of(reply.choices[0].message)
+        messages = [
+            *ASK_WEATHER,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21, "sky": "sunny"}'},
+        ]
+        kwargs = {"model": name, "tools": [WEATHER], "temperature": 0, "max_tokens": 40}
+        answer = first.client.chat.completions.create(messages=messages, **kwargs)
+    finally:
+        first.stop()
+    again = Served(tmp_path / "chat.db", qwen_model_path, load=load).wait_ready()
+    try:
+        turn = [*messages, {"role": "assistant", "content": answer.choices[0].message.content}]
+        turn.append({"role": "user", "content": "And tomorrow?"})
+        later = again.client.chat.completions.create(messages=turn, **kwargs)
+        cached = later.usage.prompt_tokens_details.cached_tokens
+        assert cached >= answer.usage.total_tokens - BLOCK, (cached, answer.usage.total_tokens)
+    finally:
+        again.stop()

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from llama_chat.inference import KVSequence, chat_prompt_ids
+from llama_chat.inference.tool_calls import call_text
 from llama_chat.storage import Message, Session, StoreError
 
 from .jobs import Job
@@ -61,6 +62,13 @@ def title_of(turns: list[dict]) -> str:
     return session_title(first)[:TITLE_CHARS].rstrip() or "API chat"
 
 
+def stored_text(message: dict) -> str:
+    """A message's text as a session keeps it: a reply's tool calls as the model writes them. (A session
+    keeps text turns; the KV of a conversation with tools is kept with it as that conversation's.)"""
+    calls = call_text(message["tool_calls"]) if message.get("tool_calls") else ""
+    return "\n".join(text for text in (message.get("content") or "", calls) if text)
+
+
 class Conversations:
     def __init__(self, live: LiveSessions, closing):
         self.live, self.model, self.store = live, live.model, live.store
@@ -77,7 +85,7 @@ class Conversations:
         check_fits(prompt, live.n_ctx)
         base: list[KVSequence] = []
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
-        previous = self._previous_ids(messages, prompt)
+        previous = self._previous_ids(messages, prompt, conversation.tools)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
         # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
@@ -102,7 +110,7 @@ class Conversations:
             cut = job.cancelled and self.closing() and job.answered
             if not store or not (ended or cut):
                 return None
-            return self._keep(messages, settings, job, conversation.tenant)
+            return self._keep(conversation, settings, job)
 
         def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool: give the KV back
             for seq in {id(s): s for s in [*base, *job.seqs]}.values():
@@ -110,12 +118,12 @@ class Conversations:
 
         return Plan(prepare, finish, ended)
 
-    def _previous_ids(self, messages: list[dict], prompt: list[int]) -> list[int] | None:
+    def _previous_ids(self, messages: list[dict], prompt: list[int], tools: list[dict] | None) -> list[int] | None:
         """The conversation before its new message as it was kept after its last reply, where the prompt
         goes on from it; None for a first message."""
         if len(split_system(messages)[1]) < 2:
             return None  # a first message: no reply before it
-        previous = self.live.window_ids(messages[:-1])
+        previous = self.live.window_ids(messages[:-1], tools)
         return previous if prompt[: len(previous)] == previous else None
 
     def _kept_session(
@@ -127,21 +135,21 @@ class Conversations:
         system, turns = split_system(messages)
         try:
             return self.store.session_ending_with(
-                API_ORIGIN, system, [(m["role"], m["content"]) for m in turns[:-1]], tenant, namespace
+                API_ORIGIN, system, [(m["role"], stored_text(m)) for m in turns[:-1]], tenant, namespace
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
             return None
 
-    def _keep(self, messages: list[dict], settings: dict, job: Job, tenant: str | None) -> Future:
+    def _keep(self, conversation: Conversation, settings: dict, job: Job) -> Future:
         """On the scheduler thread, which holds the pool: the KV of the conversation and its reply
         (alternative 0) is brought up to its stored form and held; storing it, and the messages, is
         left to the writer thread, so the replies streaming meanwhile do not wait on SQLite. Returns
         the future of the session they go in (None: not stored)."""
-        reply = reply_message(job)
-        conversation = [*messages, {"role": "assistant", "content": reply.content}]
+        reply, messages = reply_message(job), conversation.messages
+        ids = self.live.window_ids([*messages, {"role": "assistant", "content": reply.content}], conversation.tools)
         # a reply cut short keeps the KV it holds, as a session's do
-        held = self.live.hold_kv(job.seqs[0], self.live.window_ids(conversation), not job.cancelled)
-        return self.writer.submit(self._store, messages, settings, reply, held, tenant)
+        held = self.live.hold_kv(job.seqs[0], ids, not job.cancelled)
+        return self.writer.submit(self._store, messages, settings, reply, held, conversation.tenant)
 
     def _store(
         self, messages: list[dict], settings: dict, reply: Message, held: KVSequence, tenant: str | None
@@ -150,9 +158,9 @@ class Conversations:
         left off, else in a new one (with the request's settings), in one transaction — then its KV. A
         failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
         system, turns = split_system(messages)
-        asked = [Message(0, None, m["role"], m["content"], None, reply.created, None) for m in turns]
+        asked = [Message(0, None, m["role"], stored_text(m), None, reply.created, None) for m in turns]
         try:
-            history = [(m["role"], m["content"]) for m in turns[:-1]]
+            history = [(m["role"], stored_text(m)) for m in turns[:-1]]
             session = self.store.session_ending_with(API_ORIGIN, system, history, tenant, held.namespace)
             if session is None:
                 stored = self.store.create_session(

@@ -111,9 +111,11 @@ class LiveSessions:
         (room for a long reply), the prompt cuts the restored KV down by context shift."""
         return self.window_ids(self.messages(session))
 
-    def window_ids(self, messages: list[dict]) -> list[int]:
-        """The tokens of a conversation as it is stored: its newest turns that fit the window."""
-        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=self.tools)[1]
+    def window_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The tokens of a conversation as it is stored: its newest turns that fit the window, with the
+        tools it offers (else those every session offers)."""
+        tools = self.tools if tools is None else tools
+        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=tools)[1]
 
     # -- bringing KV back --------------------------------------------------------------------------
 

@@ -189,17 +189,11 @@ def _submit_conversation(
             logprobs=req.logprobs,
             max_tokens=engine.n_ctx if req.max_tokens is None else req.max_tokens,
             stop=req.stop,
-            store=req.store and not _has_tools(req),
+            store=req.store,
             on_event=events,
         )
     except PromptTooLong as e:
         raise context_length_exceeded(e.prompt_tokens, e.n_ctx) from None
-
-
-def _has_tools(req: CompletionRequest) -> bool:
-    """Tools offered or tool messages sent: sessions hold text turns only, so such a conversation is
-    not kept (its blocks are still shared in RAM with the next request that has its prefix)."""
-    return bool(req.tools) or _has_tool_messages(req)
 
 
 def _has_tool_messages(req: CompletionRequest) -> bool:
