@@ -68,6 +68,12 @@ def status_line(screen: str) -> str:
     return " ".join(line.strip() for line in lines[end_of_input + 1 : -1])
 
 
+def resumed_and_loaded(screen: str) -> bool:
+    """The status line says how the session came back, and the model's loading bar is gone (for a
+    moment the two may stand side by side)."""
+    return "restored in" in status_line(screen) and "━" not in status_line(screen)
+
+
 def reply_text(screen: str) -> str:
     """The text of the last reply on screen (the lines after its "assistant" heading)."""
     # right of the sidebar's edge, where there is one (below 90 columns the sidebar hides)
@@ -125,7 +131,7 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
         # a second start: on the fork, resumed from the stored KV (how fast: `llama-chat bench`)
         tmux.start(command, "second")
         tmux.wait_for(lambda s: PLACEHOLDER in s and "● (fork)" in s, 30, "the chat screen")
-        screen = tmux.wait_for(lambda s: "restored in" in status_line(s), 60, "the resumed session")
+        screen = tmux.wait_for(resumed_and_loaded, 60, "the resumed session")
         assert "Write a haiku about caches." in screen and "assistant" in screen
         restored = status_line(screen).split(" · ")[-1]
         assert re.fullmatch(r"[1-9][\d,]* tokens restored in \d+ ms", restored), restored  # none recomputed
