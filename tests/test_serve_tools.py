@@ -47,12 +47,13 @@ PET = {
 ASK_PET = [{"role": "user", "content": "Invent a pet and its owner, as JSON."}]
 
 
+def load(options):
+    with real_cache():  # the prepared model of the user's cache, not one prepared again
+        return open_model(options)
+
+
 @pytest.fixture(scope="module")
 def qwen_served(tmp_path_factory, qwen_model_path):
-    def load(options):
-        with real_cache():  # the prepared model of the user's cache, not one prepared again
-            return open_model(options)
-
     s = Served(tmp_path_factory.mktemp("tools") / "chat.db", qwen_model_path, load=load).wait_ready()
     s.name = qwen_model_path.stem
     yield s
@@ -71,13 +72,18 @@ def _call_of(message) -> dict:
     }
 
 
-def _answer(s: Served, call: dict, stream: bool, reused: int = 0) -> str:
-    """The final answer once the tool's result is sent back; `reused`: tokens it must take from the cache."""
-    messages = [
+def _with_answer(call: dict) -> list[dict]:
+    """The conversation after the model's call: the call, then the tool's result."""
+    return [
         *ASK_WEATHER,
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21, "sky": "sunny"}'},
     ]
+
+
+def _answer(s: Served, call: dict, stream: bool, reused: int = 0) -> str:
+    """The final answer once the tool's result is sent back; `reused`: tokens it must take from the cache."""
+    messages = _with_answer(call)
     kwargs = {"model": s.name, "messages": messages, "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
     if not stream:
         reply = s.client.chat.completions.create(**kwargs)
@@ -252,22 +258,13 @@ def test_a_tool_conversation_continued_after_a_restart_reuses_its_kv(tmp_path, q
     """The tool round trip's conversation is kept like any: a server started again on the same database
     answers its next turn from the stored KV (all but the tokens after the last full block)."""
 
-    def load(options):
-        with real_cache():
-            return open_model(options)
-
     first = Served(tmp_path / "chat.db", qwen_model_path, load=load).wait_ready()
     name = qwen_model_path.stem
     try:
         reply = first.client.chat.completions.create(
             model=name, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80
         )
-        call = _call_of(reply.choices[0].message)
-        messages = [
-            *ASK_WEATHER,
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21, "sky": "sunny"}'},
-        ]
+        messages = _with_answer(_call_of(reply.choices[0].message))
         kwargs = {"model": name, "tools": [WEATHER], "temperature": 0, "max_tokens": 40}
         answer = first.client.chat.completions.create(messages=messages, **kwargs)
     finally:
