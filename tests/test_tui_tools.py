@@ -69,6 +69,16 @@ async def test_settings_store_a_system_prompt_and_sampling_per_session(open_chat
 
 
 @aio
+async def test_a_new_chat_shows_its_system_prompt_above_the_first_message_at_once(open_chat):
+    async with open_chat(system_prompt="Answer in one word.") as pilot:
+        app = pilot.app
+        await say(pilot, "hello the world")
+        lines = [w for w in app.chat.conversation.children if "system-line" in w.classes]
+        assert [w.content for w in lines] == ["system: Answer in one word."]
+        assert app.chat.conversation.children[0] is lines[0]  # above the first message, as on reopening
+
+
+@aio
 async def test_settings_show_the_models_recommended_sampling_and_keep_it_a_default(open_chat, tmp_path):
     keys = {"general.sampling.top_k": 20, "general.sampling.top_p": 0.8}
     model = write_tiny_model(tmp_path / "recommends.gguf", "qwen2", metadata=keys)

@@ -19,6 +19,13 @@ def message_view(message: Message) -> MessageView:
     return MessageView(message.role, message.content, message, note="stopped" if message.stopped else "")
 
 
+def system_line(session: Session | None) -> list[Static]:
+    """The session's system prompt as the conversation's first line (none without one)."""
+    if session is None or not session.system_prompt:
+        return []
+    return [Static(f"system: {session.system_prompt}", classes="system-prompt system-line", markup=False)]
+
+
 class ConversationView(VerticalScroll):
     """The messages of the open chat, following the newest unless the user went back to an old one."""
 
@@ -30,16 +37,20 @@ class ConversationView(VerticalScroll):
             if len(path) > MAX_SHOWN:
                 hidden = f"⋯ {len(path) - MAX_SHOWN:,} earlier messages (Export chat as .md shows them all)"
                 widgets.append(Static(hidden, classes="system-prompt", markup=False))
-            if session is not None and session.system_prompt:
-                widgets.append(
-                    Static(f"system: {session.system_prompt}", classes="system-prompt", markup=False)
-                )
+            widgets += system_line(session)
             widgets += [message_view(m) for m in path[-MAX_SHOWN:]]
             if session is None:
                 widgets.append(Static(NEW_CHAT_HINT, classes="system-prompt new-chat-hint", markup=False))
             await self.mount_all(widgets)
         self.scroll_end(animate=False)
         self.anchor()
+
+    async def show_system_prompt(self, session: Session) -> None:
+        """A new chat just stored: its system prompt (set by the engine from the settings or the
+        model's catalog entry) goes above its first message, as `show` draws it on reopening."""
+        line = system_line(session)
+        if line and not self.query(".system-line"):
+            await self.mount_all(line, before=0 if self.children else None)
 
     async def add(self, *views: MessageView) -> None:
         """New messages at the end (a message sent, the reply it streams into), followed as they grow."""

@@ -199,6 +199,7 @@ class ReplyFlow:
             self.screen.session is None or self.screen.session.id != branch.session.id
         ):
             self.screen.opened(branch.session)  # a new chat, stored now
+            await self.screen.conversation.show_system_prompt(branch.session)
         if reply.view is not None:
             reply.view.set_note("reading the conversation…")
         reply.started = True
