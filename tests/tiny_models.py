@@ -101,10 +101,12 @@ def write_tiny_model(
     raw_types: dict | None = None,
     chat_template: str = CHATML,
     metadata: dict | None = None,
+    specials: tuple[str, ...] = (),
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
-    adds keys (an int as uint32, a float as float32)."""
+    adds keys (an int as uint32, a float as float32); `specials` adds control tokens to a BPE vocab
+    (a real template's markers, e.g. Llama 3's), the last of them its end of text."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -138,6 +140,8 @@ def write_tiny_model(
         w.add_add_space_prefix(False)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
+        if specials:
+            tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
         w.add_token_list(tokens)
