@@ -169,7 +169,7 @@ HERMES = ToolFormat(
 LLAMA_3_X = ToolFormat(
     "Llama 3.x",
     marker="<|start_header_id|>ipython<|end_header_id|>",
-    begins=regex.compile(r'\A\s*(?:<\|python_tag\|>\s*)?(?=\{\s*"name")'),
+    begins=regex.compile(r'\A\s*(?:<\|python_tag\|>\s*)?(?=\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name")'),
     arguments="parameters",
     one_call=True,  # its template refuses more ("This model only supports single tool-calls at once!")
     template_vars={"tools_in_user_message": False},  # the tools in the system message, as llama.cpp

@@ -102,11 +102,13 @@ def write_tiny_model(
     chat_template: str = CHATML,
     metadata: dict | None = None,
     specials: tuple[str, ...] = (),
+    context_length: int = 256,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
     adds keys (an int as uint32, a float as float32); `specials` adds control tokens to a BPE vocab
-    (a real template's markers, e.g. Llama 3's), the last of them its end of text."""
+    (a real template's markers, e.g. Llama 3's), the last of them its end of text; `context_length`:
+    room for a real template's long prompts."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -114,7 +116,7 @@ def write_tiny_model(
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
-    w.add_context_length(256)
+    w.add_context_length(context_length)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
