@@ -323,3 +323,17 @@ def test_a_call_answered_after_a_restart_reuses_the_stored_kv(tool_models, tmp_p
         again.stop()
     cached = answer.usage.prompt_tokens_details.cached_tokens
     assert cached >= reply.usage.total_tokens - 8, (cached, reply.usage.total_tokens)
+
+
+# -- MCP tools in `chat` ---------------------------------------------------------------------------------
+
+
+def test_chat_offers_mcp_tools_to_llama3_but_not_to_nemo_which_needs_call_ids(monkeypatch, tmp_path, tool_models, capsys):
+    from test_mcp_tools import chat
+
+    assert chat(monkeypatch, tmp_path, tool_models["llama3"], "well", 120.0, "") == 0
+    assert "MCP server 'test': 2 tool(s): get_weather, add" in capsys.readouterr().err
+    assert chat(monkeypatch, tmp_path, tool_models["nemo"], "well", 120.0, "") == 0
+    err = capsys.readouterr().err
+    assert "(Mistral Nemo) needs call ids the chat does not keep: the MCP servers of config.toml are not started" in err
+    assert "MCP server 'test'" not in err

@@ -242,6 +242,8 @@ def start_tools(engine, servers: dict) -> tuple[MCPTools | None, list[str]]:
     fmt = tool_format(model.chat_template) if model.has_chat_template else None
     if fmt is None:
         return None, [f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"]
+    if fmt.with_id:  # its template refuses a tool's answer without the call's id, which a chat does not keep
+        return None, [f"{model.name}'s chat template ({fmt.name}) needs call ids the chat does not keep: the MCP servers of config.toml are not started"]
     tools = MCPTools(server_configs(servers))
     tools.format = fmt
     lines = tools.connect()
