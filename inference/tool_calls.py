@@ -34,6 +34,7 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 MAX_CALLS = 8  # calls a required reply may make, in a format whose ids the grammar writes
 _ID_CHARS = string.ascii_letters + string.digits
 _ID = regex.compile(r"[A-Za-z0-9]{9}")  # Mistral Nemo's template refuses any other call id
+_ID_KEY, _ANY_ID = json.dumps(', "id": '), r'"\"" /[A-Za-z0-9]{9}/ "\""'  # in Lark
 
 
 @dataclass
@@ -105,7 +106,7 @@ class ToolFormat:
             except json.JSONDecodeError:
                 return None
             call = _call(value)
-            if call is None or at < 0:
+            if call is None:
                 return None
             calls.append(call)
             at = _expect(text, at, self.call_close)
@@ -131,7 +132,8 @@ class ToolFormat:
         """A Lark grammar (llguidance's dialect) of replies made of one call (or, `several`, one or more)
         of `tools` (OpenAI function definitions), or of the one named; its arguments valid under its
         parameters, written as the template writes a call back, so the round trip renders the same
-        tokens. With ids (with_id), call k is given ids[k]; the opening's control token is that token."""
+        tokens. A format with ids gives call k ids[k] (without ids, any the template takes); the
+        opening's control token is that token."""
         rules, heads = [], []
         for i, tool in enumerate(t["function"] for t in tools):
             if name is not None and tool["name"] != name:
@@ -142,10 +144,11 @@ class ToolFormat:
             heads.append(f"{json.dumps(head)} args_{i}")
         several = several and not self.one_call
         if self.with_id:  # each call's own id: a rule per place, nested (call_0 ("," call_1 ...)?)
-            places = (ids or [])[: MAX_CALLS if several else 1]
+            places = (ids or [None] * MAX_CALLS)[: MAX_CALLS if several else 1]
             chain = ""
             for k in reversed(range(len(places))):
-                tail = json.dumps(f', "id": {json.dumps(places[k])}}}' + self.call_close)
+                written = json.dumps(json.dumps(places[k])) if places[k] else _ANY_ID
+                tail = f"{_ID_KEY} {written} {json.dumps('}' + self.call_close)}"
                 rules.append(f"call_{k}: " + " | ".join(f"{head} {tail}" for head in heads))
                 chain = f"call_{k}" + (f" ({json.dumps(self.between)} {chain})?" if chain else "")
             calls = chain

@@ -219,6 +219,16 @@ def test_a_required_call_always_parses_into_calls_of_the_tools(tool_models, name
         assert call.id == (ids[i] if ids else None)
 
 
+def test_nemo_calls_without_ids_chosen_get_ids_its_template_takes(tool_models):
+    model = load_model(tool_models["nemo"])
+    lark = MISTRAL_NEMO.grammar([WEATHER, TIME], several=True, tokenizer=model.tokenizer)
+    sampling = SamplingParams(temperature=5.0, seed=2, grammar=check_grammar(model.tokenizer, lark_grammar(lark)))
+    reply = "".join(generate(model, chat_prompt_ids(model, ASK, tools=[WEATHER, TIME]), sampling=sampling, max_tokens=400))
+    _, calls = MISTRAL_NEMO.split(reply)
+    assert calls and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    assert MISTRAL_NEMO.as_message(reply)["tool_calls"][0]["id"] == calls[0].id
+
+
 def test_nemo_calls_open_with_the_control_token_the_template_renders(tool_models):
     tok = load_model(tool_models["nemo"]).tokenizer
     lark = MISTRAL_NEMO.grammar([WEATHER], ids=["a1B2c3D4e"], tokenizer=tok)
