@@ -165,6 +165,17 @@ def test_llama3_content_streams_unless_the_reply_begins_with_a_call():
     assert [(d.index, d.name, d.arguments) for d in splitter.finish()] == [(0, "f", ""), (0, None, "{}")]
 
 
+def test_nemo_content_streams_up_to_the_calls_which_go_out_whole_once_they_parse():
+    text = 'Let me look.[TOOL_CALLS][{"name": "f", "arguments": {"a": [1]}, "id": "a1B2c3D4e"}]'
+    splitter = CallSplitter(MISTRAL_NEMO)
+    out = [d for i in range(0, len(text), 4) for d in splitter.feed(text[i : i + 4])]
+    assert "".join(d.content for d in out) == "Let me look." and all(d.index < 0 for d in out)
+    assert [(d.index, d.name, d.id, d.arguments) for d in splitter.finish()] == [
+        (0, "f", "a1B2c3D4e", ""),
+        (0, None, None, '{"a": [1]}'),
+    ]
+
+
 # -- the round trip: a call written back is the text the model wrote ---------------------------------
 
 
