@@ -16,6 +16,7 @@ from .kv_cache import KVSequence
 from .lookup import MAX_DRAFT, PromptLookup
 from .model import Model
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from .tool_calls import tool_format
 
 
 @dataclass
@@ -51,7 +52,9 @@ def chat_prompt_ids(
     shield = tok.control_text_shield(content_texts(messages))
     messages = map_contents(messages, shield.hide)
     if model.has_chat_template:
-        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        fmt = tool_format(model.chat_template) if tools else None
+        extra = fmt.template_vars if fmt is not None else {}  # e.g. where Llama 3's template puts the tools
+        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
     else:
         text = completion_prompt(messages)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")

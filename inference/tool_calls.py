@@ -1,112 +1,240 @@
-"""Tool calls in the Hermes format that Qwen2.5, Qwen3 and Hermes models are trained on (llama.cpp's
-common/chat.cpp calls it COMMON_CHAT_FORMAT_HERMES_2_PRO): the chat template renders the tools, the
-model writes each call as
+"""Tool calls in the formats llama.cpp's common/chat.cpp reads for our architectures, each chosen from
+the chat template as chat.cpp chooses it (the first whose marker the template's source holds):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+    Hermes 2 Pro (Qwen2.5, Qwen3, Hermes):  <tool_call>
+                                            {"name": "get_weather", "arguments": {"city": "Paris"}}
+                                            </tool_call>
+    Llama 3.x (3.1, 3.2, 3.3):              {"name": "get_weather", "parameters": {"city": "Paris"}}
+    Mistral Nemo:                           [TOOL_CALLS][{"name": "get_weather", "arguments": {...}, "id": "a1B2c3D4e"}]
 
-Here: whether a template speaks it, the grammar that makes a reply one or more such calls (when a
-call is required), and the reply's text split into its content and its calls.
+Here: which format a template speaks, the text a call is written as (what the template renders a
+call as, so a continued conversation reuses its KV), the grammar that makes a reply calls (when a call
+is required), and a reply's text split into its content and its calls. Streaming: tool_stream.py.
+
+Llama 3.x's builtin tools (`<|python_tag|>brave_search.call(query="...")`, chat.cpp's
+LLAMA_3_X_WITH_BUILTIN_TOOLS) are not read: a function offered as a tool is called in JSON, as
+llama.cpp's Llama 3.x format calls it; a `<|python_tag|>` before that JSON is taken.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
+import secrets
+import string
+from dataclasses import dataclass, field
+
+import regex
 
 from .chat_template import ChatTemplate
+from .tokenizer import ATTR_CONTROL, Tokenizer
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # Arguments written as the template's tojson writes them back (json.dumps): the round trip renders the
 # tokens the model wrote, so the next request reuses their KV.
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CALLS = 8  # calls a required reply may make, in a format whose ids the grammar writes
+_ID_CHARS = string.ascii_letters + string.digits
+_ID = regex.compile(r"[A-Za-z0-9]{9}")  # Mistral Nemo's template refuses any other call id
+_ID_KEY, _ANY_ID = json.dumps(', "id": '), r'"\"" /[A-Za-z0-9]{9}/ "\""'  # in Lark
 
 
 @dataclass
 class ToolCall:
     name: str
     arguments: dict  # the JSON object the model wrote
+    id: str | None = None  # the id the model wrote (Mistral Nemo); None: the server gives one
 
 
-def call_text(calls: list[dict]) -> str:
-    """OpenAI `tool_calls` as the model writes them (what Qwen's template renders them as)."""
-    bodies = []
-    for call in calls:
-        function = call["function"]
-        arguments = function.get("arguments") or "{}"
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        bodies.append(f"{OPEN}\n{json.dumps({'name': function['name'], 'arguments': arguments})}\n{CLOSE}")
-    return "\n".join(bodies)
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a family of models writes its calls: each call a JSON object {"name", `arguments`}, between
+    `call_open` and `call_close`, the calls joined by `between`, all of them between `opening` and
+    `closing`. `begins` finds where a reply's calls begin (its match ends where `opening` does)."""
 
+    name: str  # llama.cpp's COMMON_CHAT_FORMAT_* name
+    marker: str  # in a template's source: the template speaks this format
+    begins: regex.Pattern
+    opening: str = ""
+    call_open: str = ""
+    call_close: str = ""
+    between: str = ""
+    closing: str = ""
+    arguments: str = "arguments"
+    with_id: bool = False  # each call carries an id the model writes: 9 letters and digits
+    one_call: bool = False  # the template renders one call per reply
+    control: str = ""  # the control token `opening` starts with, in the vocabularies that have it
+    template_vars: dict = field(default_factory=dict)  # what llama.cpp gives the template besides tools
 
-def takes_tools(template: ChatTemplate) -> bool:
-    """The template renders `tools` and asks for calls in this format (a template without either would
-    drop the tools silently, or ask for a format this module does not read)."""
-    return "tools" in template.source and OPEN in template.source
+    def call_text(self, calls: list[dict]) -> str:
+        """OpenAI `tool_calls` as the model writes them (and the template renders them)."""
+        bodies = []
+        for call in calls:
+            function = call["function"]
+            arguments = function.get("arguments") or "{}"
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            value = {"name": function["name"], self.arguments: arguments}
+            if self.with_id:
+                value["id"] = call.get("id")
+            bodies.append(self.call_open + json.dumps(value, ensure_ascii=False) + self.call_close)
+        return self.opening + self.between.join(bodies) + self.closing
 
+    def as_message(self, text: str) -> dict:
+        """A reply as the client sends it back: its calls as `tool_calls`, where they parse (and carry
+        the ids the template takes), so the template renders the tokens the next request will."""
+        parsed = self.split(text)
+        if parsed is None or self.with_id and not all(_ID.fullmatch(c.id or "") for c in parsed[1]):
+            return {"role": "assistant", "content": text}
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed[1]]
+        return {"role": "assistant", "content": parsed[0], "tool_calls": calls}
 
-def call_grammar(tools: list[dict], name: str | None = None, several: bool = False) -> str:
-    """A Lark grammar (llguidance's dialect) of replies made of one call (or, `several`, one or more) of
-    `tools` (OpenAI function definitions), or of the one named; its arguments valid under its parameters.
-    Written as the template writes a call back, so the round trip renders the same tokens."""
-    rules, choices = [], []
-    for i, tool in enumerate(t["function"] for t in tools):
-        if name is not None and tool["name"] != name:
-            continue
-        schema = {**(tool.get("parameters") or {"type": "object"}), "x-guidance": COMPACT}
-        head = f'{OPEN}\n{{"name": {json.dumps(tool["name"])}, "arguments": '
-        rules.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps('}' + chr(10) + CLOSE)}")
-        rules.append(f"args_{i}: %json {json.dumps(schema)}")
-        choices.append(f"call_{i}")
-    start = 'start: call ("\\n" call)*' if several else "start: call"
-    return "\n".join([start, "call: " + " | ".join(choices), *rules])
+    def new_id(self) -> str:
+        """An id for a call the model wrote none for: what this format's template takes."""
+        if self.with_id:
+            return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+        return "call_" + secrets.token_hex(12)
 
-
-def split_calls(text: str) -> tuple[str, list[ToolCall]] | None:
-    """The reply's content (before its first call) and its calls; None when it holds no call, or one
-    that is not a JSON object with a name and object arguments (then the whole text is the content)."""
-    start = text.find(OPEN)
-    if start < 0:
-        return None
-    content, rest, calls = text[:start], text[start:], []
-    while rest.strip():
-        rest = rest.lstrip()
-        if not rest.startswith(OPEN) or CLOSE not in rest:
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """The reply's content (before its calls) and its calls; None when it holds no call, or calls
+        that do not parse, or text after them (then the whole text is the content)."""
+        start = self.begins.search(text)
+        if start is None:
             return None
-        body, rest = rest[len(OPEN) :].split(CLOSE, 1)
-        call = _call(body)
-        if call is None:
+        at, calls, decoder = start.end(), [], json.JSONDecoder()
+        while True:
+            at = _expect(text, at, self.call_open)
+            try:
+                value, at = decoder.raw_decode(text, _skip_space(text, at))
+            except json.JSONDecodeError:
+                return None
+            call = _call(value)
+            if call is None:
+                return None
+            calls.append(call)
+            at = _expect(text, at, self.call_close)
+            if at < 0 or self.one_call:
+                break
+            separator = self.between.strip() or self.call_open.strip()  # (Hermes: the next call's tag)
+            if not separator or not text.startswith(separator, _skip_space(text, at)):
+                break
+            at = _skip_space(text, at) + (len(separator) if self.between.strip() else 0)
+        at = _expect(text, at, self.closing)
+        if at < 0 or text[at:].strip():
             return None
-        calls.append(call)
-    return content.strip(), calls
+        return text[: start.start()].strip(), calls
+
+    def grammar(
+        self,
+        tools: list[dict],
+        name: str | None = None,
+        several: bool = False,
+        ids: list[str] | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> str:
+        """A Lark grammar (llguidance's dialect) of replies made of one call (or, `several`, one or more)
+        of `tools` (OpenAI function definitions), or of the one named; its arguments valid under its
+        parameters, written as the template writes a call back, so the round trip renders the same
+        tokens. A format with ids gives call k ids[k] (without ids, any the template takes); the
+        opening's control token is that token."""
+        rules, heads = [], []
+        for i, tool in enumerate(t["function"] for t in tools):
+            if name is not None and tool["name"] != name:
+                continue
+            schema = {**(tool.get("parameters") or {"type": "object"}), "x-guidance": COMPACT}
+            head = self.call_open + f'{{"name": {json.dumps(tool["name"])}, "{self.arguments}": '
+            rules.append(f"args_{i}: %json {json.dumps(schema)}")
+            heads.append(f"{json.dumps(head)} args_{i}")
+        several = several and not self.one_call
+        if self.with_id:  # each call's own id: a rule per place, nested (call_0 ("," call_1 ...)?)
+            places = (ids or [None] * MAX_CALLS)[: MAX_CALLS if several else 1]
+            chain = ""
+            for k in reversed(range(len(places))):
+                written = json.dumps(json.dumps(places[k])) if places[k] else _ANY_ID
+                tail = f"{_ID_KEY} {written} {json.dumps('}' + self.call_close)}"
+                rules.append(f"call_{k}: " + " | ".join(f"{head} {tail}" for head in heads))
+                chain = f"call_{k}" + (f" ({json.dumps(self.between)} {chain})?" if chain else "")
+            calls = chain
+        else:
+            rules.append("call: " + " | ".join(f"{head} {json.dumps('}' + self.call_close)}" for head in heads))
+            calls = f"call ({json.dumps(self.between)} call)*" if several else "call"
+        opening = _literal(self.opening, self.control, tokenizer)
+        start = " ".join(part for part in (opening, calls, json.dumps(self.closing) if self.closing else "") if part)
+        return "\n".join([f"start: {start}", *rules])
 
 
-# Small models often write a call as a JSON object in a Markdown fence instead; llama.cpp's Hermes
-# parser takes that form too (its open_regex: an optional ```json fence before `{"name"`).
-_FENCED = re.compile(r"```(?:json|xml)?\n\s*(\{.*?\})\s*```", re.DOTALL)
+HERMES = ToolFormat(
+    "Hermes 2 Pro",
+    marker="<tool_call>",
+    begins=regex.compile(r"(?=<tool_call>)"),
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+    between="\n",
+)
+# Called only at the start of a reply (chat.cpp's function_regex_start_only): JSON after some text is text.
+LLAMA_3_X = ToolFormat(
+    "Llama 3.x",
+    marker="<|start_header_id|>ipython<|end_header_id|>",
+    begins=regex.compile(r'\A\s*(?:<\|python_tag\|>\s*)?(?=\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name")'),
+    arguments="parameters",
+    one_call=True,  # its template refuses more ("This model only supports single tool-calls at once!")
+    template_vars={"tools_in_user_message": False},  # the tools in the system message, as llama.cpp
+)
+MISTRAL_NEMO = ToolFormat(
+    "Mistral Nemo",
+    marker="[TOOL_CALLS]",
+    begins=regex.compile(r"\[TOOL_CALLS\]\s*\["),
+    opening="[TOOL_CALLS][",
+    between=", ",
+    closing="]",
+    with_id=True,
+    control="[TOOL_CALLS]",
+)
+FORMATS = (HERMES, LLAMA_3_X, MISTRAL_NEMO)  # in the order chat.cpp tries them
 
 
-def split_offered_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
-    """split_calls(), or else the fenced JSON calls in the text, of tools offered (`names`) only: a
-    fence of JSON is also what a model writes when asked for JSON, not a call. The content is the text
-    before the first call."""
-    parsed = split_calls(text)
-    if parsed is not None:
-        return parsed
-    fenced = [(m.start(), _call(m.group(1))) for m in _FENCED.finditer(text)]
-    calls = [(at, call) for at, call in fenced if call is not None and call.name in names]
-    if not calls:
+def tool_format(template: ChatTemplate) -> ToolFormat | None:
+    """The format the template asks for calls in, if it renders `tools` in one this module reads (a
+    template without either would drop the tools silently, or ask for a format not read here)."""
+    if "tools" not in template.source:
         return None
-    return text[: calls[0][0]].strip(), [call for _, call in calls]
+    return next((f for f in FORMATS if f.marker in template.source), None)
 
 
-def _call(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+def call_ids(fmt: ToolFormat, several: bool) -> list[str] | None:
+    """The ids a required reply's calls will carry, for a format whose model writes them: chosen
+    before the reply, so that a stream can send each call's id with its name, as OpenAI's do."""
+    return [fmt.new_id() for _ in range(MAX_CALLS if several else 1)] if fmt.with_id else None
+
+
+def _literal(text: str, control: str, tokenizer: Tokenizer | None) -> str:
+    """`text` in Lark; a leading control token as that token (llguidance never writes one as text), so
+    the reply holds the token the template renders."""
+    if not text:
+        return ""
+    if control and tokenizer is not None and text.startswith(control):
+        ids = tokenizer.encode(control, special=True)
+        if len(ids) == 1 and tokenizer.attrs(ids[0]) & ATTR_CONTROL:
+            rest = text[len(control) :]
+            return f"<[{ids[0]}]>" + (f" {json.dumps(rest)}" if rest else "")
+    return json.dumps(text)
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def _expect(text: str, at: int, literal: str) -> int:
+    """Where `literal` (its own spaces loose, as models write them) ends after `at`; -1 if it is not there."""
+    if at < 0:
+        return -1
+    literal = literal.strip()
+    if not literal:
+        return at
+    at = _skip_space(text, at)
+    return at + len(literal) if text.startswith(literal, at) else -1
+
+
+def _call(value) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -115,107 +243,28 @@ def _call(body: str) -> ToolCall | None:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return None
-    return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+    call_id = value.get("id") if isinstance(value.get("id"), str) else None
+    return ToolCall(value["name"], arguments, call_id) if isinstance(arguments, dict) else None
 
 
-@dataclass
-class Delta:
-    """A piece of a streamed reply with tools: content, or the start of call `index` (its name), or a
-    piece of its arguments (JSON text)."""
-
-    content: str = ""
-    index: int = -1
-    name: str | None = None
-    arguments: str = ""
-
-
-# A call's text up to its arguments: what the template writes, with any whitespace a model adds.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-
-
-class CallSplitter:
-    """split_calls() as the text streams: content goes out as it comes, up to the first call. Calls
-    constrained by call_grammar (`constrained`) parse by construction, so each one's name goes out
-    once written and its arguments as they come, as OpenAI streams them; other calls are held until
-    the reply ends and go out whole once they parse, else as content."""
-
-    def __init__(self, constrained: bool = False) -> None:
-        self.constrained = constrained
-        self.held = ""  # text that is, or may be the start of, a call
-        self.calling = False
-        self.at = 0  # constrained: how much of `held` went out
-        self.state = "open"  # constrained: "open" (next: a call), "head" (its name), "arguments"
-        self.calls = 0
-
-    def feed(self, text: str) -> list[Delta]:
-        """What of `text` can go out now."""
-        if self.calling:
-            self.held += text
-            return self._calls() if self.constrained else []
-        text = self.held + text
-        at = text.find(OPEN)
-        if at >= 0:
-            self.calling, self.held = True, text[at:]
-            return _content(text[:at]) + (self._calls() if self.constrained else [])
-        keep = _partial_open(text)  # "<tool" at the end may be a call beginning
-        self.held = text[len(text) - keep :] if keep else ""
-        return _content(text[: len(text) - keep])
-
-    def finish(self) -> list[Delta]:
-        """What is left: held content, or the calls (none if the held text does not parse)."""
-        if not self.calling:
-            return _content(self.held)
-        if self.constrained:
-            return []  # a call cut short (by the token limit): finish_reason says "length"
-        parsed = split_calls(self.held)
-        if parsed is None:
-            return _content(self.held)
-        deltas = []
-        for index, call in enumerate(parsed[1]):
-            arguments = json.dumps(call.arguments, ensure_ascii=False)
-            deltas += [Delta(index=index, name=call.name), Delta(index=index, arguments=arguments)]
-        return deltas
-
-    def _calls(self) -> list[Delta]:
-        out = []
-        while True:
-            rest = self.held[self.at :]
-            if self.state == "open":
-                stripped = rest.lstrip()
-                if not stripped.startswith(OPEN):
-                    return out
-                self.at += len(rest) - len(stripped) + len(OPEN)
-                self.state = "head"
-            elif self.state == "head":
-                head = _HEAD.match(rest)
-                if head is None:
-                    return out
-                out.append(Delta(index=self.calls, name=json.loads(f'"{head.group(1)}"')))
-                self.at += head.end()
-                self.state = "arguments"
-            else:
-                close = rest.find(CLOSE)
-                if close >= 0:  # the arguments end with the call object's closing brace
-                    out.append(Delta(index=self.calls, arguments=rest[:close].rstrip()[:-1]))
-                    self.at += close + len(CLOSE)
-                    self.calls += 1
-                    self.state = "open"
-                    continue
-                last = rest.rfind("}")  # may be the call object's closing brace: it waits
-                cut = last if last >= 0 and CLOSE.startswith(rest[last + 1 :].lstrip()) else len(rest)
-                if cut:
-                    out.append(Delta(index=self.calls, arguments=rest[:cut]))
-                self.at += cut
-                return out
+def split_offered_calls(text: str, names: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[ToolCall]] | None:
+    """fmt.split(), or else the fenced JSON calls in the text, of tools offered (`names`) only: a fence
+    of JSON is also what a model writes when asked for JSON, not a call. Small models often write a call
+    so; llama.cpp's Hermes parser takes that form too (its open_regex: an optional ```json fence before
+    `{"name"`). The content is the text before the first call."""
+    parsed = fmt.split(text)
+    if parsed is not None:
+        return parsed
+    fenced = []
+    for m in _FENCED.finditer(text):
+        try:
+            fenced.append((m.start(), _call(json.loads(m.group(1)))))
+        except json.JSONDecodeError:
+            continue
+    calls = [(at, call) for at, call in fenced if call is not None and call.name in names]
+    if not calls:
+        return None
+    return text[: calls[0][0]].strip(), [call for _, call in calls]
 
 
-def _content(text: str) -> list[Delta]:
-    return [Delta(text)] if text else []
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of `text` are a proper start of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
+_FENCED = regex.compile(r"```(?:json|xml)?\n\s*(\{.*?\})\s*```", regex.DOTALL)

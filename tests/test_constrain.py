@@ -16,7 +16,8 @@ from llama_chat.inference.constrain import (
     json_schema_grammar,
     lark_grammar,
 )
-from llama_chat.inference.tool_calls import CallSplitter, Delta, ToolCall, call_grammar, split_calls
+from llama_chat.inference.tool_calls import HERMES, ToolCall
+from llama_chat.inference.tool_stream import CallSplitter, Delta
 
 CHOICE = {
     "type": "object",
@@ -91,10 +92,10 @@ def test_a_schema_that_is_not_a_schema_is_one_line_naming_the_problem(tiny_model
 
 def test_a_required_call_always_parses_into_a_call_of_the_tool(tiny_model_paths):
     model = load_model(tiny_model_paths["qwen2"])
-    grammar = check_grammar(model.tokenizer, lark_grammar(call_grammar([WEATHER])))
+    grammar = check_grammar(model.tokenizer, lark_grammar(HERMES.grammar([WEATHER])))
     sampling = SamplingParams(temperature=0, grammar=grammar)
     text = "".join(generate(model, model.tokenizer.encode("x y z"), sampling=sampling, max_tokens=200))
-    content, calls = split_calls(text)
+    content, calls = HERMES.split(text)
     assert content == "" and [c.name for c in calls] == ["get_weather"]
     assert calls[0].arguments["city"] in ("Paris", "Oslo")
 
@@ -104,7 +105,7 @@ def test_one_call_unless_several_are_allowed(tiny_model_paths):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     for several in (False, True):
         constraint = Constraint(
-            tok, check_grammar(tok, lark_grammar(call_grammar([WEATHER], several=several)))
+            tok, check_grammar(tok, lark_grammar(HERMES.grammar([WEATHER], several=several)))
         )
         assert all(constraint.accept(t) for t in tok.encode(call, special=True))
         assert constraint.finished is not several  # one call: nothing but the end may follow
@@ -112,11 +113,11 @@ def test_one_call_unless_several_are_allowed(tiny_model_paths):
 
 def test_tool_call_text_splits_into_content_and_calls():
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    assert split_calls("Let me look. " + call + "\n" + call) == (
+    assert HERMES.split("Let me look. " + call + "\n" + call) == (
         "Let me look.",
         [ToolCall("get_weather", {"city": "Paris"})] * 2,
     )
-    assert split_calls("no call here") is None
+    assert HERMES.split("no call here") is None
 
 
 @pytest.mark.parametrize(
@@ -130,7 +131,7 @@ def test_tool_call_text_splits_into_content_and_calls():
     ],
 )
 def test_a_tool_call_that_is_not_json_stays_content(text):
-    assert split_calls(text) is None
+    assert HERMES.split(text) is None
     splitter = CallSplitter()
     deltas = [d for i in range(0, len(text), 3) for d in splitter.feed(text[i : i + 3])] + splitter.finish()
     assert all(d.index < 0 for d in deltas) and "".join(d.content for d in deltas) == text

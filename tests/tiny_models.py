@@ -101,10 +101,14 @@ def write_tiny_model(
     raw_types: dict | None = None,
     chat_template: str = CHATML,
     metadata: dict | None = None,
+    specials: tuple[str, ...] = (),
+    context_length: int = 256,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
-    adds keys (an int as uint32, a float as float32)."""
+    adds keys (an int as uint32, a float as float32); `specials` adds control tokens to a BPE vocab
+    (a real template's markers, e.g. Llama 3's), the last of them its end of text; `context_length`:
+    room for a real template's long prompts."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -112,7 +116,7 @@ def write_tiny_model(
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
-    w.add_context_length(256)
+    w.add_context_length(context_length)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
@@ -138,6 +142,8 @@ def write_tiny_model(
         w.add_add_space_prefix(False)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
+        if specials:
+            tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
         w.add_token_list(tokens)

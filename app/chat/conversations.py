@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from llama_chat.inference import KVSequence, chat_prompt_ids
-from llama_chat.inference.tool_calls import call_text
+from llama_chat.inference.tool_calls import ToolFormat, tool_format
 from llama_chat.storage import Message, Session, StoreError
 
 from .jobs import Job
@@ -62,16 +62,18 @@ def title_of(turns: list[dict]) -> str:
     return session_title(first)[:TITLE_CHARS].rstrip() or "API chat"
 
 
-def stored_text(message: dict) -> str:
-    """A message's text as a session keeps it: a reply's tool calls as the model writes them. (A session
-    keeps text turns; the KV of a conversation with tools is kept with it as that conversation's.)"""
-    calls = call_text(message["tool_calls"]) if message.get("tool_calls") else ""
+def stored_text(message: dict, fmt: ToolFormat | None) -> str:
+    """A message's text as a session keeps it: a reply's tool calls as the model writes them (in the
+    template's format `fmt`). (A session keeps text turns; the KV of a conversation with tools is kept
+    with it as that conversation's.)"""
+    calls = fmt.call_text(message["tool_calls"]) if message.get("tool_calls") and fmt else ""
     return "\n".join(text for text in (message.get("content") or "", calls) if text)
 
 
 class Conversations:
     def __init__(self, live: LiveSessions, closing):
         self.live, self.model, self.store = live, live.model, live.store
+        self.format = tool_format(self.model.chat_template) if self.model.has_chat_template else None
         self.closing = closing  # () → whether the engine is closing: a reply cut short by it is kept
         # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
@@ -135,7 +137,7 @@ class Conversations:
         system, turns = split_system(messages)
         try:
             return self.store.session_ending_with(
-                API_ORIGIN, system, [(m["role"], stored_text(m)) for m in turns[:-1]], tenant, namespace
+                API_ORIGIN, system, [(m["role"], stored_text(m, self.format)) for m in turns[:-1]], tenant, namespace
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
             return None
@@ -146,7 +148,10 @@ class Conversations:
         left to the writer thread, so the replies streaming meanwhile do not wait on SQLite. Returns
         the future of the session they go in (None: not stored)."""
         reply, messages = reply_message(job), conversation.messages
-        ids = self.live.window_ids([*messages, {"role": "assistant", "content": reply.content}], conversation.tools)
+        answer = {"role": "assistant", "content": reply.content}
+        if conversation.tools and self.format is not None:  # as the next request sends it back
+            answer = self.format.as_message(reply.content)
+        ids = self.live.window_ids([*messages, answer], conversation.tools)
         # a reply cut short keeps the KV it holds, as a session's do
         held = self.live.hold_kv(job.seqs[0], ids, not job.cancelled)
         return self.writer.submit(self._store, messages, settings, reply, held, conversation.tenant)
@@ -158,9 +163,9 @@ class Conversations:
         left off, else in a new one (with the request's settings), in one transaction — then its KV. A
         failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
         system, turns = split_system(messages)
-        asked = [Message(0, None, m["role"], stored_text(m), None, reply.created, None) for m in turns]
+        asked = [Message(0, None, m["role"], stored_text(m, self.format), None, reply.created, None) for m in turns]
         try:
-            history = [(m["role"], stored_text(m)) for m in turns[:-1]]
+            history = [(m["role"], stored_text(m, self.format)) for m in turns[:-1]]
             session = self.store.session_ending_with(API_ORIGIN, system, history, tenant, held.namespace)
             if session is None:
                 stored = self.store.create_session(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from llama_chat.inference.tool_calls import ToolCall, split_offered_calls, takes_tools
+from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_calls, tool_format
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
@@ -99,6 +99,7 @@ class MCPTools:
         self.servers = {c.name: _Server(c) for c in configs}
         self.tools: list[dict] = []
         self.server_of: dict[str, str] = {}  # tool name → its server's name
+        self.format = HERMES  # the format the model's chat template asks for calls in
 
     def connect(self) -> list[str]:
         """Start every server and list its tools; returns a line for each server: its tools, or why it
@@ -137,7 +138,7 @@ class MCPTools:
 
     def calls_in(self, reply: str) -> list[ToolCall]:
         """The calls a reply makes of the servers' tools (a stopped server's too: calling one says so)."""
-        parsed = split_offered_calls(reply, set(self.server_of))
+        parsed = split_offered_calls(reply, set(self.server_of), self.format)
         return parsed[1] if parsed else []
 
     def answer(self, call: ToolCall, confirmed: bool) -> tuple[str, str | None]:
@@ -238,9 +239,13 @@ def start_tools(engine, servers: dict) -> tuple[MCPTools | None, list[str]]:
     if not servers:
         return None, []
     model = engine.model
-    if not (model.has_chat_template and takes_tools(model.chat_template)):
+    fmt = tool_format(model.chat_template) if model.has_chat_template else None
+    if fmt is None:
         return None, [f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"]
+    if fmt.with_id:  # its template refuses a tool's answer without the call's id, which a chat does not keep
+        return None, [f"{model.name}'s chat template ({fmt.name}) needs call ids the chat does not keep: the MCP servers of config.toml are not started"]
     tools = MCPTools(server_configs(servers))
+    tools.format = fmt
     lines = tools.connect()
     engine.tools = tools.tools or None
     return tools, lines

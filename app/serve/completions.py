@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -17,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 
 from llama_chat.inference import constrain
 from llama_chat.inference.errors import ContextFullError
-from llama_chat.inference.tool_calls import CallSplitter, Delta, call_grammar, split_calls, takes_tools
+from llama_chat.inference.tool_calls import ToolFormat, call_ids, tool_format
+from llama_chat.inference.tool_stream import CallSplitter, Delta
 from llama_chat.storage import Session, StoreError
 from llama_chat.storage.kv_store import RemoteRead
 
@@ -54,7 +54,9 @@ async def chat_completions(request: Request) -> Response:
     )
     state.check_model(req.model)
     engine = state.ready()
-    grammar = await run_in_threadpool(_grammar, engine, req)
+    fmt = tool_format(engine.model.chat_template) if engine.model.has_chat_template else None
+    ids = call_ids(fmt, req.parallel_tool_calls) if fmt is not None and req.tool_choice == "required" else None
+    grammar = await run_in_threadpool(_grammar, engine, req, fmt, ids)
     events = JobEvents()
     reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
     headers = {}
@@ -68,9 +70,9 @@ async def chat_completions(request: Request) -> Response:
         job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
     if req.stream:
-        splitters = [CallSplitter(grammar is not None) if req.tools else None for _ in range(req.n)]
+        splitters = [CallSplitter(fmt, grammar is not None, ids) if req.tools else None for _ in range(req.n)]
         logprobs = _Logprobs(job, engine.model.tokenizer) if req.logprobs is not None else None
-        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters, logprobs)
+        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters, fmt, logprobs)
         return EventSourceResponse(chunks, headers=headers, shutdown_grace_period=CLOSING_GRACE_S)
     if not await ended_or_gone(request, events):
         job.cancel()  # the client left: nobody will read the reply
@@ -85,8 +87,10 @@ async def chat_completions(request: Request) -> Response:
         headers["X-Store-Error"] = kept.error_code
     texts, calls = [job.text(i) for i in range(job.n)], None
     if req.tools:
-        split = [split_calls(text) or (text, []) for text in texts]
+        split = [fmt.split(text) or (text, []) for text in texts]
         texts, calls = [content for content, _ in split], [made for _, made in split]
+        for call in (c for made in calls for c in made):
+            call.id = call.id or fmt.new_id()
     logprobs = None
     if req.logprobs is not None:
         logprobs = [token_logprobs(engine.model.tokenizer, s.logprobs) for s in job.stats]
@@ -94,10 +98,13 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(body, headers=headers)
 
 
-def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
-    """The grammar the replies must follow (a JSON schema's, or a required tool call's), compiled
-    against the model's vocabulary; a 400 naming the problem when it does not compile. Tools need a
-    chat template that renders them and asks for calls in a format this server reads."""
+def _grammar(
+    engine: ChatEngine, req: CompletionRequest, fmt: ToolFormat | None, ids: list[str] | None
+) -> str | None:
+    """The grammar the replies must follow (a JSON schema's, or a required tool call's in the chat
+    template's format `fmt`, its calls given `ids` where the format has them), compiled against the
+    model's vocabulary; a 400 naming the problem when it does not compile. Tools need a chat template
+    that renders them and asks for calls in a format this server reads."""
     model = engine.model
     for i, tool in enumerate(req.tools or []):  # each schema on its own, so the error can name it
         parameters = tool["function"].get("parameters") or {"type": "object"}
@@ -105,9 +112,8 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
             constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(parameters))
         except constrain.GrammarError as e:
             raise invalid(f"'tools[{i}].function.parameters': {e}.", param=f"tools[{i}]") from None
-    speaks_tools = model.has_chat_template and takes_tools(model.chat_template)
     for name, used in (("tools", bool(req.tools)), ("messages", _has_tool_messages(req))):
-        if used and not speaks_tools:
+        if used and fmt is None:
             raise invalid(
                 f"This model's chat template does not take tools in a format this server reads ({model.name}).",
                 param=name,
@@ -116,7 +122,8 @@ def _grammar(engine: ChatEngine, req: CompletionRequest) -> str | None:
         raise invalid("'tools' and 'response_format' cannot be used with a session.", param="session")
     try:
         if req.tools and req.tool_choice == "required":
-            grammar = constrain.lark_grammar(call_grammar(req.tools, req.tool_name, req.parallel_tool_calls))
+            calls = fmt.grammar(req.tools, req.tool_name, req.parallel_tool_calls, ids, model.tokenizer)
+            grammar = constrain.lark_grammar(calls)
             return constrain.check_grammar(model.tokenizer, grammar)
         if req.json_schema is not None:
             schema = constrain.json_schema_grammar(req.json_schema)
@@ -268,6 +275,7 @@ async def _chunks(
     include_usage: bool,
     engine: ChatEngine,
     splitters: list[CallSplitter | None],
+    fmt: ToolFormat | None,
     logprobs: _Logprobs | None = None,
 ) -> AsyncIterator[str]:
     """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
@@ -285,7 +293,7 @@ async def _chunks(
                 splitter = splitters[event.alt]
                 for delta in [Delta(event.text)] if splitter is None else splitter.feed(event.text):
                     if delta.content or delta.index >= 0:
-                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt]), **more(event.alt)))
+                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt], fmt), **more(event.alt)))
         kept = await kept_where(job)
         failure = _failure(job, kept)
         if failure is not None:  # an error object, as OpenAI's streams send one, then the end
@@ -295,7 +303,7 @@ async def _chunks(
         for i, splitter in enumerate(splitters):
             for delta in splitter.finish() if splitter is not None else []:
                 if delta.content or delta.index >= 0:
-                    yield _data(reply.chunk(i, _delta(delta, calls[i]), **more(i)))
+                    yield _data(reply.chunk(i, _delta(delta, calls[i], fmt), **more(i)))
         for i, stats in enumerate(job.stats):
             finish = finish_reason(stats, bool(calls[i]))
             yield _data(reply.chunk(i, {}, finish, **kept.fields(), **more(i)))
@@ -320,14 +328,15 @@ class _Logprobs:
         return {"logprobs": token_logprobs(self.tokenizer, entries)}
 
 
-def _delta(delta: Delta, call_ids: dict[int, str]) -> dict:
-    """A stream's delta as OpenAI writes it; a call's first one carries its new id and its name."""
+def _delta(delta: Delta, call_ids: dict[int, str], fmt: ToolFormat | None) -> dict:
+    """A stream's delta as OpenAI writes it; a call's first one carries its id (the one the model
+    wrote, else a new one) and its name."""
     if delta.index < 0:
         return {"content": delta.content}
     function = {"arguments": delta.arguments}
     call = {"index": delta.index, "function": function}
     if delta.name is not None:
-        call_ids[delta.index] = call["id"] = "call_" + secrets.token_hex(12)
+        call_ids[delta.index] = call["id"] = delta.id or fmt.new_id()
         call["type"], function["name"] = "function", delta.name
     return {"tool_calls": [call]}
 

@@ -396,9 +396,9 @@ def finish_reason(stats: GenerationStats, called: bool = False) -> str:
 
 
 def tool_call(call: ToolCall) -> dict:
-    """A call as OpenAI writes it: an id, the function's name and its arguments as JSON text."""
+    """A call as OpenAI writes it: its id, the function's name and its arguments as JSON text."""
     arguments = json.dumps(call.arguments, ensure_ascii=False)
-    return {"id": "call_" + secrets.token_hex(12), "type": "function", "function": {"name": call.name, "arguments": arguments}}
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def token_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
