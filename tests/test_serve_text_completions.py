@@ -4,8 +4,10 @@ that API's shape and recomputed from the model's logits, the KV cache and tenant
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import threading
 
 import numpy as np
 import openai
@@ -14,7 +16,7 @@ import pytest
 from conftest import FIXTURES, real_cache
 from llama_chat.app.serve.state import api_keys_from, open_model
 from llama_chat.inference import GenerationStats, SamplingParams, generate, load_model
-from served import BLOCK, LONG, MODEL, SYSTEM, Served, error_of
+from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, wait_for
 
 GREEDY = {"temperature": 0}
 CHAT_REFERENCE = json.loads((FIXTURES / "llamacpp" / "chat_reference.json").read_text())
@@ -207,6 +209,49 @@ def test_tenants_share_no_kv_through_text_completions(tmp_path, qwen2):
             openai.OpenAI(base_url=s.url + "/v1", api_key="nobody", max_retries=0).completions.create(**ask)
     finally:
         s.stop()
+
+
+# -- the queue and clients that leave (the chat route's code) -----------------------------------------
+
+
+def test_requests_beyond_the_queue_get_429_with_retry_after(tmp_path, qwen2):
+    s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=1).wait_ready()
+    try:
+        with s.scheduler.lock:  # nothing advances: the first job is taken, the second waits
+            first = complete(s, LONG, max_tokens=12, stream=True, **GREEDY)  # (once its job is queued)
+            wait_for(lambda: s.scheduler.load()["queued"] == 0)
+            second = complete(s, LONG, max_tokens=5, stream=True, **GREEDY)
+            assert s.scheduler.load()["queued"] == 1
+            with pytest.raises(openai.RateLimitError) as e:
+                complete(s, "hi")
+            assert e.value.response.headers["Retry-After"] == "1" and e.value.code == "rate_limit_exceeded"
+        assert [c.choices[0].finish_reason for c in first if c.choices][-1] == "length"
+        assert [c.choices[0].finish_reason for c in second if c.choices][-1] == "length"
+    finally:
+        s.stop()
+
+
+def test_a_client_leaving_mid_stream_cancels_its_completion_and_frees_its_kv(served, monkeypatch):
+    complete(served, "warm up")  # the pool's baseline: cached blocks, no sequence
+    idle(served)
+    # the first token goes out, then the next pass waits until the client has left
+    left = threading.Event()
+    verify_rows = served.scheduler.model.verify_rows
+    monkeypatch.setattr(served.scheduler.model, "verify_rows", lambda batch: left.wait(20) and verify_rows(batch))
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 200, "stream": True, "echo": True, **GREEDY}
+    host, port = served.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port))
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # the echoed prompt
+    wait_for(lambda: any(run.streams for run in served.scheduler._runs))  # being decoded
+    (run,) = served.scheduler._runs
+    response.close()
+    conn.close()
+    wait_for(lambda: run.job.cancelled)
+    left.set()
+    idle(served)
+    assert blocks_in_use(served) == 0 and run.job.stats[0].stop_reason == "cancelled"
 
 
 # -- refusals --------------------------------------------------------------------------------------
