@@ -16,7 +16,7 @@ import pytest
 from conftest import FIXTURES, real_cache
 from llama_chat.app.serve.state import api_keys_from, open_model
 from llama_chat.inference import GenerationStats, SamplingParams, generate, load_model
-from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, wait_for
+from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, queue_full, wait_for
 
 GREEDY = {"temperature": 0}
 CHAT_REFERENCE = json.loads((FIXTURES / "llamacpp" / "chat_reference.json").read_text())
@@ -217,11 +217,7 @@ def test_tenants_share_no_kv_through_text_completions(tmp_path, qwen2):
 def test_requests_beyond_the_queue_get_429_with_retry_after(tmp_path, qwen2):
     s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=1).wait_ready()
     try:
-        with s.scheduler.lock:  # nothing advances: the first job is taken, the second waits
-            first = complete(s, LONG, max_tokens=12, stream=True, **GREEDY)  # (once its job is queued)
-            wait_for(lambda: s.scheduler.load()["queued"] == 0)
-            second = complete(s, LONG, max_tokens=5, stream=True, **GREEDY)
-            assert s.scheduler.load()["queued"] == 1
+        with queue_full(s, lambda n: complete(s, LONG, max_tokens=n, stream=True, **GREEDY)) as (first, second):
             with pytest.raises(openai.RateLimitError) as e:
                 complete(s, "hi")
             assert e.value.response.headers["Retry-After"] == "1" and e.value.code == "rate_limit_exceeded"

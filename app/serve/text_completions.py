@@ -164,12 +164,22 @@ class _TextStream:
     alternative's text as it comes, with its tokens' log-probabilities if asked; its finish_reason;
     usage if asked for."""
 
-    def __init__(self, job, reply: TextReply, echo: str, logprobs, include_usage: bool, engine: ChatEngine):
+    def __init__(
+        self,
+        job: JobView,
+        reply: TextReply,
+        echo: str,
+        logprobs: LegacyLogprobs | None,
+        include_usage: bool,
+        engine: ChatEngine,
+    ):
         self.job, self.reply, self.echo, self.logprobs = job, reply, echo, logprobs
         self.include_usage, self.engine = include_usage, engine
 
     def opening(self) -> list[dict]:
-        return [self.reply.text_chunk([self.reply.choice(i, self.echo, None)]) for i in range(self.job.n)] if self.echo else []
+        if not self.echo:
+            return []
+        return [self.reply.text_chunk([self.reply.choice(i, self.echo, None)]) for i in range(self.job.n)]
 
     def text(self, alt: int, text: str) -> list[dict]:
         return [self.reply.text_chunk([self.reply.choice(alt, text, self._logprobs(alt))])]
