@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FIXTURES, real_cache
 from llama_chat.app.serve.state import api_keys_from, open_model
-from llama_chat.inference import GenerationStats, SamplingParams, generate, load_model
+from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate, load_model
 from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, queue_full, wait_for
 
 GREEDY = {"temperature": 0}
@@ -195,6 +195,23 @@ def test_a_repeated_prompt_prefix_comes_from_the_cache(served):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = complete(served, SYSTEM + "the water", max_tokens=2)
     assert second.usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK
+
+
+def test_blocks_a_stored_chat_left_on_disk_serve_a_text_prompt_after_a_restart(tmp_path, qwen2):
+    db, messages = tmp_path / "chat.db", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    first = Served(db, qwen2).wait_ready()
+    try:
+        first.ask(messages, max_tokens=2)  # kept as an API session, its KV stored
+        ids = chat_prompt_ids(first.model, messages)
+    finally:
+        first.stop()
+    again = Served(db, qwen2).wait_ready()  # a new process's pool: empty; the database has the blocks
+    try:
+        reply = complete(again, ids, max_tokens=2)  # the same tokens, sent as a raw prompt
+    finally:
+        again.stop()
+    assert (len(ids) - 1) // BLOCK >= 3  # every full block before the last token, from disk
+    assert reply.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // BLOCK * BLOCK
 
 
 def test_tenants_share_no_kv_through_text_completions(tmp_path, qwen2):
