@@ -17,6 +17,7 @@ from conftest import FIXTURES, real_cache
 from llama_chat.app.serve.state import api_keys_from, open_model
 from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, generate, load_model
 from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, queue_full, wait_for
+from tiny_models import write_tiny_model
 
 GREEDY = {"temperature": 0}
 CHAT_REFERENCE = json.loads((FIXTURES / "llamacpp" / "chat_reference.json").read_text())
@@ -91,6 +92,24 @@ def test_bos_comes_first_where_the_vocabulary_asks_for_it(tmp_path, tiny_model_p
     finally:
         s.stop()
     assert reply.usage.prompt_tokens == len(ids) and reply.choices[0].text == core_text(core, ids, 8)
+
+
+def test_a_completion_keeps_the_space_its_first_token_begins_with(tmp_path):
+    """A SentencePiece vocabulary that puts a space before the text (Llama 2's) has a reply's first
+    token drop its space, but a completion goes on from the prompt's text: it keeps it, as llama.cpp's
+    server gives each token's piece whole."""
+    path = write_tiny_model(tmp_path / "tiny-spm.gguf", "gemma3", space_prefix=True)
+    core, stats = load_model(path, cache_ram_mb=64, block_size=BLOCK), GenerationStats()
+    core_text(core, raw_ids(core, "water "), 6, stats)
+    pieces = b"".join(core.tokenizer.token_bytes(t) for t in stats.token_ids).decode()
+    assert pieces.startswith(" ")  # the case: the first token is a space
+    s = Served(tmp_path / "chat.db", path).wait_ready()
+    try:
+        reply = s.client.completions.create(model=path.stem, prompt="water ", max_tokens=6, logprobs=0, **GREEDY)
+    finally:
+        s.stop()
+    assert reply.choices[0].text == pieces and "".join(reply.choices[0].logprobs.tokens) == pieces
+    assert reply.choices[0].logprobs.text_offset == list(range(len(pieces)))
 
 
 def test_max_tokens_is_16_unless_given(served):

@@ -101,10 +101,12 @@ def write_tiny_model(
     raw_types: dict | None = None,
     chat_template: str = CHATML,
     metadata: dict | None = None,
+    space_prefix: bool = False,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
-    adds keys (an int as uint32, a float as float32)."""
+    adds keys (an int as uint32, a float as float32); `space_prefix`: a SentencePiece vocabulary (gemma3)
+    that puts a space before the text, as Llama 2's does."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -135,7 +137,7 @@ def write_tiny_model(
         w.add_eos_token_id(1)
         w.add_unk_token_id(3)
         w.add_add_bos_token(True)
-        w.add_add_space_prefix(False)
+        w.add_add_space_prefix(space_prefix)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
         w.add_tokenizer_model("gpt2")

@@ -216,7 +216,8 @@ class ChatEngine:
             plan = self.conversations.plan(to, settings or {}, store)
             sampling = self._sampling({}, settings, sampling, grammar, logprobs)
             return self._submit(plan, sampling, n=n, max_tokens=max_tokens, stop=stop, on_event=on_event,
-                                cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
+                                cancel=cancel, stats=stats, drop_unanswered=drop_unanswered,
+                                continues_text=isinstance(to, RawText))  # fmt: skip
         if n != 1:
             raise ValueError("a session's turn has one reply: regenerate makes several")
         session = self.store.get_session(to.id)
