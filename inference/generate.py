@@ -362,8 +362,8 @@ def start_streams(
     """The replies to a prompt prefilled in `seq` (logits: its last row; None when the prefill was
     cancelled: the streams stop before reading it): one in `seq` itself, or one per stats in forks of it,
     each sharing the prompt's blocks. Reply i samples with seed + i: reproducible, and they differ.
-    `continues_text`: the prompt is text the replies go on from, not a turn they answer (their first
-    token keeps a leading space; see Tokenizer.stream_decoder)."""
+    `continues_text`: the prompt is text the replies go on from, not a turn they answer: their first
+    token keeps the leading space a SentencePiece vocabulary's first token drops from a text."""
     n = len(stats)
     seqs = [seq] if n == 1 else [seq.fork() for _ in range(n)]
     limit = min(max_tokens, seq.n_ctx - len(prompt_ids))

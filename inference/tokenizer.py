@@ -421,8 +421,6 @@ class Tokenizer:
         return data.decode("utf-8", "replace")
 
     def stream_decoder(self, starts_text: bool = True) -> StreamDecoder:
-        """An incremental decode(); not `starts_text`: the tokens go on from text before them, so the
-        first keeps the space SentencePiece's prefix would have put there (a raw prompt's completion)."""
         return StreamDecoder(self, starts_text)
 
 
