@@ -132,13 +132,14 @@ class _Reply:
     """One reply being generated: samples each token, decodes it, watches for every kind of stop."""
 
     def __init__(
-        self, model: Model, prompt_ids: list[int], sampling: SamplingParams, stop, max_tokens, stats
-    ):
+        self, model: Model, prompt_ids: list[int], sampling: SamplingParams, stop, max_tokens, stats,
+        continues_text: bool = False,
+    ):  # fmt: skip
         self.end_ids = model.tokenizer.end_of_generation_ids
         self.sampler = Sampler(sampling)
         self.n_logprobs = sampling.logprobs
         self.constraint = Constraint(model.tokenizer, sampling.grammar) if sampling.grammar else None
-        self.decoder = model.tokenizer.stream_decoder()
+        self.decoder = model.tokenizer.stream_decoder(starts_text=not continues_text)
         self.stops = _StopStrings(stop)
         self.history = list(prompt_ids)  # what the repetition penalty looks back over
         self.max_tokens = max_tokens
@@ -359,10 +360,13 @@ def start_streams(
     stop: Sequence[str],
     max_tokens: int,
     lookup: bool,
+    continues_text: bool = False,
 ) -> list[ReplyStream]:
     """The replies to a prompt prefilled in `seq` (logits: its last row; None when the prefill was
     cancelled: the streams stop before reading it): one in `seq` itself, or one per stats in forks of it,
-    each sharing the prompt's blocks. Reply i samples with seed + i: reproducible, and they differ."""
+    each sharing the prompt's blocks. Reply i samples with seed + i: reproducible, and they differ.
+    `continues_text`: the prompt is text the replies go on from, not a turn they answer: their first
+    token keeps the leading space a SentencePiece vocabulary's first token drops from a text."""
     n = len(stats)
     seqs = [seq] if n == 1 else [seq.fork() for _ in range(n)]
     limit = min(max_tokens, seq.n_ctx - len(prompt_ids))
@@ -374,7 +378,7 @@ def start_streams(
             stats[0].prefill_s,
         )
         params = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
-        reply = _Reply(model, prompt_ids, params, stop, limit, st)
+        reply = _Reply(model, prompt_ids, params, stop, limit, st, continues_text)
         streams.append(ReplyStream(model, s, reply, logits, PromptLookup(prompt_ids) if lookup else None))
     return streams
 

@@ -420,17 +420,17 @@ class Tokenizer:
         data = self._first_piece(ids[0]) + b"".join(self.token_bytes(i) for i in ids[1:])
         return data.decode("utf-8", "replace")
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream_decoder(self, starts_text: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, starts_text)
 
 
 class StreamDecoder:
     """Incremental decode: each feed() returns only whole characters; the concatenation equals decode()."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, starts_text: bool = True):
         self._tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._first = True
+        self._first = starts_text
 
     def feed(self, id: int) -> str:
         if self._first:

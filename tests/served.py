@@ -3,6 +3,7 @@ with the real `openai` client — and what the serve tests share."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -117,3 +118,16 @@ def wait_for(condition, timeout_s: float = 20) -> None:
             return
         time.sleep(0.02)
     raise AssertionError("the condition never held")
+
+
+@contextlib.contextmanager
+def queue_full(s: Served, start):
+    """A server of --parallel 1 --queue 1 with nothing advancing: one request taken, one waiting, so
+    that the next is refused. start(max_tokens) sends a streamed request (its job is queued once the
+    response's headers are in); yields the two streams."""
+    with s.scheduler.lock:
+        first = start(12)
+        wait_for(lambda: s.scheduler.load()["queued"] == 0)
+        second = start(5)
+        assert s.scheduler.load()["queued"] == 1
+        yield first, second

@@ -14,7 +14,20 @@ import pytest
 from llama_chat.app.cli import main
 from llama_chat.app.serve.state import open_model
 from llama_chat.inference import chat_prompt_ids
-from served import BLOCK, LONG, MODEL, SYSTEM, Served, blocks_in_use, error_of, idle, post, streamed, wait_for
+from served import (
+    BLOCK,
+    LONG,
+    MODEL,
+    SYSTEM,
+    Served,
+    blocks_in_use,
+    error_of,
+    idle,
+    post,
+    queue_full,
+    streamed,
+    wait_for,
+)
 
 # -- replies ---------------------------------------------------------------------------------------
 
@@ -157,13 +170,7 @@ def test_a_body_over_the_limit_is_413(tmp_path, qwen2):
 def test_requests_beyond_the_queue_get_429_with_retry_after(tmp_path, qwen2):
     s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=1).wait_ready()
     try:
-        with s.scheduler.lock:  # nothing advances: the first job is taken, the second waits
-            first = s.ask(LONG, temperature=0, max_tokens=50, stream=True)
-            next(iter(first))
-            wait_for(lambda: s.scheduler.load()["queued"] == 0)
-            second = s.ask(LONG, temperature=0, max_tokens=5, stream=True)
-            next(iter(second))
-            assert s.scheduler.load()["queued"] == 1
+        with queue_full(s, lambda n: s.ask(LONG, temperature=0, max_tokens=n, stream=True)) as (first, second):
             status, headers, body = post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
             assert status == 429 and headers["Retry-After"] == "1"
             assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"

@@ -103,12 +103,14 @@ def write_tiny_model(
     metadata: dict | None = None,
     specials: tuple[str, ...] = (),
     context_length: int = 256,
+    space_prefix: bool = False,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
     adds keys (an int as uint32, a float as float32); `specials` adds control tokens to a BPE vocab
     (a real template's markers, e.g. Llama 3's), the last of them its end of text; `context_length`:
-    room for a real template's long prompts."""
+    room for a real template's long prompts; `space_prefix`: a SentencePiece vocabulary (gemma3)
+    that puts a space before the text, as Llama 2's does."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
@@ -139,7 +141,7 @@ def write_tiny_model(
         w.add_eos_token_id(1)
         w.add_unk_token_id(3)
         w.add_add_bos_token(True)
-        w.add_add_space_prefix(False)
+        w.add_add_space_prefix(space_prefix)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
         if specials:

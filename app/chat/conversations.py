@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from llama_chat.inference import KVSequence, chat_prompt_ids
+from llama_chat.inference import KVSequence, Model, chat_prompt_ids
 from llama_chat.inference.tool_calls import ToolFormat, tool_format
 from llama_chat.storage import Message, Session, StoreError
 
@@ -39,6 +39,35 @@ class Conversation:
     tools: list[dict] | None = None
     tenant: str | None = None
     cache_key: str | None = None
+
+
+@dataclass(frozen=True)
+class RawText:
+    """A prompt the client wrote whole (OpenAI's legacy Completions): text the model goes on from, with
+    no chat template, or its token ids. It shares KV as a Conversation does (same `tenant` and
+    `cache_key`), but is never kept: no session holds it, so its blocks stay in RAM only, for the next
+    request that begins the same way."""
+
+    prompt: str | list[int]
+    tenant: str | None = None
+    cache_key: str | None = None
+
+
+def raw_prompt_ids(model: Model, prompt: str | list[int]) -> list[int]:
+    """A raw prompt's tokens as llama.cpp's server reads one (tokenize with add_special and
+    parse_special): BOS first where the vocabulary asks for it, control-token text as those tokens (the
+    client writes its own template); token ids as they are. ValueError names what cannot be used."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_bos=tok.add_bos and tok.bos_id is not None, special=True)
+    else:
+        ids = list(prompt)
+        wrong = next((i for i in ids if not 0 <= i < tok.n_vocab), None)
+        if wrong is not None:
+            raise ValueError(f"token id {wrong} is not in the vocabulary (0 to {tok.n_vocab - 1})")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
 
 
 def kv_salt(tenant: str | None, cache_key: str | None = None) -> bytes | None:
@@ -78,17 +107,46 @@ class Conversations:
         # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
 
-    def plan(self, conversation: Conversation, settings: dict, store: bool) -> Plan:
+    def plan(self, conversation: Conversation | RawText, settings: dict, store: bool) -> Plan:
         """The plan of replies to a conversation; job.result is the future of the session it is kept in
-        (None: not kept). `settings`: the request's, stored with a new session. PromptTooLong, before
-        anything is read or computed, for a conversation that leaves no room for a reply."""
+        (None: not kept; a RawText never is). `settings`: the request's, stored with a new session.
+        PromptTooLong, before anything is read or computed, for a prompt that leaves no room for a
+        reply (and ValueError for a RawText that is no prompt)."""
+        if isinstance(conversation, RawText):
+            prompt = raw_prompt_ids(self.model, conversation.prompt)
+            check_fits(prompt, self.live.n_ctx)
+            return self._fresh(prompt, kv_salt(conversation.tenant, conversation.cache_key), self._noted)
         messages, live = conversation.messages, self.live
         prompt = chat_prompt_ids(self.model, messages, tools=conversation.tools)
         check_fits(prompt, live.n_ctx)
-        base: list[KVSequence] = []
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
         previous = self._previous_ids(messages, prompt, conversation.tools)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None
+
+        def finish(job: Job) -> Future | None:
+            self._noted(job)
+            ended = job.stats[0].stop_reason in ("eog", "stop", "length")
+            # a reply cut short by the engine's closing is kept as it is, as a stopped one (the client
+            # is told where); one its client left, or that failed, leaves nothing to continue from
+            cut = job.cancelled and self.closing() and job.answered
+            if not store or not (ended or cut):
+                return None
+            return self._keep(conversation, settings, job)
+
+        return self._fresh(prompt, namespace, finish, previous, kept)
+
+    def _fresh(
+        self,
+        prompt: list[int],
+        namespace: bytes | None,
+        finish,
+        previous: list[int] | None = None,
+        kept: Session | None = None,
+    ) -> Plan:
+        """The plan of replies to `prompt` in a fresh sequence of the shared pool (in `namespace`), so
+        every full block computed before is reused; a returning conversation (`previous`: its tokens as
+        kept after its last reply) takes the tail its `kept` session stored too."""
+        live, base = self.live, []
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
         # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
         remote = None
@@ -104,21 +162,14 @@ class Conversations:
                 live.restore_tail(kept, seq, previous)
             return prompt, seq
 
-        def finish(job: Job) -> Future | None:
-            live.note_prefill(job.stats[0])
-            ended = job.stats[0].stop_reason in ("eog", "stop", "length")
-            # a reply cut short by the engine's closing is kept as it is, as a stopped one (the client
-            # is told where); one its client left, or that failed, leaves nothing to continue from
-            cut = job.cancelled and self.closing() and job.answered
-            if not store or not (ended or cut):
-                return None
-            return self._keep(conversation, settings, job)
-
         def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool: give the KV back
             for seq in {id(s): s for s in [*base, *job.seqs]}.values():
                 seq.free()
 
         return Plan(prepare, finish, ended)
+
+    def _noted(self, job: Job) -> None:
+        self.live.note_prefill(job.stats[0])
 
     def _previous_ids(self, messages: list[dict], prompt: list[int], tools: list[dict] | None) -> list[int] | None:
         """The conversation before its new message as it was kept after its last reply, where the prompt

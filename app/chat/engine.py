@@ -32,7 +32,7 @@ from llama_chat.storage.kv_store import KVStore
 from llama_chat.storage.remote import RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session, marked_title
 
-from .conversations import Conversation, Conversations
+from .conversations import Conversation, Conversations, RawText
 from .jobs import Event, Job
 from .replies import Plan, ReplyNotStored, SavedReply, check_fits, reply_message
 from .resume import LiveSessions, ResumeInfo, VerifyResult, system_message
@@ -40,7 +40,7 @@ from .scheduler import Scheduler
 from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
 from .titles import NEW_CHAT, named_by, session_title
 
-__all__ = ["ChatEngine", "Conversation", "ReplyNotStored", "ResumeInfo", "SavedReply", "VerifyResult"]
+__all__ = ["ChatEngine", "Conversation", "RawText", "ReplyNotStored", "ResumeInfo", "SavedReply", "VerifyResult"]
 
 
 def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
@@ -179,7 +179,7 @@ class ChatEngine:
 
     def reply(
         self,
-        to: Session | Conversation,
+        to: Session | Conversation | RawText,
         text: str | None = None,
         *,
         n: int = 1,
@@ -199,7 +199,8 @@ class ChatEngine:
     ) -> Job:
         """A reply, as a job on the scheduler: to the user's `text` in a session (None: to its last
         message), or `n` replies to a Conversation sent whole (kept as an API session: job.result is the
-        future of that session, None when not kept). Sampling: `sampling` as given, else the session's
+        future of that session, None when not kept), or `n` continuations of a RawText (never kept; a
+        ValueError names a prompt that cannot be used). Sampling: `sampling` as given, else the session's
         settings overridden by `settings` (the model's defaults where they set nothing), shaped by a
         `grammar`; `logprobs` notes each token's log-probability (and the n likeliest) in job.stats.
 
@@ -211,11 +212,12 @@ class ChatEngine:
         `store`: nothing is written, the session stays as it was. A job of a session waits for the one
         before it, and starts from what that one stored. Not `keep_kv`: the session's KV goes back to the
         pool's cache when it ends (a server's sessions hold none between turns). `drop_unanswered`: see Job."""
-        if isinstance(to, Conversation):
+        if isinstance(to, Conversation | RawText):
             plan = self.conversations.plan(to, settings or {}, store)
             sampling = self._sampling({}, settings, sampling, grammar, logprobs)
             return self._submit(plan, sampling, n=n, max_tokens=max_tokens, stop=stop, on_event=on_event,
-                                cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
+                                cancel=cancel, stats=stats, drop_unanswered=drop_unanswered,
+                                continues_text=isinstance(to, RawText))  # fmt: skip
         if n != 1:
             raise ValueError("a session's turn has one reply: regenerate makes several")
         session = self.store.get_session(to.id)

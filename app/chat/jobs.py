@@ -95,6 +95,7 @@ class Job:
         session_id: str | None = None,
         drop_unanswered: bool = False,
         on_end: Callable[[Job], None] | None = None,
+        continues_text: bool = False,
     ):
         self.prepare = prepare
         self.finish = finish
@@ -106,6 +107,7 @@ class Job:
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.lookup = lookup  # None: as the model was loaded
+        self.continues_text = continues_text  # a raw prompt's completion, not a reply to a turn
         # The jobs of one session run one after another, in the order submitted: each is prepared from
         # what the one before it stored.
         self.session_id = session_id

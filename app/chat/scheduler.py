@@ -267,6 +267,7 @@ class Scheduler:
         run.streams = start_streams(
             self.model, run.prompt, run.seq, run.logits if complete else None, job.stats,
             sampling=job.sampling, stop=job.stop, max_tokens=job.max_tokens, lookup=lookup,
+            continues_text=job.continues_text,
         )  # fmt: skip
         job.seqs = [s.seq for s in run.streams]
         job.set_state(State.DECODING)

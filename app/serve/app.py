@@ -23,6 +23,7 @@ from . import sessions_api
 from .completions import chat_completions
 from .errors import ApiError, forbidden, server_error, storage_failed, unauthorized
 from .state import ServeOptions, ServerState, say
+from .text_completions import text_completions
 
 OPEN_PATHS = {"/health"}  # answered without a key: load balancers and probes ask it
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -191,6 +192,7 @@ def create_app(options: ServeOptions, load=None, api_key: str | dict[str, str | 
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
         *sessions_api.ROUTES,
     ]
     app = Starlette(

@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -63,24 +64,20 @@ async def chat_completions(request: Request) -> Response:
     if req.session is None:
         tenant = tenant_of(request)
         job = await run_in_threadpool(
-            _submitted, lambda: _submit_conversation(state, req, events, tenant, grammar)
+            submitted, lambda: _submit_conversation(state, req, events, tenant, grammar)
         )
     else:
         session = await run_in_threadpool(find_session, state, req.session, tenant_of(request))
-        job = await run_in_threadpool(_submitted, lambda: _submit_turn(state, session, req, events))
+        job = await run_in_threadpool(submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
     if req.stream:
         splitters = [CallSplitter(fmt, grammar is not None, ids) if req.tools else None for _ in range(req.n)]
         logprobs = _Logprobs(job, engine.model.tokenizer) if req.logprobs is not None else None
-        chunks = _chunks(job, events, reply, req.include_usage, engine, splitters, fmt, logprobs)
-        return EventSourceResponse(chunks, headers=headers, shutdown_grace_period=CLOSING_GRACE_S)
-    if not await ended_or_gone(request, events):
-        job.cancel()  # the client left: nobody will read the reply
+        shape = _ChatStream(job, reply, req.include_usage, engine, splitters, fmt, logprobs)
+        return event_stream(job, events, shape, headers)
+    kept = await whole(request, job, events)
+    if kept is None:
         return Response(status_code=499)
-    kept = await kept_where(job)
-    failure = _failure(job, kept)
-    if failure is not None:
-        raise failure
     if kept.session is not None:
         headers["X-Session-Id"] = kept.session
     if kept.error is not None:
@@ -152,7 +149,7 @@ def find_session(state: ServerState, session_id: str, tenant: str | None) -> Ses
         raise session_not_found(str(e)) from None
 
 
-def _submitted(submit: Callable[[], JobView]) -> JobView:
+def submitted(submit: Callable[[], JobView]) -> JobView:
     """submit(), with the scheduler's refusals said as the API says them."""
     try:
         return submit()
@@ -164,12 +161,17 @@ def _submitted(submit: Callable[[], JobView]) -> JobView:
         raise unavailable("The server is shutting down.", "shutting_down") from None
 
 
-def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
-    """What is refused before a conversation is rendered, tokenized and looked up in the KV tiers
-    (seconds of CPU and a network read for 100k messages): a full queue, or more messages than the
-    context window holds tokens (each message takes one at least)."""
+def refuse_when_full(engine: ChatEngine) -> None:
+    """429 before a prompt is rendered, tokenized and looked up in the KV tiers (seconds of CPU and a
+    network read for 100k messages) when it would only wait behind a full queue to be refused."""
     if engine.queue_full:
         raise busy(RETRY_AFTER_S)
+
+
+def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
+    """What is refused before a conversation is rendered: a full queue, or more messages than the
+    context window holds tokens (each message takes one at least)."""
+    refuse_when_full(engine)
     if len(messages) >= engine.n_ctx:
         raise invalid(
             f"The conversation has {len(messages):,} messages; this server's context window holds "
@@ -268,51 +270,104 @@ def _failure(job: JobView, kept: Kept) -> ApiError | None:
     return server_error(f"The reply failed: {job.error}")
 
 
-async def _chunks(
-    job: JobView,
-    events: JobEvents,
-    reply: Reply,
-    include_usage: bool,
-    engine: ChatEngine,
-    splitters: list[CallSplitter | None],
-    fmt: ToolFormat | None,
-    logprobs: _Logprobs | None = None,
-) -> AsyncIterator[str]:
-    """The stream: a first chunk per alternative, its text as it comes, its finish_reason, usage if
-    asked for, then [DONE]. An error after the stream began comes as an error object, as OpenAI's does.
-    With tools (a splitter per alternative), the text up to a tool call streams as content, and the
-    calls as OpenAI's deltas carry them: an id and a name, then the arguments in pieces. Asked for,
-    the log-probabilities of the tokens drawn since the last chunk come with each chunk."""
-    more = logprobs.new if logprobs is not None else lambda i: {}
-    calls: list[dict[int, str]] = [{} for _ in range(job.n)]  # each alternative's call ids by index
-    try:
-        for i in range(job.n):
-            yield _data(reply.chunk(i, {"role": "assistant", "content": ""}))
-        async for event in events:
-            if event.kind == "text" and event.text:
-                splitter = splitters[event.alt]
-                for delta in [Delta(event.text)] if splitter is None else splitter.feed(event.text):
-                    if delta.content or delta.index >= 0:
-                        yield _data(reply.chunk(event.alt, _delta(delta, calls[event.alt], fmt), **more(event.alt)))
-        kept = await kept_where(job)
-        failure = _failure(job, kept)
-        if failure is not None:  # an error object, as OpenAI's streams send one, then the end
-            yield _data({**failure.body(), **kept.fields()})
+async def whole(request: Request, job: JobView, events: JobEvents) -> Kept | None:
+    """The end of a reply sent whole: where it was kept; None when the client left first (its job is
+    cancelled: nobody will read the reply). ApiError when the job has no reply to send."""
+    if not await ended_or_gone(request, events):
+        job.cancel()
+        return None
+    kept = await kept_where(job)
+    failure = _failure(job, kept)
+    if failure is not None:
+        raise failure
+    return kept
+
+
+class StreamShape(Protocol):
+    """What a stream says at each point of its job: the chunks it opens with, those of each piece of
+    text an alternative made, and those it closes with once the job ended well."""
+
+    def opening(self) -> list[dict]: ...
+
+    def text(self, alt: int, text: str) -> list[dict]: ...
+
+    def closing(self, kept: Kept) -> list[dict]: ...
+
+
+def event_stream(job: JobView, events: JobEvents, shape: StreamShape, headers: dict | None = None) -> Response:
+    """The job's events as server-sent events, in `shape`, then [DONE]. An error after the stream began
+    comes as an error object, as OpenAI's does; a client that leaves cancels the job."""
+
+    async def chunks() -> AsyncIterator[str]:
+        try:
+            for chunk in shape.opening():
+                yield _data(chunk)
+            async for event in events:
+                if event.kind == "text" and event.text:
+                    for chunk in shape.text(event.alt, event.text):
+                        yield _data(chunk)
+            kept = await kept_where(job)
+            failure = _failure(job, kept)
+            if failure is not None:  # an error object, as OpenAI's streams send one, then the end
+                yield _data({**failure.body(), **kept.fields()})
+                yield "[DONE]"
+                return
+            for chunk in shape.closing(kept):
+                yield _data(chunk)
             yield "[DONE]"
-            return
-        for i, splitter in enumerate(splitters):
-            for delta in splitter.finish() if splitter is not None else []:
-                if delta.content or delta.index >= 0:
-                    yield _data(reply.chunk(i, _delta(delta, calls[i], fmt), **more(i)))
-        for i, stats in enumerate(job.stats):
-            finish = finish_reason(stats, bool(calls[i]))
-            yield _data(reply.chunk(i, {}, finish, **kept.fields(), **more(i)))
-        if include_usage:
-            yield _data(reply.usage_chunk(job.stats, kept, kv_remote(engine, job)))
-        yield "[DONE]"
-    finally:
-        if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping
-            job.cancel()
+        finally:
+            if not job.state.ended:  # the client left (its task was cancelled) or the server is stopping
+                job.cancel()
+
+    return EventSourceResponse(chunks(), headers=headers, shutdown_grace_period=CLOSING_GRACE_S)
+
+
+class _ChatStream:
+    """A chat completion's stream: a first chunk per alternative, its text as it comes, its
+    finish_reason, usage if asked for. With tools (a splitter per alternative), the text up to a tool
+    call streams as content, and the calls as OpenAI's deltas carry them: an id and a name, then the
+    arguments in pieces. Asked for, the log-probabilities of the tokens drawn since the last chunk come
+    with each chunk."""
+
+    def __init__(
+        self,
+        job: JobView,
+        reply: Reply,
+        include_usage: bool,
+        engine: ChatEngine,
+        splitters: list[CallSplitter | None],
+        fmt: ToolFormat | None,
+        logprobs: _Logprobs | None = None,
+    ):
+        self.job, self.reply, self.include_usage, self.engine = job, reply, include_usage, engine
+        self.splitters, self.fmt = splitters, fmt
+        self.more = logprobs.new if logprobs is not None else lambda i: {}
+        self.calls: list[dict[int, str]] = [{} for _ in range(job.n)]  # each alternative's call ids by index
+
+    def opening(self) -> list[dict]:
+        return [self.reply.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.job.n)]
+
+    def text(self, alt: int, text: str) -> list[dict]:
+        splitter = self.splitters[alt]
+        return self._deltas(alt, [Delta(text)] if splitter is None else splitter.feed(text))
+
+    def closing(self, kept: Kept) -> list[dict]:
+        out = []
+        for i, splitter in enumerate(self.splitters):
+            out += self._deltas(i, splitter.finish() if splitter is not None else [])
+        for i, stats in enumerate(self.job.stats):
+            finish = finish_reason(stats, bool(self.calls[i]))
+            out.append(self.reply.chunk(i, {}, finish, **kept.fields(), **self.more(i)))
+        if self.include_usage:
+            out.append(self.reply.usage_chunk(self.job.stats, kept, kv_remote(self.engine, self.job)))
+        return out
+
+    def _deltas(self, alt: int, deltas: list[Delta]) -> list[dict]:
+        return [
+            self.reply.chunk(alt, _delta(delta, self.calls[alt], self.fmt), **self.more(alt))
+            for delta in deltas
+            if delta.content or delta.index >= 0
+        ]
 
 
 class _Logprobs:

@@ -41,11 +41,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
-def context_length_exceeded(prompt_tokens: int, n_ctx: int) -> ApiError:
+def context_length_exceeded(prompt_tokens: int, n_ctx: int, param: str = "messages") -> ApiError:
     return invalid(
-        f"The messages are {prompt_tokens:,} tokens; this server's context window holds {n_ctx:,} "
+        f"'{param}' makes {prompt_tokens:,} tokens; this server's context window holds {n_ctx:,} "
         "(llama-chat serve --ctx), and a reply needs at least one more.",
-        param="messages",
+        param=param,
         code="context_length_exceeded",
     )
 

@@ -76,40 +76,19 @@ class CompletionRequest:
 
 def parse_completion(body: dict, header_session: str | None = None) -> CompletionRequest:
     """A request body checked and read; ApiError (400) names the first field that is wrong."""
-    for name in body:
-        if name not in READ and name not in IGNORED and name not in NEUTRAL:
-            raise invalid(f"Unrecognized request argument supplied: {name}", param=name)
-    for name, neutral in NEUTRAL.items():
-        if body.get(name) is not None and body[name] not in neutral:
-            raise invalid(f"'{name}' is not supported by this server (leave it out).", param=name)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("'model' is required: the name of a model from GET /v1/models.", param="model")
-    request = CompletionRequest(model, parse_messages(body.get("messages")))
-    request.stream = _flag(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None:
-        if not request.stream:
-            raise invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise invalid("'stream_options' may hold only 'include_usage'.", param="stream_options")
-        request.include_usage = _flag(options, "include_usage", False, "stream_options.include_usage")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = _number(body, name, 1, 1 << 30, integer=True)
-        request.max_tokens = value if value is not None else request.max_tokens
-    request.sampling = _sampling(body)
-    request.stop = _stop(body.get("stop"))
-    request.n = _number(body, "n", 1, MAX_N, integer=True) or 1
-    request.store = _flag(body, "store", True)
-    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-    if _flag(body, "logprobs", False):
+    check_fields(body, READ, NEUTRAL)
+    request = CompletionRequest(model_of(body), parse_messages(body.get("messages")))
+    read_generation(body, request)
+    request.store = flag(body, "store", True)
+    top = number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if flag(body, "logprobs", False):
         request.logprobs = top or 0
     elif top:
         raise invalid("'top_logprobs' needs 'logprobs' to be true.", param="top_logprobs")
     request.session = _session(body.get("session"), header_session)
     request.prompt_cache_key = text_field(body, "prompt_cache_key")
     _tools(body, request)
-    request.parallel_tool_calls = _flag(body, "parallel_tool_calls", False)
+    request.parallel_tool_calls = flag(body, "parallel_tool_calls", False)
     request.json_schema = _response_format(body.get("response_format"))
     if request.json_schema is not None and request.tools:
         raise invalid("'response_format' and 'tools' cannot be used together here.", param="response_format")
@@ -121,6 +100,42 @@ def parse_completion(body: dict, header_session: str | None = None) -> Completio
         if request.logprobs is not None:
             raise invalid("'logprobs' cannot be used with a session.", param="logprobs")
     return request
+
+
+def check_fields(body: dict, read: set[str], neutral: dict[str, list]) -> None:
+    """Refuse a field not `read` nor ignored, and one of the `neutral` set to what it does not mean."""
+    for name in body:
+        if name not in read and name not in IGNORED and name not in neutral:
+            raise invalid(f"Unrecognized request argument supplied: {name}", param=name)
+    for name, values in neutral.items():
+        if body.get(name) is not None and body[name] not in values:
+            raise invalid(f"'{name}' is not supported by this server (leave it out).", param=name)
+
+
+def model_of(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required: the name of a model from GET /v1/models.", param="model")
+    return model
+
+
+def read_generation(body: dict, request) -> None:
+    """What chat and text completions read alike, into `request`: `stream` and its options, the token
+    limit, the sampling settings, the stop strings and `n`."""
+    request.stream = flag(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not request.stream:
+            raise invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise invalid("'stream_options' may hold only 'include_usage'.", param="stream_options")
+        request.include_usage = flag(options, "include_usage", False, "stream_options.include_usage")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = number(body, name, 1, 1 << 30, integer=True)
+        request.max_tokens = value if value is not None else request.max_tokens
+    request.sampling = _sampling(body)
+    request.stop = _stop(body.get("stop"))
+    request.n = number(body, "n", 1, MAX_N, integer=True) or 1
 
 
 def _sampling(body: dict) -> dict:
@@ -251,10 +266,10 @@ def _content(content, where: str) -> str:
         content = "".join(texts)
     if not isinstance(content, str):
         raise invalid(f"'{where}' must be a string or a list of text parts.", param=where)
-    return _text(content, where)
+    return unicode_text(content, where)
 
 
-def _text(value: str, where: str) -> str:
+def unicode_text(value: str, where: str) -> str:
     try:
         value.encode("utf-8")  # JSON may escape lone surrogates, which no tokenizer or database takes
     except UnicodeError:
@@ -262,7 +277,7 @@ def _text(value: str, where: str) -> str:
     return value
 
 
-def _flag(body: dict, name: str, default: bool, where: str | None = None) -> bool:
+def flag(body: dict, name: str, default: bool, where: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -271,7 +286,7 @@ def _flag(body: dict, name: str, default: bool, where: str | None = None) -> boo
     return value
 
 
-def _number(body: dict, name: str, low, high, integer: bool):
+def number(body: dict, name: str, low, high, integer: bool):
     value = body.get(name)
     if value is None:
         return None
@@ -288,14 +303,14 @@ def _stop(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) for s in stops):
         raise invalid(f"'stop' must be a string or a list of at most {MAX_STOP} strings.", param="stop")
-    return [_text(s, "stop") for s in stops if s]
+    return [unicode_text(s, "stop") for s in stops if s]
 
 
 def text_field(body: dict, name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
         raise invalid(f"'{name}' must be a string.", param=name)
-    return None if value is None else _text(value, name)
+    return None if value is None else unicode_text(value, name)
 
 
 def _session(body_value, header_value: str | None) -> str | None:
