@@ -23,6 +23,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,12 @@ def gguf_identity(gguf_path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": head}
 
 
-def load_or_pack(gguf_path: Path, pack_all: Callable[[], Iterator[tuple[str, PackedMatrix]]], sizes: list[int]) -> Matrices:
+def load_or_pack(
+    gguf_path: Path,
+    pack_all: Callable[[], Iterator[tuple[str, PackedMatrix]]],
+    sizes: list[int],
+    progress: Progress | None = None,
+) -> Matrices:
     """The model's packed matrices mapped from their file, packed into it first where it is missing,
     stale or damaged (`sizes`: the bytes of each array pack_all() gives); packed in memory (pack_all()
     again) where it cannot be written."""
@@ -65,7 +71,8 @@ def load_or_pack(gguf_path: Path, pack_all: Callable[[], Iterator[tuple[str, Pac
     if matrices is not None:
         return matrices
     try:
-        write_packed(target, identity, pack_all(), sum(-(-n // ALIGN) * ALIGN for n in sizes))
+        nbytes = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+        write_packed(target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}"))
         matrices = open_packed(target, identity)
     except OSError as e:
         reason = e.strerror or str(e)
@@ -85,6 +92,9 @@ def open_packed(path: Path, identity: dict) -> Matrices | None:
             if header.get("gguf") != identity:
                 return None
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # Pages the page cache lost are read from the disk now, while the rest of the load goes on,
+        # instead of one fault at a time in the first token (free where they are all there).
+        mapped.madvise(mmap.MADV_WILLNEED)
         return {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -120,7 +130,13 @@ def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
     return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]))
 
 
-def write_packed(path: Path, identity: dict, matrices: Iterator[tuple[str, PackedMatrix]], nbytes: int) -> None:
+def write_packed(
+    path: Path,
+    identity: dict,
+    matrices: Iterator[tuple[str, PackedMatrix]],
+    nbytes: int,
+    syncing: Callable[[int, int], None] | None = None,
+) -> None:
     """Write the matrices (`nbytes` of arrays), one at a time as they come (only one is in memory), under a
     temporary name; sync and rename it to `path` once whole. Their room is taken before the first is
     packed, so a disk without it fails at once. Raises OSError (no space, no permission), leaving nothing."""
@@ -152,6 +168,8 @@ def write_packed(path: Path, identity: dict, matrices: Iterator[tuple[str, Packe
             f.write(TRAILER.pack(len(blob), hashlib.sha256(blob).digest(), MAGIC))
             f.truncate()  # the trailer ends the file, whatever room was taken
             f.flush()
+            if syncing:
+                syncing(0, 0)  # (of unknown length: the disk takes what the page cache still holds)
             os.fsync(f.fileno())  # the data on disk before the name that says it is whole
         os.replace(tmp, path)
     except BaseException:

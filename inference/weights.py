@@ -240,7 +240,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
         return _pack(gguf_file, plan, progress)
 
     if use_cache:
-        matrices = packed_file.load_or_pack(path, pack_all, _packed_sizes(info, plan))
+        matrices = packed_file.load_or_pack(path, pack_all, _packed_sizes(info, plan), progress)
     else:
         matrices = dict(pack_all())
     if progress:

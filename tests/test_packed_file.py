@@ -56,6 +56,14 @@ def test_a_second_load_maps_the_packed_file_and_gives_the_same_logits(tiny_model
     assert len(packed_files(tiny_model_path)) == 1
 
 
+def test_packing_shows_progress_that_moves(qwen2):
+    steps = []
+    load_model(qwen2, progress=lambda *step: steps.append(step))
+    packing = [(done, total) for label, done, total in steps if label == f"packing {qwen2.name}"]
+    assert len(packing) > 3 and packing == sorted(packing) and packing[-1][0] == packing[-1][1]
+    assert (f"saving {qwen2.name}", 0, 0) in steps  # then the disk's sync, of unknown length
+
+
 def test_q4_k_m_weights_map_bit_for_bit(q4_k_m):
     loaded(q4_k_m)
     model, packed = loaded(q4_k_m)
