@@ -10,11 +10,11 @@ import signal
 
 import numpy as np
 import pytest
+from test_synthetic_model import TINY, synthetic
 
 from llama_chat.inference import load_model, packed_file, quants
 from llama_chat.inference.model import Model
 from llama_chat.inference.weights import prepare
-from test_synthetic_model import TINY, synthetic
 from tiny_models import write_tiny_model
 
 TEXT = "hello the world, the sun and the water"
