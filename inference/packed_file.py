@@ -8,8 +8,9 @@ version, the profile, the GGUF's identity); then a trailer (the header's length 
 string). A file is trusted only whole: a wrong magic, length or digest, another layout, profile or GGUF
 (size, mtime, digest of its first MiB) or an array outside the data, and it is packed again over the
 old one. It is written under a temporary name, synced, then renamed: a crash or a full disk leaves no
-file a later start trusts. Where it cannot be written, the weights are packed in memory as before, with
-one line saying so. The arrays' own bytes are not checked at a start (that would read every page).
+file a later start trusts. Packing also removes the files of GGUFs no longer where they were. Where it
+cannot be written, the weights are packed in memory as before, with one line saying so. The arrays'
+own bytes are not checked at a start (that would read every page).
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ def packed_path(gguf_path: Path) -> Path:
 
 
 def gguf_identity(gguf_path: Path) -> dict:
-    """What says the GGUF is the one a file was packed from: size, mtime and a digest of its first MiB."""
+    """What says the GGUF is the one a file was packed from: where it is, its size, mtime and a digest of
+    its first MiB."""
     with open(gguf_path, "rb") as f:
         st = os.fstat(f.fileno())
         head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": head}
+    return {"path": str(Path(gguf_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": head}
 
 
 def load_or_pack(
@@ -178,13 +180,22 @@ def write_packed(
 
 
 def _remove_abandoned(path: Path) -> None:
-    """Temporary files of processes that died packing this model (gigabytes each)."""
+    """Temporary files of processes that died packing this model, and packed files of GGUFs that are no
+    longer there (gigabytes each)."""
     for tmp in path.parent.glob(f".{path.name}.*.tmp"):
         try:
             os.kill(int(tmp.suffixes[-2].lstrip(".")), 0)
         except ProcessLookupError:
             tmp.unlink(missing_ok=True)
         except (ValueError, IndexError, OSError):
+            pass
+    for other in path.parent.glob("*.packed"):
+        try:
+            with open(other, "rb") as f:
+                header = _header(f, os.fstat(f.fileno()).st_size)
+            if header is not None and not Path(header["gguf"]["path"]).exists():
+                other.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
             pass
 
 

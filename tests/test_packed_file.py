@@ -157,6 +157,15 @@ def test_a_temporary_file_of_a_process_gone_is_removed(qwen2):
     assert packed_files(qwen2) == [target]
 
 
+def test_the_packed_file_of_a_gguf_gone_is_removed_by_the_next_packing(tmp_path, qwen2):
+    gone = write_tiny_model(tmp_path / "gone.gguf", "llama")
+    loaded(gone)
+    gone.unlink()
+    assert packed_file.packed_path(gone).exists()
+    loaded(qwen2)
+    assert not packed_file.packed_path(gone).exists() and packed_file.packed_path(qwen2).exists()
+
+
 def _fallback_line(caplog) -> str:
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "\n" not in lines[0]
