@@ -43,6 +43,7 @@ SPARE_BYTES = 1 << 30  # left free on the disk after packing: the chat's databas
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 Matrices = dict[str, PackedMatrix]
+Layout = tuple[int, list]  # a matrix's rows, and its arrays' (shape, dtype) or None: quants.layout
 
 
 def packed_path(gguf_path: Path) -> Path:
@@ -62,29 +63,35 @@ def gguf_identity(gguf_path: Path) -> dict:
 def load_or_pack(
     gguf_path: Path,
     pack_all: Callable[[], Iterator[tuple[str, PackedMatrix]]],
-    sizes: list[int],
+    expected: dict[str, Layout],
     progress: Progress | None = None,
 ) -> Matrices:
     """The model's packed matrices mapped from their file, packed into it first where it is missing,
-    stale or damaged (`sizes`: the bytes of each array pack_all() gives); packed in memory (pack_all()
+    stale or damaged (`expected`: what pack_all() gives, matrix by matrix); packed in memory (pack_all()
     again) where it cannot be written."""
     target, identity = packed_path(gguf_path), gguf_identity(gguf_path)
-    matrices = open_packed(target, identity)
+    matrices = open_packed(target, identity, expected)
     if matrices is not None:
         return matrices
     try:
-        nbytes = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+        nbytes = sum(-(-_nbytes(a) // ALIGN) * ALIGN for _, arrays in expected.values() for a in arrays if a)
         write_packed(target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}"))
-        matrices = open_packed(target, identity)
+        matrices = open_packed(target, identity, expected)
     except OSError as e:
         reason = e.strerror or str(e)
         log.warning(f"{target.parent}: cannot keep packed weights ({reason}); {gguf_path.name} is unpacked in memory")
     return matrices if matrices is not None else dict(pack_all())
 
 
-def open_packed(path: Path, identity: dict) -> Matrices | None:
+def _nbytes(spec) -> int:
+    shape, dtype = spec
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def open_packed(path: Path, identity: dict, expected: dict[str, Layout]) -> Matrices | None:
     """The matrices of a whole, current packed file, mapped copy-on-write (writable arrays, as the
-    kernels are compiled for, whose writes never reach the file); None where there is none such."""
+    kernels are compiled for, whose writes never reach the file), each with the rows and arrays
+    expected; None where there is none such."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -97,9 +104,24 @@ def open_packed(path: Path, identity: dict) -> Matrices | None:
         # Pages the page cache lost are read from the disk now, while the rest of the load goes on,
         # instead of one fault at a time in the first token (free where they are all there).
         mapped.madvise(mmap.MADV_WILLNEED)
-        return {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
+        matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
+        return matrices if _layouts(matrices) == _layouts_of(expected) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _layouts(matrices: Matrices) -> dict:
+    return {
+        name: (m.n_rows, [None if a is None else (a.shape, a.dtype) for a in (m.values, m.scales, m.offsets)])
+        for name, m in matrices.items()
+    }
+
+
+def _layouts_of(expected: dict[str, Layout]) -> dict:
+    return {
+        name: (n_rows, [None if a is None else (tuple(a[0]), np.dtype(a[1])) for a in arrays])
+        for name, (n_rows, arrays) in expected.items()
+    }
 
 
 def _header(f, size: int) -> dict | None:
@@ -150,7 +172,8 @@ def write_packed(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, nbytes)
+            if nbytes:
+                os.posix_fallocate(f.fileno(), 0, nbytes)
             entries = {}
             for name, m in matrices:
                 specs = []

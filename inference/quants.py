@@ -267,11 +267,6 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
 
 
-def packed_nbytes(formats: set, n_rows: int, n_cols: int) -> list[int]:
-    """The bytes of each array of layout()."""
-    return [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in filter(None, layout(formats, n_rows, n_cols))]
-
-
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → one PackedMatrix,
     their rows stacked (q/k/v or gate/up: one kernel call for all). Parts of different formats meet on

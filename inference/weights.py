@@ -4,7 +4,7 @@ Reading a GGUF's metadata with gguf.GGUFReader costs seconds for a 150k-token vo
 load writes it, with the table of tensors (type, shape, where the bytes lie), as JSON into
 `$XDG_CACHE_HOME/llama-chat/prepared/<key>/` (keyed by the file's path, size and mtime; a few MB).
 The weights are packed for the kernels (quants.py) once per GGUF and machine profile into a file
-beside it, which later loads map (packed_file.py); norms, biases and the embedding table are read from
+there too, which later loads map (packed_file.py); norms, biases and the embedding table are read from
 the GGUF itself at every load.
 """
 
@@ -240,7 +240,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
         return _pack(gguf_file, plan, progress)
 
     if use_cache:
-        matrices = packed_file.load_or_pack(path, pack_all, _packed_sizes(info, plan), progress)
+        matrices = packed_file.load_or_pack(path, pack_all, _packed_layout(info, plan), progress)
     else:
         matrices = dict(pack_all())
     if progress:
@@ -274,13 +274,14 @@ def matrix_plan(info: Prepared) -> list[tuple[str, list[str], list[tuple[int, in
     return plan
 
 
-def _packed_sizes(info: Prepared, plan) -> list[int]:
-    """The bytes of every array the plan's matrices pack into."""
-    sizes = []
-    for _, parts, shapes in plan:
+def _packed_layout(info: Prepared, plan) -> dict[str, packed_file.Layout]:
+    """Each matrix of the plan: its rows, and the arrays (shape, dtype) it packs into."""
+    expected = {}
+    for name, parts, shapes in plan:
         formats = {gguf.GGMLQuantizationType[info.tensors[n].type_name] for n in parts}
-        sizes += quants.packed_nbytes(formats, sum(s[0] for s in shapes), shapes[0][1])
-    return sizes
+        n_rows = sum(s[0] for s in shapes)
+        expected[name] = (n_rows, quants.layout(formats, n_rows, shapes[0][1]))
+    return expected
 
 
 def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):

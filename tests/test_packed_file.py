@@ -130,6 +130,15 @@ def test_a_damaged_packed_file_is_packed_again(qwen2, damage):
     assert not loaded(qwen2)[1]  # and whole again
 
 
+def test_a_whole_file_without_the_models_matrices_is_packed_again(qwen2):
+    """A file with a valid header for this GGUF but other arrays (one matrix only) is not trusted."""
+    model, _ = loaded(qwen2)
+    target = packed_file.packed_path(qwen2)
+    packed_file.write_packed(target, packed_file.gguf_identity(qwen2), iter([("output", model.weights.output)]), 0)
+    again, packed = loaded(qwen2)
+    assert packed and np.array_equal(logits(again), unpacked_logits(qwen2))
+
+
 def test_a_crash_while_packing_leaves_no_file_a_later_load_trusts(qwen2, monkeypatch):
     pack, calls = quants.pack, []
 
