@@ -6,8 +6,8 @@ One file per GGUF path and profile, `$XDG_CACHE_HOME/llama-chat/prepared/<digest
 the arrays, each at a multiple of the page size; then a JSON header (where each array lies, the layout
 version, the profile, the GGUF's identity); then a trailer (the header's length and SHA-256, a magic
 string). A file is trusted only whole: a wrong magic, length or digest, another layout, profile or GGUF
-(size, mtime, digest of its first MiB) or an array outside the data, and it is packed again over the
-old one. It is written under a temporary name, synced, then renamed: a crash or a full disk leaves no
+(path, size, mtime, digest of its first MiB), an array outside the data or other arrays than the
+GGUF's matrices pack into, and it is packed again over the old one. It is written under a temporary name, synced, then renamed: a crash or a full disk leaves no
 file a later start trusts. Packing also removes the files of GGUFs no longer where they were. Where it
 cannot be written, the weights are packed in memory as before, with one line saying so. The arrays'
 own bytes are not checked at a start (that would read every page).
@@ -172,7 +172,7 @@ def write_packed(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            if nbytes:
+            if nbytes and hasattr(os, "posix_fallocate"):  # (macOS has none: a full disk fails a write)
                 os.posix_fallocate(f.fileno(), 0, nbytes)
             entries = {}
             for name, m in matrices:
