@@ -250,47 +250,43 @@ def kind_of(formats: set) -> str:
     return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
 
 
+def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...], type] | None]:
+    """The arrays (shape, dtype) that a matrix of parts in these formats packs into: values, scales and
+    offsets, None where it has none (pack allocates them; packed_file.py reserves their room)."""
+    groups = -(-n_rows // LANES)
+    kind = kind_of(formats)
+    if kind == "float weights":
+        return [((groups, n_cols, LANES), F32), None, None]
+    if kind == "Q4_K weights":  # k_quants.py: 148 bytes per 256 weights, int8 took 320
+        return [
+            ((groups, n_cols // 2, LANES), np.uint8),
+            ((groups, n_cols // 256, 2, LANES), np.uint16),
+            ((groups, n_cols // 256, 16, LANES), np.uint8),
+        ]
+    scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
+    return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
+
+
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
     """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → one PackedMatrix,
     their rows stacked (q/k/v or gate/up: one kernel call for all). Parts of different formats meet on
     the finest group size and zero offsets, which changes no weight; a float part makes it all float32."""
     n_cols = parts[0][2][1]
     n_rows = sum(shape[0] for _, _, shape in parts)
-    groups = -(-n_rows // LANES)
-    kind = kind_of({qtype for _, qtype, _ in parts})
-    if kind == "float weights":
-        values = np.zeros((groups, n_cols, LANES), F32)
-        row0 = 0
-        for raw, qtype, shape in parts:
-            _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
-            row0 += shape[0]
-        return PackedMatrix(values, None, None, n_rows)
-    if kind == "Q4_K weights":
-        return _pack_q4_k(parts, groups)
-    group = min(GROUP.get(qtype, 32) for _, qtype, _ in parts)
-    with_offsets = kind == "integer weights with offsets"
-    values = np.zeros((groups, n_cols, LANES), np.int8)
-    scales = np.zeros((groups, n_cols // group, LANES), F32)
-    offsets = np.zeros_like(scales) if with_offsets else None
+    formats = {qtype for _, qtype, _ in parts}
+    values, scales, offsets = (None if a is None else np.zeros(*a) for a in layout(formats, n_rows, n_cols))
+    kind = kind_of(formats)
     row0 = 0
     for raw, qtype, shape in parts:
-        repeat = GROUP.get(qtype, 32) // group
-        _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)
+        if kind == "float weights":
+            _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
+        elif kind == "Q4_K weights":  # kept in its bits (k_quants.py)
+            _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
+        else:
+            repeat = GROUP.get(qtype, 32) // (n_cols // scales.shape[1])
+            _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)
         row0 += shape[0]
     return PackedMatrix(values, scales, offsets, n_rows)
-
-
-def _pack_q4_k(parts, groups: int) -> PackedMatrix:
-    """Q4_K tensors kept in their bits (k_quants.py): 148 bytes per 256 weights, int8 took 320."""
-    n_cols = parts[0][2][1]
-    values = np.zeros((groups, n_cols // 2, LANES), np.uint8)
-    scales = np.zeros((groups, n_cols // 256, 2, LANES), np.uint16)
-    offsets = np.zeros((groups, n_cols // 256, 16, LANES), np.uint8)
-    row0 = 0
-    for raw, qtype, shape in parts:
-        _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
-        row0 += shape[0]
-    return PackedMatrix(values, scales, offsets, row0)
 
 
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:

@@ -3,8 +3,9 @@
 Reading a GGUF's metadata with gguf.GGUFReader costs seconds for a 150k-token vocabulary, so the first
 load writes it, with the table of tensors (type, shape, where the bytes lie), as JSON into
 `$XDG_CACHE_HOME/llama-chat/prepared/<key>/` (keyed by the file's path, size and mtime; a few MB).
-Weights are read from the GGUF itself at every load and packed for the kernels (quants.py) in well
-under a second: no copy of them is kept on disk.
+The weights are packed for the kernels (quants.py) once per GGUF and machine profile into a file
+there too, which later loads map (packed_file.py); norms, biases and the embedding table are read from
+the GGUF itself at every load.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import kernels, quants
+from . import kernels, packed_file, quants
 from .catalog import cache_dir
 from .config import ModelConfig
 from .errors import ModelError
@@ -192,7 +193,7 @@ def model_info(path: Path, progress: Progress | None = None, use_cache: bool = T
 def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True) -> Prepared:
     """Metadata and weights: everything a Model needs."""
     info = model_info(path, progress, use_cache)
-    info.weights = load_weights(info, progress)
+    info.weights = load_weights(info, progress, use_cache)
     return info
 
 
@@ -213,108 +214,161 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
     return Prepared(path, meta, cfg, tensor_types, entries)
 
 
-def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
-    """Read the weights from the GGUF and pack them for the kernels: matrices stay in their integer
-    formats (Q4_K in its own bits, the others int8 with their scales), small tensors (norms, biases)
-    become float32, the embedding table stays in the file. Fused matrices (FUSED): one kernel call for
-    q/k/v and one for gate/up."""
+def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bool = True) -> Weights:
+    """The weights as the kernels read them: matrices stay in their integer formats (Q4_K in its own
+    bits, the others int8 with their scales), mapped from their packed file in the cache (packed into it
+    on a first start: packed_file.py; in memory without the cache); small tensors (norms, biases) become
+    float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
+    and one for gate/up."""
     path, cfg = info.path, info.config
     quants.compile_kernels(progress, info.matrix_formats)
+    gguf_file = GGUFTensors(info)
+    plan = matrix_plan(info)
+    for _, parts, shapes in plan:  # every tensor there, of its shape and a known type, before any is packed
+        for name, shape in zip(parts, shapes, strict=True):
+            gguf_file.need(name, shape)
+            gguf_file.qtype(name)
+    output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
+    rope_freqs = None
+    if "rope_freqs.weight" in info.tensors:
+        rope_freqs = gguf_file.vector("rope_freqs.weight", (cfg.head_dim // 2,))
+    vectors = [_layer_vectors(gguf_file, cfg, i) for i in range(cfg.n_layer)]
+    tied = "output.weight" not in info.tensors
+    table = None if tied else gguf_file.table("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
 
-    def need(name: str, shape: tuple[int, ...]) -> TensorEntry:
-        t = info.tensors.get(name)
+    def pack_all():
+        return _pack(gguf_file, plan, progress)
+
+    if use_cache:
+        matrices = packed_file.load_or_pack(path, pack_all, _packed_layout(info, plan), progress)
+    else:
+        matrices = dict(pack_all())
+    if progress:
+        progress(f"loading {path.name}", 1, 1)
+    layers = tuple(
+        LayerWeights(**vectors[i], **{name: matrices[f"blk.{i}.{name}"] for name in LAYER_MATRICES})
+        for i in range(cfg.n_layer)
+    )
+    if tied:  # the output matrix is the embedding table
+        token_embd = TokenEmbeddings(None, tied=matrices["output"])
+    else:
+        token_embd = TokenEmbeddings(table, info.tensors["token_embd.weight"].type_name)
+    return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs)
+
+
+LAYER_MATRICES = ("attn_qkv", "ffn_gate_up", "attn_output", "ffn_down")
+
+
+def matrix_plan(info: Prepared) -> list[tuple[str, list[str], list[tuple[int, int]]]]:
+    """The matrices the kernels multiply, in the order they are packed: (name, the GGUF tensors stacked
+    into it, their shapes)."""
+    cfg = info.config
+    emb_shape = (cfg.n_vocab, cfg.n_embd)
+    output = "output.weight" if "output.weight" in info.tensors else "token_embd.weight"
+    plan = [("output", [output], [emb_shape])]
+    for i in range(cfg.n_layer):
+        p, shapes = f"blk.{i}.", expected_shapes(cfg, i)
+        for name in LAYER_MATRICES:
+            parts = [f"{p}{part}.weight" for part, into in FUSED.items() if into == name] or [f"{p}{name}.weight"]
+            plan.append((p + name, parts, [shapes[n] for n in parts]))
+    return plan
+
+
+def _packed_layout(info: Prepared, plan) -> dict[str, packed_file.Layout]:
+    """Each matrix of the plan: its rows, and the arrays (shape, dtype) it packs into."""
+    expected = {}
+    for name, parts, shapes in plan:
+        formats = {gguf.GGMLQuantizationType[info.tensors[n].type_name] for n in parts}
+        n_rows = sum(s[0] for s in shapes)
+        expected[name] = (n_rows, quants.layout(formats, n_rows, shapes[0][1]))
+    return expected
+
+
+def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):
+    """(name, PackedMatrix) for each matrix of the plan, the GGUF's pages of each let go once it is packed."""
+    label = f"packing {gguf_file.path.name}"
+    for i, (name, parts, shapes) in enumerate(plan):
+        if progress:
+            progress(label, i, len(plan))
+        yield name, gguf_file.matrix(parts, shapes)
+    if progress:
+        progress(label, len(plan), len(plan))
+
+
+def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
+    """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32."""
+    p = f"blk.{i}."
+    vectors = {
+        name[len(p) :].removesuffix(".weight"): gguf_file.vector(name, shape)
+        for name, shape in expected_shapes(cfg, i).items()
+        if len(shape) == 1
+    }
+    biases = [p + b for b in OPTIONAL_BIASES]
+    if any(b in gguf_file.info.tensors for b in biases):
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        vectors["attn_qkv_bias"] = np.concatenate(
+            [gguf_file.vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
+        )
+    return vectors
+
+
+class GGUFTensors:
+    """A GGUF's tensors, read through a memory map: packing unpacks straight from the page cache, with
+    no copy of the file's bytes in between (np.fromfile took a tenth of a warm load). Copy-on-write
+    keeps the arrays writable (the kernels' compiled signatures) without any write reaching the file;
+    the pages of each tensor leave this process once it is packed (peak RSS)."""
+
+    def __init__(self, info: Prepared):
+        self.info, self.path = info, info.path
+        with open(self.path, "rb") as f:
+            self.mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def need(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        t = self.info.tensors.get(name)
         if t is None:
-            raise ModelError(f"{path}: missing tensor {name}")
+            raise ModelError(f"{self.path}: missing tensor {name}")
         if tuple(t.shape) != shape:
-            raise ModelError(f"{path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+            raise ModelError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
-    def qtype(name: str, t: TensorEntry) -> gguf.GGMLQuantizationType:
+    def qtype(self, name: str) -> gguf.GGMLQuantizationType:
+        t = self.info.tensors[name]
         try:
             qt = gguf.GGMLQuantizationType[t.type_name]
             gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qt][1]), np.uint8), qt)  # one block
             return qt
         except (NotImplementedError, KeyError, ValueError) as e:
             raise ModelError(
-                f"{path}: tensor {name} has unsupported quantization type {t.type_name} ({e})"
+                f"{self.path}: tensor {name} has unsupported quantization type {t.type_name} ({e})"
             ) from None
 
-    with open(path, "rb") as f:
-        # Read through a memory map: the kernels unpack straight from the page cache, with no copy
-        # of the file's bytes in between (np.fromfile took a tenth of a warm load). Copy-on-write
-        # keeps the arrays writable (the kernels' compiled signatures) without any write reaching
-        # the file; the pages of each tensor leave this process once it is packed (peak RSS).
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        t = self.need(name, shape)
+        if t.offset + t.nbytes > len(self.mapped):
+            raise ModelError(f"{self.path}: truncated GGUF file (tensor {name} is cut short)")
+        data = np.frombuffer(self.mapped, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
 
-        def raw(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            t = need(name, shape)
-            if t.offset + t.nbytes > len(mapped):
-                raise ModelError(f"{path}: truncated GGUF file (tensor {name} is cut short)")
-            data = np.frombuffer(mapped, dtype=np.uint8, count=t.nbytes, offset=t.offset)
-            return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+    def release(self, *names: str) -> None:
+        for name in names:
+            t = self.info.tensors[name]
+            start = t.offset - t.offset % mmap.PAGESIZE
+            self.mapped.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
 
-        def release(*names: str) -> None:
-            for name in names:
-                t = info.tensors[name]
-                start = t.offset - t.offset % mmap.PAGESIZE
-                mapped.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
+    def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        raw = self.raw(name, shape)
+        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(shape)
 
-        def vector(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            t = need(name, shape)
-            return np.ascontiguousarray(
-                gguf.quants.dequantize(raw(name, shape), qtype(name, t)), dtype=np.float32
-            ).reshape(shape)
+    def matrix(self, names: list[str], shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
+        packed = quants.pack([(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)])
+        self.release(*names)
+        return packed
 
-        def matrix(*names: str, shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
-            packed = quants.pack(
-                [(raw(n, s), qtype(n, info.tensors[n]), s) for n, s in zip(names, shapes, strict=True)]
-            )
-            release(*names)
-            return packed
-
-        total = cfg.n_layer + 1
-        output_norm = vector("output_norm.weight", (cfg.n_embd,))
-        emb_shape = (cfg.n_vocab, cfg.n_embd)
-        emb = need("token_embd.weight", emb_shape)
-        if "output.weight" in info.tensors:
-            output = matrix("output.weight", shapes=[emb_shape])
-            row_bytes = emb.nbytes // cfg.n_vocab
-            table = np.memmap(
-                path, dtype=np.uint8, mode="r", offset=emb.offset, shape=(cfg.n_vocab, row_bytes)
-            )
-            qtype("token_embd.weight", emb)
-            token_embd = TokenEmbeddings(table, emb.type_name)
-        else:  # tied: the output matrix is the embedding table
-            output = matrix("token_embd.weight", shapes=[emb_shape])
-            token_embd = TokenEmbeddings(None, tied=output)
-        rope_freqs = None
-        if "rope_freqs.weight" in info.tensors:
-            rope_freqs = vector("rope_freqs.weight", (cfg.head_dim // 2,))
-        if progress:
-            progress(f"loading {path.name}", 1, total)
-        layers = []
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            shapes = expected_shapes(cfg, i)
-            layer = {}
-            for whole in dict.fromkeys(FUSED.values()):  # attn_qkv, ffn_gate_up
-                names = [f"{p}{part}.weight" for part, into in FUSED.items() if into == whole]
-                layer[whole] = matrix(*names, shapes=[shapes[n] for n in names])
-            for n in ("attn_output", "ffn_down"):
-                layer[n] = matrix(p + n + ".weight", shapes=[shapes[p + n + ".weight"]])
-            for name, shape in shapes.items():
-                if len(shape) == 1:  # the norms: attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...
-                    layer[name[len(p) :].removesuffix(".weight")] = vector(name, shape)
-            biases = [p + b for b in OPTIONAL_BIASES]
-            if any(b in info.tensors for b in biases):
-                q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-                layer["attn_qkv_bias"] = np.concatenate(
-                    [vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
-                )
-            layers.append(LayerWeights(**layer))
-            if progress:
-                progress(f"loading {path.name}", i + 2, total)
-    return Weights(token_embd, output_norm, output, tuple(layers), rope_freqs)
+    def table(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        """The embedding table's rows as bytes, mapped read-only: only the rows used are paged in."""
+        t = self.need(name, shape)
+        self.qtype(name)
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(shape[0], t.nbytes // shape[0]))
 
 
 def _prepared_dir(path: Path) -> Path:

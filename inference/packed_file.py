@@ -1,0 +1,229 @@
+"""Packed weights kept on disk: a model's matrices in the kernels' layout (quants.py, k_quants.py),
+written once per GGUF and machine profile into the cache and memory-mapped by every later start, so
+that a start takes what the page cache takes to hand the pages over instead of unpacking the GGUF.
+
+One file per GGUF path and profile, `$XDG_CACHE_HOME/llama-chat/prepared/<digest of the path>-<profile>.packed`:
+the arrays, each at a multiple of the page size; then a JSON header (where each array lies, the layout
+version, the profile, the GGUF's identity); then a trailer (the header's length and SHA-256, a magic
+string). A file is trusted only whole: a wrong magic, length or digest, another layout, profile or GGUF
+(path, size, mtime, digest of its first MiB), an array outside the data or other arrays than the
+GGUF's matrices pack into, and it is packed again over the old one. It is written under a temporary name, synced, then renamed: a crash or a full disk leaves no
+file a later start trusts. Packing also removes the files of GGUFs no longer where they were. Where it
+cannot be written, the weights are packed in memory as before, with one line saying so. The arrays'
+own bytes are not checked at a start (that would read every page).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from .catalog import cache_dir
+from .cpu import PROFILE
+from .quants import PackedMatrix
+
+LAYOUT_VERSION = 1  # raise when quants.py or k_quants.py lay a matrix out differently
+MAGIC = b"LCPACK01"
+TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
+ALIGN = mmap.PAGESIZE
+HEAD_BYTES = 1 << 20  # of the GGUF, digested: its metadata and tensor table (or all of a small one)
+SPARE_BYTES = 1 << 30  # left free on the disk after packing: the chat's database still has to grow
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, int, int], None]
+Matrices = dict[str, PackedMatrix]
+Layout = tuple[int, list]  # a matrix's rows, and its arrays' (shape, dtype) or None: quants.layout
+
+
+def packed_path(gguf_path: Path) -> Path:
+    digest = hashlib.sha256(str(Path(gguf_path).resolve()).encode()).hexdigest()[:24]
+    return cache_dir() / "prepared" / f"{digest}-{PROFILE.key}.packed"
+
+
+def gguf_identity(gguf_path: Path) -> dict:
+    """What says the GGUF is the one a file was packed from: where it is, its size, mtime and a digest of
+    its first MiB."""
+    with open(gguf_path, "rb") as f:
+        st = os.fstat(f.fileno())
+        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+    return {"path": str(Path(gguf_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": head}
+
+
+def load_or_pack(
+    gguf_path: Path,
+    pack_all: Callable[[], Iterator[tuple[str, PackedMatrix]]],
+    expected: dict[str, Layout],
+    progress: Progress | None = None,
+) -> Matrices:
+    """The model's packed matrices mapped from their file, packed into it first where it is missing,
+    stale or damaged (`expected`: what pack_all() gives, matrix by matrix); packed in memory (pack_all()
+    again) where it cannot be written."""
+    target, identity = packed_path(gguf_path), gguf_identity(gguf_path)
+    matrices = open_packed(target, identity, expected)
+    if matrices is not None:
+        return matrices
+    try:
+        nbytes = sum(-(-_nbytes(a) // ALIGN) * ALIGN for _, arrays in expected.values() for a in arrays if a)
+        write_packed(target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}"))
+        matrices = open_packed(target, identity, expected)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        log.warning(f"{target.parent}: cannot keep packed weights ({reason}); {gguf_path.name} is unpacked in memory")
+    return matrices if matrices is not None else dict(pack_all())
+
+
+def _nbytes(spec) -> int:
+    shape, dtype = spec
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def open_packed(path: Path, identity: dict, expected: dict[str, Layout]) -> Matrices | None:
+    """The matrices of a whole, current packed file, mapped copy-on-write (writable arrays, as the
+    kernels are compiled for, whose writes never reach the file), each with the rows and arrays
+    expected; None where there is none such."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header = _header(f, size)
+            if header is None or header.get("layout") != LAYOUT_VERSION or header.get("profile") != PROFILE.key:
+                return None
+            if header.get("gguf") != identity:
+                return None
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # Pages the page cache lost are read from the disk now, while the rest of the load goes on,
+        # instead of one fault at a time in the first token (free where they are all there).
+        mapped.madvise(mmap.MADV_WILLNEED)
+        matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
+        return matrices if _layouts(matrices) == _layouts_of(expected) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _layouts(matrices: Matrices) -> dict:
+    return {
+        name: (m.n_rows, [None if a is None else (a.shape, a.dtype) for a in (m.values, m.scales, m.offsets)])
+        for name, m in matrices.items()
+    }
+
+
+def _layouts_of(expected: dict[str, Layout]) -> dict:
+    return {
+        name: (n_rows, [None if a is None else (tuple(a[0]), np.dtype(a[1])) for a in arrays])
+        for name, (n_rows, arrays) in expected.items()
+    }
+
+
+def _header(f, size: int) -> dict | None:
+    if size < TRAILER.size:
+        return None
+    f.seek(size - TRAILER.size)
+    length, digest, magic = TRAILER.unpack(f.read(TRAILER.size))
+    if magic != MAGIC or length > size - TRAILER.size:
+        return None
+    end = size - TRAILER.size - length
+    f.seek(end)
+    blob = f.read(length)
+    if hashlib.sha256(blob).digest() != digest:
+        return None
+    header = json.loads(blob)
+    return header if header.get("end") == end else None
+
+
+def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
+    arrays = []
+    for spec in entry["arrays"]:
+        if spec is None:
+            arrays.append(None)
+            continue
+        dtype, shape, offset = np.dtype(spec[0]), tuple(spec[1]), spec[2]
+        count = int(np.prod(shape))
+        if offset % ALIGN or offset + count * dtype.itemsize > end:
+            raise ValueError("an array outside the file's data")
+        arrays.append(np.frombuffer(mapped, dtype, count, offset).reshape(shape))
+    return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]))
+
+
+def write_packed(
+    path: Path,
+    identity: dict,
+    matrices: Iterator[tuple[str, PackedMatrix]],
+    nbytes: int,
+    syncing: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write the matrices (`nbytes` of arrays), one at a time as they come (only one is in memory), under a
+    temporary name; sync and rename it to `path` once whole. Their room is taken before the first is
+    packed, so a disk without it fails at once. Raises OSError (no space, no permission), leaving nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(path)
+    free = shutil.disk_usage(path.parent).free
+    if free < nbytes + SPARE_BYTES:
+        raise OSError(errno.ENOSPC, f"{nbytes / 1e9:.1f} GB needed and 1 GB to spare, {free / 1e9:.1f} GB free")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            if nbytes and hasattr(os, "posix_fallocate"):  # (macOS has none: a full disk fails a write)
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+            entries = {}
+            for name, m in matrices:
+                specs = []
+                for a in (m.values, m.scales, m.offsets):
+                    specs.append(None if a is None else _write_array(f, a))
+                entries[name] = {"n_rows": m.n_rows, "arrays": specs}
+            end = f.tell()
+            header = {
+                "layout": LAYOUT_VERSION,
+                "profile": PROFILE.key,
+                "gguf": identity,
+                "end": end,
+                "matrices": entries,
+            }
+            blob = json.dumps(header).encode()
+            f.write(blob)
+            f.write(TRAILER.pack(len(blob), hashlib.sha256(blob).digest(), MAGIC))
+            f.truncate()  # the trailer ends the file, whatever room was taken
+            f.flush()
+            if syncing:
+                syncing(0, 0)  # (of unknown length: the disk takes what the page cache still holds)
+            os.fsync(f.fileno())  # the data on disk before the name that says it is whole
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Temporary files of processes that died packing this model, and packed files of GGUFs that are no
+    longer there (gigabytes each)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            os.kill(int(tmp.suffixes[-2].lstrip(".")), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, IndexError, OSError):
+            pass
+    for other in path.parent.glob("*.packed"):
+        try:
+            with open(other, "rb") as f:
+                header = _header(f, os.fstat(f.fileno()).st_size)
+            if header is not None and not Path(header["gguf"]["path"]).exists():
+                other.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+
+def _write_array(f, a: np.ndarray) -> list:
+    at = -(-f.tell() // ALIGN) * ALIGN
+    f.write(b"\0" * (at - f.tell()))
+    f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return [a.dtype.str, list(a.shape), at]

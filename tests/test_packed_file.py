@@ -1,0 +1,214 @@
+"""Packed weights kept in the cache: a later load maps them, and any doubt about the file packs it again."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import signal
+
+import numpy as np
+import pytest
+from test_synthetic_model import TINY, synthetic
+
+from llama_chat.inference import load_model, packed_file, quants
+from llama_chat.inference.model import Model
+from llama_chat.inference.weights import prepare
+from tiny_models import write_tiny_model
+
+TEXT = "hello the world, the sun and the water"
+
+
+def loaded(path):
+    """(model, whether this load packed the weights: the step its progress shows)"""
+    steps = []
+    model = load_model(path, progress=lambda label, done, total: steps.append(label))
+    return model, any(s.startswith("packing") for s in steps)
+
+
+def unpacked_logits(path) -> np.ndarray:
+    """Logits with the weights packed in memory, no cache involved."""
+    model = Model(prepare(path, use_cache=False))
+    return model.logits(model.tokenizer.encode(TEXT))
+
+
+def logits(model) -> np.ndarray:
+    return model.logits(model.tokenizer.encode(TEXT))
+
+
+def packed_files(path) -> list:
+    return sorted(packed_file.packed_path(path).parent.glob(f"*{packed_file.packed_path(path).suffix}*"))
+
+
+@pytest.fixture
+def q4_k_m(tmp_path, qwen2):
+    """A tiny model in llama.cpp's Q4_K_M types: Q4_K kept in its bits, Q6_K and Q4_K+Q6_K in int8."""
+    return synthetic.write_synthetic(tmp_path / "synthetic.gguf", "tiny", TINY["qwen2"], qwen2)
+
+
+def test_a_second_load_maps_the_packed_file_and_gives_the_same_logits(tiny_model_path):
+    first, packed = loaded(tiny_model_path)
+    second, packed_again = loaded(tiny_model_path)
+    assert packed and not packed_again
+    expected = unpacked_logits(tiny_model_path)
+    assert np.array_equal(logits(first), expected) and np.array_equal(logits(second), expected)
+    assert len(packed_files(tiny_model_path)) == 1
+
+
+def test_packing_shows_progress_that_moves(qwen2):
+    steps = []
+    load_model(qwen2, progress=lambda *step: steps.append(step))
+    packing = [(done, total) for label, done, total in steps if label == f"packing {qwen2.name}"]
+    assert len(packing) > 3 and packing == sorted(packing) and packing[-1][0] == packing[-1][1]
+    assert (f"saving {qwen2.name}", 0, 0) in steps  # then the disk's sync, of unknown length
+
+
+def test_q4_k_m_weights_map_bit_for_bit(q4_k_m):
+    loaded(q4_k_m)
+    model, packed = loaded(q4_k_m)
+    assert not packed
+    assert model.weights.layers[1].ffn_gate_up.in_q4_k  # kept in its GGUF bits, mapped
+    assert np.array_equal(logits(model), unpacked_logits(q4_k_m))
+
+
+def test_a_changed_gguf_is_packed_again(tmp_path):
+    path = write_tiny_model(tmp_path / "model.gguf", "qwen2", seed=1)
+    old = logits(loaded(path)[0])
+    write_tiny_model(path, "qwen2", seed=2)  # other weights under the same name
+    model, packed = loaded(path)
+    assert packed
+    new = logits(model)
+    assert np.array_equal(new, unpacked_logits(path)) and not np.array_equal(new, old)
+    assert len(packed_files(path)) == 1  # in place of the old one
+
+
+@pytest.mark.parametrize("change", ["layout version", "machine profile"])
+def test_another_layout_or_profile_is_packed_again(qwen2, monkeypatch, change):
+    loaded(qwen2)
+    if change == "layout version":
+        monkeypatch.setattr(packed_file, "LAYOUT_VERSION", packed_file.LAYOUT_VERSION + 1)
+    else:
+        other = dataclasses.replace(packed_file.PROFILE, cpu_name="another-cpu")
+        monkeypatch.setattr(packed_file, "PROFILE", other)
+    model, packed = loaded(qwen2)
+    assert packed
+    assert np.array_equal(logits(model), unpacked_logits(qwen2))
+    assert len(packed_files(qwen2)) == (1 if change == "layout version" else 2)  # a file per profile
+
+
+def _truncate(path, by):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - by)
+
+
+def _flip_byte(path, from_end):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - from_end)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x20]))
+
+
+DAMAGE = {
+    "cut by a byte": lambda p: _truncate(p, 1),
+    "cut in half": lambda p: _truncate(p, os.path.getsize(p) // 2),
+    "empty": lambda p: _truncate(p, os.path.getsize(p)),
+    "a byte of its header changed": lambda p: _flip_byte(p, packed_file.TRAILER.size + 20),
+    "a byte of its trailer changed": lambda p: _flip_byte(p, 3),
+    "other bytes": lambda p: p.write_bytes(os.urandom(os.path.getsize(p))),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_packed_file_is_packed_again(qwen2, damage):
+    loaded(qwen2)
+    DAMAGE[damage](packed_file.packed_path(qwen2))
+    model, packed = loaded(qwen2)
+    assert packed
+    assert np.array_equal(logits(model), unpacked_logits(qwen2))
+    assert not loaded(qwen2)[1]  # and whole again
+
+
+def test_a_whole_file_without_the_models_matrices_is_packed_again(qwen2):
+    """A file with a valid header for this GGUF but other arrays (one matrix only) is not trusted."""
+    model, _ = loaded(qwen2)
+    target = packed_file.packed_path(qwen2)
+    packed_file.write_packed(target, packed_file.gguf_identity(qwen2), iter([("output", model.weights.output)]), 0)
+    again, packed = loaded(qwen2)
+    assert packed and np.array_equal(logits(again), unpacked_logits(qwen2))
+
+
+def test_a_crash_while_packing_leaves_no_file_a_later_load_trusts(qwen2, monkeypatch):
+    pack, calls = quants.pack, []
+
+    def crashing(parts):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a Ctrl-C halfway through
+        return pack(parts)
+
+    monkeypatch.setattr(quants, "pack", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(qwen2)
+    assert packed_files(qwen2) == []  # neither the file nor its temporary
+    monkeypatch.setattr(quants, "pack", pack)
+    model, packed = loaded(qwen2)
+    assert packed and np.array_equal(logits(model), unpacked_logits(qwen2))
+
+
+def test_a_temporary_file_of_a_process_gone_is_removed(qwen2):
+    target = packed_file.packed_path(qwen2)
+    target.parent.mkdir(parents=True)
+    abandoned = target.with_name(f".{target.name}.999999999.tmp")  # no process has this id
+    abandoned.write_bytes(b"\0" * 4096)
+    loaded(qwen2)
+    assert packed_files(qwen2) == [target]
+
+
+def test_the_packed_file_of_a_gguf_gone_is_removed_by_the_next_packing(tmp_path, qwen2):
+    gone = write_tiny_model(tmp_path / "gone.gguf", "llama")
+    loaded(gone)
+    gone.unlink()
+    assert packed_file.packed_path(gone).exists()
+    loaded(qwen2)
+    assert not packed_file.packed_path(gone).exists() and packed_file.packed_path(qwen2).exists()
+
+
+def _fallback_line(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    return lines[0]
+
+
+def test_a_cache_folder_that_cannot_be_written_unpacks_in_memory_with_one_line(qwen2, caplog):
+    folder = packed_file.packed_path(qwen2).parent
+    folder.parent.mkdir(parents=True)
+    folder.write_text("a file where the folder should be")
+    model, packed = loaded(qwen2)
+    line = _fallback_line(caplog)
+    assert str(folder) in line and "unpacked in memory" in line and qwen2.name in line
+    assert np.array_equal(logits(model), unpacked_logits(qwen2))
+
+
+@pytest.mark.parametrize("full", ["a write fails", "less free than needed"])
+def test_a_full_disk_unpacks_in_memory_with_one_line(qwen2, caplog, monkeypatch, full):
+    load_model(qwen2, progress=None)  # kernels compiled and metadata kept before the disk fills
+    packed_file.packed_path(qwen2).unlink()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+    if full == "a write fails":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, limit[1]))  # as a disk with 16 kB left
+    else:
+        monkeypatch.setattr(packed_file, "SPARE_BYTES", 2**62)  # no disk has that much to spare
+    try:
+        model, _ = loaded(qwen2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    line = _fallback_line(caplog)
+    assert "unpacked in memory" in line
+    if full == "less free than needed":
+        assert "GB needed" in line and "GB free" in line
+    assert packed_files(qwen2) == []  # no partial file left
+    assert np.array_equal(logits(model), unpacked_logits(qwen2))
