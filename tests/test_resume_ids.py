@@ -6,10 +6,9 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from test_sessions import chat, engine_for
 
 from llama_chat.storage import SCHEMA_VERSION, ChatStore
-
-from test_sessions import chat, engine_for
 
 
 @pytest.fixture
