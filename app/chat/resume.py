@@ -76,7 +76,8 @@ def ids_digest(model: Model, messages: list[dict], budget: int, tools: list[dict
     the window they must fit, the model (its fingerprint: weights and vocabulary size) and its tokenizer
     (its settings and our code). Ids kept under another digest are never used."""
     h = hashlib.sha256(tokenizer_code())
-    settings = {k: len(v) if isinstance(v, list) else v for k, v in model.metadata.items() if k.startswith("tokenizer.")}
+    meta = model.metadata
+    settings = {k: len(v) if isinstance(v, list) else v for k, v in meta.items() if k.startswith("tokenizer.")}
     h.update(repr([model.fingerprint, budget, sorted(settings.items())]).encode())
     h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools).encode())
     return h.digest()
@@ -145,17 +146,22 @@ class LiveSessions:
         are the ones the session kept under that digest (tokenizing 2,000 tokens again took ~20 ms of a
         resume's ~70); else they are made now."""
         messages = self.messages(session)
-        digest = ids_digest(self.model, messages, self.n_ctx - 1, self.tools)
+        digest = ids_digest(self.model, messages, self.window, self.tools)
         ids = self.store.kv.kept_ids(session.id, digest)
         if ids is not None:
             return digest, ids, True
         return digest, self.window_ids(messages), False
 
+    @property
+    def window(self) -> int:
+        """The tokens a stored conversation may take: the context less one, for the next reply."""
+        return self.n_ctx - 1
+
     def window_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window, with the
         tools it offers (else those every session offers)."""
         tools = self.tools if tools is None else tools
-        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=tools)[1]
+        return fit_messages(self.model, messages, self.window, add_generation_prompt=False, tools=tools)[1]
 
     # -- bringing KV back --------------------------------------------------------------------------
 
