@@ -42,6 +42,17 @@ class GenerationStats:
         return self.decoded_tokens / self.decode_s if self.decode_s else 0.0
 
 
+def prompt_text(
+    model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """Messages rendered with the model's chat template (plain completion text for base models)."""
+    if model.has_chat_template:
+        fmt = tool_format(model.chat_template) if tools else None
+        extra = fmt.template_vars if fmt is not None else {}  # e.g. where Llama 3's template puts the tools
+        return model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+    return completion_prompt(messages)
+
+
 def chat_prompt_ids(
     model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
 ) -> list[int]:
@@ -50,13 +61,7 @@ def chat_prompt_ids(
     `tools` (OpenAI's function definitions) are rendered by the template, if it takes them."""
     tok = model.tokenizer
     shield = tok.control_text_shield(content_texts(messages))
-    messages = map_contents(messages, shield.hide)
-    if model.has_chat_template:
-        fmt = tool_format(model.chat_template) if tools else None
-        extra = fmt.template_vars if fmt is not None else {}  # e.g. where Llama 3's template puts the tools
-        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
-    else:
-        text = completion_prompt(messages)
+    text = prompt_text(model, map_contents(messages, shield.hide), add_generation_prompt, tools)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
     add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))  # templates often write BOS
     return tok.encode(text, add_bos=add_bos, special=True, shield=shield)

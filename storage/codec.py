@@ -36,9 +36,9 @@ MAX_ELEMENTS = 2**26
 
 # How far (relative) a stored block may lie from its KV computed again and put through the same codec.
 MATCH_TOLERANCE = 0.02
-# On real KV, levels 3, 5 and 9 compress no better than level 1 (within 1%) and encode f32 2-5x
-# slower. The frame checksum (4 bytes) makes a flipped payload byte fail loudly, not decode to noise.
-_ZSTD_LEVEL = 1
+# zstd's level is each codec's (codec_formats.py): on real KV, levels 3, 5 and 9 compress no better than
+# level 1 (within 1%) and encode f32 2-5x slower. The frame checksum (4 bytes) makes a flipped payload
+# byte fail loudly, not decode to noise.
 
 _F32 = np.dtype("<f4")
 
@@ -121,7 +121,7 @@ def block_bytes(
     # The header is repeated inside the frame (22 bytes, covered by zstd's checksum): a header
     # whose dims were permuted would otherwise still match the payload's size.
     payload = header + b"".join(s.tobytes() for s in streams)
-    return header + compress_frame(payload, _ZSTD_LEVEL)
+    return header + compress_frame(payload, TABLE[codec].zstd_level)
 
 
 def block_info(data: bytes) -> tuple[str, tuple[int, int, int, int]] | None:

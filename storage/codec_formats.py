@@ -212,6 +212,11 @@ class Codec:
     """One way to store a block: its id in a block's header, the bits of each stored value (None: per head,
     as the block's plan says), and its streams. k and v are [n_layer, n_kv_head, n_tokens, head_dim]."""
 
+    # zstd's level for the block's frame. Float streams (byte-shuffled: their exponent bytes) gain from
+    # its entropy coding; integer codes hardly do, and decoding that coding was most of a resume's
+    # zstd time: negative levels leave it out (see the codecs below).
+    zstd_level = 1
+
     def __init__(self, codec_id: int, bits: int | None):
         self.id = codec_id
         self.bits = bits
@@ -258,6 +263,10 @@ class SymmetricCodec(Codec):
     """q8: k as int8 per channel [L, H, D, T], token-to-token differences; v as int8 [L, H, T, D]; the
     float16 scales of k then v, byte-shuffled together."""
 
+    # Level -1 stores literals as they are: on the default model's KV (a 2,048-token conversation),
+    # 6,525 bytes a token instead of 6,110 (+6.8 %), and its 32 frames decompress in 1.8 ms, not 15.
+    zstd_level = -1
+
     def encode(self, k, v, plan):
         qk, sk = quantize_q8(channel_major(k))
         qv, sv = quantize_q8(v)
@@ -285,6 +294,9 @@ class SymmetricCodec(Codec):
 class AsymmetricCodec(Codec):
     """q6 and q4: k codes [L, H, D, T], v codes [L, H, T, D], packed; float16 scales of k, of v, mins of
     k, of v, byte-shuffled together."""
+
+    # As q8's (SymmetricCodec): q6 +0.8 % bytes, q4 +3.2 %, each frame ~5x faster to decompress.
+    zstd_level = -1
 
     def encode(self, k, v, plan):
         qk, sk, mk = quantize_asymmetric(channel_major(k), self.bits)

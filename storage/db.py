@@ -163,7 +163,23 @@ def _v5(conn: sqlite3.Connection) -> None:
     _run_script(conn, fragments.SCHEMA)
 
 
-MIGRATIONS = [_v1, _v2, _v3, _v4, _v5]  # step i brings user_version from i to i + 1
+def _v6(conn: sqlite3.Connection) -> None:
+    """Each session keeps the token ids of its conversation, sealed with the digest of what they were made
+    from (app/chat/resume.py) and of themselves: a resume need not tokenize it again. Only a cache: ids
+    under another seal are ignored and made again; none are kept yet (the next reply's snapshot keeps them)."""
+    _run_script(
+        conn,
+        """
+        CREATE TABLE session_token_ids (
+            session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+            seal BLOB NOT NULL,
+            ids BLOB NOT NULL
+        );
+        """,
+    )
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4, _v5, _v6]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 DISK_FULL = "the disk is full"

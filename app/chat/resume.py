@@ -10,12 +10,17 @@ checked, and one that is missing, corrupt or made by another model is simply rec
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import llama_chat.inference
 from llama_chat.inference import GenerationStats, KVSequence, Model, fit_messages, shift_to
+from llama_chat.inference.generate import prompt_text
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.store import ChatStore, Session
 
@@ -51,6 +56,31 @@ class VerifyResult:
 def system_message(system_prompt: str | None) -> list[dict]:
     """A system prompt as the first message of a conversation, if there is one."""
     return [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+
+# The code that turns text into token ids: kept ids made by another version of it are not used.
+TOKENIZER_SOURCES = ("tokenizer.py", "bpe.py")
+
+
+@functools.cache
+def tokenizer_code() -> bytes:
+    digest = hashlib.sha256()
+    for name in TOKENIZER_SOURCES:
+        digest.update((Path(llama_chat.inference.__file__).parent / name).read_bytes())
+    return digest.digest()
+
+
+def ids_digest(model: Model, messages: list[dict], budget: int, tools: list[dict] | None) -> bytes:
+    """What the token ids of a stored conversation are made from, digested: the text the template
+    renders of it (its messages and tools, and anything else the template writes, such as today's date),
+    the window they must fit, the model (its fingerprint: weights and vocabulary size) and its tokenizer
+    (its settings and our code). Ids kept under another digest are never used."""
+    h = hashlib.sha256(tokenizer_code())
+    meta = model.metadata
+    settings = {k: len(v) if isinstance(v, list) else v for k, v in meta.items() if k.startswith("tokenizer.")}
+    h.update(repr([model.fingerprint, budget, sorted(settings.items())]).encode())
+    h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools).encode())
+    return h.digest()
 
 
 class LiveSessions:
@@ -109,13 +139,29 @@ class LiveSessions:
 
         As much as the window holds: the next prompt never needs more of it, and when it needs less
         (room for a long reply), the prompt cuts the restored KV down by context shift."""
-        return self.window_ids(self.messages(session))
+        return self.conversation(session)[1]
+
+    def conversation(self, session: Session) -> tuple[bytes, list[int], bool]:
+        """conversation_ids with the digest of what they are made from (ids_digest), and whether they
+        are the ones the session kept under that digest (tokenizing 2,000 tokens again took ~20 ms of a
+        resume's ~70); else they are made now."""
+        messages = self.messages(session)
+        digest = ids_digest(self.model, messages, self.window, self.tools)
+        ids = self.store.kv.kept_ids(session.id, digest)
+        if ids is not None:
+            return digest, ids, True
+        return digest, self.window_ids(messages), False
+
+    @property
+    def window(self) -> int:
+        """The tokens a stored conversation may take: the context less one, for the next reply."""
+        return self.n_ctx - 1
 
     def window_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window, with the
         tools it offers (else those every session offers)."""
         tools = self.tools if tools is None else tools
-        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=tools)[1]
+        return fit_messages(self.model, messages, self.window, add_generation_prompt=False, tools=tools)[1]
 
     # -- bringing KV back --------------------------------------------------------------------------
 
@@ -199,8 +245,11 @@ class LiveSessions:
         """Bring the KV up to the end of the stored conversation (unless not `complete`: then what it holds
         of it), then store what is new, in one transaction."""
         with self.lock:
-            held = self.hold_kv(seq, self.conversation_ids(session), complete)
+            digest, ids, kept = self.conversation(session)
+            held = self.hold_kv(seq, ids, complete)
         self.store_kv(session.id, held)
+        if not kept:
+            self.store.kv.keep_ids(session.id, digest, ids)  # for the next resume
 
     def hold_kv(self, seq: KVSequence, ids: list[int], complete: bool = True) -> KVSequence:
         """With the lock held: bring seq's KV up to `ids`, a stored conversation's tokens (unless not
