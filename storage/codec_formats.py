@@ -154,9 +154,13 @@ def rotated(x: np.ndarray) -> np.ndarray:
     """x [..., head_dim] as a new float32 array, each head's vector through the normalised Walsh-Hadamard
     transform (its own inverse): a channel far larger than the rest is spread over all of them, so a
     group's range, and 4-bit rounding, is set by the vector's size, not by its outlier (QuaRot)."""
-    out = np.array(x, np.float32, order="C")
-    kernels().hadamard_rows(out.reshape(-1, x.shape[-1]), hadamard_block(x.shape[-1]))
-    return out
+    return rotate_in_place(np.array(x, np.float32, order="C"))
+
+
+def rotate_in_place(x: np.ndarray) -> np.ndarray:
+    """rotated() of a C-contiguous float32 array, written over it (a decoded part: no second copy)."""
+    kernels().hadamard_rows(x.reshape(-1, x.shape[-1]), hadamard_block(x.shape[-1]))
+    return x
 
 
 def f16_ceil(x: np.ndarray) -> np.ndarray:
@@ -347,7 +351,7 @@ class PlannedCodec(Codec):
         offset = 0
         for x, bits, is_key, chosen, size in self._parts(plan, k.shape, k, v):
             if self._rotates(bits, is_key):  # rotated back in float32, then rounded once to the arena's type
-                part = rotated(self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, F32))
+                part = rotate_in_place(self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, F32))
             else:
                 part = self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, x.dtype)
             x[chosen // H, chosen % H] = part  # (written through: x may be the arena's view)
