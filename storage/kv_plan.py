@@ -196,6 +196,22 @@ def allocate(estimates: dict[tuple, dict[int, float]], budget: float) -> dict[tu
     return bits
 
 
+def estimates(measured: dict[tuple, dict[int, float]]) -> dict[tuple, dict[int, float]]:
+    """Every unit's KL at every bits: measured where it was, else from the most bits measured below it."""
+    out = {}
+    for u, kl in measured.items():
+        out[u] = {}
+        for b in PLAN_BITS:
+            below = max(m for m in kl if m <= b)
+            out[u][b] = kl[b] if b in kl else kl[below] * _step_ratio(below, b)
+    return out
+
+
+def plan_of(bits: dict[tuple, int], n_layer: int, n_head: int) -> KVPlan:
+    """The plan of allocate()'s bits per (is_key, layer, head)."""
+    return KVPlan(*(_table(bits, is_key, n_layer, n_head) for is_key in (True, False)))
+
+
 def measure_plan(
     model, budget: float = BUDGET_KL, progress: Progress | None = None, codec: str = AUTO
 ) -> tuple[KVPlan, dict]:
@@ -207,14 +223,6 @@ def measure_plan(
     label = "measuring the KV precision of each layer (first use of this model only)"
     measured: dict[tuple, dict[int, float]] = {u: {} for u in units}
 
-    def estimate(u) -> dict[int, float]:
-        """Every bits' KL: measured where it was, else from the most bits measured below it."""
-        out = {}
-        for b in PLAN_BITS:
-            below = max(m for m in measured[u] if m <= b)
-            out[b] = measured[u][b] if b in measured[u] else measured[u][below] * _step_ratio(below, b)
-        return out
-
     done, total = 0, len(units)
     for u in units:
         measured[u][4] = max(cal.unit_kl(u[1], u[2], u[0], 4), 0.0)
@@ -224,7 +232,7 @@ def measure_plan(
     # Where the plan would give more bits, the estimate from 4 bits is measured: rounding that breaks
     # a head at 4 bits is far outside where the KL grows as the error's square.
     for _ in range(2):
-        bits = allocate({u: estimate(u) for u in units}, budget)
+        bits = allocate(estimates(measured), budget)
         todo = [(u, b) for u, b in bits.items() if b < 16 and b not in measured[u]]
         todo += [(u, 6) for u, b in bits.items() if b > 6 and 6 not in measured[u]]
         for i, (u, b) in enumerate(todo):
@@ -233,8 +241,7 @@ def measure_plan(
                 progress(label, i + 1, len(todo))
     target = budget
     for _ in range(4):
-        bits = allocate({u: estimate(u) for u in units}, target)
-        plan = KVPlan(*(_table(bits, is_key, L, H) for is_key in (True, False)))
+        plan = plan_of(allocate(estimates(measured), target), L, H)
         whole = cal.kl(*cal.stored(plan))
         if whole <= budget:
             break
