@@ -96,9 +96,9 @@ def positive(text: str) -> int:
 
 
 def codecs() -> tuple[str, ...]:
-    from llama_chat.storage.codec import AUTO, CODECS
+    from llama_chat.storage.codec import CODECS, PLANNED_CODECS
 
-    return (*CODECS, AUTO)
+    return (*CODECS, *PLANNED_CODECS)
 
 
 def add_threads_option(parser, default=None) -> None:

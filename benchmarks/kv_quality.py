@@ -1,6 +1,6 @@
 """How far replies from a resumed KV cache lie from the live cache's, for every KV codec (not CI).
 
-    .venv/bin/python benchmarks/kv_quality.py [--tokens N] [--models NAME ...] [--codecs C ...]
+    .venv/bin/python benchmarks/kv_quality.py [--tokens N] [--models NAME ...] [--codecs C ...] [--texts T ...]
 
 For each model and each text below (code, prose, chat turns, JSON, one of ~2,000 tokens): the text
 is run on a live float cache, then N tokens are decoded greedily from it. Its KV (all but the last
@@ -27,8 +27,8 @@ import numpy as np
 
 from llama_chat.app.bench.samples import SAMPLE_TEXT, sample_text
 from llama_chat.inference import chat_prompt_ids, load_model
-from llama_chat.storage.codec import AUTO, CODECS, decode_kv, encode_kv
-from llama_chat.storage.kv_plan import model_plan
+from llama_chat.storage.codec import CODECS, PLANNED_CODECS, KVPlan, decode_kv, encode_kv
+from llama_chat.storage.kv_plan import allocate, estimates, model_plan, plan_of, plan_path
 
 MODELS = ("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
 LONG_TOKENS = 2000
@@ -191,6 +191,26 @@ def greedy(model, seq, first: int, n: int) -> list[int]:
     return out
 
 
+def codec_and_plan(model, name: str) -> tuple[str, KVPlan | None]:
+    """A codec named on the command line, and its plan: a planned codec's is the model's (kv_plan.py);
+    `auto-h@4` gives every head 4 bits (any of PLAN_BITS), `auto-h@1e-4` the plan allocated at that KL
+    budget from the per-head KLs measured for the model's plan (without its final check)."""
+    codec, _, at = name.partition("@")
+    if codec not in PLANNED_CODECS:
+        return codec, None
+    plan = model_plan(model, codec=codec)
+    if not at:
+        return codec, plan
+    if at.isdigit():
+        return codec, KVPlan.uniform(*plan.shape, int(at))
+    report = json.loads(plan_path(model.fingerprint, codec).read_text())
+    measured = {
+        (unit[0] == "k", *map(int, unit[1:].split("."))): {int(b): kl for b, kl in by_bits.items()}
+        for unit, by_bits in report["unit_kl"].items()
+    }
+    return codec, plan_of(allocate(estimates(measured), float(at)), *plan.shape)
+
+
 def stored(
     k: np.ndarray, v: np.ndarray, codec: str, block: int, plan
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
@@ -204,8 +224,9 @@ def stored(
     return pieces, n_bytes
 
 
-def measure_text(model, ids: list[int], n: int, codecs, plan) -> dict:
-    """For one text: per codec, KL and top-1 agreement at each of n positions, and stored bytes."""
+def measure_text(model, ids: list[int], n: int, codecs: dict) -> dict:
+    """For one text: per codec (name -> (codec, plan)), KL and top-1 agreement at each of n positions,
+    and stored bytes."""
     context, last = ids[:-1], ids[-1]
     live = model.new_sequence(len(ids) + n + 1)
     try:
@@ -219,8 +240,8 @@ def measure_text(model, ids: list[int], n: int, codecs, plan) -> dict:
         live.free()
     best = reference.argmax(axis=-1)
     out = {}
-    for codec in codecs:
-        pieces, n_bytes = stored(k, v, codec, model.pool.block_size, plan)
+    for codec, (stored_as, plan) in codecs.items():
+        pieces, n_bytes = stored(k, v, stored_as, model.pool.block_size, plan)
         # private: keep the decoded KV (sharing by prefix key would hand back the live blocks)
         seq = model.new_sequence(len(ids) + n + 1, private=True)
         try:
@@ -245,7 +266,7 @@ def measure_text(model, ids: list[int], n: int, codecs, plan) -> dict:
     return out
 
 
-def run(model_names, codecs, n: int, log=print) -> dict:
+def run(model_names, codecs, n: int, log=print, only=None) -> dict:
     per_codec = {
         str(c): {"bytes": {}, "tokens": {}, "identical": 0, "runs": 0, "kl": 0.0, "kl_sum": 0.0, "kl_n": 0}
         for c in codecs
@@ -253,14 +274,18 @@ def run(model_names, codecs, n: int, log=print) -> dict:
     for name in model_names:
         model = load_model(name)
         t0 = time.perf_counter()
-        plan = model_plan(model) if AUTO in codecs else None  # measured at the model's first use
-        if plan is not None:
-            log(
-                f"{name}: plan {plan.bits_per_value():.2f} bits/value, keys {plan.k_bits}, values {plan.v_bits}"
-            )
+        resolved = {c: codec_and_plan(model, c) for c in codecs}  # plans measured at a model's first use
+        for codec, (_, plan) in resolved.items():
+            if plan is not None:
+                log(
+                    f"{name}: {codec} plan {plan.bits_per_value():.2f} bits/value, "
+                    f"keys {plan.k_bits}, values {plan.v_bits}"
+                )
         for text_name, ids in texts(model):
+            if only and text_name not in only:
+                continue
             t = time.perf_counter()
-            result = measure_text(model, ids, n, codecs, plan)
+            result = measure_text(model, ids, n, resolved)
             cells = []
             for codec, r in result.items():
                 c = per_codec[codec]
@@ -303,12 +328,16 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--codecs",
         nargs="+",
-        default=[*CODECS, AUTO],
-        help="codecs to compare (default: all, and auto: the model's plan)",
+        default=[*CODECS, *PLANNED_CODECS],
+        help="codecs to compare (default: all; auto and auto-h under the model's plans; "
+        "auto-h@4: every head at 4 bits; auto-h@1e-4: the plan at that KL budget)",
     )
+    parser.add_argument("--texts", nargs="+", help="only these texts (names as logged; default: all)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    summary = run(args.models, args.codecs, args.tokens, log=lambda s: print(s, file=sys.stderr, flush=True))
+    summary = run(
+        args.models, args.codecs, args.tokens, log=lambda s: print(s, file=sys.stderr, flush=True), only=args.texts
+    )
     for codec, s in summary.items():
         print(
             f"{codec:6} {s['bytes_per_token']:8.0f} B/token  greedy identical {s['greedy_identical']:>6}  "

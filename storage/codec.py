@@ -10,18 +10,22 @@ import zlib
 
 import numpy as np
 
-from .codec_formats import AUTO, GROUP, TABLE, KVPlan, kernels
+from .codec_formats import AUTO as AUTO  # (the codecs' public names, defined beside the table)
+from .codec_formats import AUTO_ROTATED as AUTO_ROTATED
+from .codec_formats import GROUP, TABLE, KVPlan, kernels
 from .codec_formats import PLAN_BITS as PLAN_BITS  # (the codec's public name, defined beside the table)
 from .zstd_frames import FrameError, compress_frame, decompress_frame
 
 # CODECS give every layer and head one precision; STORED_CODECS are what a stored block may say it is
 CODECS: tuple[str, ...] = tuple(n for n, c in TABLE.items() if c.bits is not None)
 STORED_CODECS: tuple[str, ...] = tuple(TABLE)
+# PLANNED_CODECS store each layer and head as a plan (kv_plan.py) says
+PLANNED_CODECS: tuple[str, ...] = tuple(n for n, c in TABLE.items() if c.bits is None)
 
 # Layout: a 22-byte header (magic, format version, codec id, n_layer, n_kv_head, n_tokens, head_dim),
 # then one zstd frame (with content size and checksum) holding a copy of the header and the codec's
-# streams (codec_formats.py describes each codec's). An auto block's header is followed (outside the
-# frame and again inside it) by its plan: one byte per layer and head, [L, H] row-major, giving its
+# streams (codec_formats.py describes each codec's). A planned (auto, auto-h) block's header is
+# followed (outside the frame and again inside it) by its plan: one byte per layer and head, [L, H] row-major, giving its
 # keys' bits, then one per head for the values (each of PLAN_BITS).
 # Groups are 32 consecutive values along the last axis named (tokens for k, head_dim for v); a
 # ragged last group is simply shorter. Multi-byte numbers are little-endian.
@@ -90,7 +94,7 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str, plan: KVPlan | None = No
 
     f32 is lossless; f16 saturates at +-65504; q8 and q4 need finite values (ValueError otherwise)
     and saturate where a group's scale would overflow float16 (|x| beyond ~8e6 for q8, ~6e4 for q4).
-    auto stores each head as `plan` says (required, of the block's layers and heads).
+    auto and auto-h store each head as `plan` says (required, of the block's layers and heads).
     """
     form = TABLE.get(codec)
     if form is None:
@@ -108,7 +112,7 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str, plan: KVPlan | None = No
     if form.bits is not None:
         return block_bytes(codec, k.shape, form.encode(k, v, None))
     if plan is None or plan.shape != k.shape[:2]:
-        raise ValueError(f"an auto KV block needs a plan of its {k.shape[0]} layers and {k.shape[1]} heads")
+        raise ValueError(f"an {codec} KV block needs a plan of its {k.shape[0]} layers and {k.shape[1]} heads")
     return block_bytes(codec, k.shape, form.encode(k, v, plan), plan.table())
 
 
@@ -137,10 +141,10 @@ def block_info(data: bytes) -> tuple[str, tuple[int, int, int, int]] | None:
 
 
 def block_plan(data: bytes) -> KVPlan | None:
-    """The plan an auto block was stored under, from its header; None for other blocks or bytes
+    """The plan a planned block was stored under, from its header; None for other blocks or bytes
     that do not hold a valid one."""
     info = block_info(data)
-    if info is None or info[0] != AUTO:
+    if info is None or info[0] not in PLANNED_CODECS:
         return None
     try:
         return _plan_of(data, info[1])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 AUTO = "auto"  # a precision per layer and KV head, as a KVPlan says (kv_plan.py measures one per model)
+AUTO_ROTATED = "auto-h"  # auto with Hadamard-rotated values
 PLAN_BITS = (4, 6, 8, 16)  # the precisions an auto block gives one head's keys or values
 
 GROUP = 32  # values sharing one quantization scale
@@ -141,6 +142,25 @@ def dequantize(
     compiled.dequantize(
         codes, scales.reshape(groups), mins.reshape(groups), GROUP_BITS, compiled.bits_view(out), keys, signed, differences
     )
+
+
+def hadamard_block(head_dim: int) -> int:
+    """The pieces a head's values are rotated in: the largest power of two dividing head_dim (all of
+    it on the models here: 64, 128, 256)."""
+    return head_dim & -head_dim
+
+
+def rotated(x: np.ndarray) -> np.ndarray:
+    """x [..., head_dim] as a new float32 array, each head's vector through the normalised Walsh-Hadamard
+    transform (its own inverse): a channel far larger than the rest is spread over all of them, so a
+    group's range, and 4-bit rounding, is set by the vector's size, not by its outlier (QuaRot)."""
+    return rotate_in_place(np.array(x, np.float32, order="C"))
+
+
+def rotate_in_place(x: np.ndarray) -> np.ndarray:
+    """rotated() of a C-contiguous float32 array, written over it (a decoded part: no second copy)."""
+    kernels().hadamard_rows(x.reshape(-1, x.shape[-1]), hadamard_block(x.shape[-1]))
+    return x
 
 
 def f16_ceil(x: np.ndarray) -> np.ndarray:
@@ -323,25 +343,40 @@ class PlannedCodec(Codec):
     """auto: keys first, values next, for each bits of PLAN_BITS in order, the heads the plan gives it (in
     row-major order) as one part [n, T, D]: at 16 bits byte-shuffled float16; else asymmetric codes
     (keys per channel [n, D, T], values per token), 8-bit keys as token-to-token differences, 6 and 4
-    bits packed; then the part's float16 scales and mins, byte-shuffled together."""
+    bits packed; then the part's float16 scales and mins, byte-shuffled together. With rotate_values
+    (auto-h), quantized values are stored as rotated(values) (the rotation is undone on decode)."""
+
+    def __init__(self, codec_id: int, rotate_values: bool = False):
+        super().__init__(codec_id, None)
+        self.rotate_values = rotate_values
 
     def encode(self, k, v, plan):
         L, H, T, D = k.shape
         streams = []
         for x, bits, is_key, chosen, _ in self._parts(plan, k.shape, k, v):
-            streams += self._encode_part(x.reshape(L * H, T, D)[chosen][None], bits, is_key)
+            part = x.reshape(L * H, T, D)[chosen][None]
+            streams += self._encode_part(rotated(part) if self._rotates(bits, is_key) else part, bits, is_key)
         return streams
 
     def decode(self, raw, k, v, plan):
         _, H, T, D = k.shape
         offset = 0
         for x, bits, is_key, chosen, size in self._parts(plan, k.shape, k, v):
-            part = self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, x.dtype)
+            if self._rotates(bits, is_key):  # rotated back in float32, then rounded once to the arena's type
+                part = rotate_in_place(self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, F32))
+            else:
+                part = self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, x.dtype)
             x[chosen // H, chosen % H] = part  # (written through: x may be the arena's view)
             offset += size
 
     def payload_size(self, shape, plan):
         return sum(size for *_, size in self._parts(plan, shape))
+
+    def _rotates(self, bits: int, is_key: bool) -> bool:
+        # Keys are not rotated: they are grouped per channel, where a bias channel's range is already its
+        # own; rotating spread Qwen's biases over every channel and made 4-bit keys worse
+        # (docs/kv-cache.md, Codecs). Float16 values keep their exact path.
+        return self.rotate_values and not is_key and bits < 16
 
     def _parts(self, plan: KVPlan, shape: Shape, k=None, v=None):
         """The parts of a block in stream order: (k or v, bits, chosen heads (flat indices), bytes)."""
@@ -391,12 +426,14 @@ class PlannedCodec(Codec):
         return out[0]
 
 
-# Every codec a block may say it is, by name; the first five store every layer and head alike.
+# Every codec a block may say it is, by name; the first five store every layer and head alike, the
+# planned ones (bits None) each layer and head as the block's plan says.
 TABLE: dict[str, Codec] = {
     "f32": FloatCodec(1, F32),
     "f16": FloatCodec(2, F16),
     "q8": SymmetricCodec(3, 8),
     "q6": AsymmetricCodec(5, 6),
     "q4": AsymmetricCodec(4, 4),
-    AUTO: PlannedCodec(6, None),
+    AUTO: PlannedCodec(6),
+    AUTO_ROTATED: PlannedCodec(7, rotate_values=True),
 }

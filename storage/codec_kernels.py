@@ -128,5 +128,28 @@ def pack_nibbles(codes, packed):
         packed[i] = codes[2 * i] | (high << 4)
 
 
+@njit(cache=True, nogil=True)
+def hadamard_rows(x, block):
+    """Each row of x [N, D] (float32, in place) through the normalised Walsh-Hadamard transform, in
+    pieces of `block` (a power of two dividing D): butterflies of stride 1, 2, 4, ..., then 1/sqrt(block).
+    The transform is its own inverse. tests/codec_reference.py does the same float32 operations in the
+    same order, so the same bits."""
+    N, D = x.shape
+    norm = np.float32(1.0 / np.sqrt(np.float64(block)))
+    for r in range(N):
+        for start in range(0, D, block):
+            h = 1
+            while h < block:
+                for i in range(start, start + block, 2 * h):
+                    for j in range(i, i + h):
+                        a = x[r, j]
+                        b = x[r, j + h]
+                        x[r, j] = a + b
+                        x[r, j + h] = a - b
+                h *= 2
+            for j in range(start, start + block):
+                x[r, j] *= norm
+
+
 # Every kernel of this module, for compile_kernels' "compiled or loaded from the cache?"
-COMPILED = (unpack_sixes, unpack_nibbles, dequantize, group_ranges, quantize, pack_sixes, pack_nibbles)
+COMPILED = (unpack_sixes, unpack_nibbles, dequantize, group_ranges, quantize, pack_sixes, pack_nibbles, hadamard_rows)

@@ -62,17 +62,18 @@ the sea wall, where the tide was coming in and the lamps were being lit one by o
 Progress = Callable[[str, int, int], None]
 
 
-def plan_path(fingerprint: str) -> Path:
-    return cache_dir() / "kv_plans" / f"{fingerprint}.json"
+def plan_path(fingerprint: str, codec: str = AUTO) -> Path:
+    """auto's plans kept their first name; each other planned codec measures its own."""
+    return cache_dir() / "kv_plans" / (f"{fingerprint}.json" if codec == AUTO else f"{fingerprint}.{codec}.json")
 
 
-def model_plan(model, progress: Progress | None = None) -> KVPlan:
-    """The model's plan: from the cache, else measured and cached (once: 2-6 minutes for the default
-    model on 2 busy cores, ~300 short forward passes)."""
-    path = plan_path(model.fingerprint)
+def model_plan(model, progress: Progress | None = None, codec: str = AUTO) -> KVPlan:
+    """The model's plan for a planned codec (auto, auto-h): from the cache, else measured and cached
+    (once: 2-6 minutes for the default model on 2 busy cores, ~300 short forward passes)."""
+    path = plan_path(model.fingerprint, codec)
     plan = read_plan(path, model.config.n_layer, model.config.n_head_kv)
     if plan is None:
-        plan, report = measure_plan(model, progress=progress)
+        plan, report = measure_plan(model, progress=progress, codec=codec)
         write_plan(path, plan, report)
     return plan
 
@@ -113,10 +114,10 @@ class Calibration:
     """The model's exact KV of the calibration text, and the next-token distributions it gives on the
     text's last tokens; kl() says how far a changed KV moves them."""
 
-    def __init__(self, model, text: str = CALIBRATION_TEXT, n_eval: int = EVAL_TOKENS):
+    def __init__(self, model, codec: str = AUTO, text: str = CALIBRATION_TEXT, n_eval: int = EVAL_TOKENS):
         tok = model.tokenizer
         ids = tok.encode(text, add_bos=tok.add_bos)[: model.config.n_ctx_train]
-        self.model = model
+        self.model, self.codec = model, codec
         self.context, self.fed = ids[:-n_eval], ids[-n_eval:]
         seq = model.new_sequence(len(ids))
         try:
@@ -144,11 +145,11 @@ class Calibration:
         return float((np.exp(p) * (p - q)).sum(axis=-1).mean())
 
     def stored(self, plan: KVPlan) -> tuple[np.ndarray, np.ndarray]:
-        """The KV as an auto block of this plan decodes it, block by block as stored."""
+        """The KV as a block of this codec and plan decodes it, block by block as stored."""
         k, v = np.empty_like(self.k), np.empty_like(self.v)
         for s in range(0, k.shape[2], BLOCK):
             k[:, :, s : s + BLOCK], v[:, :, s : s + BLOCK] = decode_kv(
-                encode_kv(self.k[:, :, s : s + BLOCK], self.v[:, :, s : s + BLOCK], AUTO, plan)
+                encode_kv(self.k[:, :, s : s + BLOCK], self.v[:, :, s : s + BLOCK], self.codec, plan)
             )
         return k, v
 
@@ -160,7 +161,8 @@ class Calibration:
         rounded = np.empty_like(one)
         for s in range(0, one.shape[2], BLOCK):
             piece = one[:, :, s : s + BLOCK]
-            rounded[:, :, s : s + BLOCK] = decode_kv(encode_kv(piece, piece, AUTO, plan))[0 if is_key else 1]
+            stored = decode_kv(encode_kv(piece, piece, self.codec, plan))
+            rounded[:, :, s : s + BLOCK] = stored[0 if is_key else 1]
         changed = x.copy()
         changed[layer, head] = rounded[0, 0]
         return self.kl(changed, self.v) if is_key else self.kl(self.k, changed)
@@ -194,21 +196,32 @@ def allocate(estimates: dict[tuple, dict[int, float]], budget: float) -> dict[tu
     return bits
 
 
-def measure_plan(model, budget: float = BUDGET_KL, progress: Progress | None = None) -> tuple[KVPlan, dict]:
-    """Measure the model's plan (see the module's docstring). Returns it and what was measured."""
-    cal = Calibration(model)
+def estimates(measured: dict[tuple, dict[int, float]]) -> dict[tuple, dict[int, float]]:
+    """Every unit's KL at every bits: measured where it was, else from the most bits measured below it."""
+    out = {}
+    for u, kl in measured.items():
+        out[u] = {}
+        for b in PLAN_BITS:
+            below = max(m for m in kl if m <= b)
+            out[u][b] = kl[b] if b in kl else kl[below] * _step_ratio(below, b)
+    return out
+
+
+def plan_of(bits: dict[tuple, int], n_layer: int, n_head: int) -> KVPlan:
+    """The plan of allocate()'s bits per (is_key, layer, head)."""
+    return KVPlan(*(_table(bits, is_key, n_layer, n_head) for is_key in (True, False)))
+
+
+def measure_plan(
+    model, budget: float = BUDGET_KL, progress: Progress | None = None, codec: str = AUTO
+) -> tuple[KVPlan, dict]:
+    """Measure the model's plan for a planned codec (see the module's docstring). Returns it and what was
+    measured."""
+    cal = Calibration(model, codec)
     L, H = cal.k.shape[:2]
     units = [(is_key, layer, head) for is_key in (True, False) for layer in range(L) for head in range(H)]
     label = "measuring the KV precision of each layer (first use of this model only)"
     measured: dict[tuple, dict[int, float]] = {u: {} for u in units}
-
-    def estimate(u) -> dict[int, float]:
-        """Every bits' KL: measured where it was, else from the most bits measured below it."""
-        out = {}
-        for b in PLAN_BITS:
-            below = max(m for m in measured[u] if m <= b)
-            out[b] = measured[u][b] if b in measured[u] else measured[u][below] * _step_ratio(below, b)
-        return out
 
     done, total = 0, len(units)
     for u in units:
@@ -219,7 +232,7 @@ def measure_plan(model, budget: float = BUDGET_KL, progress: Progress | None = N
     # Where the plan would give more bits, the estimate from 4 bits is measured: rounding that breaks
     # a head at 4 bits is far outside where the KL grows as the error's square.
     for _ in range(2):
-        bits = allocate({u: estimate(u) for u in units}, budget)
+        bits = allocate(estimates(measured), budget)
         todo = [(u, b) for u, b in bits.items() if b < 16 and b not in measured[u]]
         todo += [(u, 6) for u, b in bits.items() if b > 6 and 6 not in measured[u]]
         for i, (u, b) in enumerate(todo):
@@ -228,8 +241,7 @@ def measure_plan(model, budget: float = BUDGET_KL, progress: Progress | None = N
                 progress(label, i + 1, len(todo))
     target = budget
     for _ in range(4):
-        bits = allocate({u: estimate(u) for u in units}, target)
-        plan = KVPlan(*(_table(bits, is_key, L, H) for is_key in (True, False)))
+        plan = plan_of(allocate(estimates(measured), target), L, H)
         whole = cal.kl(*cal.stored(plan))
         if whole <= budget:
             break

@@ -139,3 +139,18 @@ def dequantize(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None
     if mins is not None:
         x += np.repeat(mins.astype(np.float32), GROUP, axis=-1)[..., :n]
     return x
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """x [..., D] through the normalised Walsh-Hadamard transform in pieces of the largest power of two
+    dividing D (auto-h's values), as float32: butterflies of stride 1, 2, 4, ..., then 1/sqrt(piece)."""
+    d = x.shape[-1]
+    block = d & -d
+    y = np.array(x, np.float32).reshape(-1, d // block, block)
+    h = 1
+    while h < block:
+        pairs = y.reshape(*y.shape[:2], block // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = np.stack([a + b, a - b], axis=-2).reshape(y.shape)
+        h *= 2
+    return (y * np.float32(1.0 / np.sqrt(np.float64(block)))).reshape(x.shape)

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from llama_chat.storage.codec import (
     AUTO,
+    AUTO_ROTATED,
+    PLANNED_CODECS,
     STORED_CODECS,
     CorruptBlockError,
     KVPlan,
@@ -27,6 +29,7 @@ from llama_chat.storage.codec import (
     encode_kv,
     kv_matches,
 )
+from llama_chat.storage.codec_formats import rotated
 
 HEADER = struct.Struct("<4sBB4I")  # the documented header: magic, version, codec id, 4 dims
 SHAPES = [(2, 2, 64, 64), (1, 1, 1, 16), (3, 2, 37, 64), (2, 1, 5, 256), (1, 3, 33, 16), (2, 2, 64, 256)]
@@ -79,8 +82,8 @@ def some_plan(shape) -> KVPlan:
 
 
 def encode(k, v, codec):
-    """encode_kv, with some_plan for the auto codec."""
-    return encode_kv(k, v, codec, some_plan(k.shape) if codec == AUTO else None)
+    """encode_kv, with some_plan for the planned codecs (auto, auto-h)."""
+    return encode_kv(k, v, codec, some_plan(k.shape) if codec in PLANNED_CODECS else None)
 
 
 def assert_decodes_to_arrays_or_refuses(data):
@@ -218,6 +221,55 @@ def test_auto_refuses_a_missing_plan_or_one_of_another_shape(plan):
         encode_kv(*realistic_kv((2, 2, 8, 16)), AUTO, plan)
 
 
+def rotated_bound(v, bits):
+    """auto-h's values: rounded as asymmetric_bound says in the rotated space, and the rotation keeps
+    lengths, so each token's error vector is at most as long as that bound's."""
+    bound = asymmetric_bound(reference.hadamard(v), axis=-1, bits=bits)
+    return np.sqrt((bound**2).sum(axis=-1)) * (1 + 2**-10) + 2**-20
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_auto_h_rotates_values_and_stores_keys_as_auto_does(shape):
+    k, v = realistic_kv(shape)
+    plan = some_plan(shape)
+    k_auto, v_auto = decode_kv(encode_kv(k, v, AUTO, plan))
+    k2, v2 = decode_kv(encode_kv(k, v, AUTO_ROTATED, plan))
+    assert np.array_equal(k2, k_auto)
+    for layer in range(shape[0]):
+        for head in range(shape[1]):
+            bits, x, y = plan.v_bits[layer][head], v[layer, head], v2[layer, head]
+            if bits == 16:
+                assert np.array_equal(y, v_auto[layer, head])
+            else:
+                error = np.sqrt(((y.astype(np.float64) - x) ** 2).sum(axis=-1))
+                assert np.all(error <= rotated_bound(x, bits)), (layer, head, bits)
+
+
+def test_an_outlier_value_channel_blurs_rotated_values_far_less():
+    """Values are grouped per token: a channel 40x the others sets its group's step; rotated, its size is
+    spread over all 64 channels and 4-bit values err ~2.5x less."""
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 2, 2, 64, 64), dtype=np.float32)
+    v[..., 9] *= 40
+    plan = KVPlan.uniform(2, 2, 4)
+    errors = [np.linalg.norm(decode_kv(encode_kv(k, v, c, plan))[1] - v) for c in (AUTO, AUTO_ROTATED)]
+    assert errors[1] < errors[0] / 2
+
+
+@pytest.mark.parametrize("head_dim", [1, 16, 64, 96, 256])
+def test_the_compiled_rotation_is_the_normalised_hadamard_transform_and_its_own_inverse(head_dim):
+    x = np.random.default_rng(1).standard_normal((3, 5, head_dim)).astype(np.float32)
+    got = rotated(x)
+    assert np.array_equal(got, reference.hadamard(x))  # the same float32 operations: the same bits
+    block = head_dim & -head_dim
+    sylvester = np.ones((1, 1))
+    while len(sylvester) < block:
+        sylvester = np.block([[sylvester, sylvester], [sylvester, -sylvester]])
+    pieces = x.reshape(3, 5, -1, block).astype(np.float64) @ sylvester / np.sqrt(block)
+    assert np.allclose(got, pieces.reshape(x.shape), atol=1e-5)
+    assert np.allclose(rotated(got), x, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [((5,),), ((4,), (4, 4)), ()])
 def test_a_plan_of_unknown_bits_or_ragged_rows_is_refused(rows):
     with pytest.raises(ValueError):
@@ -250,7 +302,7 @@ def test_zeros_survive_exactly(codec):
     assert not k.any() and not v.any()
 
 
-@pytest.mark.parametrize("codec", ["f16", "q8", "q4", AUTO])
+@pytest.mark.parametrize("codec", ["f16", "q8", "q4", AUTO, AUTO_ROTATED])
 def test_huge_values_saturate_instead_of_turning_into_inf_or_nan(codec):
     k, v = realistic_kv((1, 2, 40, 64))
     k[0, 0, 3, :] = 1e9
@@ -260,7 +312,7 @@ def test_huge_values_saturate_instead_of_turning_into_inf_or_nan(codec):
     assert k2[0, 0, 3, 0] > 6e4 and v2[0, 1, 0, 7] < -6e4
 
 
-@pytest.mark.parametrize("codec", ["q8", "q4", AUTO])
+@pytest.mark.parametrize("codec", ["q8", "q4", AUTO, AUTO_ROTATED])
 def test_quantized_codecs_refuse_non_finite_values(codec):
     k, v = realistic_kv((1, 1, 4, 32))
     k[0, 0, 1, 1] = np.nan
@@ -486,7 +538,7 @@ def test_arbitrary_bytes_decode_or_raise_corrupt_block_error(data):
     st.binary(max_size=200),
 )
 def test_a_valid_looking_header_with_arbitrary_payload_raises_corrupt_block_error(codec, dims, payload):
-    codec_id = {"f32": 1, "f16": 2, "q8": 3, "q4": 4, "q6": 5, "auto": 6}[codec]
+    codec_id = {"f32": 1, "f16": 2, "q8": 3, "q4": 4, "q6": 5, "auto": 6, "auto-h": 7}[codec]
     assert_decodes_to_arrays_or_refuses(HEADER.pack(b"LCKV", 1, codec_id, *dims) + payload)
 
 
@@ -521,8 +573,8 @@ def test_the_codecs_loops_are_made_ready_with_progress_that_moves():
     ones load from numba's cache."""
     seen = []
     compile_kernels(lambda label, done, total: seen.append((label, done, total)))
-    assert [done for _, done, _ in seen] == [0, 1, 2, 3, 4]
-    assert all("KV codec" in label and total == 4 for label, _, total in seen)
+    assert [done for _, done, _ in seen] == [0, 1, 2, 3, 4, 5]  # q8, q6, q4, auto, auto-h
+    assert all("KV codec" in label and total == 5 for label, _, total in seen)
     again = []
     compile_kernels(lambda label, done, total: again.append(label))
     assert set(again) == {"loading the KV codec"}  # compiled once, then read from numba's cache
@@ -539,7 +591,7 @@ count = lambda: {k.__name__: len(k.signatures) for k in codec_kernels.COMPILED}
 ready = count()
 k = np.random.default_rng(0).standard_normal((3, 2, 80, 64)).astype(np.float32)
 plan = KVPlan(((4, 6), (8, 16), (6, 8)), ((16, 8), (6, 4), (4, 4)))
-for codec in ("q8", "q6", "q4", "auto"):
+for codec in ("q8", "q6", "q4", "auto", "auto-h"):
     decode_kv(encode_kv(k[:, :, 8:72], k[:, :, 8:72], codec, plan))
     data = encode_kv(k[:, :, :37].copy(), k[:, :, :37].copy(), codec, plan)
     decode_kv(data)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llama_chat.storage import ChatStore, kv_plan
-from llama_chat.storage.codec import AUTO, KVPlan, block_plan, decode_kv
+from llama_chat.storage.codec import AUTO, AUTO_ROTATED, KVPlan, block_plan, decode_kv
 from llama_chat.storage.kv_plan import allocate, measure_plan, model_plan, plan_path
 from llama_chat.storage.kv_store import KVStore
 
@@ -36,9 +36,10 @@ def tiny(tiny_model_paths):
     return load_model(tiny_model_paths["qwen2"])
 
 
-def test_a_measured_plan_keeps_the_calibration_text_within_its_budget(tiny):
-    loose, _ = measure_plan(tiny, budget=10.0)
-    tight, report = measure_plan(tiny, budget=1e-6)
+@pytest.mark.parametrize("codec", [AUTO, AUTO_ROTATED])
+def test_a_measured_plan_keeps_the_calibration_text_within_its_budget(tiny, codec):
+    loose, _ = measure_plan(tiny, budget=10.0, codec=codec)
+    tight, report = measure_plan(tiny, budget=1e-6, codec=codec)
     assert loose == KVPlan.uniform(tiny.config.n_layer, tiny.config.n_head_kv, 4)
     assert report["calibration_kl"] <= 1e-6
     assert tight.bits_per_value() > loose.bits_per_value()
@@ -53,6 +54,14 @@ def test_a_models_plan_is_measured_once_then_read_from_the_cache(tiny, monkeypat
 
     monkeypatch.setattr(kv_plan, "measure_plan", measure_again)
     assert model_plan(tiny) == first
+
+
+def test_each_planned_codec_has_a_plan_of_its_own(tiny):
+    """auto-h's plan is measured with its rotated values, and cached beside auto's, not over it."""
+    plans = {codec: model_plan(tiny, codec=codec) for codec in (AUTO, AUTO_ROTATED)}
+    assert plan_path(tiny.fingerprint, AUTO) != plan_path(tiny.fingerprint, AUTO_ROTATED)
+    for codec, plan in plans.items():
+        assert kv_plan.read_plan(plan_path(tiny.fingerprint, codec), *plan.shape) == plan
 
 
 @pytest.mark.parametrize("content", ["not json", '{"format": 1, "k_bits": [[5]], "v_bits": [[5]]}', "{}"])
@@ -95,8 +104,9 @@ def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
     assert abs(table[AUTO]["bytes"] - table["q4"]["bytes"]) < 0.1 * table["q4"]["bytes"]
 
 
-def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny_model_paths, tmp_path):
-    """Under the auto codec a conversation is stored under the model's plan, resumes in a fresh engine
+@pytest.mark.parametrize("codec", [AUTO, AUTO_ROTATED])
+def test_a_conversation_stored_in_planned_blocks_resumes_and_travels_in_a_file(tiny_model_paths, tmp_path, codec):
+    """Under a planned codec (auto, auto-h) a conversation is stored under the model's plan, resumes in a fresh engine
     with nothing recomputed, and its export file imports elsewhere with its blocks as they are."""
     from llama_chat.app.chat.engine import ChatEngine
     from llama_chat.app.chat.jobs import stream_text
@@ -104,7 +114,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     from llama_chat.storage.exchange import export_session, import_session
 
     path = tiny_model_paths["qwen2"]
-    engine = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec=AUTO)
+    engine = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec=codec)
     session = engine.new_session("auto")
     "".join(
         stream_text(
@@ -113,8 +123,8 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     )
     session = engine.store.get_session(session.id)
     blocks = engine.store.connection.rows("SELECT codec, data FROM kv_blocks")
-    assert blocks and {b["codec"] for b in blocks} == {AUTO}
-    assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model)}
+    assert blocks and {b["codec"] for b in blocks} == {codec}
+    assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model, codec=codec)}
 
     fresh = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec="q6")
     info = fresh.resume(fresh.store.get_session(session.id))
@@ -124,7 +134,7 @@ def test_a_conversation_stored_in_auto_blocks_resumes_and_travels_in_a_file(tiny
     target = ChatStore(tmp_path / "b.db")
     result = import_session(target, tmp_path / "s.llamachat", model_fingerprint=engine.model.fingerprint)
     assert result.kv == "imported" and result.blocks_added == len(blocks)
-    assert {r["codec"] for r in target.connection.rows("SELECT codec FROM kv_blocks")} == {AUTO}
+    assert {r["codec"] for r in target.connection.rows("SELECT codec FROM kv_blocks")} == {codec}
     elsewhere = ChatEngine(load_model(path, block_size=8), target)
     info = elsewhere.resume(target.get_session(result.session_ids[0]))
     assert info.restored == info.tokens

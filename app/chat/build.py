@@ -11,7 +11,7 @@ from pathlib import Path
 from llama_chat.inference import Model, load_model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.storage.codec import AUTO
+from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
 from llama_chat.storage.store import ChatStore
@@ -51,7 +51,7 @@ def load_chat_model(
 ) -> Model:
     """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
     the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
-    the compiler. Under the auto `codec`, the model's KV plan too (measured at its first use)."""
+    the compiler. Under a planned `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
     if progress is None:
         model = load_model(name, **options)
         compile_codec()
@@ -59,8 +59,8 @@ def load_chat_model(
         with CompileProgress(progress) as told:  # what really compiles, as it does
             model = load_model(name, progress=told, **options)
             compile_codec(told)
-    if codec == AUTO:
-        model_plan(model, progress)
+    if codec in PLANNED_CODECS:
+        model_plan(model, progress, codec)
     return model
 
 

@@ -25,7 +25,7 @@ from llama_chat.inference import (
     shift_to,
 )
 from llama_chat.inference.catalog import recommended_system_prompt
-from llama_chat.storage.codec import AUTO
+from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_plan import model_plan
 from llama_chat.storage.kv_store import KVStore
@@ -62,7 +62,7 @@ class ChatEngine:
     ):
         self.model = model
         self.store = store
-        plan = model_plan(model) if codec == AUTO else None
+        plan = model_plan(model, codec=codec) if codec in PLANNED_CODECS else None
         self.kv = KVStore(store, model.fingerprint, codec, remote, plan)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.sampling_defaults = model_sampling(model)  # where a session sets nothing
