@@ -336,8 +336,10 @@ def _tile_buffer(n: int) -> np.ndarray:
 
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
-    """x [n, n_cols] float32 @ w.T → [n, n_rows] for a PackedMatrix w."""
+    """x [n, n_cols] float32 @ w.T → [n, n_rows] for a PackedMatrix (or StackedMatrix) w."""
     x = np.ascontiguousarray(x, dtype=F32)
+    if hasattr(w, "parts"):
+        return np.concatenate([matmul(x, part) for part in w.parts], axis=1)
     return kernel_product(x, w) if kernels_take(x.shape[0]) else tile_product(x, w)
 
 
@@ -380,8 +382,16 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
 
 
 def rows(w, ids: np.ndarray) -> np.ndarray:
-    """Rows `ids` of a PackedMatrix as float32 [len(ids), n_cols] (a tied embedding table's lookups)."""
+    """Rows `ids` of a PackedMatrix (or StackedMatrix) as float32 [len(ids), n_cols] (a tied embedding
+    table's lookups)."""
     ids = np.asarray(ids, dtype=np.int64)
+    if hasattr(w, "parts"):
+        starts = np.cumsum([0] + [p.n_rows for p in w.parts])
+        out = np.empty((len(ids), w.n_cols), F32)
+        for part, start, end in zip(w.parts, starts[:-1], starts[1:], strict=True):
+            mine = (ids >= start) & (ids < end)
+            out[mine] = rows(part, ids[mine] - start)
+        return out
     if w.in_q4_k:
         blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
         return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)

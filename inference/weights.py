@@ -265,7 +265,7 @@ def load_weights(info: Prepared, progress: Progress | None = None) -> Weights:
                 gguf.quants.dequantize(raw(name, shape), qtype(name, t)), dtype=np.float32
             ).reshape(shape)
 
-        def matrix(*names: str, shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
+        def matrix(*names: str, shapes: list[tuple[int, int]]) -> quants.PackedMatrix | quants.StackedMatrix:
             packed = quants.pack(
                 [(raw(n, s), qtype(n, info.tensors[n]), s) for n, s in zip(names, shapes, strict=True)]
             )
