@@ -25,7 +25,7 @@ from .kv_arena import KVViews
 from .kv_cache import KVSequence
 
 if TYPE_CHECKING:
-    from .quants import PackedMatrix
+    from .quants import PackedMatrix, StackedMatrix
 
 F32 = np.float32
 
@@ -40,7 +40,7 @@ class LayerWeights:
     architecture has none."""
 
     attn_norm: np.ndarray  # [d]
-    attn_qkv: PackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
+    attn_qkv: PackedMatrix | StackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
     attn_output: PackedMatrix  # [d, q_dim]
     ffn_norm: np.ndarray  # [d]
     ffn_gate_up: PackedMatrix  # gate and up fused: [2·n_ff, d]

@@ -10,10 +10,13 @@ Packed, LANES rows are interleaved as in quants.py, and every value byte keeps i
 - scales [groups, n_cols / 256, 2, LANES] uint16: the float16 bits of d and dmin;
 - offsets [groups, n_cols / 256, 16, LANES] uint8: the 8 scales, then the 8 mins.
 148 bytes per 256 weights (the GGUF's 144, the 6-bit fields a byte each) where int8 values with a
-float32 scale and offset per 32 took 320. The kernels shift and mask a column of bytes into weights
-and form a run's scale and offset once, as gguf.quants does, in float32: every weight is the GGUF's,
-bit for bit, and the sums run over the columns in their order (the products have the int8 layout's
-bits).
+float32 scale and offset per 32 took 320. The kernels shift and mask a column of bytes into 4-bit
+values and add up a run's Σ q·x, then take it times the run's d·sc and Σ x times its −dmin·m (formed
+as gguf.quants forms them, in float32), as ggml factors a block's dot product: every weight is the
+GGUF's, exactly, and each row's sums run in one order whatever else is in the batch. Dequantizing each
+weight first (q·d·sc − dmin·m, two more operations per weight) made the kernels compute-bound at 34
+GFLOP/s a thread where this reaches 48 (docs/performance.md), and its long sums of w·x rounded 3-4x
+further from the exact product (test_kernels).
 
 Q6_K (the output matrix and some ffn_down of a Q4_K_M model) could be kept the same way (ql and qh
 bytes, 210 bytes per 256 as the GGUF), but its kernel, six bits from two bytes, took 1.4–2x int8's CPU
@@ -22,14 +25,18 @@ time per product on the Zen 4 and minutes more to compile: it unpacks to int8 as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import gguf
 import numpy as np
 from numba import carray
 
 from .cpu import PROFILE
 from .jit import njit
-from .vectors import _dequantize_nibbles, _multiply_add, _q4_k_scales, _registers
+from .vectors import _dequantize_nibbles, _multiply_add, _nibbles, _q4_k_scales, _registers, _scale_run
 
 LANES = PROFILE.lanes
+Q4_K = gguf.GGMLQuantizationType.Q4_K
 F32 = np.float32
 
 
@@ -91,28 +98,49 @@ def _run(values, g, r, lane0):
 
 
 @njit(cache=True, inline="always")
-def _run_sums(values, scales, offsets, x, i0, sums, w, scale, offset, g, r, lane0, shift, rows, width):
-    """Run r's 32 columns, dequantized `width` lanes at a time (their nibbles from bit `shift`, a
-    literal: a shift by a variable cost a tenth of the speed), multiplied into the sums of `rows` rows."""
+def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width):
+    """Run r's 32 columns into the sums of `rows` rows: Σ q·x over the run's 4-bit values q (their nibbles
+    from bit `shift`, a literal: a shift by a variable cost a tenth of the speed), then that times the
+    run's d·sc and Σ x times its −dmin·m, as ggml factors a block's dot product."""
     lanes = values.shape[2]
     d_at, sc_at, at = _run(values, g, r, lane0)
-    _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
+    for k in range(rows * width):
+        runs[k] = 0
     for t in range(32):
-        _dequantize_nibbles(values, at + t * lanes, shift, scale, offset, w, width)
+        _nibbles(values, at + t * lanes, shift, w, width)
         for i in range(rows):
-            _multiply_add(sums, i, w, x[i0 + i, 32 * r + t], width)
+            _multiply_add(runs, i, w, x[i0 + i, 32 * r + t], width)
+    _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
+    for i in range(rows):
+        _scale_run(sums, runs, i, scale, offset, x_sums[i0 + i, r], width)
 
 
 @njit(cache=True, inline="always")
-def accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+def accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
     """kernels._accumulate for Q4_K: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows,
-    r < width, j in column order, one fused multiply-add at a time (the int8 layout's arithmetic)."""
+    r < width, a run of 32 columns at a time (run_sums), each in column order: the same operations in
+    the same order for a row whatever the rows and width of its pass."""
     scale, offset = _registers(width), _registers(width)
     for k in range(rows * width):
         sums[k] = 0
     for r in range(0, x.shape[1] // 32, 2):  # a run in low nibbles, then the run in their high ones
-        _run_sums(values, scales, offsets, x, i0, sums, w, scale, offset, g, r, lane0, 0, rows, width)
-        _run_sums(values, scales, offsets, x, i0, sums, w, scale, offset, g, r + 1, lane0, 4, rows, width)
+        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, 0, rows, width)
+        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r + 1, lane0, 4, rows, width)
+
+
+@njit(cache=True)
+def run_sums(x):
+    """Σ x over each run of 32 columns [n, n_cols / 32], added in column order: the second half of a
+    Q4_K run's product, once per call for every matrix row."""
+    n, n_cols = x.shape
+    out = np.empty((n, n_cols // 32), F32)
+    for i in range(n):
+        for r in range(n_cols // 32):
+            total = F32(0)
+            for t in range(32 * r, 32 * r + 32):
+                total += x[i, t]
+            out[i, r] = total
+    return out
 
 
 @njit(cache=True, inline="always")
@@ -149,3 +177,41 @@ def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids
     packed = [sc[..., :4] | (low >> 4) << 6, m[..., :4] | (high >> 4) << 6, (low & 15) | high << 4]
     d_dmin = scales[g, :, :, lane].view(np.uint8)  # [n, blocks, 4]
     return np.concatenate([d_dmin, *packed, values[g, :, lane].reshape(n, -1, 128)], axis=2).reshape(n, -1)
+
+
+@dataclass
+class StackedMatrix:
+    """Packed matrices with the same columns whose rows stack: one product each, side by side. Q4_K's q
+    and k joined with a Q6_K v into one int8 matrix took 2.5x their bytes (25 MB a layer of a 7B where
+    the parts take 10), which decode reads every token."""
+
+    parts: list  # quants.PackedMatrix
+    in_q4_k = False
+
+    @property
+    def n_rows(self) -> int:
+        return sum(p.n_rows for p in self.parts)
+
+    @property
+    def n_cols(self) -> int:
+        return self.parts[0].n_cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n_rows, self.n_cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def runs_of_q4_k(parts: list) -> list[list]:
+    """Tensors to be stacked (quants.pack's parts) in runs of consecutive Q4_K parts and of the others:
+    a StackedMatrix's parts."""
+    runs = [[parts[0]]]
+    for part in parts[1:]:
+        if (part[1] == Q4_K) == (runs[-1][-1][1] == Q4_K):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs

@@ -58,18 +58,22 @@ def _n_blocks(scales):
     return 1 if scales is None else scales.shape[1]
 
 
-def _accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
     it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py)."""
 
 
 @overload(_accumulate, inline="always", prefer_literal=True)
-def _accumulate_by_layout(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
+def _accumulate_by_layout(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
     if values.dtype != types.uint8:
-        return _accumulate_values.py_func
 
-    def in_q4_k(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width):
-        k_quants.accumulate(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
+        def in_values(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
+            _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width)
+
+        return in_values
+
+    def in_q4_k(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
+        k_quants.accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width)
 
     return in_q4_k
 
@@ -95,18 +99,18 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
 
 
 @njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
-def _group_product(values, scales, offsets, x, out, g):
+def _group_product(values, scales, offsets, x, x_sums, out, g):
     """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone across all LANES, else ROWS
     rows at a time (x is padded to a multiple of ROWS) across PASS_LANES lanes at a time."""
-    registers = _registers(SUMS)
+    registers, runs = _registers(SUMS), _registers(SUMS)
     w = _registers(LANES)
     n = out.shape[0]
     if n <= 2:  # one token decoded alone, or two replies: no padded rows to compute
         sums = carray(registers, (2, LANES))
         if n == 1:
-            _accumulate(values, scales, offsets, x, 0, g, 0, registers, w, 1, LANES)
+            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES)
         else:
-            _accumulate(values, scales, offsets, x, 0, g, 0, registers, w, 2, LANES)
+            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES)
         for i in range(n):
             for r in range(LANES):
                 out[i, g * LANES + r] = sums[i, r]
@@ -114,16 +118,16 @@ def _group_product(values, scales, offsets, x, out, g):
     sums = carray(registers, (ROWS, PASS_LANES))
     for i0 in range(0, n, ROWS):
         for lane0 in range(0, LANES, PASS_LANES):
-            _accumulate(values, scales, offsets, x, i0, g, lane0, registers, w, ROWS, PASS_LANES)
+            _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, registers, runs, w, ROWS, PASS_LANES)
             for i in range(min(ROWS, n - i0)):
                 for r in range(PASS_LANES):
                     out[i0 + i, g * LANES + lane0 + r] = sums[i, r]
 
 
 @njit(cache=True, parallel=True)
-def _product(values, scales, offsets, x, out):
+def _product(values, scales, offsets, x, x_sums, out):
     for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
-        _group_product(values, scales, offsets, x, out, g)
+        _group_product(values, scales, offsets, x, x_sums, out, g)
 
 
 @njit(cache=True)
@@ -332,8 +336,10 @@ def _tile_buffer(n: int) -> np.ndarray:
 
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
-    """x [n, n_cols] float32 @ w.T → [n, n_rows] for a PackedMatrix w."""
+    """x [n, n_cols] float32 @ w.T → [n, n_rows] for a PackedMatrix (or StackedMatrix) w."""
     x = np.ascontiguousarray(x, dtype=F32)
+    if hasattr(w, "parts"):
+        return np.concatenate([matmul(x, part) for part in w.parts], axis=1)
     return kernel_product(x, w) if kernels_take(x.shape[0]) else tile_product(x, w)
 
 
@@ -344,7 +350,8 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((n, n_groups * LANES), dtype=F32)
     if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
         x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
-    _product(w.values, w.scales, w.offsets, x, out)
+    x_sums = k_quants.run_sums(x) if w.in_q4_k else None
+    _product(w.values, w.scales, w.offsets, x, x_sums, out)
     return out[:, : w.n_rows]
 
 
@@ -375,8 +382,16 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
 
 
 def rows(w, ids: np.ndarray) -> np.ndarray:
-    """Rows `ids` of a PackedMatrix as float32 [len(ids), n_cols] (a tied embedding table's lookups)."""
+    """Rows `ids` of a PackedMatrix (or StackedMatrix) as float32 [len(ids), n_cols] (a tied embedding
+    table's lookups)."""
     ids = np.asarray(ids, dtype=np.int64)
+    if hasattr(w, "parts"):
+        starts = np.cumsum([0] + [p.n_rows for p in w.parts])
+        out = np.empty((len(ids), w.n_cols), F32)
+        for part, start, end in zip(w.parts, starts[:-1], starts[1:], strict=True):
+            mine = (ids >= start) & (ids < end)
+            out[mine] = rows(part, ids[mine] - start)
+        return out
     if w.in_q4_k:
         blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
         return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)

@@ -34,7 +34,7 @@ import numpy as np
 from . import k_quants, kernels
 from .cpu import PROFILE
 from .jit import in_cache, njit, prange
-from .k_quants import _scale_min_k4, _store
+from .k_quants import StackedMatrix, _scale_min_k4, _store
 from .kernels import LANES
 
 F32 = np.float32
@@ -231,8 +231,8 @@ INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_
 GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
 HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
-# per format. Q4_K keeps its GGUF bits (k_quants.py) where a matrix is all Q4_K; joined with another
-# format (q/k beside a Q6_K v) it unpacks to int8 as the others.
+# per format. Q4_K keeps its GGUF bits (k_quants.py); joined with another integer format (q/k beside a
+# Q6_K v) its rows are a part of their own (StackedMatrix).
 KINDS = {
     Q.Q8_0: "integer weights",
     Q.Q4_1: "integer weights with offsets",
@@ -241,8 +241,15 @@ KINDS = {
 }
 
 
+def kinds_of(formats: set) -> set[str]:
+    """The kinds of packed matrix that parts of these formats make, one per part pack makes."""
+    if kind_of(formats) == "float weights" or formats == {Q.Q4_K} or Q.Q4_K not in formats:
+        return {kind_of(formats)}
+    return {"Q4_K weights", kind_of(formats - {Q.Q4_K})}
+
+
 def kind_of(formats: set) -> str:
-    """The kind of packed matrix that parts of these formats make (pack decides by it)."""
+    """The kind of packed matrix that parts of these formats make, joined in one (pack_one decides by it)."""
     if formats - set(INTEGER_FORMATS):
         return "float weights"
     if formats == {Q.Q4_K}:
@@ -267,10 +274,17 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
 
 
-def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
-    """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → one PackedMatrix,
-    their rows stacked (q/k/v or gate/up: one kernel call for all). Parts of different formats meet on
-    the finest group size and zero offsets, which changes no weight; a float part makes it all float32."""
+def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix | StackedMatrix:
+    """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → their rows in one
+    PackedMatrix (q/k/v, gate/up: one kernel call), or where Q4_K meets other formats, a StackedMatrix."""
+    if len(kinds_of({qtype for _, qtype, _ in parts})) == 1:
+        return pack_one(parts)
+    return StackedMatrix([pack_one(run) for run in k_quants.runs_of_q4_k(parts)])
+
+
+def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
+    """pack into one PackedMatrix. Parts of different formats meet on the finest group size and zero
+    offsets, which changes no weight; a float part makes it all float32."""
     n_cols = parts[0][2][1]
     n_rows = sum(shape[0] for _, _, shape in parts)
     formats = {qtype for _, qtype, _ in parts}
@@ -340,7 +354,7 @@ def _kinds(matrices) -> list[tuple[str, Q]]:
     matrix; None: every kind), each with its example format."""
     if matrices is None:
         return [(kind, qtype) for qtype, kind in KINDS.items()]
-    found = {kind_of({m} if isinstance(m, Q) else set(m)) for m in matrices}
+    found = set().union(*(kinds_of({m} if isinstance(m, Q) else set(m)) for m in matrices))
     return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 

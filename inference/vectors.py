@@ -133,33 +133,83 @@ def _q4_k_scales(typingctx, halves, six_bits, d_at, sc_at, lanes, scale, offset,
 
 
 @intrinsic
+def _nibbles(typingctx, values, at, shift, w, width):
+    """w[:width] = (values.flat[at:at + width] >> shift) & 15 as float32: a column of 4-bit values
+    (shift 0: the low nibbles, 4: the high ones, a literal), exact."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        at = context.cast(builder, args[1], signature.args[1], types.int64)
+        _unpack_nibbles(builder, values_ptr, at, shift.literal_value, width.literal_value, args[3])
+        return context.get_dummy_value()
+
+    return types.void(values, at, shift, w, width), codegen
+
+
+def _unpack_nibbles(builder, values_ptr, at, shift, n, w_ptr, scale_ptr=None, offset_ptr=None):
+    """w[:n] = ((values[at:at + n] >> shift) & 15) as float32 (· scale + offset where given). 16 bytes at
+    a time, each widened to 32 bits by itself (vpmovzxbd) before the shift and mask: LLVM masked a whole
+    64-byte vector, then took it apart with three extracts per column (a fifth slower; x86 has no shift
+    of bytes)."""
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    for k in range(0, n, min(n, 16)):
+        m = min(n - k, 16)
+        words = ir.VectorType(ir.IntType(32), m)
+        at_k = builder.add(at, ir.Constant(i64, k))
+        packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, ir.IntType(8), m), align=1), words)
+        shifted = builder.lshr(packed, ir.Constant(words, [shift] * m))
+        nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
+        column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
+        where = ir.Constant(i64, k)
+        if scale_ptr is not None:
+            column = builder.fmul(column, builder.load(_vector_at(builder, scale_ptr, where, f32, m), align=4))
+            column = builder.fadd(column, builder.load(_vector_at(builder, offset_ptr, where, f32, m), align=4))
+        builder.store(column, _vector_at(builder, w_ptr, where, f32, m), align=4)
+
+
+@intrinsic
+def _scale_run(typingctx, sums, runs, i, scale, offset, x_sum, width):
+    """sums[i·width:…] += scale[:width] · runs[i·width:…], then += offset[:width] · x_sum, each fused:
+    a Q4_K run's Σ q·x and Σ x into the row's sums, d·sc·Σ q·x − dmin·m·Σ x."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        sums_ptr, runs_ptr, i_arg, scale_ptr, offset_ptr, x_sum, _ = args
+        i64, vector = ir.IntType(64), ir.VectorType(f32, n)
+        start = builder.mul(context.cast(builder, i_arg, signature.args[2], types.int64), ir.Constant(i64, n))
+        zero = ir.Constant(i64, 0)
+        at = _vector_at(builder, sums_ptr, start, f32, n)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{n}f32"
+        )
+        scale = builder.load(_vector_at(builder, scale_ptr, zero, f32, n), align=4)
+        offset = builder.load(_vector_at(builder, offset_ptr, zero, f32, n), align=4)
+        run = builder.load(_vector_at(builder, runs_ptr, start, f32, n), align=4)
+        total = builder.call(fma, [scale, run, builder.load(at, align=4)])
+        total = builder.call(fma, [offset, _splat(builder, vector, x_sum), total])
+        builder.store(total, at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, runs, i, scale, offset, x_sum, width), codegen
+
+
+@intrinsic
 def _dequantize_nibbles(typingctx, values, at, shift, scale, offset, w, width):
     """w[:width] = ((values.flat[at:at + width] >> shift) & 15) · scale[:width] + offset[:width]: a
     column of 4-bit weights (shift 0: the low nibbles, 4: the high ones, a literal), plain multiply and
     add as gguf.quants."""
     if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
         return None
-    n, f32 = width.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
-        i8, i64 = ir.IntType(8), ir.IntType(64)
         values_ptr = _data(context, builder, signature.args[0], args[0])
         at = context.cast(builder, args[1], signature.args[1], types.int64)
-        # 16 bytes at a time, each widened to 32 bits by itself (vpmovzxbd) before the shift and mask:
-        # LLVM masked a whole 64-byte vector, then took it apart with three extracts per column (a
-        # fifth slower; x86 has no shift of bytes).
-        for k in range(0, n, min(n, 16)):
-            m = min(n - k, 16)
-            words = ir.VectorType(ir.IntType(32), m)
-            at_k = builder.add(at, ir.Constant(i64, k))
-            packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, i8, m), align=1), words)
-            shifted = builder.lshr(packed, ir.Constant(words, [shift.literal_value] * m))
-            nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
-            column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
-            where = ir.Constant(i64, k)
-            column = builder.fmul(column, builder.load(_vector_at(builder, args[3], where, f32, m), align=4))
-            column = builder.fadd(column, builder.load(_vector_at(builder, args[4], where, f32, m), align=4))
-            builder.store(column, _vector_at(builder, args[5], where, f32, m), align=4)
+        _unpack_nibbles(builder, values_ptr, at, shift.literal_value, width.literal_value, args[5], args[3], args[4])
         return context.get_dummy_value()
 
     return types.void(values, at, shift, scale, offset, w, width), codegen
+

@@ -22,12 +22,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import kernels, packed_file, quants
+from . import k_quants, kernels, packed_file, quants
 from .catalog import cache_dir
 from .config import ModelConfig
 from .errors import ModelError
 from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
+from .k_quants import StackedMatrix
 
 # The GGUF's matrices that the forward pass multiplies as one (one kernel call for q/k/v, one for gate/up).
 FUSED = {
@@ -246,7 +247,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(
-        LayerWeights(**vectors[i], **{name: matrices[f"blk.{i}.{name}"] for name in LAYER_MATRICES})
+        LayerWeights(**vectors[i], **{name: _stacked(matrices, f"blk.{i}.{name}") for name in LAYER_MATRICES})
         for i in range(cfg.n_layer)
     )
     if tied:  # the output matrix is the embedding table
@@ -270,8 +271,28 @@ def matrix_plan(info: Prepared) -> list[tuple[str, list[str], list[tuple[int, in
         p, shapes = f"blk.{i}.", expected_shapes(cfg, i)
         for name in LAYER_MATRICES:
             parts = [f"{p}{part}.weight" for part, into in FUSED.items() if into == name] or [f"{p}{name}.weight"]
-            plan.append((p + name, parts, [shapes[n] for n in parts]))
+            plan += _runs(info, p + name, parts, [shapes[n] for n in parts])
     return plan
+
+
+def _runs(info: Prepared, name: str, parts: list[str], shapes: list[tuple[int, int]]) -> list:
+    """A matrix of the plan; or where Q4_K meets other formats (q/k beside a Q6_K v), its runs, each
+    packed (and kept in the packed file) on its own as name#0, name#1…, multiplied as one StackedMatrix."""
+    typed = [(n, gguf.GGMLQuantizationType[info.tensors[n].type_name], s) for n, s in zip(parts, shapes, strict=True)]
+    if len(quants.kinds_of({qtype for _, qtype, _ in typed})) == 1:
+        return [(name, parts, shapes)]
+    runs = k_quants.runs_of_q4_k(typed)
+    return [(f"{name}#{j}", [n for n, _, _ in run], [s for _, _, s in run]) for j, run in enumerate(runs)]
+
+
+def _stacked(matrices: dict, name: str) -> quants.PackedMatrix | StackedMatrix:
+    """The plan's matrix `name`, whole or joined from its runs (_runs)."""
+    if name in matrices:
+        return matrices[name]
+    runs = []
+    while f"{name}#{len(runs)}" in matrices:
+        runs.append(matrices[f"{name}#{len(runs)}"])
+    return StackedMatrix(runs)
 
 
 def _packed_layout(info: Prepared, plan) -> dict[str, packed_file.Layout]:

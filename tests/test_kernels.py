@@ -117,20 +117,24 @@ def test_the_crossover_measurement_gives_a_size_it_measured_or_none():
     assert quants.measure_blas_from(repeats=1) in (*quants.CROSSOVER_ROWS, None)
 
 
-def test_q4_k_stays_in_its_gguf_bytes_and_multiplies_as_unpacked_to_int8():
-    """A Q4_K matrix is held in (about) its GGUF bytes, and its products have the bits of the same
-    weights unpacked to int8 with float32 scales (joined with a Q8_0 row, which does so): the same
-    sums in the same order, so replies do not change with the layout."""
-    shape = (128, 512)
+def test_q4_k_stays_in_its_gguf_bytes_and_multiplies_at_least_as_exactly_as_unpacked_to_int8():
+    """A Q4_K matrix is held in (about) its GGUF bytes, and its products, a run's d·sc·Σ q·x − dmin·m·Σ x
+    as ggml forms them, are no further from the exact product of its weights than those of the same
+    weights unpacked to int8 with float32 scales (joined with a Q8_0 row, which does so: one long sum of
+    w·x), the largest error and the typical one."""
+    shape = (128, 4096)
     raw = raw_tensor(T.Q4_K, shape)
     w = quants.pack([(raw, T.Q4_K, shape)])
     assert w.in_q4_k and w.nbytes <= 1.03 * raw.nbytes
-    q8_row = raw_tensor(T.Q8_0, (1, 512))
-    unpacked = quants.pack([(raw, T.Q4_K, shape), (q8_row, T.Q8_0, (1, 512))])
+    q8_row = raw_tensor(T.Q8_0, (1, shape[1]))
+    unpacked = quants.pack_one([(raw, T.Q4_K, shape), (q8_row, T.Q8_0, (1, shape[1]))])
     assert not unpacked.in_q4_k and unpacked.values.dtype == np.int8
     x = np.random.default_rng(5).standard_normal((kernels.KERNEL_ROWS, shape[1])).astype(np.float32)
+    exact = x.astype(np.float64) @ reference(T.Q4_K, raw, shape).astype(np.float64).T
     for n in (1, 2, 3, kernels.KERNEL_ROWS):
-        assert np.array_equal(kernels.matmul(x[:n], w), kernels.matmul(x[:n], unpacked)[:, : shape[0]]), n
+        ours = np.abs(kernels.matmul(x[:n], w) - exact[:n])
+        int8 = np.abs(kernels.matmul(x[:n], unpacked)[:, : shape[0]] - exact[:n])
+        assert ours.max() <= int8.max() and np.sqrt((ours**2).mean()) <= np.sqrt((int8**2).mean()), n
 
 
 def test_joined_matrices_of_different_formats_multiply_as_each_alone():
@@ -141,6 +145,21 @@ def test_joined_matrices_of_different_formats_multiply_as_each_alone():
     x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
     expected = np.concatenate([x @ reference(t, r, s).T for r, (t, s) in zip(raws, parts)], axis=1)
     assert np.allclose(kernels.matmul(x, joined), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_k_joined_with_another_format_keeps_its_bytes_and_products():
+    """q and k in Q4_K fused with a Q6_K v (half the layers of a Q4_K_M model): the Q4_K rows stay in
+    their GGUF bytes, and each row's products are those of its part alone, bit for bit."""
+    parts = [(T.Q4_K, (128, 512)), (T.Q4_K, (64, 512)), (T.Q6_K, (64, 512))]
+    raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
+    joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
+    alone = [quants.pack([(r, t, s)]) for r, (t, s) in zip(raws, parts)]
+    q6_k = alone[2].nbytes
+    assert joined.shape == (256, 512) and joined.nbytes - q6_k <= 1.03 * (raws[0].nbytes + raws[1].nbytes)
+    x = np.random.default_rng(4).standard_normal((kernels.KERNEL_ROWS, 512)).astype(np.float32)
+    for n in (1, 2, 3, kernels.KERNEL_ROWS):
+        expected = np.concatenate([kernels.matmul(x[:n], w) for w in alone], axis=1)
+        assert np.array_equal(kernels.matmul(x[:n], joined), expected), n
 
 
 def test_every_float16_scale_is_read_exactly():
