@@ -278,7 +278,10 @@ def matrix_plan(info: Prepared) -> list[tuple[str, list[str], list[tuple[int, in
 def _runs(info: Prepared, name: str, parts: list[str], shapes: list[tuple[int, int]]) -> list:
     """A matrix of the plan; or where Q4_K meets other formats (q/k beside a Q6_K v), its runs, each
     packed (and kept in the packed file) on its own as name#0, name#1…, multiplied as one StackedMatrix."""
-    typed = [(n, gguf.GGMLQuantizationType[info.tensors[n].type_name], s) for n, s in zip(parts, shapes, strict=True)]
+    types = [info.tensors[n].type_name if n in info.tensors else None for n in parts]
+    if None in types or not all(t in gguf.GGMLQuantizationType.__members__ for t in types):
+        return [(name, parts, shapes)]  # load_weights' check names the missing tensor or its type
+    typed = [(n, gguf.GGMLQuantizationType[t], s) for n, t, s in zip(parts, types, shapes, strict=True)]
     if len(quants.kinds_of({qtype for _, qtype, _ in typed})) == 1:
         return [(name, parts, shapes)]
     runs = k_quants.runs_of_q4_k(typed)

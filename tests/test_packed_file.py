@@ -43,7 +43,8 @@ def packed_files(path) -> list:
 
 @pytest.fixture
 def q4_k_m(tmp_path, qwen2):
-    """A tiny model in llama.cpp's Q4_K_M types: Q4_K kept in its bits, Q6_K and Q4_K+Q6_K in int8."""
+    """A tiny model in llama.cpp's Q4_K_M types: Q4_K kept in its bits, Q6_K in int8, Q4_K beside Q6_K
+    (layer 0's q/k/v) as a StackedMatrix of both."""
     return synthetic.write_synthetic(tmp_path / "synthetic.gguf", "tiny", TINY["qwen2"], qwen2)
 
 
@@ -69,6 +70,8 @@ def test_q4_k_m_weights_map_bit_for_bit(q4_k_m):
     model, packed = loaded(q4_k_m)
     assert not packed
     assert model.weights.layers[1].ffn_gate_up.in_q4_k  # kept in its GGUF bits, mapped
+    q_k, v = model.weights.layers[0].attn_qkv.parts  # q/k in Q4_K, v in Q6_K: two runs, each mapped
+    assert q_k.in_q4_k and not v.in_q4_k
     assert np.array_equal(logits(model), unpacked_logits(q4_k_m))
 
 
