@@ -76,7 +76,8 @@ def pack_blocks(blocks, row0, per_row, values, scales, offsets, g0, g1):
                     scales[g, cb, k, lane] = np.uint16(block[2 * k]) | (np.uint16(block[2 * k + 1]) << 8)
                 for sub in range(8):
                     offsets[g, cb, sub, lane], offsets[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
-                tile[lane, 128 * cb : 128 * (cb + 1)] = block[16:]
+                for k in range(128):  # (a loop: a slice assignment compiled its shape check's
+                    tile[lane, 128 * cb + k] = block[16 + k]  # error message, 1.8 s of a first start)
         _store(tile, values, g, lane0, lane1)
 
 

@@ -312,9 +312,11 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
 
 def compile_kernels(progress=None, matrices=None) -> float:
     """Compile (first start) or load from the cache (later starts) the kernels that the model's
-    `matrices` take (each a format, or the set of formats joined in one; None: every kind), so that no
-    reply waits on the compiler: each signature once, on a tiny example, progress told after each.
-    Returns the seconds it took."""
+    `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
+    attention of every cache type), so that no reply waits on the compiler: each signature once, on a
+    tiny example, progress told after each. A model's attention kernel is not among them: nothing
+    before KERNEL_ATTENTION_FROM cached positions calls it (compile_attention). Returns the seconds it
+    took."""
     t0 = time.perf_counter()
     steps = _compile_steps(matrices)
     cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
@@ -352,14 +354,17 @@ def _compile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(matrices)
     steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    return [*steps, ("attention", _attention_example)]
+    if matrices is None:
+        steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
+    return steps
 
 
-def _attention_example() -> None:
-    """One token's attention over a cache of each type (kv_cache.CACHE_TYPES)."""
-    for dtype in (np.float16, F32):
-        kv = np.zeros((1, 2, 64), dtype)
-        kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
+def compile_attention(dtype) -> None:
+    """One token's attention over a cache of this element type (kv_arena.CACHE_TYPES), compiled or
+    loaded from the cache: 2-6 s of a first start, so a model's load leaves it to a thread of its own
+    (app/chat/build.py), or to the first reply past KERNEL_ATTENTION_FROM cached positions."""
+    kv = np.zeros((1, 2, 64), dtype)
+    kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
 
 
 def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
