@@ -79,10 +79,13 @@ class PackedMatrix:
 # Each packed group (64 rows) is one task: its rows are read in file order and decoded, vectorized
 # along the row, into a tile [LANES, n_cols]; then the tile is transposed into the group. Writing
 # each weight straight to its lane instead (one byte every 64, and 64 rows of the file read at once)
-# took 2–4× the CPU time. The float16 scales are converted here too, not by NumPy beforehand.
+# took 2–4× the CPU time. The float16 scales are converted here too, not by NumPy beforehand. The row
+# decoders are plain calls, not numba's inline="always", which typed a copy per call site: 4.1 s of CPU
+# to compile _unpack_blocks on a first start, 2.6 s as calls (the same speed within the noise, as
+# LLVM inlines them itself).
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _half(block, at):
     """The IEEE float16 at byte `at` of a block, as float32 (exact: every float16 is a float32)."""
     h = np.uint32(block[at]) | (np.uint32(block[at + 1]) << 8)
@@ -94,7 +97,7 @@ def _half(block, at):
     return np.uint32(((h & 0x8000) << 16) | (exponent << 23) | (mantissa << 13)).view(F32)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _put(out, group, lane, repeat, value):
     """A scale (or offset) of source group `group` of a row, `repeat` times: a part whose groups are
     larger than the packed matrix's (32 beside Q6_K's 16) repeats each, which changes no weight."""
@@ -102,7 +105,7 @@ def _put(out, group, lane, repeat, value):
         out[group * repeat + k, lane] = value
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q4(row, out, scales, offsets, lane, repeat, has_min):
     """Q4_0 (d, then 16 bytes of nibbles; q − 8) and Q4_1 (d, m, then the nibbles; q)."""
     at = 4 if has_min else 2
@@ -118,7 +121,7 @@ def _row_q4(row, out, scales, offsets, lane, repeat, has_min):
             out[c + j + 16] = (b >> 4) - bias
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q5(row, out, scales, offsets, lane, repeat, has_min):
     """Q5_0 (d, qh, qs; q − 16) and Q5_1 (d, m, qh, qs; q): 4 low bits in qs, the 5th in qh."""
     at_qh = 4 if has_min else 2
@@ -140,7 +143,7 @@ def _row_q5(row, out, scales, offsets, lane, repeat, has_min):
             out[c + j + 16] = np.int32((b >> 4) | ((qh >> (j + 12)) & 0x10)) - bias
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q8_0(row, out, scales, lane, repeat):
     for cb in range(row.shape[0]):
         block, c = row[cb], 32 * cb
@@ -149,7 +152,7 @@ def _row_q8_0(row, out, scales, lane, repeat):
             out[c + j] = np.int8(block[2 + j])  # two's complement byte
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
     """Q4_K (qs at byte 16) and Q5_K (qh at 16, qs at 48): 8 sub-blocks of 32, each d·sc·q − dmin·m."""
     at_qs = 48 if five_bits else 16
@@ -171,7 +174,7 @@ def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
                     out[at + l] = v
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q6_k(row, out, scales, lane, repeat):
     """Q6_K: 16 sub-blocks of 16, each d·sc·(q − 32); 4 low bits in ql (byte 0), 2 high in qh (byte 128)."""
     for cb in range(row.shape[0]):
