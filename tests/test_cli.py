@@ -69,7 +69,9 @@ print(ready == count(), ready[0], count())
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
 def test_after_a_load_the_kernels_it_left_to_a_thread_are_ready(qwen2, cache_type):
     args = [str(qwen2), cache_type]
-    out = subprocess.run([sys.executable, "-c", AFTER_LOAD, *args], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", AFTER_LOAD, *args], capture_output=True, text=True, check=True
+    )
     assert out.stdout.startswith("True 1 "), out.stdout
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from llama_chat.inference import Model, load_model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
-from llama_chat.inference.quants import compile_attention
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.inference.quants import compile_attention
 from llama_chat.storage.codec import AUTO
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
