@@ -421,24 +421,26 @@ def measured_blas_from(progress=None) -> int | None:
 
 def measure_blas_from(repeats: int = 5) -> int | None:
     """The fewest rows from which BLAS on dequantized tiles beats the kernels at every size measured
-    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest."""
+    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest. Sizes
+    are timed from the largest down, up to the first the kernels win: the smaller ones could not change
+    the answer (timing all four took 6.5 s of CPU of a first start here, the largest alone half)."""
     n_rows, n_cols = CROSSOVER_SHAPE
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_0]
     w = pack([(np.zeros((n_rows, n_cols // block_len * block_bytes), np.uint8), Q.Q8_0, CROSSOVER_SHAPE)])
-    best = {}
-    for n in CROSSOVER_ROWS:
-        x = np.zeros((n, n_cols), F32)
-        times = {kernels.kernel_product: [], kernels.tile_product: []}
-        for _ in range(repeats):
-            for product, seconds in times.items():
-                kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
-                t0 = time.perf_counter()
-                product(x, w)
-                seconds.append(time.perf_counter() - t0)
-        best[n] = min(times[kernels.tile_product]) < min(times[kernels.kernel_product])
     blas_from = None
     for n in reversed(CROSSOVER_ROWS):
-        if not best[n]:
+        if not _blas_wins(np.zeros((n, n_cols), F32), w, repeats):
             break
         blas_from = n
     return blas_from
+
+
+def _blas_wins(x: np.ndarray, w: PackedMatrix, repeats: int) -> bool:
+    times = {kernels.kernel_product: [], kernels.tile_product: []}
+    for _ in range(repeats):
+        for product, seconds in times.items():
+            kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
+            t0 = time.perf_counter()
+            product(x, w)
+            seconds.append(time.perf_counter() - t0)
+    return min(times[kernels.tile_product]) < min(times[kernels.kernel_product])
