@@ -83,14 +83,17 @@ def pack_blocks(blocks, row0, per_row, values, scales, offsets, g0, g1):
                     scales[g, cb, k, lane] = np.uint16(block[2 * k]) | (np.uint16(block[2 * k + 1]) << 8)
                 for sub in range(8):
                     offsets[g, cb, sub, lane], offsets[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
-                tile[lane, 128 * cb : 128 * (cb + 1)] = block[16:]
+                for k in range(128):  # (a loop: a slice assignment compiled its shape check's
+                    tile[lane, 128 * cb + k] = block[16 + k]  # error message, 1.8 s of a first start)
         _store(tile, values, g, lane0, lane1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _run(values, g, r, lane0):
     """Where run r (of 32 columns) of group g lies, from lane lane0 on: the flat indices of its d, its
-    scale and its first column's bytes (whose low nibbles hold an even run, the high ones an odd run)."""
+    scale and its first column's bytes (whose low nibbles hold an even run, the high ones an odd run).
+    A plain call (LLVM inlines it): inlined by numba, each of its 7 call sites was typed again, ~1 s of
+    CPU of a first start; the product measured the same speed (benchmarks/kernel_rows.py)."""
     n_bytes, lanes = values.shape[1], values.shape[2]
     block = g * (n_bytes // 128) + r // 8
     d_at, sc_at = (block * 2) * lanes + lane0, (block * 16 + r % 8) * lanes + lane0

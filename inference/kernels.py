@@ -127,7 +127,9 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
 @njit(cache=True, parallel=True)
 def _product(values, scales, offsets, x, x_sums, out):
     for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
-        _group_product(values, scales, offsets, x, x_sums, out, g)
+        # (g as int64: numba types a parallel loop's index both signed and unsigned, and a uint64 g
+        # compiled _group_product a second time, 4-5 s of a first start)
+        _group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
 
 
 @njit(cache=True)
@@ -246,7 +248,9 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
                 weight = scores[g, i]
                 for d in range(hd):
                     acc[g, d] += weight * to_f32(v[h, row, d])
-        acc_out[h, c] = acc
+        for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiled its shape check's error
+            for d in range(hd):  # message, 2.7 s of a first start)
+                acc_out[h, c, g, d] = acc[g, d]
 
 
 def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np.ndarray:

@@ -79,10 +79,13 @@ class PackedMatrix:
 # Each packed group (64 rows) is one task: its rows are read in file order and decoded, vectorized
 # along the row, into a tile [LANES, n_cols]; then the tile is transposed into the group. Writing
 # each weight straight to its lane instead (one byte every 64, and 64 rows of the file read at once)
-# took 2–4× the CPU time. The float16 scales are converted here too, not by NumPy beforehand.
+# took 2–4× the CPU time. The float16 scales are converted here too, not by NumPy beforehand. The row
+# decoders are plain calls, not numba's inline="always", which typed a copy per call site: 4.1 s of CPU
+# to compile _unpack_blocks on a first start, 2.6 s as calls (the same speed within the noise, as
+# LLVM inlines them itself).
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _half(block, at):
     """The IEEE float16 at byte `at` of a block, as float32 (exact: every float16 is a float32)."""
     h = np.uint32(block[at]) | (np.uint32(block[at + 1]) << 8)
@@ -94,7 +97,7 @@ def _half(block, at):
     return np.uint32(((h & 0x8000) << 16) | (exponent << 23) | (mantissa << 13)).view(F32)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _put(out, group, lane, repeat, value):
     """A scale (or offset) of source group `group` of a row, `repeat` times: a part whose groups are
     larger than the packed matrix's (32 beside Q6_K's 16) repeats each, which changes no weight."""
@@ -102,7 +105,7 @@ def _put(out, group, lane, repeat, value):
         out[group * repeat + k, lane] = value
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q4(row, out, scales, offsets, lane, repeat, has_min):
     """Q4_0 (d, then 16 bytes of nibbles; q − 8) and Q4_1 (d, m, then the nibbles; q)."""
     at = 4 if has_min else 2
@@ -118,7 +121,7 @@ def _row_q4(row, out, scales, offsets, lane, repeat, has_min):
             out[c + j + 16] = (b >> 4) - bias
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q5(row, out, scales, offsets, lane, repeat, has_min):
     """Q5_0 (d, qh, qs; q − 16) and Q5_1 (d, m, qh, qs; q): 4 low bits in qs, the 5th in qh."""
     at_qh = 4 if has_min else 2
@@ -140,7 +143,7 @@ def _row_q5(row, out, scales, offsets, lane, repeat, has_min):
             out[c + j + 16] = np.int32((b >> 4) | ((qh >> (j + 12)) & 0x10)) - bias
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q8_0(row, out, scales, lane, repeat):
     for cb in range(row.shape[0]):
         block, c = row[cb], 32 * cb
@@ -149,7 +152,7 @@ def _row_q8_0(row, out, scales, lane, repeat):
             out[c + j] = np.int8(block[2 + j])  # two's complement byte
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
     """Q4_K (qs at byte 16) and Q5_K (qh at 16, qs at 48): 8 sub-blocks of 32, each d·sc·q − dmin·m."""
     at_qs = 48 if five_bits else 16
@@ -171,7 +174,7 @@ def _row_qk(row, out, scales, offsets, lane, repeat, five_bits):
                     out[at + l] = v
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _row_q6_k(row, out, scales, lane, repeat):
     """Q6_K: 16 sub-blocks of 16, each d·sc·(q − 32); 4 low bits in ql (byte 0), 2 high in qh (byte 128)."""
     for cb in range(row.shape[0]):
@@ -322,9 +325,11 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
 
 def compile_kernels(progress=None, matrices=None) -> float:
     """Compile (first start) or load from the cache (later starts) the kernels that the model's
-    `matrices` take (each a format, or the set of formats joined in one; None: every kind), so that no
-    reply waits on the compiler: each signature once, on a tiny example, progress told after each.
-    Returns the seconds it took."""
+    `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
+    attention of every cache type), so that no reply waits on the compiler: each signature once, on a
+    tiny example, progress told after each. A model's attention kernel is not among them: nothing
+    before KERNEL_ATTENTION_FROM cached positions calls it (compile_attention). Returns the seconds it
+    took."""
     t0 = time.perf_counter()
     steps = _compile_steps(matrices)
     cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
@@ -362,14 +367,17 @@ def _compile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(matrices)
     steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    return [*steps, ("attention", _attention_example)]
+    if matrices is None:
+        steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
+    return steps
 
 
-def _attention_example() -> None:
-    """One token's attention over a cache of each type (kv_cache.CACHE_TYPES)."""
-    for dtype in (np.float16, F32):
-        kv = np.zeros((1, 2, 64), dtype)
-        kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
+def compile_attention(dtype) -> None:
+    """One token's attention over a cache of this element type (kv_arena.CACHE_TYPES), compiled or
+    loaded from the cache: 2-6 s of a first start, so a model's load leaves it to a thread of its own
+    (app/chat/build.py), or to the first reply past KERNEL_ATTENTION_FROM cached positions."""
+    kv = np.zeros((1, 2, 64), dtype)
+    kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
 
 
 def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
@@ -423,24 +431,26 @@ def measured_blas_from(progress=None) -> int | None:
 
 def measure_blas_from(repeats: int = 5) -> int | None:
     """The fewest rows from which BLAS on dequantized tiles beats the kernels at every size measured
-    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest."""
+    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest. Sizes
+    are timed from the largest down, up to the first the kernels win: the smaller ones could not change
+    the answer (timing all four took 6.5 s of CPU of a first start here, the largest alone half)."""
     n_rows, n_cols = CROSSOVER_SHAPE
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_0]
     w = pack([(np.zeros((n_rows, n_cols // block_len * block_bytes), np.uint8), Q.Q8_0, CROSSOVER_SHAPE)])
-    best = {}
-    for n in CROSSOVER_ROWS:
-        x = np.zeros((n, n_cols), F32)
-        times = {kernels.kernel_product: [], kernels.tile_product: []}
-        for _ in range(repeats):
-            for product, seconds in times.items():
-                kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
-                t0 = time.perf_counter()
-                product(x, w)
-                seconds.append(time.perf_counter() - t0)
-        best[n] = min(times[kernels.tile_product]) < min(times[kernels.kernel_product])
     blas_from = None
     for n in reversed(CROSSOVER_ROWS):
-        if not best[n]:
+        if not _blas_wins(np.zeros((n, n_cols), F32), w, repeats):
             break
         blas_from = n
     return blas_from
+
+
+def _blas_wins(x: np.ndarray, w: PackedMatrix, repeats: int) -> bool:
+    times = {kernels.kernel_product: [], kernels.tile_product: []}
+    for _ in range(repeats):
+        for product, seconds in times.items():
+            kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
+            t0 = time.perf_counter()
+            product(x, w)
+            seconds.append(time.perf_counter() - t0)
+    return min(times[kernels.tile_product]) < min(times[kernels.kernel_product])

@@ -43,6 +43,38 @@ def test_cache_type_chooses_the_live_kv_cache_of_the_model_a_command_opens(qwen2
         assert k.dtype == v.dtype == dtype and model.pool.cache_type == cache_type
 
 
+# In a fresh process: once a command's model is loaded and its compile-later thread is done, a long
+# reply's attention and a snapshot's codec compile nothing more, and the attention kernel was made
+# ready for the model's cache type only.
+AFTER_LOAD = """
+import sys, threading
+import numpy as np
+from llama_chat.app.chat.build import load_chat_model
+from llama_chat.inference import kernels
+from llama_chat.storage import codec_kernels
+from llama_chat.storage.codec import KVPlan, decode_kv, encode_kv
+model = load_chat_model(sys.argv[1], cache_type=sys.argv[2])
+(later,) = [t for t in threading.enumerate() if t.name == "compile-later"]
+later.join()
+count = lambda: [len(k.signatures) for k in (kernels._one_token_attention, *codec_kernels.COMPILED)]
+ready = count()
+kv = np.zeros((1, 2, 64), model.new_sequence(8).gather(0, 0)[0].dtype)  # the live cache's type
+kernels.one_token_attention(np.zeros((1, 1, 64), np.float32), kv, kv, [(0, 2)])
+x = np.random.default_rng(0).standard_normal((2, 2, 40, 64)).astype(np.float32)
+decode_kv(encode_kv(x, x, "q8", KVPlan(((8, 8), (8, 8)), ((8, 8), (8, 8)))))
+print(ready == count(), ready[0], count())
+"""
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "f32"])
+def test_after_a_load_the_kernels_it_left_to_a_thread_are_ready(qwen2, cache_type):
+    args = [str(qwen2), cache_type]
+    out = subprocess.run(
+        [sys.executable, "-c", AFTER_LOAD, *args], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.startswith("True 1 "), out.stdout
+
+
 def test_an_option_before_the_command_is_kept_when_not_given_again(tmp_path):
     parser = build_parser()
     args = parser.parse_args(["--db", str(tmp_path / "a.db"), "--cache-ram", "64", "sessions", "list"])

@@ -33,8 +33,9 @@ def measure_cold_load(model_arg) -> float:
 
 
 def measure_compile(model_arg) -> float:
-    """Seconds a first start spends compiling the kernels this model takes (an empty numba cache, in a
-    child process)."""
+    """Seconds a first start's load waits on compiling the kernels this model takes (an empty numba
+    cache, in a child process); the attention kernel and the KV codec compile after it, on a thread
+    of their own (app/chat/build.compile_later)."""
     code = (
         "import sys; from llama_chat.inference.quants import compile_kernels; "
         "from llama_chat.inference.weights import model_info; "

@@ -4,13 +4,15 @@ store and the remote KV tier opened."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import Model, load_model
-from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE
+from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.inference.quants import compile_attention
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
@@ -49,19 +51,38 @@ class EngineOptions:
 def load_chat_model(
     name: str | None, progress: Progress | None = None, codec: str = CODEC, **options
 ) -> Model:
-    """load_model (name, progress and its options), then the KV codec's compiled loops made ready under
-    the same progress (compiled at a first start, else loaded): no reply's resume or snapshot waits on
-    the compiler. Under a planned `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
+    """load_model (name, progress and its options: what numba compiles for it is shown as it compiles),
+    then what no first reply waits on compiled on a thread of its own (compile_later). Under a planned
+    `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
     if progress is None:
         model = load_model(name, **options)
-        compile_codec()
     else:
         with CompileProgress(progress) as told:  # what really compiles, as it does
             model = load_model(name, progress=told, **options)
-            compile_codec(told)
+    compile_later(model)
     if codec in PLANNED_CODECS:
         model_plan(model, progress, codec)
     return model
+
+
+def compile_later(model: Model) -> threading.Thread:
+    """What a first reply does not wait on, compiled (first start: 5-15 s on 2 cores) or loaded from
+    numba's cache on a thread of its own while the user reads and types: the KV codec's loops (a reply's
+    snapshot, a resume) and the attention kernel of the model's cache type (past KERNEL_ATTENTION_FROM
+    cached positions). A call that comes first waits for numba's compiler lock and runs what it
+    compiled. Not a daemon: a process that ends sooner (a short `ask`) waits for it, so what it compiles
+    is cached whole for the next start."""
+
+    def compile_all() -> None:
+        try:
+            compile_attention(element_type(model.pool.cache_type))
+            compile_codec()
+        except Exception:  # (never seen) the first call compiles it again and says what fails, where
+            pass  # it is made: no traceback from a thread no one waits on
+
+    thread = threading.Thread(target=compile_all, name="compile-later")
+    thread.start()
+    return thread
 
 
 def open_model(options: EngineOptions, progress: Progress | None = None) -> Model:
