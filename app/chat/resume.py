@@ -146,6 +146,8 @@ class LiveSessions:
         are the ones the session kept under that digest (tokenizing 2,000 tokens again took ~20 ms of a
         resume's ~70); else they are made now."""
         messages = self.messages(session)
+        if not messages:  # a new session: nothing to tokenize, nor to keep (a template may not render none)
+            return b"", [], True
         digest = ids_digest(self.model, messages, self.window, self.tools)
         ids = self.store.kv.kept_ids(session.id, digest)
         if ids is not None:
