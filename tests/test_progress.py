@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 
+from llama_chat.app.chat.compile_progress import ESTIMATE
 from llama_chat.app.progress import ProgressBar
 
 LONG_LABEL = "assembling " + "qwen2.5-coder-0.5b-instruct-q4_k_m-" * 3 + ".gguf"
@@ -40,10 +41,10 @@ def test_a_step_that_counts_stays_on_its_line():
     terminal = Terminal()
     with ProgressBar(terminal) as bar:
         for n in range(3):
-            bar(f"compiling kernels (about a minute, once): {n} compiled", 0, 0)
+            bar(f"compiling kernels ({ESTIMATE}): {n} compiled", 0, 0)
         bar("loading the KV codec", 3, 3)
         steps = [task.description for task in bar.progress.tasks]  # a line each on the screen
-    assert steps == ["compiling kernels (about a minute, once): 2 compiled", "loading the KV codec"]
+    assert steps == [f"compiling kernels ({ESTIMATE}): 2 compiled", "loading the KV codec"]
 
 
 def test_nothing_is_drawn_into_a_file_or_a_pipe():
@@ -75,8 +76,8 @@ def test_a_warm_start_says_it_loads_and_a_first_start_counts_what_it_compiles():
         numba.njit(lambda x: x + 1)(1)  # a kernel no cache holds: numba compiles it now
         numba.njit(lambda x: x * 2.0)(1.0)
     compiling = [label for label, done, total in shown if label.startswith("compiling") and total == 0]
-    assert compiling[0] == "compiling kernels (about a minute, once): 0 compiled"  # at once, not after it
-    assert "compiling kernels (about a minute, once): 2 compiled" in compiling  # it moves per kernel
+    assert compiling[0] == f"compiling kernels ({ESTIMATE}): 0 compiled"  # at once, not after it
+    assert f"compiling kernels ({ESTIMATE}): 2 compiled" in compiling  # it moves per kernel
     count = len(shown)
     numba.njit(lambda x: x - 1)(1)  # after the load: nobody is told
     assert len(shown) == count

@@ -14,7 +14,7 @@ from numba.core import event
 
 Progress = Callable[[str, int, int], None]
 
-ESTIMATE = "about a minute, once"  # a first start's compiling on 2 cores; later starts load it
+ESTIMATE = "10–60 s, once"  # a first start's compiling on 2 cores (13 s quiet, more when busy); later starts load it
 
 
 def kernel_step(label: str) -> str | None:
