@@ -236,12 +236,7 @@ HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
 # per format. Q4_K keeps its GGUF bits (k_quants.py); joined with another integer format (q/k beside a
 # Q6_K v) its rows are a part of their own (StackedMatrix).
-KINDS = {
-    Q.Q8_0: "integer weights",
-    Q.Q4_1: "integer weights with offsets",
-    Q.Q4_K: "Q4_K weights",
-    Q.F32: "float weights",
-}
+KINDS = {Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", Q.Q4_K: "Q4_K weights", Q.F32: "float weights"}
 
 
 def kinds_of(formats: set) -> set[str]:
@@ -267,12 +262,8 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     kind = kind_of(formats)
     if kind == "float weights":
         return [((groups, n_cols, LANES), F32), None, None]
-    if kind == "Q4_K weights":  # k_quants.py: 148 bytes per 256 weights, int8 took 320
-        return [
-            ((groups, n_cols // 2, LANES), np.uint8),
-            ((groups, n_cols // 256, 2, LANES), np.uint16),
-            ((groups, n_cols // 256, 16, LANES), np.uint8),
-        ]
+    if kind == "Q4_K weights":
+        return k_quants.layout(groups, n_cols)
     scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
     return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
 
