@@ -132,12 +132,15 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
 
 # load_chat_model, as every front end loads a model: the codec's compiled loops (and the model's KV
 # plan) are ready before a conversation is opened, so the resume is timed without them.
+# Resume on a ready engine: the load leaves the KV codec's loops to a thread (build.compile_later),
+# which is joined first, as loading them was part of the load before they moved there.
 RESUME_CHILD = """
-import json, sys, time
+import json, sys, threading, time
 from llama_chat.app.chat.build import load_chat_model
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.storage import ChatStore
 model = load_chat_model(sys.argv[1])
+[t.join() for t in threading.enumerate() if t.name == "compile-later"]
 engine = ChatEngine(model, ChatStore(sys.argv[2]))
 session = engine.store.get_session(sys.argv[3])
 t = time.perf_counter()
