@@ -182,7 +182,6 @@ def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids
     return np.concatenate([d_dmin, *packed, values[g, :, lane].reshape(n, -1, 128)], axis=2).reshape(n, -1)
 
 
-@dataclass
 def layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:
     """The arrays of a Q4_K matrix (quants.layout): its nibbles, d/dmin as float16 bits, and the 6-bit
     scales a byte each, for each group of LANES rows: 148 bytes per 256 weights, int8 took 320."""
@@ -193,6 +192,7 @@ def layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:
     ]
 
 
+@dataclass
 class StackedMatrix:
     """Packed matrices with the same columns whose rows stack: one product each, side by side. Q4_K's q
     and k joined with a Q6_K v into one int8 matrix took 2.5x their bytes (25 MB a layer of a 7B where
