@@ -298,7 +298,8 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
     child = Child(cli_args(db, qwen2, *chat_cli), slow=0.1)
     child.proc.stdin.write(b"hello the world\n")
     child.proc.stdin.flush()
-    child.wait_until(lambda: child.stdout.strip(), "the reply")
+    # the reply's text, not input()'s "> " prompt on stdout: a signal at the prompt ends the chat
+    child.wait_until(lambda: child.stdout.replace(">", "").strip(), "the reply")
     child.proc.send_signal(signal.SIGINT)
     child.wait_until(lambda: "stop: cancelled by SIGINT" in child.stderr, "the reply stopped")
     child.proc.stdin.write(b"and then\n")
