@@ -130,10 +130,8 @@ def measure_exchange(store: ChatStore, session_id: str, folder: str | Path) -> d
     }
 
 
-# load_chat_model, as every front end loads a model: the codec's compiled loops (and the model's KV
-# plan) are ready before a conversation is opened, so the resume is timed without them.
-# Resume on a ready engine: the load leaves the KV codec's loops to a thread (build.compile_later),
-# which is joined first, as loading them was part of the load before they moved there.
+# load_chat_model, as every front end loads a model, then the thread it leaves the KV codec's loops to
+# (build.compile_later) joined: the resume is timed on a ready engine, without loading them.
 RESUME_CHILD = """
 import json, sys, threading, time
 from llama_chat.app.chat.build import load_chat_model
