@@ -256,6 +256,9 @@ def chat_loop(engine: ChatEngine, tools, args) -> int:
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except KeyboardInterrupt:  # as a shell's prompt: the line goes, the chat stays (pressed just
+            say("\n(Ctrl+D ends the chat)")  # after a reply ended, it used to end the chat)
+            continue
         if not line.strip() or files.command(line):
             continue
         try:

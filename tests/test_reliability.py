@@ -293,12 +293,12 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
     db = tmp_path / "chat.db"
     session_id = a_database(qwen2, db)
     # 4 s a reply: a slowed pass for every token (prompt lookup could take many in one pass, and a
-    # reply over before the signal arrives leaves SIGINT to end the chat at its prompt)
+    # reply over before the signal arrives leaves SIGINT to the prompt, where it only drops a line)
     chat_cli = ["chat", "--session", session_id, "--temp", "0", "--max-tokens", "40", "--no-lookup"]
     child = Child(cli_args(db, qwen2, *chat_cli), slow=0.1)
     child.proc.stdin.write(b"hello the world\n")
     child.proc.stdin.flush()
-    # the reply's text, not input()'s "> " prompt on stdout: a signal at the prompt ends the chat
+    # the reply's text, not input()'s "> " prompt on stdout: a signal at the prompt cancels no reply
     child.wait_until(lambda: child.stdout.replace(">", "").strip(), "the reply")
     child.proc.send_signal(signal.SIGINT)
     child.wait_until(lambda: "stop: cancelled by SIGINT" in child.stderr, "the reply stopped")
@@ -311,6 +311,22 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(qwen2, tmp_path):
     assert [m.content for m in stored if m.role == "user"][1:] == ["hello the world", "and then"]
     assert [m.role for m in stored] == ["user", "assistant"] * 3
     assert stored[3].stats["stop_reason"] == "cancelled" and stored[5].stats["stop_reason"] != "cancelled"
+
+
+def test_ctrl_c_at_the_chat_prompt_drops_the_line_and_the_chat_goes_on(qwen2, tmp_path):
+    db = tmp_path / "chat.db"
+    session_id = a_database(qwen2, db)
+    child = Child(cli_args(db, qwen2, "chat", "--session", session_id, "--temp", "0", "--max-tokens", "4"))
+    child.wait_until(lambda: "Ctrl+D ends" in child.stderr, "the prompt")
+    child.proc.send_signal(signal.SIGINT)  # as a Ctrl+C pressed a moment after a reply ended
+    child.wait_until(lambda: "(Ctrl+D ends the chat)" in child.stderr, "the line dropped")
+    child.proc.stdin.write(b"and then\n")
+    child.proc.stdin.close()
+    assert child.finish() == 0, child.stderr
+    assert "Traceback" not in child.stderr
+    store = ChatStore(db)
+    stored = store.path(store.get_session(session_id).head_id)
+    assert [m.content for m in stored if m.role == "user"][-1] == "and then"
 
 
 def test_ctrl_c_during_a_long_prompt_stops_between_prefill_batches(qwen2, tmp_path):
