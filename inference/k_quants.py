@@ -6,12 +6,16 @@ scales and mins (8 of each, one per run of 32 weights), and 128 bytes of 4-bit v
 d·sc·q − dmin·m (gguf.quants, ggml's dequantize_row_q4_K).
 
 Packed, LANES rows are interleaved as in quants.py, and every value byte keeps its place in its row:
-- values [groups, n_cols / 2, LANES] uint8: byte k of a row's block b at values[g, 128·b + k, lane];
+- values [groups, n_cols / 2, LANES] uint8, in words of four bytes of a row: the row's value byte k
+  (128·b + k' for byte k' of block b) at values[g].flat[4·(LANES·(k // 4) + lane) + k % 4];
 - scales [groups, n_cols / 256, 2, LANES] uint16: the float16 bits of d and dmin;
 - offsets [groups, n_cols / 256, 16, LANES] uint8: the 8 scales, then the 8 mins.
 148 bytes per 256 weights (the GGUF's 144, the 6-bit fields a byte each) where int8 values with a
-float32 scale and offset per 32 took 320. The kernels shift and mask a column of bytes into 4-bit
-values and add up a run's Σ q·x, then take it times the run's d·sc and Σ x times its −dmin·m (formed
+float32 scale and offset per 32 took 320. A vector of words holds 4 columns of as many rows: a shift
+takes one column's nibbles out (AVX-512 then turns them into floats with one permute, vectors.py),
+where a byte a lane had to be widened first (a product of one row 1.3x slower on the 7B's ffn_gate_up,
+now faster than memory hands it the weights). The kernels add up a run's Σ q·x, then take it times
+the run's d·sc and Σ x times its −dmin·m (formed
 as gguf.quants forms them, in float32), as ggml factors a block's dot product: every weight is the
 GGUF's, exactly, and each row's sums run in one order whatever else is in the batch. Dequantizing each
 weight first (q·d·sc − dmin·m, two more operations per weight) made the kernels compute-bound at 34
@@ -66,6 +70,18 @@ def _store(tile, values, g, lane0, lane1):
 
 
 
+@njit(cache=True, inline="always")
+def _store_words(tile, values, g, lane0, lane1):
+    """Rows lane0… of a tile [LANES, n_bytes] into lanes lane0… of the packed group values[g], four bytes
+    of a row side by side (byte k at word k // 4 of the lane, byte k % 4 in it); lanes outside belong
+    to the part packed before or after this one, or stay zero (padding)."""
+    flat = values[g].reshape(-1)
+    for k in range(tile.shape[1]):
+        at = 4 * LANES * (k // 4) + k % 4
+        for lane in range(lane0, lane1):
+            flat[at + 4 * lane] = tile[lane, k]
+
+
 @njit(cache=True, nogil=True)
 def pack_blocks(blocks, row0, per_row, values, scales, offsets, g0, g1):
     """Groups g0…g1 - 1 of Q4_K rows in this layout: each block's value bytes keep their order (a tile
@@ -85,19 +101,28 @@ def pack_blocks(blocks, row0, per_row, values, scales, offsets, g0, g1):
                     offsets[g, cb, sub, lane], offsets[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
                 for k in range(128):  # (a loop: a slice assignment compiled its shape check's
                     tile[lane, 128 * cb + k] = block[16 + k]  # error message, 1.8 s of a first start)
-        _store(tile, values, g, lane0, lane1)
+        _store_words(tile, values, g, lane0, lane1)
 
 
 @njit(cache=True)
 def _run(values, g, r, lane0):
     """Where run r (of 32 columns) of group g lies, from lane lane0 on: the flat indices of its d, its
-    scale and its first column's bytes (whose low nibbles hold an even run, the high ones an odd run).
+    scale and its first word of value bytes (whose low nibbles hold an even run, the high ones an odd
+    run; 8 words of 4 columns follow, LANES words apart).
     A plain call (LLVM inlines it): inlined by numba, each of its 7 call sites was typed again, ~1 s of
     CPU of a first start; the product measured the same speed (benchmarks/kernel_rows.py)."""
     n_bytes, lanes = values.shape[1], values.shape[2]
     block = g * (n_bytes // 128) + r // 8
     d_at, sc_at = (block * 2) * lanes + lane0, (block * 16 + r % 8) * lanes + lane0
-    return d_at, sc_at, (g * n_bytes + 32 * (r // 2)) * lanes + lane0
+    return d_at, sc_at, g * n_bytes * lanes + 4 * (8 * (r // 2) * lanes + lane0)
+
+
+@njit(cache=True, inline="always")
+def _column_sums(values, word, shift, byte, x, i0, t, runs, w, rows, width):
+    """Column t (its nibbles at `shift` of byte `byte` of the words at `word`) into the run sums of rows."""
+    _nibbles(values, word, shift, byte, w, width)
+    for i in range(rows):
+        _multiply_add(runs, i, w, x[i0 + i, t], width)
 
 
 @njit(cache=True, inline="always")
@@ -109,10 +134,12 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
     d_at, sc_at, at = _run(values, g, r, lane0)
     for k in range(rows * width):
         runs[k] = 0
-    for t in range(32):
-        _nibbles(values, at + t * lanes, shift, w, width)
-        for i in range(rows):
-            _multiply_add(runs, i, w, x[i0 + i, 32 * r + t], width)
+    for c in range(8):  # a word of 4 columns at a time (bytes as literals: a shift by a constant)
+        word, t = at + 4 * c * lanes, 32 * r + 4 * c
+        _column_sums(values, word, shift, 0, x, i0, t, runs, w, rows, width)
+        _column_sums(values, word, shift, 1, x, i0, t + 1, runs, w, rows, width)
+        _column_sums(values, word, shift, 2, x, i0, t + 2, runs, w, rows, width)
+        _column_sums(values, word, shift, 3, x, i0, t + 3, runs, w, rows, width)
     _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
     for i in range(rows):
         _scale_run(sums, runs, i, scale, offset, x_sums[i0 + i, r], width)
@@ -147,16 +174,24 @@ def run_sums(x):
 
 
 @njit(cache=True, inline="always")
-def _run_tile(values, scales, offsets, scale, offset, column, g, r, shift, out, c):
-    """Run r's 32 columns into its rows of out, from column c on."""
+def _run_tile(values, scales, offsets, scale, offset, column, g, r, shift, out, c0):
+    """Run r's 32 columns into its rows of out, from column c0 on."""
     d_at, sc_at, at = _run(values, g, r, 0)
     _q4_k_scales(scales, offsets, d_at, sc_at, LANES, scale, offset, LANES)
     weights = carray(column, LANES)
-    for t in range(32):
-        _dequantize_nibbles(values, at + t * LANES, shift, scale, offset, column, LANES)
-        row = out[32 * r + t]
-        for lane in range(LANES):
-            row[c + lane] = weights[lane]
+    for c in range(8):
+        word, t = at + 4 * c * LANES, 32 * r + 4 * c
+        _tile_column(values, word, shift, 0, scale, offset, column, weights, out[t], c0)
+        _tile_column(values, word, shift, 1, scale, offset, column, weights, out[t + 1], c0)
+        _tile_column(values, word, shift, 2, scale, offset, column, weights, out[t + 2], c0)
+        _tile_column(values, word, shift, 3, scale, offset, column, weights, out[t + 3], c0)
+
+
+@njit(cache=True, inline="always")
+def _tile_column(values, word, shift, byte, scale, offset, column, weights, row, c0):
+    _dequantize_nibbles(values, word, shift, byte, scale, offset, column, LANES)
+    for lane in range(LANES):
+        row[c0 + lane] = weights[lane]
 
 
 @njit(cache=True)
@@ -179,7 +214,8 @@ def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids
     low, high = sc[..., 4:], m[..., 4:]
     packed = [sc[..., :4] | (low >> 4) << 6, m[..., :4] | (high >> 4) << 6, (low & 15) | high << 4]
     d_dmin = scales[g, :, :, lane].view(np.uint8)  # [n, blocks, 4]
-    return np.concatenate([d_dmin, *packed, values[g, :, lane].reshape(n, -1, 128)], axis=2).reshape(n, -1)
+    words = values.reshape(values.shape[0], -1, LANES, 4)[g, :, lane]  # [n, n_cols / 8, 4]: the row's bytes
+    return np.concatenate([d_dmin, *packed, words.reshape(n, -1, 128)], axis=2).reshape(n, -1)
 
 
 def layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:

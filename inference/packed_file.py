@@ -33,7 +33,7 @@ from .catalog import cache_dir
 from .cpu import PROFILE
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 2  # raise when quants.py or k_quants.py lay a matrix out differently
+LAYOUT_VERSION = 3  # raise when quants.py or k_quants.py lay a matrix out differently
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
 ALIGN = mmap.PAGESIZE

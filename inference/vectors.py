@@ -10,6 +10,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu import PROFILE
+
 
 @intrinsic
 def _registers(typingctx, size):
@@ -133,36 +135,52 @@ def _q4_k_scales(typingctx, halves, six_bits, d_at, sc_at, lanes, scale, offset,
 
 
 @intrinsic
-def _nibbles(typingctx, values, at, shift, w, width):
-    """w[:width] = (values.flat[at:at + width] >> shift) & 15 as float32: a column of 4-bit values
-    (shift 0: the low nibbles, 4: the high ones, a literal), exact."""
-    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+def _nibbles(typingctx, values, at, shift, byte, w, width):
+    """w[:width] = the 4-bit values at bit `shift` (0: low nibbles, 4: high ones) of byte `byte` (0-3)
+    of the `width` 32-bit words at values.flat[at…] (k_quants.py's layout), as float32, exact; shift and
+    byte are literals."""
+    literals = (width, shift, byte)
+    if not all(isinstance(a, types.IntegerLiteral) for a in literals):
         return None
+    n, bit = width.literal_value, 8 * byte.literal_value + shift.literal_value
 
     def codegen(context, builder, signature, args):
         values_ptr = _data(context, builder, signature.args[0], args[0])
         at = context.cast(builder, args[1], signature.args[1], types.int64)
-        _unpack_nibbles(builder, values_ptr, at, shift.literal_value, width.literal_value, args[3])
+        _unpack_nibbles(builder, values_ptr, at, bit, n, args[4])
         return context.get_dummy_value()
 
-    return types.void(values, at, shift, w, width), codegen
+    return types.void(values, at, shift, byte, w, width), codegen
 
 
-def _unpack_nibbles(builder, values_ptr, at, shift, n, w_ptr, scale_ptr=None, offset_ptr=None):
-    """w[:n] = ((values[at:at + n] >> shift) & 15) as float32 (· scale + offset where given). 16 bytes at
-    a time, each widened to 32 bits by itself (vpmovzxbd) before the shift and mask: LLVM masked a whole
-    64-byte vector, then took it apart with three extracts per column (a fifth slower; x86 has no shift
-    of bytes)."""
-    f32, i64 = ir.FloatType(), ir.IntType(64)
+# AVX-512's vpermps picks each lane's float from a register of 16 by the low 4 bits of its index and
+# ignores the rest: a nibble shifted down becomes its float in one instruction, where masking and
+# converting took two (and AVX2's 8-float vpermps cannot hold 16 values).
+_PERMUTE_16 = "llvm.x86.avx512.permvar.sf.512"
+
+
+def _unpack_nibbles(builder, values_ptr, at, bit, n, w_ptr, scale_ptr=None, offset_ptr=None):
+    """w[:n] = ((word >> bit) & 15) as float32 (· scale + offset where given) for the n 32-bit words
+    at the bytes values[at:at + 4·n]. Four bytes of a row in one lane: a load and a shift take a column
+    out of them, where a byte a lane first had to be widened (vpmovzxbd, on the shuffle unit that the
+    other steps needed too)."""
+    f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+    words_ptr = builder.bitcast(builder.gep(values_ptr, [at]), i32.as_pointer())
+    permute = _PERMUTE_16 if PROFILE.isa == "AVX-512" else None
     for k in range(0, n, min(n, 16)):
         m = min(n - k, 16)
-        words = ir.VectorType(ir.IntType(32), m)
-        at_k = builder.add(at, ir.Constant(i64, k))
-        packed = builder.zext(builder.load(_vector_at(builder, values_ptr, at_k, ir.IntType(8), m), align=1), words)
-        shifted = builder.lshr(packed, ir.Constant(words, [shift] * m))
-        nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
-        column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
+        words = ir.VectorType(i32, m)
         where = ir.Constant(i64, k)
+        packed = builder.load(_vector_at(builder, words_ptr, where, i32, m), align=1)
+        shifted = builder.lshr(packed, ir.Constant(words, [bit] * m)) if bit else packed
+        if permute and m == 16:
+            floats = ir.VectorType(f32, 16)
+            table = ir.Constant(floats, [float(v) for v in range(16)])
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, words]), permute)
+            column = builder.call(fn, [table, shifted])
+        else:
+            nibbles = builder.and_(shifted, ir.Constant(words, [15] * m))
+            column = builder.sitofp(nibbles, ir.VectorType(f32, m))  # (AVX2 has no unsigned conversion)
         if scale_ptr is not None:
             column = builder.fmul(column, builder.load(_vector_at(builder, scale_ptr, where, f32, m), align=4))
             column = builder.fadd(column, builder.load(_vector_at(builder, offset_ptr, where, f32, m), align=4))
@@ -198,18 +216,18 @@ def _scale_run(typingctx, sums, runs, i, scale, offset, x_sum, width):
 
 
 @intrinsic
-def _dequantize_nibbles(typingctx, values, at, shift, scale, offset, w, width):
-    """w[:width] = ((values.flat[at:at + width] >> shift) & 15) · scale[:width] + offset[:width]: a
-    column of 4-bit weights (shift 0: the low nibbles, 4: the high ones, a literal), plain multiply and
-    add as gguf.quants."""
-    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
+def _dequantize_nibbles(typingctx, values, at, shift, byte, scale, offset, w, width):
+    """w[:width] = _nibbles(…) · scale[:width] + offset[:width]: a column of 4-bit weights, plain
+    multiply and add as gguf.quants."""
+    literals = (width, shift, byte)
+    if not all(isinstance(a, types.IntegerLiteral) for a in literals):
         return None
+    n, bit = width.literal_value, 8 * byte.literal_value + shift.literal_value
 
     def codegen(context, builder, signature, args):
         values_ptr = _data(context, builder, signature.args[0], args[0])
         at = context.cast(builder, args[1], signature.args[1], types.int64)
-        _unpack_nibbles(builder, values_ptr, at, shift.literal_value, width.literal_value, args[5], args[3], args[4])
+        _unpack_nibbles(builder, values_ptr, at, bit, n, args[6], args[4], args[5])
         return context.get_dummy_value()
 
-    return types.void(values, at, shift, scale, offset, w, width), codegen
-
+    return types.void(values, at, shift, byte, scale, offset, w, width), codegen
