@@ -134,12 +134,9 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
     d_at, sc_at, at = _run(values, g, r, lane0)
     for k in range(rows * width):
         runs[k] = 0
-    for c in range(8):  # a word of 4 columns at a time (bytes as literals: a shift by a constant)
-        word, t = at + 4 * c * lanes, 32 * r + 4 * c
-        _column_sums(values, word, shift, 0, x, i0, t, runs, w, rows, width)
-        _column_sums(values, word, shift, 1, x, i0, t + 1, runs, w, rows, width)
-        _column_sums(values, word, shift, 2, x, i0, t + 2, runs, w, rows, width)
-        _column_sums(values, word, shift, 3, x, i0, t + 3, runs, w, rows, width)
+    for c in range(8):  # a word of 4 columns at a time
+        for byte in range(4):
+            _column_sums(values, at + 4 * c * lanes, shift, byte, x, i0, 32 * r + 4 * c + byte, runs, w, rows, width)
     _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
     for i in range(rows):
         _scale_run(sums, runs, i, scale, offset, x_sums[i0 + i, r], width)
@@ -180,11 +177,9 @@ def _run_tile(values, scales, offsets, scale, offset, column, g, r, shift, out, 
     _q4_k_scales(scales, offsets, d_at, sc_at, LANES, scale, offset, LANES)
     weights = carray(column, LANES)
     for c in range(8):
-        word, t = at + 4 * c * LANES, 32 * r + 4 * c
-        _tile_column(values, word, shift, 0, scale, offset, column, weights, out[t], c0)
-        _tile_column(values, word, shift, 1, scale, offset, column, weights, out[t + 1], c0)
-        _tile_column(values, word, shift, 2, scale, offset, column, weights, out[t + 2], c0)
-        _tile_column(values, word, shift, 3, scale, offset, column, weights, out[t + 3], c0)
+        for byte in range(4):
+            t = 32 * r + 4 * c + byte
+            _tile_column(values, at + 4 * c * LANES, shift, byte, scale, offset, column, weights, out[t], c0)
 
 
 @njit(cache=True, inline="always")

@@ -136,21 +136,28 @@ def _q4_k_scales(typingctx, halves, six_bits, d_at, sc_at, lanes, scale, offset,
 
 @intrinsic
 def _nibbles(typingctx, values, at, shift, byte, w, width):
-    """w[:width] = the 4-bit values at bit `shift` (0: low nibbles, 4: high ones) of byte `byte` (0-3)
-    of the `width` 32-bit words at values.flat[at…] (k_quants.py's layout), as float32, exact; shift and
-    byte are literals."""
-    literals = (width, shift, byte)
-    if not all(isinstance(a, types.IntegerLiteral) for a in literals):
+    """w[:width] = the 4-bit values at bit `shift` (0: low nibbles, 4: high ones, a literal) of byte
+    `byte` (0-3) of the `width` 32-bit words at values.flat[at…] (k_quants.py's layout), as float32,
+    exact. The byte is a variable of a 4-step loop that LLVM unrolls into constant shifts: four call
+    sites with literal bytes had numba type the kernel's inlined code four times (12 s of a first
+    start where one takes 6)."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
         return None
-    n, bit = width.literal_value, 8 * byte.literal_value + shift.literal_value
+    n = width.literal_value
 
     def codegen(context, builder, signature, args):
         values_ptr = _data(context, builder, signature.args[0], args[0])
         at = context.cast(builder, args[1], signature.args[1], types.int64)
-        _unpack_nibbles(builder, values_ptr, at, bit, n, args[4])
+        _unpack_nibbles(builder, values_ptr, at, _bit(context, builder, signature, args, shift), n, args[4])
         return context.get_dummy_value()
 
     return types.void(values, at, shift, byte, w, width), codegen
+
+
+def _bit(context, builder, signature, args, shift):
+    """8·byte + shift as a 32-bit value: where a column's nibble starts in its word."""
+    byte = builder.trunc(context.cast(builder, args[3], signature.args[3], types.int64), ir.IntType(32))
+    return builder.add(builder.mul(byte, ir.Constant(ir.IntType(32), 8)), ir.Constant(ir.IntType(32), shift.literal_value))
 
 
 # AVX-512's vpermps picks each lane's float from a register of 16 by the low 4 bits of its index and
@@ -160,7 +167,7 @@ _PERMUTE_16 = "llvm.x86.avx512.permvar.sf.512"
 
 
 def _unpack_nibbles(builder, values_ptr, at, bit, n, w_ptr, scale_ptr=None, offset_ptr=None):
-    """w[:n] = ((word >> bit) & 15) as float32 (· scale + offset where given) for the n 32-bit words
+    """w[:n] = ((word >> bit) & 15) as float32 (bit: an i32 value) (· scale + offset where given) for the n 32-bit words
     at the bytes values[at:at + 4·n]. Four bytes of a row in one lane: a load and a shift take a column
     out of them, where a byte a lane first had to be widened (vpmovzxbd, on the shuffle unit that the
     other steps needed too)."""
@@ -172,7 +179,7 @@ def _unpack_nibbles(builder, values_ptr, at, bit, n, w_ptr, scale_ptr=None, offs
         words = ir.VectorType(i32, m)
         where = ir.Constant(i64, k)
         packed = builder.load(_vector_at(builder, words_ptr, where, i32, m), align=1)
-        shifted = builder.lshr(packed, ir.Constant(words, [bit] * m)) if bit else packed
+        shifted = builder.lshr(packed, _splat(builder, words, bit))
         if permute and m == 16:
             floats = ir.VectorType(f32, 16)
             table = ir.Constant(floats, [float(v) for v in range(16)])
@@ -219,14 +226,14 @@ def _scale_run(typingctx, sums, runs, i, scale, offset, x_sum, width):
 def _dequantize_nibbles(typingctx, values, at, shift, byte, scale, offset, w, width):
     """w[:width] = _nibbles(…) · scale[:width] + offset[:width]: a column of 4-bit weights, plain
     multiply and add as gguf.quants."""
-    literals = (width, shift, byte)
-    if not all(isinstance(a, types.IntegerLiteral) for a in literals):
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(shift, types.IntegerLiteral):
         return None
-    n, bit = width.literal_value, 8 * byte.literal_value + shift.literal_value
+    n = width.literal_value
 
     def codegen(context, builder, signature, args):
         values_ptr = _data(context, builder, signature.args[0], args[0])
         at = context.cast(builder, args[1], signature.args[1], types.int64)
+        bit = _bit(context, builder, signature, args, shift)
         _unpack_nibbles(builder, values_ptr, at, bit, n, args[6], args[4], args[5])
         return context.get_dummy_value()
 
