@@ -13,7 +13,7 @@ Packed, LANES rows are interleaved as in quants.py, and every value byte keeps i
 148 bytes per 256 weights (the GGUF's 144, the 6-bit fields a byte each) where int8 values with a
 float32 scale and offset per 32 took 320. A vector of words holds 4 columns of as many rows: a shift
 takes one column's nibbles out (AVX-512 then turns them into floats with one permute, vectors.py),
-where a byte a lane had to be widened first (a product of one row 1.3x slower on the 7B's ffn_gate_up,
+where a byte a lane had to be widened first (a product of one row 1.9x slower on the 7B's ffn_gate_up,
 now faster than memory hands it the weights). The kernels add up a run's Σ q·x, then take it times
 the run's d·sc and Σ x times its −dmin·m (formed
 as gguf.quants forms them, in float32), as ggml factors a block's dot product: every weight is the
