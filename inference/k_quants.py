@@ -118,14 +118,6 @@ def _run(values, g, r, lane0):
 
 
 @njit(cache=True, inline="always")
-def _column_sums(values, word, shift, byte, x, i0, t, runs, w, rows, width):
-    """Column t (its nibbles at `shift` of byte `byte` of the words at `word`) into the run sums of rows."""
-    _nibbles(values, word, shift, byte, w, width)
-    for i in range(rows):
-        _multiply_add(runs, i, w, x[i0 + i, t], width)
-
-
-@njit(cache=True, inline="always")
 def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width):
     """Run r's 32 columns into the sums of `rows` rows: Σ q·x over the run's 4-bit values q (their nibbles
     from bit `shift`, a literal: a shift by a variable cost a tenth of the speed), then that times the
@@ -136,7 +128,9 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
         runs[k] = 0
     for c in range(8):  # a word of 4 columns at a time
         for byte in range(4):
-            _column_sums(values, at + 4 * c * lanes, shift, byte, x, i0, 32 * r + 4 * c + byte, runs, w, rows, width)
+            _nibbles(values, at + 4 * c * lanes, shift, byte, w, width)
+            for i in range(rows):
+                _multiply_add(runs, i, w, x[i0 + i, 32 * r + 4 * c + byte], width)
     _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
     for i in range(rows):
         _scale_run(sums, runs, i, scale, offset, x_sums[i0 + i, r], width)
@@ -178,15 +172,10 @@ def _run_tile(values, scales, offsets, scale, offset, column, g, r, shift, out, 
     weights = carray(column, LANES)
     for c in range(8):
         for byte in range(4):
-            t = 32 * r + 4 * c + byte
-            _tile_column(values, at + 4 * c * LANES, shift, byte, scale, offset, column, weights, out[t], c0)
-
-
-@njit(cache=True, inline="always")
-def _tile_column(values, word, shift, byte, scale, offset, column, weights, row, c0):
-    _dequantize_nibbles(values, word, shift, byte, scale, offset, column, LANES)
-    for lane in range(LANES):
-        row[c0 + lane] = weights[lane]
+            _dequantize_nibbles(values, at + 4 * c * LANES, shift, byte, scale, offset, column, LANES)
+            row = out[32 * r + 4 * c + byte]
+            for lane in range(LANES):
+                row[c0 + lane] = weights[lane]
 
 
 @njit(cache=True)

@@ -167,8 +167,8 @@ _PERMUTE_16 = "llvm.x86.avx512.permvar.sf.512"
 
 
 def _unpack_nibbles(builder, values_ptr, at, bit, n, w_ptr, scale_ptr=None, offset_ptr=None):
-    """w[:n] = ((word >> bit) & 15) as float32 (bit: an i32 value) (· scale + offset where given) for the n 32-bit words
-    at the bytes values[at:at + 4·n]. Four bytes of a row in one lane: a load and a shift take a column
+    """w[:n] = ((word >> bit) & 15) as float32 (· scale + offset where given) for the n 32-bit words at
+    the bytes values[at:at + 4·n], bit an i32 value. Four bytes of a row in one lane: a load and a shift take a column
     out of them, where a byte a lane first had to be widened (vpmovzxbd, on the shuffle unit that the
     other steps needed too)."""
     f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
