@@ -37,7 +37,7 @@ from numba import carray
 
 from .cpu import PROFILE
 from .jit import njit
-from .vectors import _dequantize_nibbles, _multiply_add, _nibbles, _q4_k_scales, _registers, _scale_run
+from .vectors import _dequantize_nibbles, _multiply_add, _nibbles, _prefetch, _q4_k_scales, _registers, _scale_run
 
 LANES = PROFILE.lanes
 Q4_K = gguf.GGMLQuantizationType.Q4_K
@@ -127,6 +127,9 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
     for k in range(rows * width):
         runs[k] = 0
     for c in range(8):  # a word of 4 columns at a time
+        if shift == 0 and i0 == 0 and lane0 == 0:  # the group's first pass (_prefetch), low nibbles
+            for line in range(lanes // 16):
+                _prefetch(values, at + 4 * c * lanes, 64 * line)
         for byte in range(4):
             _nibbles(values, at + 4 * c * lanes, shift, byte, w, width)
             for i in range(rows):

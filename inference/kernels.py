@@ -34,7 +34,7 @@ from . import k_quants
 from .cpu import PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
-from .vectors import _dequantize_column, _multiply_add, _registers
+from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
 
 # numba compiles these in as constants: code compiled for other values lives in another cache folder.
 LANES = PROFILE.lanes  # rows interleaved in the packed layout; one or two input rows run across all
@@ -93,6 +93,9 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
     for b in range(n_blocks):
         for j in range(b * size, (b + 1) * size):
             at, scale_at = (g * n_cols + j) * lanes + lane0, (g * n_blocks + b) * lanes + lane0
+            if i0 == 0 and lane0 == 0:  # the pass that reads the group from memory (vectors.AHEAD)
+                for line in range(0, lanes * values.itemsize, 64):
+                    _prefetch(values, at, line)
             _dequantize_column(values, scales, offsets, at, scale_at, w, width)
             for i in range(rows):
                 _multiply_add(sums, i, w, x[i0 + i, j], width)
