@@ -127,7 +127,7 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
     for k in range(rows * width):
         runs[k] = 0
     for c in range(8):  # a word of 4 columns at a time
-        if shift == 0 and i0 == 0 and lane0 == 0:  # the group's first pass (_prefetch), low nibbles
+        if shift == 0 and rows <= 2:  # one or two rows wait on memory (_prefetch); low nibbles
             for line in range(lanes // 16):
                 _prefetch(values, at + 4 * c * lanes, 64 * line)
         for byte in range(4):

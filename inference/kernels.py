@@ -93,7 +93,7 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
     for b in range(n_blocks):
         for j in range(b * size, (b + 1) * size):
             at, scale_at = (g * n_cols + j) * lanes + lane0, (g * n_blocks + b) * lanes + lane0
-            if i0 == 0 and lane0 == 0:  # the pass that reads the group from memory (vectors.AHEAD)
+            if rows <= 2:  # one or two rows wait on memory (vectors.AHEAD); more rows on the arithmetic
                 for line in range(0, lanes * values.itemsize, 64):
                     _prefetch(values, at, line)
             _dequantize_column(values, scales, offsets, at, scale_at, w, width)
