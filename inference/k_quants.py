@@ -118,7 +118,7 @@ def _run(values, g, r, lane0):
 
 
 @njit(cache=True, inline="always")
-def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width):
+def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width, ahead):
     """Run r's 32 columns into the sums of `rows` rows: Σ q·x over the run's 4-bit values q (their nibbles
     from bit `shift`, a literal: a shift by a variable cost a tenth of the speed), then that times the
     run's d·sc and Σ x times its −dmin·m, as ggml factors a block's dot product."""
@@ -127,7 +127,7 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
     for k in range(rows * width):
         runs[k] = 0
     for c in range(8):  # a word of 4 columns at a time
-        if shift == 0 and rows <= 2:  # one or two rows wait on memory (_prefetch); low nibbles
+        if ahead and shift == 0:  # (the run in the high nibbles reads the same bytes)
             for line in range(lanes // 16):
                 _prefetch(values, at + 4 * c * lanes, 64 * line)
         for byte in range(4):
@@ -140,7 +140,7 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
 
 
 @njit(cache=True, inline="always")
-def accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
+def accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
     """kernels._accumulate for Q4_K: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows,
     r < width, a run of 32 columns at a time (run_sums), each in column order: the same operations in
     the same order for a row whatever the rows and width of its pass."""
@@ -148,8 +148,8 @@ def accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, 
     for k in range(rows * width):
         sums[k] = 0
     for r in range(0, x.shape[1] // 32, 2):  # a run in low nibbles, then the run in their high ones
-        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, 0, rows, width)
-        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r + 1, lane0, 4, rows, width)
+        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, 0, rows, width, ahead)
+        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r + 1, lane0, 4, rows, width, ahead)
 
 
 @njit(cache=True)
