@@ -37,7 +37,15 @@ from numba import carray
 
 from .cpu import PROFILE
 from .jit import njit
-from .vectors import _dequantize_nibbles, _multiply_add, _nibbles, _prefetch, _q4_k_scales, _registers, _scale_run
+from .vectors import (
+    _dequantize_nibbles,
+    _multiply_add,
+    _nibbles,
+    _prefetch,
+    _q4_k_scales,
+    _registers,
+    _scale_run,
+)
 
 LANES = PROFILE.lanes
 Q4_K = gguf.GGMLQuantizationType.Q4_K
