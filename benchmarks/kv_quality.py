@@ -13,7 +13,10 @@ token: that is `greedy_identical`. Bytes per token are the stored blocks' bytes 
 
 The last line printed is one JSON object: for each codec `bytes_per_token` (the default model's,
 first of --models; every model's under `bytes_per_token_by_model`), `greedy_identical` ("N/M"
-continuations over every model's texts), worst `kl` over every position and `mean_kl`.
+continuations over every model's texts), worst `kl` over every position and `mean_kl`, and
+`worst_flipped_margin`: where a resumed cache's best token was not the live one's, the largest gap in
+log-probability between the two that the live cache had (a codec that only flips near-ties has a
+small one).
 """
 
 from __future__ import annotations
@@ -253,7 +256,11 @@ def measure_text(model, ids: list[int], n: int, codecs: dict) -> dict:
         finally:
             seq.free()
         kl = (np.exp(reference) * (reference - resumed)).sum(axis=-1)
-        agree = resumed.argmax(axis=-1) == best
+        top = resumed.argmax(axis=-1)
+        agree = top == best
+        # where the best tokens differ: how far apart the live cache put them (log-probability): the
+        # codec's error flipped a choice the live cache made by that margin
+        flipped = reference[np.arange(len(best)), best] - reference[np.arange(len(best)), top]
         out[str(codec)] = {
             "bytes": n_bytes,
             "tokens": len(context),
@@ -262,17 +269,27 @@ def measure_text(model, ids: list[int], n: int, codecs: dict) -> dict:
             "top1": float(agree.mean()),
             "identical": bool(agree.all()),
             "first_miss": int(np.argmin(agree)) if not agree.all() else None,
+            "flipped_margin": float(flipped[~agree].max()) if not agree.all() else 0.0,
         }
     return out
 
 
-def run(model_names, codecs, n: int, log=print, only=None) -> dict:
+def run(model_names, codecs, n: int, log=print, only=None, cache_type: str = "f16") -> dict:
     per_codec = {
-        str(c): {"bytes": {}, "tokens": {}, "identical": 0, "runs": 0, "kl": 0.0, "kl_sum": 0.0, "kl_n": 0}
+        str(c): {
+            "bytes": {},
+            "tokens": {},
+            "identical": 0,
+            "runs": 0,
+            "kl": 0.0,
+            "kl_sum": 0.0,
+            "kl_n": 0,
+            "flipped": 0.0,
+        }
         for c in codecs
     }
     for name in model_names:
-        model = load_model(name)
+        model = load_model(name, cache_type=cache_type)
         t0 = time.perf_counter()
         resolved = {c: codec_and_plan(model, c) for c in codecs}  # plans measured at a model's first use
         for codec, (_, plan) in resolved.items():
@@ -296,7 +313,8 @@ def run(model_names, codecs, n: int, log=print, only=None) -> dict:
                 c["kl"] = max(c["kl"], r["kl_max"])
                 c["kl_sum"] += r["kl_mean"] * n
                 c["kl_n"] += n
-                miss = "=" if r["identical"] else f"x@{r['first_miss']}"
+                c["flipped"] = max(c["flipped"], r["flipped_margin"])
+                miss = "=" if r["identical"] else f"x@{r['first_miss']}({r['flipped_margin']:.3f})"
                 cells.append(
                     f"{codec} {r['bytes'] / r['tokens']:6.0f}B {r['kl_max']:.1e} {r['top1']:.2f}{miss}"
                 )
@@ -315,6 +333,7 @@ def run(model_names, codecs, n: int, log=print, only=None) -> dict:
             "greedy_identical": f"{c['identical']}/{c['runs']}",
             "kl": float(f"{c['kl']:.3g}"),
             "mean_kl": float(f"{c['kl_sum'] / max(c['kl_n'], 1):.3g}"),
+            "worst_flipped_margin": float(f"{c['flipped']:.3g}"),
         }
     return summary
 
@@ -333,15 +352,26 @@ def main(argv=None) -> int:
         "auto-h@4: every head at 4 bits; auto-h@1e-4: the plan at that KL budget)",
     )
     parser.add_argument("--texts", nargs="+", help="only these texts (names as logged; default: all)")
+    parser.add_argument(
+        "--cache-type",
+        default="f16",
+        choices=("f16", "f32"),
+        help="the live cache's element type (f32: what the f16 codec, the f16 arena's rounding, changes)",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     summary = run(
-        args.models, args.codecs, args.tokens, log=lambda s: print(s, file=sys.stderr, flush=True), only=args.texts
+        args.models,
+        args.codecs,
+        args.tokens,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+        only=args.texts,
+        cache_type=args.cache_type,
     )
     for codec, s in summary.items():
         print(
             f"{codec:6} {s['bytes_per_token']:8.0f} B/token  greedy identical {s['greedy_identical']:>6}  "
-            f"worst KL {s['kl']:.2e}  mean KL {s['mean_kl']:.2e}",
+            f"worst KL {s['kl']:.2e}  mean KL {s['mean_kl']:.2e}  flipped margins up to {s['worst_flipped_margin']:.3f}",
             file=sys.stderr,
         )
     print(f"{time.perf_counter() - t0:.0f} s, {args.tokens} tokens per text", file=sys.stderr)
