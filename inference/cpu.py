@@ -44,11 +44,14 @@ REGISTER_FILES = {
 # so AVX2 interleaves 32 rows and multiplies 4 input rows across 16 of them at a time.
 SHAPES = ((64, 4, 64), (32, 4, 16), (16, 4, 8), (8, 4, 4))
 
-# Measured on an AMD EPYC (Zen 5), 2 threads, with the default model, and kept for every machine until
-# measured elsewhere. From this many cached positions one token's attention goes to the compiled kernel
-# (forward.py): at 4,096 it decoded 29-34 tok/s where BLAS gave 21-23; at 512 the two are level (waking
-# numba's threads costs ~60 µs a call, so on a short history BLAS is the faster).
-KERNEL_ATTENTION_FROM = 1024
+# From this many cached positions one token's attention goes to the compiled kernel (forward.py), which
+# reads the float16 cache where BLAS needs it copied into float32 first (waking numba's threads costs
+# ~60 µs a call, so on a short history BLAS is the faster). Intel Xeon, 2 threads, the default model, 8
+# replies decoded at once (one step) against one: at 128 cached positions BLAS 108 / 141 ms a step
+# (AVX-512 / AVX2), the kernel 118 / 158; at 256 level (119 / 149-165); at 512 BLAS 144-155 / 187-197,
+# the kernel 116-118 / 160 (one reply alone 54-59 against 50-51 ms a token). Before the cache was float16
+# (an AMD EPYC Zen 5) BLAS was level up to 512, and this was 1,024.
+KERNEL_ATTENTION_FROM = 256
 # From this many query rows × cached positions a step of the kernels splits its attention over the
 # threads (kernels.attention_threads; below it handing work to a thread costs more than it saves):
 # interleaved, a 15-token turn after 2,048 tokens 97 → 80 ms, 64 tokens after 4,096 627 → 435 ms,

@@ -234,12 +234,16 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
                 size += 1
             base += n
         scores = np.empty((group, ATTENTION_CHUNK), F32)
+        kv = np.empty(hd, F32)  # a key or value row as float32, converted once for the group's heads
         for i in range(size):
             row = where[i]
+            _prefetch(k, (h * k.shape[1] + row) * hd, 0)  # 2 KB on (vectors.AHEAD): a page's end
+            for d in range(hd):
+                kv[d] = to_f32(k[h, row, d])
             for g in range(group):
                 dot = F32(0)
                 for d in range(hd):
-                    dot += q[h, g, d] * to_f32(k[h, row, d])
+                    dot += q[h, g, d] * kv[d]
                 scores[g, i] = dot
         acc = np.zeros((group, hd), F32)
         for g in range(group):
@@ -254,10 +258,13 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
             m_out[h, c, g], l_out[h, c, g] = top, total
         for i in range(size):
             row = where[i]
+            _prefetch(v, (h * v.shape[1] + row) * hd, 0)
+            for d in range(hd):
+                kv[d] = to_f32(v[h, row, d])
             for g in range(group):
                 weight = scores[g, i]
                 for d in range(hd):
-                    acc[g, d] += weight * to_f32(v[h, row, d])
+                    acc[g, d] += weight * kv[d]
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiled its shape check's error
             for d in range(hd):  # message, 2.7 s of a first start)
                 acc_out[h, c, g, d] = acc[g, d]
