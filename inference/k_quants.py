@@ -136,8 +136,8 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
         runs[k] = 0
     for c in range(8):  # a word of 4 columns at a time
         if ahead and shift == 0:  # (the run in the high nibbles reads the same bytes)
-            for line in range(lanes // 16):
-                _prefetch(values, at + 4 * c * lanes, 64 * line)
+            for line in range(0, 4 * lanes, 64):  # the word's bytes of every lane, a line at a time
+                _prefetch(values, at + 4 * c * lanes, line)
         for byte in range(4):
             _nibbles(values, at + 4 * c * lanes, shift, byte, w, width)
             for i in range(rows):

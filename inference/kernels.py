@@ -63,23 +63,22 @@ def _n_blocks(scales):
     return 1 if scales is None else scales.shape[1]
 
 
-def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
+def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
-    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py)."""
+    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py); `ahead`:
+    whether the pass asks for its weights ahead of reading them (AHEAD_IN_PASSES)."""
 
 
 @overload(_accumulate, inline="always", prefer_literal=True)
-def _accumulate_by_layout(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
+def _accumulate_by_layout(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
     if values.dtype != types.uint8:
 
-        def in_values(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
-            ahead = rows <= 2 or (AHEAD_IN_PASSES and i0 == 0)
+        def in_values(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
             _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width, ahead)
 
         return in_values
 
-    def in_q4_k(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width):
-        ahead = rows <= 2 or (AHEAD_IN_PASSES and i0 == 0)
+    def in_q4_k(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
         k_quants.accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead)
 
     return in_q4_k
@@ -118,9 +117,9 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
     if n <= 2:  # one token decoded alone, or two replies: no padded rows to compute
         sums = carray(registers, (2, LANES))
         if n == 1:
-            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES)
+            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
         else:
-            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES)
+            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES, True)
         for i in range(n):
             for r in range(LANES):
                 out[i, g * LANES + r] = sums[i, r]
@@ -128,7 +127,8 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
     sums = carray(registers, (ROWS, PASS_LANES))
     for i0 in range(0, n, ROWS):
         for lane0 in range(0, LANES, PASS_LANES):
-            _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, registers, runs, w, ROWS, PASS_LANES)
+            ahead = AHEAD_IN_PASSES and i0 == 0  # the pass that reads the group from memory
+            _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, registers, runs, w, ROWS, PASS_LANES, ahead)
             for i in range(min(ROWS, n - i0)):
                 for r in range(PASS_LANES):
                     out[i0 + i, g * LANES + lane0 + r] = sums[i, r]

@@ -240,7 +240,6 @@ def _dequantize_nibbles(typingctx, values, at, shift, byte, scale, offset, w, wi
     return types.void(values, at, shift, byte, scale, offset, w, width), codegen
 
 
-
 # How far ahead of a kernel's reading its weights are asked for (_prefetch). The processor's own
 # prefetcher follows a stream within a 4 KB page and starts over at the next one: a 7B's decode, its
 # weights from memory, waited there (Q4_K ffn_gate_up 5.9 ms a call, 13 GB/s; asked ahead, 3.8 ms).
