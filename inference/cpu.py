@@ -72,6 +72,7 @@ class Profile:
     tile_bytes: int  # float32 tile dequantized for BLAS: half the core's L2, so sgemm reads it from there
     kernel_attention_from: int
     parallel_attention_from: int
+    byte_dot: str = "generic"  # how 8-bit activations meet 4-bit weights (byte_dot(); vectors._nibble_dots)
 
     @property
     def key(self) -> str:
@@ -136,6 +137,17 @@ def kernel_shape(vector_floats: int, vector_registers: int) -> tuple[int, int, i
     return SHAPES[-1]
 
 
+def byte_dot(isa: str, features: str) -> str:
+    """The instructions that multiply bytes of weights by bytes of activations, 4 to a 32-bit lane, into
+    32-bit sums: "vnni" (AVX-512 VNNI's vpdpbusd, 64 products an instruction), "bw" (AVX-512 BW's
+    vpmaddubsw and vpmaddwd), "avx2" (the same on 256 bits), else "generic" (shifts and multiplies
+    LLVM vectorizes as it can). A named processor without features (NUMBA_CPU_NAME alone) gets the
+    ISA's baseline."""
+    if isa == "AVX-512":
+        return "vnni" if "+avx512vnni" in features.split(",") else "bw"
+    return "avx2" if isa == "AVX2" else "generic"
+
+
 def l2_bytes() -> int:
     try:
         size = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
@@ -150,7 +162,7 @@ def read_profile() -> Profile:
     lanes, rows, pass_lanes = kernel_shape(floats, registers)
     return Profile(
         name, features, isa, floats, registers, lanes, rows, pass_lanes, l2_bytes() // 2,
-        KERNEL_ATTENTION_FROM, PARALLEL_ATTENTION_FROM,
+        KERNEL_ATTENTION_FROM, PARALLEL_ATTENTION_FROM, byte_dot(isa, features),
     )
 
 

@@ -40,6 +40,7 @@ from .jit import njit
 from .vectors import (
     _dequantize_nibbles,
     _multiply_add,
+    _nibble_dots,
     _nibbles,
     _prefetch,
     _q4_k_scales,
@@ -158,6 +159,36 @@ def accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, 
     for r in range(0, x.shape[1] // 32, 2):  # a run in low nibbles, then the run in their high ones
         _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, 0, rows, width, ahead)
         _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r + 1, lane0, 4, rows, width, ahead)
+
+
+@njit(cache=True, inline="always")
+def _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r, lane0, shift, rows, width, ahead):
+    """_run_sums for activations in bytes (kernels.quantize_rows): the run's Σ q·x̂ in integers, times the
+    bytes' scale, then as there d·sc times that and −dmin·m times the run's Σ x (of the float32 x)."""
+    lanes = values.shape[2]
+    d_at, sc_at, at = _run(values, g, r, lane0)
+    if ahead and shift == 0:
+        for c in range(8):
+            for line in range(0, 4 * lanes, 64):
+                _prefetch(values, at + 4 * c * lanes, line)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    xq_at, xs_at = i0 * n_words + 8 * r, 2 * (i0 * n_runs + r) + 1
+    _nibble_dots(values, at, lanes, shift, xq, xq_at, n_words, x_runs, xs_at, 2 * n_runs, runs, rows, width)
+    _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
+    for i in range(rows):
+        _scale_run(sums, runs, i, scale, offset, x_runs[i0 + i, r, 0], width)
+
+
+@njit(cache=True, inline="always")
+def accumulate_q8(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
+    """accumulate for activations in bytes: xq [n, n_cols / 4] the rows' bytes four to a word, x_runs
+    [n, n_cols / 32, 2] each run's Σ x and its bytes' scale (kernels.quantize_rows)."""
+    scale, offset = _registers(width), _registers(width)
+    for k in range(rows * width):
+        sums[k] = 0
+    for r in range(0, x_runs.shape[1], 2):  # a run in low nibbles, then the run in their high ones
+        _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r, lane0, 0, rows, width, ahead)
+        _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r + 1, lane0, 4, rows, width, ahead)
 
 
 @njit(cache=True)

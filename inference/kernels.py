@@ -34,7 +34,14 @@ from . import k_quants
 from .cpu import PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
-from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
+from .vectors import (
+    _byte_column_dots,
+    _dequantize_column,
+    _multiply_add,
+    _prefetch,
+    _registers,
+    in_lane_order,
+)
 
 # numba compiles these in as constants: code compiled for other values lives in another cache folder.
 LANES = PROFILE.lanes  # rows interleaved in the packed layout; one or two input rows run across all
@@ -71,6 +78,18 @@ def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w,
 
 @overload(_accumulate, inline="always", prefer_literal=True)
 def _accumulate_by_layout(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+    if x.dtype == types.int32 and values.dtype == types.uint8:  # inputs as bytes (quantize_rows)
+
+        def in_q4_k_bytes(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+            k_quants.accumulate_q8(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, rows, width, ahead)
+
+        return in_q4_k_bytes
+    if x.dtype == types.int32:
+
+        def in_value_bytes(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+            _accumulate_value_bytes(values, scales, offsets, x, x_sums, i0, g, lane0, sums, rows, width, ahead)
+
+        return in_value_bytes
     if values.dtype != types.uint8:
 
         def in_values(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
@@ -107,6 +126,29 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
                 _multiply_add(sums, i, w, x[i0 + i, j], width)
 
 
+@njit(cache=True, inline="always")
+def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+    """_accumulate_values for inputs as bytes (quantize_rows): a block's Σ w·x̂ in integers, times the
+    bytes' scale and the block's, plus its offset times Σ x (blocks of 32 columns where there are offsets:
+    takes_bytes), by vectors._byte_column_dots."""
+    _, n_cols, lanes = values.shape
+    n_blocks, n_words, n_runs = scales.shape[1], xq.shape[1], x_runs.shape[1]
+    size = n_cols // n_blocks
+    for k in range(rows * width):
+        sums[k] = 0
+    for b in range(n_blocks):
+        at, scale_at = (g * n_cols + b * size) * lanes + lane0, (g * n_blocks + b) * lanes + lane0
+        if ahead:
+            for line in range(0, size * lanes, 64):
+                _prefetch(values, at, line)
+        xq_at, xr_at = i0 * n_words + b * size // 4, 2 * (i0 * n_runs + b * size // 32)
+        if size == 16:
+            _byte_column_dots(values, at, lanes, 16, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at, sums, rows, width)
+        else:
+            _byte_column_dots(values, at, lanes, 32, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at, sums, rows, width)
+    in_lane_order(sums, rows, width)
+
+
 @njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
 def _group_product(values, scales, offsets, x, x_sums, out, g):
     """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone across all LANES, else ROWS
@@ -140,6 +182,29 @@ def _product(values, scales, offsets, x, x_sums, out):
         # (g as int64: numba types a parallel loop's index both signed and unsigned, and a uint64 g
         # compiled _group_product a second time, 4-5 s of a first start)
         _group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows(x):
+    """x [n, n_cols] float32 as bytes, llama.cpp's way of multiplying faster (activations=q8): xq [n,
+    n_cols] int8 and, for each run of 32 columns, [n, n_cols / 32, 2] its Σ x (in column order, as
+    k_quants.run_sums) and its scale, max |x| / 127, with xq = round(x / scale). Row by row: a row's
+    bytes do not depend on its batch."""
+    n, n_cols = x.shape
+    xq = np.empty((n, n_cols), np.int8)
+    x_runs = np.empty((n, n_cols // 32, 2), F32)
+    for i in prange(n):
+        for r in range(n_cols // 32):
+            total, top = F32(0), F32(0)
+            for t in range(32 * r, 32 * r + 32):
+                total += x[i, t]
+                top = max(top, abs(x[i, t]))
+            scale = top / F32(127)
+            inverse = F32(1) / scale if scale > 0 else F32(0)
+            for t in range(32 * r, 32 * r + 32):
+                xq[i, t] = np.int8(np.rint(x[i, t] * inverse))
+            x_runs[i, r, 0], x_runs[i, r, 1] = total, scale
+    return xq, x_runs
 
 
 @njit(cache=True)
@@ -303,11 +368,12 @@ def kernels_take(rows: int) -> bool:
     return rows <= KERNEL_ROWS or blas_from is None or rows < blas_from
 
 
-def use_blas_threads_for(rows: int) -> None:
-    """Before a forward step of `rows` rows: BLAS on one thread for a step of the kernels, else on all
-    it started with. Cheap when nothing changes (a ctypes call per BLAS library). (In a long prefill
-    through the kernels too: with BLAS on two threads for the attention, 512 tokens took 1.4x longer.)"""
-    blas_on_one_thread(kernels_take(rows))
+def use_blas_threads_for(rows: int, activations: str = "f32") -> None:
+    """Before a forward step of `rows` rows of a model with these activations: BLAS on one thread for a
+    step of the kernels (any step where inputs go as bytes), else on all it started with. Cheap when
+    nothing changes (a ctypes call per BLAS library). (In a long prefill through the kernels too: with
+    BLAS on two threads for the attention, 512 tokens took 1.4x longer.)"""
+    blas_on_one_thread(activations != "f32" or kernels_take(rows))
 
 
 def blas_on_one_thread(one: bool) -> None:
@@ -361,18 +427,44 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=F32)
     if hasattr(w, "parts"):
         return np.concatenate([matmul(x, part) for part in w.parts], axis=1)
-    return kernel_product(x, w) if kernels_take(x.shape[0]) else tile_product(x, w)
+    if takes_bytes(w) or kernels_take(x.shape[0]):
+        return kernel_product(x, w)
+    return tile_product(x, w)
+
+
+# What a model's products take their inputs as (Model's `activations`): "f32" as computed, exactly; "q8"
+# quantized to bytes, a scale for each 32 columns of a row (quantize_rows), as llama.cpp multiplies:
+# 4 products of bytes in one 32-bit lane of an instruction (vectors._nibble_dots), 2.5x sgemm's speed on
+# a 7B's Q4_K matrices at 512 rows here, within ~0.5 % of the exact products (docs/performance.md).
+ACTIVATIONS = ("f32", "q8")
+
+
+def takes_bytes(w) -> bool:
+    """Whether a product with w quantizes its inputs to bytes: under activations "q8", a Q4_K matrix or
+    integers with a scale for each 16 or 32 columns (and an offset only for 32)."""
+    if w.activations != "q8":
+        return False
+    if w.in_q4_k:
+        return True
+    if w.values.dtype != np.int8 or w.scales is None:
+        return False
+    size = w.n_cols // w.scales.shape[1]
+    return size == 32 or (size == 16 and w.offsets is None)
 
 
 def kernel_product(x: np.ndarray, w) -> np.ndarray:
-    """matmul in the kernels: each weight read once for all rows."""
+    """matmul in the kernels: each weight read once for all rows (as bytes where takes_bytes)."""
     n = x.shape[0]
     n_groups, n_cols = w.values.shape[0], w.n_cols
     out = np.empty((n, n_groups * LANES), dtype=F32)
     if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
         x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
-    x_sums = k_quants.run_sums(x) if w.in_q4_k else None
-    _product(w.values, w.scales, w.offsets, x, x_sums, out)
+    if takes_bytes(w):
+        xq, x_runs = quantize_rows(x)
+        _product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
+    else:
+        x_sums = k_quants.run_sums(x) if w.in_q4_k else None
+        _product(w.values, w.scales, w.offsets, x, x_sums, out)
     return out[:, : w.n_rows]
 
 

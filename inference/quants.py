@@ -23,7 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -52,6 +52,7 @@ class PackedMatrix:
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
     offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
+    activations: str = "f32"  # "q8": its products take their inputs as bytes where they can (kernels.py)
 
     @property
     def in_q4_k(self) -> bool:
@@ -314,15 +315,15 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
     kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
-def compile_kernels(progress=None, matrices=None) -> float:
+def compile_kernels(progress=None, matrices=None, activations: str = "f32") -> float:
     """Compile (first start) or load from the cache (later starts) the kernels that the model's
     `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
-    attention of every cache type), so that no reply waits on the compiler: each signature once, on a
-    tiny example, progress told after each. A model's attention kernel is not among them: nothing
-    before KERNEL_ATTENTION_FROM cached positions calls it (compile_attention). Returns the seconds it
-    took."""
+    attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no reply waits
+    on the compiler: each signature once, on a tiny example, progress told after each. A model's
+    attention kernel is not among them: nothing before KERNEL_ATTENTION_FROM cached positions calls it
+    (compile_attention). Returns the seconds it took."""
     t0 = time.perf_counter()
-    steps = _compile_steps(matrices)
+    steps = _compile_steps(matrices, activations)
     cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     for i, (what, compile_one) in enumerate(steps):
@@ -340,9 +341,10 @@ def compile_kernels(progress=None, matrices=None) -> float:
     return time.perf_counter() - t0
 
 
-def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256)) -> PackedMatrix:
+def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    return pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
+    w = pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
+    return replace(w, activations=activations)
 
 
 def _kinds(matrices) -> list[tuple[str, Q]]:
@@ -354,10 +356,16 @@ def _kinds(matrices) -> list[tuple[str, Q]]:
     return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 
-def _compile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
+def _compile_steps(matrices, activations: str = "f32") -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(matrices)
     steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
+    if activations != "f32":
+        steps += [
+            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations=activations))
+            for what, qtype in kinds
+            if kernels.takes_bytes(_example(qtype, activations=activations))
+        ]
     if matrices is None:
         steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
     return steps
@@ -378,8 +386,8 @@ def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
-def _multiply_example(qtype: Q, product=kernels.kernel_product) -> None:
-    product(np.zeros((1, 256), F32), _example(qtype))
+def _multiply_example(qtype: Q, product=kernels.kernel_product, activations: str = "f32") -> None:
+    product(np.zeros((1, 256), F32), _example(qtype, activations=activations))
 
 
 # Rows at which BLAS on tiles and the kernels are timed against each other, on a matrix the size of the

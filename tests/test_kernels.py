@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -74,6 +75,67 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
         together = kernels.matmul(x[:n], w)
         for i in range(n):
             assert np.array_equal(together[i], alone[i]), (n, i)
+
+
+# Where a block keeps its quants: zeroed, each of its weights is its offset (formats with offsets).
+QUANT_BYTES = {T.Q4_K: slice(16, 144), T.Q4_1: slice(4, 20)}
+BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]  # Q4_K's bits; int8 with offsets, without; scales per 16
+
+
+def as_bytes(w):
+    """w, its products taking their inputs as bytes (activations q8)."""
+    w = replace(w, activations="q8")
+    assert kernels.takes_bytes(w)
+    return w
+
+
+@pytest.mark.parametrize("qtype", BYTE_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 2, 3, 8, kernels.KERNEL_ROWS + 1, 200])
+def test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n):
+    """Under activations q8 a product is, as llama.cpp's, Σ (w - offset)·x̂ over the inputs as bytes, x̂ =
+    xq·scale a scale for each 32 (kernels.quantize_rows), plus offset·Σ x: exact up to float32 rounding,
+    whatever the size (the integer sums exact), and within 2 % of the exact product."""
+    shape = (130, 512)
+    raw = raw_tensor(qtype, shape)
+    w = as_bytes(quants.pack([(raw, qtype, shape)]))
+    x = np.random.default_rng(1).standard_normal((n, shape[1])).astype(np.float32)
+    xq, x_runs = kernels.quantize_rows(x)
+    assert np.abs(xq).max() <= 127
+    x_hat = (xq.reshape(n, -1, 32) * x_runs[:, :, 1:]).reshape(n, -1).astype(np.float64)
+    weights = reference(qtype, raw, shape).astype(np.float64)
+    offsets = np.zeros_like(weights)
+    if qtype in QUANT_BYTES:
+        zeroed = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
+        zeroed[:, QUANT_BYTES[qtype]] = 0
+        offsets = reference(qtype, zeroed.reshape(raw.shape), shape).astype(np.float64)
+    expected = x_hat @ (weights - offsets).T + x.astype(np.float64) @ offsets.T
+    got = kernels.matmul(x, w)
+    assert got.shape == (n, shape[0]) and got.dtype == np.float32
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6
+    exact = x.astype(np.float64) @ weights.T
+    assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0], ids=lambda t: t.name)
+def test_inputs_as_bytes_give_a_row_the_same_bits_in_any_batch(qtype):
+    """Rows as bytes run in the kernels at every size: row i of any product is the 1-row product."""
+    shape = (128, 256)
+    w = as_bytes(quants.pack([(raw_tensor(qtype, shape), qtype, shape)]))
+    x = np.random.default_rng(2).standard_normal((70, shape[1])).astype(np.float32)
+    alone = [kernels.matmul(x[i : i + 1], w)[0] for i in range(len(x))]
+    for n in (2, 3, 5, len(x)):
+        together = kernels.matmul(x[:n], w)
+        for i in range(n):
+            assert np.array_equal(together[i], alone[i]), (n, i)
+
+
+def test_only_formats_the_byte_kernels_read_take_bytes():
+    """Float matrices, and integers whose offsets come a scale per 16 columns, keep float32 inputs."""
+    for qtype, takes in ((T.F16, False), (T.Q5_K, True), (T.Q6_K, True), (T.Q4_K, True)):
+        shape = (64, 256)
+        w = replace(quants.pack([(raw_tensor(qtype, shape), qtype, shape)]), activations="q8")
+        assert kernels.takes_bytes(w) == takes, qtype
+        assert not kernels.takes_bytes(replace(w, activations="f32"))
 
 
 def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypatch):
@@ -244,6 +306,10 @@ for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16):  # integers without offsets, with 
     for n in (1, 3, kernels.KERNEL_ROWS):
         t.test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, kernels.kernel_product)
 t.test_matmul_equals_float_matmul_of_the_dequantized_weights(T.Q4_K, 40, kernels.tile_product)
+for qtype in t.BYTE_FORMATS:
+    for n in (1, 3, 40):
+        t.test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n)
+t.test_inputs_as_bytes_give_a_row_the_same_bits_in_any_batch(T.Q5_0)
 print(PROFILE.isa, PROFILE.lanes, PROFILE.rows, PROFILE.pass_lanes)
 """
 
