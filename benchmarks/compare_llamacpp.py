@@ -2,7 +2,7 @@
 
     python benchmarks/compare_llamacpp.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--llamacpp ISA=PYTHON ...] [--decode-tokens 16] [--lookup-tokens 160] [--full]
-        [--prefill-long 512] [--turn-cached 1024]
+        [--prefill-long 512] [--turn-cached 1024] [--activations f32|q8]
 
 Per engine: warm load (to the first token: llama.cpp maps the file, llama-chat reads its prepared
 weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at context 512, a 64-token turn after
@@ -56,7 +56,7 @@ t = time.perf_counter()
 from llama_chat.inference import load_model
 import_s = time.perf_counter() - t
 t = time.perf_counter()
-model = load_model(spec["path"])
+model = load_model(spec["path"], activations=spec["activations"])
 warm_up = model.new_sequence(2)
 model.forward(spec["ids"][:1], warm_up)  # on a first start, compiles the kernels
 warm_up.free()
@@ -256,6 +256,12 @@ def main() -> int:
         "--lookup-tokens", type=int, default=160, help="the code edit's length (0: no code edit)"
     )
     parser.add_argument(
+        "--activations",
+        choices=("f32", "q8"),
+        default="f32",
+        help="what llama-chat's products take their inputs as (q8: bytes, as llama.cpp's; its own logits)",
+    )
+    parser.add_argument(
         "--full", action="store_true", help="also run the whole `llama-chat bench --json` (native)"
     )
     args = parser.parse_args()
@@ -264,7 +270,7 @@ def main() -> int:
         if isa not in ISAS:
             parser.error(f"unknown ISA '{isa}' (known: {', '.join(ISAS)})")
     path = str(resolve_model(args.model))
-    result: dict = {"model": path, "cpu": cpu_name(), "threads": args.threads}
+    result: dict = {"model": path, "cpu": cpu_name(), "threads": args.threads, "activations": args.activations}
     if args.full:
         cmd = [
             sys.executable,
@@ -291,6 +297,7 @@ def main() -> int:
         "turn_repeats": TURN_REPEATS,
         "decode_tokens": args.decode_tokens,
         "lookup_tokens": args.lookup_tokens,
+        "activations": args.activations,
         "warm_up_only": False,
     }
     theirs_python = {isa: py for isa, py in profiles.items() if has_llama_cpp(py)}

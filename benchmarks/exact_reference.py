@@ -1,6 +1,6 @@
 """How far llama.cpp's logits, and ours, lie from the model computed exactly (not CI).
 
-    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32]
+    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32] [--activations f32|q8]
 
 "Exactly": the same forward pass with every matrix product in float64 on the GGUF's weights
 dequantized (as ggml dequantizes them) and a float32 KV cache, so no rounding of activations,
@@ -9,6 +9,8 @@ the worst top-20 |difference| over the positions, on llama.cpp's 20 best tokens:
 (what the real-model tests check), llama.cpp vs the exact logits, and ours vs the exact logits.
 Where ours is near zero from the exact logits, the distance to llama.cpp is llama.cpp's own rounding
 (8-bit activations before each product, float16 KV, scores and GELU), not a difference of the model.
+Then, for the default model, whether our greedy replies to the chat fixtures (chat_reference.json) are
+llama.cpp's, token for token (`--activations q8`: ours with inputs as bytes, as llama.cpp's).
 """
 
 from __future__ import annotations
@@ -55,18 +57,42 @@ def worst_top20(logits: np.ndarray, ref: dict, other: np.ndarray | None = None) 
     return worst
 
 
+def greedy_as_llamacpp(model) -> tuple[int, int]:
+    """How many of llama.cpp's greedy chat replies (tests/fixtures/llamacpp/chat_reference.json) the
+    model gives token for token, of how many."""
+    cases = json.loads((FIXTURES / "chat_reference.json").read_text())["greedy"]
+    same = 0
+    for case in cases.values():
+        seq = model.new_sequence(len(case["prompt_ids"]) + len(case["greedy_ids"]) + 1)
+        try:
+            logits, reply = model.forward(case["prompt_ids"], seq)[-1], []
+            while len(reply) < len(case["greedy_ids"]):
+                reply.append(int(np.argmax(logits)))
+                logits = model.forward(reply[-1:], seq)[-1]
+        finally:
+            seq.free()
+        same += reply == case["greedy_ids"]
+    return same, len(cases)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default=None, help="one model (default: both)")
     parser.add_argument(
         "--cache-type", choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE, help="our live KV cache's type"
     )
+    parser.add_argument(
+        "--activations", choices=kernels.ACTIVATIONS, default="f32", help="what our products take as inputs"
+    )
     args = parser.parse_args()
     names = [args.model] if args.model else list(MODELS)
     ours = {}
     for name in names:
-        model = load_model(name, cache_type=args.cache_type)
+        model = load_model(name, cache_type=args.cache_type, activations=args.activations)
         ours[name] = {text: model.logits(ref["ids"]) for text, ref in cases(name)}
+        if name == MODELS[0]:
+            same, replies = greedy_as_llamacpp(model)
+            print(f"{name}: greedy replies identical to llama.cpp's: {same}/{replies}", flush=True)
     exact_products()
     print(f"{'model':36} {'text':8} {'ours-llama.cpp':>14} {'llama.cpp-exact':>15} {'ours-exact':>10}")
     for name in names:

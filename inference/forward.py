@@ -61,6 +61,7 @@ class Weights:
     output: PackedMatrix  # [n_vocab, d]
     layers: tuple[LayerWeights, ...]
     rope_freqs: np.ndarray | None = None  # [hd/2] per-frequency factors (llama 3)
+    activations: str = "f32"  # what its products take their inputs as (kernels.ACTIVATIONS)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -336,7 +337,7 @@ def run_parts(parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: We
         row += len(tokens)
     tokens = np.concatenate([seg.tokens for seg in segments])
     positions = np.concatenate([s.positions for s in segments])
-    kernels.use_blas_threads_for(len(tokens))
+    kernels.use_blas_threads_for(len(tokens), w.activations)
     x = w.token_embd.rows(tokens)  # [T, d]
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)

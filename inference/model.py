@@ -192,6 +192,7 @@ def load_model(
     prefill_batch: int = DEFAULT_PREFILL_BATCH,
     source: BlockSource | None = None,
     cache_type: str = DEFAULT_CACHE_TYPE,
+    activations: str = "f32",
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
@@ -199,6 +200,8 @@ def load_model(
     is whether replies guess runs of tokens from the conversation (the text is the same either way);
     `prefill_batch` is the tokens of a prompt per forward pass; `source` is where the pool looks for
     KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source);
-    `cache_type` the live KV cache's element type (kv_cache.CACHE_TYPES: "f16" or "f32")."""
+    `cache_type` the live KV cache's element type (kv_cache.CACHE_TYPES: "f16" or "f32");
+    `activations` what the matrix products take their inputs as (kernels.ACTIVATIONS: "f32" exactly,
+    or "q8" quantized to bytes, faster, as llama.cpp; its KV is kept apart, by the fingerprint)."""
     path = resolve_model(name_or_path, progress)
-    return Model(prepare(path, progress), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)
+    return Model(prepare(path, progress, activations=activations), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)

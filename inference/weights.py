@@ -16,7 +16,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import gguf
@@ -64,6 +64,7 @@ class Prepared:
     tensor_types: dict[str, list]  # name → [type name, shape] of the GGUF's tensors (for the fingerprint)
     tensors: dict[str, TensorEntry] = field(repr=False)
     weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
+    activations: str = "f32"  # what the products take their inputs as (kernels.ACTIVATIONS)
 
     @property
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
@@ -78,8 +79,13 @@ class Prepared:
 
     @property
     def fingerprint(self) -> str:
-        """Stable hash of architecture, hyperparameters and tensor names/types/shapes: what KV depends on."""
-        blob = json.dumps([asdict(self.config), sorted(self.tensor_types.items())], sort_keys=True)
+        """Stable hash of architecture, hyperparameters and tensor names/types/shapes, and of the
+        activations where they are not float32: what KV depends on (KV computed from bytes is not taken
+        for exact KV, nor the other way)."""
+        described = [asdict(self.config), sorted(self.tensor_types.items())]
+        if self.activations != "f32":
+            described.append(self.activations)
+        blob = json.dumps(described, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -191,9 +197,13 @@ def model_info(path: Path, progress: Progress | None = None, use_cache: bool = T
     return info
 
 
-def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True) -> Prepared:
-    """Metadata and weights: everything a Model needs."""
+def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True, activations: str = "f32") -> Prepared:
+    """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS): everything a
+    Model needs."""
+    if activations not in kernels.ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, not {activations!r}")
     info = model_info(path, progress, use_cache)
+    info.activations = activations
     info.weights = load_weights(info, progress, use_cache)
     return info
 
@@ -222,7 +232,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
     and one for gate/up."""
     path, cfg = info.path, info.config
-    quants.compile_kernels(progress, info.matrix_formats)
+    quants.compile_kernels(progress, info.matrix_formats, info.activations)
     gguf_file = GGUFTensors(info)
     plan = matrix_plan(info)
     for _, parts, shapes in plan:  # every tensor there, of its shape and a known type, before any is packed
@@ -244,6 +254,8 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
         matrices = packed_file.load_or_pack(path, pack_all, _packed_layout(info, plan), progress)
     else:
         matrices = dict(pack_all())
+    if info.activations != "f32":
+        matrices = {name: replace(m, activations=info.activations) for name, m in matrices.items()}
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(
@@ -254,7 +266,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
         token_embd = TokenEmbeddings(None, tied=matrices["output"])
     else:
         token_embd = TokenEmbeddings(table, info.tensors["token_embd.weight"].type_name)
-    return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs)
+    return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs, info.activations)
 
 
 LAYER_MATRICES = ("attn_qkv", "ffn_gate_up", "attn_output", "ffn_down")

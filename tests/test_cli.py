@@ -43,6 +43,20 @@ def test_cache_type_chooses_the_live_kv_cache_of_the_model_a_command_opens(qwen2
         assert k.dtype == v.dtype == dtype and model.pool.cache_type == cache_type
 
 
+def test_activations_choose_what_the_products_of_the_model_a_command_opens_take(tiny_model_paths, capsys):
+    from llama_chat.app.commands import open_model
+
+    gemma = str(tiny_model_paths["gemma3"])  # (its output matrix is Q8_0: one that takes bytes)
+    parser = build_parser()
+    for given, activations in (([], "f32"), (["--activations", "q8"], "q8")):
+        model = open_model(parser.parse_args(["--model", gemma, *given, "sessions", "list"]))
+        assert model.weights.activations == model.weights.output.activations == activations
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args(["--activations", "q4", "sessions", "list"])
+    assert exit.value.code == 2
+    assert "argument --activations: invalid choice: 'q4'" in capsys.readouterr().err
+
+
 # In a fresh process: once a command's model is loaded and its compile-later thread is done, a long
 # reply's attention and a snapshot's codec compile nothing more, and the attention kernel was made
 # ready for the model's cache type only.

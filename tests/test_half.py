@@ -95,3 +95,21 @@ def test_a_float16_cache_holds_twice_the_tokens_of_a_float32_one_in_the_same_ram
 def test_an_unknown_cache_type_is_refused_in_one_line(tiny_model_path):
     with pytest.raises(ValueError, match="unknown KV cache type 'q3'"):
         load_model(tiny_model_path, cache_type="q3")
+
+
+def test_inputs_as_bytes_answer_near_the_exact_model_with_kv_of_their_own(tiny_model_paths):
+    """--activations q8: products on inputs quantized to bytes (the tiny Gemma's output matrix, its Q8_0
+    embeddings) give logits near the exact ones, and KV computed so is kept apart (another fingerprint)."""
+    exact = load_model(tiny_model_paths["gemma3"], cache_ram_mb=4)
+    as_bytes = load_model(tiny_model_paths["gemma3"], cache_ram_mb=4, activations="q8")
+    assert as_bytes.fingerprint != exact.fingerprint
+    assert as_bytes.weights.activations == "q8"
+    ids = list(range(1, 40))
+    want, got = exact.logits(ids), as_bytes.logits(ids)
+    assert not np.array_equal(got, want)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+
+
+def test_unknown_activations_are_refused_in_one_line(tiny_model_path):
+    with pytest.raises(ValueError, match="activations must be one of f32, q8, not 'q4'"):
+        load_model(tiny_model_path, activations="q4")

@@ -44,8 +44,10 @@ def run_bench(args) -> int:
         results[key] = value
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    activations = getattr(args, "activations", None) or "f32"
+    results["activations"] = activations
     with ProgressBar() as bar:
-        load_model(args.model, progress=bar)  # make sure the model is assembled and prepared
+        load_model(args.model, progress=bar, activations=activations)  # assembled, prepared, compiled
     from llama_chat.inference import kernels
     from llama_chat.inference.cpu import PROFILE
 
@@ -57,7 +59,7 @@ def run_bench(args) -> int:
     cold = measure_cold_load(args.model)
     report("load_s_cold", round(cold, 3), f"load, cold (GGUF read anew):  {cold:.2f} s")
     t = time.perf_counter()
-    model = load_model(args.model)
+    model = load_model(args.model, activations=activations)
     warm = time.perf_counter() - t
     report("load_s_warm", round(warm, 3), f"load, warm (metadata cached): {warm:.2f} s")
     with tempfile.TemporaryDirectory() as folder:

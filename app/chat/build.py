@@ -40,6 +40,7 @@ class EngineOptions:
     cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
     block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
     cache_type: str = DEFAULT_CACHE_TYPE  # --cache-type: the live KV cache's element type
+    activations: str = "f32"  # --activations: what matrix products take their inputs as
     prompt_lookup: bool = True  # --no-lookup
     codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
     kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
@@ -93,6 +94,7 @@ def open_model(options: EngineOptions, progress: Progress | None = None) -> Mode
         cache_ram_mb=options.cache_ram_mb,
         block_size=options.block_size,
         cache_type=options.cache_type,
+        activations=options.activations,
         prompt_lookup=options.prompt_lookup,
     )
 
