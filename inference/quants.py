@@ -361,6 +361,7 @@ def _compile_steps(matrices, activations: str = "f32") -> list[tuple[str, Callab
     steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
     steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
     if activations != "f32":
+        steps += [("inputs as bytes", kernels.compile_quantize)]
         steps += [
             (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations=activations))
             for what, qtype in kinds

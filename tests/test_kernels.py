@@ -365,3 +365,14 @@ def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkey
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
     assert steps == ["unpacking", "integer weights"]
     assert [done for _, done, _ in seen] == [0, 1, 2] and {total for _, _, total in seen} == {2}
+
+
+def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkeypatch):
+    """--activations q8: the byte kernels of the model's kinds of matrix and both quantizing loops are
+    compiled (or loaded) with the rest, as steps of the progress, so no reply waits on the compiler."""
+    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
+    seen = []
+    quants.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
+    steps = [label.split(": ")[-1] for label in seen[:-1]]
+    kinds = ["integer weights", "Q4_K weights"]
+    assert steps == ["unpacking", *kinds, "inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
