@@ -398,9 +398,11 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
                                       "--cors-origin", PAGE, "--max-connections", "9"])
     options, _ = options_from(args)
     assert (options.allowed_hosts, options.cors_origins, options.max_connections) == (("nas.lan", "nas"), (PAGE,), 9)
-    args = build_parser().parse_args([*db, "--block-size", "16", "serve", "--kv-codec", "f16", "--ctx", "512"])
+    args = build_parser().parse_args([*db, "--block-size", "16", "serve", "--kv-codec", "f16", "--ctx", "512", "--activations", "q8"])
     engine = options_from(args)[0].engine  # what the server's chat engine is built from
     assert (engine.block_size, engine.codec, engine.n_ctx, engine.db) == (16, "f16", 512, tmp_path / "chat.db")
+    assert engine.activations == "q8"
+    assert options_from(build_parser().parse_args([*db, "serve"]))[0].engine.activations == "f32"
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
     assert main([*db, "serve", "--max-connections", "0"]) == 2
     assert capsys.readouterr().err.strip() == "llama-chat: error: --max-connections must be 1 or more"

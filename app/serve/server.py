@@ -192,7 +192,9 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
             raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
     if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
         raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
-    for flag, option in (("block_size", "block_size"), ("cache_type", "cache_type"), ("kv_codec", "codec")):
+    for flag, option in (
+        ("block_size", "block_size"), ("cache_type", "cache_type"), ("activations", "activations"), ("kv_codec", "codec")
+    ):
         if getattr(args, flag, None) is not None:
             given[option] = getattr(args, flag)
     options = ServeOptions(

@@ -48,6 +48,7 @@ class ServeOptions:
     ctx: int = N_CTX
     cache_ram_mb: float = CACHE_RAM_MB
     cache_type: str = DEFAULT_CACHE_TYPE  # the live KV cache's element type (kv_cache.CACHE_TYPES)
+    activations: str = EngineOptions.activations  # what matrix products take as inputs (kernels.ACTIVATIONS)
     block_size: int = DEFAULT_BLOCK_SIZE
     codec: str = CODEC
     prompt_lookup: bool = True
@@ -71,6 +72,7 @@ class ServeOptions:
             cache_ram_mb=self.cache_ram_mb,
             block_size=self.block_size,
             cache_type=self.cache_type,
+            activations=self.activations,
             prompt_lookup=self.prompt_lookup,
             codec=self.codec,
             kv_remote=self.kv_remote,
