@@ -19,6 +19,7 @@ from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
 from .chat.resume import system_message
+from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
 from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
@@ -67,14 +68,15 @@ def reply_settings(args, session: Session | None = None) -> dict:
     return {**(session.sampling if session else {}), **flag_settings(args, REPLY_SETTINGS)}
 
 
-def open_store(args) -> ChatStore:
-    store = ChatStore(args.db)
-    store.on_wait = waiting_notice(store)
-    return store
+def open_sessions(args) -> Sessions:
+    """The conversations of --db, saying so while another process holds them."""
+    sessions = Sessions(args.db)
+    sessions.on_wait = waiting_notice(sessions)
+    return sessions
 
 
-def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
-    """on_wait for the store: say once that another process holds the write lock; with `signals`
+def waiting_notice(store: ChatStore | Sessions, signals: ReplySignals | None = None):
+    """on_wait for the conversations: say once that another process holds the write lock; with `signals`
     (while a reply is stored), a signal during the wait gives up waiting."""
     seen = None
 
@@ -89,9 +91,9 @@ def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
     return on_wait
 
 
-def open_engine(args, store: ChatStore | None = None) -> ChatEngine:
-    """The chat engine of this command line's flags, on `store` (None: one that keeps nothing)."""
-    options = engine_options(args, store=store) if store else engine_options(args, db=build.IN_MEMORY)
+def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:
+    """The chat engine of this command line's flags, on `sessions` (None: one that keeps nothing)."""
+    options = engine_options(args, sessions=sessions) if sessions else engine_options(args, db=build.IN_MEMORY)
     try:
         with ProgressBar() as bar:
             return build.open_engine(options, bar)
@@ -128,11 +130,11 @@ def cmd_ask(args) -> int:
     prompt = question(args)
     if not (args.session or args.new_session):
         return ask_once(args, prompt)
-    store = open_store(args)
-    store.check_writable()  # a reply that could not be stored is not worth computing
+    sessions = open_sessions(args)
+    sessions.check_writable()  # a reply that could not be stored is not worth computing
     if args.session:
-        session = store.get_session(args.session)  # an unknown session fails before the model loads
-    engine = open_engine(args, store)
+        session = sessions.get(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, sessions)
     # before the session is made or changed: a refused prompt leaves nothing behind
     if args.system is not None:
         system = args.system
@@ -144,8 +146,7 @@ def cmd_ask(args) -> int:
         session = engine.new_session(title, args.system, flag_settings(args))
         print(f"session {session.id}", file=sys.stderr)
     elif args.system is not None:
-        store.update_session(session.id, system_prompt=args.system)
-        session = store.get_session(session.id)
+        session = sessions.update(session.id, system_prompt=args.system)
     info = engine.resume(session)
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
@@ -153,7 +154,7 @@ def cmd_ask(args) -> int:
         return stored_reply(engine, session, prompt, args)[1]
     finally:
         if args.new_session:
-            forget_if_empty(store, session)
+            forget_if_empty(sessions, session)
 
 
 def question(args) -> str:
@@ -214,36 +215,36 @@ def reply_grammar(args, model) -> str | None:
         raise ModelError(f"{path or '--json'}: {e}") from None
 
 
-def forget_if_empty(store: ChatStore, session: Session) -> None:
+def forget_if_empty(sessions: Sessions, session: Session) -> None:
     """A session this command made for a reply that was not stored goes again: a failed command
     leaves nothing behind (where the disk lets us: on a full one, even a delete may fail)."""
     with contextlib.suppress(StoreError):
-        if store.get_session(session.id).head_id is None:
-            store.delete_session(session.id)
+        if sessions.get(session.id).head_id is None:
+            sessions.delete(session.id)
 
 
 def cmd_chat(args) -> int:
     servers = user_config().mcp_servers  # a config.toml that cannot be used fails before the model loads
-    store = open_store(args)
-    store.check_writable()
+    sessions = open_sessions(args)
+    sessions.check_writable()
     if args.session:
-        store.get_session(args.session)  # an unknown session fails before the model loads
-    engine = open_engine(args, store)
+        sessions.get(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, sessions)
     tools = open_tools(engine, servers)  # before a session's KV is restored: its prompts offer them
     try:
-        return chat_loop(engine, tools, args)
+        return chat_loop(engine, sessions, tools, args)
     finally:
         if tools is not None:
             tools.close()
 
 
-def chat_loop(engine: ChatEngine, tools, args) -> int:
+def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
     """The session of `chat` (resumed or new), then its lines until Ctrl+D."""
     if args.session:
-        session = engine.store.get_session(args.session)
+        session = sessions.get(args.session)
         info = engine.resume(session)
         print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
-        for m in engine.store.path(session.head_id)[-4:]:
+        for m in sessions.messages(session)[-4:]:
             print(f"{m.role}: {brief(m.content)}", file=sys.stderr)  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line

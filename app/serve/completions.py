@@ -142,7 +142,8 @@ def kv_remote(engine: ChatEngine, job: JobView) -> dict | None:
 def find_session(state: ServerState, session_id: str, tenant: str | None) -> Session:
     """A stored session of the tenant's by id (or unique prefix); 404 when there is none."""
     try:
-        return state.ready().store.get_session(session_id, tenant)
+        state.ready()
+        return state.sessions.get(session_id, tenant)
     except StoreError as e:
         if e.brief is not None:  # the database failed, not the request
             raise

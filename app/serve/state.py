@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
@@ -23,6 +23,7 @@ from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
 from ..chat.engine import ChatEngine
+from ..chat.sessions import Sessions
 from ..chat.settings import CACHE_RAM_MB, CODEC, N_CTX
 from ..progress import ProgressBar
 from .errors import model_not_found, unavailable
@@ -118,6 +119,7 @@ class ServerState:
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
+        self.sessions: Sessions | None = None  # the stored conversations, opened with the engine
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
@@ -134,14 +136,15 @@ class ServerState:
         try:
             model = self._load(options)
             model.warm_up()
-            engine = open_engine(options.engine, model=model)
+            sessions = Sessions(options.db)
+            engine = open_engine(replace(options.engine, sessions=sessions), model=model)
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
-        self.engine = engine
+        self.engine, self.sessions = engine, sessions
         if self.phase == "loading":
             self.phase = "ready"
         say(
@@ -161,7 +164,7 @@ class ServerState:
             self._thread.join()
         if self.engine is not None:
             self.engine.close()
-            self.engine.store.close()
+            self.sessions.close()
 
     # -- what requests ask -------------------------------------------------------------------------
 

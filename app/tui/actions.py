@@ -20,9 +20,9 @@ from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
 from ..chat.attachments import AttachmentError, read_attachment
-from ..chat.engine import fork_before
+from ..chat.sessions import export_file_name
 from ..chat.settings import DEFAULT_SAMPLING
-from ..chat.titles import session_title
+from ..chat.titles import NEW_CHAT, session_title
 from ..config import export_dir
 from .dialogs import ConfirmScreen, HelpScreen, ModelScreen, SettingsScreen, TextScreen
 from .replies import Reply
@@ -70,6 +70,7 @@ class ChatActions:
         if not self.screen.flow.can_start("start a new chat"):
             return
         await self.screen.show_session(None, [])
+        self.screen.draft = {}
         self.screen.query_one(ChatInput).focus()
 
     def search(self) -> None:
@@ -169,19 +170,15 @@ class ChatActions:
 
     def fork_at(self, session: Session, at: Message | None) -> tuple[Session, list[Message], str | None, str]:
         """On a worker thread: the fork, its messages, the text to put in the input, what to say."""
-        engine = self.screen.engine
+        sessions = self.screen.sessions
         if at is not None and at.role == "user":
-            child = (
-                engine.fork(session, before=at.id) if engine else fork_before(self.screen.store, session, at)
-            )
+            child = sessions.fork(session, before=at.id)
             draft, done = at.content, "Forked before your message: change it, then Enter sends it"
         else:
             at_id = at.id if at is not None and at.id != session.head_id else None
-            child = (
-                engine.fork(session, at_id) if engine else self.screen.store.fork_session(session.id, at_id)
-            )
+            child = sessions.fork(session, at_id)
             draft, done = None, "Forked after this reply" if at_id else f"Forked into “{child.title}”"
-        return child, self.screen.store.path(child.head_id), draft, done
+        return child, sessions.messages(child), draft, done
 
     async def forked(self, result: tuple[Session, list[Message], str | None, str]) -> None:
         """Show the new branch; what the user types next goes to the input (with the draft, if any)."""
@@ -201,14 +198,10 @@ class ChatActions:
             self.screen.notify("This chat has no title yet: send a message first.", severity="warning")
             return
 
-        def rename(title: str) -> Session:
-            self.screen.store.rename_session(session.id, title)
-            return self.screen.store.get_session(session.id)
-
         def renamed(title: str | None) -> None:
             title = session_title(title or "")
             if title and title != session.title:
-                self.screen.in_background(partial(rename, title), self.retitled)
+                self.screen.in_background(partial(self.screen.sessions.rename, session.id, title), self.retitled)
 
         self.screen.app.push_screen(TextScreen("Rename chat", session.title), renamed)
 
@@ -234,14 +227,11 @@ class ChatActions:
             )
 
         def delete() -> tuple[Session | None, list[Message]] | None:
-            if self.screen.engine is not None:  # its KV goes too
-                self.screen.engine.delete(session_id)
-            else:
-                self.screen.store.delete_session(session_id)
+            self.screen.sessions.delete(session_id)  # (its KV too, when a model holds it)
             if self.screen.session is None or self.screen.session.id != session_id:
                 return None
-            sessions = self.screen.store.list_sessions()
-            return (sessions[0], self.screen.store.path(sessions[0].head_id)) if sessions else (None, [])
+            left = self.screen.sessions.list()
+            return (left[0], self.screen.sessions.messages(left[0])) if left else (None, [])
 
         async def deleted(next_open: tuple[Session | None, list[Message]] | None) -> None:
             self.screen.notify("Chat deleted", timeout=3)
@@ -252,47 +242,56 @@ class ChatActions:
             if next_open[0] is not None:
                 self.screen.resume(next_open[0])
 
-        self.screen.in_background(partial(self.screen.store.get_session, session_id), ask)
+        self.screen.in_background(partial(self.screen.sessions.get, session_id), ask)
 
     def settings(self) -> None:
-        """System prompt, sampling and title of this chat (a new chat is stored with them)."""
-        session = self.screen.session
-        title = session.title if session else "New chat"
-        system = session.system_prompt if session else self.screen.config.system_prompt
-        if session is None and system is None and self.screen.engine:
-            system = self.screen.engine.system_prompt  # the model's, which a new chat takes
-        sampling = session.sampling if session else dict(self.screen.config.sampling)
-        defaults = self.screen.engine.sampling_defaults if self.screen.engine else DEFAULT_SAMPLING
+        """System prompt, sampling and title of this chat. A new chat keeps them until its first
+        message stores it, as the engine makes every chat (with the model's fingerprint, and its
+        system prompt where none is set), whether the model had loaded when they were set or not."""
+        session, draft, engine = self.screen.session, self.screen.draft, self.screen.engine
+        if session is not None:
+            title, system, sampling = session.title, session.system_prompt, session.sampling
+        else:
+            title = draft.get("title", NEW_CHAT)
+            system = draft.get("system_prompt", self.screen.config.system_prompt)
+            if system is None and engine:
+                system = engine.system_prompt  # the model's, which a new chat takes
+            sampling = draft.get("sampling", dict(self.screen.config.sampling))
+        defaults = engine.sampling_defaults if engine else DEFAULT_SAMPLING
         screen = SettingsScreen(title, system, sampling, self.screen.config.max_tokens, defaults)
 
         def save(settings: dict) -> tuple[Session, list[Message]]:
-            settings = {**settings, "title": session_title(settings["title"]) or "New chat"}
-            target, engine = session, self.screen.engine
-            if target is None:  # a new chat is stored now, with its settings
-                title = settings["title"]
-                target = engine.new_session(title) if engine else self.screen.store.create_session(title)
-            self.screen.store.update_session(target.id, **settings)
-            target = self.screen.store.get_session(target.id)
-            return target, self.screen.store.path(target.head_id)
+            return self.screen.sessions.read(self.screen.sessions.update(session.id, **settings).id)
 
         async def saved(result: tuple[Session, list[Message]]) -> None:
             await self.screen.show_session(*result)
             self.screen.notify("Settings saved for this chat", timeout=3)
 
-        self.screen.app.push_screen(
-            screen, lambda settings: settings and self.screen.in_background(partial(save, settings), saved)
-        )
+        async def chosen(settings: dict | None) -> None:
+            if not settings:
+                return
+            if session is not None:
+                self.screen.in_background(partial(save, settings), saved)
+                return
+            if settings["system_prompt"] is None and system:
+                settings["system_prompt"] = ""  # the prompt shown was cleared: none, not the model's
+            if session_title(settings["title"]) in ("", NEW_CHAT):
+                del settings["title"]  # the first message names it
+            self.screen.draft = settings
+            shown = settings["system_prompt"] if settings["system_prompt"] is not None else system
+            await self.screen.conversation.show_system_prompt(shown)
+            self.screen.notify("Settings kept for this chat: it is stored with its first message", timeout=3)
+
+        self.screen.app.push_screen(screen, chosen)
 
     # -- export, import, help, commands ----------------------------------------------------------
 
     def export(self) -> None:
-        from llama_chat.storage.exchange import default_file_name
-
         session = self.screen.session
         if session is None:
             self.screen.notify("Nothing to export: this chat is not saved yet.", severity="warning")
             return
-        path = export_dir() / default_file_name(session)
+        path = export_dir() / export_file_name(session)
         hint = "Enter writes it (a name ending in .md writes a Markdown transcript), Esc cancels"
         screen = TextScreen("Export chat", str(path), hint=hint)
 
@@ -308,17 +307,13 @@ class ChatActions:
 
     def export_to(self, session_id: str, target: Path) -> str:
         """On a worker thread: write a session to a file; what was written."""
-        from llama_chat.storage.exchange import export_session
-        from llama_chat.storage.transcript import export_markdown
-
+        sessions = self.screen.sessions
         try:
             target.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
             if target.suffix == ".md":
-                export_markdown(self.screen.store, session_id, target)
+                sessions.export_markdown(session_id, target)
                 return f"wrote {target}"
-            return export_session(
-                self.screen.store, session_id, target, progress=self.screen.progress_reporter()
-            ).describe()
+            return sessions.export(session_id, target, progress=self.screen.progress_reporter()).describe()
         finally:
             self.screen.post_message(WorkDone())
 
@@ -341,16 +336,8 @@ class ChatActions:
 
     def import_from(self, path: Path):
         """On a worker thread: add the sessions of a file, with the KV this model made."""
-        from llama_chat.storage.exchange import import_session
-
-        fingerprint = self.screen.engine.model.fingerprint if self.screen.engine else None
         try:
-            return import_session(
-                self.screen.store,
-                path,
-                model_fingerprint=fingerprint,
-                progress=self.screen.progress_reporter(),
-            )
+            return self.screen.sessions.import_file(path, progress=self.screen.progress_reporter())
         finally:
             self.screen.post_message(WorkDone())
 

@@ -10,9 +10,9 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from llama_chat.inference import KNOWN_MODELS, resolve_model
-from llama_chat.storage import ChatStore
 
 from ..chat.build import EngineOptions
+from ..chat.sessions import Sessions
 from ..config import DEFAULT_THEME, ConfigError, State, UserConfig, load_themes
 from ..flags import engine_options
 from .chat_screen import ChatScreen
@@ -44,10 +44,10 @@ class ChatApp(App, inherit_bindings=False):
         # window are the app's: the model chosen, the chats shown, the config's n_ctx
         self.engine_options = engine or EngineOptions()
         self.config = config or UserConfig.load()
-        self.store = ChatStore(db)
+        self.sessions = Sessions(db)  # the chats, shown before the model has loaded
         self.state = State()
         # an unknown --session fails here, before the screen opens (one line, exit 2)
-        session_id = self.store.get_session(session_id).id if session_id else None
+        session_id = self.sessions.get(session_id).id if session_id else None
         self.chat = ChatScreen(model or self.config.model, session_id)
         themes, problems = load_themes()
         for theme in themes:

@@ -25,11 +25,12 @@ from textual.screen import Screen
 from textual.widgets import Footer, Tree
 from textual.worker import Worker, WorkerState
 
-from llama_chat.storage import ChatStore, Message, Session
+from llama_chat.storage import Message, Session
 
 from ..chat.attachments import Attachment
 from ..chat.build import open_engine
 from ..chat.engine import ChatEngine
+from ..chat.sessions import Sessions
 from ..config import UserConfig
 from .actions import ChatActions
 from .conversation import ConversationView
@@ -113,11 +114,12 @@ class ChatScreen(Screen):
         self.flow = ReplyFlow(self)  # the replies asked for, as they are written
         self.actions = ChatActions(self)  # what the other keys do
         self.attached: list[Attachment] = []  # files for the next message (F5)
+        self.draft: dict = {}  # a new chat's settings (title, system_prompt, sampling) until it is stored
         self.tool_calls = ToolCalls(self)  # MCP servers, and the calls a reply makes
 
     @property
-    def store(self) -> ChatStore:
-        return self.app.store
+    def sessions(self) -> Sessions:
+        return self.app.sessions
 
     @property
     def config(self) -> UserConfig:
@@ -203,10 +205,10 @@ class ChatScreen(Screen):
 
     def last_session(self) -> tuple[Session | None, list[Message]]:
         """The chat to open first: the one asked for, else the one open last time, else the newest."""
-        sessions = self.store.list_sessions()
-        wanted = self.wanted_session or self.app.state.last_session(self.store.db_path)
+        sessions = self.sessions.list()
+        wanted = self.wanted_session or self.app.state.last_session(self.sessions.db_path)
         session = next((s for s in sessions if s.id == wanted), sessions[0] if sessions else None)
-        return session, self.store.path(session.head_id) if session else []
+        return session, self.sessions.messages(session) if session else []
 
     async def started(self, opened: tuple[Session | None, list[Message]]) -> None:
         """The last conversation is on screen: now load the model (and resume it on the model)."""
@@ -217,7 +219,7 @@ class ChatScreen(Screen):
     def load_engine(self, name: str | None, remember: bool = False) -> None:
         """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
         self.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
-        options = replace(self.app.engine_options, model=name, store=self.store, n_ctx=self.config.n_ctx)
+        options = replace(self.app.engine_options, model=name, sessions=self.sessions, n_ctx=self.config.n_ctx)
         try:
             engine = open_engine(options, self.progress_reporter())
         except Exception as e:  # a bug, too: replies must not wait for this model forever
@@ -285,16 +287,14 @@ class ChatScreen(Screen):
     def opened(self, session: Session | None) -> None:
         """The chat shown is `session` (a new chat once stored): its title, the sidebar, the next start."""
         self.session = session
+        if session is not None:
+            self.draft = {}  # (a new chat's, once stored)
         self.app.title = f"llama-chat · {session.title}" if session else "llama-chat"
         self.sidebar.show_chats(session.id if session else None)
-        self.app.state.remember_session(self.store.db_path, session.id if session else None)
+        self.app.state.remember_session(self.sessions.db_path, session.id if session else None)
 
     def switch_to(self, session_id: str, message_id: int | None = None) -> None:
         """Open a session (at one of its messages: a search hit) and resume it."""
-
-        def read() -> tuple[Session, list[Message]]:
-            session = self.store.get_session(session_id)
-            return session, self.store.path(session.head_id)
 
         async def opened(result: tuple[Session, list[Message]]) -> None:
             await self.show_session(*result)
@@ -302,7 +302,7 @@ class ChatScreen(Screen):
                 self.show_message(message_id)
             self.resume(result[0])
 
-        self.in_background(read, opened)
+        self.in_background(partial(self.sessions.read, session_id), opened)
 
     def show_message(self, message_id: int) -> None:
         if not self.conversation.show_message(message_id):  # among the earliest of a very long chat

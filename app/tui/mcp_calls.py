@@ -63,11 +63,10 @@ class ToolCalls:
         answer, problem = self.tools.answer(call, confirmed)
         if problem:
             self.screen.notify(problem, title="Tool call failed", severity="error", timeout=10)
-        self.screen.store.add_message(session.id, "tool", answer)
+        self.screen.engine.store.add_message(session.id, "tool", answer)
 
     def conversation(self, session: Session) -> tuple[Session, list[Message]]:
-        session = self.screen.store.get_session(session.id)
-        return session, self.screen.store.path(session.head_id)
+        return self.screen.sessions.read(session.id)
 
     async def go_on(self, opened: tuple[Session, list[Message]]) -> None:
         """The answers are stored: show them, and let the model reply with them in front of it."""

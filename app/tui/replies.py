@@ -21,6 +21,7 @@ from llama_chat.storage import Message, Session, StoreError
 from ..chat.attachments import with_attachments
 from ..chat.engine import ChatEngine, SavedReply
 from ..chat.jobs import Event, JobView
+from ..chat.sessions import Sessions
 from ..chat.titles import title_from_text
 from ..config import ConfigError
 from .dialogs import AlternativesScreen
@@ -73,7 +74,7 @@ class Reply:
                 return out
 
 
-def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
+def submit(engine: ChatEngine | None, sessions: Sessions, reply: Reply) -> Branch | None:
     """On a worker thread: submit the reply's job, after making the branch it goes to; where it goes
     (None for several alternatives: each has its own branch, known when they end)."""
     if engine is None:
@@ -91,7 +92,7 @@ def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
     else:
         branch = reply.session or engine.new_session(**reply.new_chat)
         reply.job = engine.reply(branch, reply.text, **options)
-    return Branch(branch, engine.store.path(branch.head_id), reply.text)
+    return Branch(branch, sessions.messages(branch), reply.text)
 
 
 def saved_replies(reply: Reply) -> list[SavedReply]:
@@ -148,11 +149,10 @@ class ReplyFlow:
             self.screen.query_one(ChatInput).clear()
             text, self.screen.attached = with_attachments(text, self.screen.attached), []
             reply = Reply(session, text, self.max_tokens(session))
+            config = self.screen.config
             reply.new_chat = dict(
-                title=title_from_text(text),
-                system_prompt=self.screen.config.system_prompt,
-                sampling=dict(self.screen.config.sampling),
-            )
+                title=title_from_text(text), system_prompt=config.system_prompt, sampling=dict(config.sampling)
+            ) | self.screen.draft
             sent = [MessageView("user", text)]
         else:
             last = self.screen.conversation.last()
@@ -182,7 +182,7 @@ class ReplyFlow:
         if reply.n > 1:  # no text streams before the end: a bar says it works
             self.screen.status.progress(work_label(reply))
         self.screen.in_background(
-            partial(submit, self.screen.engine, reply),
+            partial(submit, self.screen.engine, self.screen.sessions, reply),
             partial(self.reply_started, reply),
             failed=partial(self.reply_refused, reply),
         )
@@ -199,7 +199,7 @@ class ReplyFlow:
             self.screen.session is None or self.screen.session.id != branch.session.id
         ):
             self.screen.opened(branch.session)  # a new chat, stored now
-            await self.screen.conversation.show_system_prompt(branch.session)
+            await self.screen.conversation.show_system_prompt(branch.session.system_prompt)
         if reply.view is not None:
             reply.view.set_note("reading the conversation…")
         reply.started = True
@@ -258,7 +258,7 @@ class ReplyFlow:
         stored = saved[0].session if saved else None
         if job.error is None and stored is not None:
             self.screen.in_background(
-                partial(self.screen.store.path, stored.head_id),
+                partial(self.screen.sessions.messages, stored),
                 partial(self.reply_stored, reply, stored),
                 failed=lambda error: self.reply_done(reply),
             )
