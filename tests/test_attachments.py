@@ -152,7 +152,7 @@ async def test_the_app_attaches_a_file_with_f5(open_chat, notes, tmp_path):
         await say(pilot, "hello the world")
         (asked, _) = [m.content for m in app.sessions.read(app.chat.session.id)[1]]
         assert asked.endswith("hello the world") and TEXT in asked and "notes.txt" in asked
-        assert app.chat.attached == []  # sent once
+        assert app.chat.flow.attached == []  # sent once
         assert "notes.txt" in app.chat.session.title
 
 

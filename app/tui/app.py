@@ -16,6 +16,7 @@ from ..chat.sessions import Sessions
 from ..config import DEFAULT_THEME, ConfigError, State, UserConfig, load_themes
 from ..flags import engine_options
 from .chat_screen import ChatScreen
+from .open_chat import ChatOpened
 from .sidebar import SessionTree
 from .widgets import ChatInput, MessageView
 
@@ -40,15 +41,13 @@ class ChatApp(App, inherit_bindings=False):
         engine: EngineOptions | None = None,
     ):
         super().__init__()
-        # how the chat engine is built (--cache-ram, --kv-remote, …); its model, database and context
-        # window are the app's: the model chosen, the chats shown, the config's n_ctx
-        self.engine_options = engine or EngineOptions()
         self.config = config or UserConfig.load()
         self.sessions = Sessions(db)  # the chats, shown before the model has loaded
-        self.state = State()
+        self.state = State()  # the chat open last time, per database
         # an unknown --session fails here, before the screen opens (one line, exit 2)
-        session_id = self.sessions.get(session_id).id if session_id else None
-        self.chat = ChatScreen(model or self.config.model, session_id)
+        session_id = self.sessions.get(session_id).id if session_id else self.state.last_session(self.sessions.db_path)
+        options = engine or EngineOptions()
+        self.chat = ChatScreen(self.sessions, self.config, options, model or self.config.model, session_id)
         themes, problems = load_themes()
         for theme in themes:
             self.register_theme(theme)
@@ -71,6 +70,12 @@ class ChatApp(App, inherit_bindings=False):
                 f"{self.config.path}: unknown binding id(s) {', '.join(sorted(unknown))}", severity="warning"
             )
 
+    def on_chat_opened(self, event: ChatOpened) -> None:
+        """The chat shown: the title says it, and it opens first next time."""
+        session = event.session
+        self.title = f"llama-chat · {session.title}" if session else "llama-chat"
+        self.state.remember_session(self.sessions.db_path, session.id if session else None)
+
     def theme_named(self, name: str) -> str | None:
         """The theme a name means: its own, or one of ours by its short name ("dark": llama-dark)."""
         for candidate in (name, f"llama-{name}"):
@@ -90,7 +95,7 @@ class ChatApp(App, inherit_bindings=False):
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
         if isinstance(screen, ChatScreen):
-            yield from screen.actions.commands()
+            yield from screen.commands()
 
     def key_help(self) -> list[tuple[str, list[tuple[str, str, str]]]]:
         """The keys by place, with the user's keymap applied: (heading, [(keys, description, id)])."""

@@ -136,19 +136,16 @@ class SessionTree(Tree[ChatRef]):
 
 
 class Sidebar(Vertical):
-    """The search field and the tree; it reads the store off the UI thread and redraws itself."""
+    """The search field and the tree; it reads the chats (`sessions`) off the UI thread and redraws itself."""
 
     BINDINGS = [Binding("down", "to_results", "Results", id="search_results", show=False)]
 
-    def __init__(self, **kwargs):
+    def __init__(self, sessions: Sessions, **kwargs):
         super().__init__(**kwargs)
+        self.sessions = sessions
         self.current: str | None = None  # the open chat's session, marked with "●"
         self.hide_api = False  # the chats clients of `llama-chat serve` made are left out
         self._search_timer = None
-
-    @property
-    def sessions(self) -> Sessions:
-        return self.app.sessions
 
     @property
     def search(self) -> Input:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
@@ -180,7 +182,8 @@ class WorkDone(UIMessage):
 
 
 class StatusLine(Horizontal):
-    """Model, context used, speed of the last reply, how the session was resumed; a bar for long work."""
+    """Model, context used, speed of the last reply, how the session was resumed; a bar for long work
+    (told by workers with Progress and WorkDone, posted to it)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -212,3 +215,22 @@ class StatusLine(Horizontal):
     def done(self) -> None:
         self.set(work=None)
         self.query_one(ProgressBar).display = False
+
+    def on_progress(self, event: Progress) -> None:
+        self.progress(event.label, event.done, event.total)
+
+    def on_work_done(self) -> None:
+        self.done()
+
+    def reporter(self) -> Callable[[str, int, int], None]:
+        """A progress(label, done, total) callback for a worker thread: this line's bar, at most 10
+        times a second."""
+        last = [0.0]
+
+        def report(label: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or (total and done >= total):
+                last[0] = now
+                self.post_message(Progress(label, done, total))
+
+        return report
