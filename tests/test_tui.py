@@ -74,6 +74,29 @@ async def test_a_message_streams_in_and_everything_is_stored(open_chat, qwen2, s
 
 
 @aio
+async def test_a_reply_streamed_as_code_without_a_fence_ends_drawn_as_code():
+    from textual.app import App
+    from textual.widgets.markdown import MarkdownBlock, MarkdownFence
+
+    code = "def half(x):\n    # the lower half\n    return x // 2\n\n# Try it\nprint(half(7))\n"
+
+    class OneMessage(App):
+        def compose(self):
+            yield MessageView("assistant")
+
+    async with OneMessage().run_test() as pilot:
+        view = pilot.app.query_one(MessageView)
+        for piece in ("Here:\n\n", code[:20], code[20:]):
+            await view.append(piece)
+        await view.finish()
+        await pilot.pause()
+        blocks = [type(b).__name__ for b in view.query(MarkdownBlock) if b.parent is view.query_one("Markdown")]
+        assert blocks == ["MarkdownParagraph", "MarkdownFence"]  # no heading made of the comment
+        assert view.query_one(MarkdownFence).code == code.rstrip("\n")  # line for line, indented as written
+        assert view.content == "Here:\n\n" + code  # what is stored and copied: the text as written
+
+
+@aio
 async def test_the_context_count_grows_while_a_reply_streams(open_chat, slow_decode):
     slow_decode(0.02)
     async with open_chat(max_tokens=30) as pilot:

@@ -6,14 +6,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
-from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
+from textual.widgets import Collapsible, Label, Markdown, ProgressBar, Static, TextArea
 
 from llama_chat.storage import Message
+from llama_chat.storage.fragments import parts
+
+from .message_text import fenced, markdown_parser, size_text
 
 if TYPE_CHECKING:
     from llama_chat.inference import Model
@@ -24,7 +26,8 @@ AUTHORS = {"user": "you", "assistant": "assistant"}
 
 
 class MessageView(Vertical, can_focus=True):
-    """A message of the conversation, as Markdown; focus it (↑ from the input) to act on it."""
+    """A message of the conversation as it was written (message_text.py): Markdown, each attached file
+    folded with its name and size; focus it (↑ from the input) to act on it."""
 
     BINDINGS = [
         # a tooltip puts the action in the command palette, where it acts on the selected (or last) message
@@ -51,7 +54,12 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._heading(), classes="author", markup=False)
-        yield Markdown(self.content)
+        for name, text in parts(self.content) or [(None, "")]:
+            if name is None:
+                yield Markdown(fenced(text), parser_factory=markdown_parser)
+            else:
+                title = f"{name} · {size_text(text)}"
+                yield Collapsible(Static(text, markup=False), title=title, classes="attachment")
 
     def _heading(self) -> str:
         author = AUTHORS.get(self.role, self.role)
@@ -64,18 +72,21 @@ class MessageView(Vertical, can_focus=True):
     async def append(self, text: str) -> None:
         """Add streamed text: the Markdown stream renders only the blocks that changed."""
         if self._stream is None:
-            self._stream = Markdown.get_stream(self.query_one(Markdown))
+            self._stream = Markdown.get_stream(self.query(Markdown).last())
         self.content += text
         await self._stream.write(text)
 
     async def finish(self) -> None:
+        """The reply is written: drawn again whole, its code written without a fence fenced."""
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+            if fenced(self.content) != self.content:
+                await self.query(Markdown).last().update(fenced(self.content))
 
     def code_blocks(self) -> list[str]:
-        tokens = MarkdownIt("gfm-like").parse(self.content)
-        return [t.content for t in tokens if t.type in ("fence", "code_block")]
+        written = "\n".join(fenced(text) for name, text in parts(self.content) if name is None)
+        return [t.content for t in markdown_parser().parse(written) if t.type in ("fence", "code_block")]
 
     def action_edit(self) -> None:
         self.post_message(self.Edit(self))
