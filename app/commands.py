@@ -93,7 +93,8 @@ def waiting_notice(store: ChatStore | Sessions, signals: ReplySignals | None = N
 
 def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:
     """The chat engine of this command line's flags, on `sessions` (None: one that keeps nothing)."""
-    options = engine_options(args, sessions=sessions) if sessions else engine_options(args, db=build.IN_MEMORY)
+    given = {"sessions": sessions} if sessions else {"db": build.IN_MEMORY}
+    options = engine_options(args, **given)
     try:
         with ProgressBar() as bar:
             return build.open_engine(options, bar)

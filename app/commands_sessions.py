@@ -83,7 +83,8 @@ def search_sessions(args) -> int:
         return 1
     for session, message in found:
         number = next(i for i, m in enumerate(sessions.messages(session), 1) if m.id == message.id)
-        print(f"{session.id}  {session.title}  [{number}] {message.role}: {snippet(message.content, args.text)}")
+        found_text = snippet(message.content, args.text)
+        print(f"{session.id}  {session.title}  [{number}] {message.role}: {found_text}")
     return 0
 
 

@@ -90,7 +90,8 @@ async def test_a_reply_streamed_as_code_without_a_fence_ends_drawn_as_code():
             await view.append(piece)
         await view.finish()
         await pilot.pause()
-        blocks = [type(b).__name__ for b in view.query(MarkdownBlock) if b.parent is view.query_one("Markdown")]
+        markdown = view.query_one("Markdown")
+        blocks = [type(b).__name__ for b in view.query(MarkdownBlock) if b.parent is markdown]
         assert blocks == ["MarkdownParagraph", "MarkdownFence"]  # no heading made of the comment
         assert view.query_one(MarkdownFence).code == code.rstrip("\n")  # line for line, indented as written
         assert view.content == "Here:\n\n" + code  # what is stored and copied: the text as written
@@ -271,6 +272,42 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(open_chat, slow_decod
         stored = app.sessions.messages(app.chat.session)[-1]
         assert stored.role == "assistant" and stored.content == view.content != ""
         assert stored.stats["stop_reason"] == "cancelled" and stored.stats["generated_tokens"] < 100
+
+
+@aio
+async def test_ctrl_c_stops_a_reply_and_on_an_idle_prompt_says_how_to_quit(open_chat, slow_decode):
+    slow_decode(0.05)
+    async with open_chat(max_tokens=100) as pilot:
+        app = pilot.app
+        await pilot.press(*"hello the world", "enter")
+        await until(pilot, lambda: len(views(app)) == 2 and views(app)[1].content, what="tokens")
+        await pilot.press("ctrl+c")
+        await idle(pilot)
+        assert views(app)[1].note == "stopped" and app.is_running  # the reply stopped, the app goes on
+        stored = app.sessions.messages(app.chat.session)[-1]
+        assert stored.stats["stop_reason"] == "cancelled" and stored.content == views(app)[1].content
+        assert not any("quit" in n for n in notices(app))
+        await pilot.press("ctrl+c")  # nothing to stop: as before, it says how to quit
+        await pilot.pause()
+        assert any("Press" in n and "to quit" in n for n in notices(app)) and app.is_running
+
+
+def test_keys_typed_before_the_app_started_keep_enter_as_enter():
+    """A terminal in its ordinary mode turns Enter into a line feed as it arrives (see early_keys.py)."""
+    import os
+    import pty
+    import select
+
+    from llama_chat.app.tui.early_keys import typed_keys
+
+    terminal, app_side = pty.openpty()
+    try:
+        os.write(terminal, "héllo\rmore".encode())  # Enter, then keys of a second line not ended
+        select.select([app_side], [], [], 10)
+        assert [event.key for event in typed_keys(app_side)] == [*"héllo", "enter", *"more"]
+    finally:
+        os.close(terminal)
+        os.close(app_side)
 
 
 @aio

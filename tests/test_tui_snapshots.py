@@ -30,9 +30,10 @@ def add(a: int, b: int) -> int:
 """
 
 
-def conversation(
-    store: ChatStore, title: str, reply: str = REPLY, asked: str = "Write a Python function that adds two numbers."
-):
+ASKED = "Write a Python function that adds two numbers."
+
+
+def conversation(store: ChatStore, title: str, reply: str = REPLY, asked: str = ASKED):
     session = store.create_session(title, system_prompt="You are a concise coding assistant.")
     store.add_message(session.id, "user", asked)
     store.add_message(session.id, "assistant", reply)
@@ -148,7 +149,8 @@ def test_a_haiku_keeps_its_four_lines_and_html_shows_as_text(snap_compare, tmp_p
 def test_an_attached_file_is_folded_with_its_name_and_size(snap_compare, tmp_path, tiny_model_paths):
     from llama_chat.storage.fragments import inline
 
-    source = "import functools\n\n\n@functools.cache\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    source = "import functools\n\n\n@functools.cache\ndef fib(n):\n"
+    source += "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
     asked = inline("fib.py", source) + "What does this file do?"
     conversation(ChatStore(tmp_path / "chat.db"), "fib.py", "It computes Fibonacci numbers, cached.", asked)
     assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)

@@ -135,7 +135,12 @@ class Sessions:
         return self._store.delete_session(session_id)
 
     def fork(
-        self, session: Session, at_message: int | None = None, title: str | None = None, *, before: int | None = None
+        self,
+        session: Session,
+        at_message: int | None = None,
+        title: str | None = None,
+        *,
+        before: int | None = None,
     ) -> Session:
         """A new session sharing `session`'s messages up to `at_message` (default: its head), or ending
         just before the message `before`; through the engine when there is one (it shares the KV in RAM)."""

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from textual.actions import SkipAction
+
 from llama_chat.inference import KNOWN_MODELS
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
@@ -42,6 +44,12 @@ class ChatActions:
         if not self.flow.stop():
             self.chat.sidebar.leave_search()
             self.chat_input.focus()
+
+    def stop_reply(self) -> None:
+        """Ctrl+C: stop the replies being written, as Esc does (and as `chat` does); with none, the key
+        goes on to what it does elsewhere (copy a selection, else say how to quit)."""
+        if not self.flow.stop():
+            raise SkipAction()
 
     def choose_model(self) -> None:
         if not self.flow.can_start("change the model"):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
+from textual.driver import Driver
 from textual.screen import Screen
 
 from llama_chat.inference import KNOWN_MODELS, resolve_model
@@ -45,7 +46,10 @@ class ChatApp(App, inherit_bindings=False):
         self.sessions = Sessions(db)  # the chats, shown before the model has loaded
         self.state = State()  # the chat open last time, per database
         # an unknown --session fails here, before the screen opens (one line, exit 2)
-        session_id = self.sessions.get(session_id).id if session_id else self.state.last_session(self.sessions.db_path)
+        if session_id:
+            session_id = self.sessions.get(session_id).id
+        else:
+            session_id = self.state.last_session(self.sessions.db_path)
         options = engine or EngineOptions()
         self.chat = ChatScreen(self.sessions, self.config, options, model or self.config.model, session_id)
         themes, problems = load_themes()
@@ -69,6 +73,16 @@ class ChatApp(App, inherit_bindings=False):
             self.notify(
                 f"{self.config.path}: unknown binding id(s) {', '.join(sorted(unknown))}", severity="warning"
             )
+
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver for this terminal; on Linux and macOS one that reads the keys typed while
+        the app started as they were meant (early_keys.py)."""
+        driver = super().get_driver_class()
+        if driver.__name__ == "LinuxDriver":
+            from .early_keys import EarlyKeysDriver
+
+            return EarlyKeysDriver
+        return driver
 
     def on_chat_opened(self, event: ChatOpened) -> None:
         """The chat shown: the title says it, and it opens first next time."""

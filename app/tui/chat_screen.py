@@ -48,6 +48,9 @@ class ModelReady(UIMessage):
         self.error = error
 
 
+LAST = ("escape", "ctrl+c")  # keys whose action comes after the focused widget's own
+
+
 class ChatScreen(Screen):
     # Textual focuses this when the screen is first shown (else the first focusable: the sidebar's
     # search box, which took what was typed while the app started)
@@ -57,7 +60,7 @@ class ChatScreen(Screen):
     # the help screen and, by its tooltip, the command palette all come from here; what does it is a
     # method of the chat's actions (bind_actions), or the screen's own for its layout and help.
     BINDINGS = [
-        Binding(key, action, title, id=action, show=show, priority=key != "escape", tooltip=tooltip)
+        Binding(key, action, title, id=action, show=show, priority=key not in LAST, tooltip=tooltip)
         for key, action, title, show, tooltip in [
             ("ctrl+n", "new_chat", "New", True, "Start a new chat"),
             ("ctrl+o", "fork", "Fork", True, "Fork this chat (or at the selected message) into a new branch"),
@@ -70,6 +73,7 @@ class ChatScreen(Screen):
             ),
             ("ctrl+t", "regenerate_three", "Regenerate ×3", False, "Three replies at once, each in a branch"),
             ("escape", "stop", "Stop reply", False, "Stop the reply being written, keeping what it wrote"),
+            ("ctrl+c", "stop_reply", "Stop reply", False, None),  # (as in `chat`; idle: Textual's own)
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
             ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
             (
@@ -126,6 +130,7 @@ class ChatScreen(Screen):
             "regenerate": actions.regenerate,
             "regenerate_three": actions.regenerate_three,
             "stop": actions.stop,
+            "stop_reply": actions.stop_reply,
             "rename": actions.rename,
             "delete": actions.delete,
             "settings": actions.settings,
@@ -205,7 +210,8 @@ class ChatScreen(Screen):
     def last_session(self) -> tuple[Session | None, list[Message]]:
         """The chat to open first: the one asked for (or open last time), else the newest."""
         sessions = self.model.sessions.list()
-        session = next((s for s in sessions if s.id == self.wanted_session), sessions[0] if sessions else None)
+        wanted = [s for s in sessions if s.id == self.wanted_session]
+        session = (wanted or sessions or [None])[0]
         return session, self.model.sessions.messages(session) if session else []
 
     async def started(self, opened: tuple[Session | None, list[Message]]) -> None:
@@ -222,7 +228,9 @@ class ChatScreen(Screen):
     def load_engine(self, name: str | None, remember: bool = False) -> None:
         """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
         self.status.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
-        options = replace(self.engine_options, model=name, sessions=self.model.sessions, n_ctx=self.config.n_ctx)
+        options = replace(
+            self.engine_options, model=name, sessions=self.model.sessions, n_ctx=self.config.n_ctx
+        )
         old = self.model.engine
         try:
             engine = open_engine(options, self.status.reporter())
@@ -293,7 +301,8 @@ class ChatScreen(Screen):
     def action_toggle_api_chats(self) -> None:
         self.sidebar.hide_api = not self.sidebar.hide_api
         self.open_chat.show_chats()
-        self.notify("API chats hidden (F6 shows them)" if self.sidebar.hide_api else "API chats shown", timeout=3)
+        shown = "API chats hidden (F6 shows them)" if self.sidebar.hide_api else "API chats shown"
+        self.notify(shown, timeout=3)
 
     def show_sidebar(self, show: bool) -> None:
         """Show or hide the sidebar, whatever the terminal's width would choose."""

@@ -18,7 +18,8 @@ from markdown_it.rules_core import StateCore
 # assignment, a call alone on its line, brackets alone, a block opened with a keyword or a brace.
 CODE_LINE = re.compile(
     r"""\s*(?:
-        (?:def|fn|function)\s+\w+\s*\( | class\s+\w+ | struct\s+\w+ | import\s+[\w.]+ | from\s+[\w.]+\s+import\b
+        (?:def|fn|function)\s+\w+\s*\( | (?:class|struct)\s+\w+
+      | import\s+[\w.]+ | from\s+[\w.]+\s+import\b
       | (?:return|raise|yield)\b | await\s+\w | (?:pass|break|continue)\s*;?\s*$
       | (?:if|elif|while|with|except)\b.*[()=<>\[\].].*:\s*$ | for\s+[\w, ]+\s+in\s+.+:\s*$
       | (?:if|for|while|switch|catch)\s*\(.*\)\s*\{?\s*$ | (?:else|try|finally)\s*[:{]
@@ -56,6 +57,8 @@ def fenced(text: str) -> str:
     code does, with the comments, blank and indented lines among and after them (a prose line ends a
     run; one without a line of code is left as it is)."""
     lines = text.split("\n")
+    if not any(CODE_LINE.match(line) for line in lines):
+        return text  # (most messages: no Markdown parsed twice)
     in_block = set()  # lines of the fenced and indented code blocks already there
     for token in markdown_parser().parse(text):
         if token.type in ("fence", "code_block") and token.map:
@@ -85,5 +88,5 @@ def size_text(text: str) -> str:
     """A file's size as a person reads it: its lines and bytes ("34 lines, 1.2 kB")."""
     size = len(text.encode("utf-8"))
     lines = len(text.splitlines())
-    amount = f"{size} B" if size < 1000 else f"{size / 1000:.1f} kB" if size < 10**6 else f"{size / 10**6:.1f} MB"
+    amount = f"{size} B" if size < 1000 else f"{size / 1000:.1f} kB"
     return f"{lines:,} line{'s' if lines != 1 else ''}, {amount}"

@@ -164,9 +164,10 @@ class ReplyFlow:
             text, self.attached = with_attachments(text, self.attached), []
             reply = Reply(session, text, self.max_tokens(session))
             config = self.config
-            reply.new_chat = dict(
-                title=title_from_text(text), system_prompt=config.system_prompt, sampling=dict(config.sampling)
-            ) | self.chat.draft
+            title = title_from_text(text)
+            reply.new_chat = {
+                "title": title, "system_prompt": config.system_prompt, "sampling": dict(config.sampling)
+            } | self.chat.draft
             sent = [MessageView("user", text)]
         else:
             last = self.chat.conversation.last()
@@ -182,7 +183,8 @@ class ReplyFlow:
         and its job's events are drawn every FLUSH_S until it ends."""
         self.running.append(reply)
         if reply.view is not None:
-            reply.view.set_note("waiting for the model" if self.model.loading else "reading the conversation…")
+            waiting = "waiting for the model" if self.model.loading else "reading the conversation…"
+            reply.view.set_note(waiting)
         if not self.model.loading:  # else the load's progress stays on the status line until it is done
             self.start(reply)
         self.draw(True)

@@ -81,8 +81,9 @@ class MessageView(Vertical, can_focus=True):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-            if fenced(self.content) != self.content:
-                await self.query(Markdown).last().update(fenced(self.content))
+            written = fenced(self.content)
+            if written != self.content:
+                await self.query(Markdown).last().update(written)
 
     def code_blocks(self) -> list[str]:
         written = "\n".join(fenced(text) for name, text in parts(self.content) if name is None)
