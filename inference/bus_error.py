@@ -27,7 +27,7 @@ MESSAGE = np.frombuffer(
     np.uint8,
 )
 # Found by name when the compiled code is loaded (a ctypes pointer would be an address of this process,
-# which numba's cache cannot keep).
+# which numba's cache cannot keep). The message's address goes as an integer of a pointer's width.
 _write = types.ExternalFunction("write", types.intp(types.intc, types.uintp, types.uintp))
 _exit = types.ExternalFunction("_exit", types.void(types.intc))
 
@@ -44,7 +44,10 @@ def stop_cleanly_on_bus_error():
     not at import, where loading it would start numba's compiler for nothing."""
     if not hasattr(signal, "SIGBUS"):  # (Windows: no such signal)
         return None
-    handler = cfunc(types.void(types.intc), cache=True)(_on_bus_error)
+    try:
+        handler = cfunc(types.void(types.intc), cache=True)(_on_bus_error)
+    except Exception:  # (numba cannot build it on this system: a bus error keeps the system's default)
+        return None
     libc = ctypes.CDLL(None)
     libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
     libc.signal.restype = ctypes.c_void_p
