@@ -13,7 +13,7 @@ from .chat.titles import session_title
 from .commands import open_engine, open_store
 from .config import export_dir
 from .progress import ProgressBar
-from .terminal import escaped, print_json
+from .terminal import escaped, on_stdout, print_json
 
 
 def when(ts: float) -> str:
@@ -151,7 +151,7 @@ def cmd_export(args) -> int:
     if to_stdout and not args.markdown:
         raise StoreError("a .llamachat file is binary: give -o FILE (only --markdown goes to stdout)")
     if args.markdown and to_stdout:
-        sys.stdout.write(escaped(markdown_transcript(store, session.id), lines=True))  # -o FILE: as it is
+        sys.stdout.write(on_stdout(markdown_transcript(store, session.id)))
         return 0
     name = default_file_name(session, ".md" if args.markdown else SUFFIX)
     out = args.output or export_dir() / name

@@ -34,6 +34,12 @@ def escaped(text: str, lines: bool = False) -> str:
     return text.translate(_AS_TEXT if lines else _AS_LINE)
 
 
+def on_stdout(text: str) -> str:
+    """Text (a reply, a transcript) as it goes to stdout: escaped() where that is a terminal, exactly
+    as it is into a pipe or a file (JSON a reply wrote may hold a carriage return)."""
+    return escaped(text, lines=True) if sys.stdout.isatty() else text
+
+
 def print_json(value) -> None:
     print(json.dumps(value, ensure_ascii=False).translate(_AS_JSON))
 
@@ -45,10 +51,9 @@ def say(line: str) -> None:
 
 
 def write(text: str) -> bool:
-    """Text on stdout (a reply's, its control characters escaped); False once no one reads it (a closed
-    terminal or pipe)."""
+    """A reply's text on stdout (on_stdout); False once no one reads it (a closed terminal or pipe)."""
     try:
-        sys.stdout.write(escaped(text, lines=True))
+        sys.stdout.write(on_stdout(text))
         sys.stdout.flush()
         return True
     except OSError:

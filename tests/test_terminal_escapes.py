@@ -1,8 +1,8 @@
 """Text this program did not write — titles set through the API, imported titles and messages, names,
 the arguments that errors repeat — is printed with its control characters escaped, so that none can
 set the terminal's title, clear the screen or move the cursor: in `sessions list`, `show`, `search`,
-`export --markdown` to the terminal, `chat` and the error lines. A file written with -o is the text
-as it is."""
+`export --markdown` and replies on the terminal, `chat` and the error lines. A transcript written
+to a file or a pipe is the text as it is."""
 
 from __future__ import annotations
 
@@ -61,13 +61,21 @@ def test_an_imported_session_is_printed_escaped(imported, capsys):
     assert shown.count(BODY_SHOWN) == 3  # the system prompt, both messages: their lines kept
     found = printed(capsys, [*db, "sessions", "search", "world"])
     assert TITLE_SHOWN in found and "\\x9b31m" in found
+
+
+def test_a_transcript_on_the_terminal_is_escaped(imported, capsys, monkeypatch):
+    db, sid = imported
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
     assert printed(capsys, [*db, "export", "--markdown", sid]).count(BODY_SHOWN) == 3
 
 
-def test_a_transcript_written_to_a_file_is_the_text_as_it_is(imported, tmp_path, capsys):
+def test_a_transcript_written_to_a_file_or_a_pipe_is_the_text_as_it_is(imported, tmp_path, capsys):
     db, sid = imported
     assert main([*db, "export", "--markdown", sid, "-o", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "t.md").read_bytes().decode().count(BODY) == 3
+    capsys.readouterr()
+    assert main([*db, "export", "--markdown", sid]) == 0  # (stdout is not a terminal here)
+    assert capsys.readouterr().out.count(BODY) == 3
 
 
 def test_an_error_line_repeating_an_argument_is_escaped(tmp_path, capsys):
