@@ -10,7 +10,7 @@ from llama_chat.storage import Session
 
 from .chat.attachments import Attachment, AttachmentError, read_attachment, with_attachments
 from .chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
-from .terminal import say
+from .terminal import escaped, say
 
 
 class PendingFiles:
@@ -90,7 +90,7 @@ def answer_calls(engine, session: Session, tools: MCPTools, reply: Callable[[Ses
 def ask_yes(question: str) -> bool:
     """y/n on the terminal; anything but y (or Ctrl+D, Ctrl+C) is no."""
     try:
-        return input(question).strip().lower() in ("y", "yes")
+        return input(escaped(question)).strip().lower() in ("y", "yes")
     except (EOFError, KeyboardInterrupt):
         print()
         return False

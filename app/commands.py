@@ -26,7 +26,7 @@ from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
 from .flags import engine_options
 from .progress import ProgressBar
 from .signals import ReplySignals
-from .terminal import UsageError, print_json, read_prompt, read_text, say, stream_reply
+from .terminal import UsageError, escaped, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
@@ -244,9 +244,9 @@ def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
     if args.session:
         session = sessions.get(args.session)
         info = engine.resume(session)
-        print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
+        say(f"Resumed '{escaped(session.title)}' ({session.id}): {info.describe()}.")
         for m in sessions.messages(session)[-4:]:
-            print(f"{m.role}: {brief(m.content)}", file=sys.stderr)  # an attached file by its name
+            say(f"{m.role}: {brief(m.content)}")  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)

@@ -13,7 +13,7 @@ from .chat.sessions import Sessions, export_file_name, read_session_file
 from .commands import open_engine, open_sessions
 from .config import export_dir
 from .progress import ProgressBar
-from .terminal import print_json
+from .terminal import escaped, on_stdout, print_json
 
 
 def when(ts: float) -> str:
@@ -30,7 +30,7 @@ def list_sessions(args) -> int:
     for s in sessions:
         fork = f"  (fork of {s.forked_from})" if s.forked_from else ""
         api = "  (API)" if s.origin == "api" else ""
-        print(f"{s.id}  {when(s.updated)}  {s.n_tokens:>6}  {s.title}{fork}{api}")
+        print(f"{s.id}  {when(s.updated)}  {s.n_tokens:>6}  {escaped(s.title)}{fork}{api}")
     return 0
 
 
@@ -39,12 +39,12 @@ def show_session(args) -> int:
     if args.json:
         print_json({**session.to_json(), "messages": [asdict(m) for m in messages]})
         return 0
-    print(f"{session.title} ({session.id}, {session.model_name or 'no model yet'})")
+    print(escaped(f"{session.title} ({session.id}, {session.model_name or 'no model yet'})"))
     if session.system_prompt:
-        print(f"  system: {session.system_prompt}")
+        print(f"  system: {escaped(session.system_prompt, lines=True)}")
     for number, m in enumerate(messages, 1):  # numbered in the conversation, as `fork --at` takes them
         stopped = " [stopped]" if (m.stats or {}).get("stop_reason") == "cancelled" else ""
-        print(f"  [{number}] {m.role}: {m.content}{stopped}")
+        print(f"  [{number}] {escaped(m.role)}: {escaped(m.content, lines=True)}{stopped}")
     return 0
 
 
@@ -79,12 +79,12 @@ def search_sessions(args) -> int:
     sessions = open_sessions(args)
     found = sessions.search(args.text)
     if not found:
-        print(f"nothing found for {args.text!r}", file=sys.stderr)
+        print(f"nothing found for {escaped(repr(args.text))}", file=sys.stderr)
         return 1
     for session, message in found:
         number = next(i for i, m in enumerate(sessions.messages(session), 1) if m.id == message.id)
-        found_text = snippet(message.content, args.text)
-        print(f"{session.id}  {session.title}  [{number}] {message.role}: {found_text}")
+        found_at = f"[{number}] {message.role}: {snippet(message.content, args.text)}"
+        print(f"{session.id}  {escaped(session.title)}  {escaped(found_at)}")
     return 0
 
 
@@ -144,7 +144,7 @@ def cmd_export(args) -> int:
     if to_stdout and not args.markdown:
         raise StoreError("a .llamachat file is binary: give -o FILE (only --markdown goes to stdout)")
     if args.markdown and to_stdout:
-        sys.stdout.write(sessions.transcript(session.id))
+        sys.stdout.write(on_stdout(sessions.transcript(session.id)))
         return 0
     name = export_file_name(session, args.markdown)
     out = args.output or export_dir() / name

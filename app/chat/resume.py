@@ -59,7 +59,7 @@ def system_message(system_prompt: str | None) -> list[dict]:
 
 
 # The code that turns text into token ids: kept ids made by another version of it are not used.
-TOKENIZER_SOURCES = ("tokenizer.py", "bpe.py")
+TOKENIZER_SOURCES = ("tokenizer.py", "bpe.py", "control_text.py")
 
 
 @functools.cache
