@@ -137,7 +137,11 @@ class ServerState:
             model = self._load(options)
             model.warm_up()
             sessions = Sessions(options.db)
-            engine = open_engine(replace(options.engine, sessions=sessions), model=model)
+            try:
+                engine = open_engine(replace(options.engine, sessions=sessions), model=model)
+            except BaseException:
+                sessions.close()
+                raise
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
