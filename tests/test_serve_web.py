@@ -225,7 +225,7 @@ def test_accepted_connections_send_without_waiting_for_the_clients_ack(served):
 
 
 def test_connections_that_send_no_whole_request_are_closed(tmp_path, qwen2):
-    s = Served(tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5)
+    s = Served(tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5).wait_ready()
     try:
         idle = socket.create_connection(address(s), timeout=30)
         assert closed_by_server(idle)
@@ -261,6 +261,78 @@ def test_connections_that_send_no_whole_request_are_closed(tmp_path, qwen2):
         assert closed_by_server(kept.sock)  # idle after its response: keep-alive ends it
     finally:
         s.stop()
+
+
+def test_a_trickled_body_is_cut_by_the_request_deadline_and_its_connection_freed(tmp_path, qwen2):
+    """Each byte comes well within the 30 s a read of the body may wait; the request as a whole does
+    not come within its deadline. With every connection taken by such requests, they are cut, and
+    the next request is served (the probe: 8 of them held --max-connections 8 for 100 s)."""
+    s = Served(tmp_path / "chat.db", qwen2, max_connections=2, request_timeout_s=1).wait_ready()
+    trickles = [socket.create_connection(address(s), timeout=20) for _ in range(2)]
+    stop = threading.Event()
+
+    def trickle():
+        for _ in range(500):
+            if stop.wait(0.1):
+                return
+            for sock in trickles:
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=trickle)
+    try:
+        for sock in trickles:
+            sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{")
+        thread.start()
+        for sock in trickles:
+            status, response = response_of(sock)
+            assert status == 408 and response["error"]["code"] == "request_timeout"
+            assert "within 1 s" in response["error"]["message"]
+            assert closed_by_server(sock)
+        wait_for(lambda: not s.server.server_state.connections)
+        assert [m.id for m in s.client.models.list()] == [MODEL]
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        s.stop()
+
+
+def test_a_body_sent_at_a_fair_rate_may_take_longer_than_the_deadline(tmp_path, qwen2):
+    s = Served(tmp_path / "chat.db", qwen2, request_timeout_s=0.5, min_body_rate=1000).wait_ready()
+    try:
+        sock = socket.create_connection(address(s), timeout=20)
+        body = json.dumps({"title": "slow but steady", "system_prompt": " " * 1000}).encode()
+        sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        for i in range(0, len(body), 100):  # 1 s of body at 1,000 bytes a second: twice the deadline
+            sock.sendall(body[i : i + 100])
+            threading.Event().wait(0.1)
+        status, response = response_of(sock)
+        assert status == 201 and response["title"] == "slow but steady"
+    finally:
+        s.stop()
+
+
+def test_a_client_leaving_mid_body_is_one_line_in_the_log(served, capfd):
+    lines = []
+
+    def said(text: str) -> bool:
+        lines.extend(capfd.readouterr().err.splitlines())
+        return any(text in line for line in lines)
+
+    for path, kind in (("/v1/chat/completions", "application/json"), ("/v1/sessions/import", "application/octet-stream")):
+        sock = socket.create_connection(address(served), timeout=20)
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {kind}\r\n"
+                     f"Content-Length: 1000\r\n\r\n{{".encode())
+        sock.close()
+        wait_for(lambda path=path: said(f"POST {path} 499 "))
+    assert served.ask("hi").choices[0].message.content is not None
+    said("")
+    assert len(lines) == 3 and "Traceback" not in "\n".join(lines), lines  # and the request after
 
 
 def test_past_max_connections_a_request_gets_503_and_its_connection_is_closed(tmp_path, qwen2):

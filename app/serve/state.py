@@ -34,6 +34,10 @@ MAX_CONNECTIONS = 256  # open at once; the next is answered 503 and closed (each
 KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this (uvicorn's own default)
 HEADER_TIMEOUT_S = 10  # a request's head (line and headers) must arrive whole within this (nginx: 60)
 BODY_TIMEOUT_S = 30  # each read of a request's body waits at most this (nginx's client_body_timeout: 60)
+# A request's head and body must arrive whole within this, plus a second per MIN_BODY_RATE bytes of body
+# (Apache's mod_reqtimeout's rule): a slow link's upload goes on, a trickle holds no connection for long.
+REQUEST_TIMEOUT_S = 30
+MIN_BODY_RATE = 16 << 10  # bytes a second: a 128 kbit/s link
 
 
 @dataclass
@@ -61,6 +65,8 @@ class ServeOptions:
     keep_alive_s: float = KEEP_ALIVE_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    min_body_rate: float = MIN_BODY_RATE
 
     @property
     def engine(self) -> EngineOptions:
