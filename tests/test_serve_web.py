@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import openai
 import pytest
@@ -23,6 +24,8 @@ from llama_chat.app.cli import build_parser, main
 from llama_chat.app.serve.app import LOOPBACK_NAMES, HostCheck
 from llama_chat.app.serve.server import options_from
 from llama_chat.app.serve.state import MAX_CONNECTIONS
+from llama_chat.storage.exchange import HEADER_SIZE
+from llama_chat.storage.exchange.format import pack_header
 from served import MODEL, Served, error_of, upload, wait_for
 
 PAGE = "http://app.example"  # the one web page the shared server lets in
@@ -434,6 +437,59 @@ def test_an_import_is_refused_as_it_arrives_and_no_error_names_a_server_path(ser
         status, error = error_of(upload(served, damaged))
         assert status == 400 and error["message"].startswith("Not a usable .llamachat file: ")
         assert "llama-chat-import" not in error["message"] and "/" not in error["message"]
+
+
+def memory_mb(field: str) -> float:
+    """This process's (and so the server's, which runs in it) VmRSS or VmHWM (its peak), in MB."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def test_an_import_holds_a_piece_of_its_upload_in_memory_whatever_its_size(served, tmp_path):
+    """300 MB with a valid header and damaged content, sent as it is made (the test holds 1 MB of
+    it): refused with 400, the server's peak memory grown by less than 64 MB (it held the file twice,
+    a 1 GB upload took it from 923 to 2,985 MB), and nothing left beside the database."""
+    size, manifest_size = 300 << 20, 1000
+    head = pack_header(manifest_size, size - HEADER_SIZE - manifest_size - 32)
+    piece = bytes(1 << 20)
+
+    def body():
+        yield head
+        sent = len(head)
+        while sent < size:
+            yield piece[: size - sent]
+            sent += min(len(piece), size - sent)
+
+    conn = http.client.HTTPConnection(*address(served), timeout=120)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
+    before = memory_mb("VmRSS")
+    conn.request("POST", "/v1/sessions/import", body(), {"Content-Type": "application/octet-stream",
+                                                          "Content-Length": str(size)})
+    response = conn.getresponse()
+    error = json.loads(response.read())["error"]
+    grown = memory_mb("VmHWM") - before
+    conn.close()
+    assert response.status == 400 and error["message"].endswith("checksum mismatch: the file is damaged or incomplete")
+    assert grown < 64, f"{grown:.0f} MB"
+    assert [p.name for p in (tmp_path).iterdir() if "import" in p.name] == []
+
+
+def test_imports_past_the_limit_at_once_get_429(served):
+    uploads = []
+    for _ in range(2):  # two imports under way: their headers came, the rest has not yet
+        sock = socket.create_connection(address(served), timeout=20)
+        sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + pack_header(1000, 50000))
+        uploads.append(sock)
+    try:
+        wait_for(lambda: served.state.imports == 2)
+        status, error = error_of(upload(served, b"anything"))
+        assert status == 429 and error["code"] == "rate_limit_exceeded" and error["message"].startswith("2 imports")
+    finally:
+        for sock in uploads:
+            sock.close()
+    wait_for(lambda: served.state.imports == 0)
+    assert error_of(upload(served, b"anything"))[0] == 400  # its turn: it is read, and refused
 
 
 def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_log(served, monkeypatch, capsys):

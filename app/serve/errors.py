@@ -77,13 +77,9 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
-def busy(retry_after: int) -> ApiError:
+def busy(retry_after: int, message: str = "Too many requests are waiting already; retry in a moment.") -> ApiError:
     return ApiError(
-        429,
-        "Too many requests are waiting already; retry in a moment.",
-        type="requests",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(retry_after)},
+        429, message, type="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)}
     )
 
 

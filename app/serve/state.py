@@ -38,6 +38,7 @@ BODY_TIMEOUT_S = 30  # each read of a request's body waits at most this (nginx's
 # (Apache's mod_reqtimeout's rule): a slow link's upload goes on, a trickle holds no connection for long.
 REQUEST_TIMEOUT_S = 30
 MIN_BODY_RATE = 16 << 10  # bytes a second: a 128 kbit/s link
+MAX_IMPORTS = 2  # imports received and checked at once (each streams to a file and reads it back); more: 429
 
 
 @dataclass
@@ -67,6 +68,7 @@ class ServeOptions:
     body_timeout_s: float = BODY_TIMEOUT_S
     request_timeout_s: float = REQUEST_TIMEOUT_S
     min_body_rate: float = MIN_BODY_RATE
+    max_imports: int = MAX_IMPORTS
 
     @property
     def engine(self) -> EngineOptions:
@@ -127,6 +129,7 @@ class ServerState:
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
+        self.imports = 0  # being received or checked now (on the event loop: no lock needed)
 
     # -- life --------------------------------------------------------------------------------------
 
