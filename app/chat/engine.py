@@ -34,7 +34,7 @@ from llama_chat.storage.store import ChatStore, Message, Session, marked_title
 
 from .conversations import Conversation, Conversations, RawText
 from .jobs import Event, Job
-from .replies import Plan, ReplyNotStored, SavedReply, check_fits, reply_message
+from .replies import Plan, ReplyNotStored, SavedReply, fitting, reply_message
 from .resume import LiveSessions, ResumeInfo, VerifyResult, system_message
 from .scheduler import Scheduler
 from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
@@ -175,7 +175,7 @@ class ChatEngine:
         if not user_text.strip():
             raise ValueError("the message is empty")
         alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
-        check_fits(chat_prompt_ids(self.model, alone, tools=self.tools), self.n_ctx)
+        fitting(self.n_ctx, lambda limit: chat_prompt_ids(self.model, alone, tools=self.tools, limit=limit))
 
     def reply(
         self,
