@@ -285,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, metavar="N", help="connections open at once (default 256)")
     serve.add_argument(
         "--drain-seconds", type=float, metavar="S",
-        help="on SIGTERM, how long replies under way may take to finish before they are cut (default 30; 0: at once)",
+        help="on SIGTERM, how long replies under way may take to finish before they are cut "
+        "(default 30; 0: at once)",
     )
     add_context_option(serve)
     return parser

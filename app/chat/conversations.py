@@ -114,10 +114,11 @@ class Conversations:
         PromptTooLong, before anything is read or computed, for a prompt that leaves no room for a
         reply (and ValueError for a RawText that is no prompt)."""
         if isinstance(conversation, RawText):
-            prompt = fitting(self.live.n_ctx, lambda limit: raw_prompt_ids(self.model, conversation.prompt, limit))
+            text = conversation.prompt
+            prompt = fitting(self.live.n_ctx, lambda limit: raw_prompt_ids(self.model, text, limit))
             return self._fresh(prompt, kv_salt(conversation.tenant, conversation.cache_key), self._noted)
         messages, live, tools = conversation.messages, self.live, conversation.tools
-        prompt = fitting(live.n_ctx, lambda limit: chat_prompt_ids(self.model, messages, tools=tools, limit=limit))
+        prompt = fitting(live.n_ctx, lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n))
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
         previous = self._previous_ids(messages, prompt, conversation.tools)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None

@@ -79,10 +79,12 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
-def busy(retry_after: int, message: str = "Too many requests are waiting already; retry in a moment.") -> ApiError:
-    return ApiError(
-        429, message, type="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)}
-    )
+WAITING = "Too many requests are waiting already; retry in a moment."
+
+
+def busy(retry_after: int, message: str = WAITING) -> ApiError:
+    headers = {"Retry-After": str(retry_after)}
+    return ApiError(429, message, type="requests", code="rate_limit_exceeded", headers=headers)
 
 
 def unavailable(message: str, code: str) -> ApiError:

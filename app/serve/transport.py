@@ -57,7 +57,8 @@ class Deadline:
 def client_gone() -> ApiError:
     """A client that left before its request arrived whole: nobody reads the answer, and the access
     log says it in its one line (nginx's 499), without a traceback."""
-    return ApiError(499, "The client closed the connection before its request arrived.", code="client_closed_request")
+    message = "The client closed the connection before its request arrived."
+    return ApiError(499, message, code="client_closed_request")
 
 
 async def _chunks(request: Request, timeout_s: float) -> AsyncIterator[bytes]:
@@ -81,7 +82,8 @@ async def _chunks(request: Request, timeout_s: float) -> AsyncIterator[bytes]:
             if loop.time() >= whole_by:
                 message = (
                     f"The request did not arrive in time: its head and body must arrive within "
-                    f"{deadline.within_s:g} s, and a longer body at {deadline.min_rate / 1024:g} KiB/s at least."
+                    f"{deadline.within_s:g} s, and a longer body at {deadline.min_rate / 1024:g} KiB/s "
+                    "at least."
                 )
             else:
                 message = f"The request body stopped arriving (nothing for {timeout_s:g} s)."
