@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -63,15 +64,16 @@ class KVTables:
             )
 
     def insert_blocks(
-        self, blocks: list[tuple[str, StoredBlock]], namespace: bytes | None, now: float
+        self, blocks: Iterable[tuple[str, StoredBlock]], namespace: bytes | None, now: float
     ) -> int:
         """Store (model fingerprint, block)s not stored yet in the namespace, inside the caller's
-        transaction; returns how many were new."""
+        transaction, taking one at a time (an import reads each from its file as it goes); returns how
+        many were new."""
         before = self.db.conn.total_changes
         self.db.conn.executemany(
             "INSERT OR IGNORE INTO kv_blocks (namespace, key, fingerprint, codec, n_tokens, data, checksum, "
             "last_used, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
+            (
                 (
                     _shared(namespace),
                     b.key,
@@ -84,7 +86,7 @@ class KVTables:
                     _token_blob(b.tokens),
                 )
                 for fp, b in blocks
-            ],
+            ),
         )
         return self.db.conn.total_changes - before
 

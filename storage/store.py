@@ -13,7 +13,7 @@ import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -390,7 +390,7 @@ class ChatStore:
         self,
         messages: list[Message],
         sessions: list[Session],
-        blocks: list[tuple[str, StoredBlock]],
+        blocks: Iterable[tuple[str, StoredBlock]],
         block_lists: dict[str, list[bytes]],
         tails: dict[str, StoredTail],
         namespace: bytes | None,

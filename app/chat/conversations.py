@@ -22,7 +22,7 @@ from llama_chat.inference.tool_calls import ToolFormat, tool_format
 from llama_chat.storage import Message, Session, StoreError
 
 from .jobs import Job
-from .replies import Plan, ReplyNotStored, check_fits, reply_message
+from .replies import Plan, ReplyNotStored, fitting, reply_message
 from .resume import LiveSessions
 from .titles import TITLE_CHARS, session_title
 
@@ -53,13 +53,14 @@ class RawText:
     cache_key: str | None = None
 
 
-def raw_prompt_ids(model: Model, prompt: str | list[int]) -> list[int]:
+def raw_prompt_ids(model: Model, prompt: str | list[int], limit: int | None = None) -> list[int]:
     """A raw prompt's tokens as llama.cpp's server reads one (tokenize with add_special and
     parse_special): BOS first where the vocabulary asks for it, control-token text as those tokens (the
-    client writes its own template); token ids as they are. ValueError names what cannot be used."""
+    client writes its own template); token ids as they are. ValueError names what cannot be used;
+    TooManyTokens a text over `limit` tokens, before it is tokenized whole."""
     tok = model.tokenizer
     if isinstance(prompt, str):
-        ids = tok.encode(prompt, add_bos=tok.add_bos and tok.bos_id is not None, special=True)
+        ids = tok.encode(prompt, add_bos=tok.add_bos and tok.bos_id is not None, special=True, limit=limit)
     else:
         ids = list(prompt)
         wrong = next((i for i in ids if not 0 <= i < tok.n_vocab), None)
@@ -113,12 +114,11 @@ class Conversations:
         PromptTooLong, before anything is read or computed, for a prompt that leaves no room for a
         reply (and ValueError for a RawText that is no prompt)."""
         if isinstance(conversation, RawText):
-            prompt = raw_prompt_ids(self.model, conversation.prompt)
-            check_fits(prompt, self.live.n_ctx)
+            text = conversation.prompt
+            prompt = fitting(self.live.n_ctx, lambda limit: raw_prompt_ids(self.model, text, limit))
             return self._fresh(prompt, kv_salt(conversation.tenant, conversation.cache_key), self._noted)
-        messages, live = conversation.messages, self.live
-        prompt = chat_prompt_ids(self.model, messages, tools=conversation.tools)
-        check_fits(prompt, live.n_ctx)
+        messages, live, tools = conversation.messages, self.live, conversation.tools
+        prompt = fitting(live.n_ctx, lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n))
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
         previous = self._previous_ids(messages, prompt, conversation.tools)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None

@@ -34,7 +34,7 @@ from llama_chat.storage.store import ChatStore, Message, Session, marked_title
 
 from .conversations import Conversation, Conversations, RawText
 from .jobs import Event, Job
-from .replies import Plan, ReplyNotStored, SavedReply, check_fits, reply_message
+from .replies import Plan, ReplyNotStored, SavedReply, fitting, reply_message
 from .resume import LiveSessions, ResumeInfo, VerifyResult, system_message
 from .scheduler import Scheduler
 from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
@@ -73,6 +73,7 @@ class ChatEngine:
         self.conversations = Conversations(self.live, lambda: self.scheduler.closed)
         self._turns: dict[str, int] = {}  # a session's turns submitted and not ended yet
         self._turns_changed = threading.Condition()
+        self._read_pool()  # and again by health(), whenever the lock is free
         model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
@@ -160,12 +161,21 @@ class ChatEngine:
 
     def health(self) -> dict:
         """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
-        the remote tier's numbers when there is one."""
-        with self.lock:  # the pool changes at every step
-            memory = self.model.pool.memory_breakdown()
-        kv = {k: memory[k] for k in ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")}
+        the remote tier's numbers when there is one. It never waits on the lock (held through each
+        step, seconds of a long prefill: a balancer asking would think the server dead): while a step
+        runs, the pool's bytes are those it had when last read."""
+        if self.lock.acquire(blocking=False):  # the pool changes at every step
+            try:
+                self._read_pool()
+            finally:
+                self.lock.release()
         remote = {} if self.kv.remote is None else {"kv_remote": self.kv.remote.stats()}
-        return {**self.scheduler.load(), "kv": kv, **remote}
+        return {**self.scheduler.load(), "kv": self._pool_bytes, **remote}
+
+    def _read_pool(self) -> None:
+        memory = self.model.pool.memory_breakdown()
+        kinds = ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")
+        self._pool_bytes = {k: memory[k] for k in kinds}
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -175,7 +185,7 @@ class ChatEngine:
         if not user_text.strip():
             raise ValueError("the message is empty")
         alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
-        check_fits(chat_prompt_ids(self.model, alone, tools=self.tools), self.n_ctx)
+        fitting(self.n_ctx, lambda limit: chat_prompt_ids(self.model, alone, tools=self.tools, limit=limit))
 
     def reply(
         self,

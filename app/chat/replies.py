@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_chat.inference import GenerationStats, KVSequence
-from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.errors import ContextFullError, TooManyTokens
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.store import Message, Session
 
@@ -24,12 +24,12 @@ class ReplyNotStored(StoreError):
 
 
 class PromptTooLong(ContextFullError):
-    """A prompt that leaves no room for a reply in the context window."""
+    """A prompt that leaves no room for a reply in the context window; prompt_tokens None: tokenizing
+    it stopped once it reached n_ctx tokens."""
 
-    def __init__(self, prompt_tokens: int, n_ctx: int):
-        super().__init__(
-            f"the prompt is {prompt_tokens:,} tokens; the context window holds {n_ctx:,} (--ctx)"
-        )
+    def __init__(self, prompt_tokens: int | None, n_ctx: int):
+        size = f"{n_ctx:,} tokens or more" if prompt_tokens is None else f"{prompt_tokens:,} tokens"
+        super().__init__(f"the prompt is {size}; the context window holds {n_ctx:,} (--ctx)")
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
 
 
@@ -37,6 +37,17 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
     """Refuse a prompt that leaves no room for a reply, before anything is stored or computed."""
     if len(prompt) >= n_ctx:
         raise PromptTooLong(len(prompt), n_ctx)
+
+
+def fitting(n_ctx: int, tokenize: Callable[[int], list[int]]) -> list[int]:
+    """The prompt tokenize(limit) makes, or PromptTooLong when it leaves no room for a reply: found out
+    before a much longer one is tokenized whole (tokenizing stops past `limit`: Tokenizer.encode)."""
+    try:
+        prompt = tokenize(n_ctx - 1)
+    except TooManyTokens:
+        raise PromptTooLong(None, n_ctx) from None
+    check_fits(prompt, n_ctx)
+    return prompt
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ..chat.sessions import (
 )
 from ..chat.titles import session_title
 from .completions import find_session
-from .errors import ApiError, invalid
+from .errors import ApiError, busy, invalid
 from .openai_api import text_field
 from .state import ServerState
 from .transport import read_json, save_file, tenant_of
@@ -144,8 +144,15 @@ def _unusable(e: ExchangeError, path: Path) -> ApiError:
 
 
 async def import_file(request: Request) -> Response:
+    """The upload streams to a file beside the database (not /tmp, often memory) and is read back a
+    piece at a time: no import holds more than a piece of its file in memory. At most
+    options.max_imports run at once; more get 429."""
     state = _state(request)
-    folder = Path(tempfile.mkdtemp(prefix="llama-chat-import-"))
+    options = state.options
+    if state.imports >= options.max_imports:
+        raise busy(1, f"{options.max_imports} imports are running already; retry in a moment.")
+    folder = Path(tempfile.mkdtemp(prefix=".llama-chat-import-", dir=options.db.parent))
+    state.imports += 1
     try:
         path = folder / "upload.llamachat"
 
@@ -155,7 +162,6 @@ async def import_file(request: Request) -> Response:
             except ExchangeError as e:
                 raise _unusable(e, path) from None
 
-        options = state.options
         await save_file(request, path, MAX_IMPORT, options.body_timeout_s, HEADER_SIZE, check_head)
         tenant = tenant_of(request)
 
@@ -169,6 +175,7 @@ async def import_file(request: Request) -> Response:
 
         result = await run_in_threadpool(read_and_import)
     finally:
+        state.imports -= 1
         shutil.rmtree(folder, ignore_errors=True)
     return JSONResponse(
         {
