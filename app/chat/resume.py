@@ -20,7 +20,7 @@ from pathlib import Path
 
 import llama_chat.inference
 from llama_chat.inference import GenerationStats, KVSequence, Model, fit_messages, shift_to
-from llama_chat.inference.generate import prompt_text
+from llama_chat.inference.prompt import prompt_text
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.store import ChatStore, Session
 
