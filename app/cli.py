@@ -127,7 +127,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
             setting.option,
             dest=setting.key,
             type=flag_type(setting),
-            metavar=setting.kind.__name__.upper(),
+            metavar="{" + ",".join(setting.choices) + "}" if setting.choices else setting.kind.__name__.upper(),
             help=setting.help + default,
         )
     add_context_option(parser)

@@ -18,6 +18,10 @@ CHATML = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# The tiny qwen3 speaks as Qwen3 does: its real template, and its thinking markers as text tokens
+# (user-defined, as in Qwen3's GGUFs).
+QWEN3_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat-templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+THINK_TOKENS = ("<think>", "</think>")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -99,7 +103,7 @@ def write_tiny_model(
     shapes: dict | None = None,
     arch_name: str | None = None,
     raw_types: dict | None = None,
-    chat_template: str = CHATML,
+    chat_template: str | None = None,
     metadata: dict | None = None,
     specials: tuple[str, ...] = (),
     context_length: int = 256,
@@ -108,7 +112,8 @@ def write_tiny_model(
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
     adds keys (an int as uint32, a float as float32); `specials` adds control tokens to a BPE vocab
-    (a real template's markers, e.g. Llama 3's), the last of them its end of text; `context_length`:
+    (a real template's markers, e.g. Llama 3's), the last of them its end of text; `chat_template`
+    defaults to ChatML (Qwen3's own for qwen3); `context_length`:
     room for a real template's long prompts; `space_prefix`: a SentencePiece vocabulary (gemma3)
     that puts a space before the text, as Llama 2's does."""
     rng = np.random.default_rng(seed)
@@ -146,6 +151,8 @@ def write_tiny_model(
         tokens, types, merges, bos, eos = bpe_vocab()
         if specials:
             tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
+        if arch == "qwen3":
+            tokens, types = tokens + list(THINK_TOKENS), types + [4] * len(THINK_TOKENS)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
         w.add_token_list(tokens)
@@ -154,7 +161,7 @@ def write_tiny_model(
         w.add_bos_token_id(bos)
         w.add_eos_token_id(eos)
         w.add_add_bos_token(arch == "llama")
-        w.add_chat_template(chat_template)
+        w.add_chat_template(chat_template or (QWEN3_TEMPLATE if arch == "qwen3" else CHATML))
     n_vocab = len(tokens)
 
     def tensor(name, shape, scale=0.2, quant=None):

@@ -25,6 +25,7 @@ from llama_chat.inference import (
     shift_to,
 )
 from llama_chat.inference.catalog import recommended_system_prompt
+from llama_chat.inference.thinking import PROMPT_END_TOKENS, ThinkingSplitter
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_plan import model_plan
@@ -37,7 +38,7 @@ from .jobs import Event, Job
 from .replies import Plan, ReplyNotStored, SavedReply, fitting, reply_message
 from .resume import LiveSessions, ResumeInfo, VerifyResult, system_message
 from .scheduler import Scheduler
-from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
+from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params, template_variables
 from .titles import NEW_CHAT, named_by, session_title
 
 __all__ = ["ChatEngine", "Conversation", "RawText", "ReplyNotStored", "ResumeInfo", "SavedReply", "VerifyResult"]
@@ -234,10 +235,11 @@ class ChatEngine:
         if text is not None:
             self.check_message(session.system_prompt, text)
         sampling = self._sampling(session.sampling, settings, sampling, grammar, logprobs)
+        variables = template_variables({**session.sampling, **(settings or {})})
         self._count_turn(session.id, +1)  # from here: a delete waits for this turn to be stored
         try:
             plan = self._turn(
-                session, text, max_tokens, saved if saved is not None else SavedReply(), store, keep_kv
+                session, text, max_tokens, saved if saved is not None else SavedReply(), store, keep_kv, variables
             )
             return self._submit(plan, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event,
                                 cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
@@ -267,11 +269,12 @@ class ChatEngine:
             title = marked_title(session.title, "(regenerated)")
             branches = [self.fork(session, target.parent_id, title) for _ in range(n)]
         read = self.live.prefetch(branches[0])
+        variables = template_variables({**session.sampling, **(settings or {})})
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
             base, info = self.live.open(branches[0], read)
             job.remote = info.remote_read
-            return self._prompt(self.live.messages(branches[0]), base, max_tokens), base
+            return self._prompt(self.live.messages(branches[0]), base, max_tokens, variables), base
 
         def finish(job: Job) -> list[SavedReply]:
             seqs = job.seqs or [self.live[branches[0].id]] * n
@@ -308,10 +311,20 @@ class ChatEngine:
         return replace(sampling, grammar=grammar, logprobs=logprobs)
 
     def _submit(self, plan: Plan, sampling: SamplingParams, **job_args) -> Job:
-        """The plan's job on the scheduler (QueueFull when too many wait, RuntimeError once closed)."""
+        """The plan's job on the scheduler (QueueFull when too many wait, RuntimeError once closed).
+        Replies to a chat are told apart into thinking and answer; a raw text's continuation is not."""
+        thinking = None if job_args.get("continues_text") else self._thinking
         job = Job(lambda: plan.prepare(job), finish=plan.finish, on_end=plan.ended, sampling=sampling,
-                  session_id=plan.session_id, **job_args)  # fmt: skip
+                  session_id=plan.session_id, thinking=thinking, **job_args)  # fmt: skip
         return self.scheduler.submit(job)
+
+    def _thinking(self, prompt: list[int]) -> ThinkingSplitter | None:
+        """How a reply to `prompt` is told apart (None: this model's template writes no thinking); it
+        starts in thinking where the prompt opened it."""
+        fmt = self.live.thinking
+        if fmt is None:
+            return None
+        return ThinkingSplitter(fmt, fmt.opened_by(self.model.tokenizer.decode(prompt[-PROMPT_END_TOKENS:])))
 
     def _count_turn(self, session_id: str, change: int) -> None:
         with self._turns_changed:
@@ -330,8 +343,10 @@ class ChatEngine:
         saved: SavedReply,
         store: bool,
         keep_kv: bool,
+        variables: dict,
     ) -> Plan:
-        """The plan of a session's next turn: the reply to `text` (None: to its last message)."""
+        """The plan of a session's next turn: the reply to `text` (None: to its last message), its
+        prompt rendered with the template's `variables`."""
         read = self.live.prefetch(session)  # here: a slow store holds up this reply only
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
@@ -342,7 +357,7 @@ class ChatEngine:
             messages = self.live.messages(session)
             if text is not None:
                 messages.append({"role": "user", "content": text})
-            return self._prompt(messages, seq, max_tokens), seq
+            return self._prompt(messages, seq, max_tokens, variables), seq
 
         def finish(job: Job) -> SavedReply:
             seq = job.seqs[0] if job.seqs else self.live[session.id]
@@ -360,12 +375,12 @@ class ChatEngine:
 
         return Plan(prepare, finish, ended, session.id)
 
-    def _prompt(self, messages: list[dict], seq: KVSequence, max_tokens: int) -> list[int]:
+    def _prompt(self, messages: list[dict], seq: KVSequence, max_tokens: int, variables: dict) -> list[int]:
         """The prompt for the next reply to `messages`; when they outgrow the window, the oldest turns
         go and the cached KV follows by context shift. A reply may use what the window has left."""
         # Room for the reply; what open() restored (up to a full window) is cut down by context shift.
         budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
-        kept, prompt = fit_messages(self.model, messages, budget, tools=self.tools)
+        kept, prompt = fit_messages(self.model, messages, budget, tools=self.tools, variables=variables)
         if len(kept) < len(messages):
             shift_to(self.model, seq, prompt)
         return prompt

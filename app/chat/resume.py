@@ -21,8 +21,11 @@ from pathlib import Path
 import llama_chat.inference
 from llama_chat.inference import GenerationStats, KVSequence, Model, fit_messages, shift_to
 from llama_chat.inference.prompt import prompt_text
+from llama_chat.inference.thinking import ThinkingFormat, thinking_format
 from llama_chat.storage.kv_store import KVStore, RemoteRead
-from llama_chat.storage.store import ChatStore, Session
+from llama_chat.storage.store import ChatStore, Message, Session
+
+from .settings import template_variables
 
 
 @dataclass
@@ -58,6 +61,15 @@ def system_message(system_prompt: str | None) -> list[dict]:
     return [{"role": "system", "content": system_prompt}] if system_prompt else []
 
 
+def template_message(message: Message, thinking: ThinkingFormat | None) -> dict:
+    """A stored message as a chat template reads it: a reply's thinking where the template looks for
+    it (it keeps or drops it, as its model was trained: Qwen3's keeps the last reply's only)."""
+    out = {"role": message.role, "content": message.content}
+    if message.reasoning and thinking is not None:
+        out[thinking.message_key] = message.reasoning
+    return out
+
+
 # The code that turns text into token ids: kept ids made by another version of it are not used.
 TOKENIZER_SOURCES = ("tokenizer.py", "bpe.py", "control_text.py")
 
@@ -70,16 +82,18 @@ def tokenizer_code() -> bytes:
     return digest.digest()
 
 
-def ids_digest(model: Model, messages: list[dict], budget: int, tools: list[dict] | None) -> bytes:
+def ids_digest(
+    model: Model, messages: list[dict], budget: int, tools: list[dict] | None, variables: dict | None = None
+) -> bytes:
     """What the token ids of a stored conversation are made from, digested: the text the template
-    renders of it (its messages and tools, and anything else the template writes, such as today's date),
+    renders of it (its messages, tools and variables, and anything else it writes, such as today's date),
     the window they must fit, the model (its fingerprint: weights and vocabulary size) and its tokenizer
     (its settings and our code). Ids kept under another digest are never used."""
     h = hashlib.sha256(tokenizer_code())
     meta = model.metadata
     settings = {k: len(v) if isinstance(v, list) else v for k, v in meta.items() if k.startswith("tokenizer.")}
     h.update(repr([model.fingerprint, budget, sorted(settings.items())]).encode())
-    h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools).encode())
+    h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools, variables=variables).encode())
     return h.digest()
 
 
@@ -91,6 +105,7 @@ class LiveSessions:
         self.model, self.store, self.kv, self.lock, self.n_ctx = model, store, kv, lock, n_ctx
         self._seqs: dict[str, KVSequence] = {}
         self.tools: list[dict] | None = None  # function definitions every session's prompt offers (MCP tools)
+        self.thinking = thinking_format(model.chat_template if model.has_chat_template else None)
 
     # -- which are open ----------------------------------------------------------------------------
 
@@ -131,7 +146,7 @@ class LiveSessions:
     def messages(self, session: Session) -> list[dict]:
         """The conversation as the chat template wants it: system prompt, then the path to the head."""
         return system_message(session.system_prompt) + [
-            {"role": m.role, "content": m.content} for m in self.store.path(session.head_id)
+            template_message(m, self.thinking) for m in self.store.path(session.head_id)
         ]
 
     def conversation_ids(self, session: Session) -> list[int]:
@@ -148,22 +163,27 @@ class LiveSessions:
         messages = self.messages(session)
         if not messages:  # a new session: nothing to tokenize, nor to keep (a template may not render none)
             return b"", [], True
-        digest = ids_digest(self.model, messages, self.window, self.tools)
+        variables = template_variables(session.sampling)
+        digest = ids_digest(self.model, messages, self.window, self.tools, variables)
         ids = self.store.kv.kept_ids(session.id, digest)
         if ids is not None:
             return digest, ids, True
-        return digest, self.window_ids(messages), False
+        return digest, self.window_ids(messages, variables=variables), False
 
     @property
     def window(self) -> int:
         """The tokens a stored conversation may take: the context less one, for the next reply."""
         return self.n_ctx - 1
 
-    def window_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def window_ids(
+        self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None
+    ) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window, with the
-        tools it offers (else those every session offers)."""
+        tools it offers (else those every session offers), rendered with the template's `variables`."""
         tools = self.tools if tools is None else tools
-        return fit_messages(self.model, messages, self.window, add_generation_prompt=False, tools=tools)[1]
+        return fit_messages(
+            self.model, messages, self.window, add_generation_prompt=False, tools=tools, variables=variables
+        )[1]
 
     # -- bringing KV back --------------------------------------------------------------------------
 

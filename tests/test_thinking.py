@@ -1,0 +1,190 @@
+"""A reply's thinking told apart from its answer: the splitter on text streams (`<think>` and harmony's
+analysis channel), each real template's format, and a tiny Qwen3 (its real template) replying with
+thinking through the chat engine: shown apart, stored apart, left out of the next turn as the template
+leaves it, its KV the template's rendering; the thinking switch reaches the template."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FIXTURES
+from llama_chat.app.chat.engine import ChatEngine
+from llama_chat.app.chat.jobs import State
+from llama_chat.inference import ChatTemplate, GenerationStats, SamplingParams, constrain, load_model
+from llama_chat.inference.prompt import prompt_text
+from llama_chat.inference.thinking import (
+    HARMONY,
+    THINK_TAGS,
+    ThinkingSplitter,
+    split_thinking,
+    thinking_format,
+)
+from llama_chat.storage import ChatStore
+from tiny_models import QWEN3_TEMPLATE
+
+TEMPLATES = FIXTURES / "chat-templates"
+GREEDY = SamplingParams(temperature=0)
+THOUGHT = "I weigh the words.\nThen I answer."
+ANSWER = "Hello there"
+REPLY = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"  # as Qwen3 writes a reply
+
+
+def streamed(fmt, text: str, size: int, opened: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of `text` fed `size` characters at a time."""
+    splitter = ThinkingSplitter(fmt, opened)
+    pieces = []
+    for i in range(0, len(text), size):
+        pieces += splitter.feed(text[i : i + size])
+    pieces += splitter.finish()
+    return "".join(p.text for p in pieces if p.thinking), "".join(p.text for p in pieces if not p.thinking)
+
+
+CASES = [
+    (THINK_TAGS, REPLY, False, (THOUGHT, ANSWER)),
+    (THINK_TAGS, "\n<think>\n\n</think>\n\nHi", False, ("", "Hi")),  # Qwen3's empty thinking
+    (THINK_TAGS, "Plain <think> is no thinking here", False, ("", "Plain <think> is no thinking here")),
+    (THINK_TAGS, "\n\nHi", False, ("", "\n\nHi")),  # the answer keeps what it wrote
+    (THINK_TAGS, f"{THOUGHT}\n</think>\n\n{ANSWER}", True, (THOUGHT, ANSWER)),  # R1: the prompt opened it
+    (THINK_TAGS, "<think>\nCut short by the token li", False, ("Cut short by the token li", "")),
+    (THINK_TAGS, "<think>\nwhere </thin is no end</think>Hi", False, ("where </thin is no end", "Hi")),
+    (THINK_TAGS, "<thi", False, ("", "<thi")),
+    (
+        HARMONY,
+        "<|channel|>analysis<|message|>Think hard.<|end|><|start|>assistant<|channel|>final<|message|>Answer",
+        False,
+        ("Think hard.", "Answer"),
+    ),
+    (HARMONY, "<|channel|>final<|message|>Answer", False, ("", "Answer")),
+    (
+        HARMONY,
+        "<|channel|>analysis<|message|>A<|end|><|start|>assistant<|channel|>analysis<|message|>B<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>C",
+        False,
+        ("A\n\nB", "C"),
+    ),
+    (  # a tool call after the thinking stays as written, for the harmony tool format to read
+        HARMONY,
+        "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.f <|constrain|>json<|message|>{"x": 1}',
+        False,
+        ("Call it.", '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}'),
+    ),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "opened", "expected"), CASES)
+def test_thinking_and_answer_come_apart_however_the_text_streams(fmt, text, opened, expected):
+    assert split_thinking(fmt, text, opened) == expected
+    for size in (1, 2, 3, 7, len(text)):
+        assert streamed(fmt, text, size, opened) == expected
+
+
+def test_nothing_that_may_be_a_marker_goes_out_early_and_nothing_is_held_longer():
+    splitter = ThinkingSplitter(THINK_TAGS)
+    assert splitter.feed("<thi") == []
+    assert [(p.text, p.thinking) for p in splitter.feed("nk>\nA thought")] == [("A thought", True)]
+    assert splitter.feed("\n</thi") == []  # the end, or more thinking
+    assert [(p.text, p.thinking) for p in splitter.feed("nk>\n\nThe answer")] == [("The answer", False)]
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("Qwen-Qwen3-0.6B.jinja", THINK_TAGS),
+        ("Qwen-QwQ-32B.jinja", THINK_TAGS),
+        ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", THINK_TAGS),
+        ("openai-gpt-oss-120b.jinja", HARMONY),
+        ("Qwen-Qwen2.5-7B-Instruct.jinja", None),
+        ("meta-llama-Llama-3.1-8B-Instruct.jinja", None),
+    ],
+)
+def test_each_template_says_which_thinking_its_model_writes(name, fmt):
+    assert thinking_format(ChatTemplate((TEMPLATES / name).read_text())) is fmt
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_reply_inside_it():
+    asked = [{"role": "user", "content": "Hi"}]
+    r1 = ChatTemplate((TEMPLATES / "llama-cpp-deepseek-r1.jinja").read_text(), bos_token="<s>")
+    distill = ChatTemplate((TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text())
+    qwen3 = ChatTemplate(QWEN3_TEMPLATE)
+    gpt_oss = ChatTemplate((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text())
+    assert THINK_TAGS.opened_by(r1.render(asked))  # it writes "<think>\n" itself
+    assert THINK_TAGS.opened_by(distill.render(asked, enable_thinking=True))
+    assert not THINK_TAGS.opened_by(distill.render(asked))  # "<think>\n</think>": closed, no thinking
+    assert not THINK_TAGS.opened_by(qwen3.render(asked))
+    assert not THINK_TAGS.opened_by(qwen3.render(asked, enable_thinking=False))  # "<think>\n\n</think>\n\n"
+    assert not HARMONY.opened_by(gpt_oss.render(asked))
+
+
+def test_qwen3s_template_keeps_the_last_replys_thinking_as_written_and_drops_it_after():
+    """A reply stored apart renders back as the model wrote it while it is the last turn (so its KV is
+    kept as computed), and without its thinking once the user writes again."""
+    template = ChatTemplate(QWEN3_TEMPLATE)
+    asked = [{"role": "user", "content": "Hi"}]
+    thinking, answer = split_thinking(THINK_TAGS, REPLY)
+    replied = [*asked, {"role": "assistant", "content": answer, "reasoning_content": thinking}]
+    assert template.render(replied, add_generation_prompt=False) == template.render(asked) + REPLY + "<|im_end|>\n"
+    later = template.render([*replied, {"role": "user", "content": "And?"}])
+    assert ANSWER in later and THOUGHT not in later and "<think>" not in later
+
+
+# -- through the chat engine, on the tiny Qwen3 with its real template ----------------------------------
+
+
+def forced(model, text: str) -> str:
+    """A grammar that makes the model write `text` as its tokenizer cuts it (a tiny random model never
+    thinks): every token is the model's own sampled step, only its choice is forced."""
+    ids = model.tokenizer.encode(text, special=True)
+    return constrain.check_grammar(model.tokenizer, constrain.lark_grammar("start: " + " ".join(f"<[{i}]>" for i in ids)))
+
+
+@pytest.fixture
+def engine(tiny_model_paths, tmp_path):
+    return ChatEngine(load_model(tiny_model_paths["qwen3"], block_size=8), ChatStore(tmp_path / "chat.db"))
+
+
+def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_templates_rendering(engine, forward_passes):
+    session = engine.new_session("think", system_prompt="")
+    stats = GenerationStats()
+    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model, REPLY), max_tokens=40, stats=stats)
+    events = [(e.kind, e.text) for e in job.events() if e.kind in ("text", "thinking")]
+    assert job.state is State.DONE and stats.stop_reason == "eog"
+    kinds = [kind for kind, _ in events]
+    assert kinds == sorted(kinds, key=lambda kind: kind != "thinking")  # the thinking first, as written
+    assert "".join(t for kind, t in events if kind == "thinking") == job.thinking() == THOUGHT
+    assert "".join(t for kind, t in events if kind == "text") == job.text() == ANSWER
+
+    session = engine.store.get_session(job.result.session.id)
+    (_, reply) = engine.store.path(session.head_id)
+    assert (reply.content, reply.reasoning) == (ANSWER, THOUGHT)
+    # the conversation as stored renders back to the tokens the reply wrote: its KV snapshot computed
+    # only the end of the turn after them ("<|im_end|>", "\n")
+    ids = engine.live.conversation_ids(session)
+    assert len(ids) == stats.prompt_tokens + len(stats.token_ids) + 2
+    assert forward_passes[-1] == 2
+
+    # the next turn's prompt leaves the thinking out, as Qwen3's template does
+    asked = [*engine.live.messages(session), {"role": "user", "content": "And?"}]
+    assert engine.live.messages(session)[-1]["reasoning_content"] == THOUGHT
+    nxt = prompt_text(engine.model, asked)
+    assert ANSWER in nxt and THOUGHT not in nxt
+
+
+def test_a_reply_without_thinking_is_all_answer(engine):
+    session = engine.new_session("plain", system_prompt="")
+    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model, ANSWER), max_tokens=20)
+    assert "thinking" not in {e.kind for e in job.events()} and job.text() == ANSWER
+    (_, reply) = engine.store.path(engine.store.get_session(job.result.session.id).head_id)
+    assert (reply.content, reply.reasoning) == (ANSWER, None)
+
+
+def test_the_thinking_switch_reaches_the_template(engine):
+    """thinking off: Qwen3's template closes an empty thinking in the prompt (its /no_think)."""
+    empty = len(engine.model.tokenizer.encode("<think>\n\n</think>\n\n", special=True))
+    sizes = {}
+    for switch in ("on", "off"):
+        session = engine.new_session(switch, system_prompt="", sampling={"thinking": switch})
+        stats = GenerationStats()
+        engine.reply(session, "Hi", sampling=GREEDY, max_tokens=2, stats=stats).wait()
+        sizes[switch] = stats.prompt_tokens
+    assert sizes["off"] - sizes["on"] == empty
