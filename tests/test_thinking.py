@@ -5,11 +5,15 @@ leaves it, its KV the template's rendering; the thinking switch reaches the temp
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from textual.widgets import Collapsible, Static
 
 from conftest import FIXTURES
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.chat.jobs import State
+from llama_chat.app.cli import main
 from llama_chat.inference import ChatTemplate, GenerationStats, SamplingParams, constrain, load_model
 from llama_chat.inference.prompt import prompt_text
 from llama_chat.inference.thinking import (
@@ -19,8 +23,9 @@ from llama_chat.inference.thinking import (
     split_thinking,
     thinking_format,
 )
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, Message
 from tiny_models import QWEN3_TEMPLATE
+from tui_pilot import aio, notices, say, views
 
 TEMPLATES = FIXTURES / "chat-templates"
 GREEDY = SamplingParams(temperature=0)
@@ -188,3 +193,80 @@ def test_the_thinking_switch_reaches_the_template(engine):
         engine.reply(session, "Hi", sampling=GREEDY, max_tokens=2, stats=stats).wait()
         sizes[switch] = stats.prompt_tokens
     assert sizes["off"] - sizes["on"] == empty
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def thinks(monkeypatch):
+    """`ask` replies with REPLY: its grammar (the --json flags' hook) forces the tiny model's choice."""
+    from llama_chat.app import commands
+
+    monkeypatch.setattr(commands, "reply_grammar", lambda args, model: forced(model, REPLY))
+
+
+def test_ask_shows_the_thinking_on_stderr_only_when_asked(tiny_model_paths, tmp_path, thinks, capsys):
+    ask = ["ask", "--model", str(tiny_model_paths["qwen3"]), "--temp", "0", "--max-tokens", "40", "Hi"]
+    assert main(ask) == 0
+    out, err = capsys.readouterr()
+    assert out == ANSWER + "\n" and THOUGHT not in err
+    assert main([*ask, "--show-thinking"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ANSWER + "\n" and err.startswith(THOUGHT + "\n")
+
+    db = ["--db", str(tmp_path / "chat.db")]
+    assert main([*ask, *db, "--new-session", "--thinking", "off"]) == 0
+    (session,) = ChatStore(tmp_path / "chat.db").list_sessions()
+    (_, reply) = ChatStore(tmp_path / "chat.db").path(session.head_id)
+    assert (reply.content, reply.reasoning, session.sampling["thinking"]) == (ANSWER, THOUGHT, "off")
+
+
+
+# -- the app ------------------------------------------------------------------------------------------
+
+
+@aio
+async def test_the_app_shows_a_replys_thinking_folded_as_it_streams_and_t_unfolds_it(
+    open_chat, tiny_model_paths, monkeypatch
+):
+    reply = ChatEngine.reply
+
+    def thinking_reply(engine, to, text=None, **options):
+        return reply(engine, to, text, grammar=forced(engine.model, REPLY), **options)
+
+    monkeypatch.setattr(ChatEngine, "reply", thinking_reply)
+    async with open_chat(model=tiny_model_paths["qwen3"], max_tokens=40) as pilot:
+        await say(pilot, "Hi")
+        view = views(pilot.app)[-1]
+        fold = view.query_one(".thinking", Collapsible)
+        assert (view.content, view.thinking, fold.query_one(".thinking-text", Static).content) == (ANSWER, THOUGHT, THOUGHT)
+        assert fold.collapsed and not fold.query_one(Collapsible.Contents).display  # folded: not shown
+        view.focus()
+        await pilot.press("t")
+        assert not fold.collapsed and fold.query_one(Collapsible.Contents).display
+        await pilot.press("t")
+        assert fold.collapsed
+        (_, stored) = pilot.app.sessions.read(pilot.app.chat.session.id)[1]
+        assert (stored.content, stored.reasoning) == (ANSWER, THOUGHT)
+
+
+@aio
+async def test_a_stored_reply_opens_with_its_thinking_folded(open_chat, tiny_model_paths, tmp_path):
+    thinking_chat(ChatStore(tmp_path / "chat.db"))
+    async with open_chat(model=tiny_model_paths["qwen3"]) as pilot:
+        asked, answered = views(pilot.app)
+        assert not asked.query(".thinking") and answered.content == ANSWER
+        fold = answered.query_one(".thinking", Collapsible)
+        assert fold.collapsed and fold.query_one(".thinking-text", Static).content == THOUGHT
+        asked.focus()
+        await pilot.press("t")  # a message without thinking says so
+        assert notices(pilot.app)[-1] == "This message has no thinking"
+
+
+def thinking_chat(store: ChatStore) -> None:
+    """A stored chat whose reply thought first."""
+    session = store.create_session("A reply that thought")
+    now = time.time()
+    turn = [Message(0, None, "user", "Hi", None, now, None), Message(0, None, "assistant", ANSWER, None, now, None, THOUGHT)]
+    store.append_turn(session.id, None, turn)
