@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 from textual.widgets import Collapsible, Static
 
@@ -24,6 +25,7 @@ from llama_chat.inference.thinking import (
     thinking_format,
 )
 from llama_chat.storage import ChatStore, Message
+from served import Served
 from tiny_models import QWEN3_TEMPLATE
 from tui_pilot import aio, notices, say, views
 
@@ -270,3 +272,57 @@ def thinking_chat(store: ChatStore) -> None:
     now = time.time()
     turn = [Message(0, None, "user", "Hi", None, now, None), Message(0, None, "assistant", ANSWER, None, now, None, THOUGHT)]
     store.append_turn(session.id, None, turn)
+
+
+# -- the server -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served_qwen3(tmp_path, tiny_model_paths, monkeypatch):
+    """A server on the tiny Qwen3 whose replies think (their grammar forces REPLY), and its client."""
+    from llama_chat.app.serve import completions
+
+    monkeypatch.setattr(completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model, REPLY))
+    s = Served(tmp_path / "chat.db", tiny_model_paths["qwen3"]).wait_ready()
+    yield s
+    s.stop()
+
+
+def ask(s: Served, **options):
+    return s.client.chat.completions.create(
+        model="tiny-qwen3", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, **options
+    )
+
+
+def test_the_server_gives_the_thinking_as_reasoning_content_whole_and_streamed(served_qwen3):
+    s = served_qwen3
+    message = ask(s).choices[0].message
+    assert (message.content, message.reasoning_content) == (ANSWER, THOUGHT)  # llama.cpp's field
+
+    thinking, answer, finish = "", "", None
+    for chunk in ask(s, stream=True):
+        for choice in chunk.choices:
+            thinking += getattr(choice.delta, "reasoning_content", None) or ""
+            answer += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert (thinking, answer, finish) == (THOUGHT, ANSWER, "stop")
+
+    api_session = s.state.sessions.list()[0]
+    (_, reply) = s.state.sessions.messages(api_session)
+    assert (reply.content, reply.reasoning) == (ANSWER, THOUGHT)
+
+
+def test_the_server_takes_the_thinking_switches_and_refuses_what_they_are_not(served_qwen3):
+    s = served_qwen3
+    on = ask(s).usage.prompt_tokens
+    off = ask(s, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage.prompt_tokens
+    assert off - on == len(s.model.tokenizer.encode("<think>\n\n</think>\n\n", special=True))
+    assert ask(s, extra_body={"reasoning_effort": "low"}).choices[0].message.content == ANSWER
+    for body, param in (
+        ({"reasoning_effort": "max"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
+        ({"chat_template_kwargs": {"tools_in_user_message": True}}, "chat_template_kwargs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(s, extra_body=body)
+        assert refused.value.status_code == 400 and refused.value.body["param"] == param
