@@ -5,6 +5,7 @@ leaves it, its KV the template's rendering; the thinking switch reaches the temp
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import openai
@@ -14,6 +15,7 @@ from textual.widgets import Collapsible, Static
 from conftest import FIXTURES
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.chat.jobs import State
+from llama_chat.app.chat.sessions import Sessions
 from llama_chat.app.cli import main
 from llama_chat.inference import ChatTemplate, GenerationStats, SamplingParams, constrain, load_model
 from llama_chat.inference.prompt import prompt_text
@@ -24,7 +26,7 @@ from llama_chat.inference.thinking import (
     split_thinking,
     thinking_format,
 )
-from llama_chat.storage import ChatStore, Message
+from llama_chat.storage import SCHEMA_VERSION, ChatStore, Message
 from served import Served
 from tiny_models import QWEN3_TEMPLATE
 from tui_pilot import aio, notices, say, views
@@ -326,3 +328,37 @@ def test_the_server_takes_the_thinking_switches_and_refuses_what_they_are_not(se
         with pytest.raises(openai.BadRequestError) as refused:
             ask(s, extra_body=body)
         assert refused.value.status_code == 400 and refused.value.body["param"] == param
+
+
+# -- kept with the message ------------------------------------------------------------------------------
+
+
+def test_a_database_of_the_version_before_opens_with_its_messages_and_no_thinking(tmp_path):
+    path = tmp_path / "chat.db"
+    store = ChatStore(path)
+    session = store.create_session("before")
+    store.add_message(session.id, "user", "Hi")
+    store.close()
+    old = sqlite3.connect(path)  # as the version before wrote it: no thinking column
+    old.execute("ALTER TABLE messages DROP COLUMN reasoning")
+    old.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    old.commit()
+    old.close()
+    store = ChatStore(path)
+    (message,) = store.path(store.get_session(session.id).head_id)
+    assert (message.content, message.reasoning) == ("Hi", None)
+
+
+def test_the_thinking_travels_in_an_export_and_shows_folded_in_a_transcript(tmp_path):
+    sessions = Sessions(tmp_path / "chat.db")
+    thinking_chat(sessions.store)
+    (session,) = sessions.list()
+    sessions.export(session.id, tmp_path / "chat.llamachat", with_kv=False)
+    other = Sessions(tmp_path / "other.db")
+    (imported,) = other.import_file(tmp_path / "chat.llamachat", model_fingerprint="none").session_ids
+    (_, reply) = other.messages(other.get(imported))
+    assert (reply.content, reply.reasoning) == (ANSWER, THOUGHT)
+
+    transcript = sessions.transcript(session.id)
+    folded = "<details><summary>Thinking</summary>\n\n> I weigh the words.\n> Then I answer.\n\n</details>"
+    assert folded in transcript and transcript.index(folded) < transcript.index(ANSWER)
