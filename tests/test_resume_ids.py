@@ -83,9 +83,10 @@ def test_a_database_of_the_schema_before_kept_ids_is_upgraded_and_resumes(qwen2,
     first, session = talked(qwen2, db)
     live_reply, _ = chat(first, first.fork(session), "is it", max_tokens=6)
     first.store.close()
-    conn = sqlite3.connect(db)  # as the version before kept ids left it
+    conn = sqlite3.connect(db)  # as the version before kept ids (schema 5) left it
     conn.execute("DROP TABLE session_token_ids")
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    conn.execute("ALTER TABLE messages DROP COLUMN reasoning")  # (schema 7's)
+    conn.execute("PRAGMA user_version = 5")
     conn.commit()
     conn.close()
 
