@@ -64,7 +64,7 @@ def test_kept_ids_of_edited_text_another_model_or_damaged_are_made_again(qwen2, 
     assert chat(never, never.fork(session), "is it", max_tokens=6)[0] == reply
 
     _, session = talked(qwen2, tmp_path / "other.db")
-    other = engine_for(tiny_model_paths["qwen3"], tmp_path / "other.db")  # same vocabulary, other model
+    other = engine_for(tiny_model_paths["qwen3"], tmp_path / "other.db")  # same tokens but <think>, other model
     _, ids, kept = other.live.conversation(session)
     assert not kept and ids == made_now(other, session)
 

@@ -103,7 +103,7 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     assert info.restored == 0
     assert chat(nothing, nothing.store.fork_session(session.id), "then")[0] == expected
 
-    other = engine_for(tiny_model_paths["qwen3"], db)  # same vocabulary, other model: other fingerprint
+    other = engine_for(tiny_model_paths["qwen3"], db)  # same tokens but <think>, other model: other fingerprint
     info = other.resume(session)
     assert info.restored == 0
 
