@@ -10,7 +10,7 @@ import time
 
 import openai
 import pytest
-from textual.widgets import Collapsible, Static
+from textual.widgets import Collapsible, Input, Static
 
 from conftest import FIXTURES
 from llama_chat.app.chat.engine import ChatEngine
@@ -29,7 +29,7 @@ from llama_chat.inference.thinking import (
 from llama_chat.storage import SCHEMA_VERSION, ChatStore, Message
 from served import Served
 from tiny_models import QWEN3_TEMPLATE
-from tui_pilot import aio, notices, say, views
+from tui_pilot import aio, idle, notices, say, views
 
 TEMPLATES = FIXTURES / "chat-templates"
 GREEDY = SamplingParams(temperature=0)
@@ -362,3 +362,19 @@ def test_the_thinking_travels_in_an_export_and_shows_folded_in_a_transcript(tmp_
     transcript = sessions.transcript(session.id)
     folded = "<details><summary>Thinking</summary>\n\n> I weigh the words.\n> Then I answer.\n\n</details>"
     assert folded in transcript and transcript.index(folded) < transcript.index(ANSWER)
+
+
+@aio
+async def test_the_settings_screen_switches_a_chats_thinking(open_chat, tiny_model_paths):
+    async with open_chat(model=tiny_model_paths["qwen3"]) as pilot:
+        app = pilot.app
+        await say(pilot, "Hi")
+        await pilot.press("ctrl+s")
+        assert app.screen.query_one("#thinking", Input).placeholder == "on / off"
+        app.screen.query_one("#thinking", Input).value = "maybe"
+        await pilot.press("ctrl+s")
+        assert "thinking must be one of on, off" in str(app.screen.query_one("#error").content)
+        app.screen.query_one("#thinking", Input).value = "off"
+        await pilot.press("ctrl+s")
+        await idle(pilot)
+        assert app.sessions.get(app.chat.session.id).sampling["thinking"] == "off"

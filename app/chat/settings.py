@@ -157,7 +157,7 @@ THINKING = Setting(
     "thinking",
     str,
     None,
-    "thinking (on / off)",
+    "thinking (empty = the model's)",
     "whether a thinking model thinks before it answers (Qwen3's enable_thinking, its /think and "
     "/no_think): on or off; unset, the model's way",
     choices=("on", "off"),
@@ -166,7 +166,7 @@ REASONING_EFFORT = Setting(
     "reasoning_effort",
     str,
     None,
-    "reasoning effort (low / medium / high)",
+    "reasoning effort (empty = medium)",
     "how long gpt-oss reasons before it answers: low, medium or high; unset, its template's (medium)",
     choices=("low", "medium", "high"),
 )
