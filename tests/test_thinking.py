@@ -17,7 +17,14 @@ from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.chat.jobs import State
 from llama_chat.app.chat.sessions import Sessions
 from llama_chat.app.cli import main
-from llama_chat.inference import ChatTemplate, GenerationStats, SamplingParams, constrain, load_model
+from llama_chat.inference import (
+    ChatTemplate,
+    GenerationStats,
+    SamplingParams,
+    chat_prompt_ids,
+    constrain,
+    load_model,
+)
 from llama_chat.inference.prompt import prompt_text
 from llama_chat.inference.thinking import (
     HARMONY,
@@ -172,11 +179,21 @@ def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_template
     assert len(ids) == stats.prompt_tokens + len(stats.token_ids) + 2
     assert forward_passes[-1] == 2
 
-    # the next turn's prompt leaves the thinking out, as Qwen3's template does
-    asked = [*engine.live.messages(session), {"role": "user", "content": "And?"}]
-    assert engine.live.messages(session)[-1]["reasoning_content"] == THOUGHT
-    nxt = prompt_text(engine.model, asked)
-    assert ANSWER in nxt and THOUGHT not in nxt
+    # a new process resumes it all from the store: nothing computed
+    again = ChatEngine(load_model(engine.model.path, block_size=8), ChatStore(engine.store.db_path))
+    info = again.resume(session)
+    assert info.restored == info.tokens == len(ids)
+
+    # the next turn's prompt leaves the thinking out, as Qwen3's template does: the KV is kept up to
+    # the reply, and computed from there
+    asked = [*again.live.messages(session), {"role": "user", "content": "And?"}]
+    assert asked[-2]["reasoning_content"] == THOUGHT
+    text = prompt_text(again.model, asked)
+    assert ANSWER in text and THOUGHT not in text
+    kept = next(i for i, (a, b) in enumerate(zip(ids, chat_prompt_ids(again.model, asked))) if a != b)
+    stats = GenerationStats()
+    again.reply(session, "And?", sampling=GREEDY, max_tokens=2, stats=stats).wait()
+    assert stats.prefilled_tokens == stats.prompt_tokens - kept
 
 
 def test_a_reply_without_thinking_is_all_answer(engine):
