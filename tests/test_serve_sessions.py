@@ -121,7 +121,7 @@ def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_n
                 assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
             # /health says what waits (with the scheduler held, the pool it reads does not change)
             with monkeypatch.context() as m:
-                m.setattr(s.state.engine, "lock", contextlib.nullcontext())
+                m.setattr(s.state.engine, "_lock", contextlib.nullcontext())
                 health = json.loads(s.raw("GET", "/health")[2])
             assert health["queued"] == 2
             leaving.close()  # before its turn began
@@ -158,7 +158,7 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
     try:
         sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
         first = s.ask("hello there", extra_body={"session": sid}, seed=1)
-        store = s.state.engine.store
+        store = s.state.store
         filler = store.create_session("filler")
         with store.connection.lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
             pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
@@ -222,7 +222,7 @@ def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):
     again = Served(db, qwen2).wait_ready()  # a new process's pool: empty; the database has the KV
     try:
         engine = again.state.engine
-        held = chat_prompt_ids(again.model, engine.live.messages(engine.store.get_session(sid)), False)
+        held = chat_prompt_ids(again.model, engine._cache.messages(engine._store.get_session(sid)), False)
         turn = again.ask("and the sun", extra_body={"session": sid}, seed=1)
         assert turn.usage.prompt_tokens_details.cached_tokens == len(held)  # blocks and tail, from disk
 

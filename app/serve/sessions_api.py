@@ -29,7 +29,8 @@ from llama_chat.storage.exchange import (
     read_session_file,
 )
 
-from ..chat.conversations import API_ORIGIN, kv_salt
+from ..chat.conversations import API_ORIGIN
+from ..chat.session_cache import kv_salt
 from ..chat.titles import session_title
 from .completions import find_session
 from .errors import ApiError, invalid
@@ -52,7 +53,7 @@ def _json(session: Session) -> dict:
 
 
 async def list_sessions(request: Request) -> Response:
-    store = _state(request).engine.store
+    store = _state(request).store
     sessions = await run_in_threadpool(store.list_sessions, tenant_of(request))
     return JSONResponse({"object": "list", "data": [_json(s) for s in sessions]})
 
@@ -63,16 +64,9 @@ async def create_session(request: Request) -> Response:
     title, system = text_field(body, "title"), text_field(body, "system_prompt")
     engine, tenant = state.engine, tenant_of(request)
 
-    def create():
-        return engine.store.create_session(
-            session_title(title or "") or "API chat",
-            model_fingerprint=engine.model.fingerprint,
-            model_name=engine.model.name,
-            system_prompt=system or None,
-            origin=API_ORIGIN,
-            tenant=tenant,
-            kv_namespace=kv_salt(tenant),
-        )
+    def create():  # "": no system prompt (the model's recommended one is a chat's of the app)
+        return engine.new_session(session_title(title or "") or "API chat", system or "", origin=API_ORIGIN,
+                                  tenant=tenant)  # fmt: skip
 
     session = await run_in_threadpool(create)
     return JSONResponse(_json(session), status_code=201)
@@ -81,7 +75,7 @@ async def create_session(request: Request) -> Response:
 async def show_session(request: Request) -> Response:
     state = _state(request)
     session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
-    messages = await run_in_threadpool(state.engine.store.path, session.head_id)
+    messages = await run_in_threadpool(state.store.path, session.head_id)
     return JSONResponse({**_json(session), "messages": [asdict(m) for m in messages]})
 
 
@@ -124,7 +118,7 @@ async def export(request: Request) -> Response:
     path = folder / default_file_name(session)
     try:
         codec = query.get("codec") or None
-        store = state.engine.store
+        store = state.store
         await run_in_threadpool(export_session, store, session.id, path, with_kv=with_kv, codec=codec, tree=tree)
     except ExchangeError as e:
         shutil.rmtree(folder, ignore_errors=True)
@@ -159,12 +153,12 @@ async def import_file(request: Request) -> Response:
 
         options = state.options
         await save_file(request, path, MAX_IMPORT, options.body_timeout_s, HEADER_SIZE, check_head)
-        fingerprint, tenant = state.engine.model.fingerprint, tenant_of(request)
+        fingerprint, tenant = state.engine.model_info.fingerprint, tenant_of(request)
 
         def read_and_import():
             try:
                 return import_session(
-                    state.engine.store, read_session_file(path), model_fingerprint=fingerprint, tenant=tenant,
+                    state.store, read_session_file(path), model_fingerprint=fingerprint, tenant=tenant,
                     kv_namespace=kv_salt(tenant),
                 )
             except ExchangeError as e:

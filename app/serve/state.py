@@ -13,12 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.storage import ChatStore
 
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
@@ -118,6 +119,7 @@ class ServerState:
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
+        self.store: ChatStore | None = None  # the sessions' database, opened with the engine
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
@@ -134,14 +136,19 @@ class ServerState:
         try:
             model = self._load(options)
             model.warm_up()
-            engine = open_engine(options.engine, model=model)
+            store = ChatStore(options.db)
+            try:
+                engine = open_engine(replace(options.engine, store=store), model=model)
+            except BaseException:
+                store.close()
+                raise
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
-        self.engine = engine
+        self.engine, self.store = engine, store
         if self.phase == "loading":
             self.phase = "ready"
         say(
@@ -161,7 +168,7 @@ class ServerState:
             self._thread.join()
         if self.engine is not None:
             self.engine.close()
-            self.engine.store.close()
+            self.store.close()
 
     # -- what requests ask -------------------------------------------------------------------------
 

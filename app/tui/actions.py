@@ -21,6 +21,7 @@ from llama_chat.storage import Message, Session
 
 from ..chat.attachments import AttachmentError, read_attachment
 from ..chat.engine import fork_before
+from ..chat.replies import make_session
 from ..chat.settings import DEFAULT_SAMPLING
 from ..chat.titles import session_title
 from ..config import export_dir
@@ -45,7 +46,7 @@ class ChatActions:
             state = "ready" if status["assembled"] else "assembled on first use"
             installed = status["packages_installed"] or status["assembled"]
             models.append((known.name, state if installed else "not installed"))
-        current = model_label(self.screen.engine.model) if self.screen.engine else None
+        current = model_label(self.screen.engine.model_info) if self.screen.engine else None
 
         def chosen(name: str | None) -> None:
             if name and self.screen.flow.can_start("change the model"):
@@ -270,7 +271,7 @@ class ChatActions:
             target, engine = session, self.screen.engine
             if target is None:  # a new chat is stored now, with its settings
                 title = settings["title"]
-                target = engine.new_session(title) if engine else self.screen.store.create_session(title)
+                target = engine.new_session(title) if engine else make_session(self.screen.store, None, title)
             self.screen.store.update_session(target.id, **settings)
             target = self.screen.store.get_session(target.id)
             return target, self.screen.store.path(target.head_id)
@@ -343,7 +344,7 @@ class ChatActions:
         """On a worker thread: add the sessions of a file, with the KV this model made."""
         from llama_chat.storage.exchange import import_session
 
-        fingerprint = self.screen.engine.model.fingerprint if self.screen.engine else None
+        fingerprint = self.screen.engine.model_info.fingerprint if self.screen.engine else None
         try:
             return import_session(
                 self.screen.store,

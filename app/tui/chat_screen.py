@@ -243,11 +243,11 @@ class ChatScreen(Screen):
         self.status.done()
         if event.error:
             self.status.set(
-                model=model_label(self.engine.model) if self.engine else f"no model: {event.error}"
+                model=model_label(self.engine.model_info) if self.engine else f"no model: {event.error}"
             )
             self.notify(event.error, title="The model did not load", severity="error", timeout=10)
         else:
-            self.status.set(model=model_label(self.engine.model))
+            self.status.set(model=model_label(self.engine.model_info))
             self.show_context(self.session.n_tokens if self.session else 0)
         for reply in self.replies:  # (sent while it loaded: no reply starts while a model loads)
             self.flow.start(reply)

@@ -63,7 +63,7 @@ class ToolCalls:
         answer, problem = self.tools.answer(call, confirmed)
         if problem:
             self.screen.notify(problem, title="Tool call failed", severity="error", timeout=10)
-        self.screen.store.add_message(session.id, "tool", answer)
+        self.screen.engine.answer_tool(session, answer)
 
     def conversation(self, session: Session) -> tuple[Session, list[Message]]:
         session = self.screen.store.get_session(session.id)

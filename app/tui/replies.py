@@ -16,7 +16,7 @@ from functools import partial
 from itertools import groupby
 
 from llama_chat.inference import ModelError
-from llama_chat.storage import Message, Session, StoreError
+from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from ..chat.attachments import with_attachments
 from ..chat.engine import ChatEngine, SavedReply
@@ -73,7 +73,7 @@ class Reply:
                 return out
 
 
-def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
+def submit(engine: ChatEngine | None, store: ChatStore, reply: Reply) -> Branch | None:
     """On a worker thread: submit the reply's job, after making the branch it goes to; where it goes
     (None for several alternatives: each has its own branch, known when they end)."""
     if engine is None:
@@ -91,7 +91,7 @@ def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
     else:
         branch = reply.session or engine.new_session(**reply.new_chat)
         reply.job = engine.reply(branch, reply.text, **options)
-    return Branch(branch, engine.store.path(branch.head_id), reply.text)
+    return Branch(branch, store.path(branch.head_id), reply.text)
 
 
 def saved_replies(reply: Reply) -> list[SavedReply]:
@@ -182,7 +182,7 @@ class ReplyFlow:
         if reply.n > 1:  # no text streams before the end: a bar says it works
             self.screen.status.progress(work_label(reply))
         self.screen.in_background(
-            partial(submit, self.screen.engine, reply),
+            partial(submit, self.screen.engine, self.screen.store, reply),
             partial(self.reply_started, reply),
             failed=partial(self.reply_refused, reply),
         )
