@@ -71,6 +71,26 @@ def test_ask_with_sessions_on_the_command_line(qwen2, tmp_path, capsys):
     assert "unknown session '0000ffff'" in capsys.readouterr().err
 
 
+def test_a_turn_reads_its_conversation_once_and_renders_its_prompt_once(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("once", system_prompt="the sun")
+    chat(engine, session, "hello the world", max_tokens=4)
+    reads, renders = [], []
+    store, template = engine._store, engine._model.chat_template
+    path, render = store.path, template.render
+    store.path = lambda head: reads.append(head) or path(head)
+
+    def counted(messages, **options):
+        renders.append(options["add_generation_prompt"])
+        return render(messages, **options)
+
+    template.render = counted
+    chat(engine, store.get_session(session.id), "and then", max_tokens=4)
+    assert len(reads) == 1  # the conversation, from SQLite
+    # the prompt; then the conversation with its reply as it is kept for the next resume: its digest, its ids
+    assert renders == [True, False, False]
+
+
 def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tmp_path):
     db = tmp_path / "chat.db"
     first = engine_for(qwen2, db)

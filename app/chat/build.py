@@ -112,8 +112,9 @@ def open_engine(
     options: EngineOptions, progress: Progress | None = None, model: Model | None = None
 ) -> ChatEngine:
     """The chat engine `options` describe: its model loaded (unless `model` is one loaded already from
-    them), its database and remote tier opened. Whoever built it closes it (ChatEngine.close), and
-    closes the store it opened (engine.store) unless the options brought one."""
+    them), its database and remote tier opened. Whoever built it closes it (ChatEngine.close), and the
+    store it brought in the options; a store opened here (none brought: one in memory, say) lives as
+    long as the engine."""
     store = options.store or ChatStore(options.db)
     try:
         model = model or open_model(options, progress)

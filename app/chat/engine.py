@@ -374,7 +374,7 @@ class ChatEngine:
         session, `saved` its result; or, in `branches`, one alternative in each, a SavedReply each their
         result. It waits for the turn before it of the session (`order`, default the turn's own)."""
         session_id, order = turn.session.id, order or turn.session.id
-        read = self._cache.prefetch(turn.session)  # here: a slow store holds up this reply only
+        read = self._cache.prefetch(turn.session, turn.messages)  # here: a slow store holds up one reply
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
             nonlocal turn

@@ -174,15 +174,15 @@ class SessionCache:
 
     # -- bringing KV back --------------------------------------------------------------------------
 
-    def prefetch(self, session: Session) -> RemoteRead | None:
-        """The blocks and tail of a session's conversation that only the remote tier holds, read into RAM
-        without the lock: on the thread that submits a reply. None: no tier."""
+    def prefetch(self, session: Session, messages: list[dict] | None = None) -> RemoteRead | None:
+        """The blocks and tail of a session's conversation (`messages`, else read) that only the remote
+        tier holds, read into RAM without the lock: on the thread that submits a reply. None: no tier."""
         if self.remote is None:
             return None
         live = self._seqs.get(session.id)
         if session.kv_namespace is not None or (live is not None and live.private):
             return RemoteRead()  # an import's KV, or KV that is no prefix's: never read from the tier
-        ids = self.stored_conversation(session)[1]
+        ids = self.stored_conversation(session, messages)[1]
         held = live is not None and live.common_prefix(ids) == len(ids)  # (without the lock: a hint)
         return self.read_remote(ids, tail_of=None if held else ids, session_id=session.id)
 
