@@ -91,6 +91,15 @@ def test_a_turn_reads_its_conversation_once_and_renders_its_prompt_once(qwen2, t
     assert renders == [True, False, False]
 
 
+def test_a_tools_answer_goes_below_the_reply_that_called_it_once_that_reply_is_stored(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("tools")
+    engine.reply(session, "what is the weather", sampling=GREEDY, max_tokens=6)
+    answered = engine.answer_tool(session, '{"weather": "sun"}')  # (the reply is still being written)
+    path = ChatStore(tmp_path / "chat.db").path(answered.head_id)
+    assert [m.role for m in path] == ["user", "assistant", "tool"] and path[-1].content == '{"weather": "sun"}'
+
+
 def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tmp_path):
     db = tmp_path / "chat.db"
     first = engine_for(qwen2, db)
