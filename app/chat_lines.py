@@ -6,11 +6,12 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 
-from llama_chat.storage import ChatStore, Session
+from llama_chat.storage import Session
 
 from .chat.attachments import Attachment, AttachmentError, read_attachment, with_attachments
 from .chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
-from .terminal import say
+from .chat.sessions import Sessions
+from .terminal import escaped, say
 
 
 class PendingFiles:
@@ -58,16 +59,16 @@ def open_tools(engine, servers: dict) -> MCPTools | None:
 
 
 def answer_calls(
-    engine, store: ChatStore, session: Session, tools: MCPTools,
+    engine, sessions: Sessions, session: Session, tools: MCPTools,
     reply: Callable[[Session], tuple[Session, int]], confirm: Callable[[str], bool],
 ) -> tuple[Session, int]:
-    """While the session's last reply (read in `store`) calls tools: each call shown and, if
+    """While the session's last reply (read in `sessions`) calls tools: each call shown and, if
     confirm(question) says so, run; its answer (or why there is none) stored as a tool message (the
     engine's answer_tool); then the model replies again —
     unless the user declined every call: then the user's next message comes first (a small model
     asks again and again). Returns the session and the exit code reply() asked for (0: none)."""
     for _ in range(MAX_TOOL_ROUNDS):
-        head = store.message(session.head_id)
+        head = sessions.message(session.head_id)
         calls = tools.calls_in(head.content) if head.role == "assistant" else []
         if not calls:
             return session, 0
@@ -92,7 +93,7 @@ def answer_calls(
 def ask_yes(question: str) -> bool:
     """y/n on the terminal; anything but y (or Ctrl+D, Ctrl+C) is no."""
     try:
-        return input(question).strip().lower() in ("y", "yes")
+        return input(escaped(question)).strip().lower() in ("y", "yes")
     except (EOFError, KeyboardInterrupt):
         print()
         return False

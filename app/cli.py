@@ -317,12 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     from llama_chat.inference import ModelError
     from llama_chat.storage import StoreError
 
-    from .terminal import UsageError
+    from .terminal import UsageError, escaped
 
     try:
         return args.handler(args) or 0
     except (ModelError, StoreError, UsageError) as e:
-        print(f"llama-chat: error: {e}", file=sys.stderr)
+        print(f"llama-chat: error: {escaped(str(e))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -19,13 +19,14 @@ from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
 from .chat.session_cache import system_message
+from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
 from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
 from .flags import engine_options
 from .progress import ProgressBar
 from .signals import ReplySignals
-from .terminal import UsageError, print_json, read_prompt, read_text, say, stream_reply
+from .terminal import UsageError, escaped, print_json, read_prompt, read_text, say, stream_reply
 
 
 def cmd_models(args) -> int:
@@ -67,14 +68,15 @@ def reply_settings(args, session: Session | None = None) -> dict:
     return {**(session.sampling if session else {}), **flag_settings(args, REPLY_SETTINGS)}
 
 
-def open_store(args) -> ChatStore:
-    store = ChatStore(args.db)
-    store.on_wait = waiting_notice(store)
-    return store
+def open_sessions(args) -> Sessions:
+    """The conversations of --db, saying so while another process holds them."""
+    sessions = Sessions(args.db)
+    sessions.on_wait = waiting_notice(sessions)
+    return sessions
 
 
-def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
-    """on_wait for the store: say once that another process holds the write lock; with `signals`
+def waiting_notice(store: ChatStore | Sessions, signals: ReplySignals | None = None):
+    """on_wait for the conversations: say once that another process holds the write lock; with `signals`
     (while a reply is stored), a signal during the wait gives up waiting."""
     seen = None
 
@@ -89,9 +91,10 @@ def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
     return on_wait
 
 
-def open_engine(args, store: ChatStore | None = None) -> ChatEngine:
-    """The chat engine of this command line's flags, on `store` (None: one that keeps nothing)."""
-    options = engine_options(args, store=store) if store else engine_options(args, db=build.IN_MEMORY)
+def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:
+    """The chat engine of this command line's flags, on `sessions` (None: one that keeps nothing)."""
+    given = {"sessions": sessions} if sessions else {"db": build.IN_MEMORY}
+    options = engine_options(args, **given)
     try:
         with ProgressBar() as bar:
             return build.open_engine(options, bar)
@@ -99,18 +102,18 @@ def open_engine(args, store: ChatStore | None = None) -> ChatEngine:
         raise UsageError(str(e)) from None
 
 
-def stored_reply(engine, store: ChatStore, session: Session, text: str | None, args) -> tuple[Session, int]:
+def stored_reply(engine, sessions: Sessions, session: Session, text: str | None, args) -> tuple[Session, int]:
     """Stream a reply that is stored with its question; SIGINT, SIGTERM and SIGHUP stop it and keep it
     (see signals.py). Returns the session that now ends with it (a new branch when the session moved
     on meanwhile) and the exit code a signal asks for (0 if none came)."""
     saved = SavedReply()
     settings = reply_settings(args, session)
     with ReplySignals() as signals:
-        store.on_wait = waiting_notice(store, signals)
+        sessions.on_wait = waiting_notice(sessions, signals)
         try:
             stream_reply_to(engine, session, text, args, settings, signals, saved=saved)
         finally:
-            store.on_wait = waiting_notice(store)
+            sessions.on_wait = waiting_notice(sessions)
     if saved.session is None:
         say("llama-chat: the reply was not stored: stopped while it was being stored")
         return session, signals.exit_code or 130
@@ -128,11 +131,11 @@ def cmd_ask(args) -> int:
     prompt = question(args)
     if not (args.session or args.new_session):
         return ask_once(args, prompt)
-    store = open_store(args)
-    store.check_writable()  # a reply that could not be stored is not worth computing
+    sessions = open_sessions(args)
+    sessions.check_writable()  # a reply that could not be stored is not worth computing
     if args.session:
-        session = store.get_session(args.session)  # an unknown session fails before the model loads
-    engine = open_engine(args, store)
+        session = sessions.get(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, sessions)
     # before the session is made or changed: a refused prompt leaves nothing behind
     if args.system is not None:
         system = args.system
@@ -144,16 +147,15 @@ def cmd_ask(args) -> int:
         session = engine.new_session(title, args.system, flag_settings(args))
         print(f"session {session.id}", file=sys.stderr)
     elif args.system is not None:
-        store.update_session(session.id, system_prompt=args.system)
-        session = store.get_session(session.id)
+        session = sessions.update(session.id, system_prompt=args.system)
     info = engine.resume(session)
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
     try:
-        return stored_reply(engine, store, session, prompt, args)[1]
+        return stored_reply(engine, sessions, session, prompt, args)[1]
     finally:
         if args.new_session:
-            forget_if_empty(store, session)
+            forget_if_empty(sessions, session)
 
 
 def question(args) -> str:
@@ -214,37 +216,37 @@ def reply_grammar(args, tokenizer) -> str | None:
         raise ModelError(f"{path or '--json'}: {e}") from None
 
 
-def forget_if_empty(store: ChatStore, session: Session) -> None:
+def forget_if_empty(sessions: Sessions, session: Session) -> None:
     """A session this command made for a reply that was not stored goes again: a failed command
     leaves nothing behind (where the disk lets us: on a full one, even a delete may fail)."""
     with contextlib.suppress(StoreError):
-        if store.get_session(session.id).head_id is None:
-            store.delete_session(session.id)
+        if sessions.get(session.id).head_id is None:
+            sessions.delete(session.id)
 
 
 def cmd_chat(args) -> int:
     servers = user_config().mcp_servers  # a config.toml that cannot be used fails before the model loads
-    store = open_store(args)
-    store.check_writable()
+    sessions = open_sessions(args)
+    sessions.check_writable()
     if args.session:
-        store.get_session(args.session)  # an unknown session fails before the model loads
-    engine = open_engine(args, store)
+        sessions.get(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, sessions)
     tools = open_tools(engine, servers)  # before a session's KV is restored: its prompts offer them
     try:
-        return chat_loop(engine, store, tools, args)
+        return chat_loop(engine, sessions, tools, args)
     finally:
         if tools is not None:
             tools.close()
 
 
-def chat_loop(engine: ChatEngine, store: ChatStore, tools, args) -> int:
+def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
     """The session of `chat` (resumed or new), then its lines until Ctrl+D."""
     if args.session:
-        session = store.get_session(args.session)
+        session = sessions.get(args.session)
         info = engine.resume(session)
-        print(f"Resumed '{session.title}' ({session.id}): {info.describe()}.", file=sys.stderr)
-        for m in store.path(session.head_id)[-4:]:
-            print(f"{m.role}: {brief(m.content)}", file=sys.stderr)  # an attached file by its name
+        say(f"Resumed '{escaped(session.title)}' ({session.id}): {info.describe()}.")
+        for m in sessions.messages(session)[-4:]:
+            say(f"{m.role}: {brief(m.content)}")  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
         print(f"New session {session.id} with {engine.model_info.name}.", file=sys.stderr)
@@ -262,13 +264,13 @@ def chat_loop(engine: ChatEngine, store: ChatStore, tools, args) -> int:
         if not line.strip() or files.command(line):
             continue
         try:
-            session, code = stored_reply(engine, store, session, files.message(line), args)
+            session, code = stored_reply(engine, sessions, session, files.message(line), args)
         except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
             say(f"llama-chat: {e}")
             continue
         if tools is not None and not code:
-            again = partial(stored_reply, engine, store, text=None, args=args)
-            session, code = answer_calls(engine, store, session, tools, again, ask_yes)
+            again = partial(stored_reply, engine, sessions, text=None, args=args)
+            session, code = answer_calls(engine, sessions, session, tools, again, ask_yes)
         if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
             return code
 

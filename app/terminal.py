@@ -18,20 +18,42 @@ class UsageError(Exception):
     """Input on the command line or stdin that cannot be used (empty, not UTF-8): one line, exit 2."""
 
 
+# The characters a terminal obeys instead of showing: C0 (ESC starts `ESC ] 0 ; title BEL`, which sets the
+# window's title, and `ESC [ 2 J`, which clears the screen), DEL, and C1 (U+009B and U+009D are CSI and
+# OSC on their own).
+_CONTROLS = (*range(0x20), 0x7F, *range(0x80, 0xA0))
+_AS_LINE = {c: f"\\x{c:02x}" for c in _CONTROLS}
+_AS_TEXT = {c: e for c, e in _AS_LINE.items() if chr(c) not in "\n\t"}
+_AS_JSON = {c: f"\\u{c:04x}" for c in _CONTROLS if c >= 0x7F}  # json.dumps escapes C0 but not these
+
+
+def escaped(text: str, lines: bool = False) -> str:
+    """Text this program did not write (a title, a message, a name, an error naming either) as it is
+    printed on a terminal: each control character as `\\xNN`, so none moves the cursor, clears the
+    screen or sets the window's title. `lines`: newlines and tabs kept (a message's body)."""
+    return text.translate(_AS_TEXT if lines else _AS_LINE)
+
+
+def on_stdout(text: str) -> str:
+    """Text (a reply, a transcript) as it goes to stdout: escaped() where that is a terminal, exactly
+    as it is into a pipe or a file (JSON a reply wrote may hold a carriage return)."""
+    return escaped(text, lines=True) if sys.stdout.isatty() else text
+
+
 def print_json(value) -> None:
-    print(json.dumps(value, ensure_ascii=False))
+    print(json.dumps(value, ensure_ascii=False).translate(_AS_JSON))
 
 
 def say(line: str) -> None:
     """A line on stderr, where a closed terminal (SIGHUP) must not turn a stored reply into a traceback."""
     with contextlib.suppress(OSError):
-        print(line, file=sys.stderr, flush=True)
+        print(escaped(line, lines=True), file=sys.stderr, flush=True)
 
 
 def write(text: str) -> bool:
-    """Text on stdout; False once no one reads it (a closed terminal or pipe)."""
+    """A reply's text on stdout (on_stdout); False once no one reads it (a closed terminal or pipe)."""
     try:
-        sys.stdout.write(text)
+        sys.stdout.write(on_stdout(text))
         sys.stdout.flush()
         return True
     except OSError:

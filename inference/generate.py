@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .chat_template import completion_prompt, content_texts, map_contents
+from .chat_template import completion_prompt
 from .constrain import Constraint
 from .kernels import KERNEL_ROWS
 from .kv_cache import KVSequence
@@ -57,11 +57,12 @@ def chat_prompt_ids(
     model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
 ) -> list[int]:
     """Render messages with the model's chat template (plain completion for base models) and tokenize.
-    Only the template's markup becomes control tokens: contents are text, so none can forge a turn.
-    `tools` (OpenAI's function definitions) are rendered by the template, if it takes them."""
+    `tools` (OpenAI's function definitions) are rendered by the template, if it takes them. Only the
+    template's markup becomes control tokens: every string of the messages and the tools (contents,
+    names, descriptions, schemas, call arguments, tool results) is text, so none can forge a turn."""
     tok = model.tokenizer
-    shield = tok.control_text_shield(content_texts(messages))
-    text = prompt_text(model, map_contents(messages, shield.hide), add_generation_prompt, tools)
+    shield = tok.control_text_shield([messages, tools])
+    text = prompt_text(model, shield.hide(messages), add_generation_prompt, shield.hide(tools))
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
     add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))  # templates often write BOS
     return tok.encode(text, add_bos=add_bos, special=True, shield=shield)

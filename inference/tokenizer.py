@@ -7,9 +7,8 @@ import codecs
 import os
 from typing import Any
 
-import regex
-
 from .bpe import ADD_BOS, BPE, CHAR_TO_BYTE, NO_BOS, PRE_TYPES, merge_symbols
+from .control_text import ControlTextShield
 from .errors import ModelError
 from .gguf_file import open_gguf, read_metadata
 
@@ -33,43 +32,6 @@ _TYPE_TO_ATTR = {
 
 # llama.cpp's isspace() in the "C" locale, used when stripping around lstrip/rstrip special tokens.
 _C_SPACE = " \t\n\v\f\r"
-
-# Unicode's private-use code points: no tokenizer gives them a meaning, so they can stand in for text.
-_PRIVATE_USE = (*range(0xE000, 0xF900), *range(0xF0000, 0xFFFFE))
-
-
-class ControlTextShield:
-    """Control-token text (``<|im_start|>``) inside message contents, hidden behind private-use
-    characters while a chat template renders, so that only the template's own markup becomes control
-    tokens and a message cannot forge a turn. encode(..., shield=) turns the hidden text back into
-    text, tokenized as llama.cpp tokenizes with parse_special off.
-
-    Each hidden token text gets a private-use character found in none of the messages, so what the
-    user wrote comes back exactly; the template sees no control text in contents (nor their length).
-    """
-
-    def __init__(self, control_texts: list[str], taken: set[str]):
-        free = (chr(c) for c in _PRIVATE_USE if chr(c) not in taken)
-        self._placeholder = dict(zip(control_texts, free, strict=False))
-        if len(self._placeholder) < len(control_texts):
-            raise ModelError(
-                "a message uses every private-use character; it cannot be told from the template"
-            )
-        self._text = {ord(ch): text for text, ch in self._placeholder.items()}
-        # longest first, as llama.cpp cuts special tokens out of a text
-        alternatives = sorted(control_texts, key=len, reverse=True)
-        self._pattern = regex.compile("|".join(map(regex.escape, alternatives))) if alternatives else None
-
-    def hide(self, text: str) -> str:
-        if self._pattern is None:
-            return text
-        return self._pattern.sub(lambda m: self._placeholder[m.group()], text)
-
-    def hides_in(self, text: str) -> bool:
-        return bool(self._text) and any(ch in text for ch in self._placeholder.values())
-
-    def reveal(self, text: str) -> str:
-        return text.translate(self._text)
 
 
 # --- SentencePiece (byte-level BPE is in bpe.py) --------------------------------------------------
@@ -231,7 +193,7 @@ class Tokenizer:
 
     # What encode() makes of a text, as a version: token ids kept from an earlier encoding (the chat
     # layer's session cache keeps a conversation's) are used only under the version that made them.
-    # Raise it with any change that gives other ids for some text.
+    # Raise it with any change that gives other ids for some text (here, in bpe.py or control_text.py).
     encoding_version = 1
 
     def __init__(self, meta: dict[str, Any]):
@@ -298,11 +260,10 @@ class Tokenizer:
 
     # --- encoding ---
 
-    def control_text_shield(self, texts: list[str]) -> ControlTextShield:
-        """A shield for the control-token text found in `texts` (message contents), for encode()."""
-        joined = "\n".join(texts)
-        present = [t for t in self._control_texts if t in joined]
-        return ControlTextShield(present, set(joined) if present else set())
+    def control_text_shield(self, outside: Any) -> ControlTextShield:
+        """A shield for this vocabulary's control-token text in every string of `outside` (what a chat
+        template is given: messages, tools), for encode()."""
+        return ControlTextShield(self._control_texts, outside)
 
     def encode(
         self, text: str, add_bos: bool = False, special: bool = False, shield: ControlTextShield | None = None

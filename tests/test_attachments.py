@@ -5,7 +5,10 @@ that cannot be attached is one line and leaves the database as it was."""
 from __future__ import annotations
 
 import io
+import os
+import socket
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,6 +119,27 @@ def test_a_file_that_cannot_be_attached_is_one_line_and_nothing_is_stored(qwen2,
     assert (stored_contents(db), fragment_rows(db), [s.id for s in ChatStore(db).list_sessions()]) == before
 
 
+def test_a_fifo_a_socket_a_device_or_a_folder_is_refused_at_once(tmp_path, capsys):
+    """A FIFO with no writer used to block `ask -f` for ever, silently; a device was read as a file."""
+    fifo, sock = tmp_path / "fifo", tmp_path / "sock"
+    os.mkfifo(fifo)
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(sock))
+    tried: list = []
+    reading = threading.Thread(target=lambda: tried.append(main(["ask", "-f", str(fifo), "hello"])), daemon=True)
+    reading.start()
+    reading.join(30)
+    if reading.is_alive():  # let it go: a writer unblocks the open()
+        os.close(os.open(fifo, os.O_WRONLY))
+    assert tried == [2], "ask -f FIFO waited for a writer"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{fifo}: a FIFO, not a file" in err
+    for path, kind in ((sock, "a socket"), ("/dev/zero", "a device"), (tmp_path, "a folder")):
+        with pytest.raises(AttachmentError, match=f"^{path}: {kind}, not a file; only files can be attached$"):
+            read_attachment(str(path))
+    listening.close()
+
+
 def test_stdin_is_attached_as_a_file_and_read_once(monkeypatch):
     class Stdin(io.StringIO):
         buffer = io.BytesIO(b"from a pipe\n")
@@ -150,9 +174,9 @@ async def test_the_app_attaches_a_file_with_f5(open_chat, notes, tmp_path):
         assert isinstance(app.screen, TextScreen)
         await pilot.press(*"notes.txt", "enter")
         await say(pilot, "hello the world")
-        (asked, _) = [m.content for m in app.store.path(app.store.get_session(app.chat.session.id).head_id)]
+        (asked, _) = [m.content for m in app.sessions.read(app.chat.session.id)[1]]
         assert asked.endswith("hello the world") and TEXT in asked and "notes.txt" in asked
-        assert app.chat.attached == []  # sent once
+        assert app.chat.flow.attached == []  # sent once
         assert "notes.txt" in app.chat.session.title
 
 

@@ -201,6 +201,33 @@ def test_the_engine_keeps_its_state_to_itself():
     assert {"reply", "answer_tool", "new_session", "model_info", "n_ctx"} <= engine_surface()
 
 
+STORE_INTERNALS = ("llama_chat.storage.exchange", "llama_chat.storage.transcript", "llama_chat.storage.store")
+
+
+def store_opened(path: Path, name: str | None = None) -> list[str]:
+    """Where a front end's module (`name`: its dotted name, else found from its place) opens the store
+    itself or imports what only the sessions service (app/chat/sessions.py) uses: the store's module,
+    export and import files, transcripts."""
+    name = name or ".".join(["llama_chat", *path.relative_to(ROOT).with_suffix("").parts])
+    targets = imported(name, path, False, set(modules()))
+    found = [f"imports {t}" for t in targets if t.startswith(STORE_INTERNALS)]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "ChatStore":
+            found.append("opens ChatStore")
+    return found
+
+
+def test_front_ends_reach_the_conversations_through_the_sessions_service(tmp_path):
+    sample = tmp_path / "front.py"  # first, that the check sees what it forbids
+    sample.write_text("from llama_chat.storage.exchange import export_session\nstore = ChatStore('x.db')\n")
+    assert sorted(store_opened(sample, "llama_chat.app.tui.front")) == [
+        "imports llama_chat.storage.exchange", "opens ChatStore"
+    ]
+    wrong = {str(f.relative_to(ROOT)): store_opened(f) for f in front_end_files()}
+    wrong.pop("app/bench/stored.py")  # `bench` measures the store itself: what a session takes in it, a file's
+    assert {name: found for name, found in wrong.items() if found} == {}
+
+
 def test_the_chat_engine_has_a_dozen_verbs_at_most():
     from llama_chat.app.chat.engine import ChatEngine
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from tui_pilot import aio, idle, say, stored_path, until
 
 SERVER = str(Path(__file__).parent / "mcp_server.py")
 START_S = 120.0  # for a server that does start: a Python process importing the SDK, on a busy machine
+ENDED_S = 30.0  # for a server's processes to be gone once the chat is: a few seconds, on a busy machine
 
 
 def server(mode: str, timeout: float = START_S, pid_file: Path | None = None) -> ServerConfig:
@@ -31,16 +33,33 @@ def server(mode: str, timeout: float = START_S, pid_file: Path | None = None) ->
     return ServerConfig("test", sys.executable, [SERVER, mode], env=env, timeout=timeout)
 
 
-def running(pid_file: Path) -> list[int]:
-    """The processes of the servers that wrote their ids to pid_file, still running."""
-    alive = []
-    for pid in map(int, pid_file.read_text().split()):
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
+def running(pid_file: Path, within: float = 0.0) -> list[int]:
+    """The processes that wrote their ids to pid_file (servers, and their children) still running
+    after at most `within` seconds of waiting for them to end."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = [pid for pid in map(int, pid_file.read_text().split()) if _alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Running: in /proc and not a zombie (a process ended, whose parent has not read its status)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def leftovers(tmp_path):
+    """A pid file for the servers a test starts; whatever of them is still running at its end is killed."""
+    pid_file = tmp_path / "pids"
+    pid_file.touch()
+    yield pid_file
+    for pid in running(pid_file):
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -112,6 +131,39 @@ def test_a_server_that_never_answers_or_prints_garbage_is_one_line(tools, mode, 
     assert capfd.readouterr().err == ""  # nothing of the SDK's own logging reaches the terminal
     mcp.close()
     assert running(tmp_path / "pids") == []
+
+
+def test_a_server_s_children_end_with_the_chat(tools, leftovers):
+    """A server that exits when its stdin closes, leaving children of its own: they end with it."""
+    mcp = tools(server("children", pid_file=leftovers))
+    assert mcp.connect() == ["MCP server 'test': 2 tool(s): get_weather, add"]
+    assert len(running(leftovers)) == 4  # the server and its three `sleep`s
+    mcp.close()
+    assert running(leftovers, within=ENDED_S) == []
+
+
+KILLED_CHAT = """
+import sys, time
+from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig
+server, pid_file, timeout = sys.argv[1:]
+config = ServerConfig("test", sys.executable, [server, "children"], {"PID_FILE": pid_file}, timeout=float(timeout))
+print(MCPTools([config]).connect()[0], flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_server_and_its_children_end_when_the_chat_is_killed(leftovers):
+    child = [sys.executable, "-c", KILLED_CHAT, SERVER, str(leftovers), str(START_S)]
+    chat = subprocess.Popen(child, stdout=subprocess.PIPE, text=True)
+    try:
+        assert chat.stdout.readline() == "MCP server 'test': 2 tool(s): get_weather, add\n"
+        assert len(running(leftovers)) == 4
+        chat.kill()  # SIGKILL: nothing of the chat's own runs after it
+        chat.wait()
+        assert running(leftovers, within=ENDED_S) == []
+    finally:
+        chat.kill()
+        chat.wait()
 
 
 @pytest.mark.parametrize(

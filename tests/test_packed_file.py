@@ -7,6 +7,8 @@ import logging
 import os
 import resource
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -113,7 +115,17 @@ def _flip_byte(path, from_end):
         f.write(bytes([byte[0] ^ 0x20]))
 
 
+def _overwrite_middle(path):
+    """A run of random bytes over the middle of the arrays (1 MiB in the probe that found it used),
+    the header and trailer left whole."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(min(1 << 20, size // 16)))
+
+
 DAMAGE = {
+    "bytes overwritten in its arrays": _overwrite_middle,
     "cut by a byte": lambda p: _truncate(p, 1),
     "cut in half": lambda p: _truncate(p, os.path.getsize(p) // 2),
     "empty": lambda p: _truncate(p, os.path.getsize(p)),
@@ -124,12 +136,15 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_damaged_packed_file_is_packed_again(qwen2, damage):
-    loaded(qwen2)
+def test_a_damaged_packed_file_is_packed_again_with_one_line(qwen2, damage, caplog):
+    before = logits(loaded(qwen2)[0])
     DAMAGE[damage](packed_file.packed_path(qwen2))
     model, packed = loaded(qwen2)
     assert packed
-    assert np.array_equal(logits(model), unpacked_logits(qwen2))
+    assert np.array_equal(logits(model), before)
+    line = _one_line(caplog)
+    assert line.startswith(f"{packed_file.packed_path(qwen2)}: damaged (")
+    assert line.endswith(f"; packing {qwen2.name} again")
     assert not loaded(qwen2)[1]  # and whole again
 
 
@@ -178,7 +193,7 @@ def test_the_packed_file_of_a_gguf_gone_is_removed_by_the_next_packing(tmp_path,
     assert not packed_file.packed_path(gone).exists() and packed_file.packed_path(qwen2).exists()
 
 
-def _fallback_line(caplog) -> str:
+def _one_line(caplog) -> str:
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "\n" not in lines[0]
     return lines[0]
@@ -189,7 +204,7 @@ def test_a_cache_folder_that_cannot_be_written_unpacks_in_memory_with_one_line(q
     folder.parent.mkdir(parents=True)
     folder.write_text("a file where the folder should be")
     model, packed = loaded(qwen2)
-    line = _fallback_line(caplog)
+    line = _one_line(caplog)
     assert str(folder) in line and "unpacked in memory" in line and qwen2.name in line
     assert np.array_equal(logits(model), unpacked_logits(qwen2))
 
@@ -209,9 +224,30 @@ def test_a_full_disk_unpacks_in_memory_with_one_line(qwen2, caplog, monkeypatch,
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, handler)
-    line = _fallback_line(caplog)
+    line = _one_line(caplog)
     assert "unpacked in memory" in line
     if full == "less free than needed":
         assert "GB needed" in line and "GB free" in line
     assert packed_files(qwen2) == []  # no partial file left
     assert np.array_equal(logits(model), unpacked_logits(qwen2))
+
+
+CUT_SHORT_UNDER_IT = """
+import os, sys
+from llama_chat.inference import load_model, packed_file
+model = load_model(sys.argv[1])
+os.truncate(packed_file.packed_path(sys.argv[1]), 0)  # as another program would, while it is mapped
+model.logits(model.tokenizer.encode("hello"))
+print("read the weights of a file cut short")
+"""
+
+
+def test_a_packed_file_cut_short_under_a_running_process_ends_it_with_one_line(qwen2):
+    loaded(qwen2)  # packed here: the child only maps it
+    child = [sys.executable, "-c", CUT_SHORT_UNDER_IT, str(qwen2)]
+    run = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == [
+        "llama-chat: a file mapped into memory (a model's GGUF or its packed weights) was cut short by "
+        "another program while in use; stopping"
+    ]

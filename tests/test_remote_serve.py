@@ -49,7 +49,7 @@ def first_turn(server: Served) -> tuple[list[dict], int]:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": HISTORY}]
     reply = server.ask(messages, **GREEDY)
     assert server.state.engine._cache.remote.flush()
-    kept = server.state.store.kv.block_keys(reply.session)
+    kept = server.state.sessions.store.kv.block_keys(reply.session)
     messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                  {"role": "user", "content": "and then"}]
     return messages, len(kept) * BLOCK
@@ -113,7 +113,7 @@ def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
         sid = json.loads(a.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
         one = a.ask(HISTORY, extra_body={"session": sid}, **GREEDY)
         assert a.state.engine._cache.remote.flush()
-        full = len(a.state.store.kv.block_keys(sid)) * BLOCK
+        full = len(a.state.sessions.store.kv.block_keys(sid)) * BLOCK
 
         for kv in ("0", "1"):  # messages only: the blocks come from Redis; with its KV: from the file
             status, _, data = a.raw("GET", f"/v1/sessions/{sid}/export?kv={kv}")

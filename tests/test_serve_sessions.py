@@ -158,7 +158,7 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
     try:
         sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
         first = s.ask("hello there", extra_body={"session": sid}, seed=1)
-        store = s.state.store
+        store = s.state.sessions.store
         filler = store.create_session("filler")
         with store.connection.lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
             pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]

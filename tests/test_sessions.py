@@ -257,6 +257,41 @@ def test_delete_waits_for_the_turn_being_made_and_lets_go_of_its_kv(qwen2, tmp_p
     assert deleted.is_set() and engine._store.list_sessions() == [] and engine._cache.seq(session.id) is None
 
 
+def test_the_sessions_service_works_before_a_model_and_through_the_engine_once_one_is_built(qwen2, tmp_path):
+    from llama_chat.app.chat.build import EngineOptions, open_engine
+    from llama_chat.app.chat.sessions import Sessions
+
+    db = tmp_path / "chat.db"
+    first = engine_for(qwen2, db)
+    session = first.new_session("Weather report")
+    chat(first, session, "hello the world", max_tokens=4)
+    first.close()
+
+    sessions = Sessions(db)  # no model: every verb of the tree works
+    session, messages = sessions.read(session.id[:5])
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert [(s.id, m.id) for s, m in sessions.search("world")] == [(session.id, messages[0].id)]
+    assert sessions.rename(session.id, "  Rain   tomorrow ").title == "Rain tomorrow"
+    before = sessions.fork(session, before=messages[0].id, title="again")
+    assert before.head_id is None and before.title == "again" and before.forked_from == session.id
+    exported = tmp_path / "rain.llamachat"
+    sessions.export(session.id, exported)
+    imported = sessions.get(sessions.import_file(exported).session_ids[0])
+    assert [m.content for m in sessions.messages(imported)] == [m.content for m in messages]
+    assert sessions.delete(before.id) == 0  # its messages are the original's
+
+    engine = open_engine(EngineOptions(model=str(qwen2), sessions=sessions))  # the same chats, on a model
+    try:
+        engine.resume(session)
+        fork = sessions.fork(session)
+        assert engine._cache.seq(fork.id) is not None  # the engine shares the parent's KV in RAM
+        assert sessions.delete(fork.id) == 0 and engine._cache.seq(fork.id) is None  # and lets it go
+        assert {s.id for s in sessions.list()} == {session.id, imported.id}
+    finally:
+        engine.close()
+        sessions.close()
+
+
 def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwen2, tmp_path):
     """Old turns dropped by context shift leave KV that still saw them: it is not the KV of the stored
     conversation and must not come back as if it were (in a new process, or to another server)."""

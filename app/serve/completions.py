@@ -144,7 +144,7 @@ def find_session(state: ServerState, session_id: str, tenant: str | None) -> Ses
     """A stored session of the tenant's by id (or unique prefix); 404 when there is none."""
     try:
         state.ready()
-        return state.store.get_session(session_id, tenant)
+        return state.sessions.get(session_id, tenant)
     except StoreError as e:
         if e.brief is not None:  # the database failed, not the request
             raise

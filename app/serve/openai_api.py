@@ -22,6 +22,7 @@ from llama_chat.storage import StoreError
 
 from ..chat.settings import SAMPLING, SettingError
 from .errors import invalid
+from .transport import json_value
 
 MAX_N = 8  # alternatives of one request (each a reply decoded in the same batch)
 MAX_STOP = 4  # stop strings, as OpenAI allows
@@ -247,10 +248,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
         arguments = function.get("arguments") if isinstance(function, dict) else None
         if not isinstance(name, str) or not isinstance(arguments, str):
             raise invalid(f"'{where}[{i}]' must have a function with a name and arguments.", param=where)
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise invalid(f"'{where}[{i}].function.arguments' is not JSON.", param=where) from None
+        arguments = json_value(arguments, f"'{where}[{i}].function.arguments'", param=where)
         out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 

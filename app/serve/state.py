@@ -19,11 +19,11 @@ from pathlib import Path
 from llama_chat.inference import DEFAULT_MODEL, Model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.storage import ChatStore
 
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
 from ..chat.engine import ChatEngine
+from ..chat.sessions import Sessions
 from ..chat.settings import CACHE_RAM_MB, CODEC, N_CTX
 from ..progress import ProgressBar
 from .errors import model_not_found, unavailable
@@ -119,7 +119,7 @@ class ServerState:
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
-        self.store: ChatStore | None = None  # the sessions' database, opened with the engine
+        self.sessions: Sessions | None = None  # the stored conversations, opened with the engine
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
@@ -136,11 +136,11 @@ class ServerState:
         try:
             model = self._load(options)
             model.warm_up()
-            store = ChatStore(options.db)
+            sessions = Sessions(options.db)
             try:
-                engine = open_engine(replace(options.engine, store=store), model=model)
+                engine = open_engine(replace(options.engine, sessions=sessions), model=model)
             except BaseException:
-                store.close()
+                sessions.close()
                 raise
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
@@ -148,7 +148,7 @@ class ServerState:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
-        self.engine, self.store = engine, store
+        self.engine, self.sessions = engine, sessions
         if self.phase == "loading":
             self.phase = "ready"
         say(
@@ -168,7 +168,7 @@ class ServerState:
             self._thread.join()
         if self.engine is not None:
             self.engine.close()
-            self.store.close()
+            self.sessions.close()
 
     # -- what requests ask -------------------------------------------------------------------------
 

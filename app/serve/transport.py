@@ -64,12 +64,32 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict:
         body += chunk
         if len(body) > limit:
             raise too_large(limit)
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):  # also bytes that are not UTF-8, and nesting past any use
-        raise invalid("The body is not valid JSON.") from None
+    value = json_value(body, "The body")
     if not isinstance(value, dict):
         raise invalid("The body must be a JSON object.")
+    return value
+
+
+# JSON nested deeper than this, anywhere in a request (its body, a tool call's arguments), is refused:
+# no API use comes near it, and what walks a value (a chat template's tojson, the control-text
+# shield) would otherwise go past Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def json_value(text: str | bytes | bytearray, what: str, param: str | None = None):
+    """JSON text from a request as a value; 400 naming `what` when it is not JSON (bytes that are not
+    UTF-8 too) or nests deeper than MAX_JSON_DEPTH."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise invalid(f"{what} is not JSON.", param=param) from None
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise invalid(f"{what} nests JSON more than {MAX_JSON_DEPTH} deep.", param=param)
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
     return value
 
 
