@@ -10,6 +10,7 @@ from llama_chat.storage import Session
 
 from .chat.attachments import Attachment, AttachmentError, read_attachment, with_attachments
 from .chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
+from .chat.sessions import Sessions
 from .terminal import escaped, say
 
 
@@ -57,14 +58,17 @@ def open_tools(engine, servers: dict) -> MCPTools | None:
     return tools
 
 
-def answer_calls(engine, session: Session, tools: MCPTools, reply: Callable[[Session], tuple[Session, int]],
-                 confirm: Callable[[str], bool]) -> tuple[Session, int]:
-    """While the session's last reply calls tools: each call shown and, if confirm(question) says so,
-    run; its answer (or why there is none) stored as a tool message; then the model replies again —
+def answer_calls(
+    engine, sessions: Sessions, session: Session, tools: MCPTools,
+    reply: Callable[[Session], tuple[Session, int]], confirm: Callable[[str], bool],
+) -> tuple[Session, int]:
+    """While the session's last reply (read in `sessions`) calls tools: each call shown and, if
+    confirm(question) says so, run; its answer (or why there is none) stored as a tool message (the
+    engine's answer_tool); then the model replies again —
     unless the user declined every call: then the user's next message comes first (a small model
     asks again and again). Returns the session and the exit code reply() asked for (0: none)."""
     for _ in range(MAX_TOOL_ROUNDS):
-        head = engine.store.message(session.head_id)
+        head = sessions.message(session.head_id)
         calls = tools.calls_in(head.content) if head.role == "assistant" else []
         if not calls:
             return session, 0
@@ -74,9 +78,8 @@ def answer_calls(engine, session: Session, tools: MCPTools, reply: Callable[[Ses
             answer, problem = tools.answer(call, confirmed)
             if problem:
                 say(problem)
-            engine.store.add_message(session.id, "tool", answer)
+            session = engine.answer_tool(session, answer)
             ran += confirmed
-        session = engine.store.get_session(session.id)
         if not ran:
             return session, 0
         engine.tools = tools.tools or None  # without those of a server that stopped

@@ -18,7 +18,7 @@ from .chat import build
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
-from .chat.resume import system_message
+from .chat.session_cache import system_message
 from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
@@ -102,18 +102,18 @@ def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:
         raise UsageError(str(e)) from None
 
 
-def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Session, int]:
+def stored_reply(engine, sessions: Sessions, session: Session, text: str | None, args) -> tuple[Session, int]:
     """Stream a reply that is stored with its question; SIGINT, SIGTERM and SIGHUP stop it and keep it
     (see signals.py). Returns the session that now ends with it (a new branch when the session moved
     on meanwhile) and the exit code a signal asks for (0 if none came)."""
     saved = SavedReply()
     settings = reply_settings(args, session)
     with ReplySignals() as signals:
-        engine.store.on_wait = waiting_notice(engine.store, signals)
+        sessions.on_wait = waiting_notice(sessions, signals)
         try:
             stream_reply_to(engine, session, text, args, settings, signals, saved=saved)
         finally:
-            engine.store.on_wait = waiting_notice(engine.store)
+            sessions.on_wait = waiting_notice(sessions)
     if saved.session is None:
         say("llama-chat: the reply was not stored: stopped while it was being stored")
         return session, signals.exit_code or 130
@@ -152,7 +152,7 @@ def cmd_ask(args) -> int:
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
     try:
-        return stored_reply(engine, session, prompt, args)[1]
+        return stored_reply(engine, sessions, session, prompt, args)[1]
     finally:
         if args.new_session:
             forget_if_empty(sessions, session)
@@ -190,7 +190,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
         to,
         text,
         settings=settings,
-        grammar=reply_grammar(args, engine.model),
+        grammar=reply_grammar(args, engine.model_info.tokenizer),
         max_tokens=max_tokens(settings),
         cancel=signals.cancel,
         **options,
@@ -198,7 +198,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
     stream_reply(job, signals)
 
 
-def reply_grammar(args, model) -> str | None:
+def reply_grammar(args, tokenizer) -> str | None:
     """`ask --json` / `--json-schema FILE` as the grammar a reply follows, compiled against the model's
     vocabulary (a schema that does not compile is a ModelError, one line)."""
     path = getattr(args, "json_schema", None)
@@ -211,7 +211,7 @@ def reply_grammar(args, model) -> str | None:
         except (OSError, UnicodeError) as e:
             raise ModelError(f"{path}: cannot be read: {getattr(e, 'strerror', None) or e}") from None
     try:
-        return constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(schema))
+        return constrain.check_grammar(tokenizer, constrain.json_schema_grammar(schema))
     except constrain.GrammarError as e:
         raise ModelError(f"{path or '--json'}: {e}") from None
 
@@ -249,7 +249,7 @@ def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
             say(f"{m.role}: {brief(m.content)}")  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
-        print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
+        print(f"New session {session.id} with {engine.model_info.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
     files = PendingFiles()
     while True:
@@ -264,13 +264,13 @@ def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
         if not line.strip() or files.command(line):
             continue
         try:
-            session, code = stored_reply(engine, session, files.message(line), args)
+            session, code = stored_reply(engine, sessions, session, files.message(line), args)
         except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
             say(f"llama-chat: {e}")
             continue
         if tools is not None and not code:
-            again = partial(stored_reply, engine, text=None, args=args)
-            session, code = answer_calls(engine, session, tools, again, ask_yes)
+            again = partial(stored_reply, engine, sessions, text=None, args=args)
+            session, code = answer_calls(engine, sessions, session, tools, again, ask_yes)
         if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
             return code
 

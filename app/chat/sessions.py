@@ -192,7 +192,7 @@ class Sessions:
         """Add the sessions of a .llamachat file under new ids, with the KV made by the model whose
         `model_fingerprint` is given (default: the engine's)."""
         if model_fingerprint is None and self.engine is not None:
-            model_fingerprint = self.engine.model.fingerprint
+            model_fingerprint = self.engine.model_info.fingerprint
         return import_session(
             self._store,
             source,
