@@ -92,15 +92,20 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
     )
 
 
-def positive(text: str) -> int:
-    """argparse's `type` for a count that must be 1 or more."""
+def positive(text: str, least: int = 1) -> int:
+    """argparse's `type` for a count that must be 1 (`least`) or more."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more")
     return value
+
+
+def natural(text: str) -> int:
+    """argparse's `type` for a count that may be 0."""
+    return positive(text, 0)
 
 
 def codecs() -> tuple[str, ...]:
@@ -203,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[after],
     )
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
-    command("list", s.list_sessions, "newest first", actions).add_argument("--json", action="store_true")
+    listing = command("list", s.list_sessions, "newest first", actions)
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--limit", type=positive, metavar="N", help="the newest N (default: all)")
+    listing.add_argument("--offset", type=natural, default=0, metavar="N", help="after the newest N")
     show = command("show", s.show_session, "the messages of a session", actions)
     show.add_argument("id")
     show.add_argument("--json", action="store_true")

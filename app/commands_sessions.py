@@ -21,7 +21,7 @@ def when(ts: float) -> str:
 
 
 def list_sessions(args) -> int:
-    sessions = open_sessions(args).list()
+    sessions = open_sessions(args).list(limit=args.limit, offset=args.offset)
     if args.json:
         print_json([s.to_json() for s in sessions])
         return 0
