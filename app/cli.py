@@ -267,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)"
     )
+    export.add_argument("--force", action="store_true", help="overwrite the file if it exists")
 
     imp = command("import", s.cmd_import, "add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)

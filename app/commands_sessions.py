@@ -150,6 +150,8 @@ def cmd_export(args) -> int:
     out = args.output or export_dir() / name
     if out.is_dir():
         out = out / name
+    if out.exists() and not args.force:
+        raise StoreError(f"{out}: already exists; --force overwrites it")
     out.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
     if args.markdown:
         sessions.export_markdown(session.id, out)
