@@ -21,6 +21,7 @@ from llama_chat.app.config import ConfigError, UserConfig
 from llama_chat.app.tui.dialogs import ConfirmScreen
 from llama_chat.inference.tool_calls import ToolCall, split_offered_calls
 from llama_chat.storage import ChatStore
+from tiny_models import write_tiny_model
 from tui_pilot import aio, idle, say, stored_path, until
 
 SERVER = str(Path(__file__).parent / "mcp_server.py")
@@ -226,6 +227,35 @@ def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(monkeypatch
     told = [m.content for m in store.path(session.head_id) if m.role == "tool"]
     assert told[0] == "error: MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped"
 
+
+
+def test_the_docs_example_server_serves_chat_as_written(monkeypatch, tmp_path, capsys):
+    """docs/tools.md's config.toml and weather_server.py, copied as a user copies them (`python` the
+    one llama-chat runs in), run with the `mcp` version pyproject allows, and `chat` offers its tool."""
+    from test_tool_formats import LLAMA_SPECIALS, LLAMA_TEMPLATE, TEMPLATES
+
+    docs = (Path(__file__).parent.parent / "docs" / "tools.md").read_text()
+    code = docs.split("```python\n")[1].split("```")[0]
+    config = docs.split("connected with the official `mcp` SDK:\n\n")[1].split("\n\n")[0]
+    (tmp_path / "weather_server.py").write_text(code)
+    toml = tmp_path / "config" / "llama-chat" / "config.toml"
+    toml.parent.mkdir(parents=True)
+    toml.write_text("\n".join(line.removeprefix("    ") for line in config.splitlines()))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    model = write_tiny_model(  # a chat template that takes tools
+        tmp_path / "tiny-llama3.gguf", "llama", chat_template=(TEMPLATES / LLAMA_TEMPLATE).read_text(),
+        specials=LLAMA_SPECIALS, context_length=2048,
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["chat", "--model", str(model), "--db", str(tmp_path / "chat.db"), "--cache-ram", "64"]) == 0
+    assert "MCP server 'weather': 1 tool(s): get_weather" in capsys.readouterr().err
+    mcp = MCPTools(server_configs(UserConfig.load(toml).mcp_servers))
+    try:
+        mcp.connect()
+        assert mcp.call("get_weather", {"city": "Paris"}) == "Sunny, 21 °C in Paris."
+    finally:
+        mcp.close()
 
 def test_a_call_in_a_json_fence_counts_only_for_a_tool_offered():
     fenced = 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
