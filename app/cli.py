@@ -250,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", c.cmd_bench, "measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    bench.add_argument("--quick", action="store_true", help="fewer tokens: a smoke test, not a measurement")
+    bench.add_argument(
+        "--quick", action="store_true", help="few tokens, no first start nor `ask`: a smoke test, not a measurement"
+    )
 
     export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
