@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig, ToolError, server_configs
+from llama_chat.app.chat_lines import answer_calls, folded_answer
 from llama_chat.app.cli import main
 from llama_chat.app.config import ConfigError, UserConfig
 from llama_chat.app.tui.dialogs import ConfirmScreen
@@ -205,6 +207,7 @@ def test_chat_calls_a_tool_after_a_yes_and_stores_its_answer(monkeypatch, tmp_pa
     assert chat(monkeypatch, tmp_path, qwen_model_path, "well", START_S, "What is the weather in Paris?\ny\n") == 0
     out = capsys.readouterr()
     assert 'run the tool call get_weather({"city": "Paris"})? [y/N]' in out.out
+    assert "get_weather answered:\n  Sunny, 21 °C in Paris.\n" in out.out
     assert "MCP server 'test': 2 tool(s): get_weather, add" in out.err
     store = ChatStore(tmp_path / "chat.db")
     (session,) = store.list_sessions()
@@ -256,6 +259,29 @@ def test_the_docs_example_server_serves_chat_as_written(monkeypatch, tmp_path, c
         assert mcp.call("get_weather", {"city": "Paris"}) == "Sunny, 21 °C in Paris."
     finally:
         mcp.close()
+
+
+def test_chat_shows_a_tool_s_answer_after_a_yes_folded_past_a_few_lines(tools, tmp_path, capsys):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("weather")
+    store.add_message(session.id, "user", "What is the weather in Paris?")
+    store.add_message(session.id, "assistant", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```')
+    mcp = tools(server("well"))
+    mcp.connect()
+
+    def reply(session):
+        store.add_message(session.id, "assistant", "It is sunny in Paris.")
+        return store.get_session(session.id), 0
+
+    engine = types.SimpleNamespace(store=store, tools=None)
+    answer_calls(engine, store.get_session(session.id), mcp, reply, lambda question: True)
+    assert capsys.readouterr().out == "get_weather answered:\n  Sunny, 21 °C in Paris.\n"
+
+    long = "\n".join(f"line {i}" for i in range(1, 41)) + "\n" + "x" * 500
+    shown = folded_answer("read_file", long).splitlines()
+    assert shown[1:3] == ["  line 1", "  line 2"] and shown[-1] == "  … 35 more line(s)" and len(shown) == 8
+    assert len(folded_answer("dump", "y" * 500).splitlines()[1]) < 200  # a long line is cut
+    assert folded_answer("t", "a\x1b[2Jb").splitlines()[1] == "  a\\x1b[2Jb"  # no control reaches the terminal
 
 def test_a_call_in_a_json_fence_counts_only_for_a_tool_offered():
     fenced = 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
