@@ -1,5 +1,6 @@
 """What `chat` does besides sending a line: `/attach FILE`, and the tool calls of the MCP servers in
-config.toml — each shown and run only when the user answers y, its answer stored as a tool message."""
+config.toml — each shown and run only when the user answers y, its answer shown (its first lines) and
+stored as a tool message."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from llama_chat.storage import Session
 from .chat.attachments import Attachment, AttachmentError, read_attachment, with_attachments
 from .chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
 from .chat.sessions import Sessions
-from .terminal import escaped, say
+from .terminal import escaped, say, write
+
+RESULT_LINES = 6  # of a tool's answer, shown in `chat` after a y: the model reads all of it
+RESULT_WIDTH = 160  # characters of each line shown
 
 
 class PendingFiles:
@@ -78,6 +82,8 @@ def answer_calls(
             answer, problem = tools.answer(call, confirmed)
             if problem:
                 say(problem)
+            elif confirmed:
+                write(folded_answer(call.name, answer))
             session = engine.answer_tool(session, answer)
             ran += confirmed
         if not ran:
@@ -88,6 +94,16 @@ def answer_calls(
             return session, code
     say(f"stopped after {MAX_TOOL_ROUNDS} replies in a row that call tools")
     return session, 0
+
+
+def folded_answer(tool: str, answer: str) -> str:
+    """A tool's answer as `chat` shows it: its first RESULT_LINES lines, each cut at RESULT_WIDTH, and
+    how many more there are (the model reads them all); what a server wrote escaped, as all such text."""
+    lines = [escaped(line) for line in answer.splitlines()] or [""]
+    shown = [line if len(line) <= RESULT_WIDTH else line[: RESULT_WIDTH - 1] + "…" for line in lines[:RESULT_LINES]]
+    more = len(lines) - RESULT_LINES
+    fold = [f"  … {more} more line(s)"] if more > 0 else []
+    return "\n".join([f"{escaped(tool)} answered:", *(f"  {line}" for line in shown), *fold]) + "\n"
 
 
 def ask_yes(question: str) -> bool:

@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 
 from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
-from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
+from llama_chat.inference.catalog import chunk_files, model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.storage import ChatStore, Session, StoreError
 from llama_chat.storage.fragments import brief
@@ -30,6 +30,8 @@ from .terminal import UsageError, escaped, print_json, read_prompt, read_text, s
 
 
 def cmd_models(args) -> int:
+    if args.prune or args.dry_run:
+        return prune_prepared(args.dry_run)
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
@@ -50,6 +52,30 @@ def cmd_models(args) -> int:
         print(f"  sampling: {sampling} ({s['sampling_from']})")
         if s["system_prompt"]:
             print(f"  system prompt for new chats: {s['system_prompt']}")
+    return 0
+
+
+def prune_prepared(dry_run: bool) -> int:
+    """`models --prune`: the prepared files no start here reads again, a line each, removed (or only
+    listed); then the pip packages of assembled models, which only assemble them again."""
+    from llama_chat.inference.prepared_files import remove, stale_files
+
+    stale = stale_files()
+    for f in stale:
+        print(f"{f.bytes / 1e6:10,.1f} MB  {f.path}  ({f.why})")
+    total = sum(f.bytes for f in stale) / 1e6
+    if not stale:
+        print("nothing to remove: every prepared file serves a model here")
+    elif dry_run:
+        print(f"would remove {len(stale)} file(s), {total:,.1f} MB (without --dry-run)")
+    else:
+        remove(stale)
+        print(f"removed {len(stale)} file(s), {total:,.1f} MB")
+    for model in KNOWN_MODELS.values():
+        status = model_status(model)
+        if status["verified"] and status["packages_installed"]:
+            parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
+            print(f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: {model.pip_uninstall()}")
     return 0
 
 

@@ -181,6 +181,13 @@ def test_export_and_import_on_the_command_line(source, tmp_path, monkeypatch):
     assert (
         code == 0 and Path(out.strip()) == tmp_path / "exports" / written.name
     )  # a folder gets the usual name
+    again = tmp_path / "exports" / written.name
+    again.write_text("mine")
+    code, out, err = run("--db", db, "export", source.session.id, "-o", again)
+    assert code == 2 and out == "" and err == f"llama-chat: error: {again}: already exists; --force overwrites it\n"
+    assert again.read_text() == "mine"
+    code, out, err = run("--db", db, "export", source.session.id, "-o", again, "--force")
+    assert code == 0 and again.read_bytes().startswith(MAGIC)
     code, out, err = run("--db", db, "export", source.session.id, "-o", "-")
     assert code == 2 and out == "" and "binary" in err
 

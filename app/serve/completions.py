@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from llama_chat.inference import constrain
 from llama_chat.inference.errors import ContextFullError
-from llama_chat.inference.tool_calls import ToolFormat, call_ids
+from llama_chat.inference.tool_calls import ToolFormat, call_ids, split_offered_calls
 from llama_chat.inference.tool_stream import CallSplitter, Delta
 from llama_chat.storage import Session, StoreError
 
@@ -70,8 +70,11 @@ async def chat_completions(request: Request) -> Response:
         session = await run_in_threadpool(find_session, state, req.session, tenant_of(request))
         job = await run_in_threadpool(submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
+    offered = {tool["function"]["name"] for tool in req.tools or []}
     if req.stream:
-        splitters = [CallSplitter(fmt, grammar is not None, ids) if req.tools else None for _ in range(req.n)]
+        splitters = [
+            CallSplitter(fmt, grammar is not None, ids, offered) if req.tools else None for _ in range(req.n)
+        ]
         logprobs = _Logprobs(job, engine.model_info.tokenizer) if req.logprobs is not None else None
         shape = _ChatStream(job, reply, req.include_usage, engine, splitters, fmt, logprobs)
         return event_stream(job, events, shape, headers)
@@ -84,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
         headers["X-Store-Error"] = kept.error_code
     texts, calls = [job.text(i) for i in range(job.n)], None
     if req.tools:
-        split = [fmt.split(text) or (text, []) for text in texts]
+        split = [split_offered_calls(text, offered, fmt) or (text, []) for text in texts]
         texts, calls = [content for content, _ in split], [made for _, made in split]
         for call in (c for made in calls for c in made):
             call.id = call.id or fmt.new_id()
