@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from . import kernels
+from . import experts, kernels
 from .config import ModelConfig
 from .cpu import PROFILE
 from .errors import ContextFullError
@@ -25,6 +25,7 @@ from .kv_arena import KVViews
 from .kv_cache import KVSequence
 
 if TYPE_CHECKING:
+    from .experts import Experts
     from .quants import PackedMatrix, StackedMatrix
 
 F32 = np.float32
@@ -43,8 +44,9 @@ class LayerWeights:
     attn_qkv: PackedMatrix | StackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
     attn_output: PackedMatrix  # [d, q_dim]
     ffn_norm: np.ndarray  # [d]
-    ffn_gate_up: PackedMatrix  # gate and up fused: [2·n_ff, d]
-    ffn_down: PackedMatrix  # [d, n_ff]
+    ffn_gate_up: PackedMatrix | None = None  # gate and up fused: [2·n_ff, d] (None: experts instead)
+    ffn_down: PackedMatrix | None = None  # [d, n_ff]
+    experts: Experts | None = None  # a mixture of experts in place of the one FFN (qwen3moe)
     attn_qkv_bias: np.ndarray | None = None  # [q_dim + 2·kv_dim] (qwen2)
     attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3)
     attn_k_norm: np.ndarray | None = None  # [hd]
@@ -173,12 +175,21 @@ def silu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, e, out=e)
 
 
+def gated_ffn(x: np.ndarray, gate_up, down, act: str) -> np.ndarray:
+    """x [T, d] → down · (act(gate · x) * (up · x)) [T, d], gate and up fused in gate_up [2·n_ff, d]."""
+    gate_up = linear(x, gate_up)  # [T, 2·n_ff]
+    n_ff = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
+    h = gelu_tanh(gate) if act == "gelu" else silu(gate)
+    h *= up
+    return linear(h, down)  # [T, d]
+
+
 def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: ModelConfig) -> np.ndarray:
-    gate_up = linear(x, lw.ffn_gate_up)  # [T, 2·n_ff]
-    gate, up = gate_up[:, : cfg.n_ff], gate_up[:, cfg.n_ff :]
-    act = gelu_tanh(gate) if cfg.ffn_act == "gelu" else silu(gate)
-    act *= up
-    return linear(act, lw.ffn_down)  # [T, d]
+    if lw.experts is None:
+        return gated_ffn(x, lw.ffn_gate_up, lw.ffn_down, cfg.ffn_act)
+    ffn = partial(gated_ffn, act=cfg.ffn_act)
+    return experts.mixture(x, lw.experts, cfg.n_expert_used, cfg.expert_weights_norm, ffn)
 
 
 class Segment:
