@@ -11,7 +11,7 @@ import numpy as np
 
 from .errors import ModelError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2")
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,9 @@ class ModelConfig:
     rope_neox: bool  # rotate split halves (qwen2/qwen3/gemma3) rather than adjacent pairs (llama)
     rope_base_swa: float = 0.0  # RoPE base of the sliding-window layers (gemma3)
     sliding_window: int = 0  # 0: every layer attends to the whole context
-    swa_pattern: int = 0  # in every run of this many layers, all but the last use the window (gemma3)
+    swa_pattern: int = 0  # in every run of this many layers, all but the last use the window (gemma2, gemma3)
     qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3, gemma3)
-    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual (gemma3)
+    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual (gemma2, gemma3)
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(n_embd)
     ffn_act: str = "silu"  # "silu" (SwiGLU) or "gelu" (GELU-tanh gated, gemma)
     attn_scale: float = 0.0  # scale of q·k; 0 means 1/sqrt(head_dim)
@@ -96,9 +96,9 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
         final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0)),
         attn_logit_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", 0.0)),
     )
-    # llama.cpp scales q by 1/sqrt(head_dim) for gemma3, but by 1/sqrt(n_embd/n_head) on the 27B model
-    # (62 layers), as Google's reference does.
-    gemma_scale = float(1.0 / np.sqrt(n_embd / n_head if n_layer == 62 else head_dim))
+    # llama.cpp scales q by 1/sqrt(head_dim) for the gemmas, but by 1/sqrt(n_embd/n_head) on the 27B
+    # models (gemma2: 46 layers, gemma3: 62), as Google's reference does.
+    gemma_scale = float(1.0 / np.sqrt(n_embd / n_head if n_layer in (46, 62) else head_dim))
     if arch == "qwen3":
         common.update(qk_norm=True)
     if arch == "qwen3moe":
@@ -113,6 +113,20 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
             n_expert_used=n_used,
             n_ff_exp=int(get("expert_feed_forward_length", common["n_ff"] // n_used)),
             expert_weights_norm=True,  # llama.cpp always divides the chosen weights by their sum here
+        )
+    if arch == "gemma2":
+        # llama.cpp: a 4096-token window on every other layer (the even ones), soft-capping always on
+        # (50 and 30 where the GGUF says nothing)
+        common.update(
+            sliding_window=int(get("attention.sliding_window", 4096)),
+            swa_pattern=int(get("attention.sliding_window_pattern", 2)),
+            rope_base_swa=float(get("rope.freq_base_swa", common["rope_base"])),
+            post_norms=True,
+            embed_scale=float(np.sqrt(n_embd)),
+            ffn_act="gelu",
+            attn_scale=gemma_scale,
+            attn_logit_softcap=float(get("attn_logit_softcapping", 50.0)),
+            final_logit_softcap=float(get("final_logit_softcapping", 30.0)),
         )
     if arch == "gemma3":
         # llama.cpp hard-codes these for gemma3 (llama-model.cpp): every 6th layer is global, the

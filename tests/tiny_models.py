@@ -2,9 +2,9 @@
 
 Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
 llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, Gemma's turn
-markers) for gemma3. The weights are random but fixed by a seed, so every test sees the same model;
-the architectures added later (qwen3moe) also carry their family's real chat template and the
-switches that make them differ (experts), so that their
+markers) for the gemmas. The weights are random but fixed by a seed, so every test sees the same model;
+the architectures added later (qwen3moe, gemma2) also carry their family's real chat template and the
+switches that make them differ (experts, soft-capping), so that their
 logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
@@ -22,11 +22,12 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2")
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
 # each later architecture's family template, from llama.cpp's models/templates/
 FAMILY_TEMPLATES = {
     "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
+    "gemma2": "google-gemma-2-2b-it.jinja",
 }
 
 
@@ -127,7 +128,7 @@ def write_tiny_model(
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
-    n_layer = n_layer or (6 if arch == "gemma3" else 2)
+    n_layer = n_layer or {"gemma3": 6, "gemma2": 4}.get(arch, 2)
     if chat_template is None:
         family = FAMILY_TEMPLATES.get(arch)
         chat_template = (TEMPLATES / family).read_text() if family else CHATML
@@ -146,7 +147,7 @@ def write_tiny_model(
     later_metadata(w, arch, context_length)
     for key, value in (metadata or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         w.add_sliding_window(8)
         tokens, types, scores = spm_vocab()
         w.add_tokenizer_model("llama")
@@ -159,6 +160,8 @@ def write_tiny_model(
         w.add_unk_token_id(3)
         w.add_add_bos_token(True)
         w.add_add_space_prefix(space_prefix)
+        if arch == "gemma2":
+            w.add_chat_template(chat_template)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
         if specials:
@@ -195,7 +198,7 @@ def write_tiny_model(
 
     tensor("token_embd.weight", (n_vocab, n_embd), 0.5, gguf.GGMLQuantizationType.Q8_0)
     norm("output_norm.weight", n_embd)
-    if arch != "gemma3":  # gemma3 ties the output to the embeddings
+    if arch not in ("gemma3", "gemma2"):  # the gemmas tie the output to the embeddings
         tensor("output.weight", (n_vocab, n_embd))
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
 
