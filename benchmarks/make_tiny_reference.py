@@ -44,7 +44,7 @@ MESSAGES = [
     {"role": "user", "content": "then the world is a test"},
 ]
 GREEDY_TOKENS = 24
-N_CTX = 256
+N_CTX = 256  # at most phi3's original context: llama.cpp takes its short LongRoPE factors
 FLOAT32 = {"type_k": 0, "type_v": 0, "flash_attn": False}  # GGML_TYPE_F32
 
 CHILD = """

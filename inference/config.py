@@ -11,7 +11,7 @@ import numpy as np
 
 from .errors import ModelError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class ModelConfig:
     n_expert_used: int = 0  # experts each token is routed to
     n_ff_exp: int = 0  # the FFN width of each expert
     expert_weights_norm: bool = False  # the chosen experts' weights divided by their sum (qwen3moe)
+    rope_dim: int = 0  # channels of each head that RoPE turns, the first ones (phi-4-mini); 0: all
+    rope_attn_factor: float = 1.0  # LongRoPE (phi3): RoPE's cos and sin times this
+    fused_gate_up: bool = False  # phi3: ffn_up holds the gate's rows, then the up projection's
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window > 0 and (
@@ -80,6 +83,7 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
     head_dim = int(get("attention.key_length", n_embd // n_head))
     n_expert = int(meta.get(f"{arch}.expert_count", 0))
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    rope_dim = int(get("rope.dimension_count", head_dim))
     common = dict(
         arch=arch,
         n_layer=n_layer,
@@ -95,6 +99,7 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
         rope_neox=arch != "llama",
         final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0)),
         attn_logit_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", 0.0)),
+        rope_dim=rope_dim if rope_dim != head_dim else 0,
     )
     # llama.cpp scales q by 1/sqrt(head_dim) for the gemmas, but by 1/sqrt(n_embd/n_head) on the 27B
     # models (gemma2: 46 layers, gemma3: 62), as Google's reference does.
@@ -141,5 +146,20 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
             ffn_act="gelu",
             attn_scale=gemma_scale,
         )
+    if arch == "phi3":
+        common.update(phi3_switches(meta, common["n_ctx_train"]))
     return ModelConfig(**common)
 
+
+def phi3_switches(meta: dict, n_ctx_train: int) -> dict:
+    """phi3's fused gate/up and its LongRoPE. llama.cpp turns a GGUF's sliding window off for phi3
+    ("Phi SWA is currently disabled"), so none is read. LongRoPE: llama.cpp takes the short factors
+    (rope_factors_short.weight) for a context of at most the original length, the long ones past it,
+    and RoPE's cos and sin times rope.scaling.attn_factor either way; here the context stops at the
+    original length, where the short factors apply."""
+    attn_factor = float(meta.get("phi3.rope.scaling.attn_factor", 1.0))
+    switches: dict = {"fused_gate_up": True, "rope_attn_factor": attn_factor}
+    original = int(meta.get("phi3.rope.scaling.original_context_length", 0))
+    if 0 < original < n_ctx_train:
+        switches["n_ctx_train"] = original
+    return switches

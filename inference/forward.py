@@ -62,7 +62,7 @@ class Weights:
     output_norm: np.ndarray  # [d]
     output: PackedMatrix  # [n_vocab, d]
     layers: tuple[LayerWeights, ...]
-    rope_freqs: np.ndarray | None = None  # [hd/2] per-frequency factors (llama 3)
+    rope_freqs: np.ndarray | None = None  # [n_rot/2] per-frequency factors (llama 3; phi3's LongRoPE)
     activations: str = "f32"  # what its products take their inputs as (kernels.ACTIVATIONS)
 
 
@@ -74,24 +74,36 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @lru_cache(maxsize=8)
-def _rope_cos_sin(positions: bytes, head_dim: int, base: float, freq_factors: bytes | None) -> tuple:
-    """cos and sin of position·frequency [T, hd/2]; the same for every layer of a step (per RoPE base)."""
+def _rope_cos_sin(positions: bytes, head_dim: int, base: float, factors: bytes | None, scale: float) -> tuple:
+    """cos and sin of position·frequency [T, hd/2], times `scale`; the same for every layer of a step
+    (per RoPE base)."""
     inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    if freq_factors is not None:
-        inv = inv / np.frombuffer(freq_factors, dtype=np.float32)
+    if factors is not None:
+        inv = inv / np.frombuffer(factors, dtype=np.float32)
     angles = np.frombuffer(positions, dtype=np.int64).astype(np.float64)[:, None] * inv[None, :]
-    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+    cos, sin = (np.cos(angles) * scale).astype(F32), (np.sin(angles) * scale).astype(F32)
     cos.flags.writeable = sin.flags.writeable = False
     return cos, sin
 
 
 def rope(
-    x: np.ndarray, positions: np.ndarray, base: float, neox: bool, freq_factors: np.ndarray | None
+    x: np.ndarray,
+    positions: np.ndarray,
+    base: float,
+    neox: bool,
+    freq_factors: np.ndarray | None,
+    n_rot: int = 0,
+    scale: float = 1.0,
 ) -> np.ndarray:
-    """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative)."""
+    """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative).
+    Only the first n_rot channels turn where n_rot is set (0: all), the others pass as they are; `scale`
+    multiplies the turned ones (LongRoPE's attention factor)."""
     hd = x.shape[-1]
+    if 0 < n_rot < hd:
+        turned = rope(x[..., :n_rot], positions, base, neox, freq_factors, 0, scale)
+        return np.concatenate([turned, x[..., n_rot:]], axis=-1)
     factors = None if freq_factors is None else np.asarray(freq_factors).tobytes()
-    cos, sin = _rope_cos_sin(np.asarray(positions, dtype=np.int64).tobytes(), hd, base, factors)
+    cos, sin = _rope_cos_sin(np.asarray(positions, dtype=np.int64).tobytes(), hd, base, factors, scale)
     if neox:  # pairs are (i, i + hd/2)
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -292,8 +304,8 @@ def self_attention(
         k = rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
     sliding = cfg.is_sliding(layer)
     base = cfg.rope_base_swa if sliding else cfg.rope_base
-    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs)
-    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs)
+    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_attn_factor)
+    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_attn_factor)
     window = cfg.sliding_window if sliding else 0
     rows = [seg.kept if last_layer else seg.rows for seg in segments]
     out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
@@ -417,6 +429,6 @@ def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: ModelC
 
     def rerotate(layer: int, k: np.ndarray) -> np.ndarray:  # k [kv_head, m, hd]
         base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
-        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs)
+        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim)
 
     seq.shift(keep, drop, rerotate)

@@ -1,6 +1,6 @@
 """Which of a GGUF's tensors make each matrix the kernels multiply, by architecture, with llama.cpp's
-tensor names (gguf-py's MODEL_TENSORS): q, k and v fused into one matrix, and gate and up into one,
-and a mixture of experts' 3-D tensors cut into a matrix per
+tensor names (gguf-py's MODEL_TENSORS): q, k and v fused into one matrix, and gate and up into one
+(phi3's GGUFs hold both fused already), and a mixture of experts' 3-D tensors cut into a matrix per
 expert, so that the kernels take an expert as they take any matrix (experts.py)."""
 
 from __future__ import annotations
@@ -28,14 +28,23 @@ def tensor_of(part: str) -> tuple[str, int | None]:
     return (name, int(expert[:-1])) if expert else (name, None)
 
 
-def layer_tensors(cfg: ModelConfig, layer: int) -> Shapes:
-    """The GGUF tensors of one layer and their shapes, rows first; optional ones are marked by the
-    loader."""
+def fused_qkv(names, layer: int) -> bool:
+    """Whether the GGUF holds the layer's q, k and v as one tensor (phi3; any architecture, as llama.cpp's
+    create_tensor_qkv reads it)."""
+    return f"blk.{layer}.attn_qkv.weight" in names
+
+
+def layer_tensors(cfg: ModelConfig, layer: int, names) -> Shapes:
+    """The GGUF tensors of one layer and their shapes, rows first (`names`: the GGUF's tensor names, for
+    whether q/k/v are fused); optional ones are marked by the loader."""
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     d, p = cfg.n_embd, f"blk.{layer}."
     shapes: Shapes = {p + "attn_norm.weight": (d,)}
-    shapes |= {p + "attn_q.weight": (q_dim, d), p + "attn_k.weight": (kv_dim, d)}
-    shapes[p + "attn_v.weight"] = (kv_dim, d)
+    if fused_qkv(names, layer):
+        shapes[p + "attn_qkv.weight"] = (q_dim + 2 * kv_dim, d)
+    else:
+        shapes |= {p + "attn_q.weight": (q_dim, d), p + "attn_k.weight": (kv_dim, d)}
+        shapes[p + "attn_v.weight"] = (kv_dim, d)
     shapes[p + "attn_output.weight"] = (d, q_dim)
     shapes[p + "ffn_norm.weight"] = (d,)
     if cfg.n_expert:
@@ -43,6 +52,8 @@ def layer_tensors(cfg: ModelConfig, layer: int) -> Shapes:
         shapes[p + "ffn_gate_inp.weight"] = (e, d)
         shapes |= {p + "ffn_gate_exps.weight": (e, n_ff, d), p + "ffn_up_exps.weight": (e, n_ff, d)}
         shapes[p + "ffn_down_exps.weight"] = (e, d, n_ff)
+    elif cfg.fused_gate_up:
+        shapes |= {p + "ffn_up.weight": (2 * cfg.n_ff, d), p + "ffn_down.weight": (d, cfg.n_ff)}
     else:
         shapes |= {p + "ffn_gate.weight": (cfg.n_ff, d), p + "ffn_up.weight": (cfg.n_ff, d)}
         shapes[p + "ffn_down.weight"] = (d, cfg.n_ff)
@@ -55,10 +66,11 @@ def layer_tensors(cfg: ModelConfig, layer: int) -> Shapes:
     return shapes
 
 
-def layer_matrices(cfg: ModelConfig, layer: int) -> list[tuple[str, list[str]]]:
+def layer_matrices(cfg: ModelConfig, layer: int, names) -> list[tuple[str, list[str]]]:
     """The matrices of one layer in the order they are packed: (name, the parts stacked into it)."""
     p = f"blk.{layer}."
-    matrices = [(p + "attn_qkv", [f"{p}{t}.weight" for t in ("attn_q", "attn_k", "attn_v")])]
+    qkv = ["attn_qkv"] if fused_qkv(names, layer) else ["attn_q", "attn_k", "attn_v"]
+    matrices = [(p + "attn_qkv", [f"{p}{t}.weight" for t in qkv])]
     if cfg.n_expert:
         matrices += [(p + name, [f"{p}{name}.weight"]) for name in ("attn_output", "ffn_gate_inp")]
         for e in range(cfg.n_expert):
@@ -66,7 +78,8 @@ def layer_matrices(cfg: ModelConfig, layer: int) -> list[tuple[str, list[str]]]:
             matrices += [(expert_matrix(layer, e, "ffn_gate_up"), gate_up)]
             matrices += [(expert_matrix(layer, e, "ffn_down"), [expert_part(p + "ffn_down_exps.weight", e)])]
         return matrices
-    matrices += [(p + "ffn_gate_up", [f"{p}{t}.weight" for t in ("ffn_gate", "ffn_up")])]
+    gate_up = ["ffn_up"] if cfg.fused_gate_up else ["ffn_gate", "ffn_up"]
+    matrices += [(p + "ffn_gate_up", [f"{p}{t}.weight" for t in gate_up])]
     return matrices + [(p + name, [f"{p}{name}.weight"]) for name in ("attn_output", "ffn_down")]
 
 
@@ -85,8 +98,8 @@ def matrix_plan(cfg: ModelConfig, tensors: dict) -> Plan:
     output = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     plan = [("output", [output], [(cfg.n_vocab, cfg.n_embd)])]
     for i in range(cfg.n_layer):
-        shapes = layer_tensors(cfg, i)
-        for name, parts in layer_matrices(cfg, i):
+        shapes = layer_tensors(cfg, i, tensors)
+        for name, parts in layer_matrices(cfg, i, tensors):
             plan += _runs(tensors, name, parts, [part_shape(shapes, n) for n in parts])
     return plan
 

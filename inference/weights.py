@@ -159,8 +159,10 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
             gguf_file.qtype(name)
     output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
     rope_freqs = None
-    if "rope_freqs.weight" in info.tensors:
-        rope_freqs = gguf_file.vector("rope_freqs.weight", (cfg.head_dim // 2,))
+    for name in ROPE_FACTORS:
+        if name in info.tensors:
+            rope_freqs = gguf_file.vector(name, ((cfg.rope_dim or cfg.head_dim) // 2,))
+            break
     vectors = [_layer_vectors(gguf_file, cfg, i) for i in range(cfg.n_layer)]
     tied = "output.weight" not in info.tensors
     table = None if tied else gguf_file.table("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
@@ -185,6 +187,11 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     else:
         token_embd = TokenEmbeddings(table, info.tensors["token_embd.weight"].type_name)
     return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs, info.activations)
+
+
+# The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors for a context
+# of at most the original length (config.phi3_switches)
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
 
 
 def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
@@ -225,15 +232,17 @@ def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):
 
 def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
     """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32."""
-    p = f"blk.{i}."
+    p, tensors = f"blk.{i}.", gguf_file.info.tensors
     vectors = {
         name[len(p) :].removesuffix(".weight"): gguf_file.vector(name, shape)
-        for name, shape in layer_tensors(cfg, i).items()
+        for name, shape in layer_tensors(cfg, i, tensors).items()
         if len(shape) == 1
     }
     biases = [p + b for b in OPTIONAL_BIASES]
-    if any(b in gguf_file.info.tensors for b in biases):
-        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    if p + "attn_qkv.bias" in tensors:
+        vectors["attn_qkv_bias"] = gguf_file.vector(p + "attn_qkv.bias", (q_dim + 2 * kv_dim,))
+    elif any(b in tensors for b in biases):
         vectors["attn_qkv_bias"] = np.concatenate(
             [gguf_file.vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
         )

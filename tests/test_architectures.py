@@ -1,5 +1,5 @@
 """The switches that set the later architectures apart, read from their GGUFs as llama.cpp reads them
-(gemma2's windows and soft-capping), and what adding switches
+(gemma2's windows and soft-capping, phi3's fused matrices and LongRoPE), and what adding switches
 leaves alone: the fingerprint of the models that ran before. (Their logits against llama.cpp's:
 test_llamacpp_tiny.py.)"""
 
@@ -9,6 +9,8 @@ import numpy as np
 
 from llama_chat.inference import load_model
 from llama_chat.inference.config import ADDED
+from llama_chat.inference.forward import rope
+from tiny_later_archs import PHI3_ROPE_DIM
 
 
 def test_gemma2_slides_its_window_on_every_other_layer(tiny_model_paths):
@@ -33,6 +35,34 @@ def test_gemma2_caps_its_logits(tiny_model_paths):
     logits = model.logits(model.tokenizer.encode("the hello world is in the air"))
     assert np.abs(logits).max() < 8.0
     assert np.abs(logits).max() > 6.0  # where tanh bends: the cap bites
+
+
+def test_phi3_reads_its_fused_matrices_and_longrope(tiny_model_paths):
+    """phi3: q/k/v in one tensor and gate/up in ffn_up, packed as they lie; RoPE on the first 12 of 16
+    channels (as Phi-4-mini's 96 of 128) with the short factors and the attention factor; the GGUF's
+    sliding window ignored, as llama.cpp ignores it; the context stops at the original length (256 of
+    the 512 the GGUF says), where the short factors hold."""
+    model = load_model(tiny_model_paths["phi3"])
+    cfg, layer = model.config, model.weights.layers[0]
+    assert layer.attn_qkv.shape == ((cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, cfg.n_embd)
+    assert layer.ffn_gate_up.shape == (2 * cfg.n_ff, cfg.n_embd)
+    assert cfg.rope_dim == PHI3_ROPE_DIM and cfg.rope_attn_factor == np.float32(1.19)
+    assert model.weights.rope_freqs.shape == (PHI3_ROPE_DIM // 2,)
+    assert cfg.sliding_window == 0
+    assert (model.metadata["phi3.context_length"], cfg.n_ctx_train) == (512, 256)
+    assert model.new_sequence(4096).n_ctx == 256
+
+
+def test_partial_rope_turns_only_the_first_channels():
+    """With n_rot of hd channels turned, the rest pass untouched, and the turned ones are a rotation
+    (scaled by the attention factor): their norm per pair is kept times it."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    turned = rope(x, np.arange(3, 8), 10000.0, True, None, n_rot=12, scale=1.5)
+    assert np.array_equal(turned[..., 12:], x[..., 12:])
+    pairs = lambda a: np.hypot(a[..., :6], a[..., 6:12])  # noqa: E731 (neox pairs: i and i + n_rot/2)
+    assert np.allclose(pairs(turned), 1.5 * pairs(x), rtol=1e-5)
+    assert np.allclose(turned[..., :12], rope(x[..., :12], np.arange(3, 8), 10000.0, True, None, scale=1.5))
 
 
 def test_the_models_that_ran_before_keep_their_fingerprints(tiny_model_paths):

@@ -1,10 +1,10 @@
 """Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
 
 Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
-llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, Gemma's turn
-markers) for the gemmas. The weights are random but fixed by a seed, so every test sees the same model;
-the architectures added later (qwen3moe, gemma2) also carry their family's real chat template and the
-switches that make them differ (experts, soft-capping), so that their
+llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, the family's turn
+markers) for the gemmas and phi3. The weights are random but fixed by a seed, so every test sees the
+same model; the architectures added later (qwen3moe, gemma2, phi3) also carry their family's real chat
+template and the switches that make them differ (experts, soft-capping, LongRoPE), so that their
 logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
@@ -22,13 +22,15 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
 # each later architecture's family template, from llama.cpp's models/templates/
 FAMILY_TEMPLATES = {
     "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
     "gemma2": "google-gemma-2-2b-it.jinja",
+    "phi3": "microsoft-Phi-3.5-mini-instruct.jinja",
 }
+SPM_ARCHS = ("gemma3", "gemma2", "phi3")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -80,9 +82,16 @@ def bpe_vocab():
 SPM_PIECES = ["▁", "▁the", "▁a", "th", "he", "in", "er", "on", "▁hello", "▁world", "▁is", "▁it"]
 
 
-def spm_vocab():
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-    types = [3, 3, 3, 2, 3, 3]
+# SentencePiece specials: (first tokens, their types, bos, eos, unk, added control tokens at the end)
+GEMMA_SPECIALS = (
+    ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], [3, 3, 3, 2, 3, 3], 2, 1, 3, []
+)
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+PHI3_SPECIALS = (["<unk>", "<s>", "</s>"], [2, 3, 3], 1, 2, 0, PHI3_ADDED)
+
+
+def spm_vocab(specials=GEMMA_SPECIALS):
+    tokens, types = list(specials[0]), list(specials[1])
     scores = [0.0] * len(tokens)
     for b in range(256):
         tokens.append(f"<0x{b:02X}>")
@@ -97,6 +106,9 @@ def spm_vocab():
         tokens.append(piece)
         types.append(1)
         scores.append(-float(i))
+    tokens += specials[5]
+    types += [3] * len(specials[5])
+    scores += [0.0] * len(specials[5])
     return tokens, types, scores
 
 
@@ -135,7 +147,7 @@ def write_tiny_model(
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
-    w.add_context_length(context_length)
+    w.add_context_length(context_length * (2 if arch == "phi3" else 1))  # phi3: LongRoPE's longer one
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
@@ -147,20 +159,22 @@ def write_tiny_model(
     later_metadata(w, arch, context_length)
     for key, value in (metadata or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    if arch in ("gemma3", "gemma2"):
-        w.add_sliding_window(8)
-        tokens, types, scores = spm_vocab()
+    if arch in ("gemma3", "gemma2", "phi3"):
+        w.add_sliding_window(8)  # (phi3's is read by no one: llama.cpp turns it off)
+    if arch in SPM_ARCHS:
+        vocab = PHI3_SPECIALS if arch == "phi3" else GEMMA_SPECIALS
+        tokens, types, scores = spm_vocab(vocab)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_scores(scores)
-        w.add_bos_token_id(2)
-        w.add_eos_token_id(1)
-        w.add_unk_token_id(3)
-        w.add_add_bos_token(True)
-        w.add_add_space_prefix(space_prefix)
-        if arch == "gemma2":
+        w.add_bos_token_id(vocab[2])
+        w.add_eos_token_id(tokens.index("<|endoftext|>") if arch == "phi3" else vocab[3])
+        w.add_unk_token_id(vocab[4])
+        w.add_add_bos_token(arch != "phi3")  # (Phi-3.5's GGUF adds none: its template writes no <s>)
+        w.add_add_space_prefix(space_prefix or arch == "phi3")
+        if arch != "gemma3":
             w.add_chat_template(chat_template)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
@@ -210,7 +224,7 @@ def write_tiny_model(
         tensor(p + "attn_output.weight", (n_embd, q_dim))
 
     if arch in LATER_ARCHS:
-        later_layers(arch, tensor, norm, attention, (n_layer, n_embd, q_dim, kv_dim, head_dim, n_ff))
+        later_layers(arch, w, rng, tensor, norm, attention, (n_layer, n_embd, q_dim, kv_dim, head_dim, n_ff))
     else:
         for i in range(n_layer):
             p = f"blk.{i}."
