@@ -172,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    command("models", c.cmd_models, "list known models: installed, assembled, verified").add_argument(
-        "--json", action="store_true", help="print JSON"
-    )
+    models = command("models", c.cmd_models, "list known models: installed, assembled, verified")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.add_argument("files", nargs="*", metavar="GGUF", help="what these files need and whether they run")
 
     ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")

@@ -10,6 +10,7 @@ from pathlib import Path
 from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
 from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.support import gguf_needs
 from llama_chat.storage import ChatStore, Session, StoreError
 from llama_chat.storage.fragments import brief
 from llama_chat.storage.remote import RemoteTierError
@@ -29,6 +30,8 @@ from .terminal import UsageError, print_json, read_prompt, read_text, say, strea
 
 
 def cmd_models(args) -> int:
+    if args.files:
+        return print_needs(args)
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
@@ -50,6 +53,21 @@ def cmd_models(args) -> int:
         if s["system_prompt"]:
             print(f"  system prompt for new chats: {s['system_prompt']}")
     return 0
+
+
+def print_needs(args) -> int:
+    """What each GGUF needs and whether it runs; 1 where one does not."""
+    needs = [gguf_needs(Path(f)) for f in args.files]
+    if args.json:
+        print_json(needs)
+    else:
+        for n in needs:
+            print(n["problem"] or f"{n['path']}: runs")
+            print(f"  architecture: {n['architecture']}{'' if n['architecture_supported'] else ' (not supported)'}")
+            print(f"  tokenizer: {n['tokenizer']}")
+            for name, f in n["formats"].items():
+                print(f"  {name}: {f['tensors']} matrices, {f['kept']}")
+    return 1 if any(n["problem"] for n in needs) else 0
 
 
 def open_model(args):

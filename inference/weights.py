@@ -152,11 +152,8 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     path, cfg = info.path, info.config
     quants.compile_kernels(progress, info.matrix_formats, info.activations)
     gguf_file = GGUFTensors(info)
+    check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)
-    for _, parts, shapes in plan:  # every tensor there, of its shape and a known type, before any is packed
-        for name, shape in zip(parts, shapes, strict=True):
-            gguf_file.need(name, shape)
-            gguf_file.qtype(name)
     output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
     rope_freqs = None
     for name in ROPE_FACTORS:
@@ -192,6 +189,20 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
 # The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors for a context
 # of at most the original length (config.phi3_switches)
 ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
+
+
+def check_tensors(gguf_file: GGUFTensors) -> None:
+    """Every tensor the model reads is in the GGUF, of its shape and in a format read here; else
+    ModelError, one line naming the first that is not (nothing but their table is read)."""
+    info, cfg = gguf_file.info, gguf_file.info.config
+    needed = [("output_norm.weight", (cfg.n_embd,))]
+    for i in range(cfg.n_layer):
+        needed += [(name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1]
+    for _, parts, shapes in matrix_plan(cfg, info.tensors):
+        needed += zip(parts, shapes, strict=True)
+    for name, shape in needed:
+        gguf_file.need(name, shape)
+        gguf_file.qtype(name)
 
 
 def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
@@ -249,6 +260,17 @@ def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str
     return vectors
 
 
+UNREADABLE = (NotImplementedError, KeyError, ValueError)  # what readable_format raises
+
+
+def readable_format(type_name: str) -> gguf.GGMLQuantizationType:
+    """The GGUF format of that name, where gguf.quants reads it (one block of zeros tried); else one of
+    UNREADABLE."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    return qtype
+
+
 class GGUFTensors:
     """A GGUF's tensors, read through a memory map: packing unpacks straight from the page cache, with
     no copy of the file's bytes in between (np.fromfile took a tenth of a warm load). Copy-on-write
@@ -284,10 +306,8 @@ class GGUFTensors:
         name = tensor_of(part)[0]
         t = self.info.tensors[name]
         try:
-            qt = gguf.GGMLQuantizationType[t.type_name]
-            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qt][1]), np.uint8), qt)  # one block
-            return qt
-        except (NotImplementedError, KeyError, ValueError) as e:
+            return readable_format(t.type_name)
+        except UNREADABLE as e:
             raise ModelError(
                 f"{self.path}: tensor {name} has unsupported quantization type {t.type_name} ({e})"
             ) from None
