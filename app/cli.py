@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prune", action="store_true", help="remove prepared files of other machine profiles and of models gone"
     )
     models.add_argument("--dry-run", action="store_true", help="with --prune: only list them")
+    models.add_argument("files", nargs="*", metavar="GGUF", help="what these files need and whether they run")
 
     ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")

@@ -10,6 +10,7 @@ from pathlib import Path
 from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
 from llama_chat.inference.catalog import chunk_files, model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.support import gguf_needs
 from llama_chat.storage import ChatStore, Session, StoreError
 from llama_chat.storage.fragments import brief
 from llama_chat.storage.remote import RemoteTierError
@@ -30,6 +31,8 @@ from .terminal import UsageError, escaped, print_json, read_prompt, read_text, s
 
 
 def cmd_models(args) -> int:
+    if args.files:
+        return print_needs(args)
     if args.prune or args.dry_run:
         return prune_prepared(args.dry_run)
     statuses = []
@@ -77,6 +80,21 @@ def prune_prepared(dry_run: bool) -> int:
             parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
             print(f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: {model.pip_uninstall()}")
     return 0
+
+
+def print_needs(args) -> int:
+    """What each GGUF needs and whether it runs; 1 where one does not."""
+    needs = [gguf_needs(Path(f)) for f in args.files]
+    if args.json:
+        print_json(needs)
+    else:
+        for n in needs:
+            print(n["problem"] or f"{n['path']}: runs")
+            print(f"  architecture: {n['architecture']}{'' if n['architecture_supported'] else ' (not supported)'}")
+            print(f"  tokenizer: {n['tokenizer']}")
+            for name, f in n["formats"].items():
+                print(f"  {name}: {f['tensors']} matrices, {f['kept']}")
+    return 1 if any(n["problem"] for n in needs) else 0
 
 
 def open_model(args):
