@@ -20,6 +20,7 @@ import regex
 
 if TYPE_CHECKING:
     from .chat_template import ChatTemplate
+    from .tokenizer import Tokenizer
 
 _SPACE = regex.compile(r"\s*")
 
@@ -166,6 +167,14 @@ class ThinkingSplitter:
             text, self.apart = "\n\n" + text, False
         out.append(Piece(text, thinking))
         self.thought = self.thought or thinking
+
+
+def reply_splitter(fmt: ThinkingFormat | None, tokenizer: Tokenizer, prompt: list[int]) -> ThinkingSplitter | None:
+    """How a reply to `prompt` is told apart (None: its model writes no thinking); it starts inside
+    thinking where the prompt's end opened it."""
+    if fmt is None:
+        return None
+    return ThinkingSplitter(fmt, fmt.opened_by(tokenizer.decode(prompt[-PROMPT_END_TOKENS:])))
 
 
 def split_thinking(fmt: ThinkingFormat | None, text: str, opened: bool = False) -> tuple[str, str]:

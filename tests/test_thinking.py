@@ -12,7 +12,6 @@ import openai
 import pytest
 from textual.widgets import Collapsible, Input, Static
 
-from conftest import FIXTURES
 from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.app.chat.jobs import State
 from llama_chat.app.chat.sessions import Sessions
@@ -35,10 +34,10 @@ from llama_chat.inference.thinking import (
 )
 from llama_chat.storage import SCHEMA_VERSION, ChatStore, Message
 from served import Served
-from tiny_models import QWEN3_TEMPLATE
+from tiny_models import TEMPLATES
 from tui_pilot import aio, idle, notices, say, views
 
-TEMPLATES = FIXTURES / "chat-templates"
+QWEN3_TEMPLATE = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
 GREEDY = SamplingParams(temperature=0)
 THOUGHT = "I weigh the words.\nThen I answer."
 ANSWER = "Hello there"
@@ -162,7 +161,7 @@ def engine(tiny_model_paths, tmp_path):
 def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_templates_rendering(engine, forward_passes):
     session = engine.new_session("think", system_prompt="")
     stats = GenerationStats()
-    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model, REPLY), max_tokens=40, stats=stats)
+    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info, REPLY), max_tokens=40, stats=stats)
     events = [(e.kind, e.text) for e in job.events() if e.kind in ("text", "thinking")]
     assert job.state is State.DONE and stats.stop_reason == "eog"
     kinds = [kind for kind, _ in events]
@@ -170,27 +169,27 @@ def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_template
     assert "".join(t for kind, t in events if kind == "thinking") == job.thinking() == THOUGHT
     assert "".join(t for kind, t in events if kind == "text") == job.text() == ANSWER
 
-    session = engine.store.get_session(job.result.session.id)
-    (_, reply) = engine.store.path(session.head_id)
+    session = engine._store.get_session(job.result.session.id)
+    (_, reply) = engine._store.path(session.head_id)
     assert (reply.content, reply.reasoning) == (ANSWER, THOUGHT)
     # the conversation as stored renders back to the tokens the reply wrote: its KV snapshot computed
     # only the end of the turn after them ("<|im_end|>", "\n")
-    ids = engine.live.conversation_ids(session)
+    ids = engine._cache.stored_conversation(session)[1]
     assert len(ids) == stats.prompt_tokens + len(stats.token_ids) + 2
     assert forward_passes[-1] == 2
 
     # a new process resumes it all from the store: nothing computed
-    again = ChatEngine(load_model(engine.model.path, block_size=8), ChatStore(engine.store.db_path))
+    again = ChatEngine(load_model(engine.model_info.path, block_size=8), ChatStore(engine._store.db_path))
     info = again.resume(session)
     assert info.restored == info.tokens == len(ids)
 
     # the next turn's prompt leaves the thinking out, as Qwen3's template does: the KV is kept up to
     # the reply, and computed from there
-    asked = [*again.live.messages(session), {"role": "user", "content": "And?"}]
+    asked = [*again._cache.messages(session), {"role": "user", "content": "And?"}]
     assert asked[-2]["reasoning_content"] == THOUGHT
-    text = prompt_text(again.model, asked)
+    text = prompt_text(again._model, asked)
     assert ANSWER in text and THOUGHT not in text
-    kept = next(i for i, (a, b) in enumerate(zip(ids, chat_prompt_ids(again.model, asked))) if a != b)
+    kept = next(i for i, (a, b) in enumerate(zip(ids, chat_prompt_ids(again._model, asked))) if a != b)
     stats = GenerationStats()
     again.reply(session, "And?", sampling=GREEDY, max_tokens=2, stats=stats).wait()
     assert stats.prefilled_tokens == stats.prompt_tokens - kept
@@ -198,15 +197,15 @@ def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_template
 
 def test_a_reply_without_thinking_is_all_answer(engine):
     session = engine.new_session("plain", system_prompt="")
-    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model, ANSWER), max_tokens=20)
+    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info, ANSWER), max_tokens=20)
     assert "thinking" not in {e.kind for e in job.events()} and job.text() == ANSWER
-    (_, reply) = engine.store.path(engine.store.get_session(job.result.session.id).head_id)
+    (_, reply) = engine._store.path(engine._store.get_session(job.result.session.id).head_id)
     assert (reply.content, reply.reasoning) == (ANSWER, None)
 
 
 def test_the_thinking_switch_reaches_the_template(engine):
     """thinking off: Qwen3's template closes an empty thinking in the prompt (its /no_think)."""
-    empty = len(engine.model.tokenizer.encode("<think>\n\n</think>\n\n", special=True))
+    empty = len(engine.model_info.tokenizer.encode("<think>\n\n</think>\n\n", special=True))
     sizes = {}
     for switch in ("on", "off"):
         session = engine.new_session(switch, system_prompt="", sampling={"thinking": switch})
@@ -254,7 +253,7 @@ async def test_the_app_shows_a_replys_thinking_folded_as_it_streams_and_t_unfold
     reply = ChatEngine.reply
 
     def thinking_reply(engine, to, text=None, **options):
-        return reply(engine, to, text, grammar=forced(engine.model, REPLY), **options)
+        return reply(engine, to, text, grammar=forced(engine.model_info, REPLY), **options)
 
     monkeypatch.setattr(ChatEngine, "reply", thinking_reply)
     async with open_chat(model=tiny_model_paths["qwen3"], max_tokens=40) as pilot:
@@ -301,7 +300,7 @@ def served_qwen3(tmp_path, tiny_model_paths, monkeypatch):
     """A server on the tiny Qwen3 whose replies think (their grammar forces REPLY), and its client."""
     from llama_chat.app.serve import completions
 
-    monkeypatch.setattr(completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model, REPLY))
+    monkeypatch.setattr(completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model_info, REPLY))
     s = Served(tmp_path / "chat.db", tiny_model_paths["qwen3"]).wait_ready()
     yield s
     s.stop()
