@@ -146,11 +146,11 @@ def test_qwen3s_template_keeps_the_last_replys_thinking_as_written_and_drops_it_
 # -- through the chat engine, on the tiny Qwen3 with its real template ----------------------------------
 
 
-def forced(model, text: str) -> str:
-    """A grammar that makes the model write `text` as its tokenizer cuts it (a tiny random model never
+def forced(tokenizer, text: str) -> str:
+    """A grammar that makes a model write `text` as its tokenizer cuts it (a tiny random model never
     thinks): every token is the model's own sampled step, only its choice is forced."""
-    ids = model.tokenizer.encode(text, special=True)
-    return constrain.check_grammar(model.tokenizer, constrain.lark_grammar("start: " + " ".join(f"<[{i}]>" for i in ids)))
+    ids = tokenizer.encode(text, special=True)
+    return constrain.check_grammar(tokenizer, constrain.lark_grammar("start: " + " ".join(f"<[{i}]>" for i in ids)))
 
 
 @pytest.fixture
@@ -161,7 +161,7 @@ def engine(tiny_model_paths, tmp_path):
 def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_templates_rendering(engine, forward_passes):
     session = engine.new_session("think", system_prompt="")
     stats = GenerationStats()
-    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info, REPLY), max_tokens=40, stats=stats)
+    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info.tokenizer, REPLY), max_tokens=80, stats=stats)
     events = [(e.kind, e.text) for e in job.events() if e.kind in ("text", "thinking")]
     assert job.state is State.DONE and stats.stop_reason == "eog"
     kinds = [kind for kind, _ in events]
@@ -197,7 +197,7 @@ def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_template
 
 def test_a_reply_without_thinking_is_all_answer(engine):
     session = engine.new_session("plain", system_prompt="")
-    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info, ANSWER), max_tokens=20)
+    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info.tokenizer, ANSWER), max_tokens=20)
     assert "thinking" not in {e.kind for e in job.events()} and job.text() == ANSWER
     (_, reply) = engine._store.path(engine._store.get_session(job.result.session.id).head_id)
     assert (reply.content, reply.reasoning) == (ANSWER, None)
@@ -223,11 +223,11 @@ def thinks(monkeypatch):
     """`ask` replies with REPLY: its grammar (the --json flags' hook) forces the tiny model's choice."""
     from llama_chat.app import commands
 
-    monkeypatch.setattr(commands, "reply_grammar", lambda args, model: forced(model, REPLY))
+    monkeypatch.setattr(commands, "reply_grammar", lambda args, tokenizer: forced(tokenizer, REPLY))
 
 
 def test_ask_shows_the_thinking_on_stderr_only_when_asked(tiny_model_paths, tmp_path, thinks, capsys):
-    ask = ["ask", "--model", str(tiny_model_paths["qwen3"]), "--temp", "0", "--max-tokens", "40", "Hi"]
+    ask = ["ask", "--model", str(tiny_model_paths["qwen3"]), "--temp", "0", "--max-tokens", "80", "Hi"]
     assert main(ask) == 0
     out, err = capsys.readouterr()
     assert out == ANSWER + "\n" and THOUGHT not in err
@@ -253,10 +253,10 @@ async def test_the_app_shows_a_replys_thinking_folded_as_it_streams_and_t_unfold
     reply = ChatEngine.reply
 
     def thinking_reply(engine, to, text=None, **options):
-        return reply(engine, to, text, grammar=forced(engine.model_info, REPLY), **options)
+        return reply(engine, to, text, grammar=forced(engine.model_info.tokenizer, REPLY), **options)
 
     monkeypatch.setattr(ChatEngine, "reply", thinking_reply)
-    async with open_chat(model=tiny_model_paths["qwen3"], max_tokens=40) as pilot:
+    async with open_chat(model=tiny_model_paths["qwen3"], max_tokens=80) as pilot:
         await say(pilot, "Hi")
         view = views(pilot.app)[-1]
         fold = view.query_one(".thinking", Collapsible)
@@ -300,7 +300,7 @@ def served_qwen3(tmp_path, tiny_model_paths, monkeypatch):
     """A server on the tiny Qwen3 whose replies think (their grammar forces REPLY), and its client."""
     from llama_chat.app.serve import completions
 
-    monkeypatch.setattr(completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model_info, REPLY))
+    monkeypatch.setattr(completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model_info.tokenizer, REPLY))
     s = Served(tmp_path / "chat.db", tiny_model_paths["qwen3"]).wait_ready()
     yield s
     s.stop()
@@ -308,7 +308,7 @@ def served_qwen3(tmp_path, tiny_model_paths, monkeypatch):
 
 def ask(s: Served, **options):
     return s.client.chat.completions.create(
-        model="tiny-qwen3", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, **options
+        model="tiny-qwen3", messages=[{"role": "user", "content": "Hi"}], max_tokens=80, **options
     )
 
 
