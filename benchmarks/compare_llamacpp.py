@@ -28,6 +28,7 @@ of llama-chat; it builds llama.cpp from source (several minutes), one build per 
 Only libggml-cpu is built with ISA flags (ggml-base and llama get none), so a copy of the native venv with
 its libggml-cpu.so* replaced by one built with those options (`cmake --build B --target ggml-cpu`, a few
 minutes) is the same AVX2 build. A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b (then --model that file).
+roofline.py measures through the same functions (make_spec, compare); figures.py runs this script.
 """
 
 from __future__ import annotations

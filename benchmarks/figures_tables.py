@@ -81,6 +81,7 @@ HEADLINE = (
     ("compare", "compare", "turn_ms"),
     ("compare_7b", "compare", "decode"),
     ("compare_7b", "compare", "prefill_long"),
+    ("roofline", "roofline", "decode"),
     ("roofline_7b", "roofline", "decode"),
     ("roofline_7b", "roofline", "prefill"),
     ("bench", "bench", "compile_s"),
