@@ -55,13 +55,13 @@ BENCH_ROWS = (
         "×",
     ),
     ("JSON-schema mask, per token", "json_mask_ms_per_token", "ms"),
-    ("resume a stored 2,048-token conversation, fresh process", "resume_ms_2048", "ms"),
+    ("resume a stored ~2,000-token conversation, fresh process", "resume_ms_2048", "ms"),
     ("prefilling those tokens again instead", "reprefill_ms_2048", "ms"),
     ("resume against prefilling again", "resume_speedup", "× faster"),
     ("a second conversation sharing ~1,000 leading tokens", "prefix_reuse_ms", "ms"),
     ("the same conversation prefilled in full", "prefix_full_prefill_ms", "ms"),
     ("fork of a 4,096-token sequence in RAM", "fork_ms", "ms"),
-    ("fork of a stored 2,048-token session", "fork_session_ms", "ms"),
+    ("fork of that stored session", "fork_session_ms", "ms"),
     ("database growth on that fork", "fork_added_bytes", "bytes"),
     ("export / import of that session", ("export_ms_2048", "import_ms_2048"), "ms"),
     ("export file with KV against its stored size", "export_size_ratio", "×"),
@@ -105,7 +105,7 @@ def joined(values, unit: str = "") -> str:
     cells = [number(v) if v is not None else "–" for v in values]
     if all(c == "–" for c in cells):
         return "–"
-    return " / ".join(cells) + (f" {unit}" if unit else "")
+    return " / ".join(cells) + (unit if unit.startswith("×") or not unit else f" {unit}")
 
 
 def isas_of(result: dict) -> list[str]:
