@@ -131,11 +131,12 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         default = "" if setting.default is None else f" (default: the model's, else {setting.default})"
         if setting is REPLY_MAX_TOKENS:
             default = f" (default {setting.default})"
+        choices = "{" + ",".join(setting.choices) + "}"
         parser.add_argument(
             setting.option,
             dest=setting.key,
             type=flag_type(setting),
-            metavar="{" + ",".join(setting.choices) + "}" if setting.choices else setting.kind.__name__.upper(),
+            metavar=choices if setting.choices else setting.kind.__name__.upper(),
             help=setting.help + default,
         )
     add_context_option(parser)

@@ -22,7 +22,10 @@ def prompt_text(
         fmt = tool_format(model.chat_template) if tools else None
         extra = fmt.template_vars if fmt is not None else {}  # e.g. where Llama 3's template puts the tools
         return model.chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **{**extra, **(variables or {})}
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **{**extra, **(variables or {})},
         )
     return completion_prompt(messages)
 

@@ -169,7 +169,9 @@ class ThinkingSplitter:
         self.thought = self.thought or thinking
 
 
-def reply_splitter(fmt: ThinkingFormat | None, tokenizer: Tokenizer, prompt: list[int]) -> ThinkingSplitter | None:
+def reply_splitter(
+    fmt: ThinkingFormat | None, tokenizer: Tokenizer, prompt: list[int]
+) -> ThinkingSplitter | None:
     """How a reply to `prompt` is told apart (None: its model writes no thinking); it starts inside
     thinking where the prompt's end opened it."""
     if fmt is None:

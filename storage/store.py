@@ -319,7 +319,8 @@ class ChatStore:
         cur = self.db.conn.execute(
             "INSERT INTO messages (parent_id, role, content, token_ids, created, stats, reasoning) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (parent_id, m.role, content, blob, m.created, json.dumps(m.stats) if m.stats else None, m.reasoning),
+            (parent_id, m.role, content, blob, m.created, json.dumps(m.stats) if m.stats else None,
+             m.reasoning),
         )
         fragments.save(self.db.conn, cur.lastrowid, attached)
         return Message(**{**vars(m), "id": cur.lastrowid, "parent_id": parent_id})

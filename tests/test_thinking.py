@@ -82,7 +82,10 @@ CASES = [
         "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.f <|constrain|>json<|message|>{"x": 1}',
         False,
-        ("Call it.", '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}'),
+        (
+            "Call it.",
+            '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}',
+        ),
     ),
 ]
 
@@ -138,7 +141,10 @@ def test_qwen3s_template_keeps_the_last_replys_thinking_as_written_and_drops_it_
     asked = [{"role": "user", "content": "Hi"}]
     thinking, answer = split_thinking(THINK_TAGS, REPLY)
     replied = [*asked, {"role": "assistant", "content": answer, "reasoning_content": thinking}]
-    assert template.render(replied, add_generation_prompt=False) == template.render(asked) + REPLY + "<|im_end|>\n"
+    assert (
+        template.render(replied, add_generation_prompt=False)
+        == template.render(asked) + REPLY + "<|im_end|>\n"
+    )
     later = template.render([*replied, {"role": "user", "content": "And?"}])
     assert ANSWER in later and THOUGHT not in later and "<think>" not in later
 
@@ -150,7 +156,9 @@ def forced(tokenizer, text: str) -> str:
     """A grammar that makes a model write `text` as its tokenizer cuts it (a tiny random model never
     thinks): every token is the model's own sampled step, only its choice is forced."""
     ids = tokenizer.encode(text, special=True)
-    return constrain.check_grammar(tokenizer, constrain.lark_grammar("start: " + " ".join(f"<[{i}]>" for i in ids)))
+    return constrain.check_grammar(
+        tokenizer, constrain.lark_grammar("start: " + " ".join(f"<[{i}]>" for i in ids))
+    )
 
 
 @pytest.fixture
@@ -158,10 +166,19 @@ def engine(tiny_model_paths, tmp_path):
     return ChatEngine(load_model(tiny_model_paths["qwen3"], block_size=8), ChatStore(tmp_path / "chat.db"))
 
 
-def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_templates_rendering(engine, forward_passes):
+def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_templates_rendering(
+    engine, forward_passes
+):
     session = engine.new_session("think", system_prompt="")
     stats = GenerationStats()
-    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info.tokenizer, REPLY), max_tokens=80, stats=stats)
+    job = engine.reply(
+        session,
+        "Hi",
+        sampling=GREEDY,
+        grammar=forced(engine.model_info.tokenizer, REPLY),
+        max_tokens=80,
+        stats=stats,
+    )
     events = [(e.kind, e.text) for e in job.events() if e.kind in ("text", "thinking")]
     assert job.state is State.DONE and stats.stop_reason == "eog"
     kinds = [kind for kind, _ in events]
@@ -197,7 +214,9 @@ def test_a_thinking_reply_streams_and_is_stored_apart_and_its_kv_is_the_template
 
 def test_a_reply_without_thinking_is_all_answer(engine):
     session = engine.new_session("plain", system_prompt="")
-    job = engine.reply(session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info.tokenizer, ANSWER), max_tokens=20)
+    job = engine.reply(
+        session, "Hi", sampling=GREEDY, grammar=forced(engine.model_info.tokenizer, ANSWER), max_tokens=20
+    )
     assert "thinking" not in {e.kind for e in job.events()} and job.text() == ANSWER
     (_, reply) = engine._store.path(engine._store.get_session(job.result.session.id).head_id)
     assert (reply.content, reply.reasoning) == (ANSWER, None)
@@ -242,7 +261,6 @@ def test_ask_shows_the_thinking_on_stderr_only_when_asked(tiny_model_paths, tmp_
     assert (reply.content, reply.reasoning, session.sampling["thinking"]) == (ANSWER, THOUGHT, "off")
 
 
-
 # -- the app ------------------------------------------------------------------------------------------
 
 
@@ -260,7 +278,11 @@ async def test_the_app_shows_a_replys_thinking_folded_as_it_streams_and_t_unfold
         await say(pilot, "Hi")
         view = views(pilot.app)[-1]
         fold = view.query_one(".thinking", Collapsible)
-        assert (view.content, view.thinking, fold.query_one(".thinking-text", Static).content) == (ANSWER, THOUGHT, THOUGHT)
+        assert (view.content, view.thinking, fold.query_one(".thinking-text", Static).content) == (
+            ANSWER,
+            THOUGHT,
+            THOUGHT,
+        )
         assert fold.collapsed and not fold.query_one(Collapsible.Contents).display  # folded: not shown
         view.focus()
         await pilot.press("t")
@@ -288,7 +310,10 @@ def thinking_chat(store: ChatStore) -> None:
     """A stored chat whose reply thought first."""
     session = store.create_session("A reply that thought")
     now = time.time()
-    turn = [Message(0, None, "user", "Hi", None, now, None), Message(0, None, "assistant", ANSWER, None, now, None, THOUGHT)]
+    turn = [
+        Message(0, None, "user", "Hi", None, now, None),
+        Message(0, None, "assistant", ANSWER, None, now, None, THOUGHT),
+    ]
     store.append_turn(session.id, None, turn)
 
 
@@ -300,7 +325,9 @@ def served_qwen3(tmp_path, tiny_model_paths, monkeypatch):
     """A server on the tiny Qwen3 whose replies think (their grammar forces REPLY), and its client."""
     from llama_chat.app.serve import completions
 
-    monkeypatch.setattr(completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model_info.tokenizer, REPLY))
+    monkeypatch.setattr(
+        completions, "_grammar", lambda engine, req, fmt, ids: forced(engine.model_info.tokenizer, REPLY)
+    )
     s = Served(tmp_path / "chat.db", tiny_model_paths["qwen3"]).wait_ready()
     yield s
     s.stop()

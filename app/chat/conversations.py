@@ -111,7 +111,8 @@ class Conversations:
             return self._fresh(prompt, kv_salt(conversation.tenant, conversation.cache_key), self._noted)
         messages, tools, variables = conversation.messages, conversation.tools, template_variables(settings)
         prompt = fitting(
-            self.cache.n_ctx, lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n, variables=variables)
+            self.cache.n_ctx,
+            lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n, variables=variables),
         )
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
         previous = self._previous_ids(messages, prompt, conversation.tools, variables)

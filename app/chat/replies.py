@@ -91,7 +91,8 @@ def reply_message(job: Job, alt: int = 0) -> Message:
     """Alternative `alt` of a job's replies, as it is stored: its answer, and its thinking apart."""
     stats = job.stats[alt]
     thinking = job.thinking(alt) or None
-    return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), reply_stats(stats), thinking)
+    stored = reply_stats(stats)
+    return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), stored, thinking)
 
 
 

@@ -51,7 +51,8 @@ def ids_digest(
     meta = {k: v for k, v in model.metadata.items() if k.startswith("tokenizer.")}
     settings = sorted((k, len(v) if isinstance(v, list) else v) for k, v in meta.items())
     h = hashlib.sha256(repr([model.tokenizer.encoding_version, model.fingerprint, budget, settings]).encode())
-    h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools, variables=variables).encode())
+    text = prompt_text(model, messages, add_generation_prompt=False, tools=tools, variables=variables)
+    h.update(text.encode())
     return h.digest()
 
 

@@ -149,7 +149,8 @@ def _enable_thinking(body: dict) -> dict:
     """llama.cpp's chat_template_kwargs, as far as a setting says it: enable_thinking (`thinking`)."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
-        raise invalid("'chat_template_kwargs' may only hold 'enable_thinking' here.", param="chat_template_kwargs")
+        where = "chat_template_kwargs"
+        raise invalid(f"'{where}' may only hold 'enable_thinking' here.", param=where)
     thinking = flag(kwargs, "enable_thinking", None, "chat_template_kwargs.enable_thinking")
     return {} if thinking is None else {"thinking": "on" if thinking else "off"}
 

@@ -34,7 +34,7 @@ class MessageView(Vertical, can_focus=True):
         Binding("e", "edit", "Edit", id="edit_message", tooltip="Edit a message of yours, in a new branch"),
         Binding("c", "copy", "Copy", id="copy_message", tooltip="Copy the message"),
         Binding("y", "copy_code", "Copy code", id="copy_code", tooltip="Copy a code block (again: the next)"),
-        Binding("t", "thinking", "Thinking", id="show_thinking", tooltip="Unfold (or fold) a reply's thinking"),
+        Binding("t", "thinking", "Thinking", id="show_thinking", tooltip="Unfold (or fold) its thinking"),
         Binding("up,k", "step(-1)", "Previous", id="previous_message", show=False),
         Binding("down,j", "step(1)", "Next", id="next_message", show=False),
     ]
@@ -140,7 +140,8 @@ class MessageView(Vertical, can_focus=True):
 
 def thinking_fold(text: str) -> Collapsible:
     """A reply's thinking, folded: its text as written (no Markdown: it is notes, not the answer)."""
-    return Collapsible(Static(text, markup=False, classes="thinking-text"), title="thinking", classes="thinking")
+    text_view = Static(text, markup=False, classes="thinking-text")
+    return Collapsible(text_view, title="thinking", classes="thinking")
 
 
 class ChatInput(TextArea):
