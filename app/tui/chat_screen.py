@@ -35,6 +35,7 @@ from .conversation import ConversationView
 from .dialogs import HelpScreen
 from .mcp_calls import ToolCalls
 from .open_chat import LoadedModel, OpenChat
+from .other_windows import OtherWindows
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
 from .sidebar import SessionTree, Sidebar
 from .widgets import ChatInput, MessageView, Progress, StatusLine, model_label
@@ -118,6 +119,7 @@ class ChatScreen(Screen):
         )
         self.flow = ReplyFlow(self.open_chat, config, self.chat_input, on_stored=self._reply_stored)
         self.tool_calls = ToolCalls(self.flow, config.mcp_servers)  # MCP servers, and the calls a reply makes
+        self.other_windows = OtherWindows(self.flow)  # turns other processes write, shown
         self.actions = ChatActions(self.flow, config, self.chat_input, self.load_model)
         self.bind_actions()
 
@@ -174,6 +176,7 @@ class ChatScreen(Screen):
         self.conversation.anchor()
         self.status.progress("opening conversations")
         self.in_background(self.last_session, self.started)
+        self.other_windows.watch()
 
     # -- work off the UI thread ------------------------------------------------------------------
 
