@@ -8,7 +8,18 @@ import sys
 
 from llama_chat.app.chat.attachments import Attachment
 from llama_chat.app.tui.widgets import ChatInput
-from tui_pilot import aio, idle, notices, roles_and_text, say, stored_path, type_fast, until, views
+from tui_pilot import (
+    aio,
+    idle,
+    notices,
+    roles_and_text,
+    say,
+    stored_path,
+    tree_labels,
+    type_fast,
+    until,
+    views,
+)
 
 ASK = "import sys; from llama_chat.app.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -89,6 +100,7 @@ async def test_a_reply_overtaken_by_another_process_says_which_branch_it_went_to
         await idle(pilot)
         branch = app.chat.session
         assert branch.id != session.id and branch.forked_from == session.id
-        assert any(f"a new branch, “{branch.title}”" in n for n in notices(app))
+        assert any("a new branch of it, “tell me more”" in n for n in notices(app))
+        assert (1, "● tell me more") in tree_labels(app)  # as the sidebar lists it
         assert roles_and_text(app) == stored_path(app, branch.id)  # the branch: what the screen showed
         assert stored_path(app, session.id)[2][1] == "meanwhile, in the terminal"  # the other stays its own

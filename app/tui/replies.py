@@ -29,6 +29,7 @@ from ..chat.titles import title_from_text
 from ..config import ConfigError, UserConfig
 from .dialogs import AlternativesScreen
 from .open_chat import OpenChat
+from .sidebar import BRANCH_WORDS
 from .widgets import ChatInput, MessageView, speed_text
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
@@ -309,14 +310,7 @@ class ReplyFlow:
             return self.reply_done(reply)
         stored = saved[0].session if saved else None
         if saved and saved[0].branched:
-            asked_in = (reply.session or stored).title
-            self.chat.notify(
-                f"Another window replied in “{asked_in}” while this reply was written: this one is "
-                f"stored on a new branch, “{stored.title}”.",
-                title="A new branch",
-                severity="warning",
-                timeout=15,
-            )
+            self.say_branched(reply, stored)
         if job.error is None and stored is not None:
             self.run(
                 partial(self.chat.sessions.messages, stored),
@@ -330,6 +324,19 @@ class ReplyFlow:
         elif reply.view is not None and not reply.view.content:
             await reply.view.remove()
         self.reply_done(reply)
+
+    def say_branched(self, reply: Reply, branch: Session) -> None:
+        """The reply went on a new branch: another process stored a turn in its chat meanwhile. The
+        branch is named as the sidebar lists it, under its chat: by its first own words."""
+        words = title_from_text(reply.text or reply.job.text(0), BRANCH_WORDS)
+        chat = (reply.session or branch).title
+        self.chat.notify(
+            f"Another window replied in “{chat}” while this reply was written: yours is on a new "
+            f"branch of it, “{words}”.",
+            title="A new branch",
+            severity="warning",
+            timeout=15,
+        )
 
     async def reply_stored(self, reply: Reply, session: Session, path: list[Message]) -> None:
         """The stored reply: its message ids to the messages shown (or the conversation drawn again,
