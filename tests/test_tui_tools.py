@@ -440,7 +440,7 @@ async def test_every_action_is_in_the_command_palette(open_chat):
 
 @aio
 async def test_every_binding_has_an_id_and_a_keymap_remaps_it(open_chat):
-    from llama_chat.app.tui import app, chat_screen, dialogs, sidebar, widgets
+    from llama_chat.app.tui import app, chat_screen, dialogs, path_input, sidebar, widgets
 
     classes = [
         app.ChatApp,
@@ -448,6 +448,8 @@ async def test_every_binding_has_an_id_and_a_keymap_remaps_it(open_chat):
         widgets.ChatInput,
         widgets.MessageView,
         sidebar.SessionTree,
+        sidebar.Sidebar,
+        path_input.PathInput,
     ]
     classes += [dialogs.Dialog, dialogs.ConfirmScreen, dialogs.TextScreen, dialogs.SettingsScreen]
     classes += [dialogs.AlternativesScreen, dialogs.HelpScreen]
