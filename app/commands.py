@@ -8,8 +8,9 @@ from functools import partial
 from pathlib import Path
 
 from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
-from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
+from llama_chat.inference.catalog import chunk_files, model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.support import gguf_needs
 from llama_chat.storage import ChatStore, Session, StoreError
 from llama_chat.storage.fragments import brief
 from llama_chat.storage.remote import RemoteTierError
@@ -18,7 +19,7 @@ from .chat import build
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
-from .chat.resume import system_message
+from .chat.session_cache import system_message
 from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
@@ -30,6 +31,10 @@ from .terminal import UsageError, escaped, print_json, read_prompt, read_text, s
 
 
 def cmd_models(args) -> int:
+    if args.files:
+        return print_needs(args)
+    if args.prune or args.dry_run:
+        return prune_prepared(args.dry_run)
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
@@ -51,6 +56,45 @@ def cmd_models(args) -> int:
         if s["system_prompt"]:
             print(f"  system prompt for new chats: {s['system_prompt']}")
     return 0
+
+
+def prune_prepared(dry_run: bool) -> int:
+    """`models --prune`: the prepared files no start here reads again, a line each, removed (or only
+    listed); then the pip packages of assembled models, which only assemble them again."""
+    from llama_chat.inference.prepared_files import remove, stale_files
+
+    stale = stale_files()
+    for f in stale:
+        print(f"{f.bytes / 1e6:10,.1f} MB  {f.path}  ({f.why})")
+    total = sum(f.bytes for f in stale) / 1e6
+    if not stale:
+        print("nothing to remove: every prepared file serves a model here")
+    elif dry_run:
+        print(f"would remove {len(stale)} file(s), {total:,.1f} MB (without --dry-run)")
+    else:
+        remove(stale)
+        print(f"removed {len(stale)} file(s), {total:,.1f} MB")
+    for model in KNOWN_MODELS.values():
+        status = model_status(model)
+        if status["verified"] and status["packages_installed"]:
+            parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
+            print(f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: {model.pip_uninstall()}")
+    return 0
+
+
+def print_needs(args) -> int:
+    """What each GGUF needs and whether it runs; 1 where one does not."""
+    needs = [gguf_needs(Path(f)) for f in args.files]
+    if args.json:
+        print_json(needs)
+    else:
+        for n in needs:
+            print(n["problem"] or f"{n['path']}: runs")
+            print(f"  architecture: {n['architecture']}{'' if n['architecture_supported'] else ' (not supported)'}")
+            print(f"  tokenizer: {n['tokenizer']}")
+            for name, f in n["formats"].items():
+                print(f"  {name}: {f['tensors']} matrices, {f['kept']}")
+    return 1 if any(n["problem"] for n in needs) else 0
 
 
 def open_model(args):
@@ -102,18 +146,18 @@ def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:
         raise UsageError(str(e)) from None
 
 
-def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Session, int]:
+def stored_reply(engine, sessions: Sessions, session: Session, text: str | None, args) -> tuple[Session, int]:
     """Stream a reply that is stored with its question; SIGINT, SIGTERM and SIGHUP stop it and keep it
     (see signals.py). Returns the session that now ends with it (a new branch when the session moved
     on meanwhile) and the exit code a signal asks for (0 if none came)."""
     saved = SavedReply()
     settings = reply_settings(args, session)
     with ReplySignals() as signals:
-        engine.store.on_wait = waiting_notice(engine.store, signals)
+        sessions.on_wait = waiting_notice(sessions, signals)
         try:
             stream_reply_to(engine, session, text, args, settings, signals, saved=saved)
         finally:
-            engine.store.on_wait = waiting_notice(engine.store)
+            sessions.on_wait = waiting_notice(sessions)
     if saved.session is None:
         say("llama-chat: the reply was not stored: stopped while it was being stored")
         return session, signals.exit_code or 130
@@ -152,7 +196,7 @@ def cmd_ask(args) -> int:
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
     try:
-        return stored_reply(engine, session, prompt, args)[1]
+        return stored_reply(engine, sessions, session, prompt, args)[1]
     finally:
         if args.new_session:
             forget_if_empty(sessions, session)
@@ -190,7 +234,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
         to,
         text,
         settings=settings,
-        grammar=reply_grammar(args, engine.model),
+        grammar=reply_grammar(args, engine.model_info.tokenizer),
         max_tokens=max_tokens(settings),
         cancel=signals.cancel,
         **options,
@@ -198,7 +242,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
     stream_reply(job, signals)
 
 
-def reply_grammar(args, model) -> str | None:
+def reply_grammar(args, tokenizer) -> str | None:
     """`ask --json` / `--json-schema FILE` as the grammar a reply follows, compiled against the model's
     vocabulary (a schema that does not compile is a ModelError, one line)."""
     path = getattr(args, "json_schema", None)
@@ -211,7 +255,7 @@ def reply_grammar(args, model) -> str | None:
         except (OSError, UnicodeError) as e:
             raise ModelError(f"{path}: cannot be read: {getattr(e, 'strerror', None) or e}") from None
     try:
-        return constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(schema))
+        return constrain.check_grammar(tokenizer, constrain.json_schema_grammar(schema))
     except constrain.GrammarError as e:
         raise ModelError(f"{path or '--json'}: {e}") from None
 
@@ -249,7 +293,7 @@ def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
             say(f"{m.role}: {brief(m.content)}")  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
-        print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
+        print(f"New session {session.id} with {engine.model_info.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
     files = PendingFiles()
     while True:
@@ -264,13 +308,13 @@ def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
         if not line.strip() or files.command(line):
             continue
         try:
-            session, code = stored_reply(engine, session, files.message(line), args)
+            session, code = stored_reply(engine, sessions, session, files.message(line), args)
         except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
             say(f"llama-chat: {e}")
             continue
         if tools is not None and not code:
-            again = partial(stored_reply, engine, text=None, args=args)
-            session, code = answer_calls(engine, session, tools, again, ask_yes)
+            again = partial(stored_reply, engine, sessions, text=None, args=args)
+            session, code = answer_calls(engine, sessions, session, tools, again, ask_yes)
         if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
             return code
 

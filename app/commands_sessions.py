@@ -21,7 +21,7 @@ def when(ts: float) -> str:
 
 
 def list_sessions(args) -> int:
-    sessions = open_sessions(args).list()
+    sessions = open_sessions(args).list(limit=args.limit, offset=args.offset)
     if args.json:
         print_json([s.to_json() for s in sessions])
         return 0
@@ -150,6 +150,8 @@ def cmd_export(args) -> int:
     out = args.output or export_dir() / name
     if out.is_dir():
         out = out / name
+    if out.exists() and not args.force:
+        raise StoreError(f"{out}: already exists; --force overwrites it")
     out.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
     if args.markdown:
         sessions.export_markdown(session.id, out)

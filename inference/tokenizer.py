@@ -206,6 +206,11 @@ class Tokenizer:
     so decode(encode(text)) == text for byte-level BPE vocabs.
     """
 
+    # What encode() makes of a text, as a version: token ids kept from an earlier encoding (the chat
+    # layer's session cache keeps a conversation's) are used only under the version that made them.
+    # Raise it with any change that gives other ids for some text (here, in bpe.py or control_text.py).
+    encoding_version = 1
+
     def __init__(self, meta: dict[str, Any]):
         model = _key(meta, "model")
         if model is None:

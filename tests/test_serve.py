@@ -133,11 +133,11 @@ def test_models_and_health(served):
     ],
 )
 def test_bad_requests_get_400_naming_the_field_and_change_nothing(served, body, param):
-    sessions = served.state.engine.store.list_sessions()
+    sessions = served.state.sessions.store.list_sessions()
     status, error = error_of(post(served, body))
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"]
-    assert served.state.engine.store.list_sessions() == sessions
+    assert served.state.sessions.store.list_sessions() == sessions
 
 
 def test_a_prompt_longer_than_the_context_is_context_length_exceeded(served):
@@ -313,7 +313,7 @@ def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, qwen2
 def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served, monkeypatch):
     served.ask("warm up")  # the pool's baseline: cached blocks, no sequence
     idle(served)
-    sessions = len(served.state.engine.store.list_sessions())
+    sessions = len(served.state.sessions.store.list_sessions())
     # the reply's first token goes out, then its next pass waits until the client has left
     left = threading.Event()
     verify_rows = served.scheduler.model.verify_rows
@@ -335,7 +335,7 @@ def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served, 
     idle(served)
     assert blocks_in_use(served) == 0  # every block given back (cached ones stay for reuse)
     assert runs[0].job.stats[0].stop_reason == "cancelled"
-    assert len(served.state.engine.store.list_sessions()) == sessions  # a cut reply is not kept
+    assert len(served.state.sessions.store.list_sessions()) == sessions  # a cut reply is not kept
 
 
 def test_a_client_leaving_before_a_whole_reply_cancels_it(served, monkeypatch):

@@ -79,7 +79,7 @@ def send(s: Served, method: str, path: str, kind: str | None, **headers):
 
 def stored(s: Served) -> list:
     """Every session and its messages: what a refused request must not change."""
-    store = s.state.engine.store
+    store = s.state.sessions.store
     return [(x.id, x.head_id, len(store.path(x.head_id))) for x in store.list_sessions()]
 
 
@@ -496,7 +496,7 @@ def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_l
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device", "/srv/secret/chat.db")
 
-    monkeypatch.setattr(served.state.engine.store, "list_sessions", full)
+    monkeypatch.setattr(served.state.sessions.store, "list_sessions", full)
     status, error = error_of(served.raw("GET", "/v1/sessions"))
     assert status == 500 and error["message"] == "The server failed (OSError); its log says why."
     assert "/srv/secret/chat.db" in capsys.readouterr().err

@@ -140,7 +140,7 @@ async def test_the_model_is_named_as_its_file(open_chat, qwen2, tmp_path):
     shutil.copyfile(qwen2, renamed)
     async with open_chat(model=renamed) as pilot:
         app = pilot.app
-        assert app.chat.engine.model.name == "tiny-qwen2"  # what the file says of itself
+        assert app.chat.engine.model_info.name == "tiny-qwen2"  # what the file says of itself
         assert app.chat.status.fields["model"] == "my-build-q4_k_m"
 
 
@@ -193,7 +193,7 @@ async def test_a_chat_given_settings_while_the_model_loads_is_made_as_one_made_a
         await pilot.press("ctrl+n")
         await say(pilot, "late")
         late = app.sessions.get(app.chat.session.id)
-        fingerprint = app.chat.engine.model.fingerprint
+        fingerprint = app.chat.engine.model_info.fingerprint
     assert early.model_fingerprint == late.model_fingerprint == fingerprint
     assert early.system_prompt == late.system_prompt == "Be brief."  # the model's, as no other was set
     assert early.sampling["top_k"] == 7 and "top_k" not in late.sampling
@@ -617,7 +617,7 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(open_chat, 
 async def test_a_long_prompt_shows_its_prefill_as_a_bar(open_chat):
     async with open_chat(max_tokens=4) as pilot:
         app = pilot.app
-        app.chat.engine.model.prefill_batch = 4
+        app.chat.engine._model.prefill_batch = 4
         shown = []
         progress = app.chat.status.progress
 

@@ -118,7 +118,7 @@ async def test_choose_another_model(open_chat, tiny_model_paths):
         app.screen.query_one("#path", Input).value = str(tiny_model_paths["llama"])
         app.screen.query_one("#path", Input).focus()
         await pilot.press("enter")
-        await until(pilot, lambda: app.chat.engine.model.name == "tiny-llama", what="the new model")
+        await until(pilot, lambda: app.chat.engine.model_info.name == "tiny-llama", what="the new model")
         await idle(pilot)
         assert app.chat.status.fields["model"] == "tiny-llama"
         assert UserConfig.load(app.config.path).model == str(tiny_model_paths["llama"])  # opens next time
@@ -135,7 +135,7 @@ async def test_a_missing_model_file_is_one_line_in_the_app(open_chat, qwen2, tmp
         app.screen.query_one("#path", Input).focus()
         await pilot.press("enter")
         await idle(pilot)
-        assert app.chat.engine.model.name == "tiny-qwen2"  # the loaded model stays
+        assert app.chat.engine.model_info.name == "tiny-qwen2"  # the loaded model stays
         assert any("no such file" in n for n in notices(app))
 
 

@@ -112,8 +112,8 @@ def open_engine(
     """The chat engine `options` describe: its model loaded (unless `model` is one loaded already from
     them), its conversations (those of `db`, unless the options bring some open) and remote tier
     opened; the conversations hear of it (their forks and deletes go through it). Whoever built it
-    closes it (ChatEngine.close), and closes the store it opened (engine.store) unless the options
-    brought the conversations."""
+    closes it (ChatEngine.close), and the conversations it brought in the options; those opened here
+    (none brought: a database in memory, say) live as long as the engine."""
     sessions = options.sessions or Sessions(options.db)
     try:
         model = model or open_model(options, progress)

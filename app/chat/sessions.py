@@ -99,9 +99,10 @@ class Sessions:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def list(self, tenant: str | None = None) -> list[Session]:
-        """Every session, newest first; with a `tenant`, that tenant's only."""
-        return self._store.list_sessions(tenant)
+    def list(self, tenant: str | None = None, limit: int | None = None, offset: int = 0) -> list[Session]:
+        """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
+        tenant's only."""
+        return self._store.list_sessions(tenant, limit, offset)
 
     def get(self, id_or_prefix: str, tenant: str | None = None) -> Session:
         """A session by its id or a unique prefix of it (StoreError names one that is unknown)."""
@@ -201,7 +202,7 @@ class Sessions:
         """Add the sessions of a .llamachat file under new ids, with the KV made by the model whose
         `model_fingerprint` is given (default: the engine's)."""
         if model_fingerprint is None and self.engine is not None:
-            model_fingerprint = self.engine.model.fingerprint
+            model_fingerprint = self.engine.model_info.fingerprint
         return import_session(
             self._store,
             source,

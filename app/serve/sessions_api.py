@@ -19,7 +19,8 @@ from starlette.routing import Route
 
 from llama_chat.storage import Session, StoreError
 
-from ..chat.conversations import API_ORIGIN, kv_salt
+from ..chat.conversations import API_ORIGIN
+from ..chat.session_cache import kv_salt
 from ..chat.sessions import (
     HEADER_SIZE,
     MAX_DATA_BYTES,
@@ -61,16 +62,9 @@ async def create_session(request: Request) -> Response:
     title, system = text_field(body, "title"), text_field(body, "system_prompt")
     engine, tenant = state.engine, tenant_of(request)
 
-    def create():
-        return engine.store.create_session(
-            session_title(title or "") or "API chat",
-            model_fingerprint=engine.model.fingerprint,
-            model_name=engine.model.name,
-            system_prompt=system or None,
-            origin=API_ORIGIN,
-            tenant=tenant,
-            kv_namespace=kv_salt(tenant),
-        )
+    def create():  # "": no system prompt (the model's recommended one is a chat's of the app)
+        return engine.new_session(session_title(title or "") or "API chat", system or "", origin=API_ORIGIN,
+                                  tenant=tenant)  # fmt: skip
 
     session = await run_in_threadpool(create)
     return JSONResponse(_json(session), status_code=201)

@@ -60,7 +60,7 @@ class ChatActions:
             state = "ready" if status["assembled"] else "assembled on first use"
             installed = status["packages_installed"] or status["assembled"]
             models.append((known.name, state if installed else "not installed"))
-        current = model_label(self.model.engine.model) if self.model.engine else None
+        current = model_label(self.model.engine.model_info) if self.model.engine else None
 
         def chosen(name: str | None) -> None:
             if name and self.flow.can_start("change the model"):

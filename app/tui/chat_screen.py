@@ -258,10 +258,10 @@ class ChatScreen(Screen):
         self.status.done()
         engine = self.model.engine
         if event.error:
-            self.status.set(model=model_label(engine.model) if engine else f"no model: {event.error}")
+            self.status.set(model=model_label(engine.model_info) if engine else f"no model: {event.error}")
             self.notify(event.error, title="The model did not load", severity="error", timeout=10)
         else:
-            self.status.set(model=model_label(engine.model))
+            self.status.set(model=model_label(engine.model_info))
             self.open_chat.show_context(self.session.n_tokens if self.session else 0)
         self.flow.start_waiting()
 

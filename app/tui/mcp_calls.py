@@ -65,7 +65,7 @@ class ToolCalls:
         answer, problem = self.tools.answer(call, confirmed)
         if problem:
             self.chat.notify(problem, title="Tool call failed", severity="error", timeout=10)
-        self.chat.model.engine.store.add_message(session.id, "tool", answer)
+        self.chat.model.engine.answer_tool(session, answer)
 
     async def go_on(self, opened: tuple[Session, list[Message]]) -> None:
         """The answers are stored: show them, and let the model reply with them in front of it."""

@@ -20,8 +20,7 @@ from llama_chat.storage.fragments import parts
 from .message_text import fenced, markdown_parser, size_text
 
 if TYPE_CHECKING:
-    from llama_chat.inference import Model
-
+    from ..chat.engine import ModelInfo
     from ..chat.resume import ResumeInfo
 
 AUTHORS = {"user": "you", "assistant": "assistant"}
@@ -159,7 +158,7 @@ class ChatInput(TextArea):
             super().action_cursor_up(select)
 
 
-def model_label(model: Model) -> str:
+def model_label(model: ModelInfo) -> str:
     """The model as it was chosen: its file's stem, which for a known model is its short name. The
     GGUF's own general.name can describe another build ("… AWQ" on the default Q4_K_M file)."""
     return model.path.stem
