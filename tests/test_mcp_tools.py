@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig, ToolError, server_configs
+from llama_chat.app.chat.sessions import Sessions
 from llama_chat.app.chat_lines import answer_calls, folded_answer
 from llama_chat.app.cli import main
 from llama_chat.app.config import ConfigError, UserConfig
@@ -262,7 +263,8 @@ def test_the_docs_example_server_serves_chat_as_written(monkeypatch, tmp_path, c
 
 
 def test_chat_shows_a_tool_s_answer_after_a_yes_folded_past_a_few_lines(tools, tmp_path, capsys):
-    store = ChatStore(tmp_path / "chat.db")
+    sessions = Sessions(tmp_path / "chat.db")
+    store = sessions.store
     session = store.create_session("weather")
     store.add_message(session.id, "user", "What is the weather in Paris?")
     store.add_message(session.id, "assistant", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```')
@@ -273,8 +275,12 @@ def test_chat_shows_a_tool_s_answer_after_a_yes_folded_past_a_few_lines(tools, t
         store.add_message(session.id, "assistant", "It is sunny in Paris.")
         return store.get_session(session.id), 0
 
-    engine = types.SimpleNamespace(store=store, tools=None)
-    answer_calls(engine, store.get_session(session.id), mcp, reply, lambda question: True)
+    def answer_tool(session, answer):
+        store.add_message(session.id, "tool", answer)
+        return store.get_session(session.id)
+
+    engine = types.SimpleNamespace(answer_tool=answer_tool, tools=None)
+    answer_calls(engine, sessions, store.get_session(session.id), mcp, reply, lambda question: True)
     assert capsys.readouterr().out == "get_weather answered:\n  Sunny, 21 °C in Paris.\n"
 
     long = "\n".join(f"line {i}" for i in range(1, 41)) + "\n" + "x" * 500

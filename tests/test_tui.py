@@ -9,10 +9,11 @@ import shutil
 import pytest
 from textual.widgets import Input, ProgressBar, TextArea
 
+from llama_chat.app.chat.titles import title_from_text
 from llama_chat.app.config import State
 from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, SettingsScreen, TextScreen
-from llama_chat.app.tui.sidebar import SessionTree
-from llama_chat.app.tui.widgets import ChatInput, MessageView
+from llama_chat.app.tui.sidebar import BRANCH_WORDS, SessionTree
+from llama_chat.app.tui.widgets import ChatInput, MessageView, fitting
 from llama_chat.storage import ChatStore, Message, Session
 from tui_pilot import (
     aio,
@@ -114,6 +115,22 @@ async def test_the_context_count_grows_while_a_reply_streams(open_chat, slow_dec
         await say(pilot, "hello the world")
         assert len(set(shown)) > 2 and shown == sorted(shown)  # it moved, up, while the reply was written
         assert app.chat.status.fields["context"] == f"ctx {shown[-1]:,}/256"
+
+
+def test_the_status_line_keeps_what_fits_on_one_line():
+    fields = {
+        "model": "qwen2.5-coder-0.5b-instruct-q4_k_m",
+        "context": "ctx 393/4,096",
+        "speed": "prefill 86 tok/s · decode 6.9 tok/s",
+        "resumed": "393 tokens restored in 163 ms",
+    }
+    rest = "ctx 393/4,096 · prefill 86 tok/s · decode 6.9 tok/s · 393 tokens restored in 163 ms"
+    assert fitting(fields, 200) == "qwen2.5-coder-0.5b-instruct-q4_k_m · " + rest
+    assert fitting(fields, 118) == "qwen2.5-coder-0.5b-instruct-q4_… · " + rest  # the name cut to the room
+    assert fitting(fields, 68) == "qwen2.5-coder… · ctx 393/4,096 · prefill 86 tok/s · decode 6.9 tok/s"
+    assert fitting(fields, 60) == "ctx 393/4,096 · prefill 86 tok/s · decode 6.9 tok/s"  # no room for it
+    working = fitting({**fields, "work": "writing a reply (Esc stops)"}, 68)
+    assert working.startswith("writing a reply (Esc stops) · ") and len(working) <= 68
 
 
 @aio
@@ -533,7 +550,7 @@ async def test_editing_a_past_message_makes_a_sibling_branch(open_chat):
         assert app.focused is app.chat.query_one(ChatInput)  # the message edited is gone: back to typing
         new_first = app.sessions.messages(branch)[0]
         assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
-        assert (1, "● hello the sun · from the start") in tree_labels(app)  # named by its own message
+        assert (1, "● hello the sun") in tree_labels(app)  # named by its own message
 
 
 @aio
@@ -550,7 +567,7 @@ async def test_regenerate_makes_a_sibling_reply(open_chat):
         assert new.id != old.id and new.parent_id == old.parent_id and new.role == "assistant"
         assert app.sessions.get(parent.id).head_id == old.id  # the first reply is still there
         assert roles_and_text(app) == stored_path(app)
-        assert (1, "● (regenerated) · after msg 1") in tree_labels(app)
+        assert (1, f"● {title_from_text(new.content, BRANCH_WORDS)}") in tree_labels(app)  # its own words
 
 
 @aio
@@ -571,7 +588,11 @@ async def test_regenerate_three_offers_three_branches(open_chat):
         branches = [s for s in app.sessions.list() if s.forked_from == parent.id]
         assert len(branches) == 3
         assert all(app.sessions.message(s.head_id).parent_id == user_id for s in branches)
-        assert sum(1 for depth, _ in tree_labels(app) if depth == 1) == 3
+        labels = [label.removeprefix("● ") for depth, label in tree_labels(app) if depth == 1]
+        made = sorted(branches, key=lambda s: s.created)  # listed in the order they were made
+        replies = [app.sessions.message(s.head_id).content for s in made]
+        assert labels == [title_from_text(reply, BRANCH_WORDS) for reply in replies]  # each its own reply's
+        assert len(set(labels)) == 3
 
 
 @aio

@@ -1,6 +1,6 @@
-"""How the TUI looks, pinned as SVG snapshots: the main screen, a fork in the sidebar, help, each theme,
-and replies drawn as they were written (code without a fence, a haiku's lines, an attached file, a
-reply's thinking folded).
+"""How the TUI looks, pinned as SVG snapshots: the main screen (at 70, 120 and 200 columns too), a fork
+in the sidebar, help, each theme, and replies drawn as they were written (code without a fence, a
+haiku's lines, an attached file, a reply's thinking folded).
 
 Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`, and look
 at the report before committing. The numbers of the status line are fixed so the pictures never
@@ -65,7 +65,7 @@ async def settled(pilot) -> None:
         field.cursor_blink = False
     app.chat.status.set(
         context="ctx 61/256",
-        speed="prefill 1,234 · decode 56.7 tok/s",
+        speed="prefill 1,234 tok/s · decode 56.7 tok/s",
         resumed="61 tokens restored in 3 ms",
     )
     app.clear_notifications()
@@ -93,6 +93,28 @@ def test_sidebar_with_a_fork(snap_compare, tmp_path, tiny_model_paths):
     fork = store.fork_session(parent.id, None, "Adding numbers (fork)")
     app = app_on(tmp_path, tiny_model_paths, session_id=fork.id)
     assert snap_compare(app, terminal_size=SIZE, run_before=settled)
+
+
+@pytest.mark.parametrize("columns", [70, 120, 200])
+def test_the_status_line_and_the_footer_fit_the_width(snap_compare, tmp_path, tiny_model_paths, columns):
+    """What fits of the status line on one line (the context and speeds first), every key of the
+    footer; the sidebar's branches by their own words, the chats of serve's clients apart."""
+    store = ChatStore(tmp_path / "chat.db")
+    api = store.create_session("A chat of an API client", origin="api")
+    store.add_message(api.id, "user", "Name a prime.")
+    parent = conversation(store, "Adding numbers")
+    asked = store.path(parent.head_id)[0].id
+    for reply in ("Sure: a + b.", "Here is one way to do it.", "def add(a, b): return a + b"):
+        branch = store.fork_session(parent.id, asked, "Adding numbers (regenerated)")
+        store.add_message(branch.id, "assistant", reply)
+
+    async def long_model_name(pilot):
+        await settled(pilot)
+        pilot.app.chat.status.set(model="qwen2.5-coder-0.5b-instruct-q4_k_m")
+        await pilot.pause()
+
+    app = app_on(tmp_path, tiny_model_paths, session_id=parent.id)
+    assert snap_compare(app, terminal_size=(columns, 24), run_before=long_model_name)
 
 
 def test_help_screen(snap_compare, tmp_path, tiny_model_paths):

@@ -13,6 +13,7 @@ import os
 import stat
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from llama_chat.storage.fragments import inline
@@ -27,17 +28,26 @@ class AttachmentError(ValueError):
 
 @dataclass
 class Attachment:
-    name: str  # as the model sees it: the path as given, or "stdin"
+    name: str  # as the model sees it: the path as given (the app: named_in), or "stdin"
     text: str
 
     def inline(self) -> str:
         return inline(self.name, self.text)
 
 
-def read_attachment(path: str, stdin=None) -> Attachment:
+def named_in(path: Path, folder: Path) -> str:
+    """The name a file picked by its whole path goes by, as `chat` started in `folder` names it when
+    typed there: its path from `folder` when it is below it, else its file name alone (the folders
+    above it tell the model nothing about the file)."""
+    path = Path(os.path.abspath(path))
+    return str(path.relative_to(folder)) if path.is_relative_to(folder) else path.name
+
+
+def read_attachment(path: str, stdin=None, name: str | None = None) -> Attachment:
     """A text file (or stdin, for '-'), refused in one line if it cannot be read, is not a regular file
     (a FIFO, a socket, a device, a folder), is larger than MAX_FILE_BYTES, or is not text (a NUL byte,
-    or not UTF-8)."""
+    or not UTF-8). It goes by `name` (default: the path as given)."""
+    given = name
     name = "stdin" if path == "-" else path
     try:
         if path == "-":
@@ -58,7 +68,7 @@ def read_attachment(path: str, stdin=None) -> Attachment:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise AttachmentError(f"{name}: not UTF-8 text; only text files can be attached") from None
-    return Attachment(name, text)
+    return Attachment(given or name, text)
 
 
 def _open_regular_file(path: str) -> BinaryIO:

@@ -62,6 +62,7 @@ class Sessions:
     def __init__(self, db: Path | str):
         self._store = ChatStore(db)
         self.engine: ChatEngine | None = None  # set by build.open_engine
+        self._seen_version = self._store.connection.data_version()  # what changed_elsewhere() compares with
 
     @property
     def store(self) -> ChatStore:
@@ -80,6 +81,14 @@ class Sessions:
     @on_wait.setter
     def on_wait(self, callback: Callable[[float], None] | None) -> None:
         self._store.on_wait = callback
+
+    def changed_elsewhere(self) -> bool:
+        """Whether another process (`ask --session`, a second app, `serve`) has written to the
+        database since this was last asked (or since it was opened). Cheap enough to poll: SQLite's
+        data_version, no table read; this process's own writes do not count."""
+        version = self._store.connection.data_version()
+        changed, self._seen_version = version != self._seen_version, version
+        return changed
 
     def check_writable(self) -> None:
         """StoreError when nothing could be stored (a read-only file or folder)."""

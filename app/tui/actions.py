@@ -17,7 +17,7 @@ from llama_chat.inference import KNOWN_MODELS
 from llama_chat.inference.catalog import model_status
 from llama_chat.storage import Message, Session
 
-from ..chat.attachments import AttachmentError, read_attachment
+from ..chat.attachments import AttachmentError, named_in, read_attachment
 from ..chat.sessions import export_file_name
 from ..chat.settings import DEFAULT_SAMPLING
 from ..chat.titles import NEW_CHAT, session_title
@@ -271,8 +271,8 @@ class ChatActions:
             self.chat.notify("Nothing to export: this chat is not saved yet.", severity="warning")
             return
         path = export_dir() / export_file_name(session)
-        hint = "Enter writes it (a name ending in .md writes a Markdown transcript), Esc cancels"
-        screen = TextScreen("Export chat", str(path), hint=hint)
+        hint = "Enter writes it (a name ending in .md: a Markdown transcript), Tab completes, Esc cancels"
+        screen = TextScreen("Export chat", str(path), hint=hint, path=True)
 
         def write(path: str | None) -> None:
             if path:
@@ -300,7 +300,8 @@ class ChatActions:
         if self.model.loading:  # KV made by the model here comes in with the messages
             self.chat.notify("The model is loading; wait for it, then import.", severity="warning")
             return
-        screen = TextScreen("Import chat", str(Path.cwd()) + "/", hint="The path of a .llamachat file")
+        hint = "The path of a .llamachat file (Tab completes)"
+        screen = TextScreen("Import chat", str(Path.cwd()) + "/", hint=hint, path=True)
 
         def read(path: str | None) -> None:
             if path:
@@ -322,13 +323,15 @@ class ChatActions:
 
     def attach(self) -> None:
         """F5: a text file for the next message (the reply flow's `attached`, sent with it)."""
-        screen = TextScreen("Attach file", str(Path.cwd()) + "/", hint="A text file: it goes with your next message")
+        hint = "A text file: it goes with your next message (Tab completes the path)"
+        screen = TextScreen("Attach file", str(Path.cwd()) + "/", hint=hint, path=True)
 
         def attach(path: str | None) -> None:
             if not path or not path.strip():
                 return
-            try:
-                self.flow.attached.append(read_attachment(str(Path(path.strip()).expanduser())))
+            source = Path(path.strip()).expanduser()
+            try:  # named as `chat` started here names it: its path from here, else its file name
+                self.flow.attached.append(read_attachment(str(source), name=named_in(source, Path.cwd())))
             except AttachmentError as e:
                 self.chat.notify(str(e), title="Not attached", severity="error", timeout=10)
                 return

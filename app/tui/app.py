@@ -18,7 +18,7 @@ from ..config import DEFAULT_THEME, ConfigError, State, UserConfig, load_themes
 from ..flags import engine_options
 from .chat_screen import ChatScreen
 from .open_chat import ChatOpened
-from .sidebar import SessionTree
+from .sidebar import SessionTree, Sidebar
 from .widgets import ChatInput, MessageView
 
 
@@ -51,7 +51,9 @@ class ChatApp(App, inherit_bindings=False):
         else:
             session_id = self.state.last_session(self.sessions.db_path)
         options = engine or EngineOptions()
-        self.chat = ChatScreen(self.sessions, self.config, options, model or self.config.model, session_id)
+        model = model or self.config.model
+        width = self.state.sidebar_width()  # as the user left it
+        self.chat = ChatScreen(self.sessions, self.config, options, model, session_id, width)
         themes, problems = load_themes()
         for theme in themes:
             self.register_theme(theme)
@@ -89,6 +91,13 @@ class ChatApp(App, inherit_bindings=False):
         session = event.session
         self.title = f"llama-chat · {session.title}" if session else "llama-chat"
         self.state.remember_session(self.sessions.db_path, session.id if session else None)
+
+    def on_sidebar_resized(self, event: Sidebar.Resized) -> None:
+        """The sidebar's width, as the user set it, is its width at the next start too."""
+        try:
+            self.state.remember_sidebar_width(event.width)
+        except OSError as e:
+            self.notify(f"{self.state.path}: {e}", title="Not kept for the next start", severity="warning")
 
     def theme_named(self, name: str) -> str | None:
         """The theme a name means: its own, or one of ours by its short name ("dark": llama-dark)."""

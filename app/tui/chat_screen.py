@@ -35,8 +35,9 @@ from .conversation import ConversationView
 from .dialogs import HelpScreen
 from .mcp_calls import ToolCalls
 from .open_chat import LoadedModel, OpenChat
+from .other_windows import OtherWindows
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
-from .sidebar import SessionTree, Sidebar
+from .sidebar import WIDTH_STEP, SessionTree, Sidebar
 from .widgets import ChatInput, MessageView, Progress, StatusLine, model_label
 
 
@@ -55,7 +56,8 @@ class ChatScreen(Screen):
     # Textual focuses this when the screen is first shown (else the first focusable: the sidebar's
     # search box, which took what was typed while the app started)
     AUTO_FOCUS = "ChatInput"
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (90, "-wide")]  # narrow: the sidebar hides (the .tcss)
+    # narrow: the sidebar hides, the footer leaves Ctrl+P out; widest: a wider sidebar (the .tcss)
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (90, "-wide"), (160, "-widest")]
     # Every action of the chat, once: its key (users remap it by id, the action's name), the footer,
     # the help screen and, by its tooltip, the command palette all come from here; what does it is a
     # method of the chat's actions (bind_actions), or the screen's own for its layout and help.
@@ -76,13 +78,9 @@ class ChatScreen(Screen):
             ("ctrl+c", "stop_reply", "Stop reply", False, None),  # (as in `chat`; idle: Textual's own)
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
             ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
-            (
-                "f6",
-                "toggle_api_chats",
-                "API chats",
-                False,
-                "Show or hide the chats made through llama-chat serve",
-            ),
+            ("f6", "toggle_api_chats", "API chats", False, "The chats made through serve, or yours"),
+            ("alt+right", "wider_sidebar", "Wider sidebar", False, "Make the list of chats wider"),
+            ("alt+left", "narrower_sidebar", "Narrower sidebar", False, "Make the list of chats narrower"),
             ("f2", "rename", "Rename chat", False, "Give this chat a new title"),
             ("f8", "delete", "Delete chat", False, "Delete this chat (asks first)"),
             ("ctrl+s", "settings", "Settings", True, "System prompt and sampling (temperature, top-k, …)"),
@@ -101,6 +99,7 @@ class ChatScreen(Screen):
         engine_options: EngineOptions,
         model: str | None,
         session_id: str | None,
+        sidebar_width: int | None = None,
     ):
         super().__init__()
         self.config = config
@@ -109,7 +108,7 @@ class ChatScreen(Screen):
         self.engine_options = engine_options
         self.wanted_session = session_id  # the chat to open first (else the newest)
         self.model = LoadedModel(sessions, model)
-        self.sidebar = Sidebar(sessions, id="sidebar")
+        self.sidebar = Sidebar(sessions, sidebar_width, id="sidebar")  # (as wide as the user left it)
         self.conversation = ConversationView(id="conversation")
         self.chat_input = ChatInput(id="input")
         self.status = StatusLine(id="status")
@@ -118,6 +117,7 @@ class ChatScreen(Screen):
         )
         self.flow = ReplyFlow(self.open_chat, config, self.chat_input, on_stored=self._reply_stored)
         self.tool_calls = ToolCalls(self.flow, config.mcp_servers)  # MCP servers, and the calls a reply makes
+        self.other_windows = OtherWindows(self.flow)  # turns other processes write, shown
         self.actions = ChatActions(self.flow, config, self.chat_input, self.load_model)
         self.bind_actions()
 
@@ -174,6 +174,7 @@ class ChatScreen(Screen):
         self.conversation.anchor()
         self.status.progress("opening conversations")
         self.in_background(self.last_session, self.started)
+        self.other_windows.watch()
 
     # -- work off the UI thread ------------------------------------------------------------------
 
@@ -299,10 +300,24 @@ class ChatScreen(Screen):
         self.show_sidebar(not self.sidebar.display)
 
     def action_toggle_api_chats(self) -> None:
-        self.sidebar.hide_api = not self.sidebar.hide_api
+        """F6: the chats clients of `llama-chat serve` made, listed apart from the user's own."""
+        api = not self.sidebar.api_chats
+        self.sidebar.show_api_chats(api)
+        self.show_sidebar(True)
         self.open_chat.show_chats()
-        shown = "API chats hidden (F6 shows them)" if self.sidebar.hide_api else "API chats shown"
-        self.notify(shown, timeout=3)
+        self.notify("The chats made through serve (F6: yours)" if api else "Your chats", timeout=3)
+
+    def action_wider_sidebar(self) -> None:
+        self.widen_sidebar(WIDTH_STEP)
+
+    def action_narrower_sidebar(self) -> None:
+        self.widen_sidebar(-WIDTH_STEP)
+
+    def widen_sidebar(self, columns: int) -> None:
+        """Alt+→ and Alt+←: the sidebar wider or narrower (shown first, if it was hidden)."""
+        if not self.sidebar.display:
+            self.show_sidebar(True)
+        self.sidebar.widen(columns)
 
     def show_sidebar(self, show: bool) -> None:
         """Show or hide the sidebar, whatever the terminal's width would choose."""

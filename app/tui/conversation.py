@@ -82,10 +82,13 @@ class ConversationView(VerticalScroll):
 
     def adopt(self, path: list[Message]) -> bool:
         """Give the messages on screen the stored messages they show (ids: forkable, editable);
-        False when they are not the end of `path` (show it again then)."""
+        False when they are not the end of `path` (show it again then): another process's turn
+        between them, say."""
         views = self.views()
         shown = path[-len(views) :] if views else []
         if [v.role for v in views] != [m.role for m in shown]:
+            return False
+        if any(v.message is not None and v.message.id != m.id for v, m in zip(views, shown)):
             return False
         for view, message in zip(views, shown):
             view.message = message

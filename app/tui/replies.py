@@ -29,6 +29,7 @@ from ..chat.titles import title_from_text
 from ..config import ConfigError, UserConfig
 from .dialogs import AlternativesScreen
 from .open_chat import OpenChat
+from .sidebar import BRANCH_WORDS
 from .widgets import ChatInput, MessageView, speed_text
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
@@ -49,6 +50,7 @@ class Branch:
     session: Session
     path: list[Message]
     user_text: str | None
+    moved: bool = False  # nothing asked: another process wrote in the session since it was shown
 
 
 @dataclass(eq=False)
@@ -65,6 +67,7 @@ class Reply:
     edited: Message | None = None  # the message the text replaces
     n: int = 1
     view: MessageView | None = None  # the message it streams into; None: shown once its branch is
+    typed: tuple[str, list[Attachment]] | None = None  # what the user sent, given back if it is not
     cancel: threading.Event = field(default_factory=threading.Event)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     job: JobView | None = None  # once submitted
@@ -97,6 +100,9 @@ def submit(engine: ChatEngine | None, sessions: Sessions, reply: Reply) -> Branc
         branch, reply.job = engine.edit(reply.session, reply.edited.id, reply.text, **options)
     else:
         branch = reply.session or engine.new_session(**reply.new_chat)
+        stored = sessions.get(branch.id)
+        if stored.head_id != branch.head_id:  # the reply would follow turns the user has not seen
+            return Branch(stored, sessions.messages(stored), reply.text, moved=True)
         reply.job = engine.reply(branch, reply.text, **options)
     return Branch(branch, sessions.messages(branch), reply.text)
 
@@ -161,8 +167,9 @@ class ReplyFlow:
             return
         if text.strip():
             self.chat_input.clear()
+            typed = (text, self.attached)
             text, self.attached = with_attachments(text, self.attached), []
-            reply = Reply(session, text, self.max_tokens(session))
+            reply = Reply(session, text, self.max_tokens(session), typed=typed)
             config = self.config
             title = title_from_text(text)
             reply.new_chat = {
@@ -217,6 +224,8 @@ class ReplyFlow:
     async def reply_started(self, reply: Reply, branch: Branch | None) -> None:
         """The job is submitted: show the new branch it goes to, or adopt a new chat."""
         chat = self.chat
+        if branch is not None and branch.moved:
+            return await self.overtaken(reply, branch)
         if branch is not None and reply.view is None:  # its messages, the new text, the reply to come
             await chat.show(branch.session, branch.path)
             reply.view = MessageView("assistant")
@@ -229,6 +238,24 @@ class ReplyFlow:
         if reply.view is not None:
             reply.view.set_note("reading the conversation…")
         reply.started = True
+
+    async def overtaken(self, reply: Reply, branch: Branch) -> None:
+        """Another process wrote in the chat since it was shown: nothing was asked; the chat is shown
+        as stored, and the message sent is back in the input (its files attached again)."""
+        await self.chat.show(branch.session, branch.path)
+        if reply.typed is not None:
+            text, attached = reply.typed
+            self.attached = attached + self.attached
+            self.chat_input.load_text(text + self.chat_input.text)
+            self.chat_input.move_cursor(self.chat_input.document.end)
+        self.chat.notify(
+            "Another window wrote in this chat: its messages are shown now. Your message is back in "
+            "the input; Enter sends it after them.",
+            title="Not sent",
+            severity="warning",
+            timeout=10,
+        )
+        self.reply_done(reply)
 
     async def reply_refused(self, reply: Reply, error: str) -> None:
         """The job could not be submitted (an empty message, one longer than the context, no model)."""
@@ -284,6 +311,8 @@ class ReplyFlow:
             self.alternatives += [(s.session, job.text(i)) for i, s in enumerate(saved) if s.session]
             return self.reply_done(reply)
         stored = saved[0].session if saved else None
+        if saved and saved[0].branched:
+            self.say_branched(reply, stored)
         if job.error is None and stored is not None:
             self.run(
                 partial(self.chat.sessions.messages, stored),
@@ -298,6 +327,19 @@ class ReplyFlow:
             await reply.view.remove()
         self.reply_done(reply)
 
+    def say_branched(self, reply: Reply, branch: Session) -> None:
+        """The reply went on a new branch: another process stored a turn in its chat meanwhile. The
+        branch is named as the sidebar lists it, under its chat: by its first own words."""
+        words = title_from_text(reply.text or reply.job.text(0), BRANCH_WORDS)
+        chat = (reply.session or branch).title
+        self.chat.notify(
+            f"Another window replied in “{chat}” while this reply was written: yours is on a new "
+            f"branch of it, “{words}”.",
+            title="A new branch",
+            severity="warning",
+            timeout=15,
+        )
+
     async def reply_stored(self, reply: Reply, session: Session, path: list[Message]) -> None:
         """The stored reply: its message ids to the messages shown (or the conversation drawn again,
         if what is stored differs), its speed and the context it filled."""
@@ -305,8 +347,9 @@ class ReplyFlow:
         if self.chat.conversation.adopt(path):
             reply.view.set_note("stopped" if stats.get("stop_reason") == "cancelled" else "")
             self.chat.opened(session)
-        else:
+        else:  # another process's turn came in before this one was asked
             await self.chat.show(session, path)
+            self.chat.notify("Another window wrote in this chat: it is shown as stored.", timeout=8)
         self.chat.status.set(speed=speed_text(stats))
         self.chat.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
         self.reply_done(reply)

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from rich.cells import cell_len
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -89,6 +91,7 @@ class MessageView(Vertical, can_focus=True):
             self.query_one(".thinking-text", Static).update(self.thinking)
         else:
             await self.mount(thinking_fold(self.thinking), after=self.query_one(".author"))
+            self.refresh_bindings()  # its key on the footer now
 
     async def finish(self) -> None:
         """The reply is written: drawn again whole, its code written without a fence fenced."""
@@ -120,6 +123,10 @@ class MessageView(Vertical, can_focus=True):
         self.app.copy_to_clipboard(blocks[i])
         self.notify(f"Copied code block {i + 1} of {len(blocks)}")
 
+    def check_action(self, action: str, parameters: tuple) -> bool:
+        """`t` where there is thinking to unfold: on the footer of those messages only."""
+        return action != "thinking" or bool(self.thinking)
+
     def action_thinking(self) -> None:
         folds = self.query(".thinking")
         if not folds:
@@ -150,8 +157,9 @@ class ChatInput(TextArea):
     # Priority bindings run as the key arrives, before keys typed just before it (a paste, tmux
     # send-keys) have reached the text, so the actions queue behind them with call_later.
     BINDINGS = [
-        Binding("enter", "send", "Send", id="send", priority=True),
-        Binding("ctrl+j,shift+enter", "newline", "New line", id="newline", priority=True),
+        # (not on the footer: the empty input says them, and F1; the footer's room is the chat's keys')
+        Binding("enter", "send", "Send", id="send", priority=True, show=False),
+        Binding("ctrl+j,shift+enter", "newline", "New line", id="newline", priority=True, show=False),
     ]
 
     class Submitted(UIMessage):
@@ -201,9 +209,9 @@ def speed_text(stats: dict) -> str | None:
     """A stored reply's speeds and, when prompt lookup guessed, how many guessed tokens were kept; a
     part that did not run (a reply stopped while it read) is left out."""
     prefill, decode = stats.get("prefill_tok_s", 0), stats.get("decode_tok_s", 0)
-    parts = [f"prefill {prefill:,.0f}"] if prefill else []
-    parts += [f"decode {decode:,.1f}"] if decode else []
-    text = " · ".join(parts) + " tok/s" if parts else None
+    parts = [f"prefill {prefill:,.0f} tok/s"] if prefill else []
+    parts += [f"decode {decode:,.1f} tok/s"] if decode else []
+    text = " · ".join(parts) or None
     drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_tokens", 0)
     return f"{text} · lookup {accepted}/{drafted}" if text and drafted else text
 
@@ -221,9 +229,32 @@ class WorkDone(UIMessage):
     """Long work has ended: the bar goes. Posted like Progress, so it cannot overtake the last one."""
 
 
+SHOWN = ("work", "model", "context", "speed", "resumed")  # the status line's parts, left to right
+KEPT = ("work", "context", "speed", "resumed", "model")  # the first kept when the line is short of room
+MODEL_COLUMNS = 12  # the model's name is cut to the room left, down to this many columns, else left out
+
+
+def fitting(fields: dict[str, str], width: int) -> str:
+    """The status line in `width` columns: its parts in KEPT's order while they fit (the first always:
+    it wraps; the model's name cut with "…" to the room left), shown in SHOWN's order; all of them
+    before the line is laid out (`width` 0)."""
+    kept: dict[str, str] = {}
+    for name in (n for n in KEPT if fields.get(n)):
+        text = fields[name]
+        room = width - cell_len(" · ".join([*kept.values(), ""]))  # after the parts kept and a " · "
+        if kept and width > 0 and cell_len(text) > room:
+            if name != "model" or room < MODEL_COLUMNS:
+                continue
+            cut = Text(text)
+            cut.truncate(room, overflow="ellipsis")
+            text = cut.plain
+        kept[name] = text
+    return " · ".join(kept[n] for n in SHOWN if n in kept)
+
+
 class StatusLine(Horizontal):
-    """Model, context used, speed of the last reply, how the session was resumed; a bar for long work
-    (told by workers with Progress and WorkDone, posted to it)."""
+    """Model, context used, speed of the last reply, how the session was resumed, what fits of them
+    on one line; a bar for long work (told by workers with Progress and WorkDone, posted to it)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -240,21 +271,28 @@ class StatusLine(Horizontal):
                 self.fields.pop(name, None)
             else:
                 self.fields[name] = value
-        order = ["work", "model", "context", "speed", "resumed"]
-        self.query_one("#status-text", Static).update(
-            " · ".join(self.fields[k] for k in order if self.fields.get(k))
-        )
+        self.show()
+
+    def show(self) -> None:
+        bar = self.query_one(ProgressBar)
+        width = self.content_size.width - (bar.outer_size.width if bar.display else 0)
+        self.query_one("#status-text", Static).update(fitting(self.fields, width))
+
+    def on_resize(self) -> None:
+        self.show()
 
     def progress(self, label: str, done: float | None = None, total: float | None = None) -> None:
         """Show long work: a label and a bar (no total: an indeterminate bar)."""
         self.set(work=label)
         bar = self.query_one(ProgressBar)
-        bar.display = True
+        if not bar.display:
+            bar.display = True
+            self.call_after_refresh(self.show)  # in the room the bar leaves, once it is laid out
         bar.update(total=total if total else None, progress=done or 0)
 
     def done(self) -> None:
-        self.set(work=None)
         self.query_one(ProgressBar).display = False
+        self.set(work=None)
 
     def on_progress(self, event: Progress) -> None:
         self.progress(event.label, event.done, event.total)
