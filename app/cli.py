@@ -119,11 +119,14 @@ def add_threads_option(parser, default=None) -> None:
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    """The flags of a reply, one per setting of chat/settings.py. A flag not given is None: a stored
-    session keeps its own settings."""
+    """The flags of a reply, one per setting of chat/settings.py (a flag not given is None: a stored
+    session keeps its own settings), and whether its thinking is shown."""
     from .chat.settings import REPLY_MAX_TOKENS, REPLY_SETTINGS
 
     parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument(
+        "--show-thinking", action="store_true", help="a thinking model's thinking on stderr (else not shown)"
+    )
     for setting in REPLY_SETTINGS:
         default = "" if setting.default is None else f" (default: the model's, else {setting.default})"
         if setting is REPLY_MAX_TOKENS:
@@ -132,7 +135,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
             setting.option,
             dest=setting.key,
             type=flag_type(setting),
-            metavar=setting.kind.__name__.upper(),
+            metavar="{" + ",".join(setting.choices) + "}" if setting.choices else setting.kind.__name__.upper(),
             help=setting.help + default,
         )
     add_context_option(parser)

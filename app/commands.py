@@ -21,7 +21,7 @@ from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
 from .chat.session_cache import system_message
 from .chat.sessions import Sessions
-from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
+from .chat.settings import REPLY_SETTINGS, SAMPLING, TEMPLATE_SETTINGS, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
 from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
 from .flags import engine_options
@@ -102,8 +102,9 @@ def open_model(args):
         return build.open_model(engine_options(args), bar)
 
 
-def flag_settings(args, settings=SAMPLING) -> dict:
-    """The settings given as flags on this command line (a flag not given is None: not set)."""
+def flag_settings(args, settings=(*SAMPLING, *TEMPLATE_SETTINGS)) -> dict:
+    """The settings given as flags on this command line (a flag not given is None: not set); by
+    default those a new session keeps: its sampling and its template's switches."""
     return {s.key: getattr(args, s.key) for s in settings if getattr(args, s.key) is not None}
 
 
@@ -239,7 +240,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
         cancel=signals.cancel,
         **options,
     )
-    stream_reply(job, signals)
+    stream_reply(job, signals, getattr(args, "show_thinking", False))
 
 
 def reply_grammar(args, tokenizer) -> str | None:

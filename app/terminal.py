@@ -60,6 +60,13 @@ def write(text: str) -> bool:
         return False
 
 
+def write_err(text: str) -> None:
+    """Text as it comes (a reply's thinking) on stderr, escaped there as on_stdout() escapes stdout's."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(escaped(text, lines=True) if sys.stderr.isatty() else text)
+        sys.stderr.flush()
+
+
 def read_text(value: str) -> str:
     """The argument, or stdin for '-'; bytes that are not UTF-8 are refused here, before anything is
     stored (Python hands them on as lone surrogates, which SQLite and the tokenizer cannot take)."""
@@ -94,20 +101,32 @@ def prefill_bar():
     return report
 
 
-def stream_reply(job: JobView, signals: ReplySignals) -> None:
-    """One reply on the terminal: a bar on stderr while its prompt is read, its text on stdout as it
-    comes, then a line of stats on stderr. The job should stop at `signals.cancel`. However the writing
-    ends (the reply's end, a cancel, a closed terminal, a second signal), the job is cancelled and
-    waited for, so it keeps what it made; what it made beyond what was written is written then, so a
-    stored reply is the one shown."""
-    shown = 0
+def stream_reply(job: JobView, signals: ReplySignals, show_thinking: bool = False) -> None:
+    """One reply on the terminal: a bar on stderr while its prompt is read, its answer on stdout as it
+    comes (its thinking on stderr, with `show_thinking`; else not at all), then a line of stats on
+    stderr. The job should stop at `signals.cancel`. However the writing ends (the reply's end, a
+    cancel, a closed terminal, a second signal), the job is cancelled and waited for, so it keeps what
+    it made; what it made beyond what was written is written then, so a stored reply is the one shown."""
+    shown, thinking = 0, [False]  # thinking: its line on stderr is open
+
+    def think(text: str) -> None:
+        thinking[0] = True
+        write_err(text)
+
+    def end_thinking() -> None:
+        if thinking[0]:
+            thinking[0] = False
+            write_err("\n")
+
     try:
         try:
-            for piece in stream_text(job, prefill_bar()):
+            for piece in stream_text(job, prefill_bar(), think if show_thinking else None):
+                end_thinking()
                 if not write(piece):
                     break
                 shown += len(piece)
         finally:
+            end_thinking()
             if job.state.ended and len(job.text()) > shown:
                 write(job.text()[shown:])
             write("\n")

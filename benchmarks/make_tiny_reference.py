@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from llama_chat.inference import load_model  # noqa: E402
-from llama_chat.inference.generate import prompt_text  # noqa: E402
+from llama_chat.inference.prompt import prompt_text  # noqa: E402
 from tiny_models import ARCHS, write_tiny_model  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"

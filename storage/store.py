@@ -317,11 +317,12 @@ class ChatStore:
         blob = None if m.token_ids is None else np.asarray(m.token_ids, dtype=np.int32).tobytes()
         content, attached = fragments.cut(m.content)  # each attached file's text once, in `fragments`
         cur = self.db.conn.execute(
-            "INSERT INTO messages (parent_id, role, content, token_ids, created, stats) VALUES (?, ?, ?, ?, ?, ?)",
-            (parent_id, m.role, content, blob, m.created, json.dumps(m.stats) if m.stats else None),
+            "INSERT INTO messages (parent_id, role, content, token_ids, created, stats, reasoning) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (parent_id, m.role, content, blob, m.created, json.dumps(m.stats) if m.stats else None, m.reasoning),
         )
         fragments.save(self.db.conn, cur.lastrowid, attached)
-        return Message(cur.lastrowid, parent_id, m.role, m.content, m.token_ids, m.created, m.stats)
+        return Message(**{**vars(m), "id": cur.lastrowid, "parent_id": parent_id})
 
     def _messages(self, sql: str, params=()) -> list[Message]:
         """The messages `sql` selects (rows of the messages table), their attached files put back."""

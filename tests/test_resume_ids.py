@@ -85,6 +85,7 @@ def test_a_database_of_the_schema_before_kept_ids_is_upgraded_and_resumes(qwen2,
     first._store.close()
     conn = sqlite3.connect(db)  # as the version before kept ids left it
     conn.execute("DROP TABLE session_token_ids")
+    conn.execute("ALTER TABLE messages DROP COLUMN reasoning")  # (step 8 made it)
     conn.execute("PRAGMA user_version = 5")  # (step 6 made session_token_ids)
     conn.commit()
     conn.close()

@@ -1,6 +1,6 @@
 """How the TUI looks, pinned as SVG snapshots: the main screen (at 70, 120 and 200 columns too), a fork
 in the sidebar, help, each theme, and replies drawn as they were written (code without a fence, a
-haiku's lines, an attached file).
+haiku's lines, an attached file, a reply's thinking folded).
 
 Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`, and look
 at the report before committing. The numbers of the status line are fixed so the pictures never
@@ -9,13 +9,14 @@ depend on timing.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, Message
 from tui_pilot import ready
 
 SIZE = (100, 30)
@@ -177,3 +178,22 @@ def test_an_attached_file_is_folded_with_its_name_and_size(snap_compare, tmp_pat
     asked = inline("fib.py", source) + "What does this file do?"
     conversation(ChatStore(tmp_path / "chat.db"), "fib.py", "It computes Fibonacci numbers, cached.", asked)
     assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_a_replys_thinking_is_folded_above_its_answer(snap_compare, tmp_path, tiny_model_paths):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("Thinking first")
+    now = time.time()
+    thought = "The user greets me.\nA short greeting back will do."
+    turn = [
+        Message(0, None, "user", "Hi!", None, now, None),
+        Message(0, None, "assistant", "Hello! How can I help?", None, now, None, thought),
+    ]
+    store.append_turn(session.id, None, turn)
+
+    async def select_reply(pilot):  # its keys, t among them, on the footer
+        await settled(pilot)
+        await pilot.press("up")
+        await pilot.pause()
+
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=select_reply)

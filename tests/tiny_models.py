@@ -24,8 +24,10 @@ CHATML = (
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
-# each later architecture's family template, from llama.cpp's models/templates/
+# each later architecture's family template, from llama.cpp's models/templates/, and Qwen3's (its
+# replies' thinking: tests/test_thinking.py)
 FAMILY_TEMPLATES = {
+    "qwen3": "Qwen-Qwen3-0.6B.jinja",
     "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
     "gemma2": "google-gemma-2-2b-it.jinja",
     "phi3": "microsoft-Phi-3.5-mini-instruct.jinja",

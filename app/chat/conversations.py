@@ -24,6 +24,7 @@ from .jobs import Job
 from .replies import Plan, ReplyNotStored, fitting, make_session, reply_message, store_reply
 from .resume import RemoteRead
 from .session_cache import SessionCache, kv_salt
+from .settings import template_variables
 from .titles import TITLE_CHARS, session_title
 
 API_ORIGIN = "api"  # sessions.origin of the conversations the server keeps
@@ -108,10 +109,12 @@ class Conversations:
             text = conversation.prompt
             prompt = fitting(self.cache.n_ctx, lambda limit: raw_prompt_ids(self.model, text, limit))
             return self._fresh(prompt, kv_salt(conversation.tenant, conversation.cache_key), self._noted)
-        messages, tools = conversation.messages, conversation.tools
-        prompt = fitting(self.cache.n_ctx, lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n))
+        messages, tools, variables = conversation.messages, conversation.tools, template_variables(settings)
+        prompt = fitting(
+            self.cache.n_ctx, lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n, variables=variables)
+        )
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
-        previous = self._previous_ids(messages, prompt, conversation.tools)
+        previous = self._previous_ids(messages, prompt, conversation.tools, variables)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None
 
         def finish(job: Job) -> Future | None:
@@ -159,12 +162,14 @@ class Conversations:
     def _noted(self, job: Job) -> None:
         self.cache.note_prefill(job.stats[0])
 
-    def _previous_ids(self, messages: list[dict], prompt: list[int], tools: list[dict] | None) -> list[int] | None:
+    def _previous_ids(
+        self, messages: list[dict], prompt: list[int], tools: list[dict] | None, variables: dict
+    ) -> list[int] | None:
         """The conversation before its new message as it was kept after its last reply, where the prompt
         goes on from it; None for a first message."""
         if len(split_system(messages)[1]) < 2:
             return None  # a first message: no reply before it
-        previous = self.cache.stored_ids(messages[:-1], tools)
+        previous = self.cache.stored_ids(messages[:-1], tools, variables)
         return previous if prompt[: len(previous)] == previous else None
 
     def _kept_session(
@@ -190,7 +195,9 @@ class Conversations:
         answer = {"role": "assistant", "content": reply.content}
         if conversation.tools and self.format is not None:  # as the next request sends it back
             answer = self.format.as_message(reply.content)
-        ids = self.cache.stored_ids([*messages, answer], conversation.tools)
+        if reply.reasoning and self.cache.thinking is not None:  # the KV holds it: as the template renders it
+            answer[self.cache.thinking.message_key] = reply.reasoning
+        ids = self.cache.stored_ids([*messages, answer], conversation.tools, template_variables(settings))
         # a reply cut short keeps the KV it holds, as a session's do
         held = self.cache.hold(job.seqs[0], ids, not job.cancelled)
         return self.writer.submit(self._store, messages, settings, reply, held, conversation.tenant)

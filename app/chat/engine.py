@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from llama_chat.inference import (
@@ -27,6 +28,7 @@ from llama_chat.inference import (
     fit_messages,
 )
 from llama_chat.inference.catalog import recommended_system_prompt
+from llama_chat.inference.thinking import reply_splitter
 from llama_chat.inference.tokenizer import Tokenizer
 from llama_chat.inference.tool_calls import ToolFormat, tool_format
 from llama_chat.storage.codec import PLANNED_CODECS
@@ -49,8 +51,8 @@ from .replies import (
 )
 from .resume import ResumeInfo, VerifyResult
 from .scheduler import Scheduler
-from .session_cache import SessionCache, kv_salt, system_message
-from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
+from .session_cache import SessionCache, kv_salt, system_message, template_message
+from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params, template_variables
 from .titles import NEW_CHAT, named_by
 
 __all__ = ["ChatEngine", "Conversation", "ModelInfo", "RawText", "ReplyNotStored", "ResumeInfo", "SavedReply",
@@ -80,12 +82,14 @@ class ModelInfo:
 class _Turn:
     """A session's next turn, its conversation read and rendered once: the session as it was read,
     its stored conversation (as the chat template wants it), the prompt of the reply (with the user's
-    new text), and whether the prompt cut the oldest turns to fit the window."""
+    new text), and whether the prompt cut the oldest turns to fit the window; the settings the reply
+    was asked with over the session's (the template's switches among them)."""
 
     session: Session
     messages: list[dict]
     prompt: list[int]
     cut: bool
+    settings: dict = field(default_factory=dict)
 
 
 class ChatEngine:
@@ -282,7 +286,7 @@ class ChatEngine:
             raise ValueError("a session's turn has one reply: regenerate makes several")
         if text is not None and not text.strip():
             raise ValueError("the message is empty")
-        turn = self._read_turn(to.id, text, max_tokens)
+        turn = self._read_turn(to.id, text, max_tokens, settings)
         if text is not None:  # too long even alone: nothing is stored, nothing computed
             check_fits(turn.prompt, self.n_ctx)
         sampling = self._sampling(turn.session.sampling, settings, sampling, grammar, logprobs)
@@ -312,7 +316,7 @@ class ChatEngine:
                 raise ValueError("nothing to regenerate: the conversation does not end with a reply")
             title = marked_title(session.title, "(regenerated)")
             branches = [self.fork(session, target.parent_id, title) for _ in range(n)]
-        turn = self._read_turn(branches[0].id, None, max_tokens)
+        turn = self._read_turn(branches[0].id, None, max_tokens, settings)
         sampling = self._sampling(session.sampling, settings, sampling)
         plan = self._plan(turn, None, max_tokens, branches, None, order=session.id)
         return branches, self._submit_turn(plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event,
@@ -339,9 +343,12 @@ class ChatEngine:
         return replace(sampling, grammar=grammar, logprobs=logprobs)
 
     def _submit(self, plan: Plan, sampling: SamplingParams, **job_args) -> Job:
-        """The plan's job on the scheduler (QueueFull when too many wait, RuntimeError once closed)."""
+        """The plan's job on the scheduler (QueueFull when too many wait, RuntimeError once closed); its
+        replies told apart into thinking and answer, but a raw text's continuation."""
+        thinking = None if job_args.get("continues_text") else partial(reply_splitter, self._cache.thinking,
+                                                                       self._model.tokenizer)  # fmt: skip
         job = Job(lambda: plan.prepare(job), finish=plan.finish, on_end=plan.ended, sampling=sampling,
-                  session_id=plan.session_id, **job_args)  # fmt: skip
+                  session_id=plan.session_id, thinking=thinking, **job_args)  # fmt: skip
         return self._scheduler.submit(job)
 
     def _submit_turn(self, plan: Plan, sampling: SamplingParams, **job_args) -> Job:
@@ -367,16 +374,18 @@ class ChatEngine:
         with self._turns_changed:
             self._turns_changed.wait_for(lambda: session_id not in self._turns)
 
-    def _read_turn(self, session_id: str, text: str | None, max_tokens: int) -> _Turn:
+    def _read_turn(self, session_id: str, text: str | None, max_tokens: int, settings: dict | None) -> _Turn:
         """The session's next turn: its conversation read, and rendered with the user's `text` (None: a
-        reply to its last message) into the prompt. When the conversation outgrows the window its oldest
-        turns go: room is left for the reply, which may use what the window has left."""
-        session = self._store.get_session(session_id)
+        reply to its last message) into the prompt, with the template's switches that the session's
+        settings and `settings` set. When the conversation outgrows the window its oldest turns go: room
+        is left for the reply, which may use what the window has left."""
+        session, settings = self._store.get_session(session_id), settings or {}
         messages = self._cache.messages(session)
         asked = messages + ([{"role": "user", "content": text}] if text is not None else [])
         budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
-        kept, prompt = fit_messages(self._model, asked, budget, tools=self.tools)
-        return _Turn(session, messages, prompt, len(kept) < len(asked))
+        variables = template_variables({**session.sampling, **settings})
+        kept, prompt = fit_messages(self._model, asked, budget, tools=self.tools, variables=variables)
+        return _Turn(session, messages, prompt, len(kept) < len(asked), settings)
 
     def _plan(
         self,
@@ -401,7 +410,7 @@ class ChatEngine:
             if (session.head_id, session.system_prompt) == (turn.session.head_id, turn.session.system_prompt):
                 turn = replace(turn, session=session)
             else:
-                turn = self._read_turn(session_id, text, max_tokens)
+                turn = self._read_turn(session_id, text, max_tokens, turn.settings)
             seq, info = self._cache.open(session, read, turn.prompt, turn.cut)
             job.remote = info.remote_read
             return turn.prompt, seq
@@ -445,7 +454,7 @@ class ChatEngine:
                 stored = self._store.get_session(stored.id)
         saved.session = stored
         self._cache.note_prefill(job.stats[alt])
-        conversation = [*turn.messages, *({"role": m.role, "content": m.content} for m in [*asked, reply])]
+        conversation = [*turn.messages, *(template_message(m, self._cache.thinking) for m in [*asked, reply])]
         try:
             # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
             complete = job.stats[alt].stop_reason != "cancelled"

@@ -88,9 +88,11 @@ def reply_stats(stats: GenerationStats) -> dict:
 
 
 def reply_message(job: Job, alt: int = 0) -> Message:
-    """Alternative `alt` of a job's replies, as it is stored."""
+    """Alternative `alt` of a job's replies, as it is stored: its answer, and its thinking apart."""
     stats = job.stats[alt]
-    return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), reply_stats(stats))
+    thinking = job.thinking(alt) or None
+    return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), reply_stats(stats), thinking)
+
 
 
 def make_session(

@@ -23,15 +23,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from llama_chat.inference import GenerationStats, KVSequence, Model, fit_messages, shift_to
-from llama_chat.inference.generate import prompt_text
 from llama_chat.inference.kv_cache import KVBlock
+from llama_chat.inference.prompt import prompt_text
+from llama_chat.inference.thinking import ThinkingFormat, thinking_format
 from llama_chat.storage.codec import checksum, decoded, encode_kv, kv_matches
 from llama_chat.storage.fetched import MAX_FETCHED_BYTES, Fetched
 from llama_chat.storage.records import StoredBlock, StoredTail
 from llama_chat.storage.remote import MovingAverage, RemoteTier
-from llama_chat.storage.store import ChatStore, Session
+from llama_chat.storage.store import ChatStore, Message, Session
 
 from .resume import RemoteRead, ResumeInfo, VerifyResult
+from .settings import template_variables
 
 KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_dim]
 
@@ -39,15 +41,17 @@ KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_d
 # -- the keys and digests KV is named by --------------------------------------------------------------
 
 
-def ids_digest(model: Model, messages: list[dict], budget: int, tools: list[dict] | None) -> bytes:
+def ids_digest(
+    model: Model, messages: list[dict], budget: int, tools: list[dict] | None, variables: dict | None = None
+) -> bytes:
     """What the token ids of a stored conversation are made from, digested: the text the template
-    renders of it (its messages and tools, and anything else the template writes, such as today's date),
+    renders of it (its messages, tools and variables, and anything else it writes, such as today's date),
     the window they must fit, the model (its fingerprint: weights and vocabulary size) and its tokenizer
     (its settings and the version of its encoding). Ids kept under another digest are never used."""
     meta = {k: v for k, v in model.metadata.items() if k.startswith("tokenizer.")}
     settings = sorted((k, len(v) if isinstance(v, list) else v) for k, v in meta.items())
     h = hashlib.sha256(repr([model.tokenizer.encoding_version, model.fingerprint, budget, settings]).encode())
-    h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools).encode())
+    h.update(prompt_text(model, messages, add_generation_prompt=False, tools=tools, variables=variables).encode())
     return h.digest()
 
 
@@ -75,6 +79,15 @@ def kv_salt(tenant: str | None, cache_key: str | None = None) -> bytes | None:
 def system_message(system_prompt: str | None) -> list[dict]:
     """A system prompt as the first message of a conversation, if there is one."""
     return [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+
+def template_message(message: Message, thinking: ThinkingFormat | None) -> dict:
+    """A stored message as a chat template reads it: a reply's thinking where the template looks for
+    it (it keeps or drops it, as its model was trained: Qwen3's keeps the last reply's only)."""
+    out = {"role": message.role, "content": message.content}
+    if message.reasoning and thinking is not None:
+        out[thinking.message_key] = message.reasoning
+    return out
 
 
 def _fits(tail: StoredTail | StoredBlock | None, want: Sequence[int]) -> int:
@@ -109,6 +122,7 @@ class SessionCache:
         self._prefill = MovingAverage()  # the model's prefill tok/s, measured: what `remote` must beat
         self._seqs: dict[str, KVSequence] = {}
         self.tools: list[dict] | None = None  # function definitions every session's prompt offers (MCP tools)
+        self.thinking = thinking_format(model.chat_template if model.has_chat_template else None)
         model.pool.attach_source(self)  # one source per pool: a second cache on this model is refused
 
     # -- the sessions open in RAM ------------------------------------------------------------------
@@ -149,13 +163,19 @@ class SessionCache:
     def messages(self, session: Session) -> list[dict]:
         """The stored conversation as the chat template wants it: system prompt, then the path to the head."""
         path = self._store.path(session.head_id)
-        return system_message(session.system_prompt) + [{"role": m.role, "content": m.content} for m in path]
+        return system_message(session.system_prompt) + [template_message(m, self.thinking) for m in path]
 
-    def stored_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def stored_ids(
+        self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None
+    ) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window (the context
-        less one, for the next reply), with the tools it offers (else those every session offers)."""
+        less one, for the next reply), with the tools it offers (else those every session offers),
+        rendered with the template's `variables`."""
         tools = self.tools if tools is None else tools
-        return fit_messages(self.model, messages, self.n_ctx - 1, add_generation_prompt=False, tools=tools)[1]
+        budget = self.n_ctx - 1
+        return fit_messages(
+            self.model, messages, budget, add_generation_prompt=False, tools=tools, variables=variables
+        )[1]
 
     def stored_conversation(
         self, session: Session, messages: list[dict] | None = None
@@ -166,11 +186,12 @@ class SessionCache:
         messages = self.messages(session) if messages is None else messages
         if not messages:  # a new session: nothing to tokenize, nor to keep (a template may not render none)
             return b"", [], True
-        digest = ids_digest(self.model, messages, self.n_ctx - 1, self.tools)
+        variables = template_variables(session.sampling)
+        digest = ids_digest(self.model, messages, self.n_ctx - 1, self.tools, variables)
         kept = self._tables.kept_ids(session.id)
         if kept is not None and kept[0] == ids_seal(digest, kept[1]):
             return digest, kept[1], True
-        return digest, self.stored_ids(messages), False
+        return digest, self.stored_ids(messages, variables=variables), False
 
     # -- bringing KV back --------------------------------------------------------------------------
 

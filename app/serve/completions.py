@@ -37,7 +37,8 @@ from .errors import (
     storage_failed,
     unavailable,
 )
-from .openai_api import CompletionRequest, Kept, Reply, finish_reason, parse_completion, token_logprobs
+from .openai_api import CompletionRequest, parse_completion
+from .openai_replies import Kept, Reply, finish_reason, token_logprobs
 from .state import ServerState
 from .transport import JobEvents, ended_or_gone, read_json, tenant_of
 
@@ -94,7 +95,8 @@ async def chat_completions(request: Request) -> Response:
     logprobs = None
     if req.logprobs is not None:
         logprobs = [token_logprobs(engine.model_info.tokenizer, s.logprobs) for s in job.stats]
-    body = reply.completion(texts, job.stats, kept, kv_remote(engine, job), calls, logprobs)
+    thinking = [job.thinking(i) for i in range(job.n)]
+    body = reply.completion(texts, job.stats, kept, kv_remote(engine, job), calls, logprobs, thinking)
     return JSONResponse(body, headers=headers)
 
 
@@ -290,11 +292,13 @@ async def whole(request: Request, job: JobView, events: JobEvents) -> Kept | Non
 
 class StreamShape(Protocol):
     """What a stream says at each point of its job: the chunks it opens with, those of each piece of
-    text an alternative made, and those it closes with once the job ended well."""
+    text (or of thinking) an alternative made, and those it closes with once the job ended well."""
 
     def opening(self) -> list[dict]: ...
 
     def text(self, alt: int, text: str) -> list[dict]: ...
+
+    def thinking(self, alt: int, text: str) -> list[dict]: ...
 
     def closing(self, kept: Kept) -> list[dict]: ...
 
@@ -308,8 +312,9 @@ def event_stream(job: JobView, events: JobEvents, shape: StreamShape, headers: d
             for chunk in shape.opening():
                 yield _data(chunk)
             async for event in events:
-                if event.kind == "text" and event.text:
-                    for chunk in shape.text(event.alt, event.text):
+                if event.kind in ("text", "thinking") and event.text:
+                    shown = shape.text if event.kind == "text" else shape.thinking
+                    for chunk in shown(event.alt, event.text):
                         yield _data(chunk)
             kept = await kept_where(job)
             failure = _failure(job, kept)
@@ -355,6 +360,10 @@ class _ChatStream:
     def text(self, alt: int, text: str) -> list[dict]:
         splitter = self.splitters[alt]
         return self._deltas(alt, [Delta(text)] if splitter is None else splitter.feed(text))
+
+    def thinking(self, alt: int, text: str) -> list[dict]:
+        """As llama.cpp's server streams it (--reasoning-format deepseek): reasoning_content deltas."""
+        return [self.reply.chunk(alt, {"reasoning_content": text}, **self.more(alt))]
 
     def closing(self, kept: Kept) -> list[dict]:
         out = []

@@ -24,19 +24,8 @@ from ..chat.replies import PromptTooLong
 from ..chat.settings import SAMPLING
 from .completions import event_stream, kv_remote, refuse_when_full, submitted, whole
 from .errors import context_length_exceeded, invalid
-from .openai_api import (
-    Kept,
-    Reply,
-    check_fields,
-    finish_reason,
-    flag,
-    model_of,
-    number,
-    read_generation,
-    text_field,
-    unicode_text,
-    usage,
-)
+from .openai_api import check_fields, flag, model_of, number, read_generation, text_field, unicode_text
+from .openai_replies import Kept, Reply, finish_reason, usage
 from .state import ServerState
 from .transport import JobEvents, read_json, tenant_of
 
@@ -180,6 +169,9 @@ class _TextStream:
         if not self.echo:
             return []
         return [self.reply.text_chunk([self.reply.choice(i, self.echo, None)]) for i in range(self.job.n)]
+
+    def thinking(self, alt: int, text: str) -> list[dict]:
+        return []  # a raw prompt's continuation is never told apart
 
     def text(self, alt: int, text: str) -> list[dict]:
         return [self.reply.text_chunk([self.reply.choice(alt, text, self._logprobs(alt))])]

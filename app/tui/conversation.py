@@ -16,7 +16,8 @@ NEW_CHAT_HINT = "A new chat: it is saved as you go. Ctrl+O forks it, F1 lists ev
 
 
 def message_view(message: Message) -> MessageView:
-    return MessageView(message.role, message.content, message, note="stopped" if message.stopped else "")
+    note = "stopped" if message.stopped else ""
+    return MessageView(message.role, message.content, message, note=note, thinking=message.reasoning or "")
 
 
 def system_line(system_prompt: str | None) -> list[Static]:

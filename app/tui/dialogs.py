@@ -135,7 +135,8 @@ class SettingsScreen(Dialog):
                     yield Label(setting.label)
                     yield Input(
                         "" if value is None else str(value),
-                        type="integer" if setting.kind is int else "number",
+                        type={int: "integer", float: "number"}.get(setting.kind, "text"),
+                        placeholder=" / ".join(setting.choices),
                         id=setting.key,
                         compact=True,
                     )
@@ -161,7 +162,7 @@ class SettingsScreen(Dialog):
                 value = setting.parse(text) if text else None
                 # a default left as it is stays a default: it follows the model of the reply
                 if value is not None and (
-                    value != self.defaults[setting.key] or setting.key in self.sampling
+                    value != self.defaults.get(setting.key) or setting.key in self.sampling
                 ):
                     sampling[setting.key] = value
         except SettingError as e:

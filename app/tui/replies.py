@@ -274,6 +274,8 @@ class ReplyFlow:
                 events = list(events)
                 if kind == "text":
                     await self.show_text(reply, "".join(e.text for e in events if e.alt == 0))
+                elif kind == "thinking":
+                    await self.show_text(reply, "".join(e.text for e in events if e.alt == 0), thinking=True)
                 elif kind == "prefill":
                     self.show_prefill(reply, events[-1])
                 elif kind == "end":
@@ -285,7 +287,7 @@ class ReplyFlow:
         if event.done >= event.total:
             self.chat.status.progress(work_label(reply))
 
-    async def show_text(self, reply: Reply, text: str) -> None:
+    async def show_text(self, reply: Reply, text: str, thinking: bool = False) -> None:
         view = reply.view
         if not text or view is None:  # (alternatives show when all are written)
             return
@@ -295,7 +297,7 @@ class ReplyFlow:
             self.chat.status.set(work=REPLYING)
         stats = reply.job.stats[0]
         self.chat.show_context(stats.prompt_tokens + stats.generated_tokens)
-        await view.append(text)
+        await (view.append_thinking(text) if thinking else view.append(text))
 
     async def reply_ended(self, reply: Reply) -> None:
         """The job ended: what it made is stored (also when stopped, and as far as it got when it failed)."""

@@ -28,13 +28,15 @@ AUTHORS = {"user": "you", "assistant": "assistant"}
 
 class MessageView(Vertical, can_focus=True):
     """A message of the conversation as it was written (message_text.py): Markdown, each attached file
-    folded with its name and size; focus it (↑ from the input) to act on it."""
+    folded with its name and size, a reply's thinking folded above its answer; focus it (↑ from the
+    input) to act on it."""
 
     BINDINGS = [
         # a tooltip puts the action in the command palette, where it acts on the selected (or last) message
         Binding("e", "edit", "Edit", id="edit_message", tooltip="Edit a message of yours, in a new branch"),
         Binding("c", "copy", "Copy", id="copy_message", tooltip="Copy the message"),
         Binding("y", "copy_code", "Copy code", id="copy_code", tooltip="Copy a code block (again: the next)"),
+        Binding("t", "thinking", "Thinking", id="show_thinking", tooltip="Unfold (or fold) a reply's thinking"),
         Binding("up,k", "step(-1)", "Previous", id="previous_message", show=False),
         Binding("down,j", "step(1)", "Next", id="next_message", show=False),
     ]
@@ -44,10 +46,13 @@ class MessageView(Vertical, can_focus=True):
             super().__init__()
             self.view = view
 
-    def __init__(self, role: str, content: str = "", message: Message | None = None, note: str = ""):
+    def __init__(
+        self, role: str, content: str = "", message: Message | None = None, note: str = "", thinking: str = ""
+    ):
         super().__init__(classes=role)
         self.role = role
         self.content = content
+        self.thinking = thinking
         self.message = message  # None until it is stored (a reply being streamed)
         self.note = note
         self._stream = None
@@ -55,6 +60,8 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._heading(), classes="author", markup=False)
+        if self.thinking:
+            yield thinking_fold(self.thinking)
         for name, text in parts(self.content) or [(None, "")]:
             if name is None:
                 yield Markdown(fenced(text), parser_factory=markdown_parser)
@@ -76,6 +83,14 @@ class MessageView(Vertical, can_focus=True):
             self._stream = Markdown.get_stream(self.query(Markdown).last())
         self.content += text
         await self._stream.write(text)
+
+    async def append_thinking(self, text: str) -> None:
+        """Add streamed thinking, to its fold (made when the first of it comes)."""
+        self.thinking += text
+        if self.query(".thinking"):
+            self.query_one(".thinking-text", Static).update(self.thinking)
+        else:
+            await self.mount(thinking_fold(self.thinking), after=self.query_one(".author"))
 
     async def finish(self) -> None:
         """The reply is written: drawn again whole, its code written without a fence fenced."""
@@ -107,6 +122,14 @@ class MessageView(Vertical, can_focus=True):
         self.app.copy_to_clipboard(blocks[i])
         self.notify(f"Copied code block {i + 1} of {len(blocks)}")
 
+    def action_thinking(self) -> None:
+        folds = self.query(".thinking")
+        if not folds:
+            self.notify("This message has no thinking", severity="warning")
+            return
+        fold = folds.first(Collapsible)
+        fold.collapsed = not fold.collapsed
+
     def action_step(self, delta: int) -> None:
         views = list(self.parent.query_children(MessageView)) if self.parent else []
         i = views.index(self) + delta
@@ -115,6 +138,11 @@ class MessageView(Vertical, can_focus=True):
             views[i].scroll_visible()
         elif delta > 0:
             self.screen.query_one(ChatInput).focus()
+
+
+def thinking_fold(text: str) -> Collapsible:
+    """A reply's thinking, folded: its text as written (no Markdown: it is notes, not the answer)."""
+    return Collapsible(Static(text, markup=False, classes="thinking-text"), title="thinking", classes="thinking")
 
 
 class ChatInput(TextArea):

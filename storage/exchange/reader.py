@@ -248,6 +248,8 @@ def _parse(path: Path, size: int, manifest: dict, data: _Section, progress: Prog
         if role not in ROLES:
             raise _Invalid(f"{where}.role is {role[:20]!r}, not one of {', '.join(ROLES)}")
         stats = _get(m, "stats", "object", where, optional=True)
+        # a reply's thinking: absent from files of a version before it was kept apart
+        reasoning = _get(m, "reasoning", "text", where, optional=True) if "reasoning" in m else None
         messages.append(
             Message(
                 mid,
@@ -257,6 +259,7 @@ def _parse(path: Path, size: int, manifest: dict, data: _Section, progress: Prog
                 _get(m, "token_ids", "token list", where, optional=True),
                 _get(m, "created", "number", where),
                 stats,
+                reasoning,
             )
         )
         ids.add(mid)
