@@ -8,7 +8,7 @@ Runs, in this order (each in a process of its own, its JSON taken from its last 
 compare_llamacpp.py on the default model (`compare`), roofline.py from that run (`roofline`: the
 machine's limits and each engine's fraction of them), compare_llamacpp.py on the synthetic 7B
 (`compare_7b`: no turn, no code edit; benchmarks/synthetic_model.py writes it, ~10 GB of RAM while it
-runs), roofline.py from that (`roofline_7b`) and `llama-chat bench --json` (`bench`). `--from-json
+runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`) and `llama-chat bench --json` (`bench`). `--from-json
 NAME=FILE` reads a source's output (a saved run, or the whole stdout of the script) instead of running
 it; `--skip NAME` leaves a source out, and its rows with it. `--save-json DIR` keeps every source's
 JSON, so the page can be written again from them with `--from-json`.
