@@ -2,7 +2,7 @@
 
     python benchmarks/figures.py [--llamacpp ISA=PYTHON ...] [--rounds 3] [--rounds-7b 1]
         [--model-7b PATH] [--skip NAME ...] [--from-json NAME=FILE ...] [--save-json DIR]
-        [--out docs/figures.md] [--readme README.md]
+        [--note TEXT] [--out docs/figures.md] [--readme README.md]
 
 Runs, in this order (each in a process of its own, its JSON taken from its last line):
 compare_llamacpp.py on the default model (`compare`), roofline.py from that run (`roofline`: the
@@ -134,6 +134,7 @@ def main() -> int:
         "--from-json", action="append", default=[], metavar="NAME=FILE", help="a source's output"
     )
     parser.add_argument("--save-json", type=Path, help="a folder to keep every source's output in")
+    parser.add_argument("--note", default="", help="a sentence on the run for the page (e.g. the load)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "figures.md")
     parser.add_argument(
         "--readme", type=Path, default=ROOT / "README.md", help="whose figures block to rewrite"
@@ -156,7 +157,7 @@ def main() -> int:
         folder = args.save_json or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         inputs = collect(args, folder)
-    inputs["machine"] = info
+    inputs["machine"] = {**info, "note": args.note}
     command = "python benchmarks/figures.py " + " ".join(sys.argv[1:])
     args.out.write_text(figures_page(inputs, command.strip()))
     readme = args.readme.read_text()

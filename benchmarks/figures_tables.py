@@ -307,7 +307,7 @@ def figures_page(inputs: dict, command: str) -> str:
     parts = [
         "# Figures",
         "Written by `benchmarks/figures.py` (do not edit: run it again). "
-        f"Machine: {machine_line(machine)}. The command: `{command}`.",
+        f"Machine: {machine_line(machine)}. The command: `{command}`. {machine.get('note', '')}".strip(),
         "The machine is shared with other work: each figure is the best of a few alternating rounds (see "
         "each script's docstring), and figures move between runs. Compare the columns of one run; ratios to "
         "llama.cpp move from machine to machine, fractions of the machine's own limits carry over "
