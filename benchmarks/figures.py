@@ -8,10 +8,11 @@ Runs, in this order (each in a process of its own, its JSON taken from its last 
 compare_llamacpp.py on the default model (`compare`), roofline.py from that run (`roofline`: the
 machine's limits and each engine's fraction of them), compare_llamacpp.py on the synthetic 7B
 (`compare_7b`: no turn, no code edit; benchmarks/synthetic_model.py writes it, ~10 GB of RAM while it
-runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`) and `llama-chat bench --json` (`bench`). `--from-json
-NAME=FILE` reads a source's output (a saved run, or the whole stdout of the script) instead of running
-it; `--skip NAME` leaves a source out, and its rows with it. `--save-json DIR` keeps every source's
-JSON, so the page can be written again from them with `--from-json`.
+runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`) and `llama-chat bench
+--json` (`bench`). `--from-json NAME=FILE` reads a source's output (a saved run, or the whole stdout of
+the script) instead of running it; `--skip NAME` leaves a source out, and its rows with it.
+`--save-json DIR` keeps every source's JSON, so the page can be written again from them with
+`--from-json`.
 
 Then writes --out (the CPU, the date and the commit above the tables) and rewrites the README between
 its `<!-- figures:begin -->` and `<!-- figures:end -->` lines with the headline rows, made by the same
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -158,7 +160,8 @@ def main() -> int:
         folder.mkdir(parents=True, exist_ok=True)
         inputs = collect(args, folder)
     inputs["machine"] = {**info, "note": args.note}
-    command = "python benchmarks/figures.py " + " ".join(sys.argv[1:])
+    shown = [a for a in sys.argv[1:] if a not in (args.note, "--note") and not a.startswith("--note=")]
+    command = shlex.join(["python", "benchmarks/figures.py", *shown])
     args.out.write_text(figures_page(inputs, command.strip()))
     readme = args.readme.read_text()
     args.readme.write_text(replace_block(readme, readme_block(inputs)))
