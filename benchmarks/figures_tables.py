@@ -294,8 +294,8 @@ def readme_block(inputs: dict) -> str:
         [
             f"From [docs/figures.md](docs/figures.md), which `benchmarks/figures.py` writes: "
             f"{machine_line(machine)}. Two figures in a cell are {isas or 'the ISAs measured'}; "
-            "the machine is "
-            "shared, so each figure is the best of a few rounds and moves between runs.",
+            "the machine is shared, so each figure is the best of a few rounds and moves between runs. "
+            f"{machine.get('note', '')}".strip(),
             table(("what", "llama-chat", "llama.cpp", "llama-chat / llama.cpp"), headline_rows(inputs)),
         ]
     )
