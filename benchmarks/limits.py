@@ -34,8 +34,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 import llama_chat.inference.jit  # noqa: F401  numba compiles for the profile cpu.py read, as the kernels do
+from llama_chat.inference.byte_vectors import _byte_dot
 from llama_chat.inference.cpu import PROFILE
-from llama_chat.inference.vectors import _byte_dot, _data, _splat
+from llama_chat.inference.vectors import _data, _splat
 
 # Independent sums in flight per thread: more than latency × issue rate of a multiply-add (4 × 2) or
 # of vpmaddubsw + vpmaddwd + add (11 × 1 per chain) on the cores we know, and few enough to stay in
