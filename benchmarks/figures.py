@@ -2,16 +2,17 @@
 
     python benchmarks/figures.py [--llamacpp ISA=PYTHON ...] [--rounds 3] [--rounds-7b 1]
         [--model-7b PATH] [--skip NAME ...] [--from-json NAME=FILE ...] [--save-json DIR]
-        [--out docs/figures.md] [--readme README.md]
+        [--note TEXT] [--out docs/figures.md] [--readme README.md]
 
 Runs, in this order (each in a process of its own, its JSON taken from its last line):
 compare_llamacpp.py on the default model (`compare`), roofline.py from that run (`roofline`: the
 machine's limits and each engine's fraction of them), compare_llamacpp.py on the synthetic 7B
 (`compare_7b`: no turn, no code edit; benchmarks/synthetic_model.py writes it, ~10 GB of RAM while it
-runs), roofline.py from that (`roofline_7b`) and `llama-chat bench --json` (`bench`). `--from-json
-NAME=FILE` reads a source's output (a saved run, or the whole stdout of the script) instead of running
-it; `--skip NAME` leaves a source out, and its rows with it. `--save-json DIR` keeps every source's
-JSON, so the page can be written again from them with `--from-json`.
+runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`) and `llama-chat bench
+--json` (`bench`). `--from-json NAME=FILE` reads a source's output (a saved run, or the whole stdout of
+the script) instead of running it; `--skip NAME` leaves a source out, and its rows with it.
+`--save-json DIR` keeps every source's JSON, so the page can be written again from them with
+`--from-json`.
 
 Then writes --out (the CPU, the date and the commit above the tables) and rewrites the README between
 its `<!-- figures:begin -->` and `<!-- figures:end -->` lines with the headline rows, made by the same
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -134,6 +136,7 @@ def main() -> int:
         "--from-json", action="append", default=[], metavar="NAME=FILE", help="a source's output"
     )
     parser.add_argument("--save-json", type=Path, help="a folder to keep every source's output in")
+    parser.add_argument("--note", default="", help="a sentence on the run for the page (e.g. the load)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "figures.md")
     parser.add_argument(
         "--readme", type=Path, default=ROOT / "README.md", help="whose figures block to rewrite"
@@ -156,8 +159,9 @@ def main() -> int:
         folder = args.save_json or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         inputs = collect(args, folder)
-    inputs["machine"] = info
-    command = "python benchmarks/figures.py " + " ".join(sys.argv[1:])
+    inputs["machine"] = {**info, "note": args.note}
+    shown = [a for a in sys.argv[1:] if a not in (args.note, "--note") and not a.startswith("--note=")]
+    command = shlex.join(["python", "benchmarks/figures.py", *shown])
     args.out.write_text(figures_page(inputs, command.strip()))
     readme = args.readme.read_text()
     args.readme.write_text(replace_block(readme, readme_block(inputs)))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from limits import on_threads
+
 ISA_NAMES = {"native": "native", "avx2": "AVX2"}
 MODEL_NAMES = {"compare": "0.5B", "compare_7b": "7B"}
 
@@ -218,30 +220,25 @@ def compare_section(name: str, compare: dict, machine: dict) -> str:
 
 
 def limits_section(roofline: dict, machine: dict) -> str:
-    isas = isas_of(roofline)
-    limits = roofline["limits"]
-    rows = [
-        (
-            "read bandwidth from RAM, 1 thread / " + f"{roofline['threads']} threads",
-            joined([roofline["bandwidth_1_thread_gb_s"], roofline["bandwidth_gb_s"]], "GB/s"),
-        ),
-        *(
-            (
-                f"{ISA_NAMES[isa]} ({limits[isa]['isa']}): float32 multiply-add, "
-                f"1 / {roofline['threads']} threads",
-                joined([limits[isa].get("fma_gflop_s_1_thread"), limits[isa]["fma_gflop_s"]], "GFLOP/s"),
+    """Each limit on 1 thread and on the engines' threads; the fractions take the higher."""
+    n, limits = roofline["threads"], roofline["limits"]
+
+    def both(figures: dict, key: str, unit: str) -> str:
+        return joined([figures.get(on_threads(key, 1)), figures.get(on_threads(key, n))], unit)
+
+    rows = [(f"read bandwidth from RAM, 1 / {n} threads", both(roofline, "bandwidth_gb_s", "GB/s"))]
+    for key, what, unit in (
+        ("fma_gflop_s", "float32 multiply-add", "GFLOP/s"),
+        ("int8_gop_s", "8-bit dot product", "GOP/s"),
+    ):
+        for isa in isas_of(roofline):
+            how = f" ({limits[isa]['byte_dot']})" if key == "int8_gop_s" else ""
+            rows.append(
+                (
+                    f"{ISA_NAMES[isa]} ({limits[isa]['isa']}): {what}{how}, 1 / {n} threads",
+                    both(limits[isa], key, unit),
+                )
             )
-            for isa in isas
-        ),
-        *(
-            (
-                f"{ISA_NAMES[isa]} ({limits[isa]['isa']}): 8-bit dot product ({limits[isa]['byte_dot']}), "
-                f"1 / {roofline['threads']} threads",
-                joined([limits[isa].get("int8_gop_s_1_thread"), limits[isa]["int8_gop_s"]], "GOP/s"),
-            )
-            for isa in isas
-        ),
-    ]
     return table(("limit", "figure"), rows)
 
 
@@ -297,8 +294,8 @@ def readme_block(inputs: dict) -> str:
         [
             f"From [docs/figures.md](docs/figures.md), which `benchmarks/figures.py` writes: "
             f"{machine_line(machine)}. Two figures in a cell are {isas or 'the ISAs measured'}; "
-            "the machine is "
-            "shared, so each figure is the best of a few rounds and moves between runs.",
+            "the machine is shared, so each figure is the best of a few rounds and moves between runs. "
+            f"{machine.get('note', '')}".strip(),
             table(("what", "llama-chat", "llama.cpp", "llama-chat / llama.cpp"), headline_rows(inputs)),
         ]
     )
@@ -310,7 +307,7 @@ def figures_page(inputs: dict, command: str) -> str:
     parts = [
         "# Figures",
         "Written by `benchmarks/figures.py` (do not edit: run it again). "
-        f"Machine: {machine_line(machine)}. The command: `{command}`.",
+        f"Machine: {machine_line(machine)}. The command: `{command}`. {machine.get('note', '')}".strip(),
         "The machine is shared with other work: each figure is the best of a few alternating rounds (see "
         "each script's docstring), and figures move between runs. Compare the columns of one run; ratios to "
         "llama.cpp move from machine to machine, fractions of the machine's own limits carry over "

@@ -3,7 +3,7 @@ against the peak rate of the instructions that multiply.
 
     python benchmarks/roofline.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--llamacpp ISA=PYTHON ...] [--prefill-long 512] [--decode-tokens 16] [--activations f32|q8]
-        [--from-compare FILE] [--limits FILE]
+        [--from-compare FILE] [--limits FILE ...]
 
 A ratio to llama.cpp moves from machine to machine; the fraction of the machine's limits each engine
 reaches is what carries over. Three parts:
@@ -24,7 +24,11 @@ reaches is what carries over. Three parts:
   llama.cpp, which always quantizes its inputs to bytes.
 
 Prints a table per ISA, then one JSON object on the last line (the first ISA's fractions at the top,
-every ISA's under its name; --limits FILE reuses the limits of an earlier run's JSON).
+every ISA's under its name). `--limits FILE` takes the limits from an earlier run's JSON instead of
+measuring them (figures.py hands the first model's to the second's, so both use the same); with
+several files, each limit is the best of theirs: a limit is what the machine can do, and other work
+on a shared machine only ever lowers what a measurement sees. A fraction above 1 says the limits were
+measured in a busier moment than the engines.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ from pathlib import Path
 
 from compare_llamacpp import add_engine_options, compare, engine_profiles, make_spec
 from isa import ISAS, cpu_name, our_env
+from limits import on_threads
 
 from llama_chat.inference import resolve_model
 from llama_chat.inference.weights import Prepared, model_info
 
 LIMITS = Path(__file__).with_name("limits.py")
 KV_BYTES = 2  # the float16 KV cache, both engines' default
+HEADLINE_ENDINGS = ("_of_bandwidth", "_of_compute")
 # The first ISA's fractions, at the top of the JSON (None where that engine was not measured).
 HEADLINE = (
     "ours_decode_fraction_of_bandwidth",
@@ -67,6 +73,18 @@ def read_output(parser: argparse.ArgumentParser, file: str, *keys: str) -> dict:
     if missing:
         parser.error(f"{file}: its JSON has no {', '.join(missing)}")
     return result
+
+
+def best_limits(runs: list[dict]) -> dict:
+    """{isa: limits} with each figure the highest of the runs' (the runs: {isa: limits.py's result})."""
+    best: dict = {}
+    for run in runs:
+        for isa, limits in run.items():
+            mine = best.setdefault(isa, {})
+            for key, value in limits.items():
+                keep = isinstance(value, float) and isinstance(mine.get(key), float)
+                mine[key] = max(mine[key], value) if keep else mine.get(key, value)
+    return best
 
 
 def measure_limits(isas: list[str], threads: int) -> dict:
@@ -152,8 +170,9 @@ def fractions(measured: dict, limits: dict, bandwidth_gb_s: float, needs: dict, 
 def print_report(result: dict, isas: list[str]) -> None:
     gb = result["decode_bytes_per_token"] / 1e9
     print(
-        f"machine: {result['cpu']}; read bandwidth {result['bandwidth_1_thread_gb_s']} GB/s (1 thread), "
-        f"{result['bandwidth_gb_s']} GB/s ({result['threads']} threads)"
+        f"machine: {result['cpu']}; read bandwidth {result['bandwidth_gb_s_1_thread']} GB/s (1 thread), "
+        f"{result[on_threads('bandwidth_gb_s', result['threads'])]} GB/s ({result['threads']} threads): "
+        f"the limit {result['bandwidth_gb_s']} GB/s"
     )
     print(
         f"model: {Path(result['model']).name}: a decoded token reads {gb:.3f} GB (weights "
@@ -177,6 +196,8 @@ def print_report(result: dict, isas: list[str]) -> None:
         ):
             cells = [row.get(f"{engine}_{key}", "–") for engine in ("ours", "llamacpp")]
             print(f"{name:30}{cells[0]:>12}{cells[1]:>12}")
+        if any(isinstance(v, float) and v > 1 for k, v in row.items() if k.endswith(HEADLINE_ENDINGS)):
+            print("a fraction above 1: the limits were measured in a busier moment than that engine")
 
 
 def engines(args, path: str, profiles: dict) -> dict:
@@ -199,7 +220,11 @@ def main() -> int:
         "--from-compare", metavar="FILE", help="compare_llamacpp.py's output, instead of running it"
     )
     parser.add_argument(
-        "--limits", metavar="FILE", help="an earlier roofline.py output whose limits to reuse"
+        "--limits",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an earlier roofline.py output whose limits to use (repeatable: the best of each)",
     )
     args = parser.parse_args()
     if args.from_compare:
@@ -209,10 +234,10 @@ def main() -> int:
         measured = engines(args, str(resolve_model(args.model)), engine_profiles(parser, args))
     isas = [key for key in measured if key in ISAS]  # those measured, in their order
     threads = measured["threads"]
-    if args.limits:
-        limits = read_output(parser, args.limits, "limits")["limits"]
-    else:
-        limits = measure_limits(isas, threads)
+    earlier = [read_output(parser, file, "limits")["limits"] for file in args.limits]
+    limits = best_limits(earlier) if earlier else measure_limits(isas, threads)
+    if missing := [isa for isa in isas if isa not in limits]:
+        parser.error(f"no limits for {', '.join(missing)} in {', '.join(args.limits)}")
     first = limits[isas[0]]
     info = model_info(Path(measured["model"]))
     result = {
@@ -220,8 +245,7 @@ def main() -> int:
         "cpu": cpu_name(),
         "threads": threads,
         "activations": measured["activations"],
-        "bandwidth_gb_s": first["bandwidth_gb_s"],
-        "bandwidth_1_thread_gb_s": first["bandwidth_1_thread_gb_s"],
+        **{key: value for key, value in first.items() if key.startswith("bandwidth_gb_s")},
         **model_needs(info, measured["prefill_long"], measured["decode_tokens"]),
         "limits": limits,
     }

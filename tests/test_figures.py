@@ -52,13 +52,21 @@ COMPARE = {
         "turn_ratio": 0.76,
     },
 }
-LIMITS = {"isa": "AVX-512", "byte_dot": "vnni", "fma_gflop_s": 180.0, "int8_gop_s": 700.0}
+LIMITS = {
+    "isa": "AVX-512",
+    "byte_dot": "vnni",
+    "fma_gflop_s_1_thread": 95.0,
+    "fma_gflop_s_2_threads": 180.0,
+    "fma_gflop_s": 180.0,
+    "int8_gop_s": 700.0,
+}
 ROOFLINE = {
     "model": COMPARE["model"],
     "threads": 2,
     "activations": "f32",
     "bandwidth_gb_s": 24.7,
-    "bandwidth_1_thread_gb_s": 23.9,
+    "bandwidth_gb_s_1_thread": 23.9,
+    "bandwidth_gb_s_2_threads": 24.7,
     "decode_bytes_per_token": 398_249_472,
     "decode_context": 520,
     "prefill_ops_per_token": 738_248_000,
@@ -104,7 +112,8 @@ def test_the_roofline_rows_give_each_engines_fraction_and_a_missing_one_as_a_das
     page = figures_tables.figures_page(INPUTS, "")
     decode = next(row for row in rows_of(page) if "decode, fraction of the read bandwidth" in row)
     assert decode.endswith("| 0.36 / 0.34 | 0.26 / – |")
-    assert "| read bandwidth from RAM, 1 thread / 2 threads | 23.9 / 24.7 GB/s |" in page
+    assert "| read bandwidth from RAM, 1 / 2 threads | 23.9 / 24.7 GB/s |" in page
+    assert "| native (AVX-512): float32 multiply-add, 1 / 2 threads | 95.0 / 180 GFLOP/s |" in page
 
 
 def test_a_missing_source_leaves_its_section_out():
@@ -200,3 +209,13 @@ def test_roofline_counts_the_bytes_a_token_reads_and_the_operations_it_does(tiny
         t.shape[0] * t.shape[1] for n, t in info.tensors.items() if n.startswith("blk.") and len(t.shape) == 2
     )
     assert needs["prefill_ops_per_token"] > 2 * per_layer_weights
+
+
+def test_each_limit_is_the_best_of_the_runs_measuring_it():
+    """Other work on a shared machine only lowers what a measurement of a limit sees."""
+    import roofline
+
+    busy = {"native": {"isa": "AVX-512", "bandwidth_gb_s": 4.4, "fma_gflop_s": 58.3, "threads": 2}}
+    quiet = {"native": {"isa": "AVX-512", "bandwidth_gb_s": 19.5, "fma_gflop_s": 51.0, "threads": 2}}
+    best = roofline.best_limits([busy, quiet])["native"]
+    assert (best["bandwidth_gb_s"], best["fma_gflop_s"], best["isa"]) == (19.5, 58.3, "AVX-512")
