@@ -63,6 +63,11 @@ class Weights:
     rope_freqs: np.ndarray | None = None  # [hd/2] per-frequency factors (llama 3)
     activations: str = "f32"  # what its products take their inputs as (kernels.ACTIVATIONS)
 
+    def matrices(self) -> list[PackedMatrix | StackedMatrix]:
+        """Every weight matrix the forward pass multiplies."""
+        kinds = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
+        return [self.output, *(getattr(layer, kind) for layer in self.layers for kind in kinds)]
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # x [..., n]; mean over the last axis in float32 (np.float32 eps keeps NumPy from promoting), as

@@ -324,7 +324,7 @@ def compile_kernels(progress=None, matrices=None, activations: str = "f32") -> f
     (compile_attention). Returns the seconds it took."""
     t0 = time.perf_counter()
     steps = _compile_steps(matrices, activations)
-    cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
+    cached = all(in_cache(k) for k in kernels.COMPILED)
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     for i, (what, compile_one) in enumerate(steps):
         if progress:
@@ -358,8 +358,8 @@ def _kinds(matrices) -> list[tuple[str, Q]]:
 
 def _compile_steps(matrices, activations: str = "f32") -> list[tuple[str, Callable[[], object]]]:
     kinds = _kinds(matrices)
-    steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
-    steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
+    # (the unpacking loops compile where a model is packed, on its first start only)
+    steps = [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
     if activations != "f32":
         steps += [("inputs as bytes", kernels.compile_quantize)]
         steps += [
