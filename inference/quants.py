@@ -360,12 +360,12 @@ def _compile_steps(matrices, activations: str = "f32") -> list[tuple[str, Callab
     kinds = _kinds(matrices)
     # (the unpacking loops compile where a model is packed, on its first start only)
     steps = [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    if activations != "f32":
+    if activations != "f32":  # ("mixed" too: its products of bytes are q8's)
         steps += [("inputs as bytes", kernels.compile_quantize)]
         steps += [
-            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations=activations))
+            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations="q8"))
             for what, qtype in kinds
-            if kernels.takes_bytes(_example(qtype, activations=activations))
+            if kernels.takes_bytes(_example(qtype, activations="q8"))
         ]
     if matrices is None:
         steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]

@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from . import k_quants, kernels, packed_file, quants
+from .activations import inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig
 from .errors import ModelError
@@ -255,7 +256,9 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     else:
         matrices = dict(pack_all())
     if info.activations != "f32":
-        matrices = {name: replace(m, activations=info.activations) for name, m in matrices.items()}
+        matrices = {
+            name: replace(m, activations=inputs_of(info.activations, name)) for name, m in matrices.items()
+        }
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(
