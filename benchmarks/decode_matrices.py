@@ -102,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a GGUF path (default: the default model)")
     parser.add_argument("--tokens", type=int, default=12)
-    parser.add_argument("--activations", choices=("f32", "q8"), default="f32")
+    parser.add_argument("--activations", choices=("f32", "q8", "mixed"), default="f32")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = measure(args.model, args.tokens, args.activations)
