@@ -71,12 +71,23 @@ class Prepared:
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
         """The GGUF types of each matrix the kernels multiply (q/k/v and gate/up each one matrix of
         their parts' types): what the kernels must be compiled for."""
+        return sorted({formats for formats, _ in self.matrix_kinds})
+
+    @property
+    def matrix_kinds(self) -> list[tuple[tuple[gguf.GGMLQuantizationType, ...], str]]:
+        """matrix_formats, each with what its matrix's products take as inputs ("f32" or "q8") under the
+        model's activations (activations.inputs_of): the kernels a first start compiles."""
         matrices: dict[str, set] = {}
         for name, t in self.tensors.items():
             if len(t.shape) == 2:
                 prefix, _, part = name.removesuffix(".weight").rpartition(".")
+                if name == "token_embd.weight" and "output.weight" not in self.tensors:
+                    part = "output"  # the output matrix is the embedding table
                 matrices.setdefault(f"{prefix}.{FUSED.get(part, part)}", set()).add(t.type_name)
-        return sorted({tuple(gguf.GGMLQuantizationType[n] for n in sorted(names)) for names in matrices.values()})
+        return sorted({
+            (tuple(gguf.GGMLQuantizationType[n] for n in sorted(names)), inputs_of(self.activations, name))
+            for name, names in matrices.items()
+        })
 
     @property
     def fingerprint(self) -> str:
@@ -233,7 +244,8 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
     and one for gate/up."""
     path, cfg = info.path, info.config
-    quants.compile_kernels(progress, info.matrix_formats, info.activations)
+    kinds = info.matrix_kinds
+    quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
     gguf_file = GGUFTensors(info)
     plan = matrix_plan(info)
     for _, parts, shapes in plan:  # every tensor there, of its shape and a known type, before any is packed

@@ -370,10 +370,16 @@ def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkey
 
 def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkeypatch):
     """--activations q8: the byte kernels of the model's kinds of matrix and both quantizing loops are
-    compiled (or loaded) with the rest, as steps of the progress, so no reply waits on the compiler."""
+    compiled (or loaded), as steps of the progress, so no reply waits on the compiler; not the float32
+    kernels, which none of its matrices takes. Under mixed, what each matrix takes: float32 for one
+    (a Q4_K ffn_down), bytes for the other (a Q5_0 attn_qkv)."""
     monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
     seen = []
     quants.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
     steps = [label.split(": ")[-1] for label in seen[:-1]]
     kinds = ["integer weights", "Q4_K weights"]
-    assert steps == [*kinds, "inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
+    assert steps == ["inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
+    seen.clear()
+    quants.compile_kernels(lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"])
+    steps = [label.split(": ")[-1] for label in seen[:-1]]
+    assert steps == ["Q4_K weights", "inputs as bytes", "integer weights, inputs as bytes"]
