@@ -93,15 +93,20 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
     )
 
 
-def positive(text: str) -> int:
-    """argparse's `type` for a count that must be 1 or more."""
+def positive(text: str, least: int = 1) -> int:
+    """argparse's `type` for a count that must be 1 (`least`) or more."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more")
     return value
+
+
+def natural(text: str) -> int:
+    """argparse's `type` for a count that may be 0."""
+    return positive(text, 0)
 
 
 def codecs() -> tuple[str, ...]:
@@ -115,11 +120,14 @@ def add_threads_option(parser, default=None) -> None:
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    """The flags of a reply, one per setting of chat/settings.py. A flag not given is None: a stored
-    session keeps its own settings."""
+    """The flags of a reply, one per setting of chat/settings.py (a flag not given is None: a stored
+    session keeps its own settings), and whether its thinking is shown."""
     from .chat.settings import REPLY_MAX_TOKENS, REPLY_SETTINGS
 
     parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument(
+        "--show-thinking", action="store_true", help="a thinking model's thinking on stderr (else not shown)"
+    )
     for setting in REPLY_SETTINGS:
         default = "" if setting.default is None else f" (default: the model's, else {setting.default})"
         if setting is REPLY_MAX_TOKENS:
@@ -128,7 +136,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
             setting.option,
             dest=setting.key,
             type=flag_type(setting),
-            metavar=setting.kind.__name__.upper(),
+            metavar="{" + ",".join(setting.choices) + "}" if setting.choices else setting.kind.__name__.upper(),
             help=setting.help + default,
         )
     add_context_option(parser)
@@ -173,9 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    command("models", c.cmd_models, "list known models: installed, assembled, verified").add_argument(
-        "--json", action="store_true", help="print JSON"
+    models = command("models", c.cmd_models, "list known models: installed, assembled, verified")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.add_argument(
+        "--prune", action="store_true", help="remove prepared files of other machine profiles and of models gone"
     )
+    models.add_argument("--dry-run", action="store_true", help="with --prune: only list them")
+    models.add_argument("files", nargs="*", metavar="GGUF", help="what these files need and whether they run")
 
     ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")
@@ -204,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[after],
     )
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
-    command("list", s.list_sessions, "newest first", actions).add_argument("--json", action="store_true")
+    listing = command("list", s.list_sessions, "newest first", actions)
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--limit", type=positive, metavar="N", help="the newest N (default: all)")
+    listing.add_argument("--offset", type=natural, default=0, metavar="N", help="after the newest N")
     show = command("show", s.show_session, "the messages of a session", actions)
     show.add_argument("id")
     show.add_argument("--json", action="store_true")
@@ -243,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", c.cmd_bench, "measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    bench.add_argument("--quick", action="store_true", help="fewer tokens: a smoke test, not a measurement")
+    bench.add_argument(
+        "--quick", action="store_true", help="few tokens, no first start nor `ask`: a smoke test, not a measurement"
+    )
 
     export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
@@ -260,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)"
     )
+    export.add_argument("--force", action="store_true", help="overwrite the file if it exists")
 
     imp = command("import", s.cmd_import, "add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)
@@ -284,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API (repeatable); other pages are refused",
     )
     serve.add_argument("--max-connections", type=int, metavar="N", help="connections open at once (default 256)")
+    serve.add_argument(
+        "--drain-seconds", type=float, metavar="S",
+        help="on SIGTERM, how long replies under way may take to finish before they are cut "
+        "(default 30; 0: at once)",
+    )
     add_context_option(serve)
     return parser
 
@@ -318,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     from llama_chat.inference import ModelError
     from llama_chat.storage import StoreError
 
-    from .terminal import UsageError
+    from .terminal import UsageError, escaped
 
     try:
         return args.handler(args) or 0
     except (ModelError, StoreError, UsageError) as e:
-        print(f"llama-chat: error: {e}", file=sys.stderr)
+        print(f"llama-chat: error: {escaped(str(e))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -176,7 +176,8 @@ def load_themes() -> tuple[list[Theme], list[str]]:
 
 
 class State:
-    """What the app remembers between runs that is not a setting: the open session of each database."""
+    """What the app remembers between runs that is not a setting: the open session of each database,
+    the sidebar's width."""
 
     def __init__(self, path: Path | None = None):
         self.path = path or state_path()
@@ -184,12 +185,25 @@ class State:
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             self.data = {}  # a lost or damaged state file only costs which session opens first
+        if not isinstance(self.data, dict):
+            self.data = {}
 
     def last_session(self, db: Path) -> str | None:
         return self.data.get("last_session", {}).get(str(Path(db).resolve()))
 
     def remember_session(self, db: Path, session_id: str | None) -> None:
         self.data.setdefault("last_session", {})[str(Path(db).resolve())] = session_id
+        self.save()
+
+    def sidebar_width(self) -> int | None:
+        width = self.data.get("sidebar_width")
+        return width if isinstance(width, int) and not isinstance(width, bool) and width > 0 else None
+
+    def remember_sidebar_width(self, width: int) -> None:
+        self.data["sidebar_width"] = width
+        self.save()
+
+    def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")

@@ -18,24 +18,53 @@ class UsageError(Exception):
     """Input on the command line or stdin that cannot be used (empty, not UTF-8): one line, exit 2."""
 
 
+# The characters a terminal obeys instead of showing: C0 (ESC starts `ESC ] 0 ; title BEL`, which sets the
+# window's title, and `ESC [ 2 J`, which clears the screen), DEL, and C1 (U+009B and U+009D are CSI and
+# OSC on their own).
+_CONTROLS = (*range(0x20), 0x7F, *range(0x80, 0xA0))
+_AS_LINE = {c: f"\\x{c:02x}" for c in _CONTROLS}
+_AS_TEXT = {c: e for c, e in _AS_LINE.items() if chr(c) not in "\n\t"}
+_AS_JSON = {c: f"\\u{c:04x}" for c in _CONTROLS if c >= 0x7F}  # json.dumps escapes C0 but not these
+
+
+def escaped(text: str, lines: bool = False) -> str:
+    """Text this program did not write (a title, a message, a name, an error naming either) as it is
+    printed on a terminal: each control character as `\\xNN`, so none moves the cursor, clears the
+    screen or sets the window's title. `lines`: newlines and tabs kept (a message's body)."""
+    return text.translate(_AS_TEXT if lines else _AS_LINE)
+
+
+def on_stdout(text: str) -> str:
+    """Text (a reply, a transcript) as it goes to stdout: escaped() where that is a terminal, exactly
+    as it is into a pipe or a file (JSON a reply wrote may hold a carriage return)."""
+    return escaped(text, lines=True) if sys.stdout.isatty() else text
+
+
 def print_json(value) -> None:
-    print(json.dumps(value, ensure_ascii=False))
+    print(json.dumps(value, ensure_ascii=False).translate(_AS_JSON))
 
 
 def say(line: str) -> None:
     """A line on stderr, where a closed terminal (SIGHUP) must not turn a stored reply into a traceback."""
     with contextlib.suppress(OSError):
-        print(line, file=sys.stderr, flush=True)
+        print(escaped(line, lines=True), file=sys.stderr, flush=True)
 
 
 def write(text: str) -> bool:
-    """Text on stdout; False once no one reads it (a closed terminal or pipe)."""
+    """A reply's text on stdout (on_stdout); False once no one reads it (a closed terminal or pipe)."""
     try:
-        sys.stdout.write(text)
+        sys.stdout.write(on_stdout(text))
         sys.stdout.flush()
         return True
     except OSError:
         return False
+
+
+def write_err(text: str) -> None:
+    """Text as it comes (a reply's thinking) on stderr, escaped there as on_stdout() escapes stdout's."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(escaped(text, lines=True) if sys.stderr.isatty() else text)
+        sys.stderr.flush()
 
 
 def read_text(value: str) -> str:
@@ -72,20 +101,32 @@ def prefill_bar():
     return report
 
 
-def stream_reply(job: JobView, signals: ReplySignals) -> None:
-    """One reply on the terminal: a bar on stderr while its prompt is read, its text on stdout as it
-    comes, then a line of stats on stderr. The job should stop at `signals.cancel`. However the writing
-    ends (the reply's end, a cancel, a closed terminal, a second signal), the job is cancelled and
-    waited for, so it keeps what it made; what it made beyond what was written is written then, so a
-    stored reply is the one shown."""
-    shown = 0
+def stream_reply(job: JobView, signals: ReplySignals, show_thinking: bool = False) -> None:
+    """One reply on the terminal: a bar on stderr while its prompt is read, its answer on stdout as it
+    comes (its thinking on stderr, with `show_thinking`; else not at all), then a line of stats on
+    stderr. The job should stop at `signals.cancel`. However the writing ends (the reply's end, a
+    cancel, a closed terminal, a second signal), the job is cancelled and waited for, so it keeps what
+    it made; what it made beyond what was written is written then, so a stored reply is the one shown."""
+    shown, thinking = 0, [False]  # thinking: its line on stderr is open
+
+    def think(text: str) -> None:
+        thinking[0] = True
+        write_err(text)
+
+    def end_thinking() -> None:
+        if thinking[0]:
+            thinking[0] = False
+            write_err("\n")
+
     try:
         try:
-            for piece in stream_text(job, prefill_bar()):
+            for piece in stream_text(job, prefill_bar(), think if show_thinking else None):
+                end_thinking()
                 if not write(piece):
                     break
                 shown += len(piece)
         finally:
+            end_thinking()
             if job.state.ended and len(job.text()) > shown:
                 write(job.text()[shown:])
             write("\n")

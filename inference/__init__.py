@@ -7,17 +7,10 @@ from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .errors import ModelError
-from .generate import (
-    Alternative,
-    GenerationStats,
-    chat_prompt_ids,
-    fit_messages,
-    generate,
-    generate_alternatives,
-    shift_to,
-)
+from .generate import Alternative, GenerationStats, generate, generate_alternatives
 from .kv_cache import BlockPool, BlockSource, KVSequence
 from .model import DEFAULT_PREFILL_BATCH, Model, load_model
+from .prompt import chat_prompt_ids, fit_messages, shift_to
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 

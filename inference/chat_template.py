@@ -399,26 +399,6 @@ def content_texts(messages: list[dict]) -> list[str]:
     return [_content_text(m.get("content")) for m in messages]
 
 
-def map_contents(messages: list[dict], change: Callable[[str], str]) -> list[dict]:
-    """Copies of the messages with `change` applied to the text of their contents (a string, or the
-    text parts of a list); everything else as it was."""
-
-    def part(p: Any) -> Any:
-        return (
-            {**p, "text": change(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
-        )
-
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            m = {**m, "content": change(content)}
-        elif isinstance(content, list):
-            m = {**m, "content": [change(p) if isinstance(p, str) else part(p) for p in content]}
-        out.append(m)
-    return out
-
-
 def _content_text(content: Any) -> str:
     # Content is usually a string, but OpenAI-style messages may carry a list of typed parts.
     if content is None:

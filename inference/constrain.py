@@ -15,6 +15,7 @@ import llguidance
 import numpy as np
 
 from .errors import ModelError
+from .schema_bounds import loops_for_ever
 from .tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, Tokenizer
 
 # "Any JSON object", as llama.cpp and vLLM read response_format {"type": "json_object"}.
@@ -68,10 +69,12 @@ def json_schema_grammar(schema) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # (nested past Python's recursion limit)
+            raise GrammarError(f"the JSON schema is not JSON: {_one_line(e)}") from None
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    if loops_for_ever(schema):
+        raise GrammarError("the JSON schema's '$ref's loop: no JSON document of finite length is valid under it")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_WHITESPACE})
     except (ValueError, TypeError) as e:

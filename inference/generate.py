@@ -9,14 +9,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .chat_template import completion_prompt, content_texts, map_contents
 from .constrain import Constraint
 from .kernels import KERNEL_ROWS
 from .kv_cache import KVSequence
 from .lookup import MAX_DRAFT, PromptLookup
 from .model import Model
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
-from .tool_calls import tool_format
 
 
 @dataclass
@@ -40,68 +38,6 @@ class GenerationStats:
     @property
     def decode_tok_s(self) -> float:
         return self.decoded_tokens / self.decode_s if self.decode_s else 0.0
-
-
-def prompt_text(
-    model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-) -> str:
-    """Messages rendered with the model's chat template (plain completion text for base models)."""
-    if model.has_chat_template:
-        fmt = tool_format(model.chat_template) if tools else None
-        extra = fmt.template_vars if fmt is not None else {}  # e.g. where Llama 3's template puts the tools
-        return model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
-    return completion_prompt(messages)
-
-
-def chat_prompt_ids(
-    model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-) -> list[int]:
-    """Render messages with the model's chat template (plain completion for base models) and tokenize.
-    Only the template's markup becomes control tokens: contents are text, so none can forge a turn.
-    `tools` (OpenAI's function definitions) are rendered by the template, if it takes them."""
-    tok = model.tokenizer
-    shield = tok.control_text_shield(content_texts(messages))
-    text = prompt_text(model, map_contents(messages, shield.hide), add_generation_prompt, tools)
-    bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
-    add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))  # templates often write BOS
-    return tok.encode(text, add_bos=add_bos, special=True, shield=shield)
-
-
-def fit_messages(
-    model: Model,
-    messages: list[dict],
-    budget: int,
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
-) -> tuple[list[dict], list[int]]:
-    """Drop the oldest turns after the system prompt until the prompt fits in `budget` tokens.
-    The last message always stays (a prompt longer than the window fails in forward). `tools`: as
-    chat_prompt_ids'."""
-    messages = list(messages)
-    if not messages:
-        return [], []
-    ids = chat_prompt_ids(model, messages, add_generation_prompt, tools)
-    first = 1 if messages and messages[0]["role"] == "system" else 0
-    while len(ids) > budget and len(messages) - first > 1:
-        del messages[first]
-        # a conversation does not start with the assistant's reply to a dropped question
-        while len(messages) - first > 1 and messages[first]["role"] == "assistant":
-            del messages[first]
-        ids = chat_prompt_ids(model, messages, add_generation_prompt, tools)
-    return messages, ids
-
-
-def shift_to(model: Model, seq: KVSequence, ids: list[int]) -> None:
-    """If ids are the sequence's tokens with one stretch cut out (old turns dropped), cut that stretch
-    from the KV by context shift rather than recomputing what follows it."""
-    keep = seq.common_prefix(ids)
-    old = seq.tokens
-    if keep >= len(ids):
-        return
-    for j in range(keep + 1, len(old)):  # where the kept stretch of the old tokens starts again
-        if old[j] == ids[keep] and old[j:] == ids[keep : keep + len(old) - j]:
-            model.context_shift(seq, keep, j - keep)
-            return
 
 
 class _StopStrings:

@@ -3,14 +3,18 @@ written once per GGUF and machine profile into the cache and memory-mapped by ev
 that a start takes what the page cache takes to hand the pages over instead of unpacking the GGUF.
 
 One file per GGUF path and profile, `$XDG_CACHE_HOME/llama-chat/prepared/<digest of the path>-<profile>.packed`:
-the arrays, each at a multiple of the page size; then a JSON header (where each array lies, the layout
-version, the profile, the GGUF's identity); then a trailer (the header's length and SHA-256, a magic
-string). A file is trusted only whole: a wrong magic, length or digest, another layout, profile or GGUF
-(path, size, mtime, digest of its first MiB), an array outside the data or other arrays than the
-GGUF's matrices pack into, and it is packed again over the old one. It is written under a temporary name, synced, then renamed: a crash or a full disk leaves no
-file a later start trusts. Packing also removes the files of GGUFs no longer where they were. Where it
-cannot be written, the weights are packed in memory as before, with one line saying so. The arrays'
-own bytes are not checked at a start (that would read every page).
+the arrays, each at a multiple of the page size; then a JSON header (where each array lies and the
+CRC-32 of its bytes, the layout version, the profile, the GGUF's identity); then a trailer (the
+header's length and SHA-256, a magic string). A file is trusted only whole: another layout, profile or
+GGUF (path, size, mtime, digest of its first MiB) or other arrays than the GGUF's matrices pack into,
+and it is packed again over the old one; a file cut short or overwritten (its trailer, header or an
+array's bytes not what they say), and it is packed again with one line saying so. Every array is
+checked as the file is mapped, on all cores at once: a start reads every page anyway (the first token
+does), and a damaged array would give garbage replies, not an error. A file is written under a
+temporary name, synced, then renamed, never written in place: a crash or a full disk leaves no file a
+later start trusts, and a process that maps the old file keeps it whole. Packing also removes the files
+of GGUFs no longer where they were. Where it cannot be written, the weights are packed in memory as
+before, with one line saying so.
 """
 
 from __future__ import annotations
@@ -23,17 +27,20 @@ import mmap
 import os
 import shutil
 import struct
+import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from .bus_error import stop_cleanly_on_bus_error
 from .catalog import cache_dir
 from .cpu import PROFILE
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 3  # raise when quants.py or k_quants.py lay a matrix out differently
+LAYOUT_VERSION = 4  # raise when quants.py or k_quants.py lay a matrix out differently, or this file's header
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
 ALIGN = mmap.PAGESIZE
@@ -44,6 +51,10 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 Matrices = dict[str, PackedMatrix]
 Layout = tuple[int, list]  # a matrix's rows, and its arrays' (shape, dtype) or None: quants.layout
+
+
+class DamagedFile(ValueError):
+    """A packed file cut short or overwritten: what of it is not what it says."""
 
 
 def packed_path(gguf_path: Path) -> Path:
@@ -68,7 +79,9 @@ def load_or_pack(
 ) -> Matrices:
     """The model's packed matrices mapped from their file, packed into it first where it is missing,
     stale or damaged (`expected`: what pack_all() gives, matrix by matrix); packed in memory (pack_all()
-    again) where it cannot be written."""
+    again) where it cannot be written. From then on, a mapped file cut short by another program ends
+    the process with one line (bus_error.py), not silently."""
+    stop_cleanly_on_bus_error()
     target, identity = packed_path(gguf_path), gguf_identity(gguf_path)
     matrices = open_packed(target, identity, expected)
     if matrices is not None:
@@ -91,12 +104,13 @@ def _nbytes(spec) -> int:
 def open_packed(path: Path, identity: dict, expected: dict[str, Layout]) -> Matrices | None:
     """The matrices of a whole, current packed file, mapped copy-on-write (writable arrays, as the
     kernels are compiled for, whose writes never reach the file), each with the rows and arrays
-    expected; None where there is none such."""
+    expected and the bytes its digests say; None where there is none such, with one line where the
+    file is there but damaged."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             header = _header(f, size)
-            if header is None or header.get("layout") != LAYOUT_VERSION or header.get("profile") != PROFILE.key:
+            if header.get("layout") != LAYOUT_VERSION or header.get("profile") != PROFILE.key:
                 return None
             if header.get("gguf") != identity:
                 return None
@@ -105,7 +119,13 @@ def open_packed(path: Path, identity: dict, expected: dict[str, Layout]) -> Matr
         # instead of one fault at a time in the first token (free where they are all there).
         mapped.madvise(mmap.MADV_WILLNEED)
         matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
-        return matrices if _layouts(matrices) == _layouts_of(expected) else None
+        if _layouts(matrices) != _layouts_of(expected):
+            return None
+        _check_digests(mapped, header["matrices"])
+        return matrices
+    except DamagedFile as e:
+        log.warning(f"{path}: damaged ({e}); packing {Path(identity['path']).name} again")
+        return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -124,20 +144,33 @@ def _layouts_of(expected: dict[str, Layout]) -> dict:
     }
 
 
-def _header(f, size: int) -> dict | None:
-    if size < TRAILER.size:
+def header_of(path: Path) -> dict | None:
+    """A packed file's header (its arrays, layout, profile and GGUF), or None: the file is not whole (DamagedFile)."""
+    try:
+        with open(path, "rb") as f:
+            return _header(f, os.fstat(f.fileno()).st_size)
+    except (OSError, ValueError):
         return None
+
+
+def _header(f, size: int) -> dict:
+    """The file's header, checked against its trailer and the file's size (a file cut short has no
+    trailer at its end). Raises DamagedFile."""
+    if size < TRAILER.size:
+        raise DamagedFile(f"{size} bytes, shorter than its trailer")
     f.seek(size - TRAILER.size)
     length, digest, magic = TRAILER.unpack(f.read(TRAILER.size))
     if magic != MAGIC or length > size - TRAILER.size:
-        return None
+        raise DamagedFile("no trailer at its end: cut short or overwritten")
     end = size - TRAILER.size - length
     f.seek(end)
     blob = f.read(length)
     if hashlib.sha256(blob).digest() != digest:
-        return None
+        raise DamagedFile("its header does not match its digest")
     header = json.loads(blob)
-    return header if header.get("end") == end else None
+    if header.get("end") != end:
+        raise DamagedFile("its size is not the one its header says")
+    return header
 
 
 def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
@@ -149,9 +182,30 @@ def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
         dtype, shape, offset = np.dtype(spec[0]), tuple(spec[1]), spec[2]
         count = int(np.prod(shape))
         if offset % ALIGN or offset + count * dtype.itemsize > end:
-            raise ValueError("an array outside the file's data")
+            raise DamagedFile("an array outside the file's data")
         arrays.append(np.frombuffer(mapped, dtype, count, offset).reshape(shape))
     return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]))
+
+
+def _check_digests(mapped: mmap.mmap, entries: dict) -> None:
+    """Every array's bytes against the CRC-32 packing wrote, on all cores (zlib lets go of the GIL),
+    the largest first. Raises DamagedFile naming a matrix whose bytes differ."""
+    arrays = [(name, spec) for name, entry in entries.items() for spec in entry["arrays"] if spec]
+    arrays.sort(key=lambda array: -_spec_nbytes(array[1]))
+    with memoryview(mapped) as data, ThreadPoolExecutor() as pool:
+
+        def intact(array) -> bool:
+            offset, crc = array[1][2:]
+            return zlib.crc32(data[offset : offset + _spec_nbytes(array[1])]) == crc
+
+        damaged = [name for (name, _), ok in zip(arrays, pool.map(intact, arrays), strict=True) if not ok]
+    if damaged:
+        raise DamagedFile(f"the bytes of {damaged[0]} are not those packed")
+
+
+def _spec_nbytes(spec: list) -> int:
+    """The bytes of an array the header describes: [dtype, shape, offset, CRC-32]."""
+    return _nbytes((spec[1], spec[0]))
 
 
 def write_packed(
@@ -216,7 +270,7 @@ def _remove_abandoned(path: Path) -> None:
         try:
             with open(other, "rb") as f:
                 header = _header(f, os.fstat(f.fileno()).st_size)
-            if header is not None and not Path(header["gguf"]["path"]).exists():
+            if not Path(header["gguf"]["path"]).exists():
                 other.unlink()
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -225,5 +279,6 @@ def _remove_abandoned(path: Path) -> None:
 def _write_array(f, a: np.ndarray) -> list:
     at = -(-f.tell() // ALIGN) * ALIGN
     f.write(b"\0" * (at - f.tell()))
-    f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
-    return [a.dtype.str, list(a.shape), at]
+    data = memoryview(np.ascontiguousarray(a)).cast("B")
+    f.write(data)
+    return [a.dtype.str, list(a.shape), at, zlib.crc32(data)]

@@ -128,6 +128,11 @@ class StoreConnection:
             self.damage = self.damage or str(e)
         return store_error(self.db_path, e, consequence)
 
+    def data_version(self) -> int:
+        """SQLite's PRAGMA data_version: a number that changes when another connection (another
+        process) commits to the file, and never for this connection's own commits. Reads no table."""
+        return self.rows("PRAGMA data_version")[0]["data_version"]
+
     def insert(self, table: str, row: dict) -> None:
         # plain SQL: sqlite-utils' writers commit on their own, which would end our transaction early
         names = ", ".join(row)

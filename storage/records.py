@@ -88,6 +88,7 @@ class Message:
     token_ids: list[int] | None
     created: float
     stats: dict | None
+    reasoning: str | None = None  # a reply's thinking, apart from its answer (`content`)
 
     @classmethod
     def from_row(cls, row: dict) -> Message:
@@ -100,6 +101,7 @@ class Message:
             ids,
             row["created"],
             json.loads(row["stats"]) if row["stats"] else None,
+            row.get("reasoning"),
         )
 
     @property

@@ -38,8 +38,16 @@ def markdown_transcript(store: ChatStore, session_id: str) -> str:
         lines += ["## System", "", session.system_prompt, ""]
     for m in messages:
         heading = f"## {m.role.capitalize()}" + (" (stopped)" if m.stopped else "")
-        lines += [heading, "", close_fences(m.content), ""]
+        lines += [heading, ""]
+        if m.reasoning:  # folded, as the app shows it
+            lines += ["<details><summary>Thinking</summary>", "", *quoted(m.reasoning), "", "</details>", ""]
+        lines += [close_fences(m.content), ""]
     return "\n".join(lines)
+
+
+def quoted(text: str) -> list[str]:
+    """Text as a Markdown block quote: a heading or an open fence it holds stays inside it."""
+    return ["> " + line if line else ">" for line in close_fences(text).split("\n")]
 
 
 FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")  # a code fence's line, as CommonMark reads it

@@ -5,14 +5,19 @@ that cannot be attached is one line and leaves the database as it was."""
 from __future__ import annotations
 
 import io
+import os
+import socket
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
+from textual.widgets import Input
 
 from llama_chat.app.chat.attachments import MAX_FILE_BYTES, AttachmentError, read_attachment
 from llama_chat.app.cli import main
 from llama_chat.app.tui.dialogs import TextScreen
+from llama_chat.app.tui.path_input import complete_path, completions
 from llama_chat.storage import ChatStore, Message
 from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.fragments import inline
@@ -116,6 +121,27 @@ def test_a_file_that_cannot_be_attached_is_one_line_and_nothing_is_stored(qwen2,
     assert (stored_contents(db), fragment_rows(db), [s.id for s in ChatStore(db).list_sessions()]) == before
 
 
+def test_a_fifo_a_socket_a_device_or_a_folder_is_refused_at_once(tmp_path, capsys):
+    """A FIFO with no writer used to block `ask -f` for ever, silently; a device was read as a file."""
+    fifo, sock = tmp_path / "fifo", tmp_path / "sock"
+    os.mkfifo(fifo)
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(sock))
+    tried: list = []
+    reading = threading.Thread(target=lambda: tried.append(main(["ask", "-f", str(fifo), "hello"])), daemon=True)
+    reading.start()
+    reading.join(30)
+    if reading.is_alive():  # let it go: a writer unblocks the open()
+        os.close(os.open(fifo, os.O_WRONLY))
+    assert tried == [2], "ask -f FIFO waited for a writer"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{fifo}: a FIFO, not a file" in err
+    for path, kind in ((sock, "a socket"), ("/dev/zero", "a device"), (tmp_path, "a folder")):
+        with pytest.raises(AttachmentError, match=f"^{path}: {kind}, not a file; only files can be attached$"):
+            read_attachment(str(path))
+    listening.close()
+
+
 def test_stdin_is_attached_as_a_file_and_read_once(monkeypatch):
     class Stdin(io.StringIO):
         buffer = io.BytesIO(b"from a pipe\n")
@@ -143,17 +169,56 @@ def test_chat_attaches_a_file_to_the_next_message(qwen2, tmp_path, notes, monkey
 
 
 @aio
-async def test_the_app_attaches_a_file_with_f5(open_chat, notes, tmp_path):
+async def test_the_app_attaches_a_file_with_f5_named_as_chat_names_it(open_chat, notes, tmp_path):
     async with open_chat() as pilot:
         app = pilot.app
         await pilot.press("f5")
         assert isinstance(app.screen, TextScreen)
-        await pilot.press(*"notes.txt", "enter")
+        box = app.screen.query_one(Input)
+        assert box.value == f"{tmp_path}/" and box.selection.is_empty  # the folder, not selected
+        await pilot.press(*"notes.txt")
+        assert box.value == f"{tmp_path}/notes.txt"  # typed after it
+        await pilot.press("enter")
         await say(pilot, "hello the world")
-        (asked, _) = [m.content for m in app.store.path(app.store.get_session(app.chat.session.id).head_id)]
-        assert asked.endswith("hello the world") and TEXT in asked and "notes.txt" in asked
-        assert app.chat.attached == []  # sent once
+        (asked, _) = [m.content for m in app.sessions.read(app.chat.session.id)[1]]
+        assert asked == inline("notes.txt", TEXT) + "hello the world"  # as `chat` stores it, no folders
+        assert app.chat.flow.attached == []  # sent once
         assert "notes.txt" in app.chat.session.title
+
+
+@aio
+async def test_f5_completes_the_path_with_tab(open_chat, notes, tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.txt").write_text("a short guide\n")
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere.txt"
+    elsewhere.write_text("from another folder\n")
+    async with open_chat() as pilot:
+        app = pilot.app
+        await pilot.press("f5", *"do", "tab")
+        box = app.screen.query_one(Input)
+        assert box.value == f"{tmp_path}/docs/"  # a folder: with its slash, ready for what is in it
+        await pilot.press("g", "tab")
+        assert box.value == f"{tmp_path}/docs/guide.txt" and box.cursor_position == len(box.value)
+        await pilot.press("enter", "f5")
+        app.screen.query_one(Input).value = str(elsewhere)
+        await pilot.press("enter")
+        assert [a.name for a in app.chat.flow.attached] == ["docs/guide.txt", elsewhere.name]
+
+
+def test_a_path_completes_as_far_as_its_candidates_agree(tmp_path):
+    for name in ("report-2025.txt", "report-2026.txt", ".hidden", "single.md"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "sub").mkdir()
+    base = f"{tmp_path}/"
+    assert complete_path(base + "si") == base + "single.md"
+    assert complete_path(base + "re") == base + "report-202"  # their common beginning
+    assert complete_path(base + "report-202") == base + "report-2025.txt"  # then the first of them
+    assert complete_path(base + "s") == base + "single.md"  # "sub/" too: the first of them
+    assert complete_path(base + "su") == base + "sub/"
+    assert complete_path(base + ".h") == base + ".hidden"  # hidden ones when asked for
+    assert all(".hidden" not in c for c in completions(base))
+    assert complete_path(base + "nothing") is None and complete_path(f"{tmp_path}/no/such/") is None
+    assert complete_path("") is None
 
 
 def test_chat_refuses_a_file_too_long_for_the_window_in_one_line_and_goes_on(qwen2, tmp_path, notes, monkeypatch, capsys):

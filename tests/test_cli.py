@@ -134,6 +134,8 @@ def test_every_reply_setting_is_a_flag_and_one_not_given_is_not_set():
         "repeat_penalty": None,
         "seed": 3,
         "max_tokens": 9,
+        "thinking": None,
+        "reasoning_effort": None,
     }
 
 
@@ -146,6 +148,8 @@ def test_every_reply_setting_is_a_flag_and_one_not_given_is_not_set():
         ("--repeat-penalty", "0", "repeat_penalty must be more than 0 and at most 100, not 0.0"),
         ("--top-k", "1.5", "top_k must be an integer, not '1.5'"),
         ("--max-tokens", "0", "max_tokens must be 1 or more, not 0"),
+        ("--thinking", "maybe", "thinking must be one of on, off, not 'maybe'"),
+        ("--reasoning-effort", "max", "reasoning_effort must be one of low, medium, high, not 'max'"),
         ("--block-size", "0", "must be 1 or more"),
         ("--kv-codec", "q3", "invalid choice: 'q3'"),
     ],

@@ -90,6 +90,32 @@ def test_a_schema_that_is_not_a_schema_is_one_line_naming_the_problem(tiny_model
     assert problem in str(e.value) and "\n" not in str(e.value)
 
 
+LIST = {"type": "object", "properties": {"w": {"enum": ["a", "b"]}, "next": {"$ref": "#"}}, "required": ["w"]}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {**LIST, "required": ["w", "next"]},  # each object must hold another
+        {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+        {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]},
+    ],
+)
+def test_a_schema_whose_refs_loop_for_ever_is_refused(schema):
+    """llguidance lets such a reply end at once, empty, or never close: no reply could parse."""
+    with pytest.raises(GrammarError, match="loop: no JSON document of finite length"):
+        json_schema_grammar(schema)
+
+
+@pytest.mark.parametrize(
+    "schema", [LIST, {"type": "array", "items": {"$ref": "#"}}, {"anyOf": [{"$ref": "#"}, {"type": "null"}]}]
+)
+def test_a_schema_that_refers_to_itself_with_a_way_out_is_kept(tiny_model_paths, schema):
+    check_grammar(load_model(tiny_model_paths["qwen2"]).tokenizer, json_schema_grammar(schema))
+
+
 def test_a_required_call_always_parses_into_a_call_of_the_tool(tiny_model_paths):
     model = load_model(tiny_model_paths["qwen2"])
     grammar = check_grammar(model.tokenizer, lark_grammar(HERMES.grammar([WEATHER])))
@@ -177,7 +203,8 @@ def test_ask_json_schema_prints_json_valid_under_it(tiny_model_paths, tmp_path, 
 
 
 @pytest.mark.parametrize(
-    "content, complaint", [('{"type": "nonsense"}', "nonsense"), (None, "cannot be read")]
+    "content, complaint",
+    [('{"type": "nonsense"}', "nonsense"), (None, "cannot be read"), ("[" * 50_000 + "]" * 50_000, "not JSON")],
 )
 def test_ask_with_a_schema_that_is_not_one_is_one_line(
     tiny_model_paths, tmp_path, capsys, content, complaint

@@ -7,6 +7,8 @@ import logging
 import os
 import resource
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from test_synthetic_model import TINY, synthetic
 
 from llama_chat.inference import load_model, packed_file, quants
 from llama_chat.inference.model import Model
-from llama_chat.inference.weights import prepare
+from llama_chat.inference.weights import _prepared_dir, prepare
 from tiny_models import write_tiny_model
 
 TEXT = "hello the world, the sun and the water"
@@ -113,7 +115,17 @@ def _flip_byte(path, from_end):
         f.write(bytes([byte[0] ^ 0x20]))
 
 
+def _overwrite_middle(path):
+    """A run of random bytes over the middle of the arrays (1 MiB in the probe that found it used),
+    the header and trailer left whole."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(min(1 << 20, size // 16)))
+
+
 DAMAGE = {
+    "bytes overwritten in its arrays": _overwrite_middle,
     "cut by a byte": lambda p: _truncate(p, 1),
     "cut in half": lambda p: _truncate(p, os.path.getsize(p) // 2),
     "empty": lambda p: _truncate(p, os.path.getsize(p)),
@@ -124,12 +136,15 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_damaged_packed_file_is_packed_again(qwen2, damage):
-    loaded(qwen2)
+def test_a_damaged_packed_file_is_packed_again_with_one_line(qwen2, damage, caplog):
+    before = logits(loaded(qwen2)[0])
     DAMAGE[damage](packed_file.packed_path(qwen2))
     model, packed = loaded(qwen2)
     assert packed
-    assert np.array_equal(logits(model), unpacked_logits(qwen2))
+    assert np.array_equal(logits(model), before)
+    line = _one_line(caplog)
+    assert line.startswith(f"{packed_file.packed_path(qwen2)}: damaged (")
+    assert line.endswith(f"; packing {qwen2.name} again")
     assert not loaded(qwen2)[1]  # and whole again
 
 
@@ -178,7 +193,42 @@ def test_the_packed_file_of_a_gguf_gone_is_removed_by_the_next_packing(tmp_path,
     assert not packed_file.packed_path(gone).exists() and packed_file.packed_path(qwen2).exists()
 
 
-def _fallback_line(caplog) -> str:
+
+def test_models_prune_lists_and_removes_what_no_start_reads(tmp_path, qwen2, monkeypatch, capsys):
+    """Packed files of another machine profile and of a GGUF gone, and the gone one's metadata, go;
+    what the models here read stays, and their next start packs nothing again."""
+    from llama_chat.app.cli import main
+
+    gone = write_tiny_model(tmp_path / "gone.gguf", "llama")
+    loaded(gone)
+    with monkeypatch.context() as other_machine:
+        other_machine.setattr(packed_file, "PROFILE", dataclasses.replace(packed_file.PROFILE, cpu_name="another-cpu"))
+        loaded(qwen2)
+        elsewhere = packed_file.packed_path(qwen2)
+    loaded(qwen2)
+    gone.unlink()
+    folder = packed_file.packed_path(qwen2).parent
+    before = sorted(folder.iterdir())
+    assert len(before) == 5  # two GGUFs' metadata, three packed files
+
+    assert main(["models", "--prune", "--dry-run"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert sorted(folder.iterdir()) == before  # only listed
+    stale = [line for line in listed if " MB  " in line]
+    assert len(stale) == 3 and listed[3] == f"would remove 3 file(s), {listed[3].split(', ')[1]}"
+    assert any(f"{elsewhere}  (packed for another machine profile (another-cpu-" in line for line in stale)
+    assert any(f"{packed_file.packed_path(gone)}  (its model is gone ({gone}))" in line for line in stale)
+    assert any(line.endswith("(metadata of a model no longer here)") for line in stale)
+
+    assert main(["models", "--prune"]) == 0
+    assert capsys.readouterr().out.splitlines()[3].startswith("removed 3 file(s)")
+    assert set(folder.iterdir()) == {packed_file.packed_path(qwen2), _prepared_dir(qwen2)}
+    assert not loaded(qwen2)[1]  # its own packed file and metadata stayed
+    assert main(["models", "--prune"]) == 0
+    assert capsys.readouterr().out.startswith("nothing to remove")
+
+
+def _one_line(caplog) -> str:
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "\n" not in lines[0]
     return lines[0]
@@ -189,7 +239,7 @@ def test_a_cache_folder_that_cannot_be_written_unpacks_in_memory_with_one_line(q
     folder.parent.mkdir(parents=True)
     folder.write_text("a file where the folder should be")
     model, packed = loaded(qwen2)
-    line = _fallback_line(caplog)
+    line = _one_line(caplog)
     assert str(folder) in line and "unpacked in memory" in line and qwen2.name in line
     assert np.array_equal(logits(model), unpacked_logits(qwen2))
 
@@ -209,9 +259,30 @@ def test_a_full_disk_unpacks_in_memory_with_one_line(qwen2, caplog, monkeypatch,
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, handler)
-    line = _fallback_line(caplog)
+    line = _one_line(caplog)
     assert "unpacked in memory" in line
     if full == "less free than needed":
         assert "GB needed" in line and "GB free" in line
     assert packed_files(qwen2) == []  # no partial file left
     assert np.array_equal(logits(model), unpacked_logits(qwen2))
+
+
+CUT_SHORT_UNDER_IT = """
+import os, sys
+from llama_chat.inference import load_model, packed_file
+model = load_model(sys.argv[1])
+os.truncate(packed_file.packed_path(sys.argv[1]), 0)  # as another program would, while it is mapped
+model.logits(model.tokenizer.encode("hello"))
+print("read the weights of a file cut short")
+"""
+
+
+def test_a_packed_file_cut_short_under_a_running_process_ends_it_with_one_line(qwen2):
+    loaded(qwen2)  # packed here: the child only maps it
+    child = [sys.executable, "-c", CUT_SHORT_UNDER_IT, str(qwen2)]
+    run = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == [
+        "llama-chat: a file mapped into memory (a model's GGUF or its packed weights) was cut short by "
+        "another program while in use; stopping"
+    ]

@@ -48,8 +48,8 @@ def first_turn(server: Served) -> tuple[list[dict], int]:
     then written to the remote tier before this returns)."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": HISTORY}]
     reply = server.ask(messages, **GREEDY)
-    assert server.state.engine.kv.remote.flush()
-    kept = server.state.engine.store.kv.block_keys(reply.session)
+    assert server.state.engine._cache.remote.flush()
+    kept = server.state.sessions.store.kv.block_keys(reply.session)
     messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                  {"role": "user", "content": "and then"}]
     return messages, len(kept) * BLOCK
@@ -112,8 +112,8 @@ def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
     try:
         sid = json.loads(a.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
         one = a.ask(HISTORY, extra_body={"session": sid}, **GREEDY)
-        assert a.state.engine.kv.remote.flush()
-        full = len(a.state.engine.store.kv.block_keys(sid)) * BLOCK
+        assert a.state.engine._cache.remote.flush()
+        full = len(a.state.sessions.store.kv.block_keys(sid)) * BLOCK
 
         for kv in ("0", "1"):  # messages only: the blocks come from Redis; with its KV: from the file
             status, _, data = a.raw("GET", f"/v1/sessions/{sid}/export?kv={kv}")
@@ -140,7 +140,7 @@ def test_store_false_writes_nothing_to_the_database_or_the_remote_tier(tmp_path,
     try:
         sid = json.loads(s.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
         one = s.ask(HISTORY, extra_body={"session": sid}, **GREEDY)  # stored: its blocks in both tiers
-        remote = s.state.engine.kv.remote
+        remote = s.state.engine._cache.remote
         assert remote.flush()
 
         def written() -> tuple[list[str], list[bytes]]:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from llama_chat.app.chat.settings import (
-    REPLY_SETTINGS,
+    REPLY_MAX_TOKENS,
     SAMPLING,
     SettingError,
     checked,
@@ -15,6 +15,7 @@ from llama_chat.app.chat.settings import (
     model_sampling,
     sampling_defaults,
     sampling_params,
+    template_variables,
 )
 from llama_chat.app.config import ConfigError, UserConfig
 from llama_chat.inference import Model, SamplingParams
@@ -45,7 +46,7 @@ def test_stored_settings_make_the_sampling_and_the_longest_reply():
     stored = {"temperature": 0.0, "seed": None, "max_tokens": 7}
     params = sampling_params(stored)
     assert (params.temperature, params.seed, params.top_k) == (0.0, None, SamplingParams().top_k)
-    assert max_tokens(stored) == 7 and max_tokens({}) == REPLY_SETTINGS[-1].default
+    assert max_tokens(stored) == 7 and max_tokens({}) == REPLY_MAX_TOKENS.default
 
 
 def test_checked_refuses_unknown_keys_and_values_out_of_range_in_one_line():
@@ -127,3 +128,15 @@ def test_the_catalog_models_sample_as_their_makers_recommend_and_others_as_llama
     assert (gemma.values["temperature"], gemma.values["top_k"], gemma.values["top_p"]) == (1.0, 64, 0.95)
     plain = model_sampling(Model(prepare(qwen2)))
     assert (plain.values, plain.source) == ({s.key: s.default for s in SAMPLING}, "llama.cpp's defaults")
+
+
+def test_the_template_switches_are_choices_that_set_the_templates_variables():
+    assert template_variables({"thinking": "off", "reasoning_effort": "high", "temperature": 0.2}) == {
+        "enable_thinking": False,
+        "reasoning_effort": "high",
+    }
+    assert template_variables({"thinking": None}) == {}  # unset: the template's own default
+    with pytest.raises(SettingError, match="thinking must be one of on, off, not 'yes'"):
+        checked({"thinking": "yes"})
+    with pytest.raises(SettingError, match="reasoning_effort must be one of low, medium, high, not 3"):
+        checked({"reasoning_effort": 3})

@@ -1,4 +1,6 @@
-"""How the TUI looks, pinned as SVG snapshots: the main screen, a fork in the sidebar, help, each theme.
+"""How the TUI looks, pinned as SVG snapshots: the main screen (at 70, 120 and 200 columns too), a fork
+in the sidebar, help, each theme, and replies drawn as they were written (code without a fence, a
+haiku's lines, an attached file, a reply's thinking folded).
 
 Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`, and look
 at the report before committing. The numbers of the status line are fixed so the pictures never
@@ -7,13 +9,14 @@ depend on timing.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from llama_chat.app.config import UserConfig
 from llama_chat.app.tui import ChatApp
-from llama_chat.storage import ChatStore
+from llama_chat.storage import ChatStore, Message
 from tui_pilot import ready
 
 SIZE = (100, 30)
@@ -29,9 +32,12 @@ def add(a: int, b: int) -> int:
 """
 
 
-def conversation(store: ChatStore, title: str, reply: str = REPLY):
+ASKED = "Write a Python function that adds two numbers."
+
+
+def conversation(store: ChatStore, title: str, reply: str = REPLY, asked: str = ASKED):
     session = store.create_session(title, system_prompt="You are a concise coding assistant.")
-    store.add_message(session.id, "user", "Write a Python function that adds two numbers.")
+    store.add_message(session.id, "user", asked)
     store.add_message(session.id, "assistant", reply)
     return store.get_session(session.id)
 
@@ -59,7 +65,7 @@ async def settled(pilot) -> None:
         field.cursor_blink = False
     app.chat.status.set(
         context="ctx 61/256",
-        speed="prefill 1,234 · decode 56.7 tok/s",
+        speed="prefill 1,234 tok/s · decode 56.7 tok/s",
         resumed="61 tokens restored in 3 ms",
     )
     app.clear_notifications()
@@ -89,6 +95,28 @@ def test_sidebar_with_a_fork(snap_compare, tmp_path, tiny_model_paths):
     assert snap_compare(app, terminal_size=SIZE, run_before=settled)
 
 
+@pytest.mark.parametrize("columns", [70, 120, 200])
+def test_the_status_line_and_the_footer_fit_the_width(snap_compare, tmp_path, tiny_model_paths, columns):
+    """What fits of the status line on one line (the context and speeds first), every key of the
+    footer; the sidebar's branches by their own words, the chats of serve's clients apart."""
+    store = ChatStore(tmp_path / "chat.db")
+    api = store.create_session("A chat of an API client", origin="api")
+    store.add_message(api.id, "user", "Name a prime.")
+    parent = conversation(store, "Adding numbers")
+    asked = store.path(parent.head_id)[0].id
+    for reply in ("Sure: a + b.", "Here is one way to do it.", "def add(a, b): return a + b"):
+        branch = store.fork_session(parent.id, asked, "Adding numbers (regenerated)")
+        store.add_message(branch.id, "assistant", reply)
+
+    async def long_model_name(pilot):
+        await settled(pilot)
+        pilot.app.chat.status.set(model="qwen2.5-coder-0.5b-instruct-q4_k_m")
+        await pilot.pause()
+
+    app = app_on(tmp_path, tiny_model_paths, session_id=parent.id)
+    assert snap_compare(app, terminal_size=(columns, 24), run_before=long_model_name)
+
+
 def test_help_screen(snap_compare, tmp_path, tiny_model_paths):
     async def open_help(pilot):
         await settled(pilot)
@@ -111,3 +139,61 @@ def test_each_theme(snap_compare, tmp_path, tiny_model_paths, theme):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=select_reply)
+
+
+# -- replies as they were written ------------------------------------------------------------------
+
+PALINDROME = """def is_palindrome(s):
+    # Remove non-alphanumeric characters and convert to lowercase
+    cleaned = ''.join(c.lower() for c in s if c.isalnum())
+    # Compare the cleaned string with its reverse
+    return cleaned == cleaned[::-1]
+
+# Test the function
+print(is_palindrome("A man, a plan, a canal: Panama"))  # Output: True
+"""
+HAIKU = """Here is a haiku:
+
+An old silent pond
+A frog jumps into the pond
+splash! Silence again.
+<em>Basho</em>, 1686"""
+
+
+def test_code_written_without_a_fence_keeps_its_lines(snap_compare, tmp_path, tiny_model_paths):
+    conversation(ChatStore(tmp_path / "chat.db"), "Palindromes", PALINDROME, "Is a string a palindrome?")
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_a_haiku_keeps_its_four_lines_and_html_shows_as_text(snap_compare, tmp_path, tiny_model_paths):
+    conversation(ChatStore(tmp_path / "chat.db"), "Haiku", HAIKU, "Write a haiku.")
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_an_attached_file_is_folded_with_its_name_and_size(snap_compare, tmp_path, tiny_model_paths):
+    from llama_chat.storage.fragments import inline
+
+    source = "import functools\n\n\n@functools.cache\ndef fib(n):\n"
+    source += "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    asked = inline("fib.py", source) + "What does this file do?"
+    conversation(ChatStore(tmp_path / "chat.db"), "fib.py", "It computes Fibonacci numbers, cached.", asked)
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_a_replys_thinking_is_folded_above_its_answer(snap_compare, tmp_path, tiny_model_paths):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("Thinking first")
+    now = time.time()
+    thought = "The user greets me.\nA short greeting back will do."
+    turn = [
+        Message(0, None, "user", "Hi!", None, now, None),
+        Message(0, None, "assistant", "Hello! How can I help?", None, now, None, thought),
+    ]
+    store.append_turn(session.id, None, turn)
+
+    async def select_reply(pilot):  # its keys, t among them, on the footer
+        await settled(pilot)
+        await pilot.press("up")
+        await pilot.pause()
+
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=select_reply)

@@ -10,10 +10,10 @@ from textual.geometry import Region
 from textual.widgets import Input, TextArea
 
 from llama_chat.app.cli import main
-from llama_chat.app.config import UserConfig
+from llama_chat.app.config import State, UserConfig
 from llama_chat.app.tui import ChatApp
 from llama_chat.app.tui.dialogs import HelpScreen, SettingsScreen, TextScreen
-from llama_chat.app.tui.sidebar import SessionTree
+from llama_chat.app.tui.sidebar import WIDTH_STEP, SessionTree
 from llama_chat.app.tui.widgets import ChatInput, MessageView
 from llama_chat.storage import ChatStore
 from tiny_models import write_tiny_model
@@ -60,12 +60,12 @@ async def test_settings_store_a_system_prompt_and_sampling_per_session(open_chat
         app.screen.query_one("#max_tokens", Input).value = "5"
         await pilot.press("ctrl+s")
         await idle(pilot)
-        session = app.store.get_session(app.chat.session.id)
+        session = app.sessions.get(app.chat.session.id)
         assert session.system_prompt == "Answer in one word."
         assert session.sampling["temperature"] == 0.5 and session.sampling["top_k"] == 7
         assert app.chat.query_one(".system-prompt").content == "system: Answer in one word."
         await say(pilot, "and then")
-        assert app.store.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
+        assert app.sessions.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
 
 
 @aio
@@ -95,7 +95,7 @@ async def test_settings_show_the_models_recommended_sampling_and_keep_it_a_defau
         await pilot.press("ctrl+s")
         await idle(pilot)
         # what was changed is the session's; what was left is the model's default, not copied in
-        assert app.store.get_session(app.chat.session.id).sampling == {"temperature": 0, "top_p": 0.5}
+        assert app.sessions.get(app.chat.session.id).sampling == {"temperature": 0, "top_p": 0.5}
 
 
 @aio
@@ -118,7 +118,7 @@ async def test_choose_another_model(open_chat, tiny_model_paths):
         app.screen.query_one("#path", Input).value = str(tiny_model_paths["llama"])
         app.screen.query_one("#path", Input).focus()
         await pilot.press("enter")
-        await until(pilot, lambda: app.chat.engine.model.name == "tiny-llama", what="the new model")
+        await until(pilot, lambda: app.chat.engine.model_info.name == "tiny-llama", what="the new model")
         await idle(pilot)
         assert app.chat.status.fields["model"] == "tiny-llama"
         assert UserConfig.load(app.config.path).model == str(tiny_model_paths["llama"])  # opens next time
@@ -135,7 +135,7 @@ async def test_a_missing_model_file_is_one_line_in_the_app(open_chat, qwen2, tmp
         app.screen.query_one("#path", Input).focus()
         await pilot.press("enter")
         await idle(pilot)
-        assert app.chat.engine.model.name == "tiny-qwen2"  # the loaded model stays
+        assert app.chat.engine.model_info.name == "tiny-qwen2"  # the loaded model stays
         assert any("no such file" in n for n in notices(app))
 
 
@@ -188,6 +188,43 @@ async def test_the_original_and_its_forks_are_told_apart_in_the_sidebar(open_cha
 
 
 @aio
+async def test_branches_are_listed_flat_by_their_own_words_with_their_parent_named(open_chat, tmp_path):
+    store = ChatStore(tmp_path / "chat.db")
+    garden = store.create_session("Garden")
+    store.add_message(garden.id, "user", "what grows in shade?")
+    store.add_message(garden.id, "assistant", "ferns")
+    roses = store.fork_session(garden.id)  # "Garden (fork)", as Ctrl+O makes it
+    store.add_message(roses.id, "user", "plant roses there instead")
+    tulips = store.fork_session(roses.id)  # a fork of the fork
+    store.add_message(tulips.id, "user", "and tulips")
+    async with open_chat() as pilot:
+        app = pilot.app
+        assert tree_labels(app) == [
+            (0, "Garden"),
+            (1, "plant roses there instead"),
+            (1, "● and tulips · from “plant roses there…”"),  # one level deep, its parent named
+        ]
+
+
+@aio
+async def test_the_sidebar_is_widened_by_key_or_by_its_edge_and_keeps_its_width(open_chat):
+    async with open_chat() as pilot:
+        sidebar = pilot.app.chat.sidebar
+        width = sidebar.outer_size.width
+        await pilot.press("alt+right", "alt+right", "alt+left")
+        await pilot.pause()
+        assert sidebar.outer_size.width == width + WIDTH_STEP == State().sidebar_width()
+        edge, row = sidebar.region.right - 1, 5
+        await pilot.mouse_down(offset=(edge, row))
+        await pilot.hover(offset=(50, row))
+        await pilot.mouse_up(offset=(50, row))
+        await pilot.pause()
+        assert sidebar.outer_size.width == 51 == State().sidebar_width()  # its edge where it was let go
+    async with open_chat() as pilot:  # the next start
+        assert pilot.app.chat.sidebar.outer_size.width == 51
+
+
+@aio
 async def test_search_lists_a_message_forks_share_once_and_opens_it_scrolled_to(open_chat, tmp_path):
     store, original = conversation_with_forks(tmp_path)
     for i in range(30):  # more conversation than the screen holds, after the message searched for
@@ -228,7 +265,7 @@ async def test_titles_are_one_line_with_single_spaces(open_chat):
         app.screen.query_one(Input).value = "  Spaced   out  title "
         await pilot.press("enter")
         await idle(pilot)
-        assert app.store.get_session(app.chat.session.id).title == "Spaced out title"
+        assert app.sessions.get(app.chat.session.id).title == "Spaced out title"
         assert tree_labels(app) == [(0, "● Spaced out title")]
 
 
@@ -265,7 +302,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         await until(pilot, lambda: app.chat.session.id != original.id, what="the imported chat")
         await idle(pilot)
         assert stored_path(app) == stored_path(app, original.id) and roles_and_text(app) == stored_path(app)
-        assert len(app.store.list_sessions()) == 2
+        assert len(app.sessions.list()) == 2
         await until(pilot, lambda: "resumed" in app.chat.status.fields, what="the resume line")
         restored = app.chat.status.fields["resumed"]  # its KV came with it: nothing recomputed
         assert re.fullmatch(r"[1-9][\d,]* tokens restored in \d+ ms", restored), restored
@@ -276,7 +313,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         await pilot.press("enter")
         await idle(pilot)
         assert any("hello.md" in n for n in notices(app))
-        assert len(app.store.list_sessions()) == 2
+        assert len(app.sessions.list()) == 2
 
 
 # -- keys, palette, help, themes -------------------------------------------------------------------
@@ -353,25 +390,29 @@ async def test_a_notice_leaves_the_message_box_free(tmp_path, qwen2):
 
 
 @aio
-async def test_api_chats_are_marked_and_f6_hides_them_and_down_goes_from_search_to_results(open_chat, tmp_path):
+async def test_api_chats_are_listed_apart_behind_f6_and_down_goes_from_search_to_results(open_chat, tmp_path):
     store = ChatStore(tmp_path / "chat.db")
-    api = store.create_session("Name a prime.", origin="api")
-    store.add_message(api.id, "user", "Name a prime.")
+    for title in ("Name a prime.", "Name an even prime."):
+        api = store.create_session(title, origin="api")  # as `llama-chat serve` keeps its clients' chats
+        store.add_message(api.id, "user", title)
     mine = store.create_session("my own chat")  # the newest: it opens
     store.add_message(mine.id, "user", "a prime please")
     async with open_chat() as pilot:
         app = pilot.app
-        assert (0, "Name a prime. · API") in tree_labels(app)
+        kind = app.chat.sidebar.query_one("#chats-kind")
+        assert tree_labels(app) == [(0, "● my own chat")] and not kind.display  # the user's own only
         await pilot.press("f6")
-        await until(pilot, lambda: len(tree_labels(app)) == 1, what="the API chat to go")
-        assert [label for _, label in tree_labels(app)] == ["● my own chat"]
-        await pilot.press("ctrl+f", *"prime")
-        await until(pilot, lambda: any("user:" in label for _, label in tree_labels(app)), what="the results")
-        assert not any("API" in label for _, label in tree_labels(app))  # nor in search results
+        await until(pilot, lambda: len(tree_labels(app)) == 2, what="the API chats")
+        assert [label for _, label in tree_labels(app)] == ["Name an even prime.", "Name a prime."]
+        assert kind.display and "API chats" in str(kind.render())
+        await pilot.press("ctrl+f", *"even")
+        found = [(0, "Name an even prime."), (1, "user: Name an even prime.")]  # among the API chats
+        await until(pilot, lambda: tree_labels(app) == found, what="the results")
         await pilot.press("down")  # from the search box to the results, as Tab does
         assert isinstance(app.focused, SessionTree)
-        await pilot.press("escape", "f6")
-        await until(pilot, lambda: len(tree_labels(app)) >= 2, what="the API chat back")
+        await pilot.press("ctrl+f", "escape", "f6")  # the search emptied, then the user's chats
+        await until(pilot, lambda: tree_labels(app) == [(0, "● my own chat")], what="the user's chats back")
+        assert not kind.display
 
 
 @aio
@@ -399,7 +440,7 @@ async def test_every_action_is_in_the_command_palette(open_chat):
 
 @aio
 async def test_every_binding_has_an_id_and_a_keymap_remaps_it(open_chat):
-    from llama_chat.app.tui import app, chat_screen, dialogs, sidebar, widgets
+    from llama_chat.app.tui import app, chat_screen, dialogs, path_input, sidebar, widgets
 
     classes = [
         app.ChatApp,
@@ -407,6 +448,8 @@ async def test_every_binding_has_an_id_and_a_keymap_remaps_it(open_chat):
         widgets.ChatInput,
         widgets.MessageView,
         sidebar.SessionTree,
+        sidebar.Sidebar,
+        path_input.PathInput,
     ]
     classes += [dialogs.Dialog, dialogs.ConfirmScreen, dialogs.TextScreen, dialogs.SettingsScreen]
     classes += [dialogs.AlternativesScreen, dialogs.HelpScreen]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llama_chat.inference import GenerationStats, KVSequence, SamplingParams
+from llama_chat.inference.thinking import ThinkingSplitter
 
 
 class QueueFull(Exception):
@@ -34,8 +35,8 @@ class State(enum.Enum):
 @dataclass(frozen=True)
 class Event:
     """What happened to a job. kind: "state" (the job entered `state`), "prefill" (done of total prompt
-    tokens computed), "text" (a piece of alternative `alt`), "end" (the job ended: see job.state,
-    job.error, job.result)."""
+    tokens computed), "text" (a piece of alternative `alt`'s answer), "thinking" (a piece of its
+    thinking), "end" (the job ended: see job.state, job.error, job.result)."""
 
     kind: str
     job: Job
@@ -67,15 +68,19 @@ class JobView(Protocol):
 
     def text(self, alt: int = 0) -> str: ...
 
+    def thinking(self, alt: int = 0) -> str: ...
+
     def wait(self, timeout: float | None = None) -> bool: ...
 
     def events(self) -> Iterator[Event]: ...
 
 
 # prepare() → (prompt token ids, the sequence to prefill them into), run by the scheduler when the job
-# is admitted; finish(job) → job.result, run by the scheduler when decoding ended (also when cancelled).
+# is admitted; finish(job) → job.result, run by the scheduler when decoding ended (also when cancelled);
+# thinking(prompt) → how a reply to the prompt is told apart into thinking and answer (None: all answer).
 Prepare = Callable[[], tuple[list[int], KVSequence]]
 Finish = Callable[["Job"], Any]
+Thinking = Callable[[list[int]], ThinkingSplitter | None]
 
 
 class Job:
@@ -96,8 +101,10 @@ class Job:
         drop_unanswered: bool = False,
         on_end: Callable[[Job], None] | None = None,
         continues_text: bool = False,
+        thinking: Thinking | None = None,
     ):
-        self.prepare = prepare
+        self._prepare = prepare
+        self._thinking = thinking
         self.finish = finish
         # The chat layer's own bookkeeping when the job ends however it ends (on the scheduler's thread,
         # which holds the pool), before its "end" event: KV given back, a session's turn counted off.
@@ -116,7 +123,9 @@ class Job:
         self.drop_unanswered = drop_unanswered
         self.state = State.QUEUED
         self.stats = [stats or GenerationStats()] + [GenerationStats() for _ in range(n - 1)]
-        self.pieces: list[list[str]] = [[] for _ in range(n)]
+        self.pieces: list[list[str]] = [[] for _ in range(n)]  # each alternative's answer, as it came
+        self.thoughts: list[list[str]] = [[] for _ in range(n)]  # and its thinking
+        self._splitters: list[ThinkingSplitter | None] = [None] * n
         self.seqs: list[KVSequence] = []  # one per alternative, once decoding starts
         self.result: Any = None  # what finish() returned
         self.remote: Any = None  # what the remote KV tier did for its prompt (a RemoteRead), if there is one
@@ -151,7 +160,11 @@ class Job:
         return self.drop_unanswered and self.cancelled and not self.answered
 
     def text(self, alt: int = 0) -> str:
+        """The answer of alternative `alt` so far (its thinking apart)."""
         return "".join(self.pieces[alt])
+
+    def thinking(self, alt: int = 0) -> str:
+        return "".join(self.thoughts[alt])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the job ended (True) or the timeout passed (False)."""
@@ -169,10 +182,34 @@ class Job:
 
     # -- what the scheduler calls ------------------------------------------------------------------
 
+    def prepare(self) -> tuple[list[int], KVSequence]:
+        """The prompt and its sequence; replies to the prompt are told apart from here on."""
+        prompt, seq = self._prepare()
+        if self._thinking is not None:
+            self._splitters = [self._thinking(prompt) for _ in range(self.n)]
+        return prompt, seq
+
     def emit(self, kind: str, **fields) -> None:
+        """Tell of an event; a "text" one is the reply as written: its thinking and its answer go out
+        apart, each as soon as it is told apart."""
+        splitter = self._splitters[fields.get("alt", 0)] if kind == "text" else None
+        if splitter is None:
+            return self._emit(kind, **fields)
+        for piece in splitter.feed(fields["text"]):
+            self._emit("thinking" if piece.thinking else "text", alt=fields.get("alt", 0), text=piece.text)
+
+    def replies_written(self) -> None:
+        """The replies are written (however they ended): what was held as a marker's possible start
+        goes out, before they are stored."""
+        for alt, splitter in enumerate(self._splitters):
+            for piece in splitter.finish() if splitter is not None else []:
+                self._emit("thinking" if piece.thinking else "text", alt=alt, text=piece.text)
+        self._splitters = [None] * self.n
+
+    def _emit(self, kind: str, **fields) -> None:
         event = Event(kind, self, **fields)
-        if kind == "text":
-            self.pieces[event.alt].append(event.text)
+        if kind in ("text", "thinking"):
+            (self.pieces if kind == "text" else self.thoughts)[event.alt].append(event.text)
         if self._on_event is not None:
             self._on_event(event)
         else:
@@ -180,7 +217,7 @@ class Job:
 
     def set_state(self, state: State) -> None:
         self.state = state
-        self.emit("state", state=state)
+        self._emit("state", state=state)
 
     def end(self, state: State, error: BaseException | None = None) -> None:
         self.state, self.error = state, error
@@ -189,17 +226,24 @@ class Job:
                 self.on_end(self)
         finally:
             self._ended.set()  # before the event: whoever hears "end" may wait() on it
-            self.emit("end")
+            self._emit("end")
 
 
-def stream_text(job: JobView, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[str]:
-    """A job's first reply as text pieces, as they come; on_prefill(done, total) hears of a long
-    prompt's progress. Leaving early (an exception, Ctrl+C) cancels the job and waits for it to end,
-    so what it made is kept; a job that failed raises its error at the end."""
+def stream_text(
+    job: JobView,
+    on_prefill: Callable[[int, int], None] | None = None,
+    on_thinking: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """A job's first reply's answer as text pieces, as they come; on_prefill(done, total) hears of a
+    long prompt's progress, on_thinking(text) of each piece of its thinking. Leaving early (an
+    exception, Ctrl+C) cancels the job and waits for it to end, so what it made is kept; a job that
+    failed raises its error at the end."""
     try:
         for event in job.events():
             if event.kind == "text" and event.alt == 0:
                 yield event.text
+            elif event.kind == "thinking" and event.alt == 0 and on_thinking is not None:
+                on_thinking(event.text)
             elif event.kind == "prefill" and on_prefill is not None:
                 on_prefill(event.done, event.total)
     finally:

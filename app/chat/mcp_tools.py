@@ -19,20 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import logging
 import os
+import shutil
+import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 
-from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_calls, tool_format
+from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_calls
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
 CLOSE_S = 10.0  # for the servers to end with the chat: the SDK gives one 2 s after stdin closes, 2 more after SIGTERM
 MAX_RESULT_CHARS = 16_000  # a tool's answer beyond this is cut: it goes into the context window whole
+GROUP_SCRIPT = Path(__file__).with_name("mcp_group.py")  # run as a script: it imports nothing of ours
 
 
 class ToolError(Exception):
@@ -238,8 +243,8 @@ def start_tools(engine, servers: dict) -> tuple[MCPTools | None, list[str]]:
     model's chat template cannot take tools (a line says so)."""
     if not servers:
         return None, []
-    model = engine.model
-    fmt = tool_format(model.chat_template) if model.has_chat_template else None
+    model = engine.model_info
+    fmt = model.tool_format
     if fmt is None:
         return None, [f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"]
     if fmt.with_id:  # its template refuses a tool's answer without the call's id, which a chat does not keep
@@ -259,7 +264,12 @@ def _transport(config: ServerConfig, errlog):
         return streamable_http_client(config.url)
     from mcp import StdioServerParameters, stdio_client
 
-    params = StdioServerParameters(command=config.command, args=config.args, env=config.env or None)
+    command, args = config.command, config.args
+    if os.name == "posix":  # started through mcp_group.py, which ends the server's children with it
+        if shutil.which(command, path=config.env.get("PATH")) is None:  # (said here: the SDK starts python)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), command)
+        command, args = sys.executable, ["-I", str(GROUP_SCRIPT), str(os.getpid()), command, *args]
+    params = StdioServerParameters(command=command, args=args, env=config.env or None)
     return stdio_client(params, errlog=errlog)
 
 

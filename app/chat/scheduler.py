@@ -281,6 +281,7 @@ class Scheduler:
         for stream in run.streams:
             stream.seq.truncate(stream.seq.n_tokens)  # a guess's KV is given back
         job = run.job
+        job.replies_written()
         for stats in job.stats:
             stats.stop_reason = stats.stop_reason or "cancelled"  # a reply cut short by a failure
         if job.finish is not None and not job.dropped:  # also after a failure: what was made is kept

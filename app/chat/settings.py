@@ -1,4 +1,5 @@
-"""What a reply is made with, defined once: the sampling parameters and the app's defaults.
+"""What a reply is made with, defined once: the sampling parameters, the longest reply, the chat
+template's own switches (thinking, reasoning effort) and the app's defaults.
 
 The command line's flags, config.toml's [sampling] table, the settings a session stores and the TUI's
 settings screen are all read from REPLY_SETTINGS; a SamplingParams is built by sampling_params() alone.
@@ -33,7 +34,7 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Setting:
     key: str  # the SamplingParams field, the key in config.toml and in a session's stored settings
-    kind: type  # int or float
+    kind: type  # int, float, or str (one of `choices`)
     default: int | float | None
     label: str  # on the settings screen
     help: str  # in --help, before the default
@@ -41,13 +42,18 @@ class Setting:
     high: float | None = None  # the largest value allowed
     low_open: bool = False  # `low` itself is refused: more than it, not "or more"
     flag: str = ""  # on the command line; --the-key-with-dashes unless given
+    choices: tuple[str, ...] = ()  # the values of a str setting
 
     @property
     def option(self) -> str:
         return self.flag or "--" + self.key.replace("_", "-")
 
-    def check(self, value) -> int | float:
+    def check(self, value) -> int | float | str:
         """The value as this setting's type, or SettingError saying what it must be."""
+        if self.choices:
+            if value not in self.choices:
+                raise SettingError(f"{self.key} must be {self.allowed}, not {value!r}")
+            return value
         wrong_type = isinstance(value, bool) or not isinstance(value, self.kind | int)  # 1 is a float's 1.0
         if wrong_type:
             raise SettingError(f"{self.key} must be {self.kind_name}, not {value!r}")
@@ -63,8 +69,10 @@ class Setting:
             raise SettingError(f"{self.key} must be {self.allowed}, not {value}")
         return value
 
-    def parse(self, text: str) -> int | float:
+    def parse(self, text: str) -> int | float | str:
         """A value typed as text (a flag, a field of the settings screen)."""
+        if self.choices:
+            return self.check(text.strip())
         try:
             value = self.kind(text.strip())
         except ValueError:
@@ -78,6 +86,8 @@ class Setting:
     @property
     def allowed(self) -> str:
         """The values allowed, in words ("between 0 and 1")."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
         if self.high is not None and self.low_open:
             return f"more than {self.low:g} and at most {self.high:g}"
         if self.high is not None:
@@ -142,9 +152,38 @@ SAMPLING: tuple[Setting, ...] = (
 REPLY_MAX_TOKENS = Setting(
     "max_tokens", int, MAX_TOKENS, "longest reply, in tokens", "the longest reply, in tokens", low=1
 )
-# what a session stores and the settings screen shows: the sampling, and the longest reply
-REPLY_SETTINGS: tuple[Setting, ...] = (*SAMPLING, REPLY_MAX_TOKENS)
+# The chat template's own switches: a model whose template reads neither ignores them.
+THINKING = Setting(
+    "thinking",
+    str,
+    None,
+    "thinking (empty = the model's)",
+    "whether a thinking model thinks before it answers (Qwen3's enable_thinking, its /think and "
+    "/no_think): on or off; unset, the model's way",
+    choices=("on", "off"),
+)
+REASONING_EFFORT = Setting(
+    "reasoning_effort",
+    str,
+    None,
+    "reasoning effort (empty = medium)",
+    "how long gpt-oss reasons before it answers: low, medium or high; unset, its template's (medium)",
+    choices=("low", "medium", "high"),
+)
+TEMPLATE_SETTINGS: tuple[Setting, ...] = (THINKING, REASONING_EFFORT)
+# what a session stores and the settings screen shows: the sampling, the longest reply, the switches
+REPLY_SETTINGS: tuple[Setting, ...] = (*SAMPLING, REPLY_MAX_TOKENS, *TEMPLATE_SETTINGS)
 SETTINGS = {s.key: s for s in REPLY_SETTINGS}
+
+
+def template_variables(settings: dict) -> dict:
+    """The chat template's variables that these settings set (none where they are unset)."""
+    variables = {}
+    if settings.get("thinking") is not None:
+        variables["enable_thinking"] = settings["thinking"] == "on"
+    if settings.get("reasoning_effort") is not None:
+        variables["reasoning_effort"] = settings["reasoning_effort"]
+    return variables
 
 
 def checked(values: dict, known: tuple[Setting, ...] = REPLY_SETTINGS) -> dict:

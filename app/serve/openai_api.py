@@ -1,5 +1,5 @@
-"""OpenAI's Chat Completions as this server reads and writes them: a request checked field by field
-into a CompletionRequest, and the shapes of replies, chunks and usage that clients expect.
+"""OpenAI's Chat Completions as this server reads them: a request checked field by field into a
+CompletionRequest (what it sends back: openai_replies.py).
 
 Fields a real client sends are read; OpenAI fields this server cannot honour are accepted only at
 their neutral value (no frequency or presence penalty, no logit bias) and refused otherwise, as unknown
@@ -8,20 +8,13 @@ fields are, so that a request never silently means something else here than ther
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import secrets
-import time
 from dataclasses import dataclass, field
 
-from llama_chat.inference import GenerationStats
-from llama_chat.inference.sampling import TokenLogprob
-from llama_chat.inference.tool_calls import ToolCall
-from llama_chat.storage import StoreError
-
-from ..chat.settings import SAMPLING, SettingError
+from ..chat.settings import REASONING_EFFORT, SAMPLING, SettingError
 from .errors import invalid
+from .transport import json_value
 
 MAX_N = 8  # alternatives of one request (each a reply decoded in the same batch)
 MAX_STOP = 4  # stop strings, as OpenAI allows
@@ -44,12 +37,12 @@ NEUTRAL = {
     "audio": [],
     "prediction": [],
     "web_search_options": [],
-    "reasoning_effort": [],
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
 READ |= {"store", "session", "prompt_cache_key", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 READ |= {"logprobs", "top_logprobs"}
+READ |= {"reasoning_effort", "chat_template_kwargs"}
 READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
 
 
@@ -139,9 +132,9 @@ def read_generation(body: dict, request) -> None:
 
 
 def _sampling(body: dict) -> dict:
-    """The sampling settings given, checked as every front end checks them (chat.settings)."""
+    """The reply settings given, checked as every front end checks them (chat.settings)."""
     given = {}
-    for setting in SAMPLING:
+    for setting in (*SAMPLING, REASONING_EFFORT):  # and gpt-oss's effort, under OpenAI's name
         if body.get(setting.key) is not None:
             try:
                 given[setting.key] = setting.check(body[setting.key])
@@ -149,7 +142,16 @@ def _sampling(body: dict) -> dict:
                 raise invalid(f"{e}.", param=setting.key) from None
     if given.get("seed", 0) < 0:
         raise invalid(f"seed must be 0 or more, not {given['seed']}.", param="seed")
-    return given
+    return given | _enable_thinking(body)
+
+
+def _enable_thinking(body: dict) -> dict:
+    """llama.cpp's chat_template_kwargs, as far as a setting says it: enable_thinking (`thinking`)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+        raise invalid("'chat_template_kwargs' may only hold 'enable_thinking' here.", param="chat_template_kwargs")
+    thinking = flag(kwargs, "enable_thinking", None, "chat_template_kwargs.enable_thinking")
+    return {} if thinking is None else {"thinking": "on" if thinking else "off"}
 
 
 def _tools(body: dict, request: CompletionRequest) -> None:
@@ -247,10 +249,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
         arguments = function.get("arguments") if isinstance(function, dict) else None
         if not isinstance(name, str) or not isinstance(arguments, str):
             raise invalid(f"'{where}[{i}]' must have a function with a name and arguments.", param=where)
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise invalid(f"'{where}[{i}].function.arguments' is not JSON.", param=where) from None
+        arguments = json_value(arguments, f"'{where}[{i}].function.arguments'", param=where)
         out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
@@ -319,125 +318,3 @@ def _session(body_value, header_value: str | None) -> str | None:
     if body_value and header_value and body_value != header_value:
         raise invalid("The body's 'session' and the X-Session-Id header name different sessions.", "session")
     return body_value or header_value or None
-
-
-# -- what the server sends back ------------------------------------------------------------------------
-
-
-@dataclass
-class Kept:
-    """Where a reply was stored: its session (None: nowhere), and why not where it was to be (a full
-    disk: then the client holds the only copy)."""
-
-    session: str | None = None
-    error: StoreError | None = None
-
-    def fields(self) -> dict:
-        """What a completion, its last chunks and its usage chunk say of it."""
-        out = {"session": self.session, "stored": self.session is not None}
-        if self.error is not None:
-            out["store_error"] = f"The reply was not stored: {self.error.brief or 'see the server log'}."
-        return out
-
-    @property
-    def error_code(self) -> str | None:
-        """The X-Store-Error header of a reply not stored where it was to be."""
-        if self.error is None:
-            return None
-        return "disk_full" if self.error.full else "storage_error"
-
-
-@dataclass
-class Reply:
-    """What every message of one completion shares."""
-
-    model: str
-    system_fingerprint: str
-    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def _head(self, object_type: str) -> dict:
-        return {
-            "id": self.id,
-            "object": object_type,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.system_fingerprint,
-        }
-
-    def completion(
-        self,
-        texts: list[str],
-        stats: list[GenerationStats],
-        kept: Kept,
-        kv_remote: dict | None = None,
-        calls: list[list[ToolCall]] | None = None,
-        logprobs: list[list[dict]] | None = None,
-    ) -> dict:
-        """The reply; `calls`: each alternative's tool calls (its text then is the content before them)."""
-        calls = calls or [[] for _ in texts]
-        choices = []
-        for i, (text, s, made) in enumerate(zip(texts, stats, calls, strict=True)):
-            message = {"role": "assistant", "content": text or (None if made else ""), "refusal": None}
-            if made:
-                message["tool_calls"] = [tool_call(c) for c in made]
-            content = None if logprobs is None else {"content": logprobs[i], "refusal": None}
-            choices.append(
-                {"index": i, "message": message, "logprobs": content, "finish_reason": finish_reason(s, bool(made))}
-            )
-        return {
-            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), **kept.fields()
-        }
-
-    def chunk(
-        self, index: int, delta: dict, finish: str | None = None, logprobs: list[dict] | None = None, **extra
-    ) -> dict:
-        content = None if logprobs is None else {"content": logprobs, "refusal": None}
-        choice = {"index": index, "delta": delta, "logprobs": content, "finish_reason": finish}
-        return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None, **extra}
-
-    def usage_chunk(self, stats: list[GenerationStats], kept: Kept, kv_remote: dict | None = None) -> dict:
-        return {
-            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), **kept.fields()
-        }
-
-
-def finish_reason(stats: GenerationStats, called: bool = False) -> str:
-    """OpenAI's names: "length" when the token limit (or the context window) ended it, "tool_calls"
-    when it ended with tool calls, else "stop"."""
-    if stats.stop_reason == "length":
-        return "length"
-    return "tool_calls" if called else "stop"
-
-
-def tool_call(call: ToolCall) -> dict:
-    """A call as OpenAI writes it: its id, the function's name and its arguments as JSON text."""
-    arguments = json.dumps(call.arguments, ensure_ascii=False)
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
-
-
-def token_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
-    """Tokens' log-probabilities as OpenAI writes them: each token's text and UTF-8 bytes."""
-
-    def one(token: int, logprob: float) -> dict:
-        data = tokenizer.token_bytes(token)
-        return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data)}
-
-    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
-
-
-def usage(stats: list[GenerationStats], kv_remote: dict | None = None) -> dict:
-    """Tokens of the prompt (counted once for n alternatives), of the replies, and how many of the
-    prompt's came from the KV cache (RAM, the database or the remote tier) rather than being computed;
-    with a remote tier, its numbers as `kv_remote` (clients ignore a field they do not know)."""
-    prompt = stats[0].prompt_tokens
-    completion = sum(s.generated_tokens for s in stats)
-    out = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": prompt - stats[0].prefilled_tokens},
-    }
-    if kv_remote is not None:
-        out["kv_remote"] = kv_remote
-    return out

@@ -16,6 +16,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .app import create_app
 from .errors import ApiError
 from .state import Notice, ServeOptions, api_keys_from, say
+from .transport import Deadline
 
 GRACEFUL_S = 10  # how long a stopping server lets running replies end (they are cancelled at once)
 
@@ -59,13 +60,15 @@ async def over_capacity(scope, receive, send) -> None:
 class Connection(H11Protocol):
     """uvicorn's HTTP/1.1 connection with the limits it lacks: a request's head must arrive whole
     within header_timeout_s (of the connection opening, or of the last response), so idle and
-    slow-header connections do not pile up; past max_connections, the request is answered 503."""
+    slow-header connections do not pile up, and its body by the Deadline each request carries in its
+    scope (transport reads the body by it); past max_connections, the request is answered 503."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.state = self.config.app.state.server
         self.options: ServeOptions = self.state.options
         self.head_deadline: asyncio.TimerHandle | None = None
+        self.head_started = 0.0  # when the head of the request to come was first waited for
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -78,6 +81,7 @@ class Connection(H11Protocol):
 
     def _await_head(self) -> None:
         self._head_arrived()
+        self.head_started = self.loop.time()
         self.head_deadline = self.loop.call_later(self.options.header_timeout_s, self._head_late)
 
     def _head_arrived(self) -> None:
@@ -95,6 +99,9 @@ class Connection(H11Protocol):
         super().handle_events()
         if self.cycle is not cycle:  # a request's head came whole
             self._head_arrived()
+            options = self.options
+            deadline = Deadline(self.head_started, options.request_timeout_s, options.min_body_rate)
+            self.cycle.scope["state"]["deadline"] = deadline
 
     def on_response_complete(self) -> None:
         self._await_head()  # the next request's (a pipelined one cancels it at once)
@@ -106,9 +113,10 @@ class Connection(H11Protocol):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server that, asked to stop, first turns new requests away (503) and cancels the
-    replies being made, so it does not wait on them; a signal ends it as a stop asked for (exit 0),
-    not as an interrupted program."""
+    """uvicorn's server that, on SIGTERM, drains: new requests get 503 while the replies under way
+    finish (for --drain-seconds at most), then it stops. Asked to stop otherwise (Ctrl+C, a second
+    SIGTERM, stop()), it turns new requests away and cancels the replies being made, so it does not
+    wait on them. A signal ends it as a stop asked for (exit 0), not as an interrupted program."""
 
     def __init__(self, config: uvicorn.Config):
         super().__init__(config)
@@ -138,11 +146,20 @@ class Server(uvicorn.Server):
             loop.default_exception_handler(context)
 
     def handle_exit(self, sig, frame) -> None:
+        self.stopped_by = self.stopped_by or signal.Signals(sig).name
+        if sig == signal.SIGTERM and self.state.begin_draining():
+            return  # on_tick stops the server once the replies under way are done
         self.state.begin_closing()
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl+C: stop waiting for anything
         self.should_exit = True
-        self.stopped_by = self.stopped_by or signal.Signals(sig).name
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn asks this ten times a second whether to stop."""
+        if self.state.phase == "draining" and self.state.drained():
+            self.state.begin_closing()  # what still runs past --drain-seconds is cut, and stored as it is
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def stop(self) -> None:
         self.state.begin_closing()
@@ -185,13 +202,13 @@ def url(sock: socket.socket) -> str:
 def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     """The server's options from the command line (flags not given keep ServeOptions' defaults), and
     its API keys (api_keys_from)."""
-    flags = ("host", "port", "parallel", "queue", "ctx", "max_connections")
+    flags = ("host", "port", "parallel", "queue", "ctx", "max_connections", "drain_seconds")
     given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     for name in ("parallel", "ctx", "max_connections"):
         if given.get(name, 1) < 1:
             raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
-    if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
-        raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
+    if min(given.get("queue", 0), given.get("drain_seconds", 0)) < 0 or not 0 <= given.get("port", 0) <= 65535:
+        raise BindRefused("--queue and --drain-seconds must be 0 or more, --port from 0 to 65535")
     for flag, option in (
         ("block_size", "block_size"), ("cache_type", "cache_type"), ("activations", "activations"), ("kv_codec", "codec")
     ):

@@ -1,8 +1,8 @@
-"""What the server is and has: its options, and its life — loading the model, ready, closing.
+"""What the server is and has: its options, and its life — loading the model, ready, draining, closing.
 
 The model loads in a thread after the server starts listening, so /health can say "loading" (503)
 meanwhile; every request that needs the model gets 503 until it is ready, and again once the server
-is shutting down.
+drains (SIGTERM: the replies under way finish, no new one starts) or is shutting down.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
@@ -23,6 +23,7 @@ from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
 from ..chat.engine import ChatEngine
+from ..chat.sessions import Sessions
 from ..chat.settings import CACHE_RAM_MB, CODEC, N_CTX
 from ..progress import ProgressBar
 from .errors import model_not_found, unavailable
@@ -34,6 +35,12 @@ MAX_CONNECTIONS = 256  # open at once; the next is answered 503 and closed (each
 KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this (uvicorn's own default)
 HEADER_TIMEOUT_S = 10  # a request's head (line and headers) must arrive whole within this (nginx: 60)
 BODY_TIMEOUT_S = 30  # each read of a request's body waits at most this (nginx's client_body_timeout: 60)
+# A request's head and body must arrive whole within this, plus a second per MIN_BODY_RATE bytes of body
+# (Apache's mod_reqtimeout's rule): a slow link's upload goes on, a trickle holds no connection for long.
+REQUEST_TIMEOUT_S = 30
+MIN_BODY_RATE = 16 << 10  # bytes a second: a 128 kbit/s link
+MAX_IMPORTS = 2  # imports received and checked at once (each streams to a file and reads it back); more: 429
+DRAIN_S = 30  # how long the replies under way at a SIGTERM have to finish before they are cut
 
 
 @dataclass
@@ -61,6 +68,10 @@ class ServeOptions:
     keep_alive_s: float = KEEP_ALIVE_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    min_body_rate: float = MIN_BODY_RATE
+    max_imports: int = MAX_IMPORTS
+    drain_seconds: float = DRAIN_S
 
     @property
     def engine(self) -> EngineOptions:
@@ -114,13 +125,16 @@ class ServerState:
         self.options = options
         self._load = load or open_model
         self.started = int(time.time())
-        self.phase = "loading"  # then "ready", or "failed"; at the end "closing"
+        self.phase = "loading"  # then "ready", or "failed"; at the end "draining" (SIGTERM), "closing"
+        self.drain_until = 0.0  # (time.monotonic) when replies still under way are cut
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
+        self.sessions: Sessions | None = None  # the stored conversations, opened with the engine
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
+        self.imports = 0  # being received or checked now (on the event loop: no lock needed)
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -134,20 +148,40 @@ class ServerState:
         try:
             model = self._load(options)
             model.warm_up()
-            engine = open_engine(options.engine, model=model)
+            sessions = Sessions(options.db)
+            try:
+                engine = open_engine(replace(options.engine, sessions=sessions), model=model)
+            except BaseException:
+                sessions.close()
+                raise
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
-        self.engine = engine
+        self.engine, self.sessions = engine, sessions
         if self.phase == "loading":
             self.phase = "ready"
         say(
             f"{model.name} ready in {time.perf_counter() - t0:.1f} s ({engine.n_ctx:,}-token context, "
             f"{options.parallel} replies at once, {options.queue} waiting at most)"
         )
+
+    def begin_draining(self) -> bool:
+        """New requests get 503 and /health says "draining"; the replies running or waiting go on for
+        options.drain_seconds at most (drained() says when they are done). False when there is nothing
+        to drain: the server is closing already, or drain_seconds is 0."""
+        if self.phase not in ("loading", "ready") or self.options.drain_seconds <= 0:
+            return False
+        self.phase, self.drain_until = "draining", time.monotonic() + self.options.drain_seconds
+        say(f"draining: no new requests; the replies under way have {self.options.drain_seconds:g} s")
+        return True
+
+    def drained(self) -> bool:
+        """No reply runs or waits any more, or drain_seconds have passed (closing cuts what is left)."""
+        load = {"active": 0, "queued": 0} if self.engine is None else self.engine.health()
+        return load["active"] == load["queued"] == 0 or time.monotonic() >= self.drain_until
 
     def begin_closing(self) -> None:
         """New requests get 503; every running reply is cancelled (what was made is kept)."""
@@ -161,7 +195,7 @@ class ServerState:
             self._thread.join()
         if self.engine is not None:
             self.engine.close()
-            self.engine.store.close()
+            self.sessions.close()
 
     # -- what requests ask -------------------------------------------------------------------------
 
@@ -173,16 +207,23 @@ class ServerState:
         if self.phase == "failed":
             # the server's log says why (the reason names the server's files)
             raise unavailable("The model could not be loaded; the server is stopping.", "model_failed")
+        if self.phase == "draining":
+            raise unavailable("The server is draining before it stops: it takes no new requests.", "draining")
         raise unavailable("The server is shutting down.", "shutting_down")
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
             raise model_not_found(name, self.options.model_id)
 
-    def health(self) -> dict:
-        """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
-        the remote tier's numbers when there is one."""
-        return {"status": "ok", "model": self.options.model_id, **self.ready().health()}
+    def health(self) -> tuple[int, dict]:
+        """What a load balancer asks: 200 and "ready", with the replies running and waiting, the KV
+        pool's bytes (in use by replies, cached for reuse) and the remote tier's numbers when there is
+        one; else 503 and "loading", "draining", "closing" or "failed". It waits on nothing (the
+        engine's health() does not wait on its lock)."""
+        said = {"status": self.phase, "model": self.options.model_id}
+        if self.phase != "ready":
+            return 503, said
+        return 200, {**said, **self.engine.health()}
 
 
 def open_model(options: ServeOptions) -> Model:

@@ -24,19 +24,8 @@ from ..chat.replies import PromptTooLong
 from ..chat.settings import SAMPLING
 from .completions import event_stream, kv_remote, refuse_when_full, submitted, whole
 from .errors import context_length_exceeded, invalid
-from .openai_api import (
-    Kept,
-    Reply,
-    check_fields,
-    finish_reason,
-    flag,
-    model_of,
-    number,
-    read_generation,
-    text_field,
-    unicode_text,
-    usage,
-)
+from .openai_api import check_fields, flag, model_of, number, read_generation, text_field, unicode_text
+from .openai_replies import Kept, Reply, finish_reason, usage
 from .state import ServerState
 from .transport import JobEvents, read_json, tenant_of
 
@@ -181,6 +170,9 @@ class _TextStream:
             return []
         return [self.reply.text_chunk([self.reply.choice(i, self.echo, None)]) for i in range(self.job.n)]
 
+    def thinking(self, alt: int, text: str) -> list[dict]:
+        return []  # a raw prompt's continuation is never told apart
+
     def text(self, alt: int, text: str) -> list[dict]:
         return [self.reply.text_chunk([self.reply.choice(alt, text, self._logprobs(alt))])]
 
@@ -204,11 +196,11 @@ async def text_completions(request: Request) -> Response:
     engine = state.ready()
     events, tenant = JobEvents(), tenant_of(request)
     job = await run_in_threadpool(submitted, lambda: _submit(engine, req, events, tenant))
-    reply = TextReply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
+    reply = TextReply(req.model, "llama-chat-" + engine.model_info.fingerprint[:12])
     echo = _echoed(engine, req.prompt) if req.echo else ""
     logprobs = None
     if req.logprobs is not None:
-        logprobs = LegacyLogprobs(job, engine.model.tokenizer, req.logprobs, len(echo))
+        logprobs = LegacyLogprobs(job, engine.model_info.tokenizer, req.logprobs, len(echo))
     if req.stream:
         return event_stream(job, events, _TextStream(job, reply, echo, logprobs, req.include_usage, engine))
     if await whole(request, job, events) is None:
@@ -241,4 +233,4 @@ def _submit(engine: ChatEngine, req: TextRequest, events: JobEvents, tenant: str
 
 
 def _echoed(engine: ChatEngine, prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(prompt)
+    return prompt if isinstance(prompt, str) else engine.model_info.tokenizer.decode(prompt)

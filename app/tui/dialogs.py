@@ -13,6 +13,7 @@ from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
 from ..chat.settings import DEFAULT_SAMPLING, REPLY_SETTINGS, SamplingDefaults, SettingError
+from .path_input import PathInput
 
 CANCEL = Binding("escape", "cancel", "Cancel", id="dialog_cancel")
 
@@ -62,19 +63,24 @@ class ConfirmScreen(Dialog):
 
 
 class TextScreen(Dialog):
-    """One line (Enter saves) or several (Ctrl+S saves); dismisses with the text, or None."""
+    """One line (Enter saves) or several (Ctrl+S saves); dismisses with the text, or None. A `path`:
+    one line completed as it is typed (path_input.py)."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Save", id="dialog_save", priority=True)]
 
-    def __init__(self, title: str, text: str = "", multiline: bool = False, hint: str = ""):
+    def __init__(
+        self, title: str, text: str = "", multiline: bool = False, hint: str = "", path: bool = False
+    ):
         super().__init__(title)
-        self.text, self.multiline, self.hint = text, multiline, hint
+        self.text, self.multiline, self.hint, self.path = text, multiline, hint, path
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label(self.dialog_title, classes="dialog-title", markup=False)
             if self.multiline:
                 yield TextArea(self.text, soft_wrap=True, id="text")
+            elif self.path:
+                yield PathInput(self.text, id="text")
             else:
                 yield Input(self.text, id="text")
             yield Label(
@@ -129,7 +135,8 @@ class SettingsScreen(Dialog):
                     yield Label(setting.label)
                     yield Input(
                         "" if value is None else str(value),
-                        type="integer" if setting.kind is int else "number",
+                        type={int: "integer", float: "number"}.get(setting.kind, "text"),
+                        placeholder=" / ".join(setting.choices),
                         id=setting.key,
                         compact=True,
                     )
@@ -155,7 +162,7 @@ class SettingsScreen(Dialog):
                 value = setting.parse(text) if text else None
                 # a default left as it is stays a default: it follows the model of the reply
                 if value is not None and (
-                    value != self.defaults[setting.key] or setting.key in self.sampling
+                    value != self.defaults.get(setting.key) or setting.key in self.sampling
                 ):
                     sampling[setting.key] = value
         except SettingError as e:

@@ -1,38 +1,60 @@
-"""The sidebar: a search field over the chats, and the chats as a tree (each fork under its parent)."""
+"""The sidebar: a search field over the chats, and the chats as a list with each conversation's
+branches under it (one level deep, each named by its own first words and, below a branch, its parent);
+the chats of `llama-chat serve`'s clients apart, behind F6. Its width is set by key or by dragging its
+edge, and kept for the next start."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message as UIMessage
-from textual.widgets import Input, Tree
+from textual.widgets import Input, Label, Tree
 
-from llama_chat.storage import ChatStore, Message, Session, StoreError
+from llama_chat.storage import Message, Session, StoreError
+from llama_chat.storage.records import unmarked_title
+
+from ..chat.conversations import API_ORIGIN
+from ..chat.sessions import Sessions
+from ..chat.titles import session_title, title_from_text
 
 SEARCH_DELAY_S = 0.2  # wait for typing to pause before searching
+BRANCH_WORDS = 40  # a branch named by its first own message: that many characters of it at most
+PARENT_WORDS = 24  # a branch's parent, named after it
+MIN_WIDTH, CHAT_WIDTH = 16, 40  # the sidebar's narrowest, and the columns it always leaves the chat
+WIDTH_STEP = 4  # columns a key press widens or narrows it
 
 
-def branch_points(store: ChatStore, sessions: list[Session]) -> dict[str, int]:
-    """For each fork among `sessions`: how many messages it shares with the session it came from."""
+@dataclass(frozen=True)
+class BranchPoint:
+    """Where a fork left the session it came from: how many messages they share, and its first own one."""
+
+    shared: int
+    added: Message | None
+
+
+def branch_points(chats: Sessions, sessions: list[Session]) -> dict[str, BranchPoint]:
+    """For each fork among `sessions`: where it left the session it came from."""
     by_id = {s.id: s for s in sessions}
-    paths: dict[str, list[int]] = {}
+    paths: dict[str, list[Message]] = {}
 
-    def path(session: Session) -> list[int]:
+    def path(session: Session) -> list[Message]:
         if session.id not in paths:
-            paths[session.id] = [m.id for m in store.path(session.head_id)]
+            paths[session.id] = chats.messages(session)
         return paths[session.id]
 
     points = {}
     for s in sessions:
         parent = by_id.get(s.forked_from)
         if parent is not None:
-            pairs = list(zip(path(s), path(parent)))
-            points[s.id] = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+            own, theirs = path(s), path(parent)
+            pairs = list(zip(own, theirs))
+            shared = next((i for i, (a, b) in enumerate(pairs) if a.id != b.id), len(pairs))
+            points[s.id] = BranchPoint(shared, own[shared] if shared < len(own) else None)
     return points
 
 
@@ -50,23 +72,64 @@ class SearchHit:
     snippet: str
 
 
-def branch_label(session: Session, parent_title: str, shared: int | None) -> Text:
-    """A session's line: a branch under its parent by what it adds to the title ("(fork)") and
-    where it left the parent, so that the original and its forks never look the same."""
-    title = session.title
-    if parent_title and title.startswith(parent_title) and title != parent_title:
-        title = title[len(parent_title) :].strip() or title
-    label = Text(" ".join(title.split()))  # titles stored before they were tidied
-    if session.origin == "api":  # a client of `llama-chat serve` made it (F6 hides them)
-        label.append(" · API", style="dim italic")
-    if shared is not None:
+def own_words(session: Session, parent: Session, point: BranchPoint | None) -> str | None:
+    """What tells a branch from the session it came from: its own title (given by the user, or by its
+    first message), else the first words of its first own message (regenerated replies differ there);
+    None while it has none."""
+    if unmarked_title(session.title) != unmarked_title(parent.title):
+        return session_title(session.title)
+    if point is not None and point.added is not None:
+        return title_from_text(point.added.content, BRANCH_WORDS)
+    return None
+
+
+def branch_label(session: Session, by_id: dict[str, Session], points: dict[str, BranchPoint]) -> Text:
+    """A session's line: a conversation by its title; a branch by its own first words (or, while it
+    has none, by its mark and where it left: "(fork) · after msg 4"), and by the branch it came from
+    when that is not the conversation it is listed under, so that no two lines look the same."""
+    parent = by_id.get(session.forked_from)
+    if parent is None:
+        return Text(session_title(session.title))  # (titles stored before they were tidied)
+    point = points.get(session.id)
+    words = own_words(session, parent, point)
+    if words is not None:
+        label = Text(words)
+    else:
+        label = Text(session.title[len(unmarked_title(session.title)) :].strip() or "(fork)")
+        shared = point.shared if point else 0
         label.append(f" · after msg {shared}" if shared else " · from the start", style="dim")
+    grandparent = by_id.get(parent.forked_from)
+    if grandparent is not None:  # a branch of a branch: listed flat, its parent named
+        named = own_words(parent, grandparent, points.get(parent.id)) or parent.title
+        label.append(f" · from “{title_from_text(named, PARENT_WORDS)}”", style="dim")
     return label
 
 
+def conversations(sessions: list[Session]) -> list[tuple[Session, list[Session]]]:
+    """The sessions as conversations, in the order given (newest first), each with the branches made
+    from it or from its branches, in the order they were made."""
+    by_id = {s.id: s for s in sessions}
+
+    def root(session: Session) -> Session:
+        seen = {session.id}
+        while session.forked_from in by_id and session.forked_from not in seen:
+            session = by_id[session.forked_from]
+            seen.add(session.id)
+        return session
+
+    branches: dict[str, list[Session]] = {}
+    for s in sessions:
+        top = root(s)
+        if top.id != s.id:
+            branches.setdefault(top.id, []).append(s)
+    return [
+        (s, sorted(branches.get(s.id, []), key=lambda b: b.created)) for s in sessions if root(s).id == s.id
+    ]
+
+
 class SessionTree(Tree[ChatRef]):
-    """The conversations, newest first, each fork under the session it came from; in search results,
-    the matching messages under their session."""
+    """The conversations, newest first, each with its branches under it, one level deep; in search
+    results, the matching messages under their session."""
 
     BINDINGS = [Binding("delete,d", "delete", "Delete", id="delete_session")]
 
@@ -84,41 +147,35 @@ class SessionTree(Tree[ChatRef]):
         self,
         sessions: list[Session],
         current: str | None,
-        branch_points: dict[str, int],
+        points: dict[str, BranchPoint],
         hits: dict[str, list[SearchHit]] | None = None,
     ) -> None:
-        """Draw the sessions as a tree; `branch_points`: how many messages a fork shares with its
-        parent; `hits`: search results to list under their session (None: not a search)."""
-        ids = {s.id for s in sessions}
-        children: dict[str | None, list[Session]] = {}
-        for s in sessions:
-            children.setdefault(s.forked_from if s.forked_from in ids else None, []).append(s)
-        for parent, kids in children.items():
-            if parent is not None:  # branches in the order they were made; roots stay newest first
-                kids.sort(key=lambda s: s.created)
+        """Draw the sessions, each conversation with its branches under it; `points`: where each fork
+        left the session it came from; `hits`: search results to list under their session (None: not
+        a search)."""
+        by_id = {s.id: s for s in sessions}
         self.clear()
         current_node = None
 
-        def add(parent, session: Session, parent_title: str = "") -> None:
+        def add(parent, session: Session, branches: list[Session] = ()) -> None:
             nonlocal current_node
-            label = branch_label(session, parent_title, branch_points.get(session.id))
+            label = branch_label(session, by_id, points)
             if session.id == current:
                 label = Text("● ", style="bold") + label
                 label.stylize("bold")
-            kids = children.get(session.id, [])
             session_hits = (hits or {}).get(session.id, [])
             ref = ChatRef(session.id)
-            node = parent.add(label, data=ref, expand=True) if kids or session_hits else None
+            node = parent.add(label, data=ref, expand=True) if branches or session_hits else None
             node = node or parent.add_leaf(label, data=ref)
             if session.id == current:
                 current_node = node
             for hit in session_hits:
                 node.add_leaf(Text(hit.snippet, style="dim"), data=ChatRef(session.id, hit.message_id))
-            for kid in kids:
-                add(node, kid, session.title)
+            for branch in branches:
+                add(node, branch)
 
-        for root in children.get(None, []):
-            add(self.root, root)
+        for conversation, branches in conversations(sessions):
+            add(self.root, conversation, branches)
         if hits is not None and not sessions:
             self.root.add_leaf(Text("nothing found", style="dim"))
         # search results from the first one, not from where the cursor was; else at the open chat
@@ -134,27 +191,74 @@ class SessionTree(Tree[ChatRef]):
 
 
 class Sidebar(Vertical):
-    """The search field and the tree; it reads the store off the UI thread and redraws itself."""
+    """The search field and the tree; it reads the chats (`sessions`) off the UI thread and redraws
+    itself. `width`: as the user left it last time (None: the stylesheet's)."""
 
     BINDINGS = [Binding("down", "to_results", "Results", id="search_results", show=False)]
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.current: str | None = None  # the open chat's session, marked with "●"
-        self.hide_api = False  # the chats clients of `llama-chat serve` made are left out
-        self._search_timer = None
+    class Resized(UIMessage):
+        """The user gave the sidebar a new width (kept for the next start)."""
 
-    @property
-    def store(self) -> ChatStore:
-        return self.app.store
+        def __init__(self, width: int):
+            super().__init__()
+            self.width = width
+
+    def __init__(self, sessions: Sessions, width: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.sessions = sessions
+        self.current: str | None = None  # the open chat's session, marked with "●"
+        self.api_chats = False  # the chats clients of `llama-chat serve` made, instead of the user's own
+        self._search_timer = None
+        self._dragging, self._dragged_to = False, 0  # dragging its edge; to what width
+        if width is not None:
+            self.styles.width = width
 
     @property
     def search(self) -> Input:
         return self.query_one("#search", Input)
 
     def compose(self) -> ComposeResult:
+        yield Label("API chats (F6: yours)", id="chats-kind")
         yield Input(placeholder="Search chats (Ctrl+F)", id="search")
         yield SessionTree(id="sessions")
+
+    # -- which chats -------------------------------------------------------------------------------
+
+    def show_api_chats(self, api: bool) -> None:
+        """List the chats of serve's clients (else the user's own), from the next redraw."""
+        self.api_chats = api
+        self.query_one("#chats-kind").display = api
+
+    # -- its width -------------------------------------------------------------------------------
+
+    def widen(self, columns: int) -> None:
+        """Wider (or, negative, narrower) by key."""
+        self.post_message(self.Resized(self.set_width(self.outer_size.width + columns)))
+
+    def set_width(self, width: int) -> int:
+        """As wide as asked, within MIN_WIDTH and what leaves the chat CHAT_WIDTH columns: the width set."""
+        widest = max(MIN_WIDTH, self.screen.size.width - CHAT_WIDTH)
+        self.styles.width = width = min(max(width, MIN_WIDTH), widest)
+        return width
+
+    def on_mouse_down(self, event: events.MouseDown) -> None:
+        """A press on the right edge starts dragging it."""
+        if event.screen_x == self.region.right - 1:
+            self._dragging, self._dragged_to = True, self.region.width
+            self.capture_mouse()
+            event.stop()
+
+    def on_mouse_move(self, event: events.MouseMove) -> None:
+        if self._dragging:
+            self._dragged_to = self.set_width(event.screen_x - self.region.x + 1)
+
+    def on_mouse_up(self, event: events.MouseUp) -> None:
+        if self._dragging:
+            self._dragging = False
+            self.release_mouse()
+            self.post_message(self.Resized(self._dragged_to))
+
+    # -- drawing ---------------------------------------------------------------------------------
 
     def show_chats(self, current: str | None) -> None:
         """Redraw: every chat, or the hits of the search being typed; `current` is the open one."""
@@ -186,24 +290,23 @@ class Sidebar(Vertical):
             self.query_one(SessionTree).focus()
 
     def listed(self) -> list[Session]:
-        """The chats the list shows (on a worker thread)."""
-        sessions = self.store.list_sessions()
-        return [s for s in sessions if s.origin != "api"] if self.hide_api else sessions
+        """The chats the list shows (on a worker thread): the user's own, or serve's clients' (F6)."""
+        return [s for s in self.sessions.list() if (s.origin == API_ORIGIN) == self.api_chats]
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def sessions_worker(self) -> None:
         sessions = self.listed()
-        points = branch_points(self.store, sessions)
+        points = branch_points(self.sessions, sessions)
         self.app.call_from_thread(self.draw, sessions, points)
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def search_worker(self, query: str) -> None:
-        """Sessions whose title contains the words or whose messages match, as a tree (forks under
-        their parent); each matching message once, under the first session that had it."""
+        """Sessions whose title contains the words or whose messages match, with their branches; each
+        matching message once, under the first session that had it."""
         words = query.lower().split()
         sessions = self.listed()
         try:
-            found = self.store.search(query)
+            found = self.sessions.search(query)
         except StoreError:
             found = []
         first: dict[int, tuple[Session, Message]] = {}  # a message forks share is one hit
@@ -218,10 +321,13 @@ class Sidebar(Vertical):
             snippet = f"{message.role}: {' '.join(message.content.split())[:60]}"
             hits.setdefault(session.id, []).append(SearchHit(message.id, snippet))
         matching = [s for s in sessions if s.id in hits or all(w in s.title.lower() for w in words)]
-        points = branch_points(self.store, sessions)
+        points = branch_points(self.sessions, sessions)
         self.app.call_from_thread(self.draw, matching, points, hits)
 
     def draw(
-        self, sessions: list[Session], points: dict[str, int], hits: dict[str, list[SearchHit]] | None = None
+        self,
+        sessions: list[Session],
+        points: dict[str, BranchPoint],
+        hits: dict[str, list[SearchHit]] | None = None,
     ) -> None:
         self.query_one(SessionTree).show_sessions(sessions, self.current, points, hits)

@@ -2,33 +2,41 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from markdown_it import MarkdownIt
+from rich.cells import cell_len
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
-from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
+from textual.widgets import Collapsible, Label, Markdown, ProgressBar, Static, TextArea
 
 from llama_chat.storage import Message
+from llama_chat.storage.fragments import parts
+
+from .message_text import fenced, markdown_parser, size_text
 
 if TYPE_CHECKING:
-    from llama_chat.inference import Model
-
+    from ..chat.engine import ModelInfo
     from ..chat.resume import ResumeInfo
 
 AUTHORS = {"user": "you", "assistant": "assistant"}
 
 
 class MessageView(Vertical, can_focus=True):
-    """A message of the conversation, as Markdown; focus it (↑ from the input) to act on it."""
+    """A message of the conversation as it was written (message_text.py): Markdown, each attached file
+    folded with its name and size, a reply's thinking folded above its answer; focus it (↑ from the
+    input) to act on it."""
 
     BINDINGS = [
         # a tooltip puts the action in the command palette, where it acts on the selected (or last) message
         Binding("e", "edit", "Edit", id="edit_message", tooltip="Edit a message of yours, in a new branch"),
         Binding("c", "copy", "Copy", id="copy_message", tooltip="Copy the message"),
         Binding("y", "copy_code", "Copy code", id="copy_code", tooltip="Copy a code block (again: the next)"),
+        Binding("t", "thinking", "Thinking", id="show_thinking", tooltip="Unfold (or fold) a reply's thinking"),
         Binding("up,k", "step(-1)", "Previous", id="previous_message", show=False),
         Binding("down,j", "step(1)", "Next", id="next_message", show=False),
     ]
@@ -38,10 +46,13 @@ class MessageView(Vertical, can_focus=True):
             super().__init__()
             self.view = view
 
-    def __init__(self, role: str, content: str = "", message: Message | None = None, note: str = ""):
+    def __init__(
+        self, role: str, content: str = "", message: Message | None = None, note: str = "", thinking: str = ""
+    ):
         super().__init__(classes=role)
         self.role = role
         self.content = content
+        self.thinking = thinking
         self.message = message  # None until it is stored (a reply being streamed)
         self.note = note
         self._stream = None
@@ -49,7 +60,14 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._heading(), classes="author", markup=False)
-        yield Markdown(self.content)
+        if self.thinking:
+            yield thinking_fold(self.thinking)
+        for name, text in parts(self.content) or [(None, "")]:
+            if name is None:
+                yield Markdown(fenced(text), parser_factory=markdown_parser)
+            else:
+                title = f"{name} · {size_text(text)}"
+                yield Collapsible(Static(text, markup=False), title=title, classes="attachment")
 
     def _heading(self) -> str:
         author = AUTHORS.get(self.role, self.role)
@@ -62,18 +80,30 @@ class MessageView(Vertical, can_focus=True):
     async def append(self, text: str) -> None:
         """Add streamed text: the Markdown stream renders only the blocks that changed."""
         if self._stream is None:
-            self._stream = Markdown.get_stream(self.query_one(Markdown))
+            self._stream = Markdown.get_stream(self.query(Markdown).last())
         self.content += text
         await self._stream.write(text)
 
+    async def append_thinking(self, text: str) -> None:
+        """Add streamed thinking, to its fold (made when the first of it comes)."""
+        self.thinking += text
+        if self.query(".thinking"):
+            self.query_one(".thinking-text", Static).update(self.thinking)
+        else:
+            await self.mount(thinking_fold(self.thinking), after=self.query_one(".author"))
+
     async def finish(self) -> None:
+        """The reply is written: drawn again whole, its code written without a fence fenced."""
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+            written = fenced(self.content)
+            if written != self.content:
+                await self.query(Markdown).last().update(written)
 
     def code_blocks(self) -> list[str]:
-        tokens = MarkdownIt("gfm-like").parse(self.content)
-        return [t.content for t in tokens if t.type in ("fence", "code_block")]
+        written = "\n".join(fenced(text) for name, text in parts(self.content) if name is None)
+        return [t.content for t in markdown_parser().parse(written) if t.type in ("fence", "code_block")]
 
     def action_edit(self) -> None:
         self.post_message(self.Edit(self))
@@ -92,6 +122,14 @@ class MessageView(Vertical, can_focus=True):
         self.app.copy_to_clipboard(blocks[i])
         self.notify(f"Copied code block {i + 1} of {len(blocks)}")
 
+    def action_thinking(self) -> None:
+        folds = self.query(".thinking")
+        if not folds:
+            self.notify("This message has no thinking", severity="warning")
+            return
+        fold = folds.first(Collapsible)
+        fold.collapsed = not fold.collapsed
+
     def action_step(self, delta: int) -> None:
         views = list(self.parent.query_children(MessageView)) if self.parent else []
         i = views.index(self) + delta
@@ -102,14 +140,20 @@ class MessageView(Vertical, can_focus=True):
             self.screen.query_one(ChatInput).focus()
 
 
+def thinking_fold(text: str) -> Collapsible:
+    """A reply's thinking, folded: its text as written (no Markdown: it is notes, not the answer)."""
+    return Collapsible(Static(text, markup=False, classes="thinking-text"), title="thinking", classes="thinking")
+
+
 class ChatInput(TextArea):
     """The message being written: Enter sends, Ctrl+J (or Shift+Enter where the terminal tells) adds a line."""
 
     # Priority bindings run as the key arrives, before keys typed just before it (a paste, tmux
     # send-keys) have reached the text, so the actions queue behind them with call_later.
     BINDINGS = [
-        Binding("enter", "send", "Send", id="send", priority=True),
-        Binding("ctrl+j,shift+enter", "newline", "New line", id="newline", priority=True),
+        # (not on the footer: the empty input says them, and F1; the footer's room is the chat's keys')
+        Binding("enter", "send", "Send", id="send", priority=True, show=False),
+        Binding("ctrl+j,shift+enter", "newline", "New line", id="newline", priority=True, show=False),
     ]
 
     class Submitted(UIMessage):
@@ -142,7 +186,7 @@ class ChatInput(TextArea):
             super().action_cursor_up(select)
 
 
-def model_label(model: Model) -> str:
+def model_label(model: ModelInfo) -> str:
     """The model as it was chosen: its file's stem, which for a known model is its short name. The
     GGUF's own general.name can describe another build ("… AWQ" on the default Q4_K_M file)."""
     return model.path.stem
@@ -159,9 +203,9 @@ def speed_text(stats: dict) -> str | None:
     """A stored reply's speeds and, when prompt lookup guessed, how many guessed tokens were kept; a
     part that did not run (a reply stopped while it read) is left out."""
     prefill, decode = stats.get("prefill_tok_s", 0), stats.get("decode_tok_s", 0)
-    parts = [f"prefill {prefill:,.0f}"] if prefill else []
-    parts += [f"decode {decode:,.1f}"] if decode else []
-    text = " · ".join(parts) + " tok/s" if parts else None
+    parts = [f"prefill {prefill:,.0f} tok/s"] if prefill else []
+    parts += [f"decode {decode:,.1f} tok/s"] if decode else []
+    text = " · ".join(parts) or None
     drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_tokens", 0)
     return f"{text} · lookup {accepted}/{drafted}" if text and drafted else text
 
@@ -179,8 +223,32 @@ class WorkDone(UIMessage):
     """Long work has ended: the bar goes. Posted like Progress, so it cannot overtake the last one."""
 
 
+SHOWN = ("work", "model", "context", "speed", "resumed")  # the status line's parts, left to right
+KEPT = ("work", "context", "speed", "resumed", "model")  # the first kept when the line is short of room
+MODEL_COLUMNS = 12  # the model's name is cut to the room left, down to this many columns, else left out
+
+
+def fitting(fields: dict[str, str], width: int) -> str:
+    """The status line in `width` columns: its parts in KEPT's order while they fit (the first always:
+    it wraps; the model's name cut with "…" to the room left), shown in SHOWN's order; all of them
+    before the line is laid out (`width` 0)."""
+    kept: dict[str, str] = {}
+    for name in (n for n in KEPT if fields.get(n)):
+        text = fields[name]
+        room = width - cell_len(" · ".join([*kept.values(), ""]))  # after the parts kept and a " · "
+        if kept and width > 0 and cell_len(text) > room:
+            if name != "model" or room < MODEL_COLUMNS:
+                continue
+            cut = Text(text)
+            cut.truncate(room, overflow="ellipsis")
+            text = cut.plain
+        kept[name] = text
+    return " · ".join(kept[n] for n in SHOWN if n in kept)
+
+
 class StatusLine(Horizontal):
-    """Model, context used, speed of the last reply, how the session was resumed; a bar for long work."""
+    """Model, context used, speed of the last reply, how the session was resumed, what fits of them
+    on one line; a bar for long work (told by workers with Progress and WorkDone, posted to it)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -197,18 +265,44 @@ class StatusLine(Horizontal):
                 self.fields.pop(name, None)
             else:
                 self.fields[name] = value
-        order = ["work", "model", "context", "speed", "resumed"]
-        self.query_one("#status-text", Static).update(
-            " · ".join(self.fields[k] for k in order if self.fields.get(k))
-        )
+        self.show()
+
+    def show(self) -> None:
+        bar = self.query_one(ProgressBar)
+        width = self.content_size.width - (bar.outer_size.width if bar.display else 0)
+        self.query_one("#status-text", Static).update(fitting(self.fields, width))
+
+    def on_resize(self) -> None:
+        self.show()
 
     def progress(self, label: str, done: float | None = None, total: float | None = None) -> None:
         """Show long work: a label and a bar (no total: an indeterminate bar)."""
         self.set(work=label)
         bar = self.query_one(ProgressBar)
-        bar.display = True
+        if not bar.display:
+            bar.display = True
+            self.call_after_refresh(self.show)  # in the room the bar leaves, once it is laid out
         bar.update(total=total if total else None, progress=done or 0)
 
     def done(self) -> None:
-        self.set(work=None)
         self.query_one(ProgressBar).display = False
+        self.set(work=None)
+
+    def on_progress(self, event: Progress) -> None:
+        self.progress(event.label, event.done, event.total)
+
+    def on_work_done(self) -> None:
+        self.done()
+
+    def reporter(self) -> Callable[[str, int, int], None]:
+        """A progress(label, done, total) callback for a worker thread: this line's bar, at most 10
+        times a second."""
+        last = [0.0]
+
+        def report(label: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or (total and done >= total):
+                last[0] = now
+                self.post_message(Progress(label, done, total))
+
+        return report

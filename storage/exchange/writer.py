@@ -152,6 +152,7 @@ def _collect(
                 "token_ids": m.token_ids,
                 "created": m.created,
                 "stats": m.stats,
+                "reasoning": m.reasoning,
             }
             for m in messages
         ],
