@@ -84,16 +84,16 @@ class KVStore:
         self.plan = plan  # the auto codec's bits per layer and head (kv_plan.model_plan)
         self.remote = remote  # the tier under SQLite shared with other servers (--kv-remote), if any
         self.prefill_tok_s = MovingAverage()  # the model's, measured on replies: what `remote` must beat
-        self.fetched: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, not in SQLite yet
-        self.fetched_tails: OrderedDict[bytes, StoredBlock] = OrderedDict()  # from `remote`, by tail_key
+        # from `remote`, by namespace and prefix key, not in SQLite yet; tails by namespace and tail_key
+        self.fetched: OrderedDict[tuple[bytes | None, bytes], StoredBlock] = OrderedDict()
+        self.fetched_tails: OrderedDict[tuple[bytes | None, bytes], StoredBlock] = OrderedDict()
         self._fetched_lock = threading.Lock()  # (snapshots are stored off the scheduler's thread)
 
     def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None, out: KV) -> bool:
         """A stored block of the namespace decoded into `out` (the pool's arena), checked whole as it is
         decoded, against the tokens it stands for and out's shape; a bad one is dropped so it gets
         recomputed."""
-        fetched = self._fetched(key) if namespace is None else None
-        block = fetched or self.store.kv.load_block(key, self.fingerprint, namespace)
+        block = self._fetched(namespace, key) or self.store.kv.load_block(key, self.fingerprint, namespace)
         if block is None:
             return False
         # No CRC of the bytes here: decoding checks them whole (a block is its header and one zstd frame
@@ -101,27 +101,27 @@ class KVStore:
         # 2,000-token resume. (A remote block had its signature checked as it was read.)
         kv = _decoded(block.data, out) if block.tokens == list(tokens) else None
         if kv is None:
-            self._forget([key])
+            self._forget([key], namespace)
             self.store.kv.drop_block(key, namespace)
         return kv is not None
 
-    def _fetched(self, key: bytes) -> StoredBlock | None:
+    def _fetched(self, namespace: bytes | None, key: bytes) -> StoredBlock | None:
         with self._fetched_lock:
-            return self.fetched.get(key)
+            return self.fetched.get((namespace, key))
 
-    def _keep_fetched(self, blocks: Sequence[StoredBlock]) -> None:
+    def _keep_fetched(self, blocks: Sequence[StoredBlock], namespace: bytes | None) -> None:
         with self._fetched_lock:
             for block in blocks:
-                self.fetched[block.key] = block
-                self.fetched.move_to_end(block.key)
+                self.fetched[namespace, block.key] = block
+                self.fetched.move_to_end((namespace, block.key))
             total = sum(len(b.data) for b in self.fetched.values())
             while total > MAX_FETCHED_BYTES:
                 total -= len(self.fetched.popitem(last=False)[1].data)
 
-    def _forget(self, keys: Sequence[bytes]) -> None:
+    def _forget(self, keys: Sequence[bytes], namespace: bytes | None) -> None:
         with self._fetched_lock:
             for key in keys:
-                self.fetched.pop(key, None)
+                self.fetched.pop((namespace, key), None)
 
     def tail(
         self, session_id: str, parent_key: bytes | None, want: Sequence[int]
@@ -144,16 +144,19 @@ class KVStore:
         tail: tuple[list[int], np.ndarray, np.ndarray] | None,
         n_tokens: int,
         namespace: bytes | None,
+        travels: bool = False,
     ) -> list[StoredBlock]:
         """Store a session's KV in one transaction: its full blocks (key, tokens) — encoding only those
-        not stored yet, block_kv(i) gives the i-th one's KV — and its tail. Returns the new blocks."""
+        not stored yet, block_kv(i) gives the i-th one's KV — and its tail; and, where it `travels`
+        (computed here, not imported), write them to the remote tier in the background, in their
+        namespace. Returns the new blocks."""
         keys = [key for key, _ in blocks]
         stored = self.store.kv.stored_keys(keys, namespace)
         new_blocks, remote_keys = [], set()
         for i, (key, tokens) in enumerate(blocks):
             if key in stored:
                 continue
-            fetched = self._fetched(key) if namespace is None else None
+            fetched = self._fetched(namespace, key)
             if fetched is not None and fetched.tokens == list(tokens):
                 new_blocks.append(fetched)  # as another server wrote it: nothing to encode
                 remote_keys.add(key)
@@ -170,27 +173,29 @@ class KVStore:
         self.store.kv.save_snapshot(
             session_id, self.fingerprint, keys, new_blocks, stored_tail, n_tokens, namespace
         )
-        if namespace is None:
-            self._forget(keys)  # stored now
-        if self.remote is not None and namespace is None:  # an import's blocks never leave
+        self._forget(keys, namespace)  # stored now
+        if self.remote is not None and travels:  # an import's blocks never leave
             for block in new_blocks:
                 if block.key in remote_keys:
                     continue  # the tier has it: it came from there
-                self.remote.put(block)  # in the background: a full queue drops, nothing waits
+                self.remote.put(block, namespace)  # in the background: a full queue drops, nothing waits
             if stored_tail is not None:
                 t = stored_tail
                 key = tail_key(t.parent_key, t.tokens)
-                self.remote.put(StoredBlock(key, len(t.tokens), t.codec, t.data, t.checksum, t.tokens))
+                tail_block = StoredBlock(key, len(t.tokens), t.codec, t.data, t.checksum, t.tokens)
+                self.remote.put(tail_block, namespace)
         return new_blocks
 
-    def remote_tail(self, parent_key: bytes | None, tokens: Sequence[int]) -> tuple[list[int], KV] | None:
-        """A tail another server stored for exactly these tokens after the block `parent_key`, as
-        read_remote read it (on the thread that submitted the reply: nothing is read from the network
-        here); None when it read none or it fails a check."""
+    def remote_tail(
+        self, parent_key: bytes | None, tokens: Sequence[int], namespace: bytes | None = None
+    ) -> tuple[list[int], KV] | None:
+        """A tail another server stored for exactly these tokens after the block `parent_key` (in the
+        namespace), as read_remote read it (on the thread that submitted the reply: nothing is read from
+        the network here); None when it read none or it fails a check."""
         if self.remote is None or not tokens:
             return None
         with self._fetched_lock:
-            block = self.fetched_tails.pop(tail_key(parent_key, tokens), None)
+            block = self.fetched_tails.pop((namespace, tail_key(parent_key, tokens)), None)
         kv = _decoded(block.data) if block is not None else None  # (its checksum was checked as it was read)
         if kv is None or block.tokens != list(tokens) or kv[0].shape[2] != len(tokens):
             return None
@@ -206,8 +211,9 @@ class KVStore:
         missing: Sequence[tuple[bytes, tuple[int, ...]]],
         tail: tuple[bytes | None, tuple[int, ...]] | None = None,
         session_id: str | None = None,
+        namespace: bytes | None = None,
     ) -> RemoteRead:
-        """Full blocks (prefix key, tokens) of the shared namespace that RAM lacks, in order: those SQLite
+        """Full blocks (prefix key, tokens) of the namespace that RAM lacks, in order: those SQLite
         lacks too are read from the remote tier in one round trip, when its measured round trips and
         bytes per second beat computing them at the measured prefill speed, and kept in RAM as read (the
         pool then takes them as any stored block) until the session's snapshot stores them in SQLite.
@@ -218,8 +224,8 @@ class KVStore:
             return RemoteRead()
         t0 = time.perf_counter()
         with self._fetched_lock:
-            missing = [(key, tokens) for key, tokens in missing if key not in self.fetched]
-        stored = self.store.kv.stored_keys([key for key, _ in missing])
+            missing = [(key, tokens) for key, tokens in missing if (namespace, key) not in self.fetched]
+        stored = self.store.kv.stored_keys([key for key, _ in missing], namespace)
         missing = [(key, tokens) for key, tokens in missing if key not in stored]
         if missing:
             n_bytes = self.remote.estimated_bytes(len(missing))
@@ -228,26 +234,29 @@ class KVStore:
                 return RemoteRead("compute", 0, time.perf_counter() - t0)  # and a tail after them is no use
         # a round trip after an 11 MB answer took 20 ms on loopback every other time (and one more RTT
         # on a real link): the tail, the last thing a returning conversation needs, comes with the blocks
-        tail_read = self._tail_to_read(tail, session_id)
+        tail_read = self._tail_to_read(tail, session_id, namespace)
         if not missing and not tail_read:
             return RemoteRead("local", 0, time.perf_counter() - t0)
-        blocks = self.remote.fetch_run([*missing, *tail_read], self.codec)
+        blocks = self.remote.fetch_run([*missing, *tail_read], self.codec, namespace)
         found = []
         for block in blocks[: len(missing)]:
             if block is None:
                 break  # the pool stops at the first missing block anyway
             found.append(block)
-        self._keep_fetched(found)
+        self._keep_fetched(found, namespace)
         if tail_read and blocks[-1] is not None:
             with self._fetched_lock:  # under its own key (its parent's and its tokens'), for remote_tail
-                self.fetched_tails[tail_read[0][0]] = blocks[-1]
+                self.fetched_tails[namespace, tail_read[0][0]] = blocks[-1]
                 while len(self.fetched_tails) > MAX_FETCHED_TAILS:
                     self.fetched_tails.popitem(last=False)
         choice = "fetch" if missing else "local"  # (local: every full block was here; a tail was read)
         return RemoteRead(choice, sum(block.n_tokens for block in found), time.perf_counter() - t0)
 
     def _tail_to_read(
-        self, tail: tuple[bytes | None, tuple[int, ...]] | None, session_id: str | None
+        self,
+        tail: tuple[bytes | None, tuple[int, ...]] | None,
+        session_id: str | None,
+        namespace: bytes | None,
     ) -> list[tuple[bytes, tuple[int, ...]]]:
         """[(tail_key, tokens)] for the tail asked for, unless it was read already or the session has one
         here that fits."""
@@ -255,7 +264,7 @@ class KVStore:
             return []
         key = tail_key(*tail)
         with self._fetched_lock:
-            if key in self.fetched_tails:
+            if (namespace, key) in self.fetched_tails:
                 return []
         if session_id is not None and self.has_tail(session_id, *tail):
             return []

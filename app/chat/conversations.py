@@ -11,8 +11,6 @@ reply not to be stored keeps nothing.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from llama_chat.inference.tool_calls import ToolFormat, tool_format
 from llama_chat.storage import Message, Session, StoreError
 
 from .jobs import Job
+from .namespaces import kv_salt
 from .replies import Plan, ReplyNotStored, check_fits, reply_message
 from .resume import LiveSessions
 from .titles import TITLE_CHARS, session_title
@@ -68,15 +67,6 @@ def raw_prompt_ids(model: Model, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
-
-
-def kv_salt(tenant: str | None, cache_key: str | None = None) -> bytes | None:
-    """The KV namespace of a tenant's requests (vLLM's cache_salt), narrowed by a prompt_cache_key: no
-    block, in RAM or stored, is shared across two, so no cached_tokens tell of another's prompts. None,
-    without either: the blocks every session shares (and the remote tier, which only those reach)."""
-    if tenant is None and cache_key is None:
-        return None
-    return hashlib.sha256(json.dumps(["llama-chat kv salt", tenant, cache_key]).encode()).digest()[:16]
 
 
 def split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
@@ -149,9 +139,8 @@ class Conversations:
         live, base = self.live, []
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
         # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
-        remote = None
-        if namespace is None:  # (a namespace's KV never travels, as an import's does not)
-            remote = live.read_remote(prompt[:-1], tail_of=previous, session_id=kept.id if kept else None)
+        kept_id = kept.id if kept else None
+        remote = live.read_remote(prompt[:-1], tail_of=previous, session_id=kept_id, namespace=namespace)
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
             seq = self.model.new_sequence(live.n_ctx, namespace=namespace)
@@ -238,7 +227,7 @@ class Conversations:
             print(f"llama-chat serve: a conversation was not stored: {e}", file=sys.stderr)
             raise ReplyNotStored(e) from None
         try:
-            self.live.store_kv(stored.id, held)
+            self.live.store_kv(stored.id, held, travels=True)  # a tenant's KV, computed here
         except StoreError as e:
             print(f"llama-chat serve: a conversation's KV was not stored: {e}", file=sys.stderr)
         return stored

@@ -24,6 +24,8 @@ from llama_chat.inference.generate import prompt_text
 from llama_chat.storage.kv_store import KVStore, RemoteRead
 from llama_chat.storage.store import ChatStore, Session
 
+from .namespaces import computed_here
+
 
 @dataclass
 class ResumeInfo:
@@ -173,16 +175,21 @@ class LiveSessions:
         if self.kv.remote is None:
             return None
         live = self.get(session.id)
-        if session.kv_namespace is not None or (live is not None and live.private):
+        if not computed_here(session) or (live is not None and live.private):
             return RemoteRead()  # an import's KV, or KV that is no prefix's: never read from the tier
         ids = self.conversation_ids(session)
         held = live is not None and live.common_prefix(ids) == len(ids)  # (without the lock: a hint)
-        return self.read_remote(ids, tail_of=None if held else ids, session_id=session.id)
+        tail_of = None if held else ids
+        return self.read_remote(ids, tail_of, session_id=session.id, namespace=session.kv_namespace)
 
     def read_remote(
-        self, ids: Sequence[int], tail_of: Sequence[int] | None = None, session_id: str | None = None
+        self,
+        ids: Sequence[int],
+        tail_of: Sequence[int] | None = None,
+        session_id: str | None = None,
+        namespace: bytes | None = None,
     ) -> RemoteRead | None:
-        """The full blocks of `ids` (of the shared namespace) that RAM lacks, read from the remote tier
+        """The full blocks of `ids` (of the namespace) that RAM lacks, read from the remote tier
         where it holds them and that beats computing them (KVStore.read_remote), for a sequence to take
         with reuse_prefix; None when there is no tier. The tail after the full blocks of `tail_of` (a
         prefix of ids: else no stored tail matches), which restore_tail asks for next, rides in the same
@@ -192,12 +199,12 @@ class LiveSessions:
         if self.kv.remote is None:
             return None
         pool, B = self.model.pool, self.model.pool.block_size
-        missing = pool.missing(ids)  # (read without the lock: only what to fetch depends on it)
+        missing = pool.missing(ids, namespace)  # (read without the lock: only what to fetch depends on it)
         tail = None
         if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(ids) // B:
             keys = pool.block_keys(tail_of)
             tail = (keys[-1] if keys else None, tuple(tail_of[len(keys) * B :]))
-        return self.kv.read_remote(missing, tail, session_id)
+        return self.kv.read_remote(missing, tail, session_id, namespace)
 
     def note_prefill(self, stats: GenerationStats) -> None:
         """A reply's prefill speed, what the remote tier's reads must beat (see read_remote)."""
@@ -232,9 +239,9 @@ class LiveSessions:
             return 0
         parent = seq.last_key
         found = self.kv.tail(session.id, parent, ids[seq.n_tokens :]) if session is not None else None
-        remote = found is None and seq.namespace is None and not seq.private  # an import's KV never travels
+        remote = found is None and not seq.private  # (only read_remote's tails: never an import's)
         if remote:
-            found = self.kv.remote_tail(parent, ids[seq.n_tokens :])
+            found = self.kv.remote_tail(parent, ids[seq.n_tokens :], seq.namespace)
         if found is None:
             return 0
         tokens, (k, v) = found
@@ -249,7 +256,7 @@ class LiveSessions:
         with self.lock:
             digest, ids, kept = self.conversation(session)
             held = self.hold_kv(seq, ids, complete)
-        self.store_kv(session.id, held)
+        self.store_kv(session.id, held, computed_here(session))
         if not kept:
             self.store.kv.keep_ids(session.id, digest, ids)  # for the next resume
 
@@ -265,8 +272,9 @@ class LiveSessions:
             self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
         return seq.fork()
 
-    def store_kv(self, session_id: str, held: KVSequence) -> None:
-        """Store what hold_kv kept as the session's KV (encoding only blocks not stored yet), then free it."""
+    def store_kv(self, session_id: str, held: KVSequence, travels: bool) -> None:
+        """Store what hold_kv kept as the session's KV (encoding only blocks not stored yet), then free it;
+        where it `travels` (computed_here), the remote tier gets its new blocks too."""
         try:
             full, tail = held.snapshot()
             self.kv.save(
@@ -276,6 +284,7 @@ class LiveSessions:
                 tail,
                 held.n_tokens,
                 held.namespace,
+                travels,
             )
         finally:
             with self.lock:
