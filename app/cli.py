@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API (repeatable); other pages are refused",
     )
     serve.add_argument("--max-connections", type=int, metavar="N", help="connections open at once (default 256)")
+    serve.add_argument(
+        "--drain-seconds", type=float, metavar="S",
+        help="on SIGTERM, how long replies under way may take to finish before they are cut (default 30; 0: at once)",
+    )
     add_context_option(serve)
     return parser
 

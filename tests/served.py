@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 
 from llama_chat.app.serve.server import make_server, url
-from llama_chat.app.serve.state import ServeOptions
+from llama_chat.app.serve.state import ServeOptions, open_model
 
 BLOCK = 8  # tokens per KV block: the tiny models' prompts span several
 SYSTEM = "the sun and the water are the world; " * 3
@@ -70,6 +70,17 @@ class Served:
                 return r.status, r.headers, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.headers, e.read()
+
+
+def held_loading(db: Path, model: Path, **options) -> tuple[Served, threading.Event]:
+    """A server whose model loads only once the event returned is set."""
+    loaded = threading.Event()
+
+    def slow_load(opts):
+        loaded.wait(30)
+        return open_model(opts)
+
+    return Served(db, model, load=slow_load, **options), loaded
 
 
 def upload(s: Served, data: bytes):

@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from llama_chat.app.cli import main
-from llama_chat.app.serve.state import open_model
 from llama_chat.inference import chat_prompt_ids
 from served import (
     BLOCK,
@@ -22,6 +21,7 @@ from served import (
     Served,
     blocks_in_use,
     error_of,
+    held_loading,
     idle,
     post,
     queue_full,
@@ -104,7 +104,7 @@ def test_models_and_health(served):
     assert [m.id for m in served.client.models.list()] == [MODEL]
     status, _, body = served.raw("GET", "/health")
     health = json.loads(body)
-    assert status == 200 and health["status"] == "ok" and health["active"] == health["queued"] == 0
+    assert status == 200 and health["status"] == "ready" and health["active"] == health["queued"] == 0
     assert health["kv"]["in_use_bytes"] == 0 and health["kv"]["budget_bytes"] > 0
 
 
@@ -180,13 +180,7 @@ def test_requests_beyond_the_queue_get_429_with_retry_after(tmp_path, qwen2):
 
 
 def test_while_the_model_loads_requests_get_503(tmp_path, qwen2):
-    loaded = threading.Event()
-
-    def slow_load(options):
-        loaded.wait(30)
-        return open_model(options)
-
-    s = Served(tmp_path / "chat.db", qwen2, load=slow_load)
+    s, loaded = held_loading(tmp_path / "chat.db", qwen2)
     try:
         status, _, _ = s.raw("GET", "/health")
         assert status == 503

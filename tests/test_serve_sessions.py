@@ -23,7 +23,7 @@ from llama_chat.app.serve.completions import kept_where
 from llama_chat.app.serve.state import api_keys_from
 from llama_chat.inference import chat_prompt_ids
 from llama_chat.storage import ChatStore, StoreError
-from served import BLOCK, LONG, MODEL, SYSTEM, Served, error_of, post, upload, wait_for
+from served import BLOCK, LONG, MODEL, SYSTEM, Served, error_of, held_loading, post, upload, wait_for
 
 # -- sessions ----------------------------------------------------------------------------------------
 
@@ -119,11 +119,7 @@ def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_n
                                                  "messages": [{"role": "user", "content": f"more {i}"}]})
                 assert status == 429 and headers["Retry-After"] == "1"
                 assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
-            # /health says what waits (with the scheduler held, the pool it reads does not change)
-            with monkeypatch.context() as m:
-                m.setattr(s.state.engine, "lock", contextlib.nullcontext())
-                health = json.loads(s.raw("GET", "/health")[2])
-            assert health["queued"] == 2
+            assert json.loads(s.raw("GET", "/health")[2])["queued"] == 2  # /health waits on no lock
             leaving.close()  # before its turn began
             wait_for(lambda: jobs[1].cancelled)
         replies = []
@@ -271,10 +267,14 @@ def up_to_its_first_text(response) -> bytes:
             return read
 
 
-def test_sigterm_mid_stream_ends_each_stream_saying_so_and_keeps_what_was_made(tmp_path, qwen2):
+@pytest.mark.parametrize("drain", [None, "0"])
+def test_sigterm_mid_stream_lets_each_stream_finish_or_cuts_it_at_drain_seconds(tmp_path, qwen2, drain):
+    """SIGTERM drains: the streams under way finish whole (for --drain-seconds, 30 by default), their
+    turns stored, then the server exits 0. Past --drain-seconds (here 0) each stream ends saying it was
+    cut short, and what was made is stored."""
     db = tmp_path / "chat.db"
     cmd = [sys.executable, "-m", "llama_chat", "--db", str(db), "--model", str(qwen2), "--no-lookup",
-           "serve", "--port", "0"]
+           "serve", "--port", "0", *(["--drain-seconds", drain] if drain else [])]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         base = proc.stderr.readline().split("listening on ")[1].split()[0]
@@ -300,19 +300,66 @@ def test_sigterm_mid_stream_ends_each_stream_saying_so_and_keeps_what_was_made(t
         for response, began in streams:
             text, events = sse_texts(began + response.read())  # read() fails on a cut chunked body
             assert events[-1] == "[DONE]"
-            cut = events[-2]
-            assert cut["error"]["code"] == "shutting_down" and "cut short" in cut["error"]["message"]
-            assert cut["stored"] and cut["session"] in cut["error"]["message"]
+            end = events[-2]
+            if drain == "0":
+                assert end["error"]["code"] == "shutting_down" and "cut short" in end["error"]["message"]
+                assert end["session"] in end["error"]["message"]
+            else:
+                assert "error" not in end and end["choices"][0]["finish_reason"] in ("stop", "length")
+            assert end["stored"]
             with contextlib.closing(ChatStore(db)) as store:  # (SQLite lets another reader in)
-                last = store.path(store.get_session(cut["session"]).head_id)[-1]
-            assert last.role == "assistant" and last.content == text and last.stats["stop_reason"] == "cancelled"
-        proc.wait(60)
+                last = store.path(store.get_session(end["session"]).head_id)[-1]
+            assert last.role == "assistant" and last.content == text
+            assert (last.stats["stop_reason"] == "cancelled") == (drain == "0")
+        assert proc.wait(60) == 0
         log = proc.stderr.read()
         assert "Traceback" not in log and "without completing response" not in log
+        assert ("draining" in log) == (drain is None) and log.rstrip().endswith("stopped (SIGTERM)")
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
+
+
+def health_of(s: Served) -> tuple[int, dict]:
+    """GET /health, given 10 s at most to answer."""
+    conn = http.client.HTTPConnection(*s.url.removeprefix("http://").split(":"), timeout=10)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_health_says_loading_ready_or_draining_and_never_waits_on_the_engine(tmp_path, qwen2):
+    s, loaded = held_loading(tmp_path / "chat.db", qwen2)
+    try:
+        assert health_of(s) == (503, {"status": "loading", "model": MODEL})
+        loaded.set()
+        s.wait_ready()
+        conn = http.client.HTTPConnection(*s.url.removeprefix("http://").split(":"), timeout=30)
+        body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 40,
+                "messages": [{"role": "user", "content": LONG}]}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        began = up_to_its_first_text(response)
+        with s.scheduler.lock:  # as through a step of a long prefill: the engine's lock is taken
+            status, health = health_of(s)
+            assert status == 200 and health["status"] == "ready" and health["active"] == 1
+            s.server.handle_exit(signal.SIGTERM, None)  # (a signal, as the server's thread cannot get one)
+            assert health_of(s) == (503, {"status": "draining", "model": MODEL})
+            status, error = error_of(post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+            assert status == 503 and error["code"] == "draining"
+        text, events = sse_texts(began + response.read())  # the stream under way finishes whole
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["stored"] and len(text) > 0
+        s.thread.join(30)  # then the server stops by itself
+        assert not s.thread.is_alive() and s.server.stopped_by == "SIGTERM"
+    finally:
+        loaded.set()
+        if s.thread.is_alive():
+            s.stop()
 
 
 def test_tenants_see_only_their_own_sessions_and_reuse_only_their_own_kv(tmp_path, qwen2):

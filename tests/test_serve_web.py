@@ -404,5 +404,6 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
     assert engine.activations == "q8"
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].engine.activations == "f32"
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
+    assert options_from(build_parser().parse_args([*db, "serve", "--drain-seconds", "5"]))[0].drain_seconds == 5
     assert main([*db, "serve", "--max-connections", "0"]) == 2
     assert capsys.readouterr().err.strip() == "llama-chat: error: --max-connections must be 1 or more"

@@ -106,9 +106,10 @@ class Connection(H11Protocol):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server that, asked to stop, first turns new requests away (503) and cancels the
-    replies being made, so it does not wait on them; a signal ends it as a stop asked for (exit 0),
-    not as an interrupted program."""
+    """uvicorn's server that, on SIGTERM, drains: new requests get 503 while the replies under way
+    finish (for --drain-seconds at most), then it stops. Asked to stop otherwise (Ctrl+C, a second
+    SIGTERM, stop()), it turns new requests away and cancels the replies being made, so it does not
+    wait on them. A signal ends it as a stop asked for (exit 0), not as an interrupted program."""
 
     def __init__(self, config: uvicorn.Config):
         super().__init__(config)
@@ -138,11 +139,20 @@ class Server(uvicorn.Server):
             loop.default_exception_handler(context)
 
     def handle_exit(self, sig, frame) -> None:
+        self.stopped_by = self.stopped_by or signal.Signals(sig).name
+        if sig == signal.SIGTERM and self.state.begin_draining():
+            return  # on_tick stops the server once the replies under way are done
         self.state.begin_closing()
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl+C: stop waiting for anything
         self.should_exit = True
-        self.stopped_by = self.stopped_by or signal.Signals(sig).name
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn asks this ten times a second whether to stop."""
+        if self.state.phase == "draining" and self.state.drained():
+            self.state.begin_closing()  # what still runs past --drain-seconds is cut, and stored as it is
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def stop(self) -> None:
         self.state.begin_closing()
@@ -185,13 +195,13 @@ def url(sock: socket.socket) -> str:
 def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     """The server's options from the command line (flags not given keep ServeOptions' defaults), and
     its API keys (api_keys_from)."""
-    flags = ("host", "port", "parallel", "queue", "ctx", "max_connections")
+    flags = ("host", "port", "parallel", "queue", "ctx", "max_connections", "drain_seconds")
     given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     for name in ("parallel", "ctx", "max_connections"):
         if given.get(name, 1) < 1:
             raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
-    if given.get("queue", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
-        raise BindRefused("--queue must be 0 or more, --port from 0 to 65535")
+    if given.get("queue", 0) < 0 or given.get("drain_seconds", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
+        raise BindRefused("--queue and --drain-seconds must be 0 or more, --port from 0 to 65535")
     for flag, option in (
         ("block_size", "block_size"), ("cache_type", "cache_type"), ("activations", "activations"), ("kv_codec", "codec")
     ):

@@ -1,8 +1,8 @@
-"""What the server is and has: its options, and its life — loading the model, ready, closing.
+"""What the server is and has: its options, and its life — loading the model, ready, draining, closing.
 
 The model loads in a thread after the server starts listening, so /health can say "loading" (503)
 meanwhile; every request that needs the model gets 503 until it is ready, and again once the server
-is shutting down.
+drains (SIGTERM: the replies under way finish, no new one starts) or is shutting down.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ MAX_CONNECTIONS = 256  # open at once; the next is answered 503 and closed (each
 KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this (uvicorn's own default)
 HEADER_TIMEOUT_S = 10  # a request's head (line and headers) must arrive whole within this (nginx: 60)
 BODY_TIMEOUT_S = 30  # each read of a request's body waits at most this (nginx's client_body_timeout: 60)
+# A request's head and body must arrive whole within this, plus a second per MIN_BODY_RATE bytes of body
+# (Apache's mod_reqtimeout's rule): a slow link's upload goes on, a trickle holds no connection for long.
+REQUEST_TIMEOUT_S = 30
+MIN_BODY_RATE = 16 << 10  # bytes a second: a 128 kbit/s link
+MAX_IMPORTS = 2  # imports received and checked at once (each streams to a file and reads it back); more: 429
+DRAIN_S = 30  # how long replies under way at a SIGTERM may take to finish before they are cut (--drain-seconds)
 
 
 @dataclass
@@ -61,6 +67,10 @@ class ServeOptions:
     keep_alive_s: float = KEEP_ALIVE_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    min_body_rate: float = MIN_BODY_RATE
+    max_imports: int = MAX_IMPORTS
+    drain_seconds: float = DRAIN_S
 
     @property
     def engine(self) -> EngineOptions:
@@ -114,7 +124,9 @@ class ServerState:
         self.options = options
         self._load = load or open_model
         self.started = int(time.time())
-        self.phase = "loading"  # then "ready", or "failed"; at the end "closing"
+        self.phase = "loading"  # then "ready", or "failed"; at the end "draining" (SIGTERM), "closing"
+        self.drain_until = 0.0  # (time.monotonic) when replies still under way are cut
+        self.pool_numbers: dict = {}  # the engine's health() of the last time its lock was found free
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
@@ -141,6 +153,7 @@ class ServerState:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
+        self.pool_numbers = engine.health()  # nothing runs yet: the lock is free
         self.engine = engine
         if self.phase == "loading":
             self.phase = "ready"
@@ -148,6 +161,21 @@ class ServerState:
             f"{model.name} ready in {time.perf_counter() - t0:.1f} s ({engine.n_ctx:,}-token context, "
             f"{options.parallel} replies at once, {options.queue} waiting at most)"
         )
+
+    def begin_draining(self) -> bool:
+        """New requests get 503 and /health says "draining"; the replies running or waiting go on for
+        options.drain_seconds at most (drained() says when they are done). False when there is nothing
+        to drain: the server is closing already, or drain_seconds is 0."""
+        if self.phase not in ("loading", "ready") or self.options.drain_seconds <= 0:
+            return False
+        self.phase, self.drain_until = "draining", time.monotonic() + self.options.drain_seconds
+        say(f"draining: no new requests; the replies under way have {self.options.drain_seconds:g} s to finish")
+        return True
+
+    def drained(self) -> bool:
+        """No reply runs or waits any more, or drain_seconds have passed (closing cuts what is left)."""
+        idle = self.engine is None or self.engine.scheduler.load() == {"active": 0, "queued": 0}
+        return idle or time.monotonic() >= self.drain_until
 
     def begin_closing(self) -> None:
         """New requests get 503; every running reply is cancelled (what was made is kept)."""
@@ -173,16 +201,30 @@ class ServerState:
         if self.phase == "failed":
             # the server's log says why (the reason names the server's files)
             raise unavailable("The model could not be loaded; the server is stopping.", "model_failed")
+        if self.phase == "draining":
+            raise unavailable("The server is draining before it stops: it takes no new requests.", "draining")
         raise unavailable("The server is shutting down.", "shutting_down")
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
             raise model_not_found(name, self.options.model_id)
 
-    def health(self) -> dict:
-        """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
-        the remote tier's numbers when there is one."""
-        return {"status": "ok", "model": self.options.model_id, **self.ready().health()}
+    def health(self) -> tuple[int, dict]:
+        """What a load balancer asks: 200 and "ready", with the replies running and waiting, the KV
+        pool's bytes (in use by replies, cached for reuse) and the remote tier's numbers when there is
+        one; else 503 and "loading", "draining", "closing" or "failed". It never waits on the engine's
+        lock (held through each step, seconds of a long prompt's prefill): when that is taken, the
+        pool's bytes are those of the last time it was free."""
+        engine, said = self.engine, {"status": self.phase, "model": self.options.model_id}
+        if self.phase != "ready":
+            return 503, said
+        if engine.lock.acquire(blocking=False):
+            try:
+                self.pool_numbers = engine.health()
+            finally:
+                engine.lock.release()
+        remote = {} if engine.kv.remote is None else {"kv_remote": engine.kv.remote.stats()}  # (no lock)
+        return 200, {**said, **self.pool_numbers, **engine.scheduler.load(), **remote}
 
 
 def open_model(options: ServeOptions) -> Model:
