@@ -75,7 +75,7 @@ async def create_session(request: Request) -> Response:
         )
 
     session = await run_in_threadpool(create)
-    return JSONResponse(_json(session), status_code=201)
+    return JSONResponse(_json(session), status_code=201, headers={"X-Session-Id": session.id})
 
 
 async def show_session(request: Request) -> Response:
@@ -103,7 +103,7 @@ async def fork_session(request: Request) -> Response:
             raise invalid(f"Cannot fork there: {e}.", param="at_message") from None
 
     child = await run_in_threadpool(fork)
-    return JSONResponse(_json(child), status_code=201)
+    return JSONResponse(_json(child), status_code=201, headers={"X-Session-Id": child.id})
 
 
 async def delete_session(request: Request) -> Response:
