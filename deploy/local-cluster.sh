@@ -89,9 +89,13 @@ stop() {
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 free_ports() {  # N loopback ports nothing listens on, nor on port + 10000 (a Redis Cluster's bus)
-    local ports=() port
+    # below the range the kernel takes outgoing connections' ports from, where no connection holds one
+    local ports=() port low span
+    read -r low _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || low=32768
+    span=$((low - 20000))
+    ((span >= 1000)) || span=10000
     while ((${#ports[@]} < $1)); do
-        port=$((20000 + RANDOM % 30000))
+        port=$((10000 + RANDOM % span))
         listening "$port" || listening $((port + 10000)) || [[ " ${ports[*]} " == *" $port "* ]] || ports+=("$port")
     done
     echo "${ports[@]}"
@@ -168,19 +172,32 @@ wait_ready() {  # every server in DIR/servers answers /health with 200
     done <"$DIR/servers"
 }
 
-write_balancer() {  # DIR/haproxy.cfg: deploy/haproxy.cfg and a server line for each server
+write_balancer() {  # DIR/haproxy.cfg: deploy/haproxy.cfg, a server line for each server, the admin port
     local name port
     {
         cat "$HERE/haproxy.cfg"
         while read -r name port; do
             echo "    server $name 127.0.0.1:$port"
         done <"$DIR/servers"
+        printf 'global\n    stats socket ipv4@127.0.0.1:%s level admin\n' "$(cut -d' ' -f3 "$DIR/balancer")"
     } >"$DIR/haproxy.cfg"
+}
+
+admin() {  # admin COMMANDS: HAProxy's answer on its runtime API (commands separated by ';')
+    local port
+    port=$(cut -d' ' -f3 "$DIR/balancer")
+    { exec 3<>"/dev/tcp/127.0.0.1/$port" && printf '%s\n' "$1" >&3 && cat <&3; } 2>/dev/null || true
+}
+
+table_of() {  # table_of PID: the entries in the affinity table, once the process PID answers
+    admin "show info; show table llama-chat" | awk -v pid="$1" '
+        /^Pid: / { ours = ($2 == pid) }
+        ours && /^# table: llama-chat/ { sub(/.*used:/, ""); print $1 + 0 }'
 }
 
 balancer() {  # balancer [haproxy options...]: HAProxy on DIR/haproxy.cfg with the ports of DIR/balancer
     local port peer
-    read -r port peer <"$DIR/balancer"
+    read -r port peer _ <"$DIR/balancer"
     LLAMA_BALANCER_BIND=127.0.0.1:$port LLAMA_BALANCER_PEER=127.0.0.1:$peer \
         haproxy -f "$DIR/haproxy.cfg" -L local -D -p "$DIR/pids/haproxy.pid" "$@" 2>>"$DIR/logs/haproxy.log" \
         || die "haproxy did not start: $DIR/logs/haproxy.log"
@@ -199,7 +216,7 @@ start() {
     rm -f "$DIR/servers"
     trap 'status=$?; if ((status)); then say "failed: stopping what was started"; stop; fi' EXIT
     local ports
-    read -r -a ports <<<"$(free_ports $((6 + SERVERS + 2)))"
+    read -r -a ports <<<"$(free_ports $((6 + SERVERS + 3)))"
     start_redis "${ports[@]:0:6}"
     (
         umask 077  # the secret that signs the KV blocks: readable by this user only
@@ -216,7 +233,7 @@ start() {
     for ((i = 1; i <= SERVERS; i++)); do
         start_server "s$i" "${ports[5 + i]}"
     done
-    echo "${ports[6 + SERVERS]} ${ports[7 + SERVERS]}" >"$DIR/balancer"
+    echo "${ports[6 + SERVERS]} ${ports[7 + SERVERS]} ${ports[8 + SERVERS]}" >"$DIR/balancer"
     wait_ready
     write_balancer
     say "Redis Cluster on 127.0.0.1:$(paste -sd, "$DIR/redis-ports"); servers: $(paste -sd, "$DIR/servers")"
@@ -232,10 +249,18 @@ add_server() {
     start_server "s$n" "$port"
     wait_ready
     write_balancer
-    local old
+    local old entries new entries_new
     old=$(<"$DIR/pids/haproxy.pid")
+    entries=$(table_of "$old")
     mv "$DIR/pids/haproxy.pid" "$DIR/pids/haproxy-$old.pid"  # it finishes its connections, then exits
     balancer -sf "$old"  # the new process takes the table from the old one (the local peer)
+    new=$(<"$DIR/pids/haproxy.pid")
+    for ((t = 0; t < 100; t++)); do  # until it has: else the next turns would be hashed anew
+        entries_new=$(table_of "$new")
+        ((${entries_new:-0} >= ${entries:-0})) && return
+        sleep 0.1
+    done
+    say "the new balancer has not taken the old one's table: turns may move once"
 }
 
 case $ACTION in

@@ -158,9 +158,8 @@ def request(url: str, method: str, path: str, body: dict | None = None, headers:
 
 @dataclass
 class Turn:
-    server: str  # the server that answered (X-Served-By)
-    prompt_tokens: int
-    cached_tokens: int
+    server: str  # the server that answered (the balancer's X-Served-By; "" without a balancer)
+    usage: dict
     reply: str
     session: str | None  # the API session it was stored in
     seconds: float
@@ -168,8 +167,12 @@ class Turn:
     key: str  # its X-Conversation-Key
 
     @property
+    def prompt_tokens(self) -> int:
+        return self.usage["prompt_tokens"]
+
+    @property
     def cached(self) -> float:
-        return self.cached_tokens / self.prompt_tokens
+        return self.usage["prompt_tokens_details"]["cached_tokens"] / self.prompt_tokens
 
 
 @dataclass
@@ -177,6 +180,7 @@ class Conversation:
     """A conversation sent whole each turn, as the OpenAI clients send one."""
 
     opening: str
+    model: str = MODEL
     messages: list[dict] = field(default_factory=list)
     key: str | None = None  # the X-Conversation-Key of the last answer
     turns: list[Turn] = field(default_factory=list)
@@ -187,12 +191,8 @@ class Conversation:
     def ask(self, url: str, stream: bool = False, max_tokens: int = 12, then: str | None = None) -> Turn:
         """The next turn through the balancer at `url`; Failed if it did not come back whole. Its
         reply and `then` (the next user message) are added to the conversation."""
-        body = {"model": MODEL, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0}
-        if stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
-        headers = {"X-Conversation-Key": self.key} if self.key else {}
-        t0 = time.perf_counter()
-        turn = (_streamed if stream else _whole)(url, body, headers, t0)
+        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0}
+        turn = send(url, body, {"X-Conversation-Key": self.key} if self.key else {}, stream)
         self.turns.append(turn)
         self.key = turn.key
         self.messages += [{"role": "assistant", "content": turn.reply},
@@ -202,6 +202,14 @@ class Conversation:
     def stored_until(self, n_turns: int) -> list[tuple[str, str]]:
         """The (role, content) messages a server stores for the first n_turns (the system prompt apart)."""
         return [(m["role"], m["content"]) for m in self.messages[1 : 1 + 2 * n_turns]]
+
+
+def send(url: str, body: dict, headers: dict | None = None, stream: bool = False) -> Turn:
+    """One chat completion (streamed: its first token timed); Failed unless it came back whole and
+    stored."""
+    if stream:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    return (_streamed if stream else _whole)(url, body, headers or {}, time.perf_counter())
 
 
 def _whole(url: str, body: dict, headers: dict, t0: float) -> Turn:
@@ -256,6 +264,5 @@ def _streamed(url: str, body: dict, headers: dict, t0: float) -> Turn:
 def _turn(headers, usage: dict, text: str, last: dict, seconds: float, first_token_s: float) -> Turn:
     if not last.get("stored"):
         raise Failed(f"the turn was not stored: {last.get('store_error')}")
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return Turn(headers["X-Served-By"], usage["prompt_tokens"], cached, text, last.get("session"), seconds,
-                first_token_s, headers["X-Conversation-Key"])
+    server = headers.get("X-Served-By", "")
+    return Turn(server, usage, text, last.get("session"), seconds, first_token_s, headers["X-Conversation-Key"])
