@@ -147,7 +147,7 @@ def test_a_rolling_restart_under_load_fails_no_request_and_loses_no_turn(cluster
             t.join(120)
     assert failures == []
     answered = {t.server for c in conversations for t in c.turns}
-    assert answered == set(cluster.servers) and len(conversations) > STREAMING_CLIENTS
+    assert answered == set(cluster.servers) and len(conversations) > STREAMING_CLIENTS, answered
     assert_stored_exactly(cluster, conversations)
 
 
@@ -158,10 +158,10 @@ def test_a_fourth_server_added_moves_few_conversations(cluster):
     added = cluster.add_server()
     turns(conversations, cluster.url, 2)
     moved = [c for c in conversations if c.turns[2].server != c.turns[1].server]
-    assert len(moved) <= 0.35 * len(conversations)
+    assert len(moved) <= 0.35 * len(conversations), [[t.server for t in c.turns] for c in conversations]
     fresh = opened(8, first=1000)  # new conversations reach the new server too
     turns(fresh, cluster.url, 1)
-    assert added in {c.turns[0].server for c in fresh}
+    assert added in {c.turns[0].server for c in fresh}, [c.turns[0].server for c in fresh]
     assert_stored_exactly(cluster, conversations + fresh)
 
 
