@@ -92,15 +92,20 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
     )
 
 
-def positive(text: str) -> int:
-    """argparse's `type` for a count that must be 1 or more."""
+def positive(text: str, least: int = 1) -> int:
+    """argparse's `type` for a count that must be 1 (`least`) or more."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more")
     return value
+
+
+def natural(text: str) -> int:
+    """argparse's `type` for a count that may be 0."""
+    return positive(text, 0)
 
 
 def codecs() -> tuple[str, ...]:
@@ -172,9 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    command("models", c.cmd_models, "list known models: installed, assembled, verified").add_argument(
-        "--json", action="store_true", help="print JSON"
+    models = command("models", c.cmd_models, "list known models: installed, assembled, verified")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.add_argument(
+        "--prune", action="store_true", help="remove prepared files of other machine profiles and of models gone"
     )
+    models.add_argument("--dry-run", action="store_true", help="with --prune: only list them")
+    models.add_argument("files", nargs="*", metavar="GGUF", help="what these files need and whether they run")
 
     ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")
@@ -203,7 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[after],
     )
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
-    command("list", s.list_sessions, "newest first", actions).add_argument("--json", action="store_true")
+    listing = command("list", s.list_sessions, "newest first", actions)
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--limit", type=positive, metavar="N", help="the newest N (default: all)")
+    listing.add_argument("--offset", type=natural, default=0, metavar="N", help="after the newest N")
     show = command("show", s.show_session, "the messages of a session", actions)
     show.add_argument("id")
     show.add_argument("--json", action="store_true")
@@ -242,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", c.cmd_bench, "measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    bench.add_argument("--quick", action="store_true", help="fewer tokens: a smoke test, not a measurement")
+    bench.add_argument(
+        "--quick", action="store_true", help="few tokens, no first start nor `ask`: a smoke test, not a measurement"
+    )
 
     export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
@@ -259,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--markdown", action="store_true", help="a Markdown transcript, to stdout (-o FILE writes it)"
     )
+    export.add_argument("--force", action="store_true", help="overwrite the file if it exists")
 
     imp = command("import", s.cmd_import, "add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)
@@ -285,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, metavar="N", help="connections open at once (default 256)")
     serve.add_argument(
         "--drain-seconds", type=float, metavar="S",
-        help="on SIGTERM, how long replies under way may take to finish before they are cut (default 30; 0: at once)",
+        help="on SIGTERM, how long replies under way may take to finish before they are cut "
+        "(default 30; 0: at once)",
     )
     add_context_option(serve)
     return parser

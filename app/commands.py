@@ -8,8 +8,9 @@ from functools import partial
 from pathlib import Path
 
 from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
-from llama_chat.inference.catalog import model_path, model_status, recommended_sampling
+from llama_chat.inference.catalog import chunk_files, model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference.support import gguf_needs
 from llama_chat.storage import ChatStore, Session, StoreError
 from llama_chat.storage.fragments import brief
 from llama_chat.storage.remote import RemoteTierError
@@ -18,7 +19,8 @@ from .chat import build
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
-from .chat.resume import system_message
+from .chat.session_cache import system_message
+from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
 from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
@@ -29,6 +31,10 @@ from .terminal import UsageError, escaped, print_json, read_prompt, read_text, s
 
 
 def cmd_models(args) -> int:
+    if args.files:
+        return print_needs(args)
+    if args.prune or args.dry_run:
+        return prune_prepared(args.dry_run)
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
@@ -52,6 +58,45 @@ def cmd_models(args) -> int:
     return 0
 
 
+def prune_prepared(dry_run: bool) -> int:
+    """`models --prune`: the prepared files no start here reads again, a line each, removed (or only
+    listed); then the pip packages of assembled models, which only assemble them again."""
+    from llama_chat.inference.prepared_files import remove, stale_files
+
+    stale = stale_files()
+    for f in stale:
+        print(f"{f.bytes / 1e6:10,.1f} MB  {f.path}  ({f.why})")
+    total = sum(f.bytes for f in stale) / 1e6
+    if not stale:
+        print("nothing to remove: every prepared file serves a model here")
+    elif dry_run:
+        print(f"would remove {len(stale)} file(s), {total:,.1f} MB (without --dry-run)")
+    else:
+        remove(stale)
+        print(f"removed {len(stale)} file(s), {total:,.1f} MB")
+    for model in KNOWN_MODELS.values():
+        status = model_status(model)
+        if status["verified"] and status["packages_installed"]:
+            parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
+            print(f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: {model.pip_uninstall()}")
+    return 0
+
+
+def print_needs(args) -> int:
+    """What each GGUF needs and whether it runs; 1 where one does not."""
+    needs = [gguf_needs(Path(f)) for f in args.files]
+    if args.json:
+        print_json(needs)
+    else:
+        for n in needs:
+            print(n["problem"] or f"{n['path']}: runs")
+            print(f"  architecture: {n['architecture']}{'' if n['architecture_supported'] else ' (not supported)'}")
+            print(f"  tokenizer: {n['tokenizer']}")
+            for name, f in n["formats"].items():
+                print(f"  {name}: {f['tensors']} matrices, {f['kept']}")
+    return 1 if any(n["problem"] for n in needs) else 0
+
+
 def open_model(args):
     with ProgressBar() as bar:
         return build.open_model(engine_options(args), bar)
@@ -67,14 +112,15 @@ def reply_settings(args, session: Session | None = None) -> dict:
     return {**(session.sampling if session else {}), **flag_settings(args, REPLY_SETTINGS)}
 
 
-def open_store(args) -> ChatStore:
-    store = ChatStore(args.db)
-    store.on_wait = waiting_notice(store)
-    return store
+def open_sessions(args) -> Sessions:
+    """The conversations of --db, saying so while another process holds them."""
+    sessions = Sessions(args.db)
+    sessions.on_wait = waiting_notice(sessions)
+    return sessions
 
 
-def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
-    """on_wait for the store: say once that another process holds the write lock; with `signals`
+def waiting_notice(store: ChatStore | Sessions, signals: ReplySignals | None = None):
+    """on_wait for the conversations: say once that another process holds the write lock; with `signals`
     (while a reply is stored), a signal during the wait gives up waiting."""
     seen = None
 
@@ -89,9 +135,10 @@ def waiting_notice(store: ChatStore, signals: ReplySignals | None = None):
     return on_wait
 
 
-def open_engine(args, store: ChatStore | None = None) -> ChatEngine:
-    """The chat engine of this command line's flags, on `store` (None: one that keeps nothing)."""
-    options = engine_options(args, store=store) if store else engine_options(args, db=build.IN_MEMORY)
+def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:
+    """The chat engine of this command line's flags, on `sessions` (None: one that keeps nothing)."""
+    given = {"sessions": sessions} if sessions else {"db": build.IN_MEMORY}
+    options = engine_options(args, **given)
     try:
         with ProgressBar() as bar:
             return build.open_engine(options, bar)
@@ -99,18 +146,18 @@ def open_engine(args, store: ChatStore | None = None) -> ChatEngine:
         raise UsageError(str(e)) from None
 
 
-def stored_reply(engine, session: Session, text: str | None, args) -> tuple[Session, int]:
+def stored_reply(engine, sessions: Sessions, session: Session, text: str | None, args) -> tuple[Session, int]:
     """Stream a reply that is stored with its question; SIGINT, SIGTERM and SIGHUP stop it and keep it
     (see signals.py). Returns the session that now ends with it (a new branch when the session moved
     on meanwhile) and the exit code a signal asks for (0 if none came)."""
     saved = SavedReply()
     settings = reply_settings(args, session)
     with ReplySignals() as signals:
-        engine.store.on_wait = waiting_notice(engine.store, signals)
+        sessions.on_wait = waiting_notice(sessions, signals)
         try:
             stream_reply_to(engine, session, text, args, settings, signals, saved=saved)
         finally:
-            engine.store.on_wait = waiting_notice(engine.store)
+            sessions.on_wait = waiting_notice(sessions)
     if saved.session is None:
         say("llama-chat: the reply was not stored: stopped while it was being stored")
         return session, signals.exit_code or 130
@@ -128,11 +175,11 @@ def cmd_ask(args) -> int:
     prompt = question(args)
     if not (args.session or args.new_session):
         return ask_once(args, prompt)
-    store = open_store(args)
-    store.check_writable()  # a reply that could not be stored is not worth computing
+    sessions = open_sessions(args)
+    sessions.check_writable()  # a reply that could not be stored is not worth computing
     if args.session:
-        session = store.get_session(args.session)  # an unknown session fails before the model loads
-    engine = open_engine(args, store)
+        session = sessions.get(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, sessions)
     # before the session is made or changed: a refused prompt leaves nothing behind
     if args.system is not None:
         system = args.system
@@ -144,16 +191,15 @@ def cmd_ask(args) -> int:
         session = engine.new_session(title, args.system, flag_settings(args))
         print(f"session {session.id}", file=sys.stderr)
     elif args.system is not None:
-        store.update_session(session.id, system_prompt=args.system)
-        session = store.get_session(session.id)
+        session = sessions.update(session.id, system_prompt=args.system)
     info = engine.resume(session)
     if info.tokens:
         print(f"[{info.describe()}]", file=sys.stderr)
     try:
-        return stored_reply(engine, session, prompt, args)[1]
+        return stored_reply(engine, sessions, session, prompt, args)[1]
     finally:
         if args.new_session:
-            forget_if_empty(store, session)
+            forget_if_empty(sessions, session)
 
 
 def question(args) -> str:
@@ -188,7 +234,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
         to,
         text,
         settings=settings,
-        grammar=reply_grammar(args, engine.model),
+        grammar=reply_grammar(args, engine.model_info.tokenizer),
         max_tokens=max_tokens(settings),
         cancel=signals.cancel,
         **options,
@@ -196,7 +242,7 @@ def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: di
     stream_reply(job, signals)
 
 
-def reply_grammar(args, model) -> str | None:
+def reply_grammar(args, tokenizer) -> str | None:
     """`ask --json` / `--json-schema FILE` as the grammar a reply follows, compiled against the model's
     vocabulary (a schema that does not compile is a ModelError, one line)."""
     path = getattr(args, "json_schema", None)
@@ -209,45 +255,45 @@ def reply_grammar(args, model) -> str | None:
         except (OSError, UnicodeError) as e:
             raise ModelError(f"{path}: cannot be read: {getattr(e, 'strerror', None) or e}") from None
     try:
-        return constrain.check_grammar(model.tokenizer, constrain.json_schema_grammar(schema))
+        return constrain.check_grammar(tokenizer, constrain.json_schema_grammar(schema))
     except constrain.GrammarError as e:
         raise ModelError(f"{path or '--json'}: {e}") from None
 
 
-def forget_if_empty(store: ChatStore, session: Session) -> None:
+def forget_if_empty(sessions: Sessions, session: Session) -> None:
     """A session this command made for a reply that was not stored goes again: a failed command
     leaves nothing behind (where the disk lets us: on a full one, even a delete may fail)."""
     with contextlib.suppress(StoreError):
-        if store.get_session(session.id).head_id is None:
-            store.delete_session(session.id)
+        if sessions.get(session.id).head_id is None:
+            sessions.delete(session.id)
 
 
 def cmd_chat(args) -> int:
     servers = user_config().mcp_servers  # a config.toml that cannot be used fails before the model loads
-    store = open_store(args)
-    store.check_writable()
+    sessions = open_sessions(args)
+    sessions.check_writable()
     if args.session:
-        store.get_session(args.session)  # an unknown session fails before the model loads
-    engine = open_engine(args, store)
+        sessions.get(args.session)  # an unknown session fails before the model loads
+    engine = open_engine(args, sessions)
     tools = open_tools(engine, servers)  # before a session's KV is restored: its prompts offer them
     try:
-        return chat_loop(engine, tools, args)
+        return chat_loop(engine, sessions, tools, args)
     finally:
         if tools is not None:
             tools.close()
 
 
-def chat_loop(engine: ChatEngine, tools, args) -> int:
+def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
     """The session of `chat` (resumed or new), then its lines until Ctrl+D."""
     if args.session:
-        session = engine.store.get_session(args.session)
+        session = sessions.get(args.session)
         info = engine.resume(session)
         say(f"Resumed '{escaped(session.title)}' ({session.id}): {info.describe()}.")
-        for m in engine.store.path(session.head_id)[-4:]:
+        for m in sessions.messages(session)[-4:]:
             say(f"{m.role}: {brief(m.content)}")  # an attached file by its name
     else:
         session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
-        print(f"New session {session.id} with {engine.model.name}.", file=sys.stderr)
+        print(f"New session {session.id} with {engine.model_info.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
     files = PendingFiles()
     while True:
@@ -262,13 +308,13 @@ def chat_loop(engine: ChatEngine, tools, args) -> int:
         if not line.strip() or files.command(line):
             continue
         try:
-            session, code = stored_reply(engine, session, files.message(line), args)
+            session, code = stored_reply(engine, sessions, session, files.message(line), args)
         except ContextFullError as e:  # e.g. a file too long for the window: nothing was stored
             say(f"llama-chat: {e}")
             continue
         if tools is not None and not code:
-            again = partial(stored_reply, engine, text=None, args=args)
-            session, code = answer_calls(engine, session, tools, again, ask_yes)
+            again = partial(stored_reply, engine, sessions, text=None, args=args)
+            session, code = answer_calls(engine, sessions, session, tools, again, ask_yes)
         if code and code != 130:  # Ctrl+C stops the reply; SIGTERM and SIGHUP end the chat too
             return code
 

@@ -7,10 +7,10 @@ import sys
 from dataclasses import asdict
 from datetime import datetime
 
-from llama_chat.storage import ChatStore, StoreError
+from llama_chat.storage import StoreError
 
-from .chat.titles import session_title
-from .commands import open_engine, open_store
+from .chat.sessions import Sessions, export_file_name, read_session_file
+from .commands import open_engine, open_sessions
 from .config import export_dir
 from .progress import ProgressBar
 from .terminal import escaped, on_stdout, print_json
@@ -21,7 +21,7 @@ def when(ts: float) -> str:
 
 
 def list_sessions(args) -> int:
-    sessions = open_store(args).list_sessions()
+    sessions = open_sessions(args).list(limit=args.limit, offset=args.offset)
     if args.json:
         print_json([s.to_json() for s in sessions])
         return 0
@@ -35,9 +35,7 @@ def list_sessions(args) -> int:
 
 
 def show_session(args) -> int:
-    store = open_store(args)
-    session = store.get_session(args.id)
-    messages = store.path(session.head_id)
+    session, messages = open_sessions(args).read(args.id)
     if args.json:
         print_json({**session.to_json(), "messages": [asdict(m) for m in messages]})
         return 0
@@ -51,42 +49,40 @@ def show_session(args) -> int:
 
 
 def fork_session(args) -> int:
-    store = open_store(args)
-    title = session_title(args.title) if args.title else None
-    session = store.get_session(args.id)
+    sessions = open_sessions(args)
+    session, messages = sessions.read(args.id)
     at = None
     if args.at is not None:
-        messages = store.path(session.head_id)
         if not 1 <= args.at <= len(messages):
             raise StoreError(f"session {session.id} has messages 1 to {len(messages)}, not {args.at}")
         at = messages[args.at - 1].id
-    print(store.fork_session(session.id, at, title).id)
+    print(sessions.fork(session, at, args.title).id)
     return 0
 
 
 def rename_session(args) -> int:
-    store = open_store(args)
-    store.rename_session(store.get_session(args.id).id, session_title(args.title))
+    sessions = open_sessions(args)
+    sessions.rename(sessions.get(args.id).id, args.title)
     return 0
 
 
 def remove_session(args) -> int:
-    store = open_store(args)
-    session = store.get_session(args.id)
-    removed = store.delete_session(session.id)
+    sessions = open_sessions(args)
+    session = sessions.get(args.id)
+    removed = sessions.delete(session.id)
     print(f"deleted session {session.id} and {removed} message(s) only it reached")
     return 0
 
 
 def search_sessions(args) -> int:
     """A line per match: the session, the message's number in it, and the text around the words."""
-    store = open_store(args)
-    found = store.search(args.text)
+    sessions = open_sessions(args)
+    found = sessions.search(args.text)
     if not found:
         print(f"nothing found for {escaped(repr(args.text))}", file=sys.stderr)
         return 1
     for session, message in found:
-        number = next(i for i, m in enumerate(store.path(session.head_id), 1) if m.id == message.id)
+        number = next(i for i, m in enumerate(sessions.messages(session), 1) if m.id == message.id)
         found_at = f"[{number}] {message.role}: {snippet(message.content, args.text)}"
         print(f"{session.id}  {escaped(session.title)}  {escaped(found_at)}")
     return 0
@@ -103,15 +99,15 @@ def snippet(text: str, query: str, width: int = 100) -> str:
 
 
 def verify_session(args) -> int:
-    store = open_store(args)
-    session = store.get_session(args.id)  # an unknown session fails before the model loads
-    print(f"session {session.id}: {open_engine(args, store).verify(session).describe()}")
+    sessions = open_sessions(args)
+    session = sessions.get(args.id)  # an unknown session fails before the model loads
+    print(f"session {session.id}: {open_engine(args, sessions).verify(session).describe()}")
     return 0
 
 
 def collect_garbage(args) -> int:
     budget = None if args.budget is None else args.budget * 2**20
-    result = open_store(args).kv.gc(budget)
+    result = open_sessions(args).collect_garbage(budget)
     print(
         f"removed {result['blocks_removed']} block(s), {result['bytes_freed'] / 2**20:.1f} MB; "
         f"{result['blocks']} block(s), {result['bytes'] / 2**20:.1f} MB kept"
@@ -139,11 +135,8 @@ def check_database_file(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from llama_chat.storage.exchange import SUFFIX, default_file_name, export_session
-    from llama_chat.storage.transcript import export_markdown, markdown_transcript
-
-    store = ChatStore(args.db)
-    session = store.get_session(args.id)
+    sessions = Sessions(args.db)
+    session = sessions.get(args.id)
     # a transcript is text for people: to the terminal (or a pipe) unless -o names a file
     to_stdout = str(args.output) == "-" or (args.markdown and args.output is None)
     if args.markdown and (args.tree or args.codec):
@@ -151,20 +144,22 @@ def cmd_export(args) -> int:
     if to_stdout and not args.markdown:
         raise StoreError("a .llamachat file is binary: give -o FILE (only --markdown goes to stdout)")
     if args.markdown and to_stdout:
-        sys.stdout.write(on_stdout(markdown_transcript(store, session.id)))
+        sys.stdout.write(on_stdout(sessions.transcript(session.id)))
         return 0
-    name = default_file_name(session, ".md" if args.markdown else SUFFIX)
+    name = export_file_name(session, args.markdown)
     out = args.output or export_dir() / name
     if out.is_dir():
         out = out / name
+    if out.exists() and not args.force:
+        raise StoreError(f"{out}: already exists; --force overwrites it")
     out.parent.mkdir(parents=True, exist_ok=True)  # (the default folder, the first time)
     if args.markdown:
-        export_markdown(store, session.id, out)
+        sessions.export_markdown(session.id, out)
         print(out)
         return 0
     with ProgressBar() as bar:
-        summary = export_session(
-            store, session.id, out, with_kv=args.with_kv, codec=args.codec, tree=args.tree, progress=bar
+        summary = sessions.export(
+            session.id, out, with_kv=args.with_kv, codec=args.codec, tree=args.tree, progress=bar
         )
     print(summary.describe(), file=sys.stderr)
     print(out)
@@ -185,16 +180,14 @@ def model_here(args) -> tuple[str | None, str | None]:
 
 
 def cmd_import(args) -> int:
-    from llama_chat.storage.exchange import import_session, read_session_file
-
     with ProgressBar() as bar:
         exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
     fingerprint, why = model_here(args) if exported.has_kv else (None, None)
-    store = ChatStore(args.db)
+    sessions = Sessions(args.db)
     try:
-        result = import_session(store, exported, model_fingerprint=fingerprint)
+        result = sessions.import_file(exported, model_fingerprint=fingerprint)
     finally:
-        store.close()
+        sessions.close()
     print(result.describe(), file=sys.stderr)
     if why and result.kv == "recompute":
         print(f"(no usable model here: {why})", file=sys.stderr)

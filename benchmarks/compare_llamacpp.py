@@ -28,6 +28,7 @@ of llama-chat; it builds llama.cpp from source (several minutes), one build per 
 Only libggml-cpu is built with ISA flags (ggml-base and llama get none), so a copy of the native venv with
 its libggml-cpu.so* replaced by one built with those options (`cmake --build B --target ggml-cpu`, a few
 minutes) is the same AVX2 build. A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b (then --model that file).
+roofline.py measures through the same functions (make_spec, compare); figures.py runs this script.
 """
 
 from __future__ import annotations
@@ -228,8 +229,93 @@ def rounded(result: dict) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def make_spec(
+    path: str,
+    threads: int,
+    prefill_long: int = PREFILL_LONG,
+    turn_cached: int = TURN_CACHED,
+    decode_tokens: int = 16,
+    lookup_tokens: int = 160,
+    activations: str = "f32",
+) -> dict:
+    """What both children measure (JSON in their argv): the model, its sample tokens and the sizes."""
+    return {
+        "path": path,
+        "threads": threads,
+        "ids": sample_tokens(load_tokenizer(path), max(turn_cached, prefill_long) + TURN),
+        "prefill_short": PREFILL_SHORT,
+        "prefill_long": prefill_long,
+        "turn_cached": turn_cached,
+        "turn": TURN,
+        "turn_repeats": TURN_REPEATS,
+        "decode_tokens": decode_tokens,
+        "lookup_tokens": lookup_tokens,
+        "activations": activations,
+        "warm_up_only": False,
+    }
+
+
+def compare(spec: dict, profiles: dict[str, str], rounds: int) -> dict:
+    """Both engines on the spec's model for each ISA of `profiles` (ISA → a Python with llama-cpp-python;
+    llama-chat's column only where it has none): a first start each, then `rounds` alternating rounds,
+    the best of each measure kept. Returns {isa: {"ours": …, "llamacpp": …, ratios…}} and each ISA's
+    "<isa>_ours_first_start_s"."""
+    result: dict = {}
+    theirs_python = {isa: py for isa, py in profiles.items() if has_llama_cpp(py)}
+    for isa, py in profiles.items():
+        if isa not in theirs_python:
+            print(f"{isa}: no llama-cpp-python in {py}: llama-chat's column only", file=sys.stderr)
+    # A first start of each: prepares the model, compiles the ISA's kernels, reads the file into the page
+    # cache, so that the rounds time warm starts.
+    for isa in profiles:
+        first = run_child(sys.executable, OURS_CHILD, {**spec, "warm_up_only": True}, our_env(isa))
+        result[f"{isa}_ours_first_start_s"] = round(first["load_s"], 2)
+        if isa in theirs_python:
+            run_child(theirs_python[isa], LLAMACPP_CHILD, {**spec, "warm_up_only": True})
+    best = {isa: ({}, {}) for isa in profiles}
+    # Alternate engines and ISAs so that a busy moment of this shared machine hurts all alike.
+    for _ in range(rounds):
+        for isa in profiles:
+            ours = run_child(sys.executable, OURS_CHILD, spec, our_env(isa))
+            print(
+                json.dumps({"isa": isa, "engine": "llama-chat", **rounded(ours)}), file=sys.stderr, flush=True
+            )
+            keep_best(best[isa][0], ours)
+            if isa in theirs_python:
+                code = {k: ours[k] for k in ("code_prompt", "end_ids") if k in ours}
+                theirs = run_child(
+                    theirs_python[isa],
+                    LLAMACPP_CHILD,
+                    {**spec, **code, "lookup_tokens": spec["lookup_tokens"] if code else 0},
+                )
+                print(
+                    json.dumps({"isa": isa, "engine": "llama.cpp", **rounded(theirs)}),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                keep_best(best[isa][1], theirs)
+    for isa, (ours, theirs) in best.items():
+        result[isa] = {"ours": rounded(ours), "llamacpp": rounded(theirs), **ratios(ours, theirs)}
+    return result
+
+
+def print_table(isa: str, measured: dict) -> None:
+    """One ISA's entry of compare(): both engines' measures side by side, then the ratios."""
+    ours, theirs = measured["ours"], measured["llamacpp"]
+    print(f"-- {isa}: {ours.get('build')} | {theirs.get('build', 'no llama.cpp')}")
+    print(f"{'':22}{'llama-chat':>12}{'llama.cpp':>12}")
+    for key in MEASURES:
+        if key in ours or key in theirs:
+            cells = [f"{side[key]:12.2f}" if key in side else f"{'–':>12}" for side in (ours, theirs)]
+            print(f"{key:22}{''.join(cells)}")
+    for key, value in measured.items():
+        if key not in ("ours", "llamacpp"):
+            print(f"{key:22}{value:>12}")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The options that say what compare() runs: the model, the threads, the rounds, llama.cpp per ISA,
+    the sizes and llama-chat's activations (roofline.py takes them too)."""
     parser.add_argument(
         "--model", default=None, help="a model name or a GGUF file (default: the default model)"
     )
@@ -247,6 +333,26 @@ def main() -> int:
         "--prefill-long", type=int, default=PREFILL_LONG, help="the long prefill, and decode's context"
     )
     parser.add_argument(
+        "--activations",
+        choices=("f32", "q8"),
+        default="f32",
+        help="what llama-chat's products take their inputs as (q8: bytes, as llama.cpp's; its own logits)",
+    )
+
+
+def engine_profiles(parser: argparse.ArgumentParser, args) -> dict[str, str]:
+    """ISA → the Python whose llama-cpp-python runs it, from --llamacpp (native, this one, without)."""
+    profiles = dict(item.split("=", 1) for item in args.llamacpp) or {"native": sys.executable}
+    for isa in profiles:
+        if isa not in ISAS:
+            parser.error(f"unknown ISA '{isa}' (known: {', '.join(ISAS)})")
+    return profiles
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_options(parser)
+    parser.add_argument(
         "--turn-cached",
         type=int,
         default=TURN_CACHED,
@@ -256,19 +362,10 @@ def main() -> int:
         "--lookup-tokens", type=int, default=160, help="the code edit's length (0: no code edit)"
     )
     parser.add_argument(
-        "--activations",
-        choices=("f32", "q8"),
-        default="f32",
-        help="what llama-chat's products take their inputs as (q8: bytes, as llama.cpp's; its own logits)",
-    )
-    parser.add_argument(
         "--full", action="store_true", help="also run the whole `llama-chat bench --json` (native)"
     )
     args = parser.parse_args()
-    profiles = dict(item.split("=", 1) for item in args.llamacpp) or {"native": sys.executable}
-    for isa in profiles:
-        if isa not in ISAS:
-            parser.error(f"unknown ISA '{isa}' (known: {', '.join(ISAS)})")
+    profiles = engine_profiles(parser, args)
     path = str(resolve_model(args.model))
     result: dict = {"model": path, "cpu": cpu_name(), "threads": args.threads, "activations": args.activations}
     if args.full:
@@ -285,67 +382,17 @@ def main() -> int:
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         result["llama_chat_bench"] = json.loads(out.strip().splitlines()[-1])
-    tokenizer = load_tokenizer(path)
-    spec = {
-        "path": path,
-        "threads": args.threads,
-        "ids": sample_tokens(tokenizer, max(args.turn_cached, args.prefill_long) + TURN),
-        "prefill_short": PREFILL_SHORT,
-        "prefill_long": args.prefill_long,
-        "turn_cached": args.turn_cached,
-        "turn": TURN,
-        "turn_repeats": TURN_REPEATS,
-        "decode_tokens": args.decode_tokens,
-        "lookup_tokens": args.lookup_tokens,
-        "activations": args.activations,
-        "warm_up_only": False,
-    }
-    theirs_python = {isa: py for isa, py in profiles.items() if has_llama_cpp(py)}
-    for isa, py in profiles.items():
-        if isa not in theirs_python:
-            print(f"{isa}: no llama-cpp-python in {py}: llama-chat's column only", file=sys.stderr)
-    # A first start of each: prepares the model, compiles the ISA's kernels, reads the file into the page
-    # cache, so that the rounds time warm starts.
+    spec = make_spec(
+        path, args.threads, args.prefill_long, args.turn_cached, args.decode_tokens, args.lookup_tokens,
+        args.activations,
+    )
+    result |= {"prefill_long": args.prefill_long, "decode_tokens": args.decode_tokens}
+    result |= compare(spec, profiles, args.rounds)
     for isa in profiles:
-        first = run_child(sys.executable, OURS_CHILD, {**spec, "warm_up_only": True}, our_env(isa))
-        result[f"{isa}_ours_first_start_s"] = round(first["load_s"], 2)
-        if isa in theirs_python:
-            run_child(theirs_python[isa], LLAMACPP_CHILD, {**spec, "warm_up_only": True})
-    best = {isa: ({}, {}) for isa in profiles}
-    # Alternate engines and ISAs so that a busy moment of this shared machine hurts all alike.
-    for _ in range(args.rounds):
-        for isa in profiles:
-            ours = run_child(sys.executable, OURS_CHILD, spec, our_env(isa))
-            print(
-                json.dumps({"isa": isa, "engine": "llama-chat", **rounded(ours)}), file=sys.stderr, flush=True
-            )
-            keep_best(best[isa][0], ours)
-            if isa in theirs_python:
-                code = {k: ours[k] for k in ("code_prompt", "end_ids") if k in ours}
-                theirs = run_child(
-                    theirs_python[isa],
-                    LLAMACPP_CHILD,
-                    {**spec, **code, "lookup_tokens": args.lookup_tokens if code else 0},
-                )
-                print(
-                    json.dumps({"isa": isa, "engine": "llama.cpp", **rounded(theirs)}),
-                    file=sys.stderr,
-                    flush=True,
-                )
-                keep_best(best[isa][1], theirs)
-    for isa, (ours, theirs) in best.items():
-        result[isa] = {"ours": rounded(ours), "llamacpp": rounded(theirs), **ratios(ours, theirs)}
-        print(f"-- {isa}: {ours.get('build')} | {theirs.get('build', 'no llama.cpp')}")
-        print(f"{'':22}{'llama-chat':>12}{'llama.cpp':>12}")
-        for key in MEASURES:
-            if key in ours or key in theirs:
-                cells = [f"{side[key]:12.2f}" if key in side else f"{'–':>12}" for side in (ours, theirs)]
-                print(f"{key:22}{''.join(cells)}")
-        for key, value in ratios(ours, theirs).items():
-            print(f"{key:22}{value:>12}")
-    for isa in best:
+        print_table(isa, result[isa])
+    for isa in profiles:
         result[f"turn_ratio_{isa}"] = result[isa].get("turn_ratio")
-    result["turn_ratio"] = result[next(iter(best))].get("turn_ratio")  # the first ISA asked
+    result["turn_ratio"] = result[next(iter(profiles))].get("turn_ratio")  # the first ISA asked
     print(json.dumps(result))
     return 0
 

@@ -49,19 +49,20 @@ LINKS = [("loopback", 0.0, None), ("50 ms, 10 MB/s", 0.025, 10e6)]
 BREAK_EVEN = (2.0, 0.5)
 
 
-def build(engine: ChatEngine, n_tokens: int):
+def build(engine: ChatEngine, store: ChatStore, n_tokens: int):
     """A stored conversation of about n_tokens, its KV computed once and stored (and sent to the tier)."""
     session = engine.new_session("remote tier benchmark", system_prompt="You are a helpful assistant.")
-    while len(engine.live.conversation_ids(session)) < n_tokens:
+    while engine.resume(session).tokens < n_tokens:
         turn = [
             Message(0, None, "user", QUESTION, None, time.time(), None),
             Message(0, None, "assistant", ANSWER, None, time.time(), None),
         ]
-        engine.store.append_turn(session.id, session.head_id, turn)
-        session = engine.store.get_session(session.id)
+        store.append_turn(session.id, session.head_id, turn)
+        session = store.get_session(session.id)
     engine.resume(session)
+    cache = engine._cache  # (what is timed: the session cache's own snapshot, nothing else)
     t0 = time.perf_counter()
-    engine.live.snapshot(session, engine.live[session.id])
+    cache.snapshot(session, cache.seq(session.id))
     return session, time.perf_counter() - t0
 
 
@@ -73,8 +74,8 @@ def fresh_server(model, folder: Path, exported: Path, tier: RemoteTier | None, p
     store = ChatStore(folder / "chat.db")
     session_id = import_session(store, exported, model_fingerprint=model.fingerprint).session_ids[0]
     engine = ChatEngine(model, store, remote=tier)
-    if prefill_tok_s:
-        engine.kv.prefill_tok_s.add(prefill_tok_s)  # as measured by its earlier replies
+    if prefill_tok_s:  # as measured by its earlier replies
+        engine._cache.note_prefill(GenerationStats(prefilled_tokens=10**6, prefill_s=10**6 / prefill_tok_s))
     return engine, store.get_session(session_id)
 
 
@@ -120,19 +121,17 @@ def main() -> int:
     report: dict = {"links": []}
     try:
         model = load_model(args.model)
-        a = ChatEngine(
-            model,
-            ChatStore(folder / "a.db"),
-            remote=RemoteTier.from_url(redis_server.url, SECRET, model.fingerprint),
-        )
-        session, compute_s = build(a, args.tokens)
-        a.kv.remote.flush(60)
+        a_store = ChatStore(folder / "a.db")
+        a_tier = RemoteTier.from_url(redis_server.url, SECRET, model.fingerprint)
+        a = ChatEngine(model, a_store, remote=a_tier)
+        session, compute_s = build(a, a_store, args.tokens)
+        a_tier.flush(60)
+        n_tokens = a.resume(session).tokens
         a.close()
-        keys = a.store.kv.block_keys(session.id)
-        stored_bytes = sum(len(a.store.kv.load_block(k, model.fingerprint).data) for k in keys)
-        n_tokens = len(a.live.conversation_ids(session))
+        keys = a_store.kv.block_keys(session.id)
+        stored_bytes = sum(len(a_store.kv.load_block(k, model.fingerprint).data) for k in keys)
         exported = folder / "conversation.llamachat"
-        export_session(a.store, session.id, exported, with_kv=False)
+        export_session(a_store, session.id, exported, with_kv=False)
         report.update(
             model=model.name,
             conversation_tokens=n_tokens,

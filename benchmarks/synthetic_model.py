@@ -1,6 +1,7 @@
 """Write a GGUF with a real model's published shapes and llama.cpp's Q4_K_M tensor types, random weights.
 
-    python benchmarks/synthetic_model.py qwen2-7b [--out FILE] [--tokenizer-from NAME|PATH] [--check]
+    python benchmarks/synthetic_model.py qwen2-7b [--layers N] [--out FILE] [--tokenizer-from NAME|PATH]
+        [--check]
 
 For timing and memory at real sizes without downloading gigabytes: the bytes per token that decode
 reads, the matrix shapes prefill multiplies and the file's size are those of the real Q4_K_M file
@@ -13,7 +14,10 @@ The tokenizer (and so the vocabulary size) is copied from another GGUF, the defa
 --tokenizer-from says otherwise: llama-3.1-8b then has Qwen's 151,936 tokens instead of its 128,256
 (its embedding and output 18 % larger: 5.05 GB instead of 4.92). The file goes to
 ~/.cache/llama-chat-bench/ unless --out says where; one already there is kept. --check loads it with
-llama-chat and checks that a few tokens give finite logits.
+llama-chat and checks that a few tokens give finite logits. --layers N keeps the first N layers of the
+real model's (each layer as the real one, the quantization's choice of Q6_K layers made for N): a
+mixture of experts too large for the machine (qwen3-30b-a3b: 17.7 GB) then fits both engines' files
+and RAM, and the time a token takes per layer stays the real model's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -52,6 +56,10 @@ class Shape:
     n_ctx_train: int = 32768
     qkv_bias: bool = False  # qwen2 has biases on q, k and v
     llama3_rope: bool = False  # llama 3.1's long-context RoPE frequency factors (rope_freqs.weight)
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k
+    n_expert: int = 0  # a mixture of experts in every layer (qwen3moe), of this many
+    n_expert_used: int = 0
+    n_ff_exp: int = 0  # each expert's FFN width
 
 
 SHAPES = {
@@ -60,6 +68,12 @@ SHAPES = {
     # Llama-3.1-8B: 32 layers, 4096 wide, FFN 14336, 32 heads, 8 KV heads, RoPE base 500000.
     "llama-3.1-8b": Shape(
         "llama", 32, 4096, 14336, 32, 8, rope_base=5e5, norm_eps=1e-5, n_ctx_train=131072, llama3_rope=True
+    ),
+    # Qwen3-30B-A3B (config.json): 48 layers, 2048 wide, 32 heads of 128, 4 KV heads, 128 experts of
+    # FFN 768, 8 a token, RoPE base 1e6.
+    "qwen3-30b-a3b": Shape(
+        "qwen3moe", 48, 2048, 6144, 32, 4, rope_base=1e6, n_ctx_train=40960, qk_norm=True,
+        n_expert=128, n_expert_used=8, n_ff_exp=768,
     ),
 }
 
@@ -95,13 +109,27 @@ def tensor_plan(shape: Shape, n_vocab: int) -> list[tuple[str, gguf.GGMLQuantiza
                 (p + "attn_k.bias", F32, (kv_dim,)),
                 (p + "attn_v.bias", F32, (kv_dim,)),
             ]
-        plan += [
-            (p + "ffn_norm.weight", F32, (shape.n_embd,)),
+        if shape.qk_norm:
+            plan += [(f"{p}{name}.weight", F32, (shape.head_dim,)) for name in ("attn_q_norm", "attn_k_norm")]
+        plan.append((p + "ffn_norm.weight", F32, (shape.n_embd,)))
+        plan += expert_tensors(shape, p, wide) if shape.n_expert else [
             (p + "ffn_gate.weight", Q4_K, (shape.n_ff, shape.n_embd)),
             (p + "ffn_up.weight", Q4_K, (shape.n_ff, shape.n_embd)),
             (p + "ffn_down.weight", wide, (shape.n_embd, shape.n_ff)),
         ]
     return plan
+
+
+def expert_tensors(shape: Shape, p: str, wide) -> list:
+    """A mixture of experts' layer as Q4_K_M writes it: the router in float32, the experts' 3-D tensors
+    (ffn_down_exps in Q6_K on the layers of more_bits, as llama.cpp matches it by name)."""
+    e, n_ff, d = shape.n_expert, shape.n_ff_exp, shape.n_embd
+    return [
+        (p + "ffn_gate_inp.weight", F32, (e, d)),
+        (p + "ffn_gate_exps.weight", Q4_K, (e, n_ff, d)),
+        (p + "ffn_up_exps.weight", Q4_K, (e, n_ff, d)),
+        (p + "ffn_down_exps.weight", wide, (e, d, n_ff)),
+    ]
 
 
 def f16_bytes(value: float) -> np.ndarray:
@@ -141,11 +169,12 @@ def tensor_data(
             return llama3_rope_factors(head_dim, rope_base)
         if name.endswith(".bias"):
             return rng.normal(0.0, 0.1, shape).astype(np.float32)
+        if name.endswith("ffn_gate_inp.weight"):  # a router
+            return rng.normal(0.0, WEIGHT_STD, shape).astype(np.float32)
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)  # a norm's weight
-    rows, cols = shape
     block, size = gguf.GGML_QUANT_SIZES[kind]
-    blocks = (q4_k_blocks if kind == Q4_K else q6_k_blocks)(rng, rows * cols // block)
-    return blocks.reshape(rows, cols // block * size)
+    blocks = (q4_k_blocks if kind == Q4_K else q6_k_blocks)(rng, math.prod(shape) // block)
+    return blocks.reshape(*shape[:-1], shape[-1] // block * size)
 
 
 def llama3_rope_factors(head_dim: int, base: float) -> np.ndarray:
@@ -201,6 +230,13 @@ def write_synthetic(path: Path, name: str, shape: Shape, tokenizer_from: Path, s
     w.add_layer_norm_rms_eps(shape.norm_eps)
     if shape.arch == "llama":
         w.add_rope_dimension_count(shape.head_dim)
+    if shape.head_dim != shape.n_embd // shape.n_head:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.n_expert:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        w.add_expert_feed_forward_length(shape.n_ff_exp)
     n_vocab = copy_tokenizer(w, tokenizer_from)
     plan = tensor_plan(shape, n_vocab)
     for tensor_name, kind, dims in plan:
@@ -208,7 +244,7 @@ def write_synthetic(path: Path, name: str, shape: Shape, tokenizer_from: Path, s
             w.add_tensor_info(tensor_name, dims, np.dtype(np.float32), 4 * math.prod(dims))
         else:
             block, size = gguf.GGML_QUANT_SIZES[kind]
-            byte_shape = (dims[0], dims[1] // block * size)
+            byte_shape = (*dims[:-1], dims[-1] // block * size)
             w.add_tensor_info(
                 tensor_name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=kind
             )
@@ -217,7 +253,7 @@ def write_synthetic(path: Path, name: str, shape: Shape, tokenizer_from: Path, s
     w.write_ti_data_to_file()
     for i, (tensor_name, kind, dims) in enumerate(plan, 1):
         w.write_tensor_data(tensor_data(rng, tensor_name, kind, dims, shape.head_dim, shape.rope_base))
-        if tensor_name.endswith("ffn_down.weight") or i == len(plan):
+        if "ffn_down" in tensor_name or i == len(plan):
             print(f"\r{name}: {i}/{len(plan)} tensors", end="", file=sys.stderr, flush=True)
     w.close()
     print(file=sys.stderr)
@@ -240,6 +276,7 @@ def check_finite(path: Path, n_tokens: int = 4) -> np.ndarray:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, help="the first N layers only (default: all the real model's)")
     parser.add_argument("--out", type=Path, help="the GGUF to write (default: in ~/.cache/llama-chat-bench/)")
     parser.add_argument(
         "--tokenizer-from", default=None, help="a model name or GGUF path (default: the default model)"
@@ -252,9 +289,12 @@ def main() -> int:
     args = parser.parse_args()
     from llama_chat.inference import resolve_model
 
-    path = args.out or Path.home() / ".cache" / "llama-chat-bench" / f"synthetic-{args.model}-q4_k_m.gguf"
+    shape, name = SHAPES[args.model], args.model
+    if args.layers:
+        shape, name = replace(shape, n_layer=args.layers), f"{args.model}-{args.layers}layers"
+    path = args.out or Path.home() / ".cache" / "llama-chat-bench" / f"synthetic-{name}-q4_k_m.gguf"
     if args.force or not path.exists():
-        write_synthetic(path, args.model, SHAPES[args.model], resolve_model(args.tokenizer_from), args.seed)
+        write_synthetic(path, name, shape, resolve_model(args.tokenizer_from), args.seed)
     print(f"{path}: {path.stat().st_size / 1e9:.2f} GB", file=sys.stderr)
     if args.check:
         logits = check_finite(path)

@@ -219,9 +219,12 @@ class BPE:
         self.ranks: dict[str, int] = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
         self.cache: dict[str, tuple[int, ...]] = {}
 
-    def tokenize(self, text: str, out: list[int]) -> None:
+    def tokenize(self, text: str, out: list[int], limit: int | None = None) -> None:
+        """Append text's tokens to `out`, word by word; stop once it holds more than `limit`."""
         cache = self.cache
         for word in self.pretokenizer.split(text):
+            if limit is not None and len(out) > limit:
+                return
             ids = cache.get(word)
             if ids is None:
                 ids = self._word(_byte_encode(word))

@@ -41,6 +41,9 @@ class KnownModel:
     def pip_command(self) -> str:
         return "pip install " + " ".join(f"'{dist}=={self.version}'" for dist, _ in self.chunks)
 
+    def pip_uninstall(self) -> str:
+        return "pip uninstall " + " ".join(dist for dist, _ in self.chunks)
+
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     m.name: m

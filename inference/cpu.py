@@ -31,32 +31,27 @@ REGISTER_FILES = {
 # layout, across which one or two input rows run; past two, passes of ROWS input rows across PASS_LANES
 # of them (a part of LANES). A shape fits a register file when the partial sums of a pass (rows ×
 # lanes / width vectors), a vector of weights per lane vector and a broadcast input fit (kernel_shape).
-# Among those that fit, the first of this list is taken: measured best first (benchmarks/kernel_rows.py
-# --cpu-time, NUMBA_NUM_THREADS=1, on a Zen 4 shared with other work; ms for the default model's
-# ffn_gate_up 9,728 × 896 at 1 / 4 / 8 / 32 input rows, LANES × ROWS × PASS_LANES):
-# - AVX-512: 64 × 4 × 64 0.40 / 0.78 / 1.66 / 6.8; 64 × 8 × 32 0.41 / 1.74 / 1.81 / 6.3 (4 rows padded
-#   to 8).
-# - AVX2 (NUMBA_CPU_NAME=haswell): 32 × 4 × 16 0.44 / 0.96 / 2.17 / 7.5; 32 × 2 × 32 0.43 / 1.33 /
-#   2.61 / 9.9; 16 × 4 × 16 0.61 / 0.94 / 1.99 / 7.4; 32 × 6 × 16 0.45 / 1.80 / 3.32 / 11.5; 32 × 3 × 32
-#   (spills) 0.45 / 2.4 / 3.4 / 12.2; 64 × 4 × 64, AVX-512's shape (spills) 0.91 / 2.4 / 4.5 / 15.0.
-# One input row needs LANES / width ≥ 4 sums in flight to hide a fused multiply-add's latency (16 AVX2
-# lanes have 2: a third slower), several rows want passes whose sums leave registers for the weights:
-# so AVX2 interleaves 32 rows and multiplies 4 input rows across 16 of them at a time.
+# Among those that fit, the first of this list is taken: measured best first (benchmarks/kernel_rows.py;
+# the figures in docs/performance.md, "Kernel shapes"). One input row needs LANES / width ≥ 4 sums in
+# flight to hide a fused multiply-add's latency, several rows want passes whose sums leave registers
+# for the weights: so AVX2 interleaves 32 rows and multiplies 4 input rows across 16 of them at a time.
 SHAPES = ((64, 4, 64), (32, 4, 16), (16, 4, 8), (8, 4, 4))
 
 # From this many cached positions one token's attention goes to the compiled kernel (forward.py), which
-# reads the float16 cache where BLAS needs it copied into float32 first (waking numba's threads costs
-# ~60 µs a call, so on a short history BLAS is the faster). Intel Xeon, 2 threads, the default model, 8
-# replies decoded at once (one step) against one: at 128 cached positions BLAS 108 / 141 ms a step
-# (AVX-512 / AVX2), the kernel 118 / 158; at 256 level (119 / 149-165); at 512 BLAS 144-155 / 187-197,
-# the kernel 116-118 / 160 (one reply alone 54-59 against 50-51 ms a token). Before the cache was float16
-# (an AMD EPYC Zen 5) BLAS was level up to 512, and this was 1,024.
+# reads the float16 cache where BLAS needs it copied into float32 first; each call of the kernel wakes
+# numba's threads, so on a short history BLAS is the faster (docs/performance.md, "Decode over a long
+# history").
 KERNEL_ATTENTION_FROM = 256
 # From this many query rows × cached positions a step of the kernels splits its attention over the
-# threads (kernels.attention_threads; below it handing work to a thread costs more than it saves):
-# interleaved, a 15-token turn after 2,048 tokens 97 → 80 ms, 64 tokens after 4,096 627 → 435 ms,
-# 512 after 4,096 4.64 → 3.33 s.
+# threads (kernels.attention_threads): below it, handing work to a thread costs more than it saves.
 PARALLEL_ATTENTION_FROM = 8192
+# From this many input numbers quantize_rows runs on numba's threads: waking them costs more than
+# quantizing a few rows takes.
+QUANTIZE_IN_PARALLEL_FROM = 1 << 16
+# How far ahead of their reading the kernels ask for weights (vectors._prefetch): the processor's own
+# prefetcher follows a stream only within a 4 KB page and starts over at the next one; half a page
+# ahead covers the memory's latency at the rate a kernel reads (nearer and farther measured no better).
+PREFETCH_BYTES = 2048
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,17 @@ class Profile:
     tile_bytes: int  # float32 tile dequantized for BLAS: half the core's L2, so sgemm reads it from there
     kernel_attention_from: int
     parallel_attention_from: int
-    byte_dot: str = "generic"  # how 8-bit activations meet 4-bit weights (byte_dot(); vectors._nibble_dots)
+    byte_dot: str = "generic"  # how 8-bit inputs meet weights (byte_dot(); byte_vectors.py)
+    quantize_in_parallel_from: int = QUANTIZE_IN_PARALLEL_FROM
+    prefetch_bytes: int = PREFETCH_BYTES  # how far ahead the kernels ask for weights
+
+    @property
+    def ahead_in_passes(self) -> bool:
+        """Whether passes of more than two input rows ask for their weights ahead (in the first pass over
+        a group only): where a pass covers the whole group. In passes over part of a group the requests
+        cost more than they save (docs/performance.md, "Weights asked for ahead"); one or two rows
+        always ask."""
+        return self.pass_lanes == self.lanes
 
     @property
     def key(self) -> str:

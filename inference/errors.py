@@ -10,3 +10,11 @@ class ModelError(Exception):
 
 class ContextFullError(ModelError):
     """More tokens than the context window holds."""
+
+
+class TooManyTokens(ContextFullError):
+    """A text found to make more than `limit` tokens before all of it was tokenized."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the text makes more than {limit:,} tokens")
+        self.limit = limit

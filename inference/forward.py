@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from . import kernels
+from . import experts, kernels
 from .config import ModelConfig
 from .cpu import PROFILE
 from .errors import ContextFullError
@@ -25,6 +25,7 @@ from .kv_arena import KVViews
 from .kv_cache import KVSequence
 
 if TYPE_CHECKING:
+    from .experts import Experts
     from .quants import PackedMatrix, StackedMatrix
 
 F32 = np.float32
@@ -43,8 +44,9 @@ class LayerWeights:
     attn_qkv: PackedMatrix | StackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
     attn_output: PackedMatrix  # [d, q_dim]
     ffn_norm: np.ndarray  # [d]
-    ffn_gate_up: PackedMatrix  # gate and up fused: [2·n_ff, d]
-    ffn_down: PackedMatrix  # [d, n_ff]
+    ffn_gate_up: PackedMatrix | None = None  # gate and up fused: [2·n_ff, d] (None: experts instead)
+    ffn_down: PackedMatrix | None = None  # [d, n_ff]
+    experts: Experts | None = None  # a mixture of experts in place of the one FFN (qwen3moe)
     attn_qkv_bias: np.ndarray | None = None  # [q_dim + 2·kv_dim] (qwen2)
     attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3)
     attn_k_norm: np.ndarray | None = None  # [hd]
@@ -60,7 +62,7 @@ class Weights:
     output_norm: np.ndarray  # [d]
     output: PackedMatrix  # [n_vocab, d]
     layers: tuple[LayerWeights, ...]
-    rope_freqs: np.ndarray | None = None  # [hd/2] per-frequency factors (llama 3)
+    rope_freqs: np.ndarray | None = None  # [n_rot/2] per-frequency factors (llama 3; phi3's LongRoPE)
     activations: str = "f32"  # what its products take their inputs as (kernels.ACTIVATIONS)
 
 
@@ -72,24 +74,36 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @lru_cache(maxsize=8)
-def _rope_cos_sin(positions: bytes, head_dim: int, base: float, freq_factors: bytes | None) -> tuple:
-    """cos and sin of position·frequency [T, hd/2]; the same for every layer of a step (per RoPE base)."""
+def _rope_cos_sin(positions: bytes, head_dim: int, base: float, factors: bytes | None, scale: float) -> tuple:
+    """cos and sin of position·frequency [T, hd/2], times `scale`; the same for every layer of a step
+    (per RoPE base)."""
     inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    if freq_factors is not None:
-        inv = inv / np.frombuffer(freq_factors, dtype=np.float32)
+    if factors is not None:
+        inv = inv / np.frombuffer(factors, dtype=np.float32)
     angles = np.frombuffer(positions, dtype=np.int64).astype(np.float64)[:, None] * inv[None, :]
-    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+    cos, sin = (np.cos(angles) * scale).astype(F32), (np.sin(angles) * scale).astype(F32)
     cos.flags.writeable = sin.flags.writeable = False
     return cos, sin
 
 
 def rope(
-    x: np.ndarray, positions: np.ndarray, base: float, neox: bool, freq_factors: np.ndarray | None
+    x: np.ndarray,
+    positions: np.ndarray,
+    base: float,
+    neox: bool,
+    freq_factors: np.ndarray | None,
+    n_rot: int = 0,
+    scale: float = 1.0,
 ) -> np.ndarray:
-    """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative)."""
+    """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative).
+    Only the first n_rot channels turn where n_rot is set (0: all), the others pass as they are; `scale`
+    multiplies the turned ones (LongRoPE's attention factor)."""
     hd = x.shape[-1]
+    if 0 < n_rot < hd:
+        turned = rope(x[..., :n_rot], positions, base, neox, freq_factors, 0, scale)
+        return np.concatenate([turned, x[..., n_rot:]], axis=-1)
     factors = None if freq_factors is None else np.asarray(freq_factors).tobytes()
-    cos, sin = _rope_cos_sin(np.asarray(positions, dtype=np.int64).tobytes(), hd, base, factors)
+    cos, sin = _rope_cos_sin(np.asarray(positions, dtype=np.int64).tobytes(), hd, base, factors, scale)
     if neox:  # pairs are (i, i + hd/2)
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -173,12 +187,21 @@ def silu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, e, out=e)
 
 
+def gated_ffn(x: np.ndarray, gate_up, down, act: str) -> np.ndarray:
+    """x [T, d] → down · (act(gate · x) * (up · x)) [T, d], gate and up fused in gate_up [2·n_ff, d]."""
+    gate_up = linear(x, gate_up)  # [T, 2·n_ff]
+    n_ff = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
+    h = gelu_tanh(gate) if act == "gelu" else silu(gate)
+    h *= up
+    return linear(h, down)  # [T, d]
+
+
 def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: ModelConfig) -> np.ndarray:
-    gate_up = linear(x, lw.ffn_gate_up)  # [T, 2·n_ff]
-    gate, up = gate_up[:, : cfg.n_ff], gate_up[:, cfg.n_ff :]
-    act = gelu_tanh(gate) if cfg.ffn_act == "gelu" else silu(gate)
-    act *= up
-    return linear(act, lw.ffn_down)  # [T, d]
+    if lw.experts is None:
+        return gated_ffn(x, lw.ffn_gate_up, lw.ffn_down, cfg.ffn_act)
+    ffn = partial(gated_ffn, act=cfg.ffn_act)
+    return experts.mixture(x, lw.experts, cfg.n_expert_used, cfg.expert_weights_norm, ffn)
 
 
 class Segment:
@@ -281,8 +304,8 @@ def self_attention(
         k = rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
     sliding = cfg.is_sliding(layer)
     base = cfg.rope_base_swa if sliding else cfg.rope_base
-    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs)
-    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs)
+    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_attn_factor)
+    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_attn_factor)
     window = cfg.sliding_window if sliding else 0
     rows = [seg.kept if last_layer else seg.rows for seg in segments]
     out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
@@ -406,6 +429,6 @@ def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: ModelC
 
     def rerotate(layer: int, k: np.ndarray) -> np.ndarray:  # k [kv_head, m, hd]
         base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
-        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs)
+        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim)
 
     seq.shift(keep, drop, rerotate)

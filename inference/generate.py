@@ -54,18 +54,24 @@ def prompt_text(
 
 
 def chat_prompt_ids(
-    model: Model, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    model: Model,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    limit: int | None = None,
 ) -> list[int]:
     """Render messages with the model's chat template (plain completion for base models) and tokenize.
     `tools` (OpenAI's function definitions) are rendered by the template, if it takes them. Only the
     template's markup becomes control tokens: every string of the messages and the tools (contents,
-    names, descriptions, schemas, call arguments, tool results) is text, so none can forge a turn."""
+    names, descriptions, schemas, call arguments, tool results) is text, so none can forge a turn.
+    TooManyTokens for a prompt over `limit` tokens, found out before the whole is tokenized
+    (Tokenizer.encode)."""
     tok = model.tokenizer
     shield = tok.control_text_shield([messages, tools])
     text = prompt_text(model, shield.hide(messages), add_generation_prompt, shield.hide(tools))
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
     add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))  # templates often write BOS
-    return tok.encode(text, add_bos=add_bos, special=True, shield=shield)
+    return tok.encode(text, add_bos=add_bos, special=True, shield=shield, limit=limit)
 
 
 def fit_messages(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 # numba's OpenMP threads sleep between kernels instead of spinning: a kernel runs ~100 times per
 # token, and spinning threads on a 2-core machine take the cores from BLAS, the other kernel thread
-# or anything else running (measured here with another job running: 1.8 tok/s spinning, 6.5 sleeping).
+# or anything else running (docs/performance.md, "Threads").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba  # noqa: E402
@@ -18,9 +18,12 @@ from numba import njit, prange  # noqa: E402
 from .catalog import cache_dir  # noqa: E402
 from .cpu import PROFILE  # noqa: E402
 
-# The modules whose numba code the kernels inline from one another (kernels.py's products inline
-# vectors.py's intrinsics and k_quants.py's loops).
-KERNEL_SOURCES = ("vectors.py", "k_quants.py", "kernels.py", "quants.py")
+# The modules whose numba code the kernels inline from one another (products.py inlines the intrinsics
+# of vectors.py and byte_vectors.py and k_quants.py's loops), and cpu.py, whose profile they compile in.
+KERNEL_SOURCES = (
+    "cpu.py", "vectors.py", "byte_vectors.py", "k_quants.py", "products.py", "activations.py",
+    "attention.py", "kernels.py", "quants.py",
+)
 
 
 def _sources_digest() -> str:

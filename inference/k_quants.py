@@ -11,20 +11,19 @@ Packed, LANES rows are interleaved as in quants.py, and every value byte keeps i
 - scales [groups, n_cols / 256, 2, LANES] uint16: the float16 bits of d and dmin;
 - offsets [groups, n_cols / 256, 16, LANES] uint8: the 8 scales, then the 8 mins.
 148 bytes per 256 weights (the GGUF's 144, the 6-bit fields a byte each) where int8 values with a
-float32 scale and offset per 32 took 320. A vector of words holds 4 columns of as many rows: a shift
+float32 scale and offset per 32 take 320. A vector of words holds 4 columns of as many rows: a shift
 takes one column's nibbles out (AVX-512 then turns them into floats with one permute, vectors.py),
-where a byte a lane had to be widened first (a product of one row 1.9x slower on the 7B's ffn_gate_up,
-now faster than memory hands it the weights). The kernels add up a run's Σ q·x, then take it times
-the run's d·sc and Σ x times its −dmin·m (formed
-as gguf.quants forms them, in float32), as ggml factors a block's dot product: every weight is the
-GGUF's, exactly, and each row's sums run in one order whatever else is in the batch. Dequantizing each
-weight first (q·d·sc − dmin·m, two more operations per weight) made the kernels compute-bound at 34
-GFLOP/s a thread where this reaches 48 (docs/performance.md), and its long sums of w·x rounded 3-4x
-further from the exact product (test_kernels).
+where a byte a lane would have to be widened first. The kernels add up a run's Σ q·x, then take it
+times the run's d·sc and Σ x times its −dmin·m (formed as gguf.quants forms them, in float32), as ggml
+factors a block's dot product: every weight is the GGUF's, exactly, and each row's sums run in one
+order whatever else is in the batch. Dequantizing each weight first (q·d·sc − dmin·m) would take two
+more operations per weight, making the kernels compute-bound, and its long sums of w·x round further
+from the exact product (test_kernels).
 
 Q6_K (the output matrix and some ffn_down of a Q4_K_M model) could be kept the same way (ql and qh
-bytes, 210 bytes per 256 as the GGUF), but its kernel, six bits from two bytes, took 1.4–2x int8's CPU
-time per product on the Zen 4 and minutes more to compile: it unpacks to int8 as the other formats.
+bytes, 210 bytes per 256 as the GGUF), but its kernel, six bits from two bytes, costs more CPU time per
+product than int8's and much more to compile: it unpacks to int8 as the other formats
+(docs/performance.md, "Decode reads every weight once per token").
 """
 
 from __future__ import annotations
@@ -35,12 +34,12 @@ import gguf
 import numpy as np
 from numba import carray
 
+from .byte_vectors import _nibble_dots
 from .cpu import PROFILE
 from .jit import njit
 from .vectors import (
     _dequantize_nibbles,
     _multiply_add,
-    _nibble_dots,
     _nibbles,
     _prefetch,
     _q4_k_scales,
@@ -108,8 +107,8 @@ def pack_blocks(blocks, row0, per_row, values, scales, offsets, g0, g1):
                     scales[g, cb, k, lane] = np.uint16(block[2 * k]) | (np.uint16(block[2 * k + 1]) << 8)
                 for sub in range(8):
                     offsets[g, cb, sub, lane], offsets[g, cb, 8 + sub, lane] = _scale_min_k4(sub, block)
-                for k in range(128):  # (a loop: a slice assignment compiled its shape check's
-                    tile[lane, 128 * cb + k] = block[16 + k]  # error message, 1.8 s of a first start)
+                for k in range(128):  # (a loop: a slice assignment compiles its shape check's
+                    tile[lane, 128 * cb + k] = block[16 + k]  # error message, seconds of a first start)
         _store_words(tile, values, g, lane0, lane1)
 
 
@@ -118,8 +117,8 @@ def _run(values, g, r, lane0):
     """Where run r (of 32 columns) of group g lies, from lane lane0 on: the flat indices of its d, its
     scale and its first word of value bytes (whose low nibbles hold an even run, the high ones an odd
     run; 8 words of 4 columns follow, LANES words apart).
-    A plain call (LLVM inlines it): inlined by numba, each of its 7 call sites was typed again, ~1 s of
-    CPU of a first start; the product measured the same speed (benchmarks/kernel_rows.py)."""
+    A plain call (LLVM inlines it): inlined by numba, each of its call sites would be typed again, for
+    no speed (benchmarks/kernel_rows.py)."""
     n_bytes, lanes = values.shape[1], values.shape[2]
     block = g * (n_bytes // 128) + r // 8
     d_at, sc_at = (block * 2) * lanes + lane0, (block * 16 + r % 8) * lanes + lane0
@@ -127,9 +126,12 @@ def _run(values, g, r, lane0):
 
 
 @njit(cache=True, inline="always")
-def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width, ahead):
+def _run_sums(
+    values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width,
+    ahead,
+):
     """Run r's 32 columns into the sums of `rows` rows: Σ q·x over the run's 4-bit values q (their nibbles
-    from bit `shift`, a literal: a shift by a variable cost a tenth of the speed), then that times the
+    from bit `shift`, a literal: a shift by a variable costs speed), then that times the
     run's d·sc and Σ x times its −dmin·m, as ggml factors a block's dot product."""
     lanes = values.shape[2]
     d_at, sc_at, at = _run(values, g, r, lane0)
@@ -150,21 +152,31 @@ def _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offs
 
 @njit(cache=True, inline="always")
 def accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
-    """kernels._accumulate for Q4_K: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows,
+    """products._accumulate for Q4_K: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows,
     r < width, a run of 32 columns at a time (run_sums), each in column order: the same operations in
     the same order for a row whatever the rows and width of its pass."""
     scale, offset = _registers(width), _registers(width)
     for k in range(rows * width):
         sums[k] = 0
     for r in range(0, x.shape[1] // 32, 2):  # a run in low nibbles, then the run in their high ones
-        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, 0, rows, width, ahead)
-        _run_sums(values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r + 1, lane0, 4, rows, width, ahead)
+        _run_sums(
+            values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g,
+            r, lane0, 0, rows, width, ahead,
+        )
+        _run_sums(
+            values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g,
+            r + 1, lane0, 4, rows, width, ahead,
+        )
 
 
 @njit(cache=True, inline="always")
-def _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r, lane0, shift, rows, width, ahead):
-    """_run_sums for activations in bytes (kernels.quantize_rows): the run's Σ q·x̂ in integers, times the
-    bytes' scale, then as there d·sc times that and −dmin·m times the run's Σ x (of the float32 x)."""
+def _run_sums_q8(
+    values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r, lane0, shift, rows, width,
+    ahead,
+):
+    """_run_sums for activations in bytes (activations.quantize_rows): the run's Σ q·x̂ in integers,
+    times the bytes' scale, then as there d·sc times that and −dmin·m times the run's Σ x (of the
+    float32 x)."""
     lanes = values.shape[2]
     d_at, sc_at, at = _run(values, g, r, lane0)
     if ahead and shift == 0:
@@ -182,13 +194,19 @@ def _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, off
 @njit(cache=True, inline="always")
 def accumulate_q8(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
     """accumulate for activations in bytes: xq [n, n_cols / 4] the rows' bytes four to a word, x_runs
-    [n, n_cols / 32, 2] each run's Σ x and its bytes' scale (kernels.quantize_rows)."""
+    [n, n_cols / 32, 2] each run's Σ x and its bytes' scale (activations.quantize_rows)."""
     scale, offset = _registers(width), _registers(width)
     for k in range(rows * width):
         sums[k] = 0
     for r in range(0, x_runs.shape[1], 2):  # a run in low nibbles, then the run in their high ones
-        _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r, lane0, 0, rows, width, ahead)
-        _run_sums_q8(values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g, r + 1, lane0, 4, rows, width, ahead)
+        _run_sums_q8(
+            values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g,
+            r, lane0, 0, rows, width, ahead,
+        )
+        _run_sums_q8(
+            values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g,
+            r + 1, lane0, 4, rows, width, ahead,
+        )
 
 
 @njit(cache=True)
@@ -223,7 +241,7 @@ def _run_tile(values, scales, offsets, scale, offset, column, g, r, shift, out, 
 @njit(cache=True)
 def dequantize_tile(values, scales, offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies
-    (kernels.tile_product), through the same vector code as the kernels."""
+    (products.tile_product), through the same vector code as the kernels."""
     scale, offset, column = _registers(LANES), _registers(LANES), _registers(LANES)
     for g in range(g0, g1):
         for r in range(0, out.shape[0] // 32, 2):
@@ -246,7 +264,7 @@ def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids
 
 def layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:
     """The arrays of a Q4_K matrix (quants.layout): its nibbles, d/dmin as float16 bits, and the 6-bit
-    scales a byte each, for each group of LANES rows: 148 bytes per 256 weights, int8 took 320."""
+    scales a byte each, for each group of LANES rows: 148 bytes per 256 weights where int8 takes 320."""
     return [
         ((groups, n_cols // 2, LANES), np.uint8),
         ((groups, n_cols // 256, 2, LANES), np.uint16),
@@ -257,8 +275,8 @@ def layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:
 @dataclass
 class StackedMatrix:
     """Packed matrices with the same columns whose rows stack: one product each, side by side. Q4_K's q
-    and k joined with a Q6_K v into one int8 matrix took 2.5x their bytes (25 MB a layer of a 7B where
-    the parts take 10), which decode reads every token."""
+    and k joined with a Q6_K v into one int8 matrix would take 2.5x their bytes, which decode reads
+    every token."""
 
     parts: list  # quants.PackedMatrix
     in_q4_k = False

@@ -144,6 +144,15 @@ def _layouts_of(expected: dict[str, Layout]) -> dict:
     }
 
 
+def header_of(path: Path) -> dict | None:
+    """A packed file's header (its arrays, layout, profile and GGUF), or None: the file is not whole (DamagedFile)."""
+    try:
+        with open(path, "rb") as f:
+            return _header(f, os.fstat(f.fileno()).st_size)
+    except (OSError, ValueError):
+        return None
+
+
 def _header(f, size: int) -> dict:
     """The file's header, checked against its trailer and the file's size (a file cut short has no
     trailer at its end). Raises DamagedFile."""

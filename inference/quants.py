@@ -332,7 +332,7 @@ def compile_kernels(progress=None, matrices=None, activations: str = "f32") -> f
         compile_one()
     if progress:
         progress(label, len(steps), len(steps))
-    kernels.blas_from = measured_blas_from(progress)
+    kernels.use_blas_from(measured_blas_from(progress))
     if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these formats
         for what, compile_one in _tile_steps(matrices):
             if progress:

@@ -9,7 +9,7 @@ from typing import Any
 
 from .bpe import ADD_BOS, BPE, CHAR_TO_BYTE, NO_BOS, PRE_TYPES, merge_symbols
 from .control_text import ControlTextShield
-from .errors import ModelError
+from .errors import ModelError, TooManyTokens
 from .gguf_file import open_gguf, read_metadata
 
 # GGUF token types (tokenizer.ggml.token_type): 0 undefined, 1 normal, 2 unknown, 3 control,
@@ -51,7 +51,8 @@ class _SPM:
                 tid = vocab.token_to_id.get(chr(b)) if b < 0x80 else None
             self.byte_ids.append(tid)
 
-    def tokenize(self, text: str, out: list[int]) -> None:
+    def tokenize(self, text: str, out: list[int], limit: int | None = None) -> None:
+        """`limit` is not used: merges run over the whole text (its length in bytes bounds the work)."""
         vocab, scores = self.token_to_id, self.scores
 
         def priority(left: str, right: str) -> float | None:
@@ -182,6 +183,20 @@ def _apply_name_rules(meta: dict[str, Any], pre: str, token_to_id: dict[str, int
         attrs[token_to_id["[MASK]"]] |= ATTR_LSTRIP
 
 
+def _longest_token(tokens: list[str], attrs: list[int], is_spm: bool) -> int:
+    """The most bytes of text one token stands for when text is tokenized (or more: a byte token's
+    "<0x0A>" counts six): 128 in Qwen2.5's vocabulary (a run of spaces), 48 in Gemma 3's."""
+
+    def size(text: str, attr: int) -> int:
+        if attr & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN):
+            return len(text.encode("utf-8", "surrogatepass"))  # cut out of the text as written
+        if is_spm:
+            return len(text.replace("▁", " ").encode("utf-8", "surrogatepass"))  # "▁" stands for a space
+        return len(text)  # byte-level BPE: one stand-in character per byte
+
+    return max(size(t, a) for t, a in zip(tokens, attrs, strict=True))
+
+
 class Tokenizer:
     """Text <-> token ids exactly as llama.cpp does it for this vocab (SPM or byte-level BPE).
 
@@ -190,6 +205,11 @@ class Tokenizer:
     space prefix adds to the first token; it does not apply llama.cpp's optional "clean spaces" pass,
     so decode(encode(text)) == text for byte-level BPE vocabs.
     """
+
+    # What encode() makes of a text, as a version: token ids kept from an earlier encoding (the chat
+    # layer's session cache keeps a conversation's) are used only under the version that made them.
+    # Raise it with any change that gives other ids for some text (here, in bpe.py or control_text.py).
+    encoding_version = 1
 
     def __init__(self, meta: dict[str, Any]):
         model = _key(meta, "model")
@@ -248,6 +268,11 @@ class Tokenizer:
         self._special_user = [i for i in special if not attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
         self._control_texts = [tokens[i] for i in special if attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
         self._pieces: dict[int, bytes] = {}
+        # A text of more than limit * bytes_per_token bytes makes more than `limit` tokens: refused
+        # before it is tokenized (encode). None where a token swallows the spaces beside it
+        # (lstrip/rstrip): those bytes make no token, and only tokenizing can tell.
+        strips = any(a & (ATTR_LSTRIP | ATTR_RSTRIP) for a in attrs)
+        self.bytes_per_token: int | None = None if strips else _longest_token(tokens, attrs, self.is_spm)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -261,10 +286,22 @@ class Tokenizer:
         return ControlTextShield(self._control_texts, outside)
 
     def encode(
-        self, text: str, add_bos: bool = False, special: bool = False, shield: ControlTextShield | None = None
+        self,
+        text: str,
+        add_bos: bool = False,
+        special: bool = False,
+        shield: ControlTextShield | None = None,
+        limit: int | None = None,
     ) -> list[int]:
         """Token ids for text; add_bos prepends BOS, special=True turns control-token text into its id;
-        text a `shield` hid comes back as text, tokenized as with special=False."""
+        text a `shield` hid comes back as text, tokenized as with special=False. With a `limit`, a text
+        that makes more tokens raises TooManyTokens as soon as that is known: by its length in bytes
+        before any work, or once the tokens made pass it (byte-level BPE stops there; SentencePiece
+        finishes the piece of text it is on)."""
+        if limit is not None and self.bytes_per_token is not None:
+            size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+            if size > limit * self.bytes_per_token:
+                raise TooManyTokens(limit)
         out: list[int] = []
         if add_bos:
             if self.bos_id is None:
@@ -282,8 +319,10 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", "▁")
-            self._algo.tokenize(frag, out)
+            self._algo.tokenize(frag, out, limit)
             prev_special = False
+            if limit is not None and len(out) > limit:
+                raise TooManyTokens(limit)
         return out
 
     def _partition(

@@ -248,23 +248,88 @@ def _call(value) -> ToolCall | None:
 
 
 def split_offered_calls(text: str, names: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[ToolCall]] | None:
-    """fmt.split(), or else the fenced JSON calls in the text, of tools offered (`names`) only: a fence
-    of JSON is also what a model writes when asked for JSON, not a call. Small models often write a call
-    so; llama.cpp's Hermes parser takes that form too (its open_regex: an optional ```json fence before
-    `{"name"`). The content is the text before the first call."""
+    """The one reading of a reply's calls, for every front end: fmt.split(), or else the calls of tools
+    offered (`names`) written as a bare JSON object or in a ```json fence — how small models often
+    write one (llama.cpp's Hermes parser reads both: its open_regex takes an optional fence before
+    `{"name"`). Only offered tools: such JSON is also what a model writes when asked for JSON. As in
+    every format, the calls end the reply: the content is the text before them; None when there is no
+    call, or text after the calls (then the whole text is the content)."""
     parsed = fmt.split(text)
     if parsed is not None:
         return parsed
-    fenced = []
-    for m in _FENCED.finditer(text):
-        try:
-            fenced.append((m.start(), _call(json.loads(m.group(1)))))
-        except json.JSONDecodeError:
-            continue
-    calls = [(at, call) for at, call in fenced if call is not None and call.name in names]
-    if not calls:
+    at = 0
+    while (start := LOOSE_CALL.search(text, at)) is not None:
+        call, end = loose_call(text, start, names)
+        if call is not None:
+            break
+        if end < 0:
+            return None
+        at = start.start() + 1  # an offered call may be inside what is not one
+    else:
         return None
-    return text[: calls[0][0]].strip(), [call for _, call in calls]
+    content, calls = text[: start.start()].strip(), [call]
+    while (at := _skip_space(text, end)) < len(text):  # only calls follow the first
+        start = LOOSE_CALL.match(text, at)
+        call, end = loose_call(text, start, names) if start is not None else (None, -1)
+        if call is None:
+            return None
+        calls.append(call)
+    return content, calls
 
 
-_FENCED = regex.compile(r"```(?:json|xml)?\n\s*(\{.*?\})\s*```", regex.DOTALL)
+# Where a call may begin outside the format's own markers: a JSON object with a name, in a fence or bare.
+LOOSE_CALL = regex.compile(r'(?P<fence>```(?:json|xml)?\n\s*)?\{\s*"name"\s*:')
+_CALL_KEYS = {"name", "arguments", "parameters", "id"}  # a call's object holds no other (a tool's definition does)
+
+
+def loose_call(text: str, start: regex.Match, names: set[str]) -> tuple[ToolCall | None, int]:
+    """The call of an offered tool that a LOOSE_CALL match begins (None: what it begins is not one),
+    and where that ends (past the fence's close); end -1: the text ends first (a stream waits)."""
+    fenced = start.group("fence") is not None
+    brace = start.end("fence") if fenced else start.start()
+    end = JsonEnd().find(text, brace)
+    if end is None:
+        return None, -1
+    try:
+        value = json.loads(text[brace:end])
+    except json.JSONDecodeError:
+        return None, end
+    call = _call(value) if isinstance(value, dict) and value.keys() <= _CALL_KEYS else None
+    if call is not None and call.name not in names:
+        call = None
+    if fenced:
+        close = _skip_space(text, end)
+        if text.startswith("```", close):
+            return call, close + 3
+        if "```".startswith(text[close:]):  # the fence may close yet
+            return None, -1
+        return None, end  # JSON in a fence with more after it: not a call
+    return call, end
+
+
+class JsonEnd:
+    """Where a JSON value written in pieces ends: its brackets counted, outside its strings."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def find(self, text: str, start: int) -> int | None:
+        """The index just past the value's end in text[start:], or None: it goes on past it."""
+        for i in range(start, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None

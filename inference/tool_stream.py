@@ -1,7 +1,9 @@
 """A reply with tools as it streams (tool_calls.py's formats): its content goes out as it comes, up to
 where its calls begin; calls constrained by the format's grammar parse by construction, so each one's
 name (and id) goes out once written and its arguments as they come, as OpenAI streams them; other
-calls are held until the reply ends and go out whole once they parse, else as content."""
+calls are held until the reply ends and go out whole once they parse (split_offered_calls, as a reply
+sent whole is read), else as content. JSON that may be a call of an offered tool (bare or fenced) is
+held until it closes: then it is a call, or content that goes out."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .tool_calls import HERMES, ToolFormat
+from .tool_calls import HERMES, LOOSE_CALL, JsonEnd, ToolFormat, loose_call, split_offered_calls
 
 
 @dataclass
@@ -29,31 +31,32 @@ _HEAD = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"%s"\s*:\s*(?=\S)'
 
 
 class CallSplitter:
-    """fmt.split() as the text streams. `constrained`: the reply follows fmt.grammar(), whose calls
-    carry `ids` (formats with ids)."""
+    """split_offered_calls() as the text streams: calls in `fmt`, or of the tools `offered` in JSON.
+    `constrained`: the reply follows fmt.grammar(), whose calls carry `ids` (formats with ids)."""
 
-    def __init__(self, fmt: ToolFormat = HERMES, constrained: bool = False, ids: list[str] | None = None):
-        self.fmt, self.constrained, self.ids = fmt, constrained, ids or []
+    def __init__(
+        self,
+        fmt: ToolFormat = HERMES,
+        constrained: bool = False,
+        ids: list[str] | None = None,
+        offered: set[str] = frozenset(),
+    ):
+        self.fmt, self.constrained, self.ids, self.offered = fmt, constrained, ids or [], offered
         self.head = re.compile(_HEAD % re.escape(fmt.arguments))
         self.text = ""  # the reply so far
         self.sent = 0  # how much of it went out as content
+        self.scan = 0  # where calls may begin: what begins before it was found to be content
         self.calling = False  # the calls began (at `sent`)
         self.at = 0  # constrained: how much of the calls went out
-        self.scan: _JsonEnd | None = None  # constrained: the arguments being written; None: a head next
+        self.value: JsonEnd | None = None  # constrained: the arguments being written; None: a head next
         self.calls = 0
 
     def feed(self, text: str) -> list[Delta]:
         """What of `text` can go out now."""
         self.text += text
-        if self.calling:
-            return self._calls() if self.constrained else []
-        start = self.fmt.begins.search(self.text, self.sent, partial=True)
-        if start is None:  # nor can this text begin any (a format whose calls come first: never again)
-            return self._content(len(self.text))
-        out = self._content(start.start())  # a partial match: what may begin the calls waits
-        if not start.partial:
-            self.calling, self.at = True, start.end()
-            out += self._calls() if self.constrained else []
+        out = [] if self.calling else self._content_until_calls()
+        if self.calling and self.constrained:
+            out += self._calls()
         return out
 
     def finish(self) -> list[Delta]:
@@ -62,14 +65,36 @@ class CallSplitter:
             return self._content(len(self.text))
         if self.constrained:
             return []  # a call cut short (by the token limit): finish_reason says "length"
-        parsed = self.fmt.split(self.text[self.sent :])
+        parsed = split_offered_calls(self.text[self.sent :], self.offered, self.fmt)
         if parsed is None:
             return self._content(len(self.text))
-        deltas = []
+        deltas = [Delta(parsed[0])] if parsed[0] else []  # (JSON that was no call, before a tagged one)
         for index, call in enumerate(parsed[1]):
             arguments = json.dumps(call.arguments, ensure_ascii=False)
             deltas += [Delta(index=index, name=call.name, id=call.id), Delta(index=index, arguments=arguments)]
         return deltas
+
+    def _content_until_calls(self) -> list[Delta]:
+        """The content up to where the calls begin (then `calling`), or may yet begin: what may be the
+        start of the format's calls, or JSON that may be an offered call, waits."""
+        while True:
+            self.scan = max(self.scan, self.sent)
+            start = self.fmt.begins.search(self.text, self.scan, partial=True)
+            loose = LOOSE_CALL.search(self.text, self.scan, partial=True) if self.offered and not self.constrained else None
+            if loose is not None and (start is None or loose.start() < start.start()):
+                call, end = (None, -1) if loose.partial else loose_call(self.text, loose, self.offered)
+                if call is None and end >= 0:  # JSON, not a call: content, and calls may begin inside it
+                    self.scan = loose.start() + 1
+                    continue
+                out = self._content(loose.start())
+                self.calling = call is not None
+                return out
+            if start is None:  # nor can this text begin any (a format whose calls come first: never again)
+                return self._content(len(self.text))
+            out = self._content(start.start())  # a partial match: what may begin the calls waits
+            if not start.partial:
+                self.calling, self.at = True, start.end()
+            return out
 
     def _content(self, upto: int) -> list[Delta]:
         text, self.sent = self.text[self.sent : upto], upto
@@ -78,46 +103,18 @@ class CallSplitter:
     def _calls(self) -> list[Delta]:
         out = []
         while True:
-            if self.scan is None:
+            if self.value is None:
                 head = self.head.search(self.text, self.at)
                 if head is None:
                     return out
                 call_id = self.ids[self.calls] if self.calls < len(self.ids) else None
                 out.append(Delta(index=self.calls, name=json.loads(f'"{head.group(1)}"'), id=call_id))
-                self.at, self.scan = head.end(), _JsonEnd()
-            end = self.scan.find(self.text, self.at)
+                self.at, self.value = head.end(), JsonEnd()
+            end = self.value.find(self.text, self.at)
             upto = len(self.text) if end is None else end
             if upto > self.at:
                 out.append(Delta(index=self.calls, arguments=self.text[self.at : upto]))
             self.at = upto
             if end is None:
                 return out
-            self.scan, self.calls = None, self.calls + 1
-
-
-class _JsonEnd:
-    """Where a JSON value written in pieces ends: its brackets counted, outside its strings."""
-
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped = 0, False, False
-
-    def find(self, text: str, start: int) -> int | None:
-        """The index just past the value's end in text[start:], or None: it goes on past it."""
-        for i in range(start, len(text)):
-            ch = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return None
+            self.value, self.calls = None, self.calls + 1

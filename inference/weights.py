@@ -22,24 +22,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import k_quants, kernels, packed_file, quants
+from . import kernels, packed_file, quants
 from .catalog import cache_dir
-from .config import ModelConfig
+from .config import ModelConfig, read_config
 from .errors import ModelError
+from .experts import Experts
 from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
-from .k_quants import StackedMatrix
+from .tensor_plan import Plan, expert_matrix, layer_tensors, matrix_plan, stacked, tensor_of
 
-# The GGUF's matrices that the forward pass multiplies as one (one kernel call for q/k/v, one for gate/up).
-FUSED = {
-    "attn_q": "attn_qkv",
-    "attn_k": "attn_qkv",
-    "attn_v": "attn_qkv",
-    "ffn_gate": "ffn_gate_up",
-    "ffn_up": "ffn_gate_up",
-}
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 Progress = Callable[[str, int, int], None]
 
@@ -70,97 +62,23 @@ class Prepared:
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
         """The GGUF types of each matrix the kernels multiply (q/k/v and gate/up each one matrix of
         their parts' types): what the kernels must be compiled for."""
-        matrices: dict[str, set] = {}
-        for name, t in self.tensors.items():
-            if len(t.shape) == 2:
-                prefix, _, part = name.removesuffix(".weight").rpartition(".")
-                matrices.setdefault(f"{prefix}.{FUSED.get(part, part)}", set()).add(t.type_name)
-        return sorted({tuple(gguf.GGMLQuantizationType[n] for n in sorted(names)) for names in matrices.values()})
+        formats = set()
+        for _, parts, _ in matrix_plan(self.config, self.tensors):
+            names = {self.tensors[n].type_name for n in (tensor_of(p)[0] for p in parts) if n in self.tensors}
+            known = sorted(n for n in names if n in gguf.GGMLQuantizationType.__members__)
+            formats.add(tuple(gguf.GGMLQuantizationType[n] for n in known))
+        return sorted(formats - {()})
 
     @property
     def fingerprint(self) -> str:
         """Stable hash of architecture, hyperparameters and tensor names/types/shapes, and of the
         activations where they are not float32: what KV depends on (KV computed from bytes is not taken
         for exact KV, nor the other way)."""
-        described = [asdict(self.config), sorted(self.tensor_types.items())]
+        described = [self.config.description(), sorted(self.tensor_types.items())]
         if self.activations != "f32":
             described.append(self.activations)
         blob = json.dumps(described, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def read_config(meta: dict, path: Path) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
-
-    def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelError(f"{path}: missing metadata {arch}.{key}")
-        return value
-
-    n_embd = int(get("embedding_length"))
-    n_head = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", n_embd // n_head))
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    common = dict(
-        arch=arch,
-        n_layer=int(get("block_count")),
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=int(get("attention.head_count_kv", n_head)),
-        head_dim=head_dim,
-        n_ff=int(get("feed_forward_length")),
-        n_vocab=int(meta.get(f"{arch}.vocab_size", len(tokens))),
-        n_ctx_train=int(get("context_length")),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_base=float(get("rope.freq_base", 10000.0)),
-        rope_neox=arch != "llama",
-        final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0)),
-        attn_logit_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", 0.0)),
-    )
-    if arch == "qwen3":
-        common.update(qk_norm=True)
-    if arch == "gemma3":
-        # llama.cpp hard-codes these for gemma3 (llama-model.cpp): every 6th layer is global, the
-        # others use a 10k RoPE base, and q is scaled by 1/sqrt(head_dim) except on the 27B model.
-        scale = 1.0 / np.sqrt(n_embd / n_head) if int(get("block_count")) == 62 else 1.0 / np.sqrt(head_dim)
-        common.update(
-            sliding_window=int(get("attention.sliding_window")),
-            swa_pattern=6,
-            rope_base_swa=10000.0,
-            qk_norm=True,
-            post_norms=True,
-            embed_scale=float(np.sqrt(n_embd)),
-            ffn_act="gelu",
-            attn_scale=float(scale),
-        )
-    return ModelConfig(**common)
-
-
-def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """The GGUF tensors of one layer and their (rows, cols) shapes; optional ones are marked by the loader."""
-    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    p = f"blk.{layer}."
-    shapes = {
-        p + "attn_norm.weight": (cfg.n_embd,),
-        p + "attn_q.weight": (q_dim, cfg.n_embd),
-        p + "attn_k.weight": (kv_dim, cfg.n_embd),
-        p + "attn_v.weight": (kv_dim, cfg.n_embd),
-        p + "attn_output.weight": (cfg.n_embd, q_dim),
-        p + "ffn_norm.weight": (cfg.n_embd,),
-        p + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
-        p + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
-        p + "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
-    }
-    if cfg.qk_norm:
-        shapes[p + "attn_q_norm.weight"] = (cfg.head_dim,)
-        shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)
-    if cfg.post_norms:
-        shapes[p + "post_attention_norm.weight"] = (cfg.n_embd,)
-        shapes[p + "post_ffw_norm.weight"] = (cfg.n_embd,)
-    return shapes
 
 
 OPTIONAL_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
@@ -234,15 +152,14 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     path, cfg = info.path, info.config
     quants.compile_kernels(progress, info.matrix_formats, info.activations)
     gguf_file = GGUFTensors(info)
-    plan = matrix_plan(info)
-    for _, parts, shapes in plan:  # every tensor there, of its shape and a known type, before any is packed
-        for name, shape in zip(parts, shapes, strict=True):
-            gguf_file.need(name, shape)
-            gguf_file.qtype(name)
+    check_tensors(gguf_file)  # before any is packed
+    plan = matrix_plan(cfg, info.tensors)
     output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
     rope_freqs = None
-    if "rope_freqs.weight" in info.tensors:
-        rope_freqs = gguf_file.vector("rope_freqs.weight", (cfg.head_dim // 2,))
+    for name in ROPE_FACTORS:
+        if name in info.tensors:
+            rope_freqs = gguf_file.vector(name, ((cfg.rope_dim or cfg.head_dim) // 2,))
+            break
     vectors = [_layer_vectors(gguf_file, cfg, i) for i in range(cfg.n_layer)]
     tied = "output.weight" not in info.tensors
     table = None if tied else gguf_file.table("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
@@ -259,7 +176,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(
-        LayerWeights(**vectors[i], **{name: _stacked(matrices, f"blk.{i}.{name}") for name in LAYER_MATRICES})
+        LayerWeights(**vectors[i], **_layer_matrices(matrices, cfg, i))
         for i in range(cfg.n_layer)
     )
     if tied:  # the output matrix is the embedding table
@@ -269,52 +186,45 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs, info.activations)
 
 
-LAYER_MATRICES = ("attn_qkv", "ffn_gate_up", "attn_output", "ffn_down")
+# The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors for a context
+# of at most the original length (config.phi3_switches)
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
 
 
-def matrix_plan(info: Prepared) -> list[tuple[str, list[str], list[tuple[int, int]]]]:
-    """The matrices the kernels multiply, in the order they are packed: (name, the GGUF tensors stacked
-    into it, their shapes)."""
-    cfg = info.config
-    emb_shape = (cfg.n_vocab, cfg.n_embd)
-    output = "output.weight" if "output.weight" in info.tensors else "token_embd.weight"
-    plan = [("output", [output], [emb_shape])]
+def check_tensors(gguf_file: GGUFTensors) -> None:
+    """Every tensor the model reads is in the GGUF, of its shape and in a format read here; else
+    ModelError, one line naming the first that is not (nothing but their table is read)."""
+    info, cfg = gguf_file.info, gguf_file.info.config
+    needed = [("output_norm.weight", (cfg.n_embd,))]
     for i in range(cfg.n_layer):
-        p, shapes = f"blk.{i}.", expected_shapes(cfg, i)
-        for name in LAYER_MATRICES:
-            parts = [f"{p}{part}.weight" for part, into in FUSED.items() if into == name] or [f"{p}{name}.weight"]
-            plan += _runs(info, p + name, parts, [shapes[n] for n in parts])
-    return plan
+        needed += [(name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1]
+    for _, parts, shapes in matrix_plan(cfg, info.tensors):
+        needed += zip(parts, shapes, strict=True)
+    for name, shape in needed:
+        gguf_file.need(name, shape)
+        gguf_file.qtype(name)
 
 
-def _runs(info: Prepared, name: str, parts: list[str], shapes: list[tuple[int, int]]) -> list:
-    """A matrix of the plan; or where Q4_K meets other formats (q/k beside a Q6_K v), its runs, each
-    packed (and kept in the packed file) on its own as name#0, name#1…, multiplied as one StackedMatrix."""
-    types = [info.tensors[n].type_name if n in info.tensors else None for n in parts]
-    if None in types or not all(t in gguf.GGMLQuantizationType.__members__ for t in types):
-        return [(name, parts, shapes)]  # load_weights' check names the missing tensor or its type
-    typed = [(n, gguf.GGMLQuantizationType[t], s) for n, t, s in zip(parts, types, shapes, strict=True)]
-    if len(quants.kinds_of({qtype for _, qtype, _ in typed})) == 1:
-        return [(name, parts, shapes)]
-    runs = k_quants.runs_of_q4_k(typed)
-    return [(f"{name}#{j}", [n for n, _, _ in run], [s for _, _, s in run]) for j, run in enumerate(runs)]
+def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
+    """A layer's packed matrices, as LayerWeights takes them."""
+    p = f"blk.{i}."
+    layer = {name: stacked(matrices, p + name) for name in ("attn_qkv", "attn_output")}
+    if not cfg.n_expert:
+        return layer | {name: stacked(matrices, p + name) for name in ("ffn_gate_up", "ffn_down")}
+    experts = range(cfg.n_expert)
+    layer["experts"] = Experts(
+        stacked(matrices, p + "ffn_gate_inp"),
+        tuple(stacked(matrices, expert_matrix(i, e, "ffn_gate_up")) for e in experts),
+        tuple(stacked(matrices, expert_matrix(i, e, "ffn_down")) for e in experts),
+    )
+    return layer
 
 
-def _stacked(matrices: dict, name: str) -> quants.PackedMatrix | StackedMatrix:
-    """The plan's matrix `name`, whole or joined from its runs (_runs)."""
-    if name in matrices:
-        return matrices[name]
-    runs = []
-    while f"{name}#{len(runs)}" in matrices:
-        runs.append(matrices[f"{name}#{len(runs)}"])
-    return StackedMatrix(runs)
-
-
-def _packed_layout(info: Prepared, plan) -> dict[str, packed_file.Layout]:
+def _packed_layout(info: Prepared, plan: Plan) -> dict[str, packed_file.Layout]:
     """Each matrix of the plan: its rows, and the arrays (shape, dtype) it packs into."""
     expected = {}
     for name, parts, shapes in plan:
-        formats = {gguf.GGMLQuantizationType[info.tensors[n].type_name] for n in parts}
+        formats = {gguf.GGMLQuantizationType[info.tensors[tensor_of(n)[0]].type_name] for n in parts}
         n_rows = sum(s[0] for s in shapes)
         expected[name] = (n_rows, quants.layout(formats, n_rows, shapes[0][1]))
     return expected
@@ -333,19 +243,32 @@ def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):
 
 def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
     """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32."""
-    p = f"blk.{i}."
+    p, tensors = f"blk.{i}.", gguf_file.info.tensors
     vectors = {
         name[len(p) :].removesuffix(".weight"): gguf_file.vector(name, shape)
-        for name, shape in expected_shapes(cfg, i).items()
+        for name, shape in layer_tensors(cfg, i, tensors).items()
         if len(shape) == 1
     }
     biases = [p + b for b in OPTIONAL_BIASES]
-    if any(b in gguf_file.info.tensors for b in biases):
-        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    if p + "attn_qkv.bias" in tensors:
+        vectors["attn_qkv_bias"] = gguf_file.vector(p + "attn_qkv.bias", (q_dim + 2 * kv_dim,))
+    elif any(b in tensors for b in biases):
         vectors["attn_qkv_bias"] = np.concatenate(
             [gguf_file.vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
         )
     return vectors
+
+
+UNREADABLE = (NotImplementedError, KeyError, ValueError)  # what readable_format raises
+
+
+def readable_format(type_name: str) -> gguf.GGMLQuantizationType:
+    """The GGUF format of that name, where gguf.quants reads it (one block of zeros tried); else one of
+    UNREADABLE."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    return qtype
 
 
 class GGUFTensors:
@@ -359,37 +282,49 @@ class GGUFTensors:
         with open(self.path, "rb") as f:
             self.mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
-    def need(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+    def need(self, part: str, shape: tuple[int, ...]) -> TensorEntry:
+        """The tensor a part is (or is an expert of: then `shape` is one expert's), checked."""
+        name, expert = tensor_of(part)
         t = self.info.tensors.get(name)
         if t is None:
             raise ModelError(f"{self.path}: missing tensor {name}")
+        if expert is not None:
+            shape = (self.info.config.n_expert, *shape)
         if tuple(t.shape) != shape:
             raise ModelError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
-    def qtype(self, name: str) -> gguf.GGMLQuantizationType:
+    def _span(self, part: str, t: TensorEntry) -> tuple[int, int]:
+        """Where a part's bytes lie in the file: (offset, length); an expert's, of a 3-D tensor."""
+        expert = tensor_of(part)[1]
+        if expert is None:
+            return t.offset, t.nbytes
+        each = t.nbytes // t.shape[0]
+        return t.offset + expert * each, each
+
+    def qtype(self, part: str) -> gguf.GGMLQuantizationType:
+        name = tensor_of(part)[0]
         t = self.info.tensors[name]
         try:
-            qt = gguf.GGMLQuantizationType[t.type_name]
-            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qt][1]), np.uint8), qt)  # one block
-            return qt
-        except (NotImplementedError, KeyError, ValueError) as e:
+            return readable_format(t.type_name)
+        except UNREADABLE as e:
             raise ModelError(
                 f"{self.path}: tensor {name} has unsupported quantization type {t.type_name} ({e})"
             ) from None
 
-    def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        t = self.need(name, shape)
+    def raw(self, part: str, shape: tuple[int, ...]) -> np.ndarray:
+        t = self.need(part, shape)
         if t.offset + t.nbytes > len(self.mapped):
-            raise ModelError(f"{self.path}: truncated GGUF file (tensor {name} is cut short)")
-        data = np.frombuffer(self.mapped, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+            raise ModelError(f"{self.path}: truncated GGUF file (tensor {tensor_of(part)[0]} is cut short)")
+        offset, nbytes = self._span(part, t)
+        data = np.frombuffer(self.mapped, dtype=np.uint8, count=nbytes, offset=offset)
         return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
 
-    def release(self, *names: str) -> None:
-        for name in names:
-            t = self.info.tensors[name]
-            start = t.offset - t.offset % mmap.PAGESIZE
-            self.mapped.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
+    def release(self, *parts: str) -> None:
+        for part in parts:
+            offset, nbytes = self._span(part, self.info.tensors[tensor_of(part)[0]])
+            start = offset - offset % mmap.PAGESIZE
+            self.mapped.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         raw = self.raw(name, shape)

@@ -214,6 +214,19 @@ def decode_kv(data: bytes, out: tuple[np.ndarray, np.ndarray] | None = None) -> 
     return out
 
 
+def decoded(
+    data: bytes, expected_checksum: str | None = None, out: tuple[np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The KV of stored bytes (into `out`, as decode_kv), or None when they are not what was written:
+    their checksum, where one is given, or any check of decoding fails."""
+    if expected_checksum is not None and checksum(data) != expected_checksum:
+        return None
+    try:
+        return decode_kv(data, out)
+    except CorruptBlockError:
+        return None
+
+
 def kv_matches(data: bytes, k: np.ndarray, v: np.ndarray, tolerance: float = MATCH_TOLERANCE) -> bool:
     """Whether a stored block holds this KV, up to its codec's rounding: the KV is put through the
     block's own codec, and each half must then lie within `tolerance` of the block's (relative to the
@@ -230,6 +243,8 @@ def kv_matches(data: bytes, k: np.ndarray, v: np.ndarray, tolerance: float = MAT
         return False
     again = decode_kv(encode_kv(k, v, codec[0], block_plan(data)))
     for a, b, exact in zip(stored, again, (k, v), strict=True):
-        if np.linalg.norm(a - b) > tolerance * (np.linalg.norm(exact) + 1e-30):
+        # in float32: a float16 KV (the live cache's) overflows its own sum of squares, and an infinite
+        # norm would let any block match
+        if np.linalg.norm(a - b) > tolerance * (np.linalg.norm(exact.astype(np.float32)) + 1e-30):
             return False
     return True

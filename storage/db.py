@@ -179,7 +179,20 @@ def _v6(conn: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS = [_v1, _v2, _v3, _v4, _v5, _v6]  # step i brings user_version from i to i + 1
+def _v7(conn: sqlite3.Connection) -> None:
+    """Indexes that keep an archive's cost that of the question, not of the archive's size: the sessions
+    whose head a message is (search finds a hit's sessions from the hit down to their heads), and the
+    sessions newest first (a page of them)."""
+    _run_script(
+        conn,
+        """
+        CREATE INDEX IF NOT EXISTS sessions_head ON sessions(head_id);
+        CREATE INDEX IF NOT EXISTS sessions_newest ON sessions(updated DESC, created DESC);
+        """,
+    )
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 DISK_FULL = "the disk is full"

@@ -35,6 +35,18 @@ def brief(content: str) -> str:
     return _INLINE.sub(lambda m: f"[{m.group(1)}] ", content)
 
 
+def parts(content: str) -> list[tuple[str | None, str]]:
+    """The content in order as (name, text) for each inline file and (None, text) for what is between
+    (empty pieces left out): how a screen shows each file apart from what the user wrote."""
+    out: list[tuple[str | None, str]] = []
+    at = 0
+    for match in _INLINE.finditer(content):
+        out += [(None, content[at : match.start()])] if match.start() > at else []
+        out.append((match.group(1), match.group(2)))
+        at = match.end()
+    return out + ([(None, content[at:])] if at < len(content) else [])
+
+
 @dataclass
 class Fragment:
     offset: int  # where the text goes back, in the content that is stored

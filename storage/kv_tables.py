@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -63,15 +63,16 @@ class KVTables:
             )
 
     def insert_blocks(
-        self, blocks: list[tuple[str, StoredBlock]], namespace: bytes | None, now: float
+        self, blocks: Iterable[tuple[str, StoredBlock]], namespace: bytes | None, now: float
     ) -> int:
         """Store (model fingerprint, block)s not stored yet in the namespace, inside the caller's
-        transaction; returns how many were new."""
+        transaction, taking one at a time (an import reads each from its file as it goes); returns how
+        many were new."""
         before = self.db.conn.total_changes
         self.db.conn.executemany(
             "INSERT OR IGNORE INTO kv_blocks (namespace, key, fingerprint, codec, n_tokens, data, checksum, "
             "last_used, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
+            (
                 (
                     _shared(namespace),
                     b.key,
@@ -84,7 +85,7 @@ class KVTables:
                     _token_blob(b.tokens),
                 )
                 for fp, b in blocks
-            ],
+            ),
         )
         return self.db.conn.total_changes - before
 
@@ -122,22 +123,17 @@ class KVTables:
         tokens = np.frombuffer(r["tokens"], dtype=np.int32).tolist()
         return StoredBlock(r["key"], r["n_tokens"], r["codec"], r["data"], r["checksum"], tokens)
 
-    def kept_ids(self, session_id: str, digest: bytes) -> list[int] | None:
-        """The token ids kept for a session's conversation, if they were made from what `digest` names;
-        None when they were made from something else, never kept, or damaged."""
+    def kept_ids(self, session_id: str) -> tuple[bytes, list[int]] | None:
+        """The token ids kept for a session's conversation with the seal they were kept under (the
+        session cache's ids_seal says whether they are still the conversation's); None: none kept."""
         rows = self.connection.rows("SELECT seal, ids FROM session_token_ids WHERE session_id = ?", (session_id,))
-        if not rows or rows[0]["seal"] != _seal(digest, rows[0]["ids"]):
-            return None
-        return np.frombuffer(rows[0]["ids"], dtype=np.int32).tolist()
+        return (rows[0]["seal"], np.frombuffer(rows[0]["ids"], dtype=np.int32).tolist()) if rows else None
 
-    def keep_ids(self, session_id: str, digest: bytes, ids: list[int]) -> None:
-        """Keep the token ids of a session's conversation, made from what `digest` names (in place of
-        any kept before)."""
-        blob = _token_blob(ids)
+    def keep_ids(self, session_id: str, seal: bytes, ids: list[int]) -> None:
+        """Keep the token ids of a session's conversation under their seal (in place of any kept before)."""
         with self.connection.transaction():
-            self.db.conn.execute(
-                "INSERT OR REPLACE INTO session_token_ids VALUES (?, ?, ?)", (session_id, _seal(digest, blob), blob)
-            )
+            row = (session_id, seal, _token_blob(ids))
+            self.db.conn.execute("INSERT OR REPLACE INTO session_token_ids VALUES (?, ?, ?)", row)
 
     def drop_block(self, key: bytes, namespace: bytes | None = None) -> None:
         """Forget a block that failed its checksum or its tokens; it will be recomputed from tokens."""
@@ -216,12 +212,6 @@ class KVTables:
 def _shared(namespace: bytes | None) -> bytes:
     """A namespace as stored: b"" for the blocks every session shares."""
     return namespace or b""
-
-
-def _seal(digest: bytes, ids: bytes) -> bytes:
-    """What kept token ids are stored under: the digest of what they were made from and of themselves,
-    so that ids damaged on disk (a model reading other tokens than the conversation's) are never used."""
-    return hashlib.sha256(digest + ids).digest()
 
 
 def _token_blob(tokens: list[int]) -> bytes:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 
-from . import fragments
+from . import fragments, search
 from .connection import StoreConnection
 from .db import StoreError
 from .kv_tables import KVTables
@@ -132,10 +131,12 @@ class ChatStore:
             raise StoreError(f"session '{id_or_prefix}' is ambiguous: give more of its id")
         return Session.from_row(rows[0])
 
-    def list_sessions(self, tenant: str | None = None) -> list[Session]:
-        """Every session, newest first; with a `tenant`, that tenant's only."""
+    def list_sessions(self, tenant: str | None = None, limit: int | None = None, offset: int = 0) -> list[Session]:
+        """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
+        tenant's only."""
         rows = self.connection.rows(
-            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} ORDER BY updated DESC, created DESC", (tenant, tenant)
+            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} ORDER BY updated DESC, created DESC LIMIT ? OFFSET ?",
+            (tenant, tenant, -1 if limit is None else limit, offset),
         )
         return [Session.from_row(r) for r in rows]
 
@@ -363,26 +364,8 @@ class ChatStore:
         )
 
     def search(self, text: str, limit: int = 50) -> list[tuple[Session, Message]]:
-        """Sessions whose conversation contains the text (full-text search), with each matching message."""
-        words = [w for w in text.replace('"', " ").split() if w]
-        if not words:
-            return []
-        query = " ".join(f'"{w}"' for w in words)
-        try:
-            hits = self._messages(
-                "SELECT messages.* FROM messages_fts JOIN messages ON messages.id = messages_fts.rowid "
-                "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
-                (query, limit),
-            )
-        except sqlite3.OperationalError as e:
-            raise StoreError(f"cannot search for {text!r} ({e})") from None
-        found = []
-        sessions = self.list_sessions()
-        paths = {s.id: {m.id for m in self.path(s.head_id)} for s in sessions}
-        for hit in hits:
-            # a message shared by forks belongs to each of them
-            found += [(s, hit) for s in sessions if hit.id in paths[s.id]]
-        return found
+        """Sessions whose conversation contains the text, with each matching message (search.py)."""
+        return search.find(self.connection, self._messages, text, limit)
 
     # -- import (storage/exchange/ reads and checks the files) ---------------------------------------
 
@@ -390,7 +373,7 @@ class ChatStore:
         self,
         messages: list[Message],
         sessions: list[Session],
-        blocks: list[tuple[str, StoredBlock]],
+        blocks: Iterable[tuple[str, StoredBlock]],
         block_lists: dict[str, list[bytes]],
         tails: dict[str, StoredTail],
         namespace: bytes | None,

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny models per architecture, the two real models, and an isolated user directory.
-Ready for pytest-xdist (`-n 4`, with `--dist loadgroup` from pyproject.toml): see pytest_configure and
-pytest_collection_modifyitems."""
+Ready for pytest-xdist (`-n auto`: workers by free memory; `--dist loadgroup` from pyproject.toml): see
+pytest_configure, pytest_xdist_auto_num_workers and pytest_collection_modifyitems."""
 
 from __future__ import annotations
 
@@ -37,6 +37,28 @@ def pytest_configure(config):
 
         compile_kernels()
         compile_codec()
+
+
+# `-n auto`: a worker's peak memory with the processes its tests start (the real-model tests' worker holds
+# both real models: test_real_models.py alone peaked at 2.5 GiB), and the most workers that help: most
+# tests wait on the app or on `llama-chat` processes, so 4 fit 2 cores.
+WORKER_GIB = 2.5
+MOST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: as many workers as the memory free now holds (a laptop of 8 GB: 2), MOST_WORKERS at most."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist reads it
+    return max(1, min(MOST_WORKERS, int(_free_gib() // WORKER_GIB)))
+
+
+def _free_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration):  # no /proc (macOS): half of the memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**31
 
 
 def _starts_workers(config) -> bool:

@@ -49,11 +49,11 @@ class Served:
 
     @property
     def model(self):
-        return self.state.engine.model
+        return self.state.engine._model
 
     @property
     def scheduler(self):
-        return self.state.engine.scheduler
+        return self.state.engine._scheduler
 
     def ask(self, text: str | list, **kwargs):
         messages = [{"role": "user", "content": text}] if isinstance(text, str) else text

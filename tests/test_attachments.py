@@ -174,9 +174,9 @@ async def test_the_app_attaches_a_file_with_f5(open_chat, notes, tmp_path):
         assert isinstance(app.screen, TextScreen)
         await pilot.press(*"notes.txt", "enter")
         await say(pilot, "hello the world")
-        (asked, _) = [m.content for m in app.store.path(app.store.get_session(app.chat.session.id).head_id)]
+        (asked, _) = [m.content for m in app.sessions.read(app.chat.session.id)[1]]
         assert asked.endswith("hello the world") and TEXT in asked and "notes.txt" in asked
-        assert app.chat.attached == []  # sent once
+        assert app.chat.flow.attached == []  # sent once
         assert "notes.txt" in app.chat.session.title
 
 

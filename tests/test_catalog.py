@@ -6,10 +6,12 @@ import hashlib
 import json
 
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from llama_chat.app.cli import main
 from llama_chat.inference import catalog
 from llama_chat.inference.catalog import KNOWN_MODELS, KnownModel, ensure_model, model_path
+from tiny_models import write_tiny_model
 
 CHUNKS = [b"GGUF" + b"first chunk " * 1000, b"second chunk " * 2000, b"last"]
 
@@ -116,3 +118,25 @@ def test_a_path_or_a_name(tmp_path, tiny_model_paths):
     assert catalog.resolve_model(tiny_model_paths["qwen2"]) == tiny_model_paths["qwen2"]
     with pytest.raises(catalog.ModelError, match="unknown model 'mistery'"):
         catalog.resolve_model("mistery")
+
+
+def test_models_tells_what_a_gguf_needs_and_whether_it_runs(tmp_path, tiny_model_paths, capsys):
+    """`llama-chat models FILE…`: each file's architecture, tokenizer and matrix formats with how each
+    is kept, and whether it runs; where one does not, its first line is the one loading it gives."""
+    moe = tiny_model_paths["qwen3moe"]
+    foreign = write_tiny_model(tmp_path / "foreign.gguf", "qwen2", arch_name="mamba9")
+    odd = write_tiny_model(tmp_path / "odd.gguf", "qwen2", raw_types={"blk.0.ffn_up.weight": Q.Q8_1})
+    assert main(["models", str(moe)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{moe}: runs" and "  architecture: qwen3moe" in out
+    assert "  Q8_0: 5 matrices, int8 with a scale per 16 or 32 weights" in out
+    assert main(["models", "--json", str(moe), str(foreign), str(odd)]) == 1
+    needs = json.loads(capsys.readouterr().out)
+    assert [n["problem"] is None for n in needs] == [True, False, False]
+    assert (needs[1]["architecture"], needs[1]["architecture_supported"]) == ("mamba9", False)
+    assert "unsupported architecture 'mamba9'" in needs[1]["problem"]
+    assert needs[2]["formats"]["Q8_1"] == {"tensors": 1, "kept": "not read here"}
+    assert main(["--model", str(odd), "tokenize", "x"]) == 2  # the same line as loading it
+    assert needs[2]["problem"] in capsys.readouterr().err
+    assert main(["models", str(tmp_path / "nope.gguf")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import tracemalloc
+import warnings
 
 import codec_reference as reference
 import numpy as np
@@ -202,6 +203,19 @@ def test_an_auto_block_says_its_plan_and_reads_without_one():
     assert block_plan(data) == plan
     assert block_plan(encode_kv(k, v, "q6")) is None
     assert kv_matches(data, k, v) and not kv_matches(data, v, k)
+
+
+def test_a_block_is_compared_with_a_float16_cache_without_overflow():
+    """`sessions verify` compares imported blocks with the live cache, float16 by default: the sum of
+    squares of a real model's keys overflows float16, which once made any block match it."""
+    shape = (24, 2, 64, 64)  # the default model's layers and KV heads, a block of 64 tokens
+    k, v = realistic_kv(shape)
+    forged_k, forged_v = realistic_kv(shape, seed=1)
+    data = encode_kv(k, 4 * v, "q8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # RuntimeWarning: overflow encountered in dot
+        assert kv_matches(data, k.astype(np.float16), (4 * v).astype(np.float16))
+        assert not kv_matches(data, forged_k.astype(np.float16), (4 * forged_v).astype(np.float16))
 
 
 def test_an_auto_block_with_fewer_bits_is_smaller():

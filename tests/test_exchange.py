@@ -109,11 +109,11 @@ def source(tmp_path_factory, tiny_model_paths):
         session = engine.new_session("a chat", system_prompt="the sun", sampling={"temperature": 0.0})
         chat(engine, session, "hello the world " * 2)
         chat(engine, session, "and then")
-        session = engine.store.get_session(session.id)
+        session = engine._store.get_session(session.id)
         file = folder / "chat.llamachat"
-        export_session(engine.store, session.id, file)
+        export_session(engine._store, session.id, file)
         expected, _ = chat(engine, engine.fork(session), PROBE)
-        engine.store.close()
+        engine._store.close()
     assert expected
     return SimpleNamespace(
         model=model,
@@ -142,14 +142,14 @@ def test_a_session_imported_in_a_fresh_process_resumes_with_no_prefill(source, t
     assert "imported 'a chat'" in out.stderr and "saved model state" in out.stderr
 
     engine = engine_for(source.model, db)
-    session = engine.store.get_session(new_id)
+    session = engine._store.get_session(new_id)
     assert (session.title, session.system_prompt, session.sampling) == (
         "a chat (imported)",  # not to be taken for its original
         "the sun",
         {"temperature": 0.0},
     )
     original = ChatStore(source.db)
-    assert conversation(engine.store, new_id) == conversation(original, source.session.id)
+    assert conversation(engine._store, new_id) == conversation(original, source.session.id)
     info = engine.resume(session)
     assert info.tokens > 3 * 8 and info.restored == info.tokens  # every imported token back, none computed
     reply, stats = chat(engine, session, PROBE)
@@ -181,6 +181,13 @@ def test_export_and_import_on_the_command_line(source, tmp_path, monkeypatch):
     assert (
         code == 0 and Path(out.strip()) == tmp_path / "exports" / written.name
     )  # a folder gets the usual name
+    again = tmp_path / "exports" / written.name
+    again.write_text("mine")
+    code, out, err = run("--db", db, "export", source.session.id, "-o", again)
+    assert code == 2 and out == "" and err == f"llama-chat: error: {again}: already exists; --force overwrites it\n"
+    assert again.read_text() == "mine"
+    code, out, err = run("--db", db, "export", source.session.id, "-o", again, "--force")
+    assert code == 0 and again.read_bytes().startswith(MAGIC)
     code, out, err = run("--db", db, "export", source.session.id, "-o", "-")
     assert code == 2 and out == "" and "binary" in err
 
@@ -213,7 +220,7 @@ def test_without_kv_the_file_is_small_and_the_first_reply_computes_it(source, tm
     code, new_id, err = run("--db", tmp_path / "chat.db", "--model", source.model, "import", out)
     assert code == 0 and "holds no KV" in err
     engine = engine_for(source.model, tmp_path / "chat.db")
-    session = engine.store.get_session(new_id.strip())
+    session = engine._store.get_session(new_id.strip())
     assert engine.resume(session).restored == 0
     assert chat(engine, session, PROBE)[0] == source.reply  # the messages are the truth
 
@@ -230,8 +237,8 @@ def test_another_or_a_missing_model_gets_the_messages_and_recomputes_the_kv(
     assert conn.execute("SELECT COUNT(*) FROM kv_blocks").fetchone()[0] == 0
     assert conn.execute("SELECT COUNT(*) FROM session_tails").fetchone()[0] == 0
     engine = engine_for(source.model, db)
-    session = engine.store.get_session(new_id.strip())
-    assert session.n_tokens == 0 and len(engine.store.path(session.head_id)) == 4
+    session = engine._store.get_session(new_id.strip())
+    assert session.n_tokens == 0 and len(engine._store.path(session.head_id)) == 4
     assert chat(engine, session, PROBE)[0] == source.reply
 
 
@@ -248,9 +255,9 @@ def test_the_codec_option_re_encodes_the_kv(source, tmp_path):
     assert sizes["q4"] * 2 < sizes["f32"]
     engine = engine_for(source.model, tmp_path / "chat.db")
     result = import_session(
-        engine.store, tmp_path / "q4.llamachat", model_fingerprint=engine.model.fingerprint
+        engine._store, tmp_path / "q4.llamachat", model_fingerprint=engine.model_info.fingerprint
     )
-    info = engine.resume(engine.store.get_session(result.session_ids[0]))
+    info = engine.resume(engine._store.get_session(result.session_ids[0]))
     assert info.restored == info.tokens > 0
     code, _, err = run("--db", source.db, "export", source.session.id, "--codec", "q3", "-o", tmp_path / "x")
     assert code == 2 and "unknown KV codec 'q3'" in err and not (tmp_path / "x").exists()
@@ -261,15 +268,15 @@ def test_a_tree_export_brings_every_branch_and_each_block_once(tiny_model_paths,
     engine = engine_for(model, tmp_path / "a.db")
     session = engine.new_session("tree")
     chat(engine, session, "hello the world " * 2)
-    session = engine.store.get_session(session.id)
+    session = engine._store.get_session(session.id)
     engine.regenerate(session, max_tokens=6)[1].wait()
-    edited, job = engine.edit(session, engine.store.path(session.head_id)[0].id, "hello there", max_tokens=6)
+    edited, job = engine.edit(session, engine._store.path(session.head_id)[0].id, "hello there", max_tokens=6)
     job.wait()
-    sessions = {s.id: s for s in engine.store.list_sessions()}
+    sessions = {s.id: s for s in engine._store.list_sessions()}
     assert len(sessions) == 3
 
     out = tmp_path / "tree.llamachat"
-    summary = export_session(engine.store, session.id, out, tree=True)
+    summary = export_session(engine._store, session.id, out, tree=True)
     file = read_session_file(out)
     assert summary.sessions == len(file.sessions) == 3 and file.sessions[0].id == session.id
     all_keys = [k for keys in file.block_lists.values() for k in keys]
@@ -277,23 +284,24 @@ def test_a_tree_export_brings_every_branch_and_each_block_once(tiny_model_paths,
     assert (
         len(
             read_session_file(
-                export_session(engine.store, session.id, tmp_path / "b.llamachat").path
+                export_session(engine._store, session.id, tmp_path / "b.llamachat").path
             ).sessions
         )
         == 1
     )
 
     fresh = engine_for(model, tmp_path / "b.db")
-    result = import_session(fresh.store, out, model_fingerprint=fresh.model.fingerprint)
+    result = import_session(fresh._store, out, model_fingerprint=fresh.model_info.fingerprint)
     assert len(result.session_ids) == 3
     new_ids = dict(zip([s.id for s in file.sessions], result.session_ids))
     for old_id, new_id in new_ids.items():
-        assert conversation(fresh.store, new_id) == conversation(engine.store, old_id)
-        forked_from = fresh.store.get_session(new_id).forked_from
+        assert conversation(fresh._store, new_id) == conversation(engine._store, old_id)
+        forked_from = fresh._store.get_session(new_id).forked_from
         assert forked_from == new_ids.get(sessions[old_id].forked_from)
-        info = fresh.resume(fresh.store.get_session(new_id))
+        info = fresh.resume(fresh._store.get_session(new_id))
         assert info.restored == info.tokens
-    roots = fresh.store.db.conn.execute("SELECT COUNT(*) FROM messages WHERE parent_id IS NULL").fetchone()[0]
+    roots = fresh._store.db.conn.execute("SELECT COUNT(*) FROM messages WHERE parent_id IS NULL")
+    roots = roots.fetchone()[0]
     assert roots == 2  # the edited first message is a root of its own, as it was
 
 
@@ -627,12 +635,12 @@ def test_on_the_default_model_an_imported_session_replies_as_the_live_one(qwen_m
     live = ChatEngine(fresh_model(), ChatStore(tmp_path / "live.db"))
     session = live.new_session("t", system_prompt="You are a concise coding assistant.")
     chat(live, session, "Write a Python function that reverses a string.", max_tokens=48)
-    session = live.store.get_session(session.id)
-    sizes = measure_exchange(live.store, session.id, tmp_path)  # exports, then imports into imported.db
+    session = live._store.get_session(session.id)
+    sizes = measure_exchange(live._store, session.id, tmp_path)  # exports, then imports into imported.db
     assert sizes["file_bytes"] <= 1.05 * sizes["stored_bytes"]
 
     imported = ChatEngine(fresh_model(), ChatStore(tmp_path / "imported.db"))
-    (copy,) = imported.store.list_sessions()
+    (copy,) = imported._store.list_sessions()
     info = imported.resume(copy)
     assert info.restored == info.tokens > 64
     expected, _ = chat(live, live.fork(session), "Now add type hints.", max_tokens=48)

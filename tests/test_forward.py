@@ -221,6 +221,9 @@ def test_one_token_attention_by_the_kernels_equals_blas(tiny_model_path, monkeyp
     with_blas = decoded(10**9)
     assert not calls
     with_kernels = decoded(1)
+    if model.config.attn_logit_softcap:  # (gemma2) the kernel does not soft-cap scores: BLAS takes them
+        assert not calls and np.abs(with_kernels - with_blas).max() <= tolerance
+        return
     # every layer of every decoded token, and the prompt's last row in the last layer (the only row
     # computed there)
     assert len(calls) == (len(ids) - 5) * model.config.n_layer + 1

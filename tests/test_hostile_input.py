@@ -55,8 +55,8 @@ def test_a_prompt_longer_than_the_window_is_refused_before_any_work(
         forward_passes.clear()
     assert main([*db, "ask", *where, "--ctx", "64", "the world and the sun " * 200]) == 2
     err = one_line_error(capsys)
-    assert "tokens; the context window holds 64" in err
-    assert int(err.split("the prompt is ")[1].split()[0].replace(",", "")) > 200  # the real count
+    # tokenizing stopped at the window: the rest of the prompt cost nothing
+    assert err.endswith("the prompt is 64 tokens or more; the context window holds 64 (--ctx)")
     assert forward_passes == []  # nothing was prefilled
     if session:  # neither the long turn nor an empty reply was stored
         store = ChatStore(tmp_path / "chat.db")
@@ -210,12 +210,12 @@ def forged_export(path, folder):
     ask(engine, bait, PROMPT[1])
     pirate = engine.new_session("pirate", system_prompt="You are a pirate. Arr, the sea, the sea!")
     ask(engine, pirate, "who are you, and where is the gold hidden now? " * 3)
-    store = engine.store
+    store = engine._store
     # all but the last two blocks (or as many as the pirate has), but for a first block both share
     pairs = zip(store.kv.block_keys(bait.id)[:-2], store.kv.block_keys(pirate.id), strict=False)
     pairs = [(victim_key, forged_key) for victim_key, forged_key in pairs if victim_key != forged_key]
     for victim_key, forged_key in pairs:
-        forged = store.kv.load_block(forged_key, engine.model.fingerprint)
+        forged = store.kv.load_block(forged_key, engine.model_info.fingerprint)
         store.db.conn.execute(
             "UPDATE kv_blocks SET data = ?, checksum = ? WHERE key = ?",
             (forged.data, forged.checksum, victim_key),
@@ -233,22 +233,23 @@ def test_forged_kv_in_an_import_changes_no_other_session(qwen2, tmp_path, victim
 
     engine = engine_for(qwen2, tmp_path / "victim.db")
     if victim_had_blocks:  # the victim's blocks were stored, then collected
-        engine.store.delete_session(ask_in_new(engine, PROMPT).id)
-        engine.store.kv.gc(budget_bytes=0)
-    imported = import_session(engine.store, gift, model_fingerprint=engine.model.fingerprint).session_ids[0]
+        engine._store.delete_session(ask_in_new(engine, PROMPT).id)
+        engine._store.kv.gc(budget_bytes=0)
+    fingerprint = engine.model_info.fingerprint
+    imported = import_session(engine._store, gift, model_fingerprint=fingerprint).session_ids[0]
     victim = engine_for(qwen2, tmp_path / "victim.db")  # a later process: nothing held in RAM
     assert ask(victim, victim.new_session("mine", system_prompt=PROMPT[0]), PROMPT[1]) == expected
     # in the process that holds the forged block in RAM too
-    session = engine.store.get_session(imported)
+    session = engine._store.get_session(imported)
     poisoned = ask(engine, engine.fork(session), "and then?")
     assert ask(engine, engine.new_session("mine", system_prompt=PROMPT[0]), PROMPT[1]) == expected
-    honest = ask(clean, clean.fork(clean.store.get_session(clean.store.list_sessions()[0].id)), "and then?")
+    honest = ask(clean, clean.fork(clean._store.get_session(clean._store.list_sessions()[0].id)), "and then?")
     assert poisoned != honest  # the forged block is read by the imported session alone
 
     result = engine.verify(session)
     assert result.differed == n_forged and result.matched > 0  # only the untouched blocks are shared
     assert f"{n_forged} did not" in result.describe()
-    assert ask(engine, engine.fork(engine.store.get_session(imported)), "and then?") == honest
+    assert ask(engine, engine.fork(engine._store.get_session(imported)), "and then?") == honest
     later = engine_for(qwen2, tmp_path / "victim.db")
     assert ask(later, later.new_session("again", system_prompt=PROMPT[0]), PROMPT[1]) == expected
 
@@ -262,10 +263,10 @@ def ask_in_new(engine, prompt):
 def test_a_stored_block_is_used_only_for_the_tokens_it_was_made_from(qwen2, tmp_path):
     engine = engine_for(qwen2, tmp_path / "chat.db")
     session = ask_in_new(engine, PROMPT)
-    key = engine.store.kv.block_keys(session.id)[0]
-    engine.store.db.conn.execute("UPDATE kv_blocks SET tokens = ? WHERE key = ?", (b"\0" * 32, key))
+    key = engine._store.kv.block_keys(session.id)[0]
+    engine._store.db.conn.execute("UPDATE kv_blocks SET tokens = ? WHERE key = ?", (b"\0" * 32, key))
     again = engine_for(qwen2, tmp_path / "chat.db")
-    info = again.resume(again.store.get_session(session.id))
+    info = again.resume(again._store.get_session(session.id))
     assert info.restored == 0  # the block under that key does not say it holds these tokens
 
 

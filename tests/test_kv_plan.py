@@ -3,13 +3,16 @@ blocks that read under any plan."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
+from llama_chat.app.chat.session_cache import SessionCache
 from llama_chat.storage import ChatStore, kv_plan
-from llama_chat.storage.codec import AUTO, AUTO_ROTATED, KVPlan, block_plan, decode_kv
+from llama_chat.storage.codec import AUTO, AUTO_ROTATED, KVPlan, block_plan, checksum, decode_kv, encode_kv
 from llama_chat.storage.kv_plan import allocate, measure_plan, model_plan, plan_path
-from llama_chat.storage.kv_store import KVStore
+from llama_chat.storage.records import StoredBlock
 
 
 def estimates(kl4: float) -> dict[int, float]:
@@ -74,20 +77,23 @@ def test_a_damaged_or_foreign_cached_plan_is_measured_again(tiny, content):
     assert kv_plan.read_plan(path, *plan.shape) == plan  # and the good one replaced the bad
 
 
-def test_a_block_written_under_one_plan_reads_under_another(tmp_path):
+def test_a_block_written_under_one_plan_reads_under_another(tiny_model_paths, tmp_path):
+    from llama_chat.inference import load_model
+
+    model = load_model(tiny_model_paths["qwen2"])  # of its own: a pool has one block source
     store = ChatStore(tmp_path / "chat.db")
     session = store.create_session()
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((2, 2, 64, 16)).astype(np.float32) for _ in range(2))
     first = KVPlan.uniform(2, 2, 8)
     tokens = list(range(64))
-    KVStore(store, "fp", AUTO, plan=first).save(
-        session.id, [(b"k" * 16, tokens)], lambda i: (k, v), None, 64, None
-    )
-    later = KVStore(store, "fp", AUTO, plan=KVPlan.uniform(2, 2, 4))
+    data = encode_kv(k, v, AUTO, first)
+    block = StoredBlock(b"k" * 16, 64, AUTO, data, checksum(data), tokens)
+    store.kv.save_snapshot(session.id, model.fingerprint, [block.key], [block], None, 64)
+    later = SessionCache(model, store, threading.RLock(), 128, AUTO, plan=KVPlan.uniform(2, 2, 4))
     got = np.empty_like(k), np.empty_like(v)
     assert later.fetch(b"k" * 16, tokens, None, got)
-    stored = store.kv.load_block(b"k" * 16, "fp")
+    stored = store.kv.load_block(b"k" * 16, model.fingerprint)
     assert block_plan(stored.data) == first
     assert np.array_equal(got[0], decode_kv(stored.data)[0])
     assert np.abs(got[0] - k).max() < 0.05  # 8 bits, not the 4 of the plan it was read under
@@ -121,18 +127,18 @@ def test_a_conversation_stored_in_planned_blocks_resumes_and_travels_in_a_file(t
             engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
         )
     )
-    session = engine.store.get_session(session.id)
-    blocks = engine.store.connection.rows("SELECT codec, data FROM kv_blocks")
+    session = engine._store.get_session(session.id)
+    blocks = engine._store.connection.rows("SELECT codec, data FROM kv_blocks")
     assert blocks and {b["codec"] for b in blocks} == {codec}
-    assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine.model, codec=codec)}
+    assert {block_plan(b["data"]) for b in blocks} == {model_plan(engine._model, codec=codec)}
 
     fresh = ChatEngine(load_model(path, block_size=8), ChatStore(tmp_path / "a.db"), codec="q6")
-    info = fresh.resume(fresh.store.get_session(session.id))
+    info = fresh.resume(fresh._store.get_session(session.id))
     assert info.tokens > 8 and info.restored == info.tokens  # read under another codec: nothing computed
 
-    export_session(engine.store, session.id, tmp_path / "s.llamachat")
+    export_session(engine._store, session.id, tmp_path / "s.llamachat")
     target = ChatStore(tmp_path / "b.db")
-    result = import_session(target, tmp_path / "s.llamachat", model_fingerprint=engine.model.fingerprint)
+    result = import_session(target, tmp_path / "s.llamachat", model_fingerprint=engine.model_info.fingerprint)
     assert result.kv == "imported" and result.blocks_added == len(blocks)
     assert {r["codec"] for r in target.connection.rows("SELECT codec FROM kv_blocks")} == {codec}
     elsewhere = ChatEngine(load_model(path, block_size=8), target)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ast
+import inspect
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,22 +113,46 @@ def test_the_chat_layer_imports_no_ui_code():
             assert not [n for n in names if n.split(".")[0] in ui], f"{path.name} imports {names}"
 
 
-FRONT_ENDS = ("app/tui", "app/serve", "app/cli*.py", "app/commands*.py", "app/terminal.py", "app/flags.py")
+# every module of the app but the chat layer's: the TUI, the command line (with chat_lines.py), the
+# server, `bench`
+FRONT_END_FOLDER, CHAT_LAYER = ROOT / "app", ROOT / "app" / "chat"
 # what only the chat layer does: make and schedule jobs, and the KV steps its verbs order and lock
 CHAT_INTERNALS = {"Job", "Scheduler", "scheduler", "lock", "live"}
-KV_STEPS = {"hold_kv", "store_kv", "restore_tail", "read_remote", "prefetch", "window_ids", "snapshot"}
+KV_STEPS = {"hold", "store_kv", "restore_tail", "read_remote", "prefetch", "stored_ids", "snapshot"}
+# what the engine keeps to itself: its store, model, session cache, scheduler and lock
+ENGINE_STATE = {"store", "model", "kv", "live", "lock", "scheduler", "cache", "conversations"}
 
 
 def front_end_files() -> list[Path]:
-    found = []
-    for pattern in FRONT_ENDS:
-        found += sorted((ROOT / pattern).rglob("*.py")) if "*" not in pattern else sorted(ROOT.glob(pattern))
-    return found
+    return sorted(p for p in FRONT_END_FOLDER.rglob("*.py") if CHAT_LAYER not in p.parents)
 
 
-def chat_internals_used(path: Path) -> list[str]:
+def engine_surface() -> set[str]:
+    """What a front end may use of the chat engine: its public methods and properties, and the public
+    attributes its __init__ sets (plain facts: the context's size, the model's name and tokenizer, …)."""
+    from llama_chat.app.chat.engine import ChatEngine
+
+    init = ast.parse(textwrap.dedent(inspect.getsource(ChatEngine.__init__)))
+    set_there = {
+        node.attr
+        for node in ast.walk(init)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        and ast.unparse(node.value) == "self"
+    }
+    return {name for name in {*vars(ChatEngine), *set_there} if not name.startswith("_")}
+
+
+def is_engine(node: ast.expr) -> bool:
+    """Whether an expression is (by its name) the chat engine: engine, self.engine, state.ready(), …"""
+    text = ast.unparse(node)
+    return text.split(".")[-1] in ("engine", "ready()")
+
+
+def chat_internals_used(path: Path, surface: set[str] | None = None) -> list[str]:
     """What a front end's module imports of the chat layer's jobs and scheduler, and the KV steps and
-    engine internals (its lock, its open sessions, its scheduler) it reaches for."""
+    engine internals (its lock, its open sessions, its scheduler) it reaches for; and what it reads or
+    writes of an engine beyond its `surface` (the engine's own: engine_surface()), such as its store."""
+    surface = engine_surface() if surface is None else surface
     used = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import) and any(a.name.endswith(".chat.scheduler") for a in node.names):
@@ -136,6 +162,8 @@ def chat_internals_used(path: Path) -> list[str]:
             used += ["imports the scheduler"] if node.module.endswith("scheduler") else []
         elif isinstance(node, ast.Attribute) and node.attr in KV_STEPS:
             used.append(f"calls {node.attr}")
+        elif isinstance(node, ast.Attribute) and is_engine(node.value) and node.attr not in surface:
+            used.append(f"reaches {ast.unparse(node)}")
         elif isinstance(node, ast.Attribute) and node.attr in CHAT_INTERNALS and "engine" in ast.unparse(node.value):
             used.append(f"reaches {ast.unparse(node)}")
     return used
@@ -143,8 +171,12 @@ def chat_internals_used(path: Path) -> list[str]:
 
 def test_front_ends_speak_only_the_engines_verbs():
     files = front_end_files()
-    assert {f.name for f in files} >= {"cli.py", "commands.py", "chat_screen.py", "completions.py"}
+    names = {str(f.relative_to(ROOT)) for f in files}
+    assert names >= {"app/cli.py", "app/commands.py", "app/chat_lines.py", "app/tui/chat_screen.py"}
+    assert names >= {"app/serve/completions.py", "app/bench/stored.py"}
     wrong = {str(f.relative_to(ROOT)): chat_internals_used(f) for f in files}
+    # `bench` times the scheduler itself, on jobs of its own and no engine
+    assert wrong.pop("app/bench/forward.py") == ["imports Job", "imports Scheduler", "imports the scheduler"]
     assert {name: used for name, used in wrong.items() if used} == {}
 
 
@@ -152,11 +184,48 @@ def test_the_check_of_front_ends_sees_what_it_forbids(tmp_path):
     sample = tmp_path / "front.py"
     sample.write_text(
         "from ..chat.jobs import Job, stream_text\nfrom ..chat.scheduler import QueueFull\n"
-        "def f(engine, seq):\n    with engine.lock:\n        engine.live.prefetch(seq)\n"
+        "def f(engine, seq, state, self):\n    with engine.lock:\n        engine.live.prefetch(seq)\n"
+        "    engine.store.add_message('s', 'tool', 'answer')\n    state.ready()._model.forward([1], seq)\n"
+        "    self.screen.engine._cache = None\n    engine.reply(seq, 'hi')\n"
     )
-    assert sorted(chat_internals_used(sample)) == [
-        "calls prefetch", "imports Job", "imports the scheduler", "reaches engine.live", "reaches engine.lock"
+    surface = {"reply"}
+    assert sorted(chat_internals_used(sample, surface)) == [
+        "calls prefetch", "imports Job", "imports the scheduler", "reaches engine.live",
+        "reaches engine.lock", "reaches engine.store", "reaches self.screen.engine._cache",
+        "reaches state.ready()._model",
+    ]  # fmt: skip
+
+
+def test_the_engine_keeps_its_state_to_itself():
+    assert engine_surface() & ENGINE_STATE == set()
+    assert {"reply", "answer_tool", "new_session", "model_info", "n_ctx"} <= engine_surface()
+
+
+STORE_INTERNALS = ("llama_chat.storage.exchange", "llama_chat.storage.transcript", "llama_chat.storage.store")
+
+
+def store_opened(path: Path, name: str | None = None) -> list[str]:
+    """Where a front end's module (`name`: its dotted name, else found from its place) opens the store
+    itself or imports what only the sessions service (app/chat/sessions.py) uses: the store's module,
+    export and import files, transcripts."""
+    name = name or ".".join(["llama_chat", *path.relative_to(ROOT).with_suffix("").parts])
+    targets = imported(name, path, False, set(modules()))
+    found = [f"imports {t}" for t in targets if t.startswith(STORE_INTERNALS)]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "ChatStore":
+            found.append("opens ChatStore")
+    return found
+
+
+def test_front_ends_reach_the_conversations_through_the_sessions_service(tmp_path):
+    sample = tmp_path / "front.py"  # first, that the check sees what it forbids
+    sample.write_text("from llama_chat.storage.exchange import export_session\nstore = ChatStore('x.db')\n")
+    assert sorted(store_opened(sample, "llama_chat.app.tui.front")) == [
+        "imports llama_chat.storage.exchange", "opens ChatStore"
     ]
+    wrong = {str(f.relative_to(ROOT)): store_opened(f) for f in front_end_files()}
+    wrong.pop("app/bench/stored.py")  # `bench` measures the store itself: what a session takes in it, a file's
+    assert {name: found for name, found in wrong.items() if found} == {}
 
 
 def test_the_chat_engine_has_a_dozen_verbs_at_most():
@@ -165,7 +234,7 @@ def test_the_chat_engine_has_a_dozen_verbs_at_most():
     verbs = [
         name for name, value in vars(ChatEngine).items() if callable(value) and not name.startswith("_")
     ]
-    assert set(verbs) >= {"reply", "regenerate", "edit", "fork", "delete", "resume", "close"}
+    assert set(verbs) >= {"reply", "regenerate", "edit", "fork", "delete", "resume", "close", "answer_tool"}
     assert len(verbs) <= 12, verbs
 
 

@@ -11,16 +11,19 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig, ToolError, server_configs
+from llama_chat.app.chat_lines import answer_calls, folded_answer
 from llama_chat.app.cli import main
 from llama_chat.app.config import ConfigError, UserConfig
 from llama_chat.app.tui.dialogs import ConfirmScreen
 from llama_chat.inference.tool_calls import ToolCall, split_offered_calls
 from llama_chat.storage import ChatStore
+from tiny_models import write_tiny_model
 from tui_pilot import aio, idle, say, stored_path, until
 
 SERVER = str(Path(__file__).parent / "mcp_server.py")
@@ -204,6 +207,7 @@ def test_chat_calls_a_tool_after_a_yes_and_stores_its_answer(monkeypatch, tmp_pa
     assert chat(monkeypatch, tmp_path, qwen_model_path, "well", START_S, "What is the weather in Paris?\ny\n") == 0
     out = capsys.readouterr()
     assert 'run the tool call get_weather({"city": "Paris"})? [y/N]' in out.out
+    assert "get_weather answered:\n  Sunny, 21 °C in Paris.\n" in out.out
     assert "MCP server 'test': 2 tool(s): get_weather, add" in out.err
     store = ChatStore(tmp_path / "chat.db")
     (session,) = store.list_sessions()
@@ -226,6 +230,58 @@ def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(monkeypatch
     told = [m.content for m in store.path(session.head_id) if m.role == "tool"]
     assert told[0] == "error: MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped"
 
+
+
+def test_the_docs_example_server_serves_chat_as_written(monkeypatch, tmp_path, capsys):
+    """docs/tools.md's config.toml and weather_server.py, copied as a user copies them (`python` the
+    one llama-chat runs in), run with the `mcp` version pyproject allows, and `chat` offers its tool."""
+    from test_tool_formats import LLAMA_SPECIALS, LLAMA_TEMPLATE, TEMPLATES
+
+    docs = (Path(__file__).parent.parent / "docs" / "tools.md").read_text()
+    code = docs.split("```python\n")[1].split("```")[0]
+    config = docs.split("connected with the official `mcp` SDK:\n\n")[1].split("\n\n")[0]
+    (tmp_path / "weather_server.py").write_text(code)
+    toml = tmp_path / "config" / "llama-chat" / "config.toml"
+    toml.parent.mkdir(parents=True)
+    toml.write_text("\n".join(line.removeprefix("    ") for line in config.splitlines()))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    model = write_tiny_model(  # a chat template that takes tools
+        tmp_path / "tiny-llama3.gguf", "llama", chat_template=(TEMPLATES / LLAMA_TEMPLATE).read_text(),
+        specials=LLAMA_SPECIALS, context_length=2048,
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["chat", "--model", str(model), "--db", str(tmp_path / "chat.db"), "--cache-ram", "64"]) == 0
+    assert "MCP server 'weather': 1 tool(s): get_weather" in capsys.readouterr().err
+    mcp = MCPTools(server_configs(UserConfig.load(toml).mcp_servers))
+    try:
+        mcp.connect()
+        assert mcp.call("get_weather", {"city": "Paris"}) == "Sunny, 21 °C in Paris."
+    finally:
+        mcp.close()
+
+
+def test_chat_shows_a_tool_s_answer_after_a_yes_folded_past_a_few_lines(tools, tmp_path, capsys):
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("weather")
+    store.add_message(session.id, "user", "What is the weather in Paris?")
+    store.add_message(session.id, "assistant", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```')
+    mcp = tools(server("well"))
+    mcp.connect()
+
+    def reply(session):
+        store.add_message(session.id, "assistant", "It is sunny in Paris.")
+        return store.get_session(session.id), 0
+
+    engine = types.SimpleNamespace(store=store, tools=None)
+    answer_calls(engine, store.get_session(session.id), mcp, reply, lambda question: True)
+    assert capsys.readouterr().out == "get_weather answered:\n  Sunny, 21 °C in Paris.\n"
+
+    long = "\n".join(f"line {i}" for i in range(1, 41)) + "\n" + "x" * 500
+    shown = folded_answer("read_file", long).splitlines()
+    assert shown[1:3] == ["  line 1", "  line 2"] and shown[-1] == "  … 35 more line(s)" and len(shown) == 8
+    assert len(folded_answer("dump", "y" * 500).splitlines()[1]) < 200  # a long line is cut
+    assert folded_answer("t", "a\x1b[2Jb").splitlines()[1] == "  a\\x1b[2Jb"  # no control reaches the terminal
 
 def test_a_call_in_a_json_fence_counts_only_for_a_tool_offered():
     fenced = 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'

@@ -16,7 +16,7 @@ from test_synthetic_model import TINY, synthetic
 
 from llama_chat.inference import load_model, packed_file, quants
 from llama_chat.inference.model import Model
-from llama_chat.inference.weights import prepare
+from llama_chat.inference.weights import _prepared_dir, prepare
 from tiny_models import write_tiny_model
 
 TEXT = "hello the world, the sun and the water"
@@ -191,6 +191,41 @@ def test_the_packed_file_of_a_gguf_gone_is_removed_by_the_next_packing(tmp_path,
     assert packed_file.packed_path(gone).exists()
     loaded(qwen2)
     assert not packed_file.packed_path(gone).exists() and packed_file.packed_path(qwen2).exists()
+
+
+
+def test_models_prune_lists_and_removes_what_no_start_reads(tmp_path, qwen2, monkeypatch, capsys):
+    """Packed files of another machine profile and of a GGUF gone, and the gone one's metadata, go;
+    what the models here read stays, and their next start packs nothing again."""
+    from llama_chat.app.cli import main
+
+    gone = write_tiny_model(tmp_path / "gone.gguf", "llama")
+    loaded(gone)
+    with monkeypatch.context() as other_machine:
+        other_machine.setattr(packed_file, "PROFILE", dataclasses.replace(packed_file.PROFILE, cpu_name="another-cpu"))
+        loaded(qwen2)
+        elsewhere = packed_file.packed_path(qwen2)
+    loaded(qwen2)
+    gone.unlink()
+    folder = packed_file.packed_path(qwen2).parent
+    before = sorted(folder.iterdir())
+    assert len(before) == 5  # two GGUFs' metadata, three packed files
+
+    assert main(["models", "--prune", "--dry-run"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert sorted(folder.iterdir()) == before  # only listed
+    stale = [line for line in listed if " MB  " in line]
+    assert len(stale) == 3 and listed[3] == f"would remove 3 file(s), {listed[3].split(', ')[1]}"
+    assert any(f"{elsewhere}  (packed for another machine profile (another-cpu-" in line for line in stale)
+    assert any(f"{packed_file.packed_path(gone)}  (its model is gone ({gone}))" in line for line in stale)
+    assert any(line.endswith("(metadata of a model no longer here)") for line in stale)
+
+    assert main(["models", "--prune"]) == 0
+    assert capsys.readouterr().out.splitlines()[3].startswith("removed 3 file(s)")
+    assert set(folder.iterdir()) == {packed_file.packed_path(qwen2), _prepared_dir(qwen2)}
+    assert not loaded(qwen2)[1]  # its own packed file and metadata stayed
+    assert main(["models", "--prune"]) == 0
+    assert capsys.readouterr().out.startswith("nothing to remove")
 
 
 def _one_line(caplog) -> str:

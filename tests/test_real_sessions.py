@@ -38,7 +38,7 @@ def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_pa
     live = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
     session = live.new_session("t", system_prompt=system)
     "".join(stream_text(live.reply(session, turns[0], sampling=greedy, max_tokens=48)))
-    session = live.store.get_session(session.id)
+    session = live._store.get_session(session.id)
 
     resumed = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
     info = resumed.resume(session)
@@ -60,11 +60,9 @@ def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_pa
         first = next(
             i for i, (a, b) in enumerate(zip(live_stats.token_ids, resumed_stats.token_ids)) if a != b
         )
-        prompt = chat_prompt_ids(
-            live.model,
-            live.live.messages(live.store.get_session(session.id)) + [{"role": "user", "content": turns[1]}],
-        )
-        logits = live.model.logits(prompt + live_stats.token_ids)[len(prompt) - 1 :]
+        stored = live._cache.messages(live._store.get_session(session.id))
+        prompt = chat_prompt_ids(live._model, [*stored, {"role": "user", "content": turns[1]}])
+        logits = live._model.logits(prompt + live_stats.token_ids)[len(prompt) - 1 :]
         margins = [float(np.diff(np.sort(row)[-2:])[0]) for row in logits[: first + 1]]
         assert min(margins) < 0.1, f"diverged at {first} with no near-tie before it: {margins}"
     else:

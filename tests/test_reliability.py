@@ -59,7 +59,7 @@ def a_database(qwen2, db: Path, turns: int = 1) -> str:
     session = engine.new_session("kept")
     for i in range(turns):
         chat(engine, session, f"question {i} about the world")
-    engine.store.close()
+    engine._store.close()
     return session.id
 
 
@@ -479,7 +479,7 @@ def test_two_replies_at_once_in_one_session_never_interleave(qwen2, tmp_path):
     db = tmp_path / "chat.db"
     session_id = a_database(qwen2, db)
     first, second = engine_for(qwen2, db), engine_for(qwen2, db)  # two processes, as far as SQLite knows
-    session = first.store.get_session(session_id)
+    session = first._store.get_session(session_id)
     saved = SavedReply()
     other_ended = threading.Event()
     # the first reply is under way (its first piece out, its scheduler held there)...
@@ -491,7 +491,7 @@ def test_two_replies_at_once_in_one_session_never_interleave(qwen2, tmp_path):
         saved=saved,
         on_event=lambda e: e.kind == "text" and other_ended.wait(60),
     )
-    chat(second, second.store.get_session(session_id), "second question")  # ...when another one ends
+    chat(second, second._store.get_session(session_id), "second question")  # ...when another one ends
     other_ended.set()
     slow.wait()
     shown = slow.text()

@@ -17,7 +17,7 @@ from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.inference import GenerationStats, SamplingParams, load_model
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.storage import ChatStore, Session, kv_store
+from llama_chat.storage import ChatStore, Session
 from llama_chat.storage.codec import checksum, encode_kv
 from llama_chat.storage.exchange import export_session, import_session
 from llama_chat.storage.records import StoredBlock
@@ -285,10 +285,10 @@ def chat(
 def move(source: ChatEngine, session_id: str, target: ChatEngine, tmp_path) -> Session:
     """The session's messages (no KV) carried to another server, as `sessions export --no-kv` does."""
     path = tmp_path / f"move-{session_id}.llamachat"
-    export_session(source.store, session_id, path, with_kv=False)
-    result = import_session(target.store, path, model_fingerprint=target.model.fingerprint)
+    export_session(source._store, session_id, path, with_kv=False)
+    result = import_session(target._store, path, model_fingerprint=target.model_info.fingerprint)
     path.unlink()
-    return target.store.get_session(result.session_ids[0])
+    return target._store.get_session(result.session_ids[0])
 
 
 def moved_conversation(qwen2, tmp_path, url: str, title: str):
@@ -297,7 +297,7 @@ def moved_conversation(qwen2, tmp_path, url: str, title: str):
     first, second = server(qwen2, tmp_path / "a.db", url), server(qwen2, tmp_path / "b.db", url)
     session = first.new_session(title)
     chat(first, session, HISTORY)
-    first.kv.remote.flush()
+    first._cache.remote.flush()
     return first, second, session, move(first, session.id, second, tmp_path)
 
 
@@ -349,35 +349,35 @@ def test_two_servers_share_blocks_through_a_cluster(qwen2, tmp_path, redis_clust
     first, second = server(qwen2, tmp_path / "a.db", url), server(qwen2, tmp_path / "b.db", url)
     session = first.new_session("shared", system_prompt="the sun")
     chat(first, session, HISTORY)
-    first.kv.remote.flush()
+    first._cache.remote.flush()
     moved = move(first, session.id, second, tmp_path)
     info = second.resume(moved)
     assert info.tokens % 8  # a tail after the full blocks: it comes through the cluster too
     assert info.remote == info.restored == info.tokens >= 32
-    keys = first.store.kv.block_keys(session.id)
-    assert second.store.kv.stored_keys(keys) == set()  # read into RAM: no SQLite before the first token
+    keys = first._store.kv.block_keys(session.id)
+    assert second._store.kv.stored_keys(keys) == set()  # read into RAM: no SQLite before the first token
     reply, stats = chat(second, moved, "and then")
     assert stats.prefilled_tokens == stats.prompt_tokens - info.tokens
     # then stored with the reply's snapshot, as read (not encoded again), and not sent back
-    assert second.store.kv.stored_keys(keys) == set(keys)
+    assert second._store.kv.stored_keys(keys) == set(keys)
     assert all(
-        second.store.kv.load_block(k, second.model.fingerprint).data
-        == first.store.kv.load_block(k, first.model.fingerprint).data
+        second._store.kv.load_block(k, second.model_info.fingerprint).data
+        == first._store.kv.load_block(k, first.model_info.fingerprint).data
         for k in keys
     )
-    second.kv.remote.flush()
-    assert second.kv.remote.stats()["written"] < len(keys)  # only the new turn's blocks, if any
-    assert chat(first, first.store.get_session(session.id), "and then")[0] == reply
+    second._cache.remote.flush()
+    assert second._cache.remote.stats()["written"] < len(keys)  # only the new turn's blocks, if any
+    assert chat(first, first._store.get_session(session.id), "and then")[0] == reply
     assert all(node.client().dbsize() > 0 for node in redis_cluster)
 
 
-def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_path, redis_server, monkeypatch):
-    monkeypatch.setattr(kv_store, "MAX_FETCHED_BYTES", 1)  # every block read is forgotten at once
+def test_blocks_read_beyond_the_memory_bound_are_computed_instead(qwen2, tmp_path, redis_server):
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "bounded")
+    second._cache.fetched.max_bytes = 1  # every block read is forgotten at once
     info = second.resume(moved)
-    assert not second.kv.fetched and info.restored < 8  # nothing kept: the blocks are computed
+    assert not second._cache.fetched.blocks and info.restored < 8  # nothing kept: the blocks are computed
     assert (
-        chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+        chat(second, moved, "and then")[0] == chat(first, first._store.get_session(session.id), "and then")[0]
     )
 
 
@@ -385,13 +385,14 @@ def test_a_returning_conversation_reads_its_blocks_and_tail_in_one_round_trip(qw
     """The tail is what a returning conversation asks for last: it comes with the blocks, not a round
     trip after them (one more latency on a far link)."""
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "one trip")
-    tier = second.kv.remote
+    tier = second._cache.remote
     tier.fetch(b"\0" * 32, (1,), "f32")  # this thread's connection made, its latency measured
     before = tier.stats()["round_trips"]
     info = second.resume(moved)
     assert info.tokens % 8 and info.remote == info.restored == info.tokens  # the blocks and the tail
     assert tier.stats()["round_trips"] - before == 1
-    assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+    again = first._store.get_session(session.id)
+    assert chat(second, moved, "and then")[0] == chat(first, again, "and then")[0]
 
 
 def test_a_tail_alone_is_read_before_the_reply_is_queued_and_only_where_none_is_here(
@@ -402,29 +403,30 @@ def test_a_tail_alone_is_read_before_the_reply_is_queued_and_only_where_none_is_
     the session's own tail is here, nothing is read at all."""
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "tail only")
     info = second.resume(moved)
-    second.live.snapshot(moved, second.live[moved.id])  # its blocks and its tail stored here now
+    second._cache.snapshot(moved, second._cache.seq(moved.id))  # its blocks and its tail stored here now
     assert info.tokens % 8 and info.remote == info.tokens
     with sqlite3.connect(tmp_path / "b.db") as db:  # as if the tail here were another server's
         db.execute("DELETE FROM session_tails")
     for tail_here in (False, True):
         third = server(qwen2, tmp_path / "b.db", redis_server.url)  # a fresh process: nothing in RAM
-        tier = third.kv.remote
+        tier = third._cache.remote
         tier.fetch(b"\0" * 32, (1,), "f32")  # connected, latency measured
         before = tier.stats()["round_trips"]
-        read = third.live.prefetch(moved)
+        read = third._cache.prefetch(moved)
         assert tier.stats()["round_trips"] - before == (0 if tail_here else 1)
-        _, info = third.live.open(moved, read)
+        _, info = third._cache.open(moved, read)
         assert tier.stats()["round_trips"] - before == (0 if tail_here else 1)  # open read nothing
         assert info.restored == info.tokens and info.remote == (0 if tail_here else info.tokens % 8)
-        third.live.snapshot(moved, third.live[moved.id])  # now the tail is here too
-    assert chat(third, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+        third._cache.snapshot(moved, third._cache.seq(moved.id))  # now the tail is here too
+    again = first._store.get_session(session.id)
+    assert chat(third, moved, "and then")[0] == chat(first, again, "and then")[0]
 
 
 def test_a_slow_store_holds_up_only_the_reply_that_reads_from_it(qwen2, tmp_path, redis_server, monkeypatch):
     """Blocks are read on the thread that submits the reply, not on the scheduler's: while one returning
     conversation waits on the store, another conversation's reply is decoded to its end."""
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "far away")
-    tier = second.kv.remote
+    tier = second._cache.remote
     reading, go_on = threading.Event(), threading.Event()
     real_read = tier._read
 
@@ -443,7 +445,7 @@ def test_a_slow_store_holds_up_only_the_reply_that_reads_from_it(qwen2, tmp_path
     assert waiting.is_alive() and not returning
     go_on.set()
     waiting.join(60)
-    assert returning == [chat(first, first.store.get_session(session.id), "and then")[0]]
+    assert returning == [chat(first, first._store.get_session(session.id), "and then")[0]]
     assert tier.stats()["hits"] > 0
 
 
@@ -451,26 +453,27 @@ def test_where_the_rule_computes_the_blocks_no_tail_is_asked_for(qwen2, tmp_path
     """A tail is shorter than a block: without the blocks before it (the link was measured slower than
     computing them) no server stored one for what is left, so no round trip is spent looking."""
     first, second, session, moved = moved_conversation(qwen2, tmp_path, redis_server.url, "far")
-    tier = second.kv.remote
+    tier = second._cache.remote
     tier.rtt_s.add(5.0)  # as measured on a far, slow link
     tier.bytes_per_s.add(1000.0)
-    second.kv.prefill_tok_s.add(100.0)
+    second._cache.note_prefill(GenerationStats(prefilled_tokens=100, prefill_s=1.0))  # 100 tokens/s
     info = second.resume(moved)
     assert info.remote_read.choice == "compute" and info.remote == info.restored == 0
     assert tier.stats()["hits"] == tier.stats()["misses"] == 0
-    assert chat(second, moved, "and then")[0] == chat(first, first.store.get_session(session.id), "and then")[0]
+    again = first._store.get_session(session.id)
+    assert chat(second, moved, "and then")[0] == chat(first, again, "and then")[0]
 
 
 def test_blocks_of_another_secret_are_not_used(qwen2, tmp_path, redis_server):
     stranger = server(qwen2, tmp_path / "a.db", redis_server.url, secret="not our secret")
     session = stranger.new_session("planted")
     chat(stranger, session, HISTORY)
-    stranger.kv.remote.flush()
+    stranger._cache.remote.flush()
     assert redis_server.client().dbsize() > 0
     ours = server(qwen2, tmp_path / "b.db", redis_server.url)
     moved = move(stranger, session.id, ours, tmp_path)
     info = ours.resume(moved)
-    assert info.remote == 0 and info.restored == 0 and ours.kv.remote.stats()["rejected"] > 0
+    assert info.remote == 0 and info.restored == 0 and ours._cache.remote.stats()["rejected"] > 0
     alone = server(qwen2, tmp_path / "c.db", None)
     assert (
         chat(ours, moved, "and then")[0]
@@ -482,17 +485,17 @@ def test_an_imported_sessions_blocks_never_travel(qwen2, tmp_path, redis_server)
     first = server(qwen2, tmp_path / "a.db", None)
     session = first.new_session("imported")
     chat(first, session, HISTORY)
-    export_session(first.store, session.id, tmp_path / "with-kv.llamachat")  # with its KV: untrusted there
+    export_session(first._store, session.id, tmp_path / "with-kv.llamachat")  # with its KV: untrusted there
     second = server(qwen2, tmp_path / "b.db", redis_server.url)
     result = import_session(
-        second.store, tmp_path / "with-kv.llamachat", model_fingerprint=second.model.fingerprint
+        second._store, tmp_path / "with-kv.llamachat", model_fingerprint=second.model_info.fingerprint
     )
-    imported = second.store.get_session(result.session_ids[0])
+    imported = second._store.get_session(result.session_ids[0])
     assert imported.kv_namespace is not None
     chat(second, imported, "and then")
-    second.kv.remote.flush()
+    second._cache.remote.flush()
     assert redis_server.client().dbsize() == 0  # nothing written from the import's namespace
-    assert second.kv.remote.stats()["round_trips"] == 0  # nor read for it
+    assert second._cache.remote.stats()["round_trips"] == 0  # nor read for it
 
 
 def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, tmp_path, redis_server):
@@ -533,7 +536,7 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
             during = redis_server.kill if event == "kill mid-reply" else None
             if during is None:
                 event()
-            for tier in (s.kv.remote for s in servers):
+            for tier in (s._cache.remote for s in servers):
                 end_backoff(tier)
             text = f"t{turn}"
             info = here.resume(session)
@@ -541,18 +544,18 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
             assert stats.prompt_tokens > info.tokens  # (no turn dropped from the window, nothing shifted)
             expected, _ = chat(alone, expected_session, text, max_tokens=4)
             assert reply == expected, f"turn {turn}"
-            here.kv.remote.flush()
-            session = here.store.get_session(session.id)
+            here._cache.remote.flush()
+            session = here._store.get_session(session.id)
     finally:
         link.close()
-    stats = [s.kv.remote.stats() for s in servers]
+    stats = [s._cache.remote.stats() for s in servers]
     assert sum(s["hits"] for s in stats) > 0  # the tier was used when it worked
     assert sum(s["rejected"] for s in stats) > 0 and sum(s["failures"] for s in stats) > 0
     for s in servers:  # nothing local lost: every session whole, every block it lists stored
-        for stored in s.store.list_sessions():
-            assert [m.role for m in s.store.path(stored.head_id)][-2:] == ["user", "assistant"]
-            keys = s.store.kv.block_keys(stored.id)
-            assert s.store.kv.stored_keys(keys) == set(keys)
+        for stored in s._store.list_sessions():
+            assert [m.role for m in s._store.path(stored.head_id)][-2:] == ["user", "assistant"]
+            keys = s._store.kv.block_keys(stored.id)
+            assert s._store.kv.stored_keys(keys) == set(keys)
 
 
 def test_the_command_line_refuses_a_tier_without_a_secret(qwen2, tmp_path, redis_server, capsys, monkeypatch):

@@ -65,7 +65,7 @@ def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2
     monkeypatch.setattr(remote_wire, "MAX_ANSWER_BYTES", 4 << 20)
     alone = reply(engine(qwen2, tmp_path / "alone.db", None), HISTORY)
     served = engine(qwen2, tmp_path / "a.db", peer.url)
-    tier = served.kv.remote
+    tier = served._cache.remote
 
     assert reply(served, HISTORY) == alone  # its blocks were looked for there, then computed
     stats = tier.stats()
@@ -102,7 +102,7 @@ def test_serve_answers_and_reports_the_tier_down(qwen2, tmp_path, misbehaviour):
         remote = json.loads(body)["kv_remote"]
         assert status == 200 and not remote["up"] and remote["failures"] == 1
         assert remote["last_error"].startswith(FAILURE[misbehaviour])
-        tier = server.state.engine.kv.remote
+        tier = server.state.engine._cache.remote
         end_backoff(tier)  # then a write meets the peer: the writer thread counts it and goes on
         tier.put(a_block())
         assert tier.flush()  # the writer finished with it (a writer that died would leave it unfinished)

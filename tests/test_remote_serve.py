@@ -11,7 +11,7 @@ import sqlite3
 import openai
 import pytest
 
-from llama_chat.app.chat.namespaces import kv_salt
+from llama_chat.app.chat.session_cache import kv_salt
 from llama_chat.inference import chat_prompt_ids
 from redis_servers import REDIS_SERVER, RedisServer, start_cluster
 from served import BLOCK, MODEL, SYSTEM, Served, upload
@@ -50,8 +50,8 @@ def first_turn(server: Served) -> tuple[list[dict], int]:
     then written to the remote tier before this returns)."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": HISTORY}]
     reply = server.ask(messages, **GREEDY)
-    assert server.state.engine.kv.remote.flush()
-    kept = server.state.engine.store.kv.block_keys(reply.session)
+    assert server.state.engine._cache.remote.flush()
+    kept = server.state.sessions.store.kv.block_keys(reply.session)
     messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                  {"role": "user", "content": "and then"}]
     return messages, len(kept) * BLOCK
@@ -102,7 +102,7 @@ def test_a_tenants_conversation_goes_on_at_another_server_and_no_other_tenant_re
 
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": HISTORY}]
         first = ask(a, "key-a", messages)
-        assert a.state.engine.kv.remote.flush()
+        assert a.state.engine._cache.remote.flush()
         names = redis.client().keys()
         assert names and all(kv_salt("alice").hex().encode() in name for name in names)  # her namespace
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -149,8 +149,8 @@ def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
     try:
         sid = json.loads(a.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
         one = a.ask(HISTORY, extra_body={"session": sid}, **GREEDY)
-        assert a.state.engine.kv.remote.flush()
-        full = len(a.state.engine.store.kv.block_keys(sid)) * BLOCK
+        assert a.state.engine._cache.remote.flush()
+        full = len(a.state.sessions.store.kv.block_keys(sid)) * BLOCK
 
         for kv in ("0", "1"):  # messages only: the blocks come from Redis; with its KV: from the file
             status, _, data = a.raw("GET", f"/v1/sessions/{sid}/export?kv={kv}")
@@ -177,7 +177,7 @@ def test_store_false_writes_nothing_to_the_database_or_the_remote_tier(tmp_path,
     try:
         sid = json.loads(s.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
         one = s.ask(HISTORY, extra_body={"session": sid}, **GREEDY)  # stored: its blocks in both tiers
-        remote = s.state.engine.kv.remote
+        remote = s.state.engine._cache.remote
         assert remote.flush()
 
         def written() -> tuple[list[str], list[bytes]]:

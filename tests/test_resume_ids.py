@@ -21,13 +21,13 @@ def talked(path, db):
     first = engine_for(path, db)
     session = first.new_session("kept", system_prompt="the sun")
     chat(first, session, "hello the world " * 3, max_tokens=6)
-    chat(first, first.store.get_session(session.id), "and then", max_tokens=6)
-    return first, first.store.get_session(session.id)
+    chat(first, first._store.get_session(session.id), "and then", max_tokens=6)
+    return first, first._store.get_session(session.id)
 
 
 def made_now(engine, session):
     """The conversation's ids as tokenizing its stored text makes them."""
-    return engine.live.window_ids(engine.live.messages(session))
+    return engine._cache.stored_ids(engine._cache.messages(session))
 
 
 def test_a_resume_takes_the_kept_ids_and_replies_as_the_live_session(qwen2, tmp_path):
@@ -35,7 +35,7 @@ def test_a_resume_takes_the_kept_ids_and_replies_as_the_live_session(qwen2, tmp_
     first, session = talked(qwen2, db)
 
     again = engine_for(qwen2, db)
-    _, ids, kept = again.live.conversation(session)
+    _, ids, kept = again._cache.stored_conversation(session)
     assert kept and ids == made_now(again, session)
     info = again.resume(session)
     assert info.restored == info.tokens == len(ids)
@@ -53,7 +53,7 @@ def test_kept_ids_of_edited_text_another_model_or_damaged_are_made_again(qwen2, 
     conn.execute("UPDATE messages SET content = 'goodbye the moon' WHERE role = 'user' AND content LIKE 'hello%'")
     conn.commit()
     edited = engine_for(qwen2, db)
-    _, ids, kept = edited.live.conversation(session)
+    _, ids, kept = edited._cache.stored_conversation(session)
     assert not kept and ids == made_now(edited, session)
     assert edited.resume(session).tokens == len(ids)
     # and the reply is the one a database that never kept any ids gives
@@ -65,7 +65,7 @@ def test_kept_ids_of_edited_text_another_model_or_damaged_are_made_again(qwen2, 
 
     _, session = talked(qwen2, tmp_path / "other.db")
     other = engine_for(tiny_model_paths["qwen3"], tmp_path / "other.db")  # same vocabulary, other model
-    _, ids, kept = other.live.conversation(session)
+    _, ids, kept = other._cache.stored_conversation(session)
     assert not kept and ids == made_now(other, session)
 
     # one flipped bit in the kept ids: never read as the conversation's tokens
@@ -74,7 +74,7 @@ def test_kept_ids_of_edited_text_another_model_or_damaged_are_made_again(qwen2, 
     conn.execute("UPDATE session_token_ids SET ids = ?", (bytes([blob[0] ^ 1]) + blob[1:],))
     conn.commit()
     damaged = engine_for(qwen2, tmp_path / "other.db")
-    _, ids, kept = damaged.live.conversation(session)
+    _, ids, kept = damaged._cache.stored_conversation(session)
     assert not kept and ids == made_now(damaged, session)
 
 
@@ -82,21 +82,30 @@ def test_a_database_of_the_schema_before_kept_ids_is_upgraded_and_resumes(qwen2,
     db = tmp_path / "chat.db"
     first, session = talked(qwen2, db)
     live_reply, _ = chat(first, first.fork(session), "is it", max_tokens=6)
-    first.store.close()
+    first._store.close()
     conn = sqlite3.connect(db)  # as the version before kept ids left it
     conn.execute("DROP TABLE session_token_ids")
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    conn.execute("PRAGMA user_version = 5")  # (step 6 made session_token_ids)
     conn.commit()
     conn.close()
 
     upgraded = engine_for(qwen2, db)
-    assert upgraded.store.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    _, ids, kept = upgraded.live.conversation(session)
+    assert upgraded._store.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    _, ids, kept = upgraded._cache.stored_conversation(session)
     assert not kept and ids == made_now(upgraded, session)
     info = upgraded.resume(session)
     assert info.restored == info.tokens  # its KV comes back as before
     assert chat(upgraded, upgraded.fork(session), "is it", max_tokens=6)[0] == live_reply
     # the next reply's snapshot keeps the ids
-    chat(upgraded, upgraded.store.get_session(session.id), "go on", max_tokens=4)
-    assert engine_for(qwen2, db).live.conversation(upgraded.store.get_session(session.id))[2]
+    chat(upgraded, upgraded._store.get_session(session.id), "go on", max_tokens=4)
+    assert engine_for(qwen2, db)._cache.stored_conversation(upgraded._store.get_session(session.id))[2]
     assert ChatStore(db).db.conn.execute("SELECT COUNT(*) FROM session_token_ids").fetchone()[0] >= 1
+
+
+def test_kept_ids_of_another_encoding_are_made_again(qwen2, tmp_path):
+    _, session = talked(qwen2, tmp_path / "chat.db")
+    again = engine_for(qwen2, tmp_path / "chat.db")
+    assert again._cache.stored_conversation(session)[2]  # kept, under this tokenizer's encoding
+    again._model.tokenizer.encoding_version += 1  # a later tokenizer, which encodes some text otherwise
+    _, ids, kept = again._cache.stored_conversation(session)
+    assert not kept and ids == made_now(again, session)

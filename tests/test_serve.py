@@ -4,6 +4,7 @@ key, clients at once, disconnects, sessions, and a restart that reads the KV bac
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import threading
@@ -132,17 +133,70 @@ def test_models_and_health(served):
     ],
 )
 def test_bad_requests_get_400_naming_the_field_and_change_nothing(served, body, param):
-    sessions = served.state.engine.store.list_sessions()
+    sessions = served.state.sessions.store.list_sessions()
     status, error = error_of(post(served, body))
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"]
-    assert served.state.engine.store.list_sessions() == sessions
+    assert served.state.sessions.store.list_sessions() == sessions
 
 
 def test_a_prompt_longer_than_the_context_is_context_length_exceeded(served):
     with pytest.raises(openai.BadRequestError) as e:
         served.ask("hello the world " * 100)
     assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+
+
+def words(size: int) -> str:
+    """`size` bytes of words that repeat nowhere (so no tokenizer cache makes them cheap)."""
+    text = " ".join(f"w{i:x}q" for i in range(size // 5 + 1))
+    return text[:size]
+
+
+@pytest.fixture
+def tokenized(served, monkeypatch) -> list[int]:
+    """How many tokens each tokenizing of a piece of text had made by its end, on the server."""
+    made = []
+    algo = served.model.tokenizer._algo
+    tokenize = algo.tokenize
+
+    def counted(text, out, *limit):
+        tokenize(text, out, *limit)
+        made.append(len(out))
+
+    monkeypatch.setattr(algo, "tokenize", counted)
+    return made
+
+
+def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(served, tokenized):
+    """Four 7.5 MB prompts at once (the probe: 25 s of CPU each to tokenize before their 400, and
+    /health took 27 s meanwhile): more bytes than the window's tokens can stand for, refused before
+    they are tokenized; the server answers /health and /v1/models all along."""
+    huge = words(7_500_000)
+    bodies = [{"model": MODEL, "messages": [{"role": "user", "content": huge}]}] * 2
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        asked = [pool.submit(post, served, body) for body in bodies]
+        asked += [pool.submit(served.raw, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": huge}).encode())
+                  for _ in range(2)]
+        answers = []
+        for _ in range(10_000):
+            answers += [served.raw("GET", "/health")[0], served.raw("GET", "/v1/models")[0]]
+            if all(a.done() for a in asked):
+                break
+    for response in asked:
+        status, error = error_of(response.result())
+        assert status == 400 and error["code"] == "context_length_exceeded"
+        assert error["message"].startswith(("'messages' makes 256 tokens or more", "'prompt' makes 256 tokens or more"))
+    assert answers and set(answers) == {200}
+    assert tokenized == []
+
+
+def test_tokenizing_a_prompt_over_the_window_stops_at_the_window(served, tokenized):
+    n_ctx = served.state.engine.n_ctx
+    prompt = words(6 * n_ctx)  # few enough bytes to be tokenized (a token of this vocabulary stands for 13 at most)
+    status, error = error_of(post(served, {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}))
+    assert status == 400 and error["code"] == "context_length_exceeded"
+    assert tokenized and max(tokenized) <= n_ctx + 8  # what it made: up to the word that passed the window
+    assert len(served.model.tokenizer.encode(prompt)) > 2 * n_ctx  # what a whole tokenizing makes
 
 
 def test_an_unknown_model_or_session_is_404(served):
@@ -259,7 +313,7 @@ def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, qwen2
 def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served, monkeypatch):
     served.ask("warm up")  # the pool's baseline: cached blocks, no sequence
     idle(served)
-    sessions = len(served.state.engine.store.list_sessions())
+    sessions = len(served.state.sessions.store.list_sessions())
     # the reply's first token goes out, then its next pass waits until the client has left
     left = threading.Event()
     verify_rows = served.scheduler.model.verify_rows
@@ -281,7 +335,7 @@ def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served, 
     idle(served)
     assert blocks_in_use(served) == 0  # every block given back (cached ones stay for reuse)
     assert runs[0].job.stats[0].stop_reason == "cancelled"
-    assert len(served.state.engine.store.list_sessions()) == sessions  # a cut reply is not kept
+    assert len(served.state.sessions.store.list_sessions()) == sessions  # a cut reply is not kept
 
 
 def test_a_client_leaving_before_a_whole_reply_cancels_it(served, monkeypatch):

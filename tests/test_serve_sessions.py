@@ -154,7 +154,7 @@ def test_a_full_disk_is_said_in_the_api_shape_and_a_reply_made_still_comes_back(
     try:
         sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
         first = s.ask("hello there", extra_body={"session": sid}, seed=1)
-        store = s.state.engine.store
+        store = s.state.sessions.store
         filler = store.create_session("filler")
         with store.connection.lock:  # SQLite itself then answers SQLITE_FULL to a write that needs a new page
             pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
@@ -218,7 +218,7 @@ def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):
     again = Served(db, qwen2).wait_ready()  # a new process's pool: empty; the database has the KV
     try:
         engine = again.state.engine
-        held = chat_prompt_ids(again.model, engine.live.messages(engine.store.get_session(sid)), False)
+        held = chat_prompt_ids(again.model, engine._cache.messages(engine._store.get_session(sid)), False)
         turn = again.ask("and the sun", extra_body={"session": sid}, seed=1)
         assert turn.usage.prompt_tokens_details.cached_tokens == len(held)  # blocks and tail, from disk
 

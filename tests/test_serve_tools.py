@@ -81,18 +81,33 @@ def _with_answer(call: dict) -> list[dict]:
     ]
 
 
-def _answer(s: Served, call: dict, stream: bool, reused: int = 0) -> str:
+def _answer(s: Served, call: dict, reused: int = 0) -> str:
     """The final answer once the tool's result is sent back; `reused`: tokens it must take from the cache."""
-    messages = _with_answer(call)
-    kwargs = {"model": s.name, "messages": messages, "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
-    if not stream:
-        reply = s.client.chat.completions.create(**kwargs)
-        assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
-        assert reply.usage.prompt_tokens_details.cached_tokens >= reused
-        return reply.choices[0].message.content
-    chunks = list(s.client.chat.completions.create(**kwargs, stream=True))
-    assert chunks[-1].choices[0].finish_reason == "stop"
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    kwargs = {"model": s.name, "messages": _with_answer(call), "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
+    reply = s.client.chat.completions.create(**kwargs)
+    assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+    assert reply.usage.prompt_tokens_details.cached_tokens >= reused
+    return reply.choices[0].message.content
+
+
+def _accumulated(stream) -> tuple[dict[int, dict], str | None, int, str]:
+    """A stream's calls by index, as a client accumulates OpenAI's deltas, its finish_reason, how many
+    pieces their arguments came in, and its content."""
+    calls, finish, pieces, content = {}, None, 0, ""
+    for chunk in stream:
+        choice = chunk.choices[0] if chunk.choices else None
+        content += choice.delta.content or "" if choice else ""
+        for delta in (choice.delta.tool_calls or []) if choice else []:
+            call = calls.setdefault(
+                delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["function"]["name"] += delta.function.name or ""
+                call["function"]["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
+        finish = choice.finish_reason if choice and choice.finish_reason else finish
+    return calls, finish, pieces, content
 
 
 @pytest.mark.real_model
@@ -111,7 +126,7 @@ def test_a_required_tool_call_round_trip(qwen_served):
     call = _call_of(choice.message)
     assert "paris" in json.loads(call["function"]["arguments"])["city"].lower()
     # the call is written back as the model wrote it: its KV is reused, up to the last full block
-    answer = _answer(s, call, stream=False, reused=reply.usage.total_tokens - 2 * BLOCK)
+    answer = _answer(s, call, reused=reply.usage.total_tokens - 2 * BLOCK)
     assert "21" in answer or "sunny" in answer.lower()
 
 
@@ -128,23 +143,37 @@ def test_a_streamed_tool_call_round_trip(qwen_served):
         max_tokens=80,
         stream=True,
     )
-    calls, finish, pieces = {}, None, 0
-    for chunk in stream:  # as a client accumulates OpenAI's deltas
-        choice = chunk.choices[0] if chunk.choices else None
-        for delta in (choice.delta.tool_calls or []) if choice else []:
-            call = calls.setdefault(
-                delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
-            )
-            call["id"] = delta.id or call["id"]
-            if delta.function is not None:
-                call["function"]["name"] += delta.function.name or ""
-                call["function"]["arguments"] += delta.function.arguments or ""
-                pieces += bool(delta.function.arguments)
-        finish = choice.finish_reason if choice and choice.finish_reason else finish
+    calls, finish, pieces, _ = _accumulated(stream)
     assert finish == "tool_calls" and list(calls) == [0]
     assert pieces > 1  # the arguments stream as the model writes them
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
-    assert _answer(s, calls[0], stream=True)
+    # what the model writes next reads the same streamed as sent whole (greedy, this model calls again)
+    kwargs = {"model": s.name, "messages": _with_answer(calls[0]), "tools": [WEATHER], "temperature": 0}
+    whole = s.client.chat.completions.create(**kwargs, max_tokens=60).choices[0]
+    calls, finish, _, content = _accumulated(s.client.chat.completions.create(**kwargs, max_tokens=60, stream=True))
+    assert finish == whole.finish_reason and content == (whole.message.content or "")
+    made = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls.values()] == made
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_the_model_chooses_to_make_comes_back_as_a_tool_call(qwen_served, stream):
+    """tool_choice "auto": nothing constrains the reply, and the default model writes its call as JSON
+    in a ```json fence; it comes back as a call, as `chat` and the app read it, not as content."""
+    s = qwen_served
+    kwargs = {"model": s.name, "messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "auto"}
+    reply = s.client.chat.completions.create(**kwargs, temperature=0, max_tokens=80, stream=stream)
+    if stream:
+        calls, finish, _, content = _accumulated(reply)
+        assert finish == "tool_calls" and list(calls) == [0] and calls[0]["id"]
+        call = calls[0]
+    else:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        call, content = _call_of(choice.message), choice.message.content
+    assert "get_weather" not in (content or "") and "```" not in (content or "")
+    assert "paris" in json.loads(call["function"]["arguments"])["city"].lower()
 
 
 @pytest.mark.real_model

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import openai
 import pytest
@@ -23,6 +24,8 @@ from llama_chat.app.cli import build_parser, main
 from llama_chat.app.serve.app import LOOPBACK_NAMES, HostCheck
 from llama_chat.app.serve.server import options_from
 from llama_chat.app.serve.state import MAX_CONNECTIONS
+from llama_chat.storage.exchange import HEADER_SIZE
+from llama_chat.storage.exchange.format import pack_header
 from served import MODEL, Served, error_of, upload, wait_for
 
 PAGE = "http://app.example"  # the one web page the shared server lets in
@@ -76,7 +79,7 @@ def send(s: Served, method: str, path: str, kind: str | None, **headers):
 
 def stored(s: Served) -> list:
     """Every session and its messages: what a refused request must not change."""
-    store = s.state.engine.store
+    store = s.state.sessions.store
     return [(x.id, x.head_id, len(store.path(x.head_id))) for x in store.list_sessions()]
 
 
@@ -225,7 +228,7 @@ def test_accepted_connections_send_without_waiting_for_the_clients_ack(served):
 
 
 def test_connections_that_send_no_whole_request_are_closed(tmp_path, qwen2):
-    s = Served(tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5)
+    s = Served(tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5).wait_ready()
     try:
         idle = socket.create_connection(address(s), timeout=30)
         assert closed_by_server(idle)
@@ -261,6 +264,78 @@ def test_connections_that_send_no_whole_request_are_closed(tmp_path, qwen2):
         assert closed_by_server(kept.sock)  # idle after its response: keep-alive ends it
     finally:
         s.stop()
+
+
+def test_a_trickled_body_is_cut_by_the_request_deadline_and_its_connection_freed(tmp_path, qwen2):
+    """Each byte comes well within the 30 s a read of the body may wait; the request as a whole does
+    not come within its deadline. With every connection taken by such requests, they are cut, and
+    the next request is served (the probe: 8 of them held --max-connections 8 for 100 s)."""
+    s = Served(tmp_path / "chat.db", qwen2, max_connections=2, request_timeout_s=1).wait_ready()
+    trickles = [socket.create_connection(address(s), timeout=20) for _ in range(2)]
+    stop = threading.Event()
+
+    def trickle():
+        for _ in range(500):
+            if stop.wait(0.1):
+                return
+            for sock in trickles:
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=trickle)
+    try:
+        for sock in trickles:
+            sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{")
+        thread.start()
+        for sock in trickles:
+            status, response = response_of(sock)
+            assert status == 408 and response["error"]["code"] == "request_timeout"
+            assert "within 1 s" in response["error"]["message"]
+            assert closed_by_server(sock)
+        wait_for(lambda: not s.server.server_state.connections)
+        assert [m.id for m in s.client.models.list()] == [MODEL]
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        s.stop()
+
+
+def test_a_body_sent_at_a_fair_rate_may_take_longer_than_the_deadline(tmp_path, qwen2):
+    s = Served(tmp_path / "chat.db", qwen2, request_timeout_s=0.5, min_body_rate=1000).wait_ready()
+    try:
+        sock = socket.create_connection(address(s), timeout=20)
+        body = json.dumps({"title": "slow but steady", "system_prompt": " " * 1000}).encode()
+        sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        for i in range(0, len(body), 100):  # 1 s of body at 1,000 bytes a second: twice the deadline
+            sock.sendall(body[i : i + 100])
+            threading.Event().wait(0.1)
+        status, response = response_of(sock)
+        assert status == 201 and response["title"] == "slow but steady"
+    finally:
+        s.stop()
+
+
+def test_a_client_leaving_mid_body_is_one_line_in_the_log(served, capfd):
+    lines = []
+
+    def said(text: str) -> bool:
+        lines.extend(capfd.readouterr().err.splitlines())
+        return any(text in line for line in lines)
+
+    for path, kind in (("/v1/chat/completions", "application/json"), ("/v1/sessions/import", "application/octet-stream")):
+        sock = socket.create_connection(address(served), timeout=20)
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {kind}\r\n"
+                     f"Content-Length: 1000\r\n\r\n{{".encode())
+        sock.close()
+        wait_for(lambda path=path: said(f"POST {path} 499 "))
+    assert served.ask("hi").choices[0].message.content is not None
+    said("")
+    assert len(lines) == 3 and "Traceback" not in "\n".join(lines), lines  # and the request after
 
 
 def test_past_max_connections_a_request_gets_503_and_its_connection_is_closed(tmp_path, qwen2):
@@ -364,11 +439,64 @@ def test_an_import_is_refused_as_it_arrives_and_no_error_names_a_server_path(ser
         assert "llama-chat-import" not in error["message"] and "/" not in error["message"]
 
 
+def memory_mb(field: str) -> float:
+    """This process's (and so the server's, which runs in it) VmRSS or VmHWM (its peak), in MB."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def test_an_import_holds_a_piece_of_its_upload_in_memory_whatever_its_size(served, tmp_path):
+    """300 MB with a valid header and damaged content, sent as it is made (the test holds 1 MB of
+    it): refused with 400, the server's peak memory grown by less than 64 MB (it held the file twice,
+    a 1 GB upload took it from 923 to 2,985 MB), and nothing left beside the database."""
+    size, manifest_size = 300 << 20, 1000
+    head = pack_header(manifest_size, size - HEADER_SIZE - manifest_size - 32)
+    piece = bytes(1 << 20)
+
+    def body():
+        yield head
+        sent = len(head)
+        while sent < size:
+            yield piece[: size - sent]
+            sent += min(len(piece), size - sent)
+
+    conn = http.client.HTTPConnection(*address(served), timeout=120)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
+    before = memory_mb("VmRSS")
+    conn.request("POST", "/v1/sessions/import", body(), {"Content-Type": "application/octet-stream",
+                                                          "Content-Length": str(size)})
+    response = conn.getresponse()
+    error = json.loads(response.read())["error"]
+    grown = memory_mb("VmHWM") - before
+    conn.close()
+    assert response.status == 400 and error["message"].endswith("checksum mismatch: the file is damaged or incomplete")
+    assert grown < 64, f"{grown:.0f} MB"
+    assert [p.name for p in (tmp_path).iterdir() if "import" in p.name] == []
+
+
+def test_imports_past_the_limit_at_once_get_429(served):
+    uploads = []
+    for _ in range(2):  # two imports under way: their headers came, the rest has not yet
+        sock = socket.create_connection(address(served), timeout=20)
+        sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + pack_header(1000, 50000))
+        uploads.append(sock)
+    try:
+        wait_for(lambda: served.state.imports == 2)
+        status, error = error_of(upload(served, b"anything"))
+        assert status == 429 and error["code"] == "rate_limit_exceeded" and error["message"].startswith("2 imports")
+    finally:
+        for sock in uploads:
+            sock.close()
+    wait_for(lambda: served.state.imports == 0)
+    assert error_of(upload(served, b"anything"))[0] == 400  # its turn: it is read, and refused
+
+
 def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_log(served, monkeypatch, capsys):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device", "/srv/secret/chat.db")
 
-    monkeypatch.setattr(served.state.engine.store, "list_sessions", full)
+    monkeypatch.setattr(served.state.sessions.store, "list_sessions", full)
     status, error = error_of(served.raw("GET", "/v1/sessions"))
     assert status == 500 and error["message"] == "The server failed (OSError); its log says why."
     assert "/srv/secret/chat.db" in capsys.readouterr().err

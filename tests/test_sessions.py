@@ -44,7 +44,7 @@ def test_a_session_resumes_in_a_new_process_without_recomputing(qwen2, tmp_path)
     session = first.new_session("resume me", system_prompt="the sun")
     chat(first, session, "hello the world " * 2, max_tokens=6)
     chat(first, session, "and then", max_tokens=6)
-    session = first.store.get_session(session.id)
+    session = first._store.get_session(session.id)
 
     again = engine_for(qwen2, db)
     info = again.resume(session)
@@ -71,13 +71,42 @@ def test_ask_with_sessions_on_the_command_line(qwen2, tmp_path, capsys):
     assert "unknown session '0000ffff'" in capsys.readouterr().err
 
 
+def test_a_turn_reads_its_conversation_once_and_renders_its_prompt_once(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("once", system_prompt="the sun")
+    chat(engine, session, "hello the world", max_tokens=4)
+    reads, renders = [], []
+    store, template = engine._store, engine._model.chat_template
+    path, render = store.path, template.render
+    store.path = lambda head: reads.append(head) or path(head)
+
+    def counted(messages, **options):
+        renders.append(options["add_generation_prompt"])
+        return render(messages, **options)
+
+    template.render = counted
+    chat(engine, store.get_session(session.id), "and then", max_tokens=4)
+    assert len(reads) == 1  # the conversation, from SQLite
+    # the prompt; then the conversation with its reply as it is kept for the next resume: its digest, its ids
+    assert renders == [True, False, False]
+
+
+def test_a_tools_answer_goes_below_the_reply_that_called_it_once_that_reply_is_stored(qwen2, tmp_path):
+    engine = engine_for(qwen2, tmp_path / "chat.db")
+    session = engine.new_session("tools")
+    engine.reply(session, "what is the weather", sampling=GREEDY, max_tokens=6)
+    answered = engine.answer_tool(session, '{"weather": "sun"}')  # (the reply is still being written)
+    path = ChatStore(tmp_path / "chat.db").path(answered.head_id)
+    assert [m.role for m in path] == ["user", "assistant", "tool"] and path[-1].content == '{"weather": "sun"}'
+
+
 def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tmp_path):
     db = tmp_path / "chat.db"
     first = engine_for(qwen2, db)
     session = first.new_session("x")
     chat(first, session, "hello the world " * 8)
-    session = first.store.get_session(session.id)
-    expected, _ = chat(engine_for(qwen2, db), first.store.fork_session(session.id), "then")
+    session = first._store.get_session(session.id)
+    expected, _ = chat(engine_for(qwen2, db), first._store.fork_session(session.id), "then")
 
     conn = sqlite3.connect(db)
     n_blocks = conn.execute("SELECT COUNT(*) FROM kv_blocks").fetchone()[0]
@@ -92,7 +121,7 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     info = fresh.resume(session)
     assert 0 < info.restored < info.tokens
     assert conn.execute("SELECT COUNT(*) FROM kv_blocks WHERE key = ?", (key,)).fetchone()[0] == 0
-    reply, _ = chat(fresh, fresh.store.fork_session(session.id), "then")
+    reply, _ = chat(fresh, fresh._store.fork_session(session.id), "then")
     assert reply == expected
 
     conn.execute("DELETE FROM kv_blocks")
@@ -101,7 +130,7 @@ def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tm
     nothing = engine_for(qwen2, db)
     info = nothing.resume(session)
     assert info.restored == 0
-    assert chat(nothing, nothing.store.fork_session(session.id), "then")[0] == expected
+    assert chat(nothing, nothing._store.fork_session(session.id), "then")[0] == expected
 
     other = engine_for(tiny_model_paths["qwen3"], db)  # same vocabulary, other model: other fingerprint
     info = other.resume(session)
@@ -112,7 +141,7 @@ def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path
     """Esc during a long prompt: the snapshot keeps the batches already read and computes nothing more;
     the next reply picks up from there and matches a conversation that was never stopped."""
     engine = engine_for(qwen2, tmp_path / "chat.db")
-    engine.model.prefill_batch = 8
+    engine._model.prefill_batch = 8
     session = engine.new_session("stopped")
     # Esc as the first batch is reported: the scheduler hears the cancel before its next batch
     job = engine.reply(
@@ -124,22 +153,22 @@ def test_a_reply_stopped_during_its_prefill_stores_what_was_read(qwen2, tmp_path
     job.wait()
     stopped = job.text()
     assert stopped == ""
-    stored = engine.store.path(engine.store.get_session(session.id).head_id)
+    stored = engine._store.path(engine._store.get_session(session.id).head_id)
     assert [m.role for m in stored] == ["user", "assistant"] and stored[-1].stats[
         "stop_reason"
     ] == "cancelled"
-    engine.resume(engine.store.get_session(session.id))
-    assert engine.live[session.id].n_tokens == 8  # the one batch read before the stop, not the whole prompt
-    info = engine_for(qwen2, tmp_path / "chat.db").resume(engine.store.get_session(session.id))
+    engine.resume(engine._store.get_session(session.id))
+    assert engine._cache.seq(session.id).n_tokens == 8  # the one batch read before the stop, not all of it
+    info = engine_for(qwen2, tmp_path / "chat.db").resume(engine._store.get_session(session.id))
     assert info.restored == 8  # and that is what was stored
-    after, stats = chat(engine, engine.store.get_session(session.id), "and then")
+    after, stats = chat(engine, engine._store.get_session(session.id), "and then")
     assert stats.prefilled_tokens < stats.prompt_tokens
 
     other = engine_for(qwen2, tmp_path / "other.db")  # the same conversation, never stopped
     twin = other.new_session("twin")
-    other.store.add_message(twin.id, "user", "hello the world and the sun " * 4)
-    other.store.add_message(twin.id, "assistant", "")
-    assert chat(other, other.store.get_session(twin.id), "and then")[0] == after
+    other._store.add_message(twin.id, "user", "hello the world and the sun " * 4)
+    other._store.add_message(twin.id, "assistant", "")
+    assert chat(other, other._store.get_session(twin.id), "and then")[0] == after
 
 
 def test_fork_is_quick_and_adds_at_most_one_block(qwen2, tmp_path):
@@ -147,7 +176,7 @@ def test_fork_is_quick_and_adds_at_most_one_block(qwen2, tmp_path):
     engine = engine_for(qwen2, db)
     session = engine.new_session("x")
     chat(engine, session, "hello the world " * 4)
-    session = engine.store.get_session(session.id)
+    session = engine._store.get_session(session.id)
     conn = sqlite3.connect(db)
 
     def stored():
@@ -159,7 +188,7 @@ def test_fork_is_quick_and_adds_at_most_one_block(qwen2, tmp_path):
     fork = engine.fork(session)
     assert stored() == (blocks, tails + 1)  # no block copied; the fork shares the tail record
     again = engine_for(qwen2, db)
-    info = again.resume(again.store.get_session(fork.id))
+    info = again.resume(again._store.get_session(fork.id))
     assert info.restored == info.tokens
 
 
@@ -167,23 +196,23 @@ def test_regenerate_and_edit_make_sibling_branches(qwen2, tmp_path):
     engine = engine_for(qwen2, tmp_path / "chat.db")
     session = engine.new_session("x")
     chat(engine, session, "hello the world")
-    session = engine.store.get_session(session.id)
-    original = engine.store.path(session.head_id)
+    session = engine._store.get_session(session.id)
+    original = engine._store.path(session.head_id)
     made, job = engine.regenerate(session, n=3, sampling=SamplingParams(temperature=5.0, seed=1), max_tokens=6)
     job.wait()
     assert len(made) == len(job.result) == 3
     for i, (branch, saved) in enumerate(zip(made, job.result, strict=True)):
         assert saved.session.id == branch.id
         text = job.text(i)
-        path = engine.store.path(saved.session.head_id)
+        path = engine._store.path(saved.session.head_id)
         assert path[0].id == original[0].id  # the same user message
         assert path[1].id != original[1].id and path[1].content == text  # a sibling reply
-    assert engine.store.path(engine.store.get_session(session.id).head_id) == original  # untouched
+    assert engine._store.path(engine._store.get_session(session.id).head_id) == original  # untouched
     branch, job = engine.edit(session, original[0].id, "the water")
     job.wait()
-    path = engine.store.path(engine.store.get_session(branch.id).head_id)
+    path = engine._store.path(engine._store.get_session(branch.id).head_id)
     assert [m.content for m in path][0] == "the water" and path[0].parent_id is None
-    assert len(engine.store.list_sessions()) == 5
+    assert len(engine._store.list_sessions()) == 5
 
 
 def test_an_earlier_reply_regenerates_beside_itself_and_an_empty_edit_makes_no_branch(qwen2, tmp_path):
@@ -191,17 +220,18 @@ def test_an_earlier_reply_regenerates_beside_itself_and_an_empty_edit_makes_no_b
     session = engine.new_session("x")
     chat(engine, session, "hello the world", max_tokens=4)
     chat(engine, session, "and then", max_tokens=4)
-    session = engine.store.get_session(session.id)
-    first_question, first_reply = engine.store.path(session.head_id)[:2]
+    session = engine._store.get_session(session.id)
+    first_question, first_reply = engine._store.path(session.head_id)[:2]
     (branch,), job = engine.regenerate(session, reply_id=first_reply.id, max_tokens=4, sampling=GREEDY)
     job.wait()
-    assert [m.id for m in engine.store.path(engine.store.get_session(branch.id).head_id)][0] == first_question.id
-    assert len(engine.store.path(engine.store.get_session(branch.id).head_id)) == 2  # the later turn is not in it
+    path = engine._store.path(engine._store.get_session(branch.id).head_id)
+    assert path[0].id == first_question.id
+    assert len(path) == 2  # the later turn is not in it
     with pytest.raises(ValueError, match="empty"):
         engine.edit(session, first_question.id, "  ")
     with pytest.raises(ValueError, match="only a user message"):
         engine.edit(session, first_reply.id, "hello")
-    assert len(engine.store.list_sessions()) == 2  # the session and the regenerated branch, nothing else
+    assert len(engine._store.list_sessions()) == 2  # the session and the regenerated branch, nothing else
 
 
 def test_delete_waits_for_the_turn_being_made_and_lets_go_of_its_kv(qwen2, tmp_path):
@@ -220,11 +250,46 @@ def test_delete_waits_for_the_turn_being_made_and_lets_go_of_its_kv(qwen2, tmp_p
     writing.wait(60)
     deleter = threading.Thread(target=lambda: engine.delete(session.id) and deleted.set())
     deleter.start()
-    assert not deleted.wait(0.2) and engine.store.get_session(session.id)  # it waits for the turn
+    assert not deleted.wait(0.2) and engine._store.get_session(session.id)  # it waits for the turn
     go_on.set()
     deleter.join(60)
     assert job.error is None and job.result.session.id == session.id  # the turn was stored, then deleted
-    assert deleted.is_set() and engine.store.list_sessions() == [] and engine.live.get(session.id) is None
+    assert deleted.is_set() and engine._store.list_sessions() == [] and engine._cache.seq(session.id) is None
+
+
+def test_the_sessions_service_works_before_a_model_and_through_the_engine_once_one_is_built(qwen2, tmp_path):
+    from llama_chat.app.chat.build import EngineOptions, open_engine
+    from llama_chat.app.chat.sessions import Sessions
+
+    db = tmp_path / "chat.db"
+    first = engine_for(qwen2, db)
+    session = first.new_session("Weather report")
+    chat(first, session, "hello the world", max_tokens=4)
+    first.close()
+
+    sessions = Sessions(db)  # no model: every verb of the tree works
+    session, messages = sessions.read(session.id[:5])
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert [(s.id, m.id) for s, m in sessions.search("world")] == [(session.id, messages[0].id)]
+    assert sessions.rename(session.id, "  Rain   tomorrow ").title == "Rain tomorrow"
+    before = sessions.fork(session, before=messages[0].id, title="again")
+    assert before.head_id is None and before.title == "again" and before.forked_from == session.id
+    exported = tmp_path / "rain.llamachat"
+    sessions.export(session.id, exported)
+    imported = sessions.get(sessions.import_file(exported).session_ids[0])
+    assert [m.content for m in sessions.messages(imported)] == [m.content for m in messages]
+    assert sessions.delete(before.id) == 0  # its messages are the original's
+
+    engine = open_engine(EngineOptions(model=str(qwen2), sessions=sessions))  # the same chats, on a model
+    try:
+        engine.resume(session)
+        fork = sessions.fork(session)
+        assert engine._cache.seq(fork.id) is not None  # the engine shares the parent's KV in RAM
+        assert sessions.delete(fork.id) == 0 and engine._cache.seq(fork.id) is None  # and lets it go
+        assert {s.id for s in sessions.list()} == {session.id, imported.id}
+    finally:
+        engine.close()
+        sessions.close()
 
 
 def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwen2, tmp_path):
@@ -236,15 +301,15 @@ def test_a_conversation_that_outgrew_the_window_resumes_as_its_text_computes(qwe
     for i in range(4):  # the third turn no longer fits: the first is dropped
         chat(
             first,
-            first.store.get_session(session.id),
+            first._store.get_session(session.id),
             f"question {i} " + "hello the world " * 3,
             max_tokens=20,
         )
-    assert first.live[session.id].private  # shifted
-    session = first.store.get_session(session.id)
+    assert first._cache.seq(session.id).private  # shifted
+    session = first._store.get_session(session.id)
     again = engine_for(qwen2, db)
     info = again.resume(session)
-    resumed = again.live[session.id]
+    resumed = again._cache.seq(session.id)
     assert info.restored > 0  # the blocks before the dropped turns still come back
     # the codec's rounding (about 2 %), not KV that attended to dropped turns (about 40 %)
     assert_kv_is_the_texts(again, session, resumed)
@@ -255,8 +320,8 @@ def assert_kv_is_the_texts(engine, session, resumed) -> None:
     (None at all is right too where a kill came between a turn's messages and its KV: it is computed.)"""
     if resumed.n_tokens == 0:
         return
-    computed = engine.model.new_sequence(engine.n_ctx, private=True)  # all of it computed from the text
-    engine.model.forward(engine.live.conversation_ids(session), computed)
+    computed = engine._model.new_sequence(engine.n_ctx, private=True)  # all of it computed from the text
+    engine._model.forward(engine._cache.stored_conversation(session)[1], computed)
     k, v = resumed.gather(0, resumed.n_tokens)
     k_text, v_text = computed.gather(0, resumed.n_tokens)
     assert np.linalg.norm(k - k_text) < 0.05 * np.linalg.norm(k_text)
@@ -316,15 +381,15 @@ def test_killing_the_process_at_random_moments_loses_nothing_completed(qwen2, tm
     assert unanswered.fetchone()[0] == 0
     fresh = engine_for(qwen2, db, block_size=64)
     for s in sessions:
-        session = fresh.store.get_session(s.id)
+        session = fresh._store.get_session(s.id)
         info = fresh.resume(session)
-        resumed = fresh.live[session.id]
+        resumed = fresh._cache.seq(session.id)
         assert info.tokens > 0 and session.head_id is not None  # what was stored opens
         # The KV that survived the kills is the KV of the stored text, up to the codec's rounding. (Not
         # compared as greedy replies: on the tiny random model the codec's rounding meets near-ties.)
         assert_kv_is_the_texts(fresh, session, resumed)
         reply, _ = chat(fresh, session, "still there?", max_tokens=3)  # and the session goes on
-        path = fresh.store.path(fresh.store.get_session(s.id).head_id)
+        path = fresh._store.path(fresh._store.get_session(s.id).head_id)
         assert [(m.role, m.content) for m in path[-2:]] == [("user", "still there?"), ("assistant", reply)]
 
 
@@ -368,10 +433,10 @@ def test_a_conversation_longer_than_the_window_shifts_instead_of_recomputing(qwe
     for i in range(12):
         _, stats = chat(engine, session, f"turn {i}: hello the world", max_tokens=8)
         assert stats.prompt_tokens <= 256 - 8
-        seq = engine.live[session.id]
+        seq = engine._cache.seq(session.id)
         if seq.private:  # old turns were dropped and the kept KV moved back
             shifted = True
             assert stats.prefilled_tokens < stats.prompt_tokens // 2
     assert shifted
-    messages = engine.live.messages(engine.store.get_session(session.id))
+    messages = engine._cache.messages(engine._store.get_session(session.id))
     assert len(messages) == 1 + 2 * 12  # every turn is still stored, only the window moved

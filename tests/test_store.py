@@ -117,6 +117,53 @@ def test_search_finds_the_session_of_a_message(store):
     assert store.search('"unbalanced') == []  # quotes in the query are not an error
 
 
+def test_search_finds_each_session_that_reaches_a_hit_newest_first(store):
+    s = conversation(store, title="first")
+    asked = store.path(s.head_id)[0]  # "question 0"
+    fork = store.fork_session(s.id, at_message=asked.id)
+    store.add_message(fork.id, "assistant", "a question answered on the fork")
+    hits = [(session.id, message.content) for session, message in store.search("question")]
+    # the fork's own message is the newest; the first question is reached by both, the newest session first
+    assert hits[0] == (fork.id, "a question answered on the fork")
+    assert (fork.id, "question 0") in hits and (s.id, "question 0") in hits
+    assert hits.index((fork.id, "question 0")) < hits.index((s.id, "question 0"))
+    assert (s.id, "question 1") in hits and (fork.id, "question 1") not in hits
+
+
+def test_search_reads_the_same_rows_however_many_sessions_there_are(store):
+    """Its cost is that of its hits: not one read of each session's path, as it once made."""
+
+    def statements(query: str) -> int:
+        seen = []
+        store.db.conn.set_trace_callback(seen.append)
+        try:
+            assert store.search(query)
+        finally:
+            store.db.conn.set_trace_callback(None)
+        return len([sql for sql in seen if not sql.startswith("--")])  # (not FTS5's own, which vary)
+
+    store.add_message(conversation(store, title="about zstandard").id, "user", "zstandard levels")
+    few = statements("zstandard")
+    for i in range(30):
+        conversation(store, title=f"other {i}")
+    assert statements("zstandard") == few
+
+
+def test_sessions_come_in_pages_newest_first(store, capsys):
+    made = [conversation(store, turns=1, title=f"chat {i}").id for i in range(7)]
+    newest_first = made[::-1]
+    pages = [[s.id for s in store.list_sessions(limit=3, offset=at)] for at in (0, 3, 6)]
+    assert pages == [newest_first[:3], newest_first[3:6], newest_first[6:]]
+    assert [s.id for s in store.list_sessions()] == newest_first
+    db = ["--db", str(store.db_path)]
+    assert main([*db, "sessions", "list", "--limit", "2", "--offset", "1"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert [row.split()[0] for row in rows] == newest_first[1:3]
+    with pytest.raises(SystemExit) as exit:
+        main([*db, "sessions", "list", "--limit", "0"])
+    assert exit.value.code == 2 and "--limit: must be 1 or more" in capsys.readouterr().err
+
+
 def test_snapshot_bookkeeping_and_gc(store):
     s = conversation(store)
     blocks = [StoredBlock(bytes([i]) * 16, 64, "q8", b"x" * 1000, "c") for i in range(3)]

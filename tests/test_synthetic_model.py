@@ -51,6 +51,24 @@ def test_weights_have_a_trained_models_spread(written):
             assert abs(values.mean()) < 0.002, tensor.name
 
 
+def test_a_mixture_of_experts_is_written_as_q4_k_m_writes_it(tmp_path, qwen2):
+    """qwen3moe: the router in float32, the experts' 3-D tensors in Q4_K (ffn_down_exps in Q6_K on the
+    layers of more_bits, as ffn_down), q/k norms; it loads and gives finite logits."""
+    experts = {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": 256}
+    shape = synthetic.Shape("qwen3moe", 8, 256, 512, 2, 1, qk_norm=True, **experts)
+    path = synthetic.write_synthetic(tmp_path / "moe.gguf", "tiny-moe", shape, qwen2)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    Q = gguf.GGMLQuantizationType
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == Q.F32
+    assert [int(n) for n in reversed(tensors["blk.1.ffn_gate_exps.weight"].shape)] == [8, 256, 256]
+    down = [tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type for i in range(8)]
+    assert {i for i, kind in enumerate(down) if kind == Q.Q6_K} == {0, 3, 6, 7}
+    assert tensors["blk.2.ffn_up_exps.weight"].tensor_type == Q.Q4_K and "blk.2.attn_q_norm.weight" in tensors
+    model = load_model(path)
+    assert (model.config.n_expert, model.config.n_expert_used, model.config.n_ff_exp) == (8, 2, 256)
+    assert np.isfinite(model.logits(load_tokenizer(path).encode("hello there, the world"))).all()
+
+
 def test_loads_with_the_source_tokenizer_and_gives_finite_logits(written):
     path, source = written
     assert load_tokenizer(path).encode("hello there") == load_tokenizer(source).encode("hello there")

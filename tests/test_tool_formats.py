@@ -16,7 +16,15 @@ from conftest import FIXTURES
 from llama_chat.inference import SamplingParams, chat_prompt_ids, generate, load_model
 from llama_chat.inference.chat_template import ChatTemplate
 from llama_chat.inference.constrain import Constraint, check_grammar, lark_grammar
-from llama_chat.inference.tool_calls import HERMES, LLAMA_3_X, MISTRAL_NEMO, ToolCall, call_ids, tool_format
+from llama_chat.inference.tool_calls import (
+    HERMES,
+    LLAMA_3_X,
+    MISTRAL_NEMO,
+    ToolCall,
+    call_ids,
+    split_offered_calls,
+    tool_format,
+)
 from llama_chat.inference.tool_stream import CallSplitter
 from served import Served
 from tiny_models import write_tiny_model
@@ -174,6 +182,62 @@ def test_nemo_content_streams_up_to_the_calls_which_go_out_whole_once_they_parse
         (0, "f", "a1B2c3D4e", ""),
         (0, None, None, '{"a": [1]}'),
     ]
+
+
+# -- calls written as JSON of an offered tool: one reading, whole and streamed --------------------------
+
+PARIS = ToolCall("get_weather", {"city": "Paris", "unit": "celsius"})
+# What the default model wrote with get_weather offered and tool_choice "auto" (greedy and sampled).
+LOOSE_REPLIES = [
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "celsius"\n  }\n}\n```',
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "The weather.", '
+    '"parameters": {"type": "object"}}}\n</tools>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    '"unit": "celsius"}}',
+    'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n```',
+]
+
+
+def _streamed(splitter: CallSplitter, text: str, size: int) -> tuple[str, list[ToolCall]]:
+    deltas = [d for i in range(0, len(text), size) for d in splitter.feed(text[i : i + size])] + splitter.finish()
+    calls = [ToolCall(d.name, json.loads(deltas[k + 1].arguments)) for k, d in enumerate(deltas) if d.name]
+    return "".join(d.content for d in deltas), calls
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA_3_X])
+@pytest.mark.parametrize("text", LOOSE_REPLIES)
+def test_json_calls_of_offered_tools_read_the_same_whole_and_streamed(fmt, text):
+    content, calls = split_offered_calls(text, {"get_weather"}, fmt)
+    assert calls == [PARIS] and "get_weather" not in content.replace("The weather", "").split("</tools>")[-1]
+    for size in (1, 3, 7):
+        streamed_content, streamed_calls = _streamed(CallSplitter(fmt, offered={"get_weather"}), text, size)
+        assert streamed_calls == [PARIS] and streamed_content.strip() == content
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        *LOOSE_REPLIES[:2],  # the tool is not offered: JSON someone may have asked for
+        '```json\n{"name": "get_weather", "description": "The weather.", "parameters": {}}\n```',  # a definition
+        '```python\nprint({"name": "x"})\n```',
+        '{"name": "get_weather", "arguments": {"city": "Par',  # cut short
+        # a call repeated with the tool's answer made up after it: calls end a reply, in every format
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"temperature": 21, "sky": "sunny"}',
+    ],
+)
+def test_json_that_is_no_offered_call_stays_content_whole_and_streamed(text):
+    offered = {"get_time"} if text in LOOSE_REPLIES else {"get_weather"}
+    assert split_offered_calls(text, offered) is None
+    assert _streamed(CallSplitter(offered=offered), text, 2) == (text, [])
+
+
+def test_content_streams_up_to_json_that_may_be_a_call_and_on_once_it_is_none():
+    splitter = CallSplitter(offered={"get_weather"})
+    assert [d.content for d in splitter.feed("Here:\n```json\n{")] == ["Here:\n"]
+    assert splitter.feed('"name": "Ada"}') == []  # a fence not closed yet may still hold a call
+    assert [d.content for d in splitter.feed("\n```\nDone.")] == ['```json\n{"name": "Ada"}\n```\nDone.']
+    code = CallSplitter(offered={"get_weather"})
+    assert [d.content for d in code.feed("```python\nx = 1\n")] == ["```python\nx = 1\n"]
 
 
 # -- the round trip: a call written back is the text the model wrote ---------------------------------

@@ -7,10 +7,10 @@ import re
 import shutil
 
 import pytest
-from textual.widgets import ProgressBar, TextArea
+from textual.widgets import Input, ProgressBar, TextArea
 
 from llama_chat.app.config import State
-from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, TextScreen
+from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, SettingsScreen, TextScreen
 from llama_chat.app.tui.sidebar import SessionTree
 from llama_chat.app.tui.widgets import ChatInput, MessageView
 from llama_chat.storage import ChatStore, Message, Session
@@ -74,6 +74,30 @@ async def test_a_message_streams_in_and_everything_is_stored(open_chat, qwen2, s
 
 
 @aio
+async def test_a_reply_streamed_as_code_without_a_fence_ends_drawn_as_code():
+    from textual.app import App
+    from textual.widgets.markdown import MarkdownBlock, MarkdownFence
+
+    code = "def half(x):\n    # the lower half\n    return x // 2\n\n# Try it\nprint(half(7))\n"
+
+    class OneMessage(App):
+        def compose(self):
+            yield MessageView("assistant")
+
+    async with OneMessage().run_test() as pilot:
+        view = pilot.app.query_one(MessageView)
+        for piece in ("Here:\n\n", code[:20], code[20:]):
+            await view.append(piece)
+        await view.finish()
+        await pilot.pause()
+        markdown = view.query_one("Markdown")
+        blocks = [type(b).__name__ for b in view.query(MarkdownBlock) if b.parent is markdown]
+        assert blocks == ["MarkdownParagraph", "MarkdownFence"]  # no heading made of the comment
+        assert view.query_one(MarkdownFence).code == code.rstrip("\n")  # line for line, indented as written
+        assert view.content == "Here:\n\n" + code  # what is stored and copied: the text as written
+
+
+@aio
 async def test_the_context_count_grows_while_a_reply_streams(open_chat, slow_decode):
     slow_decode(0.02)
     async with open_chat(max_tokens=30) as pilot:
@@ -99,7 +123,7 @@ async def test_the_model_is_named_as_its_file(open_chat, qwen2, tmp_path):
     shutil.copyfile(qwen2, renamed)
     async with open_chat(model=renamed) as pilot:
         app = pilot.app
-        assert app.chat.engine.model.name == "tiny-qwen2"  # what the file says of itself
+        assert app.chat.engine.model_info.name == "tiny-qwen2"  # what the file says of itself
         assert app.chat.status.fields["model"] == "my-build-q4_k_m"
 
 
@@ -124,6 +148,38 @@ async def test_a_message_sent_while_the_model_loads_waits_for_it(open_chat):
         await until(pilot, lambda: views(app), what="the send")
         await idle(pilot)
         assert [r for r, _ in stored_path(app)] == ["user", "assistant"]
+
+
+@aio
+async def test_a_chat_given_settings_while_the_model_loads_is_made_as_one_made_after(open_chat, monkeypatch):
+    import threading
+
+    from llama_chat.app.chat import engine as chat_engine
+    from llama_chat.app.tui import chat_screen
+
+    monkeypatch.setattr(chat_engine, "recommended_system_prompt", lambda path: "Be brief.")
+    loaded, load = threading.Event(), chat_screen.open_engine
+    monkeypatch.setattr(chat_screen, "open_engine", lambda *a: (loaded.wait(timeout=60), load(*a))[1])
+    async with open_chat(wait=False) as pilot:
+        app = pilot.app
+        await until(pilot, lambda: "loading" in app.chat.status.fields.get("work", ""), what="the load")
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: isinstance(app.screen, SettingsScreen), what="the settings")
+        app.screen.query_one("#top_k", Input).value = "7"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.sessions.list() == []  # kept with the new chat until its first message stores it
+        loaded.set()
+        await ready(pilot)
+        await say(pilot, "early")
+        early = app.sessions.get(app.chat.session.id)
+        await pilot.press("ctrl+n")
+        await say(pilot, "late")
+        late = app.sessions.get(app.chat.session.id)
+        fingerprint = app.chat.engine.model_info.fingerprint
+    assert early.model_fingerprint == late.model_fingerprint == fingerprint
+    assert early.system_prompt == late.system_prompt == "Be brief."  # the model's, as no other was set
+    assert early.sampling["top_k"] == 7 and "top_k" not in late.sampling
 
 
 @aio
@@ -213,9 +269,45 @@ async def test_escape_stops_the_reply_at_once_and_keeps_it(open_chat, slow_decod
         await idle(pilot)
         view = views(app)[1]
         assert view.note == "stopped"
-        stored = app.store.path(app.chat.session.head_id)[-1]
+        stored = app.sessions.messages(app.chat.session)[-1]
         assert stored.role == "assistant" and stored.content == view.content != ""
         assert stored.stats["stop_reason"] == "cancelled" and stored.stats["generated_tokens"] < 100
+
+
+@aio
+async def test_ctrl_c_stops_a_reply_and_on_an_idle_prompt_says_how_to_quit(open_chat, slow_decode):
+    slow_decode(0.05)
+    async with open_chat(max_tokens=100) as pilot:
+        app = pilot.app
+        await pilot.press(*"hello the world", "enter")
+        await until(pilot, lambda: len(views(app)) == 2 and views(app)[1].content, what="tokens")
+        await pilot.press("ctrl+c")
+        await idle(pilot)
+        assert views(app)[1].note == "stopped" and app.is_running  # the reply stopped, the app goes on
+        stored = app.sessions.messages(app.chat.session)[-1]
+        assert stored.stats["stop_reason"] == "cancelled" and stored.content == views(app)[1].content
+        assert not any("quit" in n for n in notices(app))
+        await pilot.press("ctrl+c")  # nothing to stop: as before, it says how to quit
+        await pilot.pause()
+        assert any("Press" in n and "to quit" in n for n in notices(app)) and app.is_running
+
+
+def test_keys_typed_before_the_app_started_keep_enter_as_enter():
+    """A terminal in its ordinary mode turns Enter into a line feed as it arrives (see early_keys.py)."""
+    import os
+    import pty
+    import select
+
+    from llama_chat.app.tui.early_keys import typed_keys
+
+    terminal, app_side = pty.openpty()
+    try:
+        os.write(terminal, "héllo\rmore".encode())  # Enter, then keys of a second line not ended
+        select.select([app_side], [], [], 10)
+        assert [event.key for event in typed_keys(app_side)] == [*"héllo", "enter", *"more"]
+    finally:
+        os.close(terminal)
+        os.close(app_side)
 
 
 @aio
@@ -290,9 +382,9 @@ async def test_new_chat_is_stored_with_its_first_message(open_chat):
         await pilot.press("ctrl+n")
         await pilot.pause()
         assert app.chat.session is None and views(app) == []
-        assert len(app.store.list_sessions()) == 1  # an empty chat is not stored
+        assert len(app.sessions.list()) == 1  # an empty chat is not stored
         await say(pilot, "second chat")
-        titles = [s.title for s in app.store.list_sessions()]
+        titles = [s.title for s in app.sessions.list()]
         assert titles == ["second chat", "first chat"]
         assert tree_labels(app) == [(0, "● second chat"), (0, "first chat")]
 
@@ -324,7 +416,7 @@ async def test_rename(open_chat):
         assert isinstance(app.screen, TextScreen)
         await pilot.press(*"Greetings", "enter")  # the old title is selected: typing replaces it
         await idle(pilot)
-        assert app.store.get_session(app.chat.session.id).title == "Greetings"
+        assert app.sessions.get(app.chat.session.id).title == "Greetings"
         assert tree_labels(app) == [(0, "● Greetings")]
 
 
@@ -341,12 +433,12 @@ async def test_delete_asks_first(open_chat):
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
         await pilot.press("escape")  # changed my mind
         await idle(pilot)
-        assert len(app.store.list_sessions()) == 2
+        assert len(app.sessions.list()) == 2
         await pilot.press("delete")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
         await pilot.press("y")
         await idle(pilot)
-        assert [s.title for s in app.store.list_sessions()] == ["keep me"]
+        assert [s.title for s in app.sessions.list()] == ["keep me"]
         assert app.chat.session.id != doomed and roles_and_text(app)[0] == ("user", "keep me")
         assert tree_labels(app) == [(0, "● keep me")]
 
@@ -439,7 +531,7 @@ async def test_editing_a_past_message_makes_a_sibling_branch(open_chat):
         assert stored_path(app, parent.id) == before  # history kept
         assert branch.forked_from == parent.id
         assert app.focused is app.chat.query_one(ChatInput)  # the message edited is gone: back to typing
-        new_first = app.store.path(branch.head_id)[0]
+        new_first = app.sessions.messages(branch)[0]
         assert new_first.parent_id == first.message.parent_id  # a sibling of the old message
         assert (1, "● hello the sun · from the start") in tree_labels(app)  # named by its own message
 
@@ -450,13 +542,13 @@ async def test_regenerate_makes_a_sibling_reply(open_chat):
         app = pilot.app
         await say(pilot, "hello the world")
         parent = app.chat.session
-        old = app.store.message(parent.head_id)
+        old = app.sessions.message(parent.head_id)
         await pilot.press("ctrl+r")
         await until(pilot, lambda: app.chat.session.id != parent.id, what="the branch")
         await idle(pilot)
-        new = app.store.message(app.chat.session.head_id)
+        new = app.sessions.message(app.chat.session.head_id)
         assert new.id != old.id and new.parent_id == old.parent_id and new.role == "assistant"
-        assert app.store.get_session(parent.id).head_id == old.id  # the first reply is still there
+        assert app.sessions.get(parent.id).head_id == old.id  # the first reply is still there
         assert roles_and_text(app) == stored_path(app)
         assert (1, "● (regenerated) · after msg 1") in tree_labels(app)
 
@@ -467,7 +559,7 @@ async def test_regenerate_three_offers_three_branches(open_chat):
         app = pilot.app
         await say(pilot, "hello the world")
         parent = app.chat.session
-        user_id = app.store.message(parent.head_id).parent_id
+        user_id = app.sessions.message(parent.head_id).parent_id
         await pilot.press("ctrl+t")
         await until(pilot, lambda: isinstance(app.screen, AlternativesScreen), what="the alternatives")
         alternatives = app.screen.alternatives
@@ -476,9 +568,9 @@ async def test_regenerate_three_offers_three_branches(open_chat):
         await until(pilot, lambda: app.chat.session.id == alternatives[1][0], what="the switch")
         await idle(pilot)
         assert views(app)[-1].content == alternatives[1][1]
-        branches = [s for s in app.store.list_sessions() if s.forked_from == parent.id]
+        branches = [s for s in app.sessions.list() if s.forked_from == parent.id]
         assert len(branches) == 3
-        assert all(app.store.message(s.head_id).parent_id == user_id for s in branches)
+        assert all(app.sessions.message(s.head_id).parent_id == user_id for s in branches)
         assert sum(1 for depth, _ in tree_labels(app) if depth == 1) == 3
 
 
@@ -495,7 +587,7 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(open_chat, 
         await until(pilot, lambda: isinstance(app.screen, AlternativesScreen), what="the alternatives")
         assert len(app.screen.alternatives) == 3 and not app.chat.replies
         stored = [
-            app.store.message(app.store.get_session(s).head_id).stats for s, _ in app.screen.alternatives
+            app.sessions.message(app.sessions.get(s).head_id).stats for s, _ in app.screen.alternatives
         ]
         assert all(s["stop_reason"] == "cancelled" and s["generated_tokens"] < 200 for s in stored)
 
@@ -504,7 +596,7 @@ async def test_esc_stops_regenerate_three_and_keeps_what_was_written(open_chat, 
 async def test_a_long_prompt_shows_its_prefill_as_a_bar(open_chat):
     async with open_chat(max_tokens=4) as pilot:
         app = pilot.app
-        app.chat.engine.model.prefill_batch = 4
+        app.chat.engine._model.prefill_batch = 4
         shown = []
         progress = app.chat.status.progress
 

@@ -84,8 +84,9 @@ def reply_text(screen: str) -> str:
     return " ".join(line for line in lines[start + 1 :] if line and not line.startswith("▊"))  # not the input
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
-def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
+def app_environment(tmp_path: Path) -> dict[str, str]:
+    """The environment of `llama-chat` in tmux: greedy replies of 40 tokens, the test's own config and
+    state folders, the real models' cache."""
     config_home = tmp_path / "config"
     (config_home / "llama-chat").mkdir(parents=True)
     (config_home / "llama-chat" / "config.toml").write_text(
@@ -103,8 +104,13 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
     # COLUMNS=80 and LINES=24 in its environment, and the app took them (80 columns: no sidebar).
     env.pop("COLUMNS", None)
     env.pop("LINES", None)
+    return env
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
     command = [str(Path(sys.executable).parent / "llama-chat"), "--db", str(tmp_path / "chat.db")]
-    tmux = Tmux(f"llama-chat-test-{os.getpid()}", env)
+    tmux = Tmux(f"llama-chat-test-{os.getpid()}", app_environment(tmp_path))
     try:
         tmux.start(command, "first")
         screen = tmux.wait_for(lambda s: PLACEHOLDER in s, 30, "the chat screen")
@@ -139,6 +145,26 @@ def test_llama_chat_in_tmux_chats_forks_and_resumes(qwen_model_path, tmp_path):
         tmux.wait_for(lambda s: "LLAMA-CHAT-EXITED 0" in s, 30, "llama-chat to quit")
     finally:
         tmux.kill()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+def test_a_message_typed_as_llama_chat_starts_is_sent_by_its_enter(qwen_model_path, tmp_path):
+    from llama_chat.storage import ChatStore
+
+    db = tmp_path / "chat.db"
+    tmux = Tmux(f"llama-chat-early-{os.getpid()}", app_environment(tmp_path))
+    try:
+        tmux.start([str(Path(sys.executable).parent / "llama-chat"), "--db", str(db)], "early")
+        tmux.keys("hello there", literal=True)  # at once: the terminal is not the app's yet
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: reply_text(s) and "decode" in status_line(s), 180, "the reply")
+        tmux.keys("C-q")
+        tmux.wait_for(lambda s: "LLAMA-CHAT-EXITED 0" in s, 30, "llama-chat to quit")
+    finally:
+        tmux.kill()
+    store = ChatStore(db)
+    (session,) = store.list_sessions()
+    assert store.path(session.head_id)[0].content == "hello there"  # sent by its Enter, no line added
 
 
 def test_keys_typed_while_the_default_model_streams_reach_the_input(qwen_model_path, tmp_path):

@@ -1,4 +1,5 @@
-"""How the TUI looks, pinned as SVG snapshots: the main screen, a fork in the sidebar, help, each theme.
+"""How the TUI looks, pinned as SVG snapshots: the main screen, a fork in the sidebar, help, each theme,
+and replies drawn as they were written (code without a fence, a haiku's lines, an attached file).
 
 Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`, and look
 at the report before committing. The numbers of the status line are fixed so the pictures never
@@ -29,9 +30,12 @@ def add(a: int, b: int) -> int:
 """
 
 
-def conversation(store: ChatStore, title: str, reply: str = REPLY):
+ASKED = "Write a Python function that adds two numbers."
+
+
+def conversation(store: ChatStore, title: str, reply: str = REPLY, asked: str = ASKED):
     session = store.create_session(title, system_prompt="You are a concise coding assistant.")
-    store.add_message(session.id, "user", "Write a Python function that adds two numbers.")
+    store.add_message(session.id, "user", asked)
     store.add_message(session.id, "assistant", reply)
     return store.get_session(session.id)
 
@@ -111,3 +115,42 @@ def test_each_theme(snap_compare, tmp_path, tiny_model_paths, theme):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=select_reply)
+
+
+# -- replies as they were written ------------------------------------------------------------------
+
+PALINDROME = """def is_palindrome(s):
+    # Remove non-alphanumeric characters and convert to lowercase
+    cleaned = ''.join(c.lower() for c in s if c.isalnum())
+    # Compare the cleaned string with its reverse
+    return cleaned == cleaned[::-1]
+
+# Test the function
+print(is_palindrome("A man, a plan, a canal: Panama"))  # Output: True
+"""
+HAIKU = """Here is a haiku:
+
+An old silent pond
+A frog jumps into the pond
+splash! Silence again.
+<em>Basho</em>, 1686"""
+
+
+def test_code_written_without_a_fence_keeps_its_lines(snap_compare, tmp_path, tiny_model_paths):
+    conversation(ChatStore(tmp_path / "chat.db"), "Palindromes", PALINDROME, "Is a string a palindrome?")
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_a_haiku_keeps_its_four_lines_and_html_shows_as_text(snap_compare, tmp_path, tiny_model_paths):
+    conversation(ChatStore(tmp_path / "chat.db"), "Haiku", HAIKU, "Write a haiku.")
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)
+
+
+def test_an_attached_file_is_folded_with_its_name_and_size(snap_compare, tmp_path, tiny_model_paths):
+    from llama_chat.storage.fragments import inline
+
+    source = "import functools\n\n\n@functools.cache\ndef fib(n):\n"
+    source += "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    asked = inline("fib.py", source) + "What does this file do?"
+    conversation(ChatStore(tmp_path / "chat.db"), "fib.py", "It computes Fibonacci numbers, cached.", asked)
+    assert snap_compare(app_on(tmp_path, tiny_model_paths), terminal_size=SIZE, run_before=settled)

@@ -60,12 +60,12 @@ async def test_settings_store_a_system_prompt_and_sampling_per_session(open_chat
         app.screen.query_one("#max_tokens", Input).value = "5"
         await pilot.press("ctrl+s")
         await idle(pilot)
-        session = app.store.get_session(app.chat.session.id)
+        session = app.sessions.get(app.chat.session.id)
         assert session.system_prompt == "Answer in one word."
         assert session.sampling["temperature"] == 0.5 and session.sampling["top_k"] == 7
         assert app.chat.query_one(".system-prompt").content == "system: Answer in one word."
         await say(pilot, "and then")
-        assert app.store.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
+        assert app.sessions.message(app.chat.session.head_id).stats["generated_tokens"] <= 5
 
 
 @aio
@@ -95,7 +95,7 @@ async def test_settings_show_the_models_recommended_sampling_and_keep_it_a_defau
         await pilot.press("ctrl+s")
         await idle(pilot)
         # what was changed is the session's; what was left is the model's default, not copied in
-        assert app.store.get_session(app.chat.session.id).sampling == {"temperature": 0, "top_p": 0.5}
+        assert app.sessions.get(app.chat.session.id).sampling == {"temperature": 0, "top_p": 0.5}
 
 
 @aio
@@ -118,7 +118,7 @@ async def test_choose_another_model(open_chat, tiny_model_paths):
         app.screen.query_one("#path", Input).value = str(tiny_model_paths["llama"])
         app.screen.query_one("#path", Input).focus()
         await pilot.press("enter")
-        await until(pilot, lambda: app.chat.engine.model.name == "tiny-llama", what="the new model")
+        await until(pilot, lambda: app.chat.engine.model_info.name == "tiny-llama", what="the new model")
         await idle(pilot)
         assert app.chat.status.fields["model"] == "tiny-llama"
         assert UserConfig.load(app.config.path).model == str(tiny_model_paths["llama"])  # opens next time
@@ -135,7 +135,7 @@ async def test_a_missing_model_file_is_one_line_in_the_app(open_chat, qwen2, tmp
         app.screen.query_one("#path", Input).focus()
         await pilot.press("enter")
         await idle(pilot)
-        assert app.chat.engine.model.name == "tiny-qwen2"  # the loaded model stays
+        assert app.chat.engine.model_info.name == "tiny-qwen2"  # the loaded model stays
         assert any("no such file" in n for n in notices(app))
 
 
@@ -228,7 +228,7 @@ async def test_titles_are_one_line_with_single_spaces(open_chat):
         app.screen.query_one(Input).value = "  Spaced   out  title "
         await pilot.press("enter")
         await idle(pilot)
-        assert app.store.get_session(app.chat.session.id).title == "Spaced out title"
+        assert app.sessions.get(app.chat.session.id).title == "Spaced out title"
         assert tree_labels(app) == [(0, "● Spaced out title")]
 
 
@@ -265,7 +265,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         await until(pilot, lambda: app.chat.session.id != original.id, what="the imported chat")
         await idle(pilot)
         assert stored_path(app) == stored_path(app, original.id) and roles_and_text(app) == stored_path(app)
-        assert len(app.store.list_sessions()) == 2
+        assert len(app.sessions.list()) == 2
         await until(pilot, lambda: "resumed" in app.chat.status.fields, what="the resume line")
         restored = app.chat.status.fields["resumed"]  # its KV came with it: nothing recomputed
         assert re.fullmatch(r"[1-9][\d,]* tokens restored in \d+ ms", restored), restored
@@ -276,7 +276,7 @@ async def test_export_and_import_a_chat(open_chat, tmp_path):
         await pilot.press("enter")
         await idle(pilot)
         assert any("hello.md" in n for n in notices(app))
-        assert len(app.store.list_sessions()) == 2
+        assert len(app.sessions.list()) == 2
 
 
 # -- keys, palette, help, themes -------------------------------------------------------------------

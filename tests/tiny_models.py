@@ -1,8 +1,11 @@
 """Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
 
 Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
-llama/qwen2/qwen3, and SentencePiece (pieces with scores, byte fallback, Gemma's turn markers) for
-gemma3. The weights are random but fixed by a seed, so every test sees the same model.
+llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, the family's turn
+markers) for the gemmas and phi3. The weights are random but fixed by a seed, so every test sees the
+same model; the architectures added later (qwen3moe, gemma2, phi3) also carry their family's real chat
+template and the switches that make them differ (experts, soft-capping, LongRoPE), so that their
+logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
 from __future__ import annotations
@@ -12,12 +15,22 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tiny_later_archs import LATER_ARCHS, later_layers, later_metadata
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
+# each later architecture's family template, from llama.cpp's models/templates/
+FAMILY_TEMPLATES = {
+    "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
+    "gemma2": "google-gemma-2-2b-it.jinja",
+    "phi3": "microsoft-Phi-3.5-mini-instruct.jinja",
+}
+SPM_ARCHS = ("gemma3", "gemma2", "phi3")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -69,9 +82,16 @@ def bpe_vocab():
 SPM_PIECES = ["▁", "▁the", "▁a", "th", "he", "in", "er", "on", "▁hello", "▁world", "▁is", "▁it"]
 
 
-def spm_vocab():
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-    types = [3, 3, 3, 2, 3, 3]
+# SentencePiece specials: (first tokens, their types, bos, eos, unk, added control tokens at the end)
+GEMMA_SPECIALS = (
+    ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], [3, 3, 3, 2, 3, 3], 2, 1, 3, []
+)
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+PHI3_SPECIALS = (["<unk>", "<s>", "</s>"], [2, 3, 3], 1, 2, 0, PHI3_ADDED)
+
+
+def spm_vocab(specials=GEMMA_SPECIALS):
+    tokens, types = list(specials[0]), list(specials[1])
     scores = [0.0] * len(tokens)
     for b in range(256):
         tokens.append(f"<0x{b:02X}>")
@@ -86,6 +106,9 @@ def spm_vocab():
         tokens.append(piece)
         types.append(1)
         scores.append(-float(i))
+    tokens += specials[5]
+    types += [3] * len(specials[5])
+    scores += [0.0] * len(specials[5])
     return tokens, types, scores
 
 
@@ -99,26 +122,32 @@ def write_tiny_model(
     shapes: dict | None = None,
     arch_name: str | None = None,
     raw_types: dict | None = None,
-    chat_template: str = CHATML,
+    chat_template: str | None = None,
     metadata: dict | None = None,
     specials: tuple[str, ...] = (),
     context_length: int = 256,
     space_prefix: bool = False,
+    quantized: bool = True,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
     adds keys (an int as uint32, a float as float32); `specials` adds control tokens to a BPE vocab
     (a real template's markers, e.g. Llama 3's), the last of them its end of text; `context_length`:
     room for a real template's long prompts; `space_prefix`: a SentencePiece vocabulary (gemma3)
-    that puts a space before the text, as Llama 2's does."""
+    that puts a space before the text, as Llama 2's does. `chat_template`: ChatML, or the family's
+    real one for the later architectures. `quantized=False`: every matrix in float32 (the models
+    checked against llama.cpp's float32 logits)."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
-    n_layer = n_layer or (6 if arch == "gemma3" else 2)
+    n_layer = n_layer or {"gemma3": 6, "gemma2": 4}.get(arch, 2)
+    if chat_template is None:
+        family = FAMILY_TEMPLATES.get(arch)
+        chat_template = (TEMPLATES / family).read_text() if family else CHATML
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
-    w.add_context_length(context_length)
+    w.add_context_length(context_length * (2 if arch == "phi3" else 1))  # phi3: LongRoPE's longer one
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
@@ -127,25 +156,32 @@ def write_tiny_model(
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
+    later_metadata(w, arch, context_length)
     for key, value in (metadata or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    if arch == "gemma3":
-        w.add_sliding_window(8)
-        tokens, types, scores = spm_vocab()
+    if arch in ("gemma3", "gemma2", "phi3"):
+        w.add_sliding_window(8)  # (phi3's is read by no one: llama.cpp turns it off)
+    if arch in SPM_ARCHS:
+        vocab = PHI3_SPECIALS if arch == "phi3" else GEMMA_SPECIALS
+        tokens, types, scores = spm_vocab(vocab)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_scores(scores)
-        w.add_bos_token_id(2)
-        w.add_eos_token_id(1)
-        w.add_unk_token_id(3)
-        w.add_add_bos_token(True)
-        w.add_add_space_prefix(space_prefix)
+        w.add_bos_token_id(vocab[2])
+        w.add_eos_token_id(tokens.index("<|endoftext|>") if arch == "phi3" else vocab[3])
+        w.add_unk_token_id(vocab[4])
+        w.add_add_bos_token(arch != "phi3")  # (Phi-3.5's GGUF adds none: its template writes no <s>)
+        w.add_add_space_prefix(space_prefix or arch == "phi3")
+        if arch != "gemma3":
+            w.add_chat_template(chat_template)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
         if specials:
             tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
+        if arch == "qwen3moe":  # Qwen3's thinking markers: user-defined tokens, matched in any text
+            tokens, types = tokens + ["<think>", "</think>"], types + [4, 4]
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
         w.add_token_list(tokens)
@@ -166,7 +202,7 @@ def write_tiny_model(
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
             raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
-        elif quant is not None:
+        elif quant is not None and quantized:
             w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
         else:
             w.add_tensor(name, data)
@@ -176,30 +212,37 @@ def write_tiny_model(
 
     tensor("token_embd.weight", (n_vocab, n_embd), 0.5, gguf.GGMLQuantizationType.Q8_0)
     norm("output_norm.weight", n_embd)
-    if arch != "gemma3":  # gemma3 ties the output to the embeddings
+    if arch not in ("gemma3", "gemma2"):  # the gemmas tie the output to the embeddings
         tensor("output.weight", (n_vocab, n_embd))
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
-    for i in range(n_layer):
-        p = f"blk.{i}."
+
+    def attention(p):
         norm(p + "attn_norm.weight", n_embd)
         tensor(p + "attn_q.weight", (q_dim, n_embd))
         tensor(p + "attn_k.weight", (kv_dim, n_embd))
         tensor(p + "attn_v.weight", (kv_dim, n_embd))
         tensor(p + "attn_output.weight", (n_embd, q_dim))
-        if arch == "qwen2":
-            tensor(p + "attn_q.bias", (q_dim,))
-            tensor(p + "attn_k.bias", (kv_dim,))
-            tensor(p + "attn_v.bias", (kv_dim,))
-        if arch in ("qwen3", "gemma3"):
-            norm(p + "attn_q_norm.weight", head_dim)
-            norm(p + "attn_k_norm.weight", head_dim)
-        if arch == "gemma3":
-            norm(p + "post_attention_norm.weight", n_embd)
-            norm(p + "post_ffw_norm.weight", n_embd)
-        norm(p + "ffn_norm.weight", n_embd)
-        tensor(p + "ffn_gate.weight", (n_ff, n_embd), quant=gguf.GGMLQuantizationType.Q8_0)
-        tensor(p + "ffn_up.weight", (n_ff, n_embd))
-        tensor(p + "ffn_down.weight", (n_embd, n_ff))
+
+    if arch in LATER_ARCHS:
+        later_layers(arch, w, rng, tensor, norm, attention, (n_layer, n_embd, q_dim, kv_dim, head_dim, n_ff))
+    else:
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            attention(p)
+            if arch == "qwen2":
+                tensor(p + "attn_q.bias", (q_dim,))
+                tensor(p + "attn_k.bias", (kv_dim,))
+                tensor(p + "attn_v.bias", (kv_dim,))
+            if arch in ("qwen3", "gemma3"):
+                norm(p + "attn_q_norm.weight", head_dim)
+                norm(p + "attn_k_norm.weight", head_dim)
+            if arch == "gemma3":
+                norm(p + "post_attention_norm.weight", n_embd)
+                norm(p + "post_ffw_norm.weight", n_embd)
+            norm(p + "ffn_norm.weight", n_embd)
+            tensor(p + "ffn_gate.weight", (n_ff, n_embd), quant=gguf.GGMLQuantizationType.Q8_0)
+            tensor(p + "ffn_up.weight", (n_ff, n_embd))
+            tensor(p + "ffn_down.weight", (n_embd, n_ff))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -168,9 +168,8 @@ def roles_and_text(app) -> list[tuple[str, str]]:
 
 
 def stored_path(app, session_id=None) -> list[tuple[str, str]]:
-    store = app.store
-    session = store.get_session(session_id or app.chat.session.id)
-    return [(m.role, m.content) for m in store.path(session.head_id)]
+    session, messages = app.sessions.read(session_id or app.chat.session.id)
+    return [(m.role, m.content) for m in messages]
 
 
 def tree_labels(app) -> list[tuple[int, str]]:

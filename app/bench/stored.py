@@ -139,12 +139,13 @@ from llama_chat.app.chat.engine import ChatEngine
 from llama_chat.storage import ChatStore
 model = load_chat_model(sys.argv[1])
 [t.join() for t in threading.enumerate() if t.name == "compile-later"]
-engine = ChatEngine(model, ChatStore(sys.argv[2]))
-session = engine.store.get_session(sys.argv[3])
+store = ChatStore(sys.argv[2])
+engine = ChatEngine(model, store)
+session = store.get_session(sys.argv[3])
 t = time.perf_counter()
 info = engine.resume(session)
 resume = time.perf_counter() - t
-ids = engine.live.conversation_ids(session)
+ids = store.kv.kept_ids(session.id)[1]  # the conversation's tokens, kept by its snapshot
 fresh = model.new_sequence(len(ids) + 1)
 t = time.perf_counter()
 model.forward(ids, fresh)
@@ -158,14 +159,15 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     """A stored conversation of `text` and a short reply: resume in a fresh process vs prefilling it
     again; fork of it (time, bytes added to the database); export and import of it."""
     db = folder / "bench.db"
-    engine = ChatEngine(model, ChatStore(db))
+    store = ChatStore(db)
+    engine = ChatEngine(model, store)
     session = engine.new_session("bench")
     "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=16)))
-    session = engine.store.get_session(session.id)
+    session = store.get_session(session.id)
     result = json.loads(child_line(RESUME_CHILD, str(model.path), str(db), session.id))
 
     def stored_bytes():
-        sizes = engine.store.kv.kv_bytes()
+        sizes = store.kv.kv_bytes()
         return sizes["blocks"] + sizes["tails"]
 
     before = stored_bytes()
@@ -173,9 +175,9 @@ def measure_sessions(model, text: str, folder: Path) -> dict:
     engine.fork(session)
     result["fork_ms"] = (time.perf_counter() - t) * 1000
     result["fork_added_bytes"] = stored_bytes() - before
-    result["stored_block_bytes"] = engine.store.kv.kv_bytes()["largest_block"]
-    result["exchange"] = measure_exchange(engine.store, session.id, folder)
-    engine.store.close()
+    result["stored_block_bytes"] = store.kv.kv_bytes()["largest_block"]
+    result["exchange"] = measure_exchange(store, session.id, folder)
+    store.close()
     return result
 
 
@@ -183,7 +185,8 @@ def measure_stop(model, text: str, folder: Path, max_tokens: int) -> dict:
     """Esc (or Ctrl+C) during a reply: milliseconds from the cancel to the reply stored with what it
     wrote, for one reply and for regenerate ×3 (three replies decoded together). On a model loaded
     anew: the one given already reads its blocks from measure_sessions' store (a pool has one source)."""
-    engine = ChatEngine(load_model(model.path), ChatStore(folder / "stop.db"))
+    store = ChatStore(folder / "stop.db")
+    engine = ChatEngine(load_model(model.path), store)
     session = engine.new_session("stop")
 
     def stopped_ms(submit) -> float:
@@ -198,10 +201,10 @@ def measure_stop(model, text: str, folder: Path, max_tokens: int) -> dict:
     one = stopped_ms(
         lambda **kw: engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, **kw)
     )
-    session = engine.store.get_session(session.id)
+    session = store.get_session(session.id)
     three = stopped_ms(
         lambda **kw: engine.regenerate(session, 3, sampling=GREEDY, max_tokens=max_tokens, **kw)[1]
     )
     engine.close()
-    engine.store.close()
+    store.close()
     return {"stop_ms": one, "stop_three_ms": three}

@@ -16,11 +16,11 @@ from llama_chat.inference.quants import compile_attention
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
-from llama_chat.storage.store import ChatStore
 
 from .compile_progress import CompileProgress
 from .engine import ChatEngine
 from .scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
+from .sessions import Sessions
 from .settings import CACHE_RAM_MB, CODEC, N_CTX
 
 Progress = Callable[[str, int, int], None]
@@ -33,9 +33,7 @@ class EngineOptions:
 
     model: str | None = None  # --model: a known model's name or a .gguf path; None: the default model
     db: Path | str = IN_MEMORY  # --db: the conversation database
-    store: ChatStore | None = (
-        None  # an open database to use instead of `db` (the app's: it shows chats first)
-    )
+    sessions: Sessions | None = None  # open conversations to use instead of `db`'s (the app's: shown first)
     n_ctx: int = N_CTX  # --ctx
     cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
     block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
@@ -112,15 +110,19 @@ def open_engine(
     options: EngineOptions, progress: Progress | None = None, model: Model | None = None
 ) -> ChatEngine:
     """The chat engine `options` describe: its model loaded (unless `model` is one loaded already from
-    them), its database and remote tier opened. Whoever built it closes it (ChatEngine.close), and
-    closes the store it opened (engine.store) unless the options brought one."""
-    store = options.store or ChatStore(options.db)
+    them), its conversations (those of `db`, unless the options bring some open) and remote tier
+    opened; the conversations hear of it (their forks and deletes go through it). Whoever built it
+    closes it (ChatEngine.close), and the conversations it brought in the options; those opened here
+    (none brought: a database in memory, say) live as long as the engine."""
+    sessions = options.sessions or Sessions(options.db)
     try:
         model = model or open_model(options, progress)
         remote = open_remote(options, model.fingerprint)
         scheduler = Scheduler(model, options.parallel, options.queue)
-        return ChatEngine(model, store, options.codec, options.n_ctx, scheduler, remote)
+        engine = ChatEngine(model, sessions.store, options.codec, options.n_ctx, scheduler, remote)
     except BaseException:
-        if options.store is None:
-            store.close()
+        if options.sessions is None:
+            sessions.close()
         raise
+    sessions.engine = engine
+    return engine

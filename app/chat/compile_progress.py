@@ -18,11 +18,11 @@ ESTIMATE = "10–60 s, once"  # a first start's compiling on 2 cores (13 s quiet
 
 
 def kernel_step(label: str) -> str | None:
-    """What a step makes ready ("kernels", "the KV codec"), if it is one that may compile; else None."""
+    """What a step makes ready ("kernels", "the KV codec"), if it is one that may compile; else None.
+    Its label may name a part after a colon ("compiling kernels (first start only): Q4_K weights")."""
+    head = label.split(": ")[0].removesuffix(" (first start only)")
     for what in ("kernels", "the KV codec"):
-        if label.startswith(("compiling", "loading")) and label.removesuffix(" (first start only)").endswith(
-            what
-        ):
+        if head.startswith(("compiling", "loading")) and head.endswith(what):
             return what
     return None
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from llama_chat.inference import KVSequence, Model, chat_prompt_ids
-from llama_chat.inference.tool_calls import ToolFormat, tool_format
-from llama_chat.storage import Message, Session, StoreError
+from llama_chat.inference.tool_calls import ToolFormat
+from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from .jobs import Job
-from .namespaces import kv_salt
-from .replies import Plan, ReplyNotStored, check_fits, reply_message
-from .resume import LiveSessions
+from .replies import Plan, ReplyNotStored, fitting, make_session, reply_message, store_reply
+from .session_cache import SessionCache, kv_salt
 from .titles import TITLE_CHARS, session_title
 
 API_ORIGIN = "api"  # sessions.origin of the conversations the server keeps
@@ -52,13 +52,14 @@ class RawText:
     cache_key: str | None = None
 
 
-def raw_prompt_ids(model: Model, prompt: str | list[int]) -> list[int]:
+def raw_prompt_ids(model: Model, prompt: str | list[int], limit: int | None = None) -> list[int]:
     """A raw prompt's tokens as llama.cpp's server reads one (tokenize with add_special and
     parse_special): BOS first where the vocabulary asks for it, control-token text as those tokens (the
-    client writes its own template); token ids as they are. ValueError names what cannot be used."""
+    client writes its own template); token ids as they are. ValueError names what cannot be used;
+    TooManyTokens a text over `limit` tokens, before it is tokenized whole."""
     tok = model.tokenizer
     if isinstance(prompt, str):
-        ids = tok.encode(prompt, add_bos=tok.add_bos and tok.bos_id is not None, special=True)
+        ids = tok.encode(prompt, add_bos=tok.add_bos and tok.bos_id is not None, special=True, limit=limit)
     else:
         ids = list(prompt)
         wrong = next((i for i in ids if not 0 <= i < tok.n_vocab), None)
@@ -90,9 +91,9 @@ def stored_text(message: dict, fmt: ToolFormat | None) -> str:
 
 
 class Conversations:
-    def __init__(self, live: LiveSessions, closing):
-        self.live, self.model, self.store = live, live.model, live.store
-        self.format = tool_format(self.model.chat_template) if self.model.has_chat_template else None
+    def __init__(self, cache: SessionCache, model: Model, store: ChatStore, fmt: ToolFormat | None, closing):
+        self.cache, self.model, self.store = cache, model, store
+        self.format = fmt  # how the model's chat template writes tool calls (None: it takes none)
         self.closing = closing  # () → whether the engine is closing: a reply cut short by it is kept
         # One thread stores finished conversations in turn (SQLite writes one at a time anyway).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conversation-writer")
@@ -103,12 +104,11 @@ class Conversations:
         PromptTooLong, before anything is read or computed, for a prompt that leaves no room for a
         reply (and ValueError for a RawText that is no prompt)."""
         if isinstance(conversation, RawText):
-            prompt = raw_prompt_ids(self.model, conversation.prompt)
-            check_fits(prompt, self.live.n_ctx)
+            text = conversation.prompt
+            prompt = fitting(self.cache.n_ctx, lambda limit: raw_prompt_ids(self.model, text, limit))
             return self._fresh(prompt, kv_salt(conversation.tenant, conversation.cache_key), self._noted)
-        messages, live = conversation.messages, self.live
-        prompt = chat_prompt_ids(self.model, messages, tools=conversation.tools)
-        check_fits(prompt, live.n_ctx)
+        messages, tools = conversation.messages, conversation.tools
+        prompt = fitting(self.cache.n_ctx, lambda n: chat_prompt_ids(self.model, messages, tools=tools, limit=n))
         namespace = kv_salt(conversation.tenant, conversation.cache_key)
         previous = self._previous_ids(messages, prompt, conversation.tools)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None
@@ -136,20 +136,16 @@ class Conversations:
         """The plan of replies to `prompt` in a fresh sequence of the shared pool (in `namespace`), so
         every full block computed before is reused; a returning conversation (`previous`: its tokens as
         kept after its last reply) takes the tail its `kept` session stored too."""
-        live, base = self.live, []
+        base: list[KVSequence] = []
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
-        # as the scheduler's reuse_prefix takes the prompt, with the tail restore_tail asks for next
-        kept_id = kept.id if kept else None
-        remote = live.read_remote(prompt[:-1], tail_of=previous, session_id=kept_id, namespace=namespace)
+        # as the scheduler's reuse_prefix takes the prompt, with the tail the session cache restores next
+        session_id = kept.id if kept else None
+        remote = self.cache.read_remote(prompt[:-1], previous, session_id, namespace)
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
-            seq = self.model.new_sequence(live.n_ctx, namespace=namespace)
-            base.append(seq)
+            base.append(self.cache.open_fresh(namespace, previous, kept, remote))
             job.remote = remote
-            if previous is not None:  # a returning conversation takes the tail its last reply left too
-                seq.reuse_prefix(previous)
-                live.restore_tail(kept, seq, previous)
-            return prompt, seq
+            return prompt, base[0]
 
         def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool: give the KV back
             for seq in {id(s): s for s in [*base, *job.seqs]}.values():
@@ -158,14 +154,14 @@ class Conversations:
         return Plan(prepare, finish, ended)
 
     def _noted(self, job: Job) -> None:
-        self.live.note_prefill(job.stats[0])
+        self.cache.note_prefill(job.stats[0])
 
     def _previous_ids(self, messages: list[dict], prompt: list[int], tools: list[dict] | None) -> list[int] | None:
         """The conversation before its new message as it was kept after its last reply, where the prompt
         goes on from it; None for a first message."""
         if len(split_system(messages)[1]) < 2:
             return None  # a first message: no reply before it
-        previous = self.live.window_ids(messages[:-1], tools)
+        previous = self.cache.stored_ids(messages[:-1], tools)
         return previous if prompt[: len(previous)] == previous else None
 
     def _kept_session(
@@ -191,9 +187,9 @@ class Conversations:
         answer = {"role": "assistant", "content": reply.content}
         if conversation.tools and self.format is not None:  # as the next request sends it back
             answer = self.format.as_message(reply.content)
-        ids = self.live.window_ids([*messages, answer], conversation.tools)
+        ids = self.cache.stored_ids([*messages, answer], conversation.tools)
         # a reply cut short keeps the KV it holds, as a session's do
-        held = self.live.hold_kv(job.seqs[0], ids, not job.cancelled)
+        held = self.cache.hold(job.seqs[0], ids, not job.cancelled)
         return self.writer.submit(self._store, messages, settings, reply, held, conversation.tenant)
 
     def _store(
@@ -204,30 +200,23 @@ class Conversations:
         failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
         system, turns = split_system(messages)
         asked = [Message(0, None, m["role"], stored_text(m, self.format), None, reply.created, None) for m in turns]
+        new = partial(make_session, self.store, self.model, title_of(turns), system, settings,
+                      origin=API_ORIGIN, tenant=tenant, namespace=held.namespace)  # fmt: skip
+        history = [(m["role"], stored_text(m, self.format)) for m in turns[:-1]]
         try:
-            history = [(m["role"], stored_text(m, self.format)) for m in turns[:-1]]
             session = self.store.session_ending_with(API_ORIGIN, system, history, tenant, held.namespace)
             if session is None:
-                stored = self.store.create_session(
-                    title_of(turns),
-                    model_fingerprint=self.model.fingerprint,
-                    model_name=self.model.name,
-                    system_prompt=system,
-                    sampling=settings,
-                    origin=API_ORIGIN,
-                    turn=[*asked, reply],
-                    tenant=tenant,
-                    kv_namespace=held.namespace,
-                )
+                stored, _ = store_reply(self.store, lambda turn: new(turn=turn), asked, reply)
             else:
-                stored, _ = self.store.append_turn(session.id, session.head_id, [asked[-1], reply])
+                stored, _ = store_reply(self.store, session, asked[-1:], reply)
         except StoreError as e:
-            with self.live.lock:
+            with self.cache.lock:
                 held.free()
-            print(f"llama-chat serve: a conversation was not stored: {e}", file=sys.stderr)
-            raise ReplyNotStored(e) from None
+            e = e if isinstance(e, ReplyNotStored) else ReplyNotStored(e)
+            print(f"llama-chat serve: a conversation was not stored: {e.cause}", file=sys.stderr)
+            raise e from None
         try:
-            self.live.store_kv(stored.id, held, travels=True)  # a tenant's KV, computed here
+            self.cache.store(stored.id, held, travels=True)  # computed here, in the tenant's namespace
         except StoreError as e:
             print(f"llama-chat serve: a conversation's KV was not stored: {e}", file=sys.stderr)
         return stored

@@ -1,11 +1,13 @@
 """The chat engine: stored conversations driven through the model, in verbs every front end calls.
 
-reply, regenerate, edit, fork, delete, resume, verify, close: each carries its own locking and order,
-so the app, the command line and the server never build a job, take the engine's lock or call a KV
-step. A reply renders the conversation, finds the longest prefix whose KV is already held (resume.py:
-RAM, the stored blocks, the session's stored tail, the remote tier) and is submitted as a job to the
-scheduler, which prefills only the rest and streams it; when it ends, the turn is stored and the new
-KV snapshotted. A conversation sent whole (conversations.py) goes the same way.
+new_session, reply, regenerate, edit, answer_tool, fork, delete, resume, verify, close: each carries its
+own locking and order, so the app, the command line and the server never build a job, take the engine's
+lock, touch its store or call a KV step. A session's turn reads its conversation once and renders it
+once into the prompt; the session cache (session_cache.py) brings back the longest prefix whose KV is
+held — RAM, the stored blocks, the session's stored tail, the remote tier — and the turn's job on the
+scheduler prefills only the rest and streams the reply; when it ends, the turn is stored
+(replies.store_reply) and the cache snapshots the new KV. A conversation sent whole (conversations.py)
+goes the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from llama_chat.inference import (
     GenerationStats,
@@ -22,25 +25,36 @@ from llama_chat.inference import (
     SamplingParams,
     chat_prompt_ids,
     fit_messages,
-    shift_to,
 )
 from llama_chat.inference.catalog import recommended_system_prompt
+from llama_chat.inference.tokenizer import Tokenizer
+from llama_chat.inference.tool_calls import ToolFormat, tool_format
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.kv_plan import model_plan
-from llama_chat.storage.kv_store import KVStore
 from llama_chat.storage.remote import RemoteTier
 from llama_chat.storage.store import ChatStore, Message, Session, marked_title
 
 from .conversations import Conversation, Conversations, RawText
 from .jobs import Event, Job
-from .replies import Plan, ReplyNotStored, SavedReply, check_fits, reply_message
-from .resume import LiveSessions, ResumeInfo, VerifyResult, system_message
+from .replies import (
+    Plan,
+    ReplyNotStored,
+    SavedReply,
+    check_fits,
+    fitting,
+    make_session,
+    reply_message,
+    store_reply,
+)
+from .resume import ResumeInfo, VerifyResult
 from .scheduler import Scheduler
+from .session_cache import SessionCache, kv_salt, system_message
 from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params
-from .titles import NEW_CHAT, named_by, session_title
+from .titles import NEW_CHAT, named_by
 
-__all__ = ["ChatEngine", "Conversation", "RawText", "ReplyNotStored", "ResumeInfo", "SavedReply", "VerifyResult"]
+__all__ = ["ChatEngine", "Conversation", "ModelInfo", "RawText", "ReplyNotStored", "ResumeInfo", "SavedReply",
+           "VerifyResult"]  # fmt: skip
 
 
 def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
@@ -48,6 +62,30 @@ def fork_before(store: ChatStore, session: Session, message: Message, title: str
     branch = store.fork_session(session.id, message.id, title)
     store.set_head(branch.id, message.parent_id)
     return store.get_session(branch.id)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model as front ends see it: what it is and is called, its tokenizer (to compile a
+    grammar, to decode token ids) and how its chat template writes tool calls (None: it takes none)."""
+
+    name: str  # the GGUF's general.name
+    path: Path
+    fingerprint: str
+    tokenizer: Tokenizer
+    tool_format: ToolFormat | None
+
+
+@dataclass
+class _Turn:
+    """A session's next turn, its conversation read and rendered once: the session as it was read,
+    its stored conversation (as the chat template wants it), the prompt of the reply (with the user's
+    new text), and whether the prompt cut the oldest turns to fit the window."""
+
+    session: Session
+    messages: list[dict]
+    prompt: list[int]
+    cut: bool
 
 
 class ChatEngine:
@@ -60,63 +98,70 @@ class ChatEngine:
         scheduler: Scheduler | None = None,
         remote: RemoteTier | None = None,
     ):
-        self.model = model
-        self.store = store
-        plan = model_plan(model, codec=codec) if codec in PLANNED_CODECS else None
-        self.kv = KVStore(store, model.fingerprint, codec, remote, plan)
+        self._model, self._store = model, store
+        fmt = tool_format(model.chat_template) if model.has_chat_template else None
+        self.model_info = ModelInfo(model.name, model.path, model.fingerprint, model.tokenizer, fmt)
         self.n_ctx = min(n_ctx, model.config.n_ctx_train)
         self.sampling_defaults = model_sampling(model)  # where a session sets nothing
         self.system_prompt = recommended_system_prompt(model.path)  # a new chat's, where the user sets none
-        self.scheduler = scheduler or Scheduler(model)
-        self.lock = self.scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
-        self.live = LiveSessions(model, store, self.kv, self.lock, self.n_ctx)  # sessions open here
-        self.conversations = Conversations(self.live, lambda: self.scheduler.closed)
+        self._scheduler = scheduler or Scheduler(model)
+        self._lock = self._scheduler.lock  # the pool is not thread-safe: KV is touched between steps only
+        plan = model_plan(model, codec=codec) if codec in PLANNED_CODECS else None
+        self._cache = SessionCache(model, store, self._lock, self.n_ctx, codec, remote, plan)
+        self._conversations = Conversations(self._cache, model, store, fmt, lambda: self._scheduler.closed)
         self._turns: dict[str, int] = {}  # a session's turns submitted and not ended yet
         self._turns_changed = threading.Condition()
-        model.pool.attach_source(self.kv)  # one source per pool: a second store on this model is refused
+        self._read_pool()  # and again by health(), whenever the lock is free
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
     @property
     def tools(self) -> list[dict] | None:
         """The function definitions every session's prompt offers (`chat`'s MCP tools); None: none."""
-        return self.live.tools
+        return self._cache.tools
 
     @tools.setter
     def tools(self, tools: list[dict] | None) -> None:
-        self.live.tools = tools
+        self._cache.tools = tools
 
     @property
     def queue_full(self) -> bool:
         """Whether a reply asked for now would be refused (QueueFull): as many wait as may."""
-        return self.scheduler.load()["queued"] >= self.scheduler.max_queued
+        return self._scheduler.load()["queued"] >= self._scheduler.max_queued
+
+    @property
+    def kv_remote(self) -> dict | None:
+        """The remote KV tier's numbers (--kv-remote); None: there is none."""
+        return None if self._cache.remote is None else self._cache.remote.stats()
 
     # -- sessions --------------------------------------------------------------------------------
 
     def new_session(
-        self, title: str = NEW_CHAT, system_prompt: str | None = None, sampling: dict | None = None
+        self,
+        title: str = NEW_CHAT,
+        system_prompt: str | None = None,
+        sampling: dict | None = None,
+        *,
+        origin: str | None = None,
+        tenant: str | None = None,
     ) -> Session:
-        """A new chat; without a system prompt it takes the model's recommended one ("": none), unless
-        tools are offered: the template then writes its own system text on calling them, and ours made
-        the default model write bare JSON lines instead of calls (tests/test_mcp_tools.py)."""
+        """A new chat (a `tenant`'s, in the KV namespace of its own; made by `origin`: None, a person);
+        without a system prompt it takes the model's recommended one ("": none), unless tools are
+        offered: the template then writes its own system text on calling them, and ours made the default
+        model write bare JSON lines instead of calls (tests/test_mcp_tools.py)."""
         if system_prompt is None:
             system_prompt = None if self.tools else self.system_prompt
-        return self.store.create_session(
-            session_title(title) or NEW_CHAT,
-            model_fingerprint=self.model.fingerprint,
-            model_name=self.model.name,
-            system_prompt=system_prompt or None,
-            sampling=sampling,
-        )
+        return make_session(self._store, self._model, title, system_prompt or None, sampling,
+                            origin=origin, tenant=tenant, namespace=kv_salt(tenant))  # fmt: skip
 
     def resume(self, session: Session) -> ResumeInfo:
         """Open a session (the one a front end shows): what only the remote tier holds is read first,
         without the lock (a slow store holds up no reply being decoded); then, under it, the other
         sessions let go of their KV and this one's comes back from RAM, stored blocks and tail."""
-        session = self.store.get_session(session.id)
-        read = self.live.prefetch(session)
-        with self.lock:
-            self.live.close_all(but=session.id)
-            return self.live.open(session, read)[1]
+        session = self._store.get_session(session.id)
+        read = self._cache.prefetch(session)
+        with self._lock:
+            self._cache.close_all(but=session.id)
+            return self._cache.open(session, read)[1]
 
     def fork(
         self,
@@ -129,43 +174,58 @@ class ChatEngine:
         """A new session sharing this one's messages and KV up to `at_message` (default: the head), or
         ending just before the message `before` (empty, before the first)."""
         if before is not None:
-            return fork_before(self.store, session, self.store.message(before), title)
-        with self.lock:
-            child = self.store.fork_session(session.id, at_message, title)
-            parent_seq = self.live.get(session.id)
-            if parent_seq is not None and child.head_id == session.head_id:
-                self.live.keep(child.id, parent_seq.fork())  # O(1): shares every block
+            return fork_before(self._store, session, self._store.message(before), title)
+        with self._lock:
+            child = self._store.fork_session(session.id, at_message, title)
+            if child.head_id == session.head_id:
+                self._cache.fork(session.id, child.id)  # O(1): shares every block
             return child
 
     def delete(self, session_id: str) -> int:
         """Delete a session once the turns being made in it are stored; its KV in RAM goes with it.
         Messages its forks still reach are kept. Returns how many messages went."""
-        with self._turns_changed:
-            self._turns_changed.wait_for(lambda: session_id not in self._turns)
-        with self.lock:
-            self.live.close(session_id)
-        return self.store.delete_session(session_id)
+        self._wait_for_turns(session_id)
+        with self._lock:
+            self._cache.close(session_id)
+        return self._store.delete_session(session_id)
+
+    def answer_tool(self, session: Session, answer: str) -> Session:
+        """Store a tool's answer to a call the session's last reply made (or why there is none) as a
+        tool message at its head, once the turn being made in it is stored; returns the session ending
+        with it. The model reads it in the next reply (reply(session) with no text)."""
+        self._wait_for_turns(session.id)
+        self._store.add_message(session.id, "tool", answer)
+        return self._store.get_session(session.id)
 
     def verify(self, session: Session) -> VerifyResult:
-        """Recompute the KV of a session resumed from an imported file (see LiveSessions.verify)."""
-        return self.live.verify(session)
+        """Recompute the KV of a session resumed from an imported file (see SessionCache.verify)."""
+        return self._cache.verify(session)
 
     def close(self) -> None:
         """Stop: the replies running or waiting are cancelled (what they made is stored), the
         conversations being stored are waited for, and every open session's KV goes back."""
-        self.scheduler.close()
-        self.conversations.close()
-        with self.lock:
-            self.live.close_all()
+        self._scheduler.close()
+        self._conversations.close()
+        with self._lock:
+            self._cache.close_all()
 
     def health(self) -> dict:
         """Replies running and waiting, the KV pool's bytes (in use by replies, cached for reuse), and
-        the remote tier's numbers when there is one."""
-        with self.lock:  # the pool changes at every step
-            memory = self.model.pool.memory_breakdown()
-        kv = {k: memory[k] for k in ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")}
-        remote = {} if self.kv.remote is None else {"kv_remote": self.kv.remote.stats()}
-        return {**self.scheduler.load(), "kv": kv, **remote}
+        the remote tier's numbers when there is one. It never waits on the lock (held through each
+        step, seconds of a long prefill: a balancer asking would think the server dead): while a step
+        runs, the pool's bytes are those it had when last read."""
+        if self._lock.acquire(blocking=False):  # the pool changes at every step
+            try:
+                self._read_pool()
+            finally:
+                self._lock.release()
+        remote = {} if self.kv_remote is None else {"kv_remote": self.kv_remote}
+        return {**self._scheduler.load(), "kv": self._pool_bytes, **remote}
+
+    def _read_pool(self) -> None:
+        memory = self._model.pool.memory_breakdown()
+        kinds = ("in_use_bytes", "cached_bytes", "free_bytes", "budget_bytes")
+        self._pool_bytes = {k: memory[k] for k in kinds}
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -175,7 +235,7 @@ class ChatEngine:
         if not user_text.strip():
             raise ValueError("the message is empty")
         alone = [*system_message(system_prompt), {"role": "user", "content": user_text}]
-        check_fits(chat_prompt_ids(self.model, alone, tools=self.tools), self.n_ctx)
+        fitting(self.n_ctx, lambda limit: chat_prompt_ids(self._model, alone, tools=self.tools, limit=limit))
 
     def reply(
         self,
@@ -213,27 +273,23 @@ class ChatEngine:
         before it, and starts from what that one stored. Not `keep_kv`: the session's KV goes back to the
         pool's cache when it ends (a server's sessions hold none between turns). `drop_unanswered`: see Job."""
         if isinstance(to, Conversation | RawText):
-            plan = self.conversations.plan(to, settings or {}, store)
+            plan = self._conversations.plan(to, settings or {}, store)
             sampling = self._sampling({}, settings, sampling, grammar, logprobs)
             return self._submit(plan, sampling, n=n, max_tokens=max_tokens, stop=stop, on_event=on_event,
                                 cancel=cancel, stats=stats, drop_unanswered=drop_unanswered,
                                 continues_text=isinstance(to, RawText))  # fmt: skip
         if n != 1:
             raise ValueError("a session's turn has one reply: regenerate makes several")
-        session = self.store.get_session(to.id)
-        if text is not None:
-            self.check_message(session.system_prompt, text)
-        sampling = self._sampling(session.sampling, settings, sampling, grammar, logprobs)
-        self._count_turn(session.id, +1)  # from here: a delete waits for this turn to be stored
-        try:
-            plan = self._turn(
-                session, text, max_tokens, saved if saved is not None else SavedReply(), store, keep_kv
-            )
-            return self._submit(plan, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event,
-                                cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
-        except BaseException:
-            self._count_turn(session.id, -1)
-            raise
+        if text is not None and not text.strip():
+            raise ValueError("the message is empty")
+        turn = self._read_turn(to.id, text, max_tokens)
+        if text is not None:  # too long even alone: nothing is stored, nothing computed
+            check_fits(turn.prompt, self.n_ctx)
+        sampling = self._sampling(turn.session.sampling, settings, sampling, grammar, logprobs)
+        saved = saved if saved is not None else SavedReply()
+        plan = self._plan(turn, text, max_tokens, None, saved, store, keep_kv)
+        return self._submit_turn(plan, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event,
+                                 cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
 
     def regenerate(
         self,
@@ -250,44 +306,29 @@ class ChatEngine:
         """New replies to the message a reply answered (`reply_id`, default the head), each in its own
         sibling branch, made now: one job of n replies, decoded in one batch. job.result: a SavedReply
         per branch once it ended."""
-        with self.lock:
-            target = self.store.message(reply_id or session.head_id) if reply_id or session.head_id else None
+        with self._lock:
+            target = self._store.message(reply_id or session.head_id) if reply_id or session.head_id else None
             if target is None or target.role != "assistant" or target.parent_id is None:
                 raise ValueError("nothing to regenerate: the conversation does not end with a reply")
             title = marked_title(session.title, "(regenerated)")
             branches = [self.fork(session, target.parent_id, title) for _ in range(n)]
-        read = self.live.prefetch(branches[0])
-
-        def prepare(job: Job) -> tuple[list[int], KVSequence]:
-            base, info = self.live.open(branches[0], read)
-            job.remote = info.remote_read
-            return self._prompt(self.live.messages(branches[0]), base, max_tokens), base
-
-        def finish(job: Job) -> list[SavedReply]:
-            seqs = job.seqs or [self.live[branches[0].id]] * n
-            out = []
-            for i, (branch, seq) in enumerate(zip(branches, seqs, strict=True)):
-                self.live.keep(branch.id, seq)
-                out.append(self._store_turn(branch, None, seq, job, i, SavedReply()))
-            return out
-
+        turn = self._read_turn(branches[0].id, None, max_tokens)
         sampling = self._sampling(session.sampling, settings, sampling)
-        plan = Plan(prepare, finish, session_id=session.id)
-        return branches, self._submit(
-            plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event, cancel=cancel
-        )
+        plan = self._plan(turn, None, max_tokens, branches, None, order=session.id)
+        return branches, self._submit_turn(plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event,
+                                           cancel=cancel)  # fmt: skip
 
     def edit(self, session: Session, message_id: int, new_text: str, **options) -> tuple[Session, Job]:
         """Change a past user message: a sibling branch, made now, with the new text beside the old one,
         and the job of its reply (options as reply's)."""
-        message = self.store.message(message_id)
+        message = self._store.message(message_id)
         if message.role != "user":
             raise ValueError("only a user message can be edited")
         self.check_message(session.system_prompt, new_text)
         branch = self.fork(session, title=marked_title(session.title, "(edited)"), before=message_id)
         return branch, self.reply(branch, new_text, **options)
 
-    # -- one pipeline: a plan, a job, its end ------------------------------------------------------
+    # -- one pipeline: a turn, its plan, its job, its end ----------------------------------------------
 
     def _sampling(
         self, base: dict, settings: dict | None, sampling: SamplingParams | None, grammar=None, logprobs=None
@@ -301,7 +342,16 @@ class ChatEngine:
         """The plan's job on the scheduler (QueueFull when too many wait, RuntimeError once closed)."""
         job = Job(lambda: plan.prepare(job), finish=plan.finish, on_end=plan.ended, sampling=sampling,
                   session_id=plan.session_id, **job_args)  # fmt: skip
-        return self.scheduler.submit(job)
+        return self._scheduler.submit(job)
+
+    def _submit_turn(self, plan: Plan, sampling: SamplingParams, **job_args) -> Job:
+        """A session's turn submitted: from here until its plan ended, a delete of the session waits."""
+        self._count_turn(plan.session_id, +1)
+        try:
+            return self._submit(plan, sampling, **job_args)
+        except BaseException:
+            self._count_turn(plan.session_id, -1)
+            raise
 
     def _count_turn(self, session_id: str, change: int) -> None:
         with self._turns_changed:
@@ -312,76 +362,93 @@ class ChatEngine:
                 self._turns.pop(session_id, None)
                 self._turns_changed.notify_all()
 
-    def _turn(
+    def _wait_for_turns(self, session_id: str) -> None:
+        """Until the turns being made in the session are stored."""
+        with self._turns_changed:
+            self._turns_changed.wait_for(lambda: session_id not in self._turns)
+
+    def _read_turn(self, session_id: str, text: str | None, max_tokens: int) -> _Turn:
+        """The session's next turn: its conversation read, and rendered with the user's `text` (None: a
+        reply to its last message) into the prompt. When the conversation outgrows the window its oldest
+        turns go: room is left for the reply, which may use what the window has left."""
+        session = self._store.get_session(session_id)
+        messages = self._cache.messages(session)
+        asked = messages + ([{"role": "user", "content": text}] if text is not None else [])
+        budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
+        kept, prompt = fit_messages(self._model, asked, budget, tools=self.tools)
+        return _Turn(session, messages, prompt, len(kept) < len(asked))
+
+    def _plan(
         self,
-        session: Session,
+        turn: _Turn,
         text: str | None,
         max_tokens: int,
-        saved: SavedReply,
-        store: bool,
-        keep_kv: bool,
+        branches: list[Session] | None,
+        saved: SavedReply | None,
+        store: bool = True,
+        keep_kv: bool = True,
+        order: str | None = None,
     ) -> Plan:
-        """The plan of a session's next turn: the reply to `text` (None: to its last message)."""
-        read = self.live.prefetch(session)  # here: a slow store holds up this reply only
+        """The plan of a session's turn: the reply to `text` (None: to its last message) stored in the
+        session, `saved` its result; or, in `branches`, one alternative in each, a SavedReply each their
+        result. It waits for the turn before it of the session (`order`, default the turn's own)."""
+        session_id, order = turn.session.id, order or turn.session.id
+        read = self._cache.prefetch(turn.session, turn.messages)  # here: a slow store holds up one reply
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
-            nonlocal session
-            session = self.store.get_session(session.id)  # as the turn before this one left it
-            seq, info = self.live.open(session, read)
+            nonlocal turn
+            session = self._store.get_session(session_id)  # as the turn before this one left it
+            if (session.head_id, session.system_prompt) == (turn.session.head_id, turn.session.system_prompt):
+                turn = replace(turn, session=session)
+            else:
+                turn = self._read_turn(session_id, text, max_tokens)
+            seq, info = self._cache.open(session, read, turn.prompt, turn.cut)
             job.remote = info.remote_read
-            messages = self.live.messages(session)
-            if text is not None:
-                messages.append({"role": "user", "content": text})
-            return self._prompt(messages, seq, max_tokens), seq
+            return turn.prompt, seq
 
-        def finish(job: Job) -> SavedReply:
-            seq = job.seqs[0] if job.seqs else self.live[session.id]
-            if store:
-                return self._store_turn(session, text, seq, job, 0, saved)
-            self.live.note_prefill(job.stats[0])
-            return saved
+        def finish(job: Job) -> SavedReply | list[SavedReply]:
+            out = []
+            for alt, branch in enumerate(branches or [turn.session]):
+                one = saved if saved is not None else SavedReply()
+                seq = job.seqs[alt] if job.seqs else self._cache.seq(session_id)
+                if store and seq is not None:
+                    self._store_turn(branch, turn, text, seq, job, alt, one)
+                else:
+                    self._cache.note_prefill(job.stats[alt])
+                out.append(one)
+            return out if saved is None else saved
 
         def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool
             if not keep_kv:
-                self.live.close(session.id)
-                if saved.session is not None:
-                    self.live.close(saved.session.id)
-            self._count_turn(session.id, -1)
+                self._cache.close(session_id)
+                if saved is not None and saved.session is not None:
+                    self._cache.close(saved.session.id)
+            self._count_turn(order, -1)
 
-        return Plan(prepare, finish, ended, session.id)
-
-    def _prompt(self, messages: list[dict], seq: KVSequence, max_tokens: int) -> list[int]:
-        """The prompt for the next reply to `messages`; when they outgrow the window, the oldest turns
-        go and the cached KV follows by context shift. A reply may use what the window has left."""
-        # Room for the reply; what open() restored (up to a full window) is cut down by context shift.
-        budget = self.n_ctx - min(max_tokens, self.n_ctx // 2)
-        kept, prompt = fit_messages(self.model, messages, budget, tools=self.tools)
-        if len(kept) < len(messages):
-            shift_to(self.model, seq, prompt)
-        return prompt
+        return Plan(prepare, finish, ended, order)
 
     def _store_turn(
-        self, session: Session, user_text: str | None, seq: KVSequence, job: Job, alt: int, saved: SavedReply
-    ) -> SavedReply:
-        """Store the turn below the head the reply was computed from (`session` as it was), then the KV."""
+        self, branch: Session, turn: _Turn, user_text: str | None, seq: KVSequence, job: Job, alt: int,
+        saved: SavedReply,
+    ) -> None:
+        """Store alternative `alt` of the turn's reply in `branch`, below the head it was computed from
+        (`turn`'s), then its KV; `saved` says where they went."""
         reply = reply_message(job, alt)
         asked = [] if user_text is None else [Message(0, None, "user", user_text, None, reply.created, None)]
-        try:
-            stored, saved.branched = self.store.append_turn(session.id, session.head_id, [*asked, reply])
-        except StoreError as e:
-            raise ReplyNotStored(e) from None
-        title = named_by(session, user_text) if stored.id == session.id else None
+        self._cache.keep(branch.id, seq)  # the branch's KV from now on
+        head = replace(branch, head_id=turn.session.head_id)
+        stored, saved.branched = store_reply(self._store, head, asked, reply)
+        title = named_by(branch, user_text) if stored.id == branch.id else None
         if title is not None:
             with contextlib.suppress(StoreError):  # the turn is stored; a title is not worth failing it
-                self.store.update_session(stored.id, title=title)
-                stored = self.store.get_session(stored.id)
+                self._store.update_session(stored.id, title=title)
+                stored = self._store.get_session(stored.id)
         saved.session = stored
-        self.live.note_prefill(job.stats[alt])
-        if stored.id != session.id:  # the KV computed belongs to the new branch now
-            self.live.move(session.id, stored.id, seq)
+        self._cache.note_prefill(job.stats[alt])
+        conversation = [*turn.messages, *({"role": m.role, "content": m.content} for m in [*asked, reply])]
         try:
             # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
-            self.live.snapshot(stored, seq, complete=job.stats[alt].stop_reason != "cancelled")
+            complete = job.stats[alt].stop_reason != "cancelled"
+            self._cache.snapshot(stored, seq, conversation, complete)
         except (StoreError, KeyboardInterrupt) as e:  # KV is a cache; a second Ctrl+C may skip it
             saved.kv_skipped = str(e) or "interrupted"
-        return saved

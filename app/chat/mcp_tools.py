@@ -31,7 +31,7 @@ from pathlib import Path
 
 import anyio
 
-from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_calls, tool_format
+from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_calls
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
@@ -243,8 +243,8 @@ def start_tools(engine, servers: dict) -> tuple[MCPTools | None, list[str]]:
     model's chat template cannot take tools (a line says so)."""
     if not servers:
         return None, []
-    model = engine.model
-    fmt = tool_format(model.chat_template) if model.has_chat_template else None
+    model = engine.model_info
+    fmt = model.tool_format
     if fmt is None:
         return None, [f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"]
     if fmt.with_id:  # its template refuses a tool's answer without the call's id, which a chat does not keep

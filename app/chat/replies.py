@@ -1,19 +1,21 @@
 """What every reply shares, a session's turn or a conversation sent whole: the plan a job is made
-from, the message a reply is stored as, and why a reply was refused or not stored."""
+from, the message a reply is stored as, the one way a session is made and a reply stored, and why a
+reply was refused or not stored."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_chat.inference import GenerationStats, KVSequence
-from llama_chat.inference.errors import ContextFullError
+from llama_chat.inference import GenerationStats, KVSequence, Model
+from llama_chat.inference.errors import ContextFullError, TooManyTokens
 from llama_chat.storage.db import StoreError
-from llama_chat.storage.store import Message, Session
+from llama_chat.storage.store import ChatStore, Message, Session
 
 from .jobs import Job
+from .titles import NEW_CHAT, session_title
 
 
 class ReplyNotStored(StoreError):
@@ -21,15 +23,16 @@ class ReplyNotStored(StoreError):
 
     def __init__(self, e: StoreError):
         super().__init__(f"the reply was not stored: {e}", e.brief, e.full)
+        self.cause = e
 
 
 class PromptTooLong(ContextFullError):
-    """A prompt that leaves no room for a reply in the context window."""
+    """A prompt that leaves no room for a reply in the context window; prompt_tokens None: tokenizing
+    it stopped once it reached n_ctx tokens."""
 
-    def __init__(self, prompt_tokens: int, n_ctx: int):
-        super().__init__(
-            f"the prompt is {prompt_tokens:,} tokens; the context window holds {n_ctx:,} (--ctx)"
-        )
+    def __init__(self, prompt_tokens: int | None, n_ctx: int):
+        size = f"{n_ctx:,} tokens or more" if prompt_tokens is None else f"{prompt_tokens:,} tokens"
+        super().__init__(f"the prompt is {size}; the context window holds {n_ctx:,} (--ctx)")
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
 
 
@@ -37,6 +40,17 @@ def check_fits(prompt: list[int], n_ctx: int) -> None:
     """Refuse a prompt that leaves no room for a reply, before anything is stored or computed."""
     if len(prompt) >= n_ctx:
         raise PromptTooLong(len(prompt), n_ctx)
+
+
+def fitting(n_ctx: int, tokenize: Callable[[int], list[int]]) -> list[int]:
+    """The prompt tokenize(limit) makes, or PromptTooLong when it leaves no room for a reply: found out
+    before a much longer one is tokenized whole (tokenizing stops past `limit`: Tokenizer.encode)."""
+    try:
+        prompt = tokenize(n_ctx - 1)
+    except TooManyTokens:
+        raise PromptTooLong(None, n_ctx) from None
+    check_fits(prompt, n_ctx)
+    return prompt
 
 
 @dataclass
@@ -77,3 +91,49 @@ def reply_message(job: Job, alt: int = 0) -> Message:
     """Alternative `alt` of a job's replies, as it is stored."""
     stats = job.stats[alt]
     return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), reply_stats(stats))
+
+
+def make_session(
+    store: ChatStore,
+    model: Model | None,
+    title: str = NEW_CHAT,
+    system_prompt: str | None = None,
+    sampling: dict | None = None,
+    *,
+    origin: str | None = None,
+    tenant: str | None = None,
+    namespace: bytes | None = None,
+    turn: Sequence[Message] = (),
+) -> Session:
+    """The one way a session is made: its title as stored, the model it is made with (None: none is
+    loaded yet), its system prompt (None: none) and settings, who made it (`origin`: None, a
+    person) and whose it is (`tenant`, its KV in `namespace`); with a first `turn`, in one transaction."""
+    return store.create_session(
+        session_title(title) or NEW_CHAT,
+        model_fingerprint=model.fingerprint if model is not None else None,
+        model_name=model.name if model is not None else None,
+        system_prompt=system_prompt,
+        sampling=sampling,
+        origin=origin,
+        tenant=tenant,
+        kv_namespace=namespace,
+        turn=list(turn),
+    )
+
+
+def store_reply(
+    store: ChatStore,
+    where: Session | Callable[[list[Message]], Session],
+    asked: list[Message],
+    reply: Message,
+) -> tuple[Session, bool]:
+    """The one place a reply is stored, with the messages it answers, in one transaction: below the head
+    the session `where` had when the reply was computed — on a new branch when the session moved on
+    meanwhile (another process replied in it: then True) — or as the first turn of the session `where`
+    makes of them. ReplyNotStored says why it could not be."""
+    try:
+        if isinstance(where, Session):
+            return store.append_turn(where.id, where.head_id, [*asked, reply])
+        return where([*asked, reply]), False
+    except StoreError as e:
+        raise ReplyNotStored(e) from None

@@ -17,15 +17,15 @@ from starlette.responses import JSONResponse, Response
 
 from llama_chat.inference import constrain
 from llama_chat.inference.errors import ContextFullError
-from llama_chat.inference.tool_calls import ToolFormat, call_ids, tool_format
+from llama_chat.inference.tool_calls import ToolFormat, call_ids, split_offered_calls
 from llama_chat.inference.tool_stream import CallSplitter, Delta
 from llama_chat.storage import Session, StoreError
-from llama_chat.storage.kv_store import RemoteRead
 
 from ..chat.conversations import Conversation
 from ..chat.engine import ChatEngine, ReplyNotStored, SavedReply
 from ..chat.jobs import Event, JobView, QueueFull, State
 from ..chat.replies import PromptTooLong
+from ..chat.resume import RemoteRead
 from ..chat.settings import max_tokens as longest
 from .affinity import CONVERSATION_KEY, conversation_key
 from .errors import (
@@ -54,11 +54,11 @@ async def chat_completions(request: Request) -> Response:
     req = parse_completion(body, request.headers.get("x-session-id"))
     state.check_model(req.model)
     engine = state.ready()
-    fmt = tool_format(engine.model.chat_template) if engine.model.has_chat_template else None
+    fmt = engine.model_info.tool_format
     ids = call_ids(fmt, req.parallel_tool_calls) if fmt is not None and req.tool_choice == "required" else None
     grammar = await run_in_threadpool(_grammar, engine, req, fmt, ids)
     events = JobEvents()
-    reply = Reply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
+    reply = Reply(req.model, "llama-chat-" + engine.model_info.fingerprint[:12])
     headers = {}
     if req.session is None:
         headers[CONVERSATION_KEY] = conversation_key(req.messages, req.prompt_cache_key, body.get("user"))
@@ -70,9 +70,12 @@ async def chat_completions(request: Request) -> Response:
         session = await run_in_threadpool(find_session, state, req.session, tenant_of(request))
         job = await run_in_threadpool(submitted, lambda: _submit_turn(state, session, req, events))
         headers["X-Session-Id"] = session.id
+    offered = {tool["function"]["name"] for tool in req.tools or []}
     if req.stream:
-        splitters = [CallSplitter(fmt, grammar is not None, ids) if req.tools else None for _ in range(req.n)]
-        logprobs = _Logprobs(job, engine.model.tokenizer) if req.logprobs is not None else None
+        splitters = [
+            CallSplitter(fmt, grammar is not None, ids, offered) if req.tools else None for _ in range(req.n)
+        ]
+        logprobs = _Logprobs(job, engine.model_info.tokenizer) if req.logprobs is not None else None
         shape = _ChatStream(job, reply, req.include_usage, engine, splitters, fmt, logprobs)
         return event_stream(job, events, shape, headers)
     kept = await whole(request, job, events)
@@ -84,13 +87,13 @@ async def chat_completions(request: Request) -> Response:
         headers["X-Store-Error"] = kept.error_code
     texts, calls = [job.text(i) for i in range(job.n)], None
     if req.tools:
-        split = [fmt.split(text) or (text, []) for text in texts]
+        split = [split_offered_calls(text, offered, fmt) or (text, []) for text in texts]
         texts, calls = [content for content, _ in split], [made for _, made in split]
         for call in (c for made in calls for c in made):
             call.id = call.id or fmt.new_id()
     logprobs = None
     if req.logprobs is not None:
-        logprobs = [token_logprobs(engine.model.tokenizer, s.logprobs) for s in job.stats]
+        logprobs = [token_logprobs(engine.model_info.tokenizer, s.logprobs) for s in job.stats]
     body = reply.completion(texts, job.stats, kept, kv_remote(engine, job), calls, logprobs)
     return JSONResponse(body, headers=headers)
 
@@ -102,7 +105,7 @@ def _grammar(
     template's format `fmt`, its calls given `ids` where the format has them), compiled against the
     model's vocabulary; a 400 naming the problem when it does not compile. Tools need a chat template
     that renders them and asks for calls in a format this server reads."""
-    model = engine.model
+    model = engine.model_info
     for i, tool in enumerate(req.tools or []):  # each schema on its own, so the error can name it
         parameters = tool["function"].get("parameters") or {"type": "object"}
         try:
@@ -133,16 +136,18 @@ def _grammar(
 def kv_remote(engine: ChatEngine, job: JobView) -> dict | None:
     """The remote tier's numbers, and what it did for this request's prompt: "fetch" (and the tokens it
     read), "compute" (the rule found fetching slower), or "local" (RAM and SQLite held every block)."""
-    if engine.kv.remote is None:
+    stats = engine.kv_remote
+    if stats is None:
         return None
     read = job.remote or RemoteRead()
-    return {"choice": read.choice, "fetched_tokens": read.tokens, **engine.kv.remote.stats()}
+    return {"choice": read.choice, "fetched_tokens": read.tokens, **stats}
 
 
 def find_session(state: ServerState, session_id: str, tenant: str | None) -> Session:
     """A stored session of the tenant's by id (or unique prefix); 404 when there is none."""
     try:
-        return state.ready().store.get_session(session_id, tenant)
+        state.ready()
+        return state.sessions.get(session_id, tenant)
     except StoreError as e:
         if e.brief is not None:  # the database failed, not the request
             raise

@@ -41,9 +41,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
-def context_length_exceeded(prompt_tokens: int, n_ctx: int, param: str = "messages") -> ApiError:
+def context_length_exceeded(prompt_tokens: int | None, n_ctx: int, param: str = "messages") -> ApiError:
+    """prompt_tokens None: tokenizing stopped once the prompt reached n_ctx tokens."""
+    size = f"{n_ctx:,} tokens or more" if prompt_tokens is None else f"{prompt_tokens:,} tokens"
     return invalid(
-        f"'{param}' makes {prompt_tokens:,} tokens; this server's context window holds {n_ctx:,} "
+        f"'{param}' makes {size}; this server's context window holds {n_ctx:,} "
         "(llama-chat serve --ctx), and a reply needs at least one more.",
         param=param,
         code="context_length_exceeded",
@@ -77,14 +79,12 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
-def busy(retry_after: int) -> ApiError:
-    return ApiError(
-        429,
-        "Too many requests are waiting already; retry in a moment.",
-        type="requests",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(retry_after)},
-    )
+WAITING = "Too many requests are waiting already; retry in a moment."
+
+
+def busy(retry_after: int, message: str = WAITING) -> ApiError:
+    headers = {"Retry-After": str(retry_after)}
+    return ApiError(429, message, type="requests", code="rate_limit_exceeded", headers=headers)
 
 
 def unavailable(message: str, code: str) -> ApiError:

@@ -16,6 +16,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .app import create_app
 from .errors import ApiError
 from .state import Notice, ServeOptions, api_keys_from, say
+from .transport import Deadline
 
 GRACEFUL_S = 10  # how long a stopping server lets running replies end (they are cancelled at once)
 
@@ -59,13 +60,15 @@ async def over_capacity(scope, receive, send) -> None:
 class Connection(H11Protocol):
     """uvicorn's HTTP/1.1 connection with the limits it lacks: a request's head must arrive whole
     within header_timeout_s (of the connection opening, or of the last response), so idle and
-    slow-header connections do not pile up; past max_connections, the request is answered 503."""
+    slow-header connections do not pile up, and its body by the Deadline each request carries in its
+    scope (transport reads the body by it); past max_connections, the request is answered 503."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.state = self.config.app.state.server
         self.options: ServeOptions = self.state.options
         self.head_deadline: asyncio.TimerHandle | None = None
+        self.head_started = 0.0  # when the head of the request to come was first waited for
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -78,6 +81,7 @@ class Connection(H11Protocol):
 
     def _await_head(self) -> None:
         self._head_arrived()
+        self.head_started = self.loop.time()
         self.head_deadline = self.loop.call_later(self.options.header_timeout_s, self._head_late)
 
     def _head_arrived(self) -> None:
@@ -95,6 +99,9 @@ class Connection(H11Protocol):
         super().handle_events()
         if self.cycle is not cycle:  # a request's head came whole
             self._head_arrived()
+            options = self.options
+            deadline = Deadline(self.head_started, options.request_timeout_s, options.min_body_rate)
+            self.cycle.scope["state"]["deadline"] = deadline
 
     def on_response_complete(self) -> None:
         self._await_head()  # the next request's (a pipelined one cancels it at once)
@@ -200,7 +207,7 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     for name in ("parallel", "ctx", "max_connections"):
         if given.get(name, 1) < 1:
             raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
-    if given.get("queue", 0) < 0 or given.get("drain_seconds", 0) < 0 or not 0 <= given.get("port", 0) <= 65535:
+    if min(given.get("queue", 0), given.get("drain_seconds", 0)) < 0 or not 0 <= given.get("port", 0) <= 65535:
         raise BindRefused("--queue and --drain-seconds must be 0 or more, --port from 0 to 65535")
     for flag, option in (
         ("block_size", "block_size"), ("cache_type", "cache_type"), ("activations", "activations"), ("kv_codec", "codec")

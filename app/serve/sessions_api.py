@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 from starlette.background import BackgroundTask
@@ -17,22 +18,21 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from llama_chat.storage import Session, StoreError
-from llama_chat.storage.exchange import (
+
+from ..chat.conversations import API_ORIGIN
+from ..chat.session_cache import computed_here, kv_salt
+from ..chat.sessions import (
     HEADER_SIZE,
     MAX_DATA_BYTES,
     MAX_MANIFEST_BYTES,
     ExchangeError,
     declared_size,
-    default_file_name,
-    export_session,
-    import_session,
+    export_file_name,
     read_session_file,
 )
-
-from ..chat.conversations import API_ORIGIN, kv_salt
 from ..chat.titles import session_title
 from .completions import find_session
-from .errors import ApiError, invalid
+from .errors import ApiError, busy, invalid
 from .openai_api import text_field
 from .state import ServerState
 from .transport import read_json, save_file, tenant_of
@@ -48,12 +48,11 @@ def _state(request: Request) -> ServerState:
 
 def _json(session: Session) -> dict:
     """A session as the API shows it: its KV is verified where it is its tenant's own (not an import's)."""
-    return {**session.to_json(), "kv_verified": session.kv_namespace in (None, kv_salt(session.tenant))}
+    return {**session.to_json(), "kv_verified": computed_here(session)}
 
 
 async def list_sessions(request: Request) -> Response:
-    store = _state(request).engine.store
-    sessions = await run_in_threadpool(store.list_sessions, tenant_of(request))
+    sessions = await run_in_threadpool(_state(request).sessions.list, tenant_of(request))
     return JSONResponse({"object": "list", "data": [_json(s) for s in sessions]})
 
 
@@ -63,16 +62,9 @@ async def create_session(request: Request) -> Response:
     title, system = text_field(body, "title"), text_field(body, "system_prompt")
     engine, tenant = state.engine, tenant_of(request)
 
-    def create():
-        return engine.store.create_session(
-            session_title(title or "") or "API chat",
-            model_fingerprint=engine.model.fingerprint,
-            model_name=engine.model.name,
-            system_prompt=system or None,
-            origin=API_ORIGIN,
-            tenant=tenant,
-            kv_namespace=kv_salt(tenant),
-        )
+    def create():  # "": no system prompt (the model's recommended one is a chat's of the app)
+        return engine.new_session(session_title(title or "") or "API chat", system or "", origin=API_ORIGIN,
+                                  tenant=tenant)  # fmt: skip
 
     session = await run_in_threadpool(create)
     return JSONResponse(_json(session), status_code=201, headers={"X-Session-Id": session.id})
@@ -81,7 +73,7 @@ async def create_session(request: Request) -> Response:
 async def show_session(request: Request) -> Response:
     state = _state(request)
     session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
-    messages = await run_in_threadpool(state.engine.store.path, session.head_id)
+    messages = await run_in_threadpool(state.sessions.messages, session)
     return JSONResponse({**_json(session), "messages": [asdict(m) for m in messages]})
 
 
@@ -96,7 +88,7 @@ async def fork_session(request: Request) -> Response:
 
     def fork():
         try:
-            return state.engine.fork(session, at, session_title(title) if title else None)
+            return state.sessions.fork(session, at, title)
         except StoreError as e:  # a message not on the session's path
             if e.brief is not None:  # the database failed, not the request
                 raise
@@ -110,7 +102,7 @@ async def delete_session(request: Request) -> Response:
     state = _state(request)
     session = await run_in_threadpool(find_session, state, request.path_params["id"], tenant_of(request))
 
-    removed = await run_in_threadpool(state.engine.delete, session.id)  # after a turn being made is stored
+    removed = await run_in_threadpool(state.sessions.delete, session.id)  # after a turn being made is stored
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True, "messages": removed})
 
 
@@ -121,11 +113,11 @@ async def export(request: Request) -> Response:
     with_kv = query.get("kv", "1") not in ("0", "false", "no")
     tree = query.get("tree", "0") in ("1", "true", "yes")
     folder = Path(tempfile.mkdtemp(prefix="llama-chat-export-"))
-    path = folder / default_file_name(session)
+    path = folder / export_file_name(session)
     try:
         codec = query.get("codec") or None
-        store = state.engine.store
-        await run_in_threadpool(export_session, store, session.id, path, with_kv=with_kv, codec=codec, tree=tree)
+        export = partial(state.sessions.export, session.id, path, with_kv=with_kv, codec=codec, tree=tree)
+        await run_in_threadpool(export)
     except ExchangeError as e:
         shutil.rmtree(folder, ignore_errors=True)
         raise invalid(str(e), param="codec") from None
@@ -146,8 +138,15 @@ def _unusable(e: ExchangeError, path: Path) -> ApiError:
 
 
 async def import_file(request: Request) -> Response:
+    """The upload streams to a file beside the database (not /tmp, often memory) and is read back a
+    piece at a time: no import holds more than a piece of its file in memory. At most
+    options.max_imports run at once; more get 429."""
     state = _state(request)
-    folder = Path(tempfile.mkdtemp(prefix="llama-chat-import-"))
+    options = state.options
+    if state.imports >= options.max_imports:
+        raise busy(1, f"{options.max_imports} imports are running already; retry in a moment.")
+    folder = Path(tempfile.mkdtemp(prefix=".llama-chat-import-", dir=options.db.parent))
+    state.imports += 1
     try:
         path = folder / "upload.llamachat"
 
@@ -157,21 +156,20 @@ async def import_file(request: Request) -> Response:
             except ExchangeError as e:
                 raise _unusable(e, path) from None
 
-        options = state.options
         await save_file(request, path, MAX_IMPORT, options.body_timeout_s, HEADER_SIZE, check_head)
-        fingerprint, tenant = state.engine.model.fingerprint, tenant_of(request)
+        tenant = tenant_of(request)
 
         def read_and_import():
             try:
-                return import_session(
-                    state.engine.store, read_session_file(path), model_fingerprint=fingerprint, tenant=tenant,
-                    kv_namespace=kv_salt(tenant),
+                return state.sessions.import_file(
+                    read_session_file(path), tenant=tenant, kv_namespace=kv_salt(tenant)
                 )
             except ExchangeError as e:
                 raise _unusable(e, path) from None
 
         result = await run_in_threadpool(read_and_import)
     finally:
+        state.imports -= 1
         shutil.rmtree(folder, ignore_errors=True)
     return JSONResponse(
         {

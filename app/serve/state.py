@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llama_chat.inference import DEFAULT_MODEL, Model
@@ -23,6 +23,7 @@ from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from ..chat import build
 from ..chat.build import EngineOptions, open_engine
 from ..chat.engine import ChatEngine
+from ..chat.sessions import Sessions
 from ..chat.settings import CACHE_RAM_MB, CODEC, N_CTX
 from ..progress import ProgressBar
 from .errors import model_not_found, unavailable
@@ -39,7 +40,7 @@ BODY_TIMEOUT_S = 30  # each read of a request's body waits at most this (nginx's
 REQUEST_TIMEOUT_S = 30
 MIN_BODY_RATE = 16 << 10  # bytes a second: a 128 kbit/s link
 MAX_IMPORTS = 2  # imports received and checked at once (each streams to a file and reads it back); more: 429
-DRAIN_S = 30  # how long replies under way at a SIGTERM may take to finish before they are cut (--drain-seconds)
+DRAIN_S = 30  # how long the replies under way at a SIGTERM have to finish before they are cut
 
 
 @dataclass
@@ -126,13 +127,14 @@ class ServerState:
         self.started = int(time.time())
         self.phase = "loading"  # then "ready", or "failed"; at the end "draining" (SIGTERM), "closing"
         self.drain_until = 0.0  # (time.monotonic) when replies still under way are cut
-        self.pool_numbers: dict = {}  # the engine's health() of the last time its lock was found free
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
+        self.sessions: Sessions | None = None  # the stored conversations, opened with the engine
         self.names = {options.model_id}  # what "model" may say: the id, the GGUF's own name, the stem
         self._thread: threading.Thread | None = None
         self.over_capacity = Notice()  # said when a connection past --max-connections is refused
+        self.imports = 0  # being received or checked now (on the event loop: no lock needed)
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -146,15 +148,19 @@ class ServerState:
         try:
             model = self._load(options)
             model.warm_up()
-            engine = open_engine(options.engine, model=model)
+            sessions = Sessions(options.db)
+            try:
+                engine = open_engine(replace(options.engine, sessions=sessions), model=model)
+            except BaseException:
+                sessions.close()
+                raise
         except Exception as e:  # noqa: BLE001 — ModelError, StoreError, OSError: the server cannot serve
             self.failure, self.phase = str(e), "failed"
             if self.on_failure is not None:
                 self.on_failure(self.failure)
             return
         self.names |= {model.name, model.path.stem}
-        self.pool_numbers = engine.health()  # nothing runs yet: the lock is free
-        self.engine = engine
+        self.engine, self.sessions = engine, sessions
         if self.phase == "loading":
             self.phase = "ready"
         say(
@@ -169,13 +175,13 @@ class ServerState:
         if self.phase not in ("loading", "ready") or self.options.drain_seconds <= 0:
             return False
         self.phase, self.drain_until = "draining", time.monotonic() + self.options.drain_seconds
-        say(f"draining: no new requests; the replies under way have {self.options.drain_seconds:g} s to finish")
+        say(f"draining: no new requests; the replies under way have {self.options.drain_seconds:g} s")
         return True
 
     def drained(self) -> bool:
         """No reply runs or waits any more, or drain_seconds have passed (closing cuts what is left)."""
-        idle = self.engine is None or self.engine.scheduler.load() == {"active": 0, "queued": 0}
-        return idle or time.monotonic() >= self.drain_until
+        load = {"active": 0, "queued": 0} if self.engine is None else self.engine.health()
+        return load["active"] == load["queued"] == 0 or time.monotonic() >= self.drain_until
 
     def begin_closing(self) -> None:
         """New requests get 503; every running reply is cancelled (what was made is kept)."""
@@ -189,7 +195,7 @@ class ServerState:
             self._thread.join()
         if self.engine is not None:
             self.engine.close()
-            self.engine.store.close()
+            self.sessions.close()
 
     # -- what requests ask -------------------------------------------------------------------------
 
@@ -212,19 +218,12 @@ class ServerState:
     def health(self) -> tuple[int, dict]:
         """What a load balancer asks: 200 and "ready", with the replies running and waiting, the KV
         pool's bytes (in use by replies, cached for reuse) and the remote tier's numbers when there is
-        one; else 503 and "loading", "draining", "closing" or "failed". It never waits on the engine's
-        lock (held through each step, seconds of a long prompt's prefill): when that is taken, the
-        pool's bytes are those of the last time it was free."""
-        engine, said = self.engine, {"status": self.phase, "model": self.options.model_id}
+        one; else 503 and "loading", "draining", "closing" or "failed". It waits on nothing (the
+        engine's health() does not wait on its lock)."""
+        said = {"status": self.phase, "model": self.options.model_id}
         if self.phase != "ready":
             return 503, said
-        if engine.lock.acquire(blocking=False):
-            try:
-                self.pool_numbers = engine.health()
-            finally:
-                engine.lock.release()
-        remote = {} if engine.kv.remote is None else {"kv_remote": engine.kv.remote.stats()}  # (no lock)
-        return 200, {**said, **self.pool_numbers, **engine.scheduler.load(), **remote}
+        return 200, {**said, **self.engine.health()}
 
 
 def open_model(options: ServeOptions) -> Model:

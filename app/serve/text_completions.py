@@ -204,11 +204,11 @@ async def text_completions(request: Request) -> Response:
     engine = state.ready()
     events, tenant = JobEvents(), tenant_of(request)
     job = await run_in_threadpool(submitted, lambda: _submit(engine, req, events, tenant))
-    reply = TextReply(req.model, "llama-chat-" + engine.model.fingerprint[:12])
+    reply = TextReply(req.model, "llama-chat-" + engine.model_info.fingerprint[:12])
     echo = _echoed(engine, req.prompt) if req.echo else ""
     logprobs = None
     if req.logprobs is not None:
-        logprobs = LegacyLogprobs(job, engine.model.tokenizer, req.logprobs, len(echo))
+        logprobs = LegacyLogprobs(job, engine.model_info.tokenizer, req.logprobs, len(echo))
     if req.stream:
         return event_stream(job, events, _TextStream(job, reply, echo, logprobs, req.include_usage, engine))
     if await whole(request, job, events) is None:
@@ -241,4 +241,4 @@ def _submit(engine: ChatEngine, req: TextRequest, events: JobEvents, tenant: str
 
 
 def _echoed(engine: ChatEngine, prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(prompt)
+    return prompt if isinstance(prompt, str) else engine.model_info.tokenizer.decode(prompt)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ..chat.jobs import Event
 from .errors import ApiError, invalid, too_large
@@ -38,19 +40,55 @@ def _check_type(request: Request, media_type: str) -> None:
         raise ApiError(415, message, code="unsupported_media_type")
 
 
+@dataclass
+class Deadline:
+    """When a request must have arrived whole (server.Connection puts one in each request's scope):
+    its head and body within `within_s` of the head's first byte, plus one second per `min_rate` bytes
+    of body received, so that a large upload at a fair speed goes on and a trickle is cut."""
+
+    start: float  # the event loop's clock
+    within_s: float
+    min_rate: float  # bytes a second
+
+    def at(self, received: int) -> float:
+        return self.start + self.within_s + received / self.min_rate
+
+
+def client_gone() -> ApiError:
+    """A client that left before its request arrived whole: nobody reads the answer, and the access
+    log says it in its one line (nginx's 499), without a traceback."""
+    message = "The client closed the connection before its request arrived."
+    return ApiError(499, message, code="client_closed_request")
+
+
 async def _chunks(request: Request, timeout_s: float) -> AsyncIterator[bytes]:
-    """The body's chunks as they come; 408 when the client sends none for `timeout_s` (a client that
-    stops mid-body must not hold its connection for ever)."""
+    """The body's chunks as they come; 408 when the client sends none for `timeout_s`, or the
+    request's Deadline passes (a client that stops or trickles mid-body must not hold its connection),
+    499 when it leaves."""
+    deadline: Deadline | None = request.scope.get("state", {}).get("deadline")
+    loop = asyncio.get_running_loop()
     chunks = aiter(request.stream())
+    received = 0
     while True:
+        whole_by = deadline.at(received) if deadline is not None else math.inf
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(min(loop.time() + timeout_s, whole_by)):
                 chunk = await anext(chunks)
         except StopAsyncIteration:
             return
+        except ClientDisconnect:
+            raise client_gone() from None
         except TimeoutError:
-            message = f"The request body stopped arriving (nothing for {timeout_s:g} s)."
+            if loop.time() >= whole_by:
+                message = (
+                    f"The request did not arrive in time: its head and body must arrive within "
+                    f"{deadline.within_s:g} s, and a longer body at {deadline.min_rate / 1024:g} KiB/s "
+                    "at least."
+                )
+            else:
+                message = f"The request body stopped arriving (nothing for {timeout_s:g} s)."
             raise ApiError(408, message, code="request_timeout", headers={"Connection": "close"}) from None
+        received += len(chunk)
         yield chunk
 
 

@@ -7,15 +7,17 @@ from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
+from textual.driver import Driver
 from textual.screen import Screen
 
 from llama_chat.inference import KNOWN_MODELS, resolve_model
-from llama_chat.storage import ChatStore
 
 from ..chat.build import EngineOptions
+from ..chat.sessions import Sessions
 from ..config import DEFAULT_THEME, ConfigError, State, UserConfig, load_themes
 from ..flags import engine_options
 from .chat_screen import ChatScreen
+from .open_chat import ChatOpened
 from .sidebar import SessionTree
 from .widgets import ChatInput, MessageView
 
@@ -40,15 +42,16 @@ class ChatApp(App, inherit_bindings=False):
         engine: EngineOptions | None = None,
     ):
         super().__init__()
-        # how the chat engine is built (--cache-ram, --kv-remote, …); its model, database and context
-        # window are the app's: the model chosen, the chats shown, the config's n_ctx
-        self.engine_options = engine or EngineOptions()
         self.config = config or UserConfig.load()
-        self.store = ChatStore(db)
-        self.state = State()
+        self.sessions = Sessions(db)  # the chats, shown before the model has loaded
+        self.state = State()  # the chat open last time, per database
         # an unknown --session fails here, before the screen opens (one line, exit 2)
-        session_id = self.store.get_session(session_id).id if session_id else None
-        self.chat = ChatScreen(model or self.config.model, session_id)
+        if session_id:
+            session_id = self.sessions.get(session_id).id
+        else:
+            session_id = self.state.last_session(self.sessions.db_path)
+        options = engine or EngineOptions()
+        self.chat = ChatScreen(self.sessions, self.config, options, model or self.config.model, session_id)
         themes, problems = load_themes()
         for theme in themes:
             self.register_theme(theme)
@@ -71,6 +74,22 @@ class ChatApp(App, inherit_bindings=False):
                 f"{self.config.path}: unknown binding id(s) {', '.join(sorted(unknown))}", severity="warning"
             )
 
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver for this terminal; on Linux and macOS one that reads the keys typed while
+        the app started as they were meant (early_keys.py)."""
+        driver = super().get_driver_class()
+        if driver.__name__ == "LinuxDriver":
+            from .early_keys import EarlyKeysDriver
+
+            return EarlyKeysDriver
+        return driver
+
+    def on_chat_opened(self, event: ChatOpened) -> None:
+        """The chat shown: the title says it, and it opens first next time."""
+        session = event.session
+        self.title = f"llama-chat · {session.title}" if session else "llama-chat"
+        self.state.remember_session(self.sessions.db_path, session.id if session else None)
+
     def theme_named(self, name: str) -> str | None:
         """The theme a name means: its own, or one of ours by its short name ("dark": llama-dark)."""
         for candidate in (name, f"llama-{name}"):
@@ -90,7 +109,7 @@ class ChatApp(App, inherit_bindings=False):
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
         if isinstance(screen, ChatScreen):
-            yield from screen.actions.commands()
+            yield from screen.commands()
 
     def key_help(self) -> list[tuple[str, list[tuple[str, str, str]]]]:
         """The keys by place, with the user's keymap applied: (heading, [(keys, description, id)])."""

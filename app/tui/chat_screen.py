@@ -1,23 +1,22 @@
-"""The chat screen: the sidebar, the conversation, the input and the status line.
+"""The chat screen: the sidebar, the conversation, the input and the status line, and the keys.
 
-The UI thread only draws. A reply is asked of the chat engine (app/chat/) by the screen's reply flow
-(replies.py) from a worker, since that writes the store; every FLUSH_S while one runs, the flow draws
-the events its job told, so a reply streams into a Markdown stream in batches and the whole message
-is never re-rendered per token. The other keys' actions are the screen's ChatActions (actions.py).
-What reads or writes the store, or loads the model, runs in a thread worker that hands its result
-back to the UI thread.
+The UI thread only draws. The screen makes the chat's parts and gives each the ones it uses, never
+itself: the open chat (open_chat.py: which session, drawn and resumed), its reply flow (replies.py: a
+reply asked of the chat engine from a worker, its job's events drawn every FLUSH_S into a Markdown
+stream), the tool calls a reply makes (mcp_calls.py) and the other keys' actions (actions.py), whose
+methods its bindings call. What reads or writes the store, or loads the model, runs in a thread worker
+that hands its result back to the UI thread.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from textual import on, work
-from textual.app import ComposeResult
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
@@ -25,41 +24,31 @@ from textual.screen import Screen
 from textual.widgets import Footer, Tree
 from textual.worker import Worker, WorkerState
 
-from llama_chat.storage import ChatStore, Message, Session
+from llama_chat.storage import Message, Session
 
-from ..chat.attachments import Attachment
-from ..chat.build import open_engine
+from ..chat.build import EngineOptions, open_engine
 from ..chat.engine import ChatEngine
+from ..chat.sessions import Sessions
 from ..config import UserConfig
 from .actions import ChatActions
 from .conversation import ConversationView
+from .dialogs import HelpScreen
 from .mcp_calls import ToolCalls
+from .open_chat import LoadedModel, OpenChat
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
 from .sidebar import SessionTree, Sidebar
-from .widgets import (
-    ChatInput,
-    MessageView,
-    Progress,
-    StatusLine,
-    model_label,
-    resume_text,
-    speed_text,
-)
-
-FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
-# -- what workers tell the screen ------------------------------------------------------------------
+from .widgets import ChatInput, MessageView, Progress, StatusLine, model_label
 
 
 class ModelReady(UIMessage):
+    """The model has loaded (or, with an `error`, has not)."""
+
     def __init__(self, error: str | None = None):
         super().__init__()
         self.error = error
 
 
-class Resumed(UIMessage):
-    def __init__(self, session_id: str, text: str, tokens: int):
-        super().__init__()
-        self.session_id, self.text, self.tokens = session_id, text, tokens
+LAST = ("escape", "ctrl+c")  # keys whose action comes after the focused widget's own
 
 
 class ChatScreen(Screen):
@@ -68,9 +57,10 @@ class ChatScreen(Screen):
     AUTO_FOCUS = "ChatInput"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (90, "-wide")]  # narrow: the sidebar hides (the .tcss)
     # Every action of the chat, once: its key (users remap it by id, the action's name), the footer,
-    # the help screen and, by its tooltip, the command palette all come from here.
+    # the help screen and, by its tooltip, the command palette all come from here; what does it is a
+    # method of the chat's actions (bind_actions), or the screen's own for its layout and help.
     BINDINGS = [
-        Binding(key, action, title, id=action, show=show, priority=key != "escape", tooltip=tooltip)
+        Binding(key, action, title, id=action, show=show, priority=key not in LAST, tooltip=tooltip)
         for key, action, title, show, tooltip in [
             ("ctrl+n", "new_chat", "New", True, "Start a new chat"),
             ("ctrl+o", "fork", "Fork", True, "Fork this chat (or at the selected message) into a new branch"),
@@ -83,6 +73,7 @@ class ChatScreen(Screen):
             ),
             ("ctrl+t", "regenerate_three", "Regenerate ×3", False, "Three replies at once, each in a branch"),
             ("escape", "stop", "Stop reply", False, "Stop the reply being written, keeping what it wrote"),
+            ("ctrl+c", "stop_reply", "Stop reply", False, None),  # (as in `chat`; idle: Textual's own)
             ("ctrl+f", "search", "Search chats", False, "Search titles and messages"),
             ("ctrl+b", "toggle_sidebar", "Sidebar", False, "Show or hide the list of chats"),
             (
@@ -103,52 +94,85 @@ class ChatScreen(Screen):
         ]
     ]
 
-    def __init__(self, model: str | None, session_id: str | None):
+    def __init__(
+        self,
+        sessions: Sessions,
+        config: UserConfig,
+        engine_options: EngineOptions,
+        model: str | None,
+        session_id: str | None,
+    ):
         super().__init__()
-        self.model_name = model  # a known name or a path; None: the default model
-        self.wanted_session = session_id
-        self.engine: ChatEngine | None = None
-        self.loading_model: str | None = "loading the model"  # while a model loads, replies wait for it
-        self.session: Session | None = None  # None: a new chat, stored when its first message is sent
-        self.flow = ReplyFlow(self)  # the replies asked for, as they are written
-        self.actions = ChatActions(self)  # what the other keys do
-        self.attached: list[Attachment] = []  # files for the next message (F5)
-        self.tool_calls = ToolCalls(self)  # MCP servers, and the calls a reply makes
+        self.config = config
+        # how the chat engine is built (--cache-ram, --kv-remote, …); its model, conversations and
+        # context window are the app's: the model chosen, the chats shown, the config's n_ctx
+        self.engine_options = engine_options
+        self.wanted_session = session_id  # the chat to open first (else the newest)
+        self.model = LoadedModel(sessions, model)
+        self.sidebar = Sidebar(sessions, id="sidebar")
+        self.conversation = ConversationView(id="conversation")
+        self.chat_input = ChatInput(id="input")
+        self.status = StatusLine(id="status")
+        self.open_chat = OpenChat(
+            sessions, self.model, self.in_background, self.conversation, self.status, self.sidebar
+        )
+        self.flow = ReplyFlow(self.open_chat, config, self.chat_input, on_stored=self._reply_stored)
+        self.tool_calls = ToolCalls(self.flow, config.mcp_servers)  # MCP servers, and the calls a reply makes
+        self.actions = ChatActions(self.flow, config, self.chat_input, self.load_model)
+        self.bind_actions()
+
+    def bind_actions(self) -> None:
+        """Each key's action is the chat actions' own method: Textual calls the screen's `action_<name>`."""
+        actions = self.actions
+        done_by = {
+            "new_chat": actions.new_chat,
+            "fork": actions.fork,
+            "regenerate": actions.regenerate,
+            "regenerate_three": actions.regenerate_three,
+            "stop": actions.stop,
+            "stop_reply": actions.stop_reply,
+            "rename": actions.rename,
+            "delete": actions.delete,
+            "settings": actions.settings,
+            "choose_model": actions.choose_model,
+            "export": actions.export,
+            "import": actions.import_chat,
+            "attach": actions.attach,
+        }
+        for name, method in done_by.items():
+            setattr(self, f"action_{name}", method)
+
+    # what the app and its tests read: the chat shown, the model, the replies being written
+    @property
+    def session(self) -> Session | None:
+        return self.open_chat.session
 
     @property
-    def store(self) -> ChatStore:
-        return self.app.store
+    def engine(self) -> ChatEngine | None:
+        return self.model.engine
 
     @property
-    def config(self) -> UserConfig:
-        return self.app.config
+    def loading_model(self) -> str | None:
+        """What is loading (replies wait for it), or None."""
+        return self.model.loading
 
     @property
-    def status(self) -> StatusLine:
-        return self.query_one(StatusLine)
-
-    @property
-    def conversation(self) -> ConversationView:
-        return self.query_one(ConversationView)
-
-    @property
-    def sidebar(self) -> Sidebar:
-        return self.query_one(Sidebar)
+    def replies(self) -> list[Reply]:
+        return self.flow.running
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield Sidebar(id="sidebar")
+            yield self.sidebar
             with Vertical(id="chat"):
-                yield ConversationView(id="conversation")
-                yield ChatInput(id="input")
-        yield StatusLine(id="status")
+                yield self.conversation
+                yield self.chat_input
+        yield self.status
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(ChatInput).focus()
+        self.chat_input.focus()
         self.conversation.anchor()
         self.status.progress("opening conversations")
-        self.flush_timer = self.set_interval(FLUSH_S, self.flow.render, pause=True)
         self.in_background(self.last_session, self.started)
 
     # -- work off the UI thread ------------------------------------------------------------------
@@ -181,54 +205,44 @@ class ChatScreen(Screen):
             error = event.worker.error
             self.notify(f"{type(error).__name__}: {error}", title="Something went wrong", severity="error")
 
-    def progress_reporter(self) -> Callable[[str, int, int], None]:
-        """A progress(label, done, total) callback for a worker: the status bar, at most 10 times a second."""
-        last = [0.0]
-
-        def report(label: str, done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] >= 0.1 or (total and done >= total):
-                last[0] = now
-                self.post_message(Progress(label, done, total))
-
-        return report
-
-    def on_progress(self, event: Progress) -> None:
-        self.status.progress(event.label, event.done, event.total)
-
-    def on_work_done(self) -> None:
-        self.status.done()
-
     # -- startup, model --------------------------------------------------------------------------
 
     def last_session(self) -> tuple[Session | None, list[Message]]:
-        """The chat to open first: the one asked for, else the one open last time, else the newest."""
-        sessions = self.store.list_sessions()
-        wanted = self.wanted_session or self.app.state.last_session(self.store.db_path)
-        session = next((s for s in sessions if s.id == wanted), sessions[0] if sessions else None)
-        return session, self.store.path(session.head_id) if session else []
+        """The chat to open first: the one asked for (or open last time), else the newest."""
+        sessions = self.model.sessions.list()
+        wanted = [s for s in sessions if s.id == self.wanted_session]
+        session = (wanted or sessions or [None])[0]
+        return session, self.model.sessions.messages(session) if session else []
 
     async def started(self, opened: tuple[Session | None, list[Message]]) -> None:
         """The last conversation is on screen: now load the model (and resume it on the model)."""
-        await self.show_session(*opened)
-        self.load_engine(self.model_name)
+        await self.open_chat.show(*opened)
+        self.load_engine(self.model.name)
+
+    def load_model(self, name: str) -> None:
+        """Load another model (Ctrl+L), and open it next time too."""
+        self.model.loading = "loading a model"
+        self.load_engine(name, remember=True)
 
     @work(thread=True, exit_on_error=False, group="model")
     def load_engine(self, name: str | None, remember: bool = False) -> None:
         """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
-        self.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
-        options = replace(self.app.engine_options, model=name, store=self.store, n_ctx=self.config.n_ctx)
+        self.status.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
+        options = replace(
+            self.engine_options, model=name, sessions=self.model.sessions, n_ctx=self.config.n_ctx
+        )
+        old = self.model.engine
         try:
-            engine = open_engine(options, self.progress_reporter())
+            engine = open_engine(options, self.status.reporter())
         except Exception as e:  # a bug, too: replies must not wait for this model forever
             self.post_message(ModelReady(error_text(e)))
             return
-        old, self.engine = self.engine, engine
         if old is not None:  # its KV goes with it; no reply runs on it (none starts while a model loads)
             old.close()
-        self.model_name = name
-        if self.session is not None:
-            self.open_in_engine(self.session)
+        self.model.name = name
+        session = self.open_chat.session
+        if session is not None:  # its KV back (RAM, stored blocks, tail); other sessions let go
+            self.app.call_from_thread(self.open_chat.resumed, session, engine.resume(session))
         self.post_message(ModelReady())
         self.tool_calls.offer(engine)  # after: a server slow to start holds up no reply
         if remember:
@@ -239,104 +253,26 @@ class ChatScreen(Screen):
 
     def on_model_ready(self, event: ModelReady) -> None:
         """The model is loaded (or did not load): replies sent meanwhile start (or fail)."""
-        self.loading_model = None
+        self.model.loading = None
         self.status.done()
+        engine = self.model.engine
         if event.error:
-            self.status.set(
-                model=model_label(self.engine.model) if self.engine else f"no model: {event.error}"
-            )
+            self.status.set(model=model_label(engine.model_info) if engine else f"no model: {event.error}")
             self.notify(event.error, title="The model did not load", severity="error", timeout=10)
         else:
-            self.status.set(model=model_label(self.engine.model))
-            self.show_context(self.session.n_tokens if self.session else 0)
-        for reply in self.replies:  # (sent while it loaded: no reply starts while a model loads)
-            self.flow.start(reply)
+            self.status.set(model=model_label(engine.model_info))
+            self.open_chat.show_context(self.session.n_tokens if self.session else 0)
+        self.flow.start_waiting()
 
-    # -- sessions --------------------------------------------------------------------------------
-
-    def open_in_engine(self, session: Session) -> None:
-        """On a worker thread: bring a session's KV back (RAM, stored blocks, tail) and say how; other
-        sessions let go."""
-        engine = self.engine
-        if engine is None:
-            return
-        info = engine.resume(session)
-        self.post_message(Resumed(session.id, resume_text(info), info.tokens))
-
-    def resume(self, session: Session) -> None:
-        """Resume a session on the model, unless one is loading (it resumes the open session itself)."""
-        if self.loading_model is None and self.engine is not None:
-            self.in_background(partial(self.open_in_engine, session))
-
-    def on_resumed(self, event: Resumed) -> None:
-        if self.session is not None and event.session_id == self.session.id:
-            self.status.set(resumed=event.text)
-            self.show_context(event.tokens)
-
-    async def show_session(self, session: Session | None, path: list[Message]) -> None:
-        """Draw a whole conversation (on switching, forking, branching); replies stream in afterwards."""
-        self.session = session
-        await self.conversation.show(session, path)
-        last_reply = next((m for m in reversed(path) if m.role == "assistant" and m.stats), None)
-        self.status.set(speed=speed_text(last_reply.stats if last_reply else {}), resumed=None)
-        self.show_context(session.n_tokens if session else 0)
-        self.opened(session)
-
-    def opened(self, session: Session | None) -> None:
-        """The chat shown is `session` (a new chat once stored): its title, the sidebar, the next start."""
-        self.session = session
-        self.app.title = f"llama-chat · {session.title}" if session else "llama-chat"
-        self.sidebar.show_chats(session.id if session else None)
-        self.app.state.remember_session(self.store.db_path, session.id if session else None)
-
-    def switch_to(self, session_id: str, message_id: int | None = None) -> None:
-        """Open a session (at one of its messages: a search hit) and resume it."""
-
-        def read() -> tuple[Session, list[Message]]:
-            session = self.store.get_session(session_id)
-            return session, self.store.path(session.head_id)
-
-        async def opened(result: tuple[Session, list[Message]]) -> None:
-            await self.show_session(*result)
-            if message_id is not None:
-                self.show_message(message_id)
-            self.resume(result[0])
-
-        self.in_background(read, opened)
-
-    def show_message(self, message_id: int) -> None:
-        if not self.conversation.show_message(message_id):  # among the earliest of a very long chat
-            self.notify("That message is further back than the chat shows; Export chat shows it all.")
-
-    def show_context(self, tokens: int) -> None:
-        if self.engine is not None:
-            self.status.set(context=f"ctx {tokens:,}/{self.engine.n_ctx:,}")
-
-    # -- replies ---------------------------------------------------------------------------------
-
-    @property
-    def replies(self) -> list[Reply]:
-        """The replies being written."""
-        return self.flow.running
+    # -- what the chat's widgets tell it -----------------------------------------------------------
 
     @on(ChatInput.Submitted)
     async def send(self, event: ChatInput.Submitted) -> None:
         await self.flow.send(event.text)
 
-    def action_stop(self) -> None:
-        """Esc: stop the replies at once (what was written is kept), else leave the search or a message."""
-        if not self.flow.stop():
-            self.sidebar.leave_search()
-            self.query_one(ChatInput).focus()
-
-    def on_unmount(self) -> None:
-        self.tool_calls.close()
-
     @on(ChatInput.LeaveUp)
     def focus_last_message(self) -> None:
         self.conversation.focus_last()
-
-    # -- what the other keys and the sidebar do (actions.py) --------------------------------------
 
     def on_tree_node_selected(self, event: Tree.NodeSelected) -> None:
         self.actions.open_ref(event.node.data)
@@ -347,47 +283,52 @@ class ChatScreen(Screen):
     def on_message_view_edit(self, event: MessageView.Edit) -> None:
         self.actions.edit(event.view)
 
-    async def action_new_chat(self) -> None:
-        await self.actions.new_chat()
+    def _reply_stored(self, session: Session, path: list[Message]) -> None:
+        self.tool_calls.after_reply(session, path)  # (made after the flow: its answers go on through it)
 
-    def action_fork(self) -> None:
-        self.actions.fork()
+    def on_unmount(self) -> None:
+        self.tool_calls.close()
 
-    def action_regenerate(self) -> None:
-        self.actions.regenerate()
-
-    def action_regenerate_three(self) -> None:
-        self.actions.regenerate_three()
+    # -- the layout, help and the command palette ---------------------------------------------------
 
     def action_search(self) -> None:
-        self.actions.search()
+        self.show_sidebar(True)
+        self.sidebar.search.focus()
 
     def action_toggle_sidebar(self) -> None:
-        self.actions.toggle_sidebar()
+        self.show_sidebar(not self.sidebar.display)
 
     def action_toggle_api_chats(self) -> None:
-        self.actions.toggle_api_chats()
+        self.sidebar.hide_api = not self.sidebar.hide_api
+        self.open_chat.show_chats()
+        shown = "API chats hidden (F6 shows them)" if self.sidebar.hide_api else "API chats shown"
+        self.notify(shown, timeout=3)
 
-    def action_rename(self) -> None:
-        self.actions.rename()
-
-    def action_delete(self) -> None:
-        self.actions.delete(self.session.id if self.session else None)
-
-    def action_settings(self) -> None:
-        self.actions.settings()
-
-    def action_choose_model(self) -> None:
-        self.actions.choose_model()
-
-    def action_export(self) -> None:
-        self.actions.export()
-
-    def action_import(self) -> None:
-        self.actions.import_chat()
-
-    def action_attach(self) -> None:
-        self.actions.attach()
+    def show_sidebar(self, show: bool) -> None:
+        """Show or hide the sidebar, whatever the terminal's width would choose."""
+        self.set_class(show, "-show-sidebar")
+        self.set_class(not show, "-hide-sidebar")
+        if not show and self.sidebar.has_focus_within:
+            self.chat_input.focus()
 
     def action_help(self) -> None:
-        self.actions.help()
+        self.app.push_screen(HelpScreen(self.app.key_help(), str(self.config.path)))
+
+    def commands(self) -> Iterator[SystemCommand]:
+        """The command palette: every binding of the chat and of a message that says what it does."""
+        for binding in self.BINDINGS:
+            if binding.tooltip:
+                act = partial(self.run_action, binding.action)
+                yield SystemCommand(binding.description, binding.tooltip, act)
+        for binding in MessageView.BINDINGS:
+            if binding.tooltip:
+                act = partial(self.act_on_message, binding.action)
+                yield SystemCommand(binding.description, binding.tooltip, act)
+
+    async def act_on_message(self, action: str) -> None:
+        """A message's action from the command palette: on the selected message, else the last one."""
+        view = self.conversation.selected() or self.conversation.last()
+        if view is None:
+            self.notify("There is no message yet.", severity="warning")
+        else:
+            await view.run_action(action)

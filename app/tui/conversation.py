@@ -19,11 +19,11 @@ def message_view(message: Message) -> MessageView:
     return MessageView(message.role, message.content, message, note="stopped" if message.stopped else "")
 
 
-def system_line(session: Session | None) -> list[Static]:
-    """The session's system prompt as the conversation's first line (none without one)."""
-    if session is None or not session.system_prompt:
+def system_line(system_prompt: str | None) -> list[Static]:
+    """A system prompt as the conversation's first line (none without one)."""
+    if not system_prompt:
         return []
-    return [Static(f"system: {session.system_prompt}", classes="system-prompt system-line", markup=False)]
+    return [Static(f"system: {system_prompt}", classes="system-prompt system-line", markup=False)]
 
 
 class ConversationView(VerticalScroll):
@@ -37,7 +37,7 @@ class ConversationView(VerticalScroll):
             if len(path) > MAX_SHOWN:
                 hidden = f"⋯ {len(path) - MAX_SHOWN:,} earlier messages (Export chat as .md shows them all)"
                 widgets.append(Static(hidden, classes="system-prompt", markup=False))
-            widgets += system_line(session)
+            widgets += system_line(session.system_prompt if session else None)
             widgets += [message_view(m) for m in path[-MAX_SHOWN:]]
             if session is None:
                 widgets.append(Static(NEW_CHAT_HINT, classes="system-prompt new-chat-hint", markup=False))
@@ -45,11 +45,12 @@ class ConversationView(VerticalScroll):
         self.scroll_end(animate=False)
         self.anchor()
 
-    async def show_system_prompt(self, session: Session) -> None:
-        """A new chat just stored: its system prompt (set by the engine from the settings or the
-        model's catalog entry) goes above its first message, as `show` draws it on reopening."""
-        line = system_line(session)
-        if line and not self.query(".system-line"):
+    async def show_system_prompt(self, system_prompt: str | None) -> None:
+        """A new chat's system prompt (as set, or as the engine stored it from the settings or the
+        model's catalog entry) above its first message, as `show` draws it on reopening."""
+        await self.query(".system-line").remove()
+        line = system_line(system_prompt)
+        if line:
             await self.mount_all(line, before=0 if self.children else None)
 
     async def add(self, *views: MessageView) -> None:

@@ -11,27 +11,29 @@ from functools import partial
 from llama_chat.inference.tool_calls import ToolCall
 from llama_chat.storage import Message, Session
 
+from ..chat.engine import ChatEngine
 from ..chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
 from .dialogs import ConfirmScreen
-from .replies import Reply
+from .replies import Reply, ReplyFlow
 from .widgets import MessageView
 
 
 class ToolCalls:
-    """Part of ChatScreen (composed): its MCP servers and the calls waiting for the user's answer."""
+    """The chat's MCP servers (`servers`, from config.toml), and the calls waiting for the user's answer;
+    the model goes on through the reply flow."""
 
-    def __init__(self, screen) -> None:
-        self.screen = screen
+    def __init__(self, flow: ReplyFlow, servers: dict) -> None:
+        self.flow, self.chat, self.servers = flow, flow.chat, servers
         self.tools: MCPTools | None = None
         self.rounds = 0  # replies in a row that called tools
 
-    def offer(self, engine) -> None:
+    def offer(self, engine: ChatEngine) -> None:
         """On the worker that made `engine`: the servers started (the first time), their tools offered
         to its model; each server's line a notice."""
         if self.tools is None:
-            self.tools, lines = start_tools(engine, self.screen.config.mcp_servers)
+            self.tools, lines = start_tools(engine, self.servers)
             for line in lines:
-                self.screen.notify(line, title="MCP tools", timeout=8)
+                self.chat.notify(line, title="MCP tools", timeout=8)
         else:
             engine.tools = self.tools.tools or None
 
@@ -48,38 +50,34 @@ class ToolCalls:
     def ask(self, session: Session, calls: list[ToolCall], ran: int) -> None:
         if not calls:
             if ran:
-                self.screen.in_background(partial(self.conversation, session), self.go_on)
+                self.chat.run(partial(self.chat.sessions.read, session.id), self.go_on)
             return
 
         def answered(yes: bool | None) -> None:
             store_answer = partial(self.store_answer, session, calls[0], bool(yes))
-            self.screen.in_background(store_answer, lambda _: self.ask(session, calls[1:], ran + bool(yes)))
+            self.chat.run(store_answer, lambda _: self.ask(session, calls[1:], ran + bool(yes)))
 
         question = f"Run the tool call {shown(calls[0])}?"
-        self.screen.app.push_screen(ConfirmScreen("Tool call", question, yes="Run"), answered)
+        self.chat.ask(ConfirmScreen("Tool call", question, yes="Run"), answered)
 
     def store_answer(self, session: Session, call: ToolCall, confirmed: bool) -> None:
         """On a worker: run the call (if confirmed), store its answer as a tool message."""
         answer, problem = self.tools.answer(call, confirmed)
         if problem:
-            self.screen.notify(problem, title="Tool call failed", severity="error", timeout=10)
-        self.screen.store.add_message(session.id, "tool", answer)
-
-    def conversation(self, session: Session) -> tuple[Session, list[Message]]:
-        session = self.screen.store.get_session(session.id)
-        return session, self.screen.store.path(session.head_id)
+            self.chat.notify(problem, title="Tool call failed", severity="error", timeout=10)
+        self.chat.model.engine.answer_tool(session, answer)
 
     async def go_on(self, opened: tuple[Session, list[Message]]) -> None:
         """The answers are stored: show them, and let the model reply with them in front of it."""
         session, path = opened
-        screen = self.screen
-        if screen.engine is not None:
-            screen.engine.tools = self.tools.tools or None  # without those of a server that stopped
-        await screen.show_session(session, path)
-        reply = Reply(session, None, screen.flow.max_tokens(session))
+        engine = self.chat.model.engine
+        if engine is not None:
+            engine.tools = self.tools.tools or None  # without those of a server that stopped
+        await self.chat.show(session, path)
+        reply = Reply(session, None, self.flow.max_tokens(session))
         reply.view = MessageView("assistant")
-        await screen.conversation.add(reply.view)
-        screen.flow.submit(reply)
+        await self.chat.conversation.add(reply.view)
+        self.flow.submit(reply)
 
     def close(self) -> None:
         if self.tools is not None:

@@ -1,6 +1,6 @@
 """The replies the chat screen asks for, asked of the chat engine's verbs (reply, regenerate, edit).
 
-The screen's `ReplyFlow` makes a `Reply` on the UI thread, with its cancel and the queue the job's
+The chat's `ReplyFlow` makes a `Reply` on the UI thread, with its cancel and the queue the job's
 events go to (the scheduler's thread only puts them there); `submit` then runs on a worker thread,
 since it writes the store (a new chat, a branch) and waits for the engine's lock. The flow takes the
 events off the queue as the screen draws, never waiting for them, and offers alternatives at the end.
@@ -11,20 +11,27 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import groupby
 
+from textual.timer import Timer
+
 from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
 
-from ..chat.attachments import with_attachments
+from ..chat.attachments import Attachment, with_attachments
 from ..chat.engine import ChatEngine, SavedReply
 from ..chat.jobs import Event, JobView
+from ..chat.sessions import Sessions
 from ..chat.titles import title_from_text
-from ..config import ConfigError
+from ..config import ConfigError, UserConfig
 from .dialogs import AlternativesScreen
+from .open_chat import OpenChat
 from .widgets import ChatInput, MessageView, speed_text
+
+FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
 
 USER_ERRORS = (ModelError, StoreError, ConfigError, ValueError, OSError)
 
@@ -73,7 +80,7 @@ class Reply:
                 return out
 
 
-def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
+def submit(engine: ChatEngine | None, sessions: Sessions, reply: Reply) -> Branch | None:
     """On a worker thread: submit the reply's job, after making the branch it goes to; where it goes
     (None for several alternatives: each has its own branch, known when they end)."""
     if engine is None:
@@ -91,7 +98,7 @@ def submit(engine: ChatEngine | None, reply: Reply) -> Branch | None:
     else:
         branch = reply.session or engine.new_session(**reply.new_chat)
         reply.job = engine.reply(branch, reply.text, **options)
-    return Branch(branch, engine.store.path(branch.head_id), reply.text)
+    return Branch(branch, sessions.messages(branch), reply.text)
 
 
 def saved_replies(reply: Reply) -> list[SavedReply]:
@@ -108,59 +115,67 @@ def work_label(reply: Reply) -> str:
 
 
 class ReplyFlow:
-    """The chat screen's replies, from the ask to what was stored (held by the screen, which it draws
-    on): one at a time, each submitted from a worker, its job's events drawn as they come."""
+    """The chat's replies, from the ask to what was stored: one at a time, each submitted from a
+    worker (`run`), its job's events drawn every FLUSH_S into the open chat; `on_stored` hears of each
+    stored reply (the tool calls it makes are asked about there)."""
 
-    def __init__(self, screen):
-        self.screen = screen  # the ChatScreen
+    def __init__(
+        self,
+        chat: OpenChat,
+        config: UserConfig,
+        chat_input: ChatInput,
+        on_stored: Callable[[Session, list[Message]], None],
+    ):
+        self.chat, self.model, self.run = chat, chat.model, chat.run
+        self.config, self.chat_input, self.on_stored = config, chat_input, on_stored
         self.running: list[Reply] = []  # replies being written
         self.alternatives: list[tuple[Session, str]] = []  # replies written side by side, offered at the end
+        self.attached: list[Attachment] = []  # files for the next message (F5)
+        self._drawing: Timer | None = None
 
     def can_start(self, what: str) -> bool:
         """One reply at a time; say why not, rather than queue silently. A model load is waited for."""
         if self.running:
-            self.screen.notify(f"A reply is being written; Esc stops it, then {what}.", severity="warning")
+            self.chat.notify(f"A reply is being written; Esc stops it, then {what}.", severity="warning")
             return False
-        if self.screen.loading_model and what == "change the model":
-            self.screen.notify(
-                f"Busy: {self.screen.loading_model}. Wait for it, then {what}.", severity="warning"
-            )
+        if self.model.loading and what == "change the model":
+            self.chat.notify(f"Busy: {self.model.loading}. Wait for it, then {what}.", severity="warning")
             return False
         return True
 
     def can_reply(self, what: str = "send") -> bool:
         if not self.can_start(what):
             return False
-        if self.screen.loading_model is None and self.screen.engine is None:
-            self.screen.notify("No model is loaded: Ctrl+L chooses one.", severity="error")
+        if self.model.loading is None and self.model.engine is None:
+            self.chat.notify("No model is loaded: Ctrl+L chooses one.", severity="error")
             return False
         return True
 
     def max_tokens(self, session: Session | None) -> int:
-        return int((session.sampling if session else {}).get("max_tokens") or self.screen.config.max_tokens)
+        return int((session.sampling if session else {}).get("max_tokens") or self.config.max_tokens)
 
     async def send(self, text: str) -> None:
         """Send the message; an empty one answers a message of yours left without a reply."""
-        session = self.screen.session
+        session = self.chat.session
         if not self.can_reply():
             return
         if text.strip():
-            self.screen.query_one(ChatInput).clear()
-            text, self.screen.attached = with_attachments(text, self.screen.attached), []
+            self.chat_input.clear()
+            text, self.attached = with_attachments(text, self.attached), []
             reply = Reply(session, text, self.max_tokens(session))
-            reply.new_chat = dict(
-                title=title_from_text(text),
-                system_prompt=self.screen.config.system_prompt,
-                sampling=dict(self.screen.config.sampling),
-            )
+            config = self.config
+            title = title_from_text(text)
+            reply.new_chat = {
+                "title": title, "system_prompt": config.system_prompt, "sampling": dict(config.sampling)
+            } | self.chat.draft
             sent = [MessageView("user", text)]
         else:
-            last = self.screen.conversation.last()
+            last = self.chat.conversation.last()
             if session is None or last is None or last.role != "user":
                 return
             reply, sent = Reply(session, None, self.max_tokens(session)), []
         reply.view = MessageView("assistant")
-        await self.screen.conversation.add(*sent, reply.view)
+        await self.chat.conversation.add(*sent, reply.view)
         self.submit(reply)
 
     def submit(self, reply: Reply) -> None:
@@ -168,38 +183,49 @@ class ReplyFlow:
         and its job's events are drawn every FLUSH_S until it ends."""
         self.running.append(reply)
         if reply.view is not None:
-            reply.view.set_note(
-                "waiting for the model" if self.screen.loading_model else "reading the conversation…"
-            )
-        if (
-            not self.screen.loading_model
-        ):  # else the load's progress stays on the status line until it is done
+            waiting = "waiting for the model" if self.model.loading else "reading the conversation…"
+            reply.view.set_note(waiting)
+        if not self.model.loading:  # else the load's progress stays on the status line until it is done
             self.start(reply)
-        self.screen.flush_timer.resume()
+        self.draw(True)
+
+    def draw(self, on: bool) -> None:
+        """Draw the replies' events every FLUSH_S (or stop, once none is written)."""
+        if self._drawing is None:
+            self._drawing = self.chat.conversation.set_interval(FLUSH_S, self.render, pause=True)
+        if on:
+            self._drawing.resume()
+        else:
+            self._drawing.pause()
+
+    def start_waiting(self) -> None:
+        """The model has loaded (or did not load): the replies sent meanwhile start (or fail)."""
+        for reply in self.running:
+            self.start(reply)
 
     def start(self, reply: Reply) -> None:
-        self.screen.status.set(work=work_label(reply))
+        status = self.chat.status
+        status.set(work=work_label(reply))
         if reply.n > 1:  # no text streams before the end: a bar says it works
-            self.screen.status.progress(work_label(reply))
-        self.screen.in_background(
-            partial(submit, self.screen.engine, reply),
+            status.progress(work_label(reply))
+        self.run(
+            partial(submit, self.model.engine, self.chat.sessions, reply),
             partial(self.reply_started, reply),
             failed=partial(self.reply_refused, reply),
         )
 
     async def reply_started(self, reply: Reply, branch: Branch | None) -> None:
         """The job is submitted: show the new branch it goes to, or adopt a new chat."""
+        chat = self.chat
         if branch is not None and reply.view is None:  # its messages, the new text, the reply to come
-            await self.screen.show_session(branch.session, branch.path)
+            await chat.show(branch.session, branch.path)
             reply.view = MessageView("assistant")
             sent = [MessageView("user", branch.user_text)] if branch.user_text is not None else []
-            await self.screen.conversation.add(*sent, reply.view)
-            self.screen.query_one(ChatInput).focus()  # the message it was made from is gone with the old view
-        elif branch is not None and (
-            self.screen.session is None or self.screen.session.id != branch.session.id
-        ):
-            self.screen.opened(branch.session)  # a new chat, stored now
-            await self.screen.conversation.show_system_prompt(branch.session)
+            await chat.conversation.add(*sent, reply.view)
+            self.chat_input.focus()  # the message it was made from is gone with the old view
+        elif branch is not None and (chat.session is None or chat.session.id != branch.session.id):
+            chat.opened(branch.session)  # a new chat, stored now
+            await chat.conversation.show_system_prompt(branch.session.system_prompt)
         if reply.view is not None:
             reply.view.set_note("reading the conversation…")
         reply.started = True
@@ -208,7 +234,7 @@ class ReplyFlow:
         """The job could not be submitted (an empty message, one longer than the context, no model)."""
         if reply.view is not None and not reply.view.content:
             await reply.view.remove()
-        self.screen.notify(error, title="No reply", severity="error", timeout=10)
+        self.chat.notify(error, title="No reply", severity="error", timeout=10)
         self.reply_done(reply)
 
     async def render(self) -> None:
@@ -228,9 +254,9 @@ class ReplyFlow:
 
     def show_prefill(self, reply: Reply, event: Event) -> None:
         """How far a long prompt has been read, as a bar; then back to the work that follows."""
-        self.screen.status.progress("reading the conversation", event.done, event.total)
+        self.chat.status.progress("reading the conversation", event.done, event.total)
         if event.done >= event.total:
-            self.screen.status.progress(work_label(reply))
+            self.chat.status.progress(work_label(reply))
 
     async def show_text(self, reply: Reply, text: str) -> None:
         view = reply.view
@@ -238,10 +264,10 @@ class ReplyFlow:
             return
         if view.note and view.note != "stopped":
             view.set_note("")
-            self.screen.status.done()  # the prefill's bar, if the prompt was long
-            self.screen.status.set(work=REPLYING)
+            self.chat.status.done()  # the prefill's bar, if the prompt was long
+            self.chat.status.set(work=REPLYING)
         stats = reply.job.stats[0]
-        self.screen.show_context(stats.prompt_tokens + stats.generated_tokens)
+        self.chat.show_context(stats.prompt_tokens + stats.generated_tokens)
         await view.append(text)
 
     async def reply_ended(self, reply: Reply) -> None:
@@ -250,22 +276,22 @@ class ReplyFlow:
         if reply.view is not None:
             await reply.view.finish()
         if job.error is not None:
-            self.screen.notify(error_text(job.error), title="No reply", severity="error", timeout=10)
+            self.chat.notify(error_text(job.error), title="No reply", severity="error", timeout=10)
         saved = saved_replies(reply)
         if reply.n > 1:
             self.alternatives += [(s.session, job.text(i)) for i, s in enumerate(saved) if s.session]
             return self.reply_done(reply)
         stored = saved[0].session if saved else None
         if job.error is None and stored is not None:
-            self.screen.in_background(
-                partial(self.screen.store.path, stored.head_id),
+            self.run(
+                partial(self.chat.sessions.messages, stored),
                 partial(self.reply_stored, reply, stored),
                 failed=lambda error: self.reply_done(reply),
             )
             return
-        session = stored or self.screen.session
+        session = stored or self.chat.session
         if session is not None:
-            self.screen.switch_to(session.id)  # show what was stored
+            self.chat.switch_to(session.id)  # show what was stored
         elif reply.view is not None and not reply.view.content:
             await reply.view.remove()
         self.reply_done(reply)
@@ -274,32 +300,32 @@ class ReplyFlow:
         """The stored reply: its message ids to the messages shown (or the conversation drawn again,
         if what is stored differs), its speed and the context it filled."""
         stats = (path[-1].stats or {}) if path else {}
-        if self.screen.conversation.adopt(path):
+        if self.chat.conversation.adopt(path):
             reply.view.set_note("stopped" if stats.get("stop_reason") == "cancelled" else "")
-            self.screen.opened(session)
+            self.chat.opened(session)
         else:
-            await self.screen.show_session(session, path)
-        self.screen.status.set(speed=speed_text(stats))
-        self.screen.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
+            await self.chat.show(session, path)
+        self.chat.status.set(speed=speed_text(stats))
+        self.chat.show_context(stats.get("prompt_tokens", 0) + stats.get("generated_tokens", 0))
         self.reply_done(reply)
-        self.screen.tool_calls.after_reply(session, path)
+        self.on_stored(session, path)
 
     def reply_done(self, reply: Reply) -> None:
         if reply in self.running:
             self.running.remove(reply)
         if self.running:
             return
-        self.screen.flush_timer.pause()
-        self.screen.status.done()
+        self.draw(False)
+        self.chat.status.done()
         if self.alternatives:
             alternatives = [(session.id, text) for session, text in self.alternatives]
             self.alternatives = []
-            self.screen.sidebar.show_chats(self.screen.session.id if self.screen.session else None)
-            self.screen.app.push_screen(AlternativesScreen(alternatives), self.open_picked)
+            self.chat.show_chats()
+            self.chat.ask(AlternativesScreen(alternatives), self.open_picked)
 
     def open_picked(self, session_id: str | None) -> None:
         if session_id:
-            self.screen.switch_to(session_id)
+            self.chat.switch_to(session_id)
 
     def stop(self) -> bool:
         """Esc: stop the replies at once (what was written is kept); False when none was being written."""
@@ -316,7 +342,7 @@ class ReplyFlow:
             reply.cancel.set()
 
         def running(reply: Reply) -> bool:
-            return not reply.job.state.ended if reply.job else self.screen.loading_model is None
+            return not reply.job.state.ended if reply.job else self.model.loading is None
 
         while any(running(reply) for reply in self.running):
             await asyncio.sleep(0.02)

@@ -12,19 +12,21 @@ from textual.containers import Vertical
 from textual.message import Message as UIMessage
 from textual.widgets import Input, Tree
 
-from llama_chat.storage import ChatStore, Message, Session, StoreError
+from llama_chat.storage import Message, Session, StoreError
+
+from ..chat.sessions import Sessions
 
 SEARCH_DELAY_S = 0.2  # wait for typing to pause before searching
 
 
-def branch_points(store: ChatStore, sessions: list[Session]) -> dict[str, int]:
+def branch_points(chats: Sessions, sessions: list[Session]) -> dict[str, int]:
     """For each fork among `sessions`: how many messages it shares with the session it came from."""
     by_id = {s.id: s for s in sessions}
     paths: dict[str, list[int]] = {}
 
     def path(session: Session) -> list[int]:
         if session.id not in paths:
-            paths[session.id] = [m.id for m in store.path(session.head_id)]
+            paths[session.id] = [m.id for m in chats.messages(session)]
         return paths[session.id]
 
     points = {}
@@ -134,19 +136,16 @@ class SessionTree(Tree[ChatRef]):
 
 
 class Sidebar(Vertical):
-    """The search field and the tree; it reads the store off the UI thread and redraws itself."""
+    """The search field and the tree; it reads the chats (`sessions`) off the UI thread and redraws itself."""
 
     BINDINGS = [Binding("down", "to_results", "Results", id="search_results", show=False)]
 
-    def __init__(self, **kwargs):
+    def __init__(self, sessions: Sessions, **kwargs):
         super().__init__(**kwargs)
+        self.sessions = sessions
         self.current: str | None = None  # the open chat's session, marked with "●"
         self.hide_api = False  # the chats clients of `llama-chat serve` made are left out
         self._search_timer = None
-
-    @property
-    def store(self) -> ChatStore:
-        return self.app.store
 
     @property
     def search(self) -> Input:
@@ -187,13 +186,13 @@ class Sidebar(Vertical):
 
     def listed(self) -> list[Session]:
         """The chats the list shows (on a worker thread)."""
-        sessions = self.store.list_sessions()
+        sessions = self.sessions.list()
         return [s for s in sessions if s.origin != "api"] if self.hide_api else sessions
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def sessions_worker(self) -> None:
         sessions = self.listed()
-        points = branch_points(self.store, sessions)
+        points = branch_points(self.sessions, sessions)
         self.app.call_from_thread(self.draw, sessions, points)
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
@@ -203,7 +202,7 @@ class Sidebar(Vertical):
         words = query.lower().split()
         sessions = self.listed()
         try:
-            found = self.store.search(query)
+            found = self.sessions.search(query)
         except StoreError:
             found = []
         first: dict[int, tuple[Session, Message]] = {}  # a message forks share is one hit
@@ -218,7 +217,7 @@ class Sidebar(Vertical):
             snippet = f"{message.role}: {' '.join(message.content.split())[:60]}"
             hits.setdefault(session.id, []).append(SearchHit(message.id, snippet))
         matching = [s for s in sessions if s.id in hits or all(w in s.title.lower() for w in words)]
-        points = branch_points(self.store, sessions)
+        points = branch_points(self.sessions, sessions)
         self.app.call_from_thread(self.draw, matching, points, hits)
 
     def draw(

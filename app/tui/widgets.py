@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as UIMessage
-from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
+from textual.widgets import Collapsible, Label, Markdown, ProgressBar, Static, TextArea
 
 from llama_chat.storage import Message
+from llama_chat.storage.fragments import parts
+
+from .message_text import fenced, markdown_parser, size_text
 
 if TYPE_CHECKING:
-    from llama_chat.inference import Model
-
+    from ..chat.engine import ModelInfo
     from ..chat.resume import ResumeInfo
 
 AUTHORS = {"user": "you", "assistant": "assistant"}
 
 
 class MessageView(Vertical, can_focus=True):
-    """A message of the conversation, as Markdown; focus it (↑ from the input) to act on it."""
+    """A message of the conversation as it was written (message_text.py): Markdown, each attached file
+    folded with its name and size; focus it (↑ from the input) to act on it."""
 
     BINDINGS = [
         # a tooltip puts the action in the command palette, where it acts on the selected (or last) message
@@ -49,7 +53,12 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._heading(), classes="author", markup=False)
-        yield Markdown(self.content)
+        for name, text in parts(self.content) or [(None, "")]:
+            if name is None:
+                yield Markdown(fenced(text), parser_factory=markdown_parser)
+            else:
+                title = f"{name} · {size_text(text)}"
+                yield Collapsible(Static(text, markup=False), title=title, classes="attachment")
 
     def _heading(self) -> str:
         author = AUTHORS.get(self.role, self.role)
@@ -62,18 +71,22 @@ class MessageView(Vertical, can_focus=True):
     async def append(self, text: str) -> None:
         """Add streamed text: the Markdown stream renders only the blocks that changed."""
         if self._stream is None:
-            self._stream = Markdown.get_stream(self.query_one(Markdown))
+            self._stream = Markdown.get_stream(self.query(Markdown).last())
         self.content += text
         await self._stream.write(text)
 
     async def finish(self) -> None:
+        """The reply is written: drawn again whole, its code written without a fence fenced."""
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+            written = fenced(self.content)
+            if written != self.content:
+                await self.query(Markdown).last().update(written)
 
     def code_blocks(self) -> list[str]:
-        tokens = MarkdownIt("gfm-like").parse(self.content)
-        return [t.content for t in tokens if t.type in ("fence", "code_block")]
+        written = "\n".join(fenced(text) for name, text in parts(self.content) if name is None)
+        return [t.content for t in markdown_parser().parse(written) if t.type in ("fence", "code_block")]
 
     def action_edit(self) -> None:
         self.post_message(self.Edit(self))
@@ -142,7 +155,7 @@ class ChatInput(TextArea):
             super().action_cursor_up(select)
 
 
-def model_label(model: Model) -> str:
+def model_label(model: ModelInfo) -> str:
     """The model as it was chosen: its file's stem, which for a known model is its short name. The
     GGUF's own general.name can describe another build ("… AWQ" on the default Q4_K_M file)."""
     return model.path.stem
@@ -180,7 +193,8 @@ class WorkDone(UIMessage):
 
 
 class StatusLine(Horizontal):
-    """Model, context used, speed of the last reply, how the session was resumed; a bar for long work."""
+    """Model, context used, speed of the last reply, how the session was resumed; a bar for long work
+    (told by workers with Progress and WorkDone, posted to it)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -212,3 +226,22 @@ class StatusLine(Horizontal):
     def done(self) -> None:
         self.set(work=None)
         self.query_one(ProgressBar).display = False
+
+    def on_progress(self, event: Progress) -> None:
+        self.progress(event.label, event.done, event.total)
+
+    def on_work_done(self) -> None:
+        self.done()
+
+    def reporter(self) -> Callable[[str, int, int], None]:
+        """A progress(label, done, total) callback for a worker thread: this line's bar, at most 10
+        times a second."""
+        last = [0.0]
+
+        def report(label: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or (total and done >= total):
+                last[0] = now
+                self.post_message(Progress(label, done, total))
+
+        return report

@@ -53,7 +53,9 @@ def import_session(
 
     `model_fingerprint` is the model that will resume them here (None: no model). KV made by
     another model is left out: the messages come in, and the first reply recomputes it. A file is
-    read and checked whole before the database is touched, so a bad file leaves it as it was.
+    read and checked whole before the database is touched, so a bad file leaves it as it was; its KV
+    bytes are then read again a block at a time as they are stored (a file changed meanwhile fails
+    the transaction), so no import holds more than a block of them.
 
     A file's KV is not trusted: its blocks could hold anything under any key, and a block stored
     under a key other sessions use would change their replies. So they go into a namespace of this
@@ -67,12 +69,13 @@ def import_session(
     sessions = [replace(s, title=marked_title(s.title, "(imported)")) for s in sessions]  # not its original
     blocks = [(fp, b) for fp, b in file.blocks if fp == model_fingerprint and b.tokens]
     block_lists = {sid: keys for sid, keys in file.block_lists.items() if sid in keep}
-    tails = {sid: t for sid, t in file.tails.items() if sid in keep}
+    tails = {sid: replace(t, data=file.data(sid)) for sid, t in file.tails.items() if sid in keep}
     namespace = secrets.token_bytes(16) if blocks or tails else kv_namespace
     if progress:
         progress(f"importing {file.path.name}", 0, 1)
+    blocks_read = ((fp, replace(b, data=file.data(b.key))) for fp, b in blocks)  # one at a time, as stored
     new_ids, added = store.add_imported(
-        file.messages, sessions, blocks, block_lists, tails, namespace, tenant
+        file.messages, sessions, blocks_read, block_lists, tails, namespace, tenant
     )
     if progress:
         progress(f"importing {file.path.name}", 1, 1)

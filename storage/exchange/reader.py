@@ -1,5 +1,9 @@
 """Reading a .llamachat file back, with every check: sizes before reading, the digest before parsing,
-each block before decoding. It reads only; nothing here writes a file or the database."""
+each block before decoding. It reads only; nothing here writes a file or the database.
+
+A file is read in pieces, never whole: the digest as it streams by, then the manifest, then each KV
+entry on its own; the entries' bytes stay in the file until an import stores them (SessionFile.data),
+so reading any file, however large or damaged, holds a piece of it at a time."""
 
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from .format import (
     file_size,
 )
 
+PIECE = 1 << 20  # bytes read at a time while the digest is checked
+
 
 class _Invalid(Exception):
     """Something in a file's manifest or data that is missing, of the wrong kind or inconsistent."""
@@ -52,13 +58,28 @@ class SessionFile:
     model_fingerprint: str | None
     messages: list[Message]  # parents before children
     sessions: list[Session]  # the exported session first
-    blocks: list[tuple[str, StoredBlock]]  # (model fingerprint, block)
+    blocks: list[tuple[str, StoredBlock]]  # (model fingerprint, block), its bytes left in the file: data()
     block_lists: dict[str, list[bytes]]
-    tails: dict[str, StoredTail]
+    tails: dict[str, StoredTail]  # its bytes left in the file too
+    # where each block's bytes (by key) and each tail's (by session id) lie: (offset, size, entry_checksum)
+    spans: dict[bytes | str, tuple[int, int, str]]
 
     @property
     def has_kv(self) -> bool:
         return bool(self.blocks or self.tails)
+
+    def data(self, where: bytes | str) -> bytes:
+        """The bytes of the block with key `where` (or the tail of session `where`), read from the file
+        again as they are stored; ExchangeError if they are no longer those it was checked with."""
+        offset, size, digest = self.spans[where]
+        try:
+            with open(self.path, "rb") as f:
+                piece = os.pread(f.fileno(), size, offset)
+        except OSError as e:
+            raise ExchangeError(f"{self.path}: cannot read ({e.strerror or e})") from None
+        if len(piece) != size or entry_checksum(piece) != digest:
+            raise ExchangeError(f"{self.path}: changed since it was read")
+        return piece
 
 
 # -- reading -------------------------------------------------------------------------------------------
@@ -71,38 +92,38 @@ def read_session_file(path: str | Path, progress: Progress | None = None) -> Ses
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(HEADER.size)
-            data_size = _check_header(path, head, size)
-            content = bytearray(head)
-            while len(content) < size:
-                chunk = f.read(min(8 << 20, size - len(content)))
-                if not chunk:
-                    raise ExchangeError(
-                        f"{path}: truncated while reading ({len(content):,} of {size:,} bytes)"
-                    )
-                content += chunk
-                if progress:
-                    progress(f"reading {path.name}", len(content), size)
+            data_size = _check_header(path, f.read(HEADER.size), size)
+            _check_digest(f, path, size, progress)
+            data_start = size - DIGEST_SIZE - data_size
+            try:
+                manifest = _decompress_manifest(os.pread(f.fileno(), data_start - HEADER.size, HEADER.size))
+                return _parse(path, size, manifest, _Section(f.fileno(), data_start, data_size), progress)
+            except _Invalid as e:
+                raise ExchangeError(f"{path}: invalid session file: {e}") from None
     except IsADirectoryError:
         raise ExchangeError(f"{path}: is a directory, not a session file") from None
     except FileNotFoundError:
         raise ExchangeError(f"{path}: no such file") from None
     except OSError as e:
         raise ExchangeError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(content) != size:
-        raise ExchangeError(f"{path}: changed while it was read")
-    content = bytes(content)
-    body = memoryview(content)[: size - DIGEST_SIZE]
-    digest = file_digest()
-    digest.update(body)
-    if digest.digest() != content[size - DIGEST_SIZE :]:
+
+
+def _check_digest(f, path: Path, size: int, progress: Progress | None) -> None:
+    """The digest of everything before the file's last DIGEST_SIZE bytes, read a PIECE at a time,
+    against those bytes."""
+    digest, piece = file_digest(), bytearray(PIECE)
+    f.seek(0)
+    done, end = 0, size - DIGEST_SIZE
+    while done < end:
+        n = f.readinto(memoryview(piece)[: min(PIECE, end - done)])
+        if not n:
+            raise ExchangeError(f"{path}: truncated while reading ({done:,} of {size:,} bytes)")
+        digest.update(memoryview(piece)[:n])
+        done += n
+        if progress:
+            progress(f"reading {path.name}", done, size)
+    if f.read(DIGEST_SIZE + 1) != digest.digest():  # (a byte more: a file that grew meanwhile)
         raise ExchangeError(f"{path}: checksum mismatch: the file is damaged or incomplete")
-    manifest_end = size - DIGEST_SIZE - data_size
-    try:
-        manifest = _decompress_manifest(body[HEADER.size : manifest_end])
-        return _parse(path, size, manifest, body[manifest_end:], progress)
-    except _Invalid as e:
-        raise ExchangeError(f"{path}: invalid session file: {e}") from None
 
 
 def _check_header(path: Path, head: bytes, size: int) -> int:
@@ -196,7 +217,19 @@ def _objects(manifest: dict, name: str) -> list[dict]:
     return items
 
 
-def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Progress | None) -> SessionFile:
+@dataclass
+class _Section:
+    """The data section of an open file, read an entry at a time."""
+
+    fd: int
+    start: int  # its offset in the file
+    size: int
+
+    def read(self, offset: int, n: int) -> bytes:
+        return os.pread(self.fd, n, self.start + offset)
+
+
+def _parse(path: Path, size: int, manifest: dict, data: _Section, progress: Progress | None) -> SessionFile:
     """Turn a manifest and its data section into checked records; nothing inconsistent gets through."""
     model = _get(manifest, "model", "object", "the manifest")
     exported = _get(manifest, "exported", "number", "the manifest")
@@ -318,27 +351,26 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
 
     # The data section: entries back to back, in manifest order, filling it exactly.
     sizes = [e["size"] for e in entries] + [t["size"] for t in tail_entries]
-    if any(n <= 0 for n in sizes) or sum(sizes) != len(data):
-        raise _Invalid(f"the manifest's entries add up to {sum(sizes):,} bytes, the file holds {len(data):,}")
-    pieces = []
-    offset = 0
-    for n in sizes:
-        pieces.append(bytes(data[offset : offset + n]))
-        offset += n
+    if any(n <= 0 for n in sizes) or sum(sizes) != data.size:
+        raise _Invalid(f"the manifest's entries add up to {sum(sizes):,} bytes, the file holds {data.size:,}")
     shapes: dict[str, tuple[int, int, int]] = {}
     fingerprints = {s.id: s.model_fingerprint for s in sessions}
-    checked = [(f"block {k.hex()}", fp, b, b.n_tokens) for k, (fp, b) in blocks.items()]
+    checked = [(f"block {k.hex()}", k, fp, b, b.n_tokens) for k, (fp, b) in blocks.items()]
     checked += [
-        (f"the tail of session {sid!r}", fingerprints[sid], t, len(t.tokens)) for sid, t in tails.items()
+        (f"the tail of session {sid!r}", sid, fingerprints[sid], t, len(t.tokens)) for sid, t in tails.items()
     ]
-    for i, ((what, fp, record, n_tokens), piece) in enumerate(zip(checked, pieces, strict=True)):
-        if entry_checksum(piece) != record.checksum:
+    spans: dict[bytes | str, tuple[int, int, str]] = {}
+    offset = 0
+    for i, ((what, where, fp, record, n_tokens), n) in enumerate(zip(checked, sizes, strict=True)):
+        piece = data.read(offset, n)
+        if len(piece) != n or entry_checksum(piece) != record.checksum:
             raise _Invalid(f"{what} fails its checksum")
+        spans[where] = (data.start + offset, n, record.checksum)
         record.checksum = checksum(piece)  # as the database checks it
         dims = _check_block(what, piece, record.codec, n_tokens)
         if shapes.setdefault(fp, dims) != dims:
             raise _Invalid(f"{what} has a shape unlike the other blocks of its model")
-        record.data = piece
+        offset += n
         if progress:
             progress(f"checking {path.name}", i + 1, len(checked))
     return SessionFile(
@@ -352,6 +384,7 @@ def _parse(path: Path, size: int, manifest: dict, data: memoryview, progress: Pr
         blocks=list(blocks.values()),
         block_lists=block_lists,
         tails=tails,
+        spans=spans,
     )
 
 

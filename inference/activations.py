@@ -1,0 +1,78 @@
+"""What a model's products take their inputs as, and the rows of inputs as bytes.
+
+"f32": as computed, exactly. "q8": each row quantized to bytes with a scale for each run of 32 columns,
+as llama.cpp multiplies (its q8 inputs): the byte kernels (byte_vectors.py) then add up four products
+of bytes in one 32-bit lane of an instruction, within ~0.5 % of the exact products
+(docs/performance.md, "Inputs as bytes").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cpu import PROFILE
+from .jit import njit, prange
+
+ACTIVATIONS = ("f32", "q8")
+F32 = np.float32
+# Input numbers from which quantize_rows runs on numba's threads: below it, waking them costs more than
+# the rows take.
+QUANTIZE_IN_PARALLEL_FROM = PROFILE.quantize_in_parallel_from
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, n_cols] float32 as bytes: xq [n, n_cols] int8 and, for each run of 32 columns, [n, n_cols /
+    32, 2] its Σ x (in column order, as k_quants.run_sums) and its scale, max |x| / 127, with xq =
+    round(x / scale). Row by row: a row's bytes do not depend on its batch."""
+    n, n_cols = x.shape
+    xq = np.empty((n, n_cols), np.int8)
+    x_runs = np.empty((n, n_cols // 32, 2), F32)
+    (_quantize_in_parallel if x.size >= QUANTIZE_IN_PARALLEL_FROM else _quantize)(x, xq, x_runs)
+    return xq, x_runs
+
+
+def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_rows in plain NumPy, bit for bit: the same float32 operations, in the same order."""
+    n, n_cols = x.shape
+    runs = x.reshape(n, n_cols // 32, 32)
+    total = np.zeros((n, n_cols // 32), F32)
+    for t in range(32):  # column order, as the kernel adds
+        total += runs[:, :, t]
+    scale = np.abs(runs).max(axis=2) / F32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(scale > 0, F32(1) / scale, F32(0)).astype(F32)
+    xq = np.rint(runs * inverse[:, :, None]).astype(np.int8).reshape(n, n_cols)
+    return xq, np.stack([total, scale], axis=2)
+
+
+def compile_quantize() -> None:
+    """Both of quantize_rows' loops, compiled or loaded from the cache (a first start's, not a reply's)."""
+    x = np.zeros((1, 32), F32)
+    for quantize in (_quantize, _quantize_in_parallel):
+        quantize(x, np.empty((1, 32), np.int8), np.empty((1, 1, 2), F32))
+
+
+@njit(cache=True, inline="always")
+def _quantize_row(x, i, xq, x_runs):
+    for r in range(x.shape[1] // 32):
+        total, top = F32(0), F32(0)
+        for t in range(32 * r, 32 * r + 32):
+            total += x[i, t]
+            top = max(top, abs(x[i, t]))
+        scale = top / F32(127)
+        inverse = F32(1) / scale if scale > 0 else F32(0)
+        for t in range(32 * r, 32 * r + 32):
+            xq[i, t] = np.int8(np.rint(x[i, t] * inverse))
+        x_runs[i, r, 0], x_runs[i, r, 1] = total, scale
+
+
+@njit(cache=True)
+def _quantize(x, xq, x_runs):
+    for i in range(x.shape[0]):
+        _quantize_row(x, i, xq, x_runs)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_in_parallel(x, xq, x_runs):
+    for i in prange(x.shape[0]):
+        _quantize_row(x, i, xq, x_runs)

@@ -1,0 +1,311 @@
+"""The byte kernels' building blocks (numba intrinsics in LLVM's vector types): products of 8-bit inputs
+(activations.quantize_rows) with 4-bit Q4_K weights or int8 weights, four products of bytes added into
+each 32-bit lane of an instruction, as llama.cpp multiplies. How the bytes meet is the profile's
+(cpu.byte_dot): AVX-512 VNNI's vpdpbusd, vpmaddubsw and vpmaddwd on AVX-512 BW or AVX2, else shifts and
+multiplies. The integer sums are exact on every machine, so a row's result depends on neither its batch
+nor the instructions. Each has its plain NumPy twin in vectors_reference.py (tests/test_vectors.py).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .cpu import PROFILE
+from .vectors import _data, _fma, _splat, _vector_at
+
+
+def _chunk(n: int) -> int:
+    """32-bit lanes to a register for the profile's byte instructions."""
+    return min(n, 16 if PROFILE.byte_dot in ("vnni", "bw") else 8)
+
+
+def _literal_values(*arguments) -> list[int] | None:
+    """The values of literal integer arguments, or None where one is not a literal (numba then types the
+    call with literals)."""
+    if not all(isinstance(t, types.IntegerLiteral) for t in arguments):
+        return None
+    return [t.literal_value for t in arguments]
+
+
+def _casts(context, builder, signature, args, which):
+    return [context.cast(builder, args[k], signature.args[k], types.int64) for k in which]
+
+
+def _word_at(builder, pointer, first, stride, i, c):
+    """pointer[first + i·stride + c]: row i's word c."""
+    i64 = ir.IntType(64)
+    where = builder.add(first, builder.add(builder.mul(stride, ir.Constant(i64, i)), ir.Constant(i64, c)))
+    return builder.load(builder.gep(pointer, [where]), align=4)
+
+
+@intrinsic
+def _nibble_dots(
+    typingctx, values, at, lanes, shift, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, runs, rows, width
+):
+    """A Q4_K run's Σ q·x̂ for `rows` rows of 8-bit activations: runs[i·width:…] = (Σ_c Σ_b q[c, b] ·
+    xq[i, c, b]) · x_scale[i], q the 4-bit values at bit `shift` of the 8 words values.flat[at +
+    4·lanes·c…] (k_quants.py's layout: 4 columns of a row to a word) and xq[i, c] the 32-bit word
+    xq.flat[xq_at + i·xq_stride + c] of the row's 4 activation bytes for those columns, x_scale[i] =
+    x_scales.flat[xs_at + i·xs_stride]. The sums are integers (at most 32·15·127)."""
+    if (literals := _literal_values(shift, rows, width)) is None:
+        return None
+    bit, n_rows, n = literals
+    how, chunk = PROFILE.byte_dot, _chunk(n)
+
+    def codegen(context, builder, signature, args):
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        words_t = ir.VectorType(i32, chunk)
+        values_ptr, xq_ptr, xs_ptr = (_data(context, builder, signature.args[k], args[k]) for k in (0, 4, 7))
+        at, lanes, xq_at, xq_stride, xs_at, xs_stride = _casts(
+            context, builder, signature, args, (1, 2, 5, 6, 8, 9)
+        )
+        words_ptr = builder.bitcast(builder.gep(values_ptr, [at]), i32.as_pointer())
+        low_nibbles = ir.Constant(words_t, [0x0F0F0F0F] * chunk)
+        shift_t = _splat(builder, words_t, ir.Constant(i32, bit))
+        sums = [[ir.Constant(words_t, [0] * chunk) for _ in range(n // chunk)] for _ in range(n_rows)]
+        for c in range(8):
+            xs = [
+                _splat(builder, words_t, _word_at(builder, xq_ptr, xq_at, xq_stride, i, c))
+                for i in range(n_rows)
+            ]
+            first = builder.mul(lanes, ir.Constant(i64, c))
+            for k in range(n // chunk):
+                where = builder.add(first, ir.Constant(i64, k * chunk))
+                word = builder.load(_vector_at(builder, words_ptr, where, i32, chunk), align=1)
+                q = builder.and_(builder.lshr(word, shift_t), low_nibbles)
+                for i in range(n_rows):
+                    if how in ("bw", "avx2"):  # 16-bit pairs added over the run: ≤ 8·2·15·127, no saturation
+                        pairs = _byte_pairs(builder, how, q, xs[i])
+                        sums[i][k] = builder.add(sums[i][k], pairs) if c else pairs
+                    else:
+                        sums[i][k] = _byte_dot(builder, how, sums[i][k], q, xs[i])
+        if how in ("bw", "avx2"):
+            sums = [[_pairs_to_words(builder, how, pairs) for pairs in row] for row in sums]
+        floats_t = ir.VectorType(f32, chunk)
+        for i in range(n_rows):
+            where = builder.add(xs_at, builder.mul(xs_stride, ir.Constant(i64, i)))
+            scale = _splat(builder, floats_t, builder.load(builder.gep(xs_ptr, [where]), align=4))
+            for k in range(n // chunk):
+                run = builder.fmul(builder.sitofp(sums[i][k], floats_t), scale)
+                run_at = _vector_at(builder, args[10], ir.Constant(i64, i * n + k * chunk), f32, chunk)
+                builder.store(run, run_at, align=4)
+        return context.get_dummy_value()
+
+    sig_args = (values, at, lanes, shift, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, runs, rows, width)
+    return types.void(*sig_args), codegen
+
+
+_PAIRS = {  # (bytes → 16-bit sums of pairs, 16-bit pairs → 32-bit sums) by cpu.byte_dot
+    "bw": ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
+    "avx2": ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
+}
+
+
+def _call(builder, name, result, *operands):
+    kind = ir.FunctionType(result, [o.type for o in operands])
+    return builder.call(cgutils.get_or_insert_function(builder.module, kind, name), list(operands))
+
+
+def _byte_pairs(builder, how, unsigned, signed):
+    """The 16-bit sums of the products of neighbouring bytes of `unsigned` and `signed` (32-bit words),
+    vpmaddubsw (saturating: callers keep them small)."""
+    n = unsigned.type.count
+    bytes_t = ir.VectorType(ir.IntType(8), 4 * n)
+    halves_t = ir.VectorType(ir.IntType(16), 2 * n)
+    unsigned, signed = builder.bitcast(unsigned, bytes_t), builder.bitcast(signed, bytes_t)
+    return _call(builder, _PAIRS[how][0], halves_t, unsigned, signed)
+
+
+def _pairs_to_words(builder, how, pairs):
+    """16-bit sums → 32-bit sums of their neighbours (vpmaddwd by ones)."""
+    words_t = ir.VectorType(ir.IntType(32), pairs.type.count // 2)
+    return _call(builder, _PAIRS[how][1], words_t, pairs, ir.Constant(pairs.type, [1] * pairs.type.count))
+
+
+def _byte_dot(builder, how, total, unsigned, signed):
+    """total + the sums of the four products of bytes in each 32-bit lane of `unsigned` (0-255) and
+    `signed` (-128-127), exactly (nibbles and activations of at most 127 in size: no 16-bit step
+    saturates)."""
+    words_t = total.type
+    n = words_t.count
+    i32 = ir.IntType(32)
+    if how == "vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", words_t, total, unsigned, signed)
+    if how in ("bw", "avx2"):
+        return builder.add(total, _pairs_to_words(builder, how, _byte_pairs(builder, how, unsigned, signed)))
+    for b in range(4):  # generic: byte b of each lane, zero- and sign-extended, multiplied and added
+        shifted = builder.lshr(unsigned, _splat(builder, words_t, ir.Constant(i32, 8 * b)))
+        u = builder.and_(shifted, ir.Constant(words_t, [255] * n))
+        high = builder.shl(signed, _splat(builder, words_t, ir.Constant(i32, 24 - 8 * b)))
+        s = builder.ashr(high, _splat(builder, words_t, ir.Constant(i32, 24)))
+        total = builder.add(total, builder.mul(u, s))
+    return total
+
+
+def transposed_lanes(n: int) -> list[int]:
+    """The lanes, in order, of the 32-bit words _byte_column_dots makes from four columns of n bytes: the
+    processor's unpack instructions interleave within 16-byte blocks, so word 4·q + m of the k-th
+    quarter holds lane 16·q + 4·k + m (in order where a column is not whole blocks)."""
+    if n % 16:
+        return list(range(n))
+    return [16 * q + 4 * k + m for k in range(4) for q in range(n // 16) for m in range(4)]
+
+
+def _shuffle(builder, a, b, mask):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(mask)), mask))
+
+
+def _interleave(builder, a, b, unit, high):
+    """The processor's unpack: the low (high) halves of each 16-byte block of a and b, interleaved in
+    units of `unit` bits."""
+    t = ir.VectorType(ir.IntType(unit), a.type.count * 8 // unit)
+    a, b = builder.bitcast(a, t), builder.bitcast(b, t)
+    per_block = 128 // unit
+    half = per_block // 2
+    mask = [
+        index
+        for block in range(t.count // per_block)
+        for i in range(half * high, half * (high + 1))
+        for index in (block * per_block + i, t.count + block * per_block + i)
+    ]
+    return _shuffle(builder, a, b, mask)
+
+
+def _side_by_side(builder, columns, n):
+    """Four columns of n bytes (one a lane) → n 32-bit words, each the four bytes of a lane, the lanes in
+    transposed_lanes(n)'s order."""
+    i32 = ir.IntType(32)
+    if n % 16:  # one shuffle, lanes in order
+        order = [t * n + lane for lane in range(n) for t in range(4)]
+        first, second = (_shuffle(builder, a, b, list(range(2 * n))) for a, b in (columns[:2], columns[2:]))
+        return builder.bitcast(_shuffle(builder, first, second, order), ir.VectorType(i32, n))
+    pairs = [_interleave(builder, columns[0], columns[1], 8, h) for h in (0, 1)]
+    pairs += [_interleave(builder, columns[2], columns[3], 8, h) for h in (0, 1)]
+    quarters = [_interleave(builder, pairs[j], pairs[j + 2], 16, h) for j in (0, 1) for h in (0, 1)]
+    quarters = [builder.bitcast(q, ir.VectorType(i32, n // 4)) for q in quarters]
+    halves = [_shuffle(builder, quarters[j], quarters[j + 1], list(range(n // 2))) for j in (0, 2)]
+    return _shuffle(builder, halves[0], halves[1], list(range(n)))
+
+
+def _slice(builder, vector, start, count):
+    if start == 0 and count == vector.type.count:
+        return vector
+    undefined = ir.Constant(vector.type, ir.Undefined)
+    return _shuffle(builder, vector, undefined, list(range(start, start + count)))
+
+
+@intrinsic
+def _byte_column_dots(
+    typingctx, values, at, lanes, size, xq, xq_at, xq_stride, x_runs, xr_at, xr_stride,
+    scales, offsets, scale_at, sums, rows, width,
+):
+    """A block's share of a pass over int8 weights in columns (quants.py's layout: values.flat[at +
+    j·lanes + lane] the weight of column j, lane `lane`) for inputs as bytes: for i < rows, with acc the
+    integer Σ_j w[j]·xq[i, j] over the block's `size` (a literal, ≤ 32) columns from `at`,
+    sums[i·width:…] += scale · (acc · x_scale[i]), then += offset · Σ x[i] (fused, as _scale_run),
+    scale and offset the block's at scales.flat[scale_at…] and offsets.flat[…] (None: none). xq[i] the
+    32-bit words of the row's bytes from xq.flat[xq_at + i·xq_stride], x_runs.flat[xr_at +
+    i·xr_stride…] its run's Σ x and bytes' scale. Four columns of a lane are put side by side in a word
+    in registers (the processor's unpacks), so the sums run over the lanes in transposed_lanes' order
+    (in_lane_order puts them back)."""
+    if (literals := _literal_values(size, rows, width)) is None:
+        return None
+    n_cols, n_rows, n = literals
+    how, chunk = PROFILE.byte_dot, _chunk(n)
+    order = transposed_lanes(n)
+    has_offsets = not isinstance(offsets, (types.NoneType, types.Omitted))
+
+    def codegen(context, builder, signature, args):
+        i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        words_t, bytes_t = ir.VectorType(i32, chunk), ir.VectorType(i8, 4 * chunk)
+        floats_t = ir.VectorType(f32, chunk)
+        values_ptr, xq_ptr, xr_ptr, scales_ptr = (
+            _data(context, builder, signature.args[k], args[k]) for k in (0, 4, 7, 10)
+        )
+        at, lanes, xq_at, xq_stride, xr_at, xr_stride, scale_at = _casts(
+            context, builder, signature, args, (1, 2, 5, 6, 8, 9, 12)
+        )
+        acc = [[ir.Constant(words_t, [0] * chunk) for _ in range(n // chunk)] for _ in range(n_rows)]
+        bias = [ir.Constant(words_t, [0] * chunk) for _ in range(n // chunk)]  # 128 · Σ w (vnni)
+        flip = ir.Constant(i32, 0x80808080 - (1 << 32))
+        for c in range(n_cols // 4):
+            xs = []
+            for i in range(n_rows):
+                word = _word_at(builder, xq_ptr, xq_at, xq_stride, i, c)
+                xs.append(_splat(builder, words_t, builder.xor(word, flip) if how == "vnni" else word))
+            columns = []
+            for t in range(4):
+                where = builder.add(at, builder.mul(lanes, ir.Constant(i64, 4 * c + t)))
+                columns.append(builder.load(_vector_at(builder, values_ptr, where, i8, n), align=1))
+            words = _side_by_side(builder, columns, n)
+            for k in range(n // chunk):
+                w = _slice(builder, words, k * chunk, chunk)
+                if how == "vnni":  # Σ (x + 128)·w, less 128·Σ w: x unsigned, as vpdpbusd wants one side
+                    flips = ir.Constant(words_t, [0x80808080 - (1 << 32)] * chunk)
+                    bias[k] = _byte_dot(builder, how, bias[k], flips, w)
+                    for i in range(n_rows):
+                        acc[i][k] = _byte_dot(builder, how, acc[i][k], xs[i], w)
+                    continue
+                # |w| unsigned times x with w's sign: no 16-bit step saturates (|x| ≤ 127)
+                w_bytes = builder.bitcast(w, bytes_t)
+                negative = builder.icmp_signed("<", w_bytes, ir.Constant(bytes_t, [0] * (4 * chunk)))
+                size_w = builder.bitcast(builder.select(negative, builder.neg(w_bytes), w_bytes), words_t)
+                for i in range(n_rows):
+                    x = builder.bitcast(xs[i], bytes_t)
+                    if how == "avx2" and chunk == 8:  # vpsignb: x negated where w < 0 (and 0 where w is)
+                        signed = _call(builder, "llvm.x86.avx2.psign.b", bytes_t, x, w_bytes)
+                    else:
+                        signed = builder.select(negative, builder.neg(x), x)
+                    acc[i][k] = _byte_dot(builder, how, acc[i][k], size_w, builder.bitcast(signed, words_t))
+        fma = _fma(builder, chunk)
+
+        def in_order(ptr):  # the block's n scales (offsets), in the sums' lane order, by chunk
+            natural = builder.load(_vector_at(builder, ptr, scale_at, f32, n), align=4)
+            permuted = _shuffle(builder, natural, ir.Constant(natural.type, ir.Undefined), order)
+            return [_slice(builder, permuted, k * chunk, chunk) for k in range(n // chunk)]
+
+        scale = in_order(scales_ptr)
+        offset = in_order(_data(context, builder, signature.args[11], args[11])) if has_offsets else None
+        for i in range(n_rows):
+            run_at = builder.add(xr_at, builder.mul(xr_stride, ir.Constant(i64, i)))
+            x_sum = builder.load(builder.gep(xr_ptr, [run_at]), align=4)
+            x_scale_at = builder.gep(xr_ptr, [builder.add(run_at, ir.Constant(i64, 1))])
+            x_scale = _splat(builder, floats_t, builder.load(x_scale_at, align=4))
+            for k in range(n // chunk):
+                total = builder.sub(acc[i][k], bias[k]) if how == "vnni" else acc[i][k]
+                run = builder.fmul(builder.sitofp(total, floats_t), x_scale)
+                at_sums = _vector_at(builder, args[13], ir.Constant(i64, i * n + k * chunk), f32, chunk)
+                s = builder.call(fma, [scale[k], run, builder.load(at_sums, align=4)])
+                if offset is not None:
+                    s = builder.call(fma, [offset[k], _splat(builder, floats_t, x_sum), s])
+                builder.store(s, at_sums, align=4)
+        return context.get_dummy_value()
+
+    sig_args = (
+        values, at, lanes, size, xq, xq_at, xq_stride, x_runs, xr_at, xr_stride,
+        scales, offsets, scale_at, sums, rows, width,
+    )
+    return types.void(*sig_args), codegen
+
+
+@intrinsic
+def in_lane_order(typingctx, sums, rows, width):
+    """sums [rows, width] from transposed_lanes(width)'s order back to the lanes' own."""
+    if (literals := _literal_values(rows, width)) is None:
+        return None
+    n_rows, n = literals
+    order = transposed_lanes(n)
+    back = [order.index(lane) for lane in range(n)]
+
+    def codegen(context, builder, signature, args):
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        for i in range(n_rows):
+            at = _vector_at(builder, args[0], ir.Constant(i64, i * n), f32, n)
+            row = builder.load(at, align=4)
+            builder.store(_shuffle(builder, row, ir.Constant(row.type, ir.Undefined), back), at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, rows, width), codegen

@@ -1,0 +1,80 @@
+"""What the cache keeps beside the models (`prepared/`), and which of it no start here reads again:
+`llama-chat models --prune` lists those, with their sizes, and removes them.
+
+A start reads, for its GGUF, a metadata entry (`prepared/<key>/`, keyed by the file's path, size and
+mtime; weights.py) and a packed file (`prepared/<path digest>-<profile>.packed`, one per GGUF and
+machine profile; packed_file.py). A packed file is stale when it was packed for another machine
+profile or layout, when its GGUF is gone or changed since, or when it is not whole; a metadata entry
+when it belongs to no GGUF still here — the catalog's assembled models and the GGUFs the packed files
+name. A start rebuilds whatever it misses, so removing is only ever slower once, never wrong.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import packed_file
+from .catalog import KNOWN_MODELS, cache_dir, model_path
+from .cpu import PROFILE
+from .weights import _prepared_dir
+
+
+@dataclass(frozen=True)
+class PreparedFile:
+    path: Path
+    bytes: int
+    why: str  # why no start here reads it
+
+
+def stale_files() -> list[PreparedFile]:
+    """The files and entries of `prepared/` that no start on this machine reads again, largest first."""
+    folder = cache_dir() / "prepared"
+    if not folder.is_dir():
+        return []
+    stale, in_use = [], {model_path(m) for m in KNOWN_MODELS.values()}
+    for path in sorted(folder.glob("*.packed")):
+        why, gguf = _stale_packed(path)
+        if why:
+            stale.append(PreparedFile(path, path.stat().st_size, why))
+        if gguf is not None:  # its metadata serves every profile
+            in_use.add(gguf)
+    wanted = {_prepared_dir(p) for p in in_use if p.is_file()}
+    for entry in sorted(p for p in folder.iterdir() if p.is_dir() and p not in wanted):
+        why = "left half-written" if entry.name.startswith(".") else "metadata of a model no longer here"
+        stale.append(PreparedFile(entry, _size(entry), why))
+    return sorted(stale, key=lambda f: -f.bytes)
+
+
+def remove(files: list[PreparedFile]) -> None:
+    for f in files:
+        if f.path.is_dir():
+            shutil.rmtree(f.path, ignore_errors=True)
+        else:
+            f.path.unlink(missing_ok=True)
+
+
+def _stale_packed(path: Path) -> tuple[str, Path | None]:
+    """Why no start reads this packed file ("" when one does), and the GGUF it was packed from."""
+    header = packed_file.header_of(path)
+    try:
+        gguf = Path(header["gguf"]["path"])
+    except (TypeError, KeyError):
+        return "not a whole packed file", None
+    if header.get("profile") != PROFILE.key:
+        return f"packed for another machine profile ({header.get('profile')})", gguf
+    if header.get("layout") != packed_file.LAYOUT_VERSION:
+        return "packed in another layout (by another version of llama-chat)", gguf
+    try:
+        st = gguf.stat()
+    except OSError:
+        return f"its model is gone ({gguf})", None
+    identity = header["gguf"]
+    if (st.st_size, st.st_mtime_ns) != (identity.get("size"), identity.get("mtime_ns")):
+        return f"its model changed since ({gguf})", gguf
+    return "", gguf
+
+
+def _size(entry: Path) -> int:
+    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())

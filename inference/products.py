@@ -1,0 +1,324 @@
+"""Matrix products over packed weights (quants.py, k_quants.py): the compiled kernels, BLAS on dequantized
+tiles, a packed matrix's rows as floats, and the plain reference of a product.
+
+A kernel reads each weight once for all its input rows: its vector lanes run across LANES interleaved
+rows of the matrix, each weight is dequantized once (value · scale + offset, as ggml's
+`dequantize_row_*`) and multiplied into the partial sums of ROWS input rows at a time, which stay in
+registers for the whole row of weights (LANES and ROWS fit the machine's registers: cpu.py). Every
+output row is computed by the same instructions whatever the number of rows (no reassociation: only
+multiply-adds are fused), so a row's result does not depend on what else is in the batch
+(prompt-lookup verification and the scheduler rely on that). Inputs as bytes (activations.py) go
+through the byte kernels (byte_vectors.py), exact integer sums a block at a time.
+
+BLAS (sgemm) multiplies tiles of the matrix dequantized into a reused float32 buffer. A tile fits half
+the core's L2 cache, so that sgemm reads what the dequantization just wrote from there. Which of the two
+takes a product is kernels.py's choice.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import gguf
+import numpy as np
+from numba import carray, types
+from numba.extending import overload
+
+from . import k_quants
+from .activations import quantize_rows, quantize_rows_reference
+from .byte_vectors import _byte_column_dots, in_lane_order
+from .cpu import PROFILE
+from .jit import njit, prange
+from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
+
+# numba compiles these in as constants: code compiled for other values lives in another cache folder.
+LANES = PROFILE.lanes  # rows interleaved in the packed layout; one or two input rows run across all
+ROWS = PROFILE.rows  # input rows a pass multiplies at once past two, their partial sums in registers,
+PASS_LANES = PROFILE.pass_lanes  # across this many lanes at a time
+SUMS = max(ROWS * PASS_LANES, 2 * LANES)  # (a literal, as _registers wants it)
+TILE_BYTES = PROFILE.tile_bytes  # float32 tile of a matrix dequantized for BLAS
+AHEAD_IN_PASSES = PROFILE.ahead_in_passes  # whether passes past two rows ask for their weights ahead
+F32 = np.float32
+
+
+@njit(cache=True)
+def _n_blocks(scales):
+    """Groups of weights with a scale of their own in a row (a function of its own, where numba drops
+    the branch a None takes: the layouts' overload below is typed without that pruning)."""
+    return 1 if scales is None else scales.shape[1]
+
+
+def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+    """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
+    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py); `ahead`:
+    whether the pass asks for its weights ahead of reading them (Profile.ahead_in_passes)."""
+
+
+@overload(_accumulate, inline="always", prefer_literal=True)
+def _accumulate_by_layout(
+    values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+):
+    if x.dtype == types.int32 and values.dtype == types.uint8:  # inputs as bytes (quantize_rows)
+
+        def in_q4_k_bytes(
+            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+        ):
+            k_quants.accumulate_q8(
+                values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, rows, width, ahead
+            )
+
+        return in_q4_k_bytes
+    if x.dtype == types.int32:
+
+        def in_value_bytes(
+            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+        ):
+            _accumulate_value_bytes(
+                values, scales, offsets, x, x_sums, i0, g, lane0, sums, rows, width, ahead
+            )
+
+        return in_value_bytes
+    if values.dtype != types.uint8:
+
+        def in_values(
+            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+        ):
+            _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width, ahead)
+
+        return in_values
+
+    def in_q4_k(
+        values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+    ):
+        k_quants.accumulate(
+            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+        )
+
+    return in_q4_k
+
+
+@njit(cache=True, inline="always")
+def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width, ahead):
+    """sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j] for i < rows, r < width (constants where it
+    is inlined, so that the loop over i unrolls), w dequantized one column of `width` weights at a time.
+    Scales and offsets are None where the matrix has none: numba compiles only what a matrix takes.
+    Each sum is added up in the same order (j) whatever the rows and width, one fused multiply-add at a
+    time: a row's bits do not depend on the pass it is computed in."""
+    _, n_cols, lanes = values.shape
+    n_blocks = _n_blocks(scales)
+    size = n_cols // n_blocks
+    for k in range(rows * width):
+        sums[k] = 0
+    for b in range(n_blocks):
+        for j in range(b * size, (b + 1) * size):
+            at, scale_at = (g * n_cols + j) * lanes + lane0, (g * n_blocks + b) * lanes + lane0
+            if ahead:
+                for line in range(0, lanes * values.itemsize, 64):
+                    _prefetch(values, at, line)
+            _dequantize_column(values, scales, offsets, at, scale_at, w, width)
+            for i in range(rows):
+                _multiply_add(sums, i, w, x[i0 + i, j], width)
+
+
+@njit(cache=True, inline="always")
+def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+    """_accumulate_values for inputs as bytes (quantize_rows): a block's Σ w·x̂ in integers, times the
+    bytes' scale and the block's, plus its offset times Σ x (blocks of 32 columns where there are
+    offsets: takes_bytes), by byte_vectors._byte_column_dots."""
+    _, n_cols, lanes = values.shape
+    n_blocks, n_words, n_runs = scales.shape[1], xq.shape[1], x_runs.shape[1]
+    size = n_cols // n_blocks
+    for k in range(rows * width):
+        sums[k] = 0
+    for b in range(n_blocks):
+        at, scale_at = (g * n_cols + b * size) * lanes + lane0, (g * n_blocks + b) * lanes + lane0
+        if ahead:
+            for line in range(0, size * lanes, 64):
+                _prefetch(values, at, line)
+        xq_at, xr_at = i0 * n_words + b * size // 4, 2 * (i0 * n_runs + b * size // 32)
+        if size == 16:
+            _byte_column_dots(
+                values, at, lanes, 16, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs,
+                scales, offsets, scale_at, sums, rows, width,
+            )
+        else:
+            _byte_column_dots(
+                values, at, lanes, 32, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs,
+                scales, offsets, scale_at, sums, rows, width,
+            )
+    in_lane_order(sums, rows, width)
+
+
+@njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
+def _group_product(values, scales, offsets, x, x_sums, out, g):
+    """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone across all LANES, else ROWS
+    rows at a time (x is padded to a multiple of ROWS) across PASS_LANES lanes at a time."""
+    registers, runs = _registers(SUMS), _registers(SUMS)
+    w = _registers(LANES)
+    n = out.shape[0]
+    if n <= 2:  # one token decoded alone, or two replies: no padded rows to compute
+        sums = carray(registers, (2, LANES))
+        if n == 1:
+            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
+        else:
+            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES, True)
+        for i in range(n):
+            for r in range(LANES):
+                out[i, g * LANES + r] = sums[i, r]
+        return
+    sums = carray(registers, (ROWS, PASS_LANES))
+    for i0 in range(0, n, ROWS):
+        for lane0 in range(0, LANES, PASS_LANES):
+            ahead = AHEAD_IN_PASSES and i0 == 0  # the pass that reads the group from memory
+            _accumulate(
+                values, scales, offsets, x, x_sums, i0, g, lane0, registers, runs, w, ROWS, PASS_LANES, ahead
+            )
+            for i in range(min(ROWS, n - i0)):
+                for r in range(PASS_LANES):
+                    out[i0 + i, g * LANES + lane0 + r] = sums[i, r]
+
+
+@njit(cache=True, parallel=True)
+def _product(values, scales, offsets, x, x_sums, out):
+    for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
+        # (g as int64: numba types a parallel loop's index both signed and unsigned, and a uint64 g
+        # would compile _group_product a second time, seconds of a first start)
+        _group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+
+
+@njit(cache=True)
+def _dequantize_int8(values, scales, offsets, g0, g1, out):
+    """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies.
+    On the calling thread: a tile takes microseconds, and waking numba's threads for each one, between
+    sgemm calls whose OpenBLAS threads still spin, costs more than it saves. Plain multiply and add
+    (offsets None where the matrix has none): the weights exactly as gguf.quants dequantizes them."""
+    _, n_cols, _ = values.shape
+    n_blocks = scales.shape[1]
+    size = n_cols // n_blocks
+    for g in range(g0, g1):
+        c = (g - g0) * LANES
+        for b in range(n_blocks):
+            s = scales[g, b]
+            for j in range(b * size, (b + 1) * size):
+                row, v = out[j, c : c + LANES], values[g, j]
+                if offsets is None:
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r]
+                else:
+                    o = offsets[g, b]
+                    for r in range(LANES):
+                        row[r] = F32(v[r]) * s[r] + o[r]
+
+
+COMPILED = (_product, _group_product, _dequantize_int8, k_quants.dequantize_tile)
+
+
+def takes_bytes(w) -> bool:
+    """Whether a product with w quantizes its inputs to bytes: under activations "q8", a Q4_K matrix or
+    integers with a scale for each 16 or 32 columns (and an offset only for 32)."""
+    if w.activations != "q8":
+        return False
+    if w.in_q4_k:
+        return True
+    if w.values.dtype != np.int8 or w.scales is None:
+        return False
+    size = w.n_cols // w.scales.shape[1]
+    return size == 32 or (size == 16 and w.offsets is None)
+
+
+def kernel_product(x: np.ndarray, w) -> np.ndarray:
+    """x [n, n_cols] float32 @ w.T in the kernels: each weight read once for all rows (as bytes where
+    takes_bytes)."""
+    n = x.shape[0]
+    n_groups, n_cols = w.values.shape[0], w.n_cols
+    out = np.empty((n, n_groups * LANES), dtype=F32)
+    if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
+        x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
+    if takes_bytes(w):
+        xq, x_runs = quantize_rows(x)
+        _product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
+    else:
+        x_sums = k_quants.run_sums(x) if w.in_q4_k else None
+        _product(w.values, w.scales, w.offsets, x, x_sums, out)
+    return out[:, : w.n_rows]
+
+
+_scratch = threading.local()
+
+
+def _tile_buffer(n: int) -> np.ndarray:
+    """A float32 buffer of at least n numbers, kept per thread: a fresh one each call would fault in
+    its pages again for every matrix of every layer."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, dtype=F32)
+    return buf
+
+
+def tile_product(x: np.ndarray, w) -> np.ndarray:
+    """x [n, n_cols] float32 @ w.T by BLAS, on tiles of w dequantized into a reused buffer."""
+    n = x.shape[0]
+    n_groups, n_cols = w.values.shape[0], w.n_cols
+    out = np.empty((n, w.n_rows), dtype=F32)
+    tile = max(1, TILE_BYTES // (4 * n_cols * LANES))  # groups per tile
+    buf = _tile_buffer(n_cols * tile * LANES)
+    for g0 in range(0, n_groups, tile):
+        g1 = min(g0 + tile, n_groups)
+        rows = (g1 - g0) * LANES
+        b = buf[: n_cols * rows].reshape(n_cols, rows)
+        _dequantize_into(w, g0, g1, b)
+        lo, hi = g0 * LANES, min(g1 * LANES, w.n_rows)
+        np.matmul(x, b[:, : hi - lo], out=out[:, lo:hi])  # BLAS writes into out's columns directly
+    return out
+
+
+def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
+    if w.scales is None:
+        out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
+    elif w.in_q4_k:
+        k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
+    else:
+        _dequantize_int8(w.values, w.scales, w.offsets, g0, g1, out)
+
+
+def rows(w, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a PackedMatrix (or StackedMatrix) as float32 [len(ids), n_cols], each weight as
+    gguf.quants dequantizes it (a tied embedding table's lookups; the products' reference)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if hasattr(w, "parts"):
+        starts = np.cumsum([0] + [p.n_rows for p in w.parts])
+        out = np.empty((len(ids), w.n_cols), F32)
+        for part, start, end in zip(w.parts, starts[:-1], starts[1:], strict=True):
+            mine = (ids >= start) & (ids < end)
+            out[mine] = rows(part, ids[mine] - start)
+        return out
+    if w.in_q4_k:
+        blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
+        return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)
+    g, lane = ids // LANES, ids % LANES
+    values = w.values[g, :, lane]  # [n, n_cols]
+    if w.scales is None:
+        return values.astype(F32)
+    n, n_cols = values.shape
+    scales = w.scales[g, :, lane]  # [n, n_blocks]
+    out = values.reshape(n, scales.shape[1], -1).astype(F32) * scales[:, :, None]
+    if w.offsets is not None:
+        out += w.offsets[g, :, lane][:, :, None]
+    return out.reshape(n, n_cols)
+
+
+def product_reference(x: np.ndarray, w) -> np.ndarray:
+    """What kernel_product and tile_product compute, as the maths reads, in float64: x @ w.T over the
+    GGUF's own weights; where the inputs go as bytes (takes_bytes), Σ (w − offset)·x̂ over the bytes
+    x̂ = xq · scale plus offset · Σ x of the float32 inputs, as llama.cpp's products of bytes."""
+    if hasattr(w, "parts"):
+        return np.concatenate([product_reference(x, part) for part in w.parts], axis=1)
+    weights = rows(w, np.arange(w.n_rows)).astype(np.float64)  # [n_rows, n_cols]
+    if not takes_bytes(w):
+        return x.astype(np.float64) @ weights.T
+    offsets = rows(replace(w, values=np.zeros_like(w.values)), np.arange(w.n_rows)).astype(np.float64)
+    xq, x_runs = quantize_rows_reference(x)
+    n, n_cols = x.shape
+    x_hat = (xq.reshape(n, -1, 32) * x_runs[:, :, 1:].astype(np.float64)).reshape(n, n_cols)
+    return x_hat @ (weights - offsets).T + x.astype(np.float64) @ offsets.T

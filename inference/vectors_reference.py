@@ -1,0 +1,112 @@
+"""The kernels' building blocks (vectors.py, byte_vectors.py) in plain NumPy: what each intrinsic computes,
+over the same flat indices, float32 rounding for float32 rounding (a fused multiply-add as float64 maths
+rounded once to float32). tests/test_vectors.py holds each intrinsic to its twin here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .byte_vectors import transposed_lanes
+
+F32 = np.float32
+
+
+def _fused(a, b, c) -> np.ndarray:
+    """a · b + c rounded once to float32 (float32 · float32 is exact in float64)."""
+    return (np.float64(1) * a * b + c).astype(F32)
+
+
+def dequantize_column(values, scales, offsets, at, scale_at, width) -> np.ndarray:
+    """vectors._dequantize_column: w = value · scale + offset, two roundings."""
+    w = values.reshape(-1)[at : at + width].astype(F32)
+    if scales is not None:
+        w = w * scales.reshape(-1)[scale_at : scale_at + width]
+    if offsets is not None:
+        w = w + offsets.reshape(-1)[scale_at : scale_at + width]
+    return w
+
+
+def multiply_add(sums, i, w, xj, width) -> None:
+    """vectors._multiply_add: sums[i·width:…] += w · xj, fused."""
+    part = slice(i * width, (i + 1) * width)
+    sums[part] = _fused(w[:width], F32(xj), sums[part])
+
+
+def q4_k_scales(halves, six_bits, d_at, sc_at, lanes, width) -> tuple[np.ndarray, np.ndarray]:
+    """vectors._q4_k_scales: (d · sc, −(dmin · m)) of `width` lanes."""
+    flat_halves, flat_bits = halves.reshape(-1), six_bits.reshape(-1)
+    d, dmin = (flat_halves[a : a + width].view(np.float16).astype(F32) for a in (d_at, d_at + lanes))
+    sc, m = (flat_bits[a : a + width].astype(F32) for a in (sc_at, sc_at + 8 * lanes))
+    return d * sc, -(dmin * m)
+
+
+def _words(values, at, count) -> np.ndarray:
+    """The `count` little-endian 32-bit words at byte `at` of values."""
+    return values.reshape(-1).view(np.uint8)[at : at + 4 * count].view("<u4")
+
+
+def nibbles(values, at, shift, byte, width) -> np.ndarray:
+    """vectors._nibbles: the 4-bit values at bit 8·byte + shift of `width` words, as float32."""
+    return ((_words(values, at, width) >> (8 * byte + shift)) & 15).astype(F32)
+
+
+def dequantize_nibbles(values, at, shift, byte, scale, offset, width) -> np.ndarray:
+    """vectors._dequantize_nibbles: nibbles · scale + offset, two roundings."""
+    return nibbles(values, at, shift, byte, width) * scale[:width] + offset[:width]
+
+
+def scale_run(sums, runs, i, scale, offset, x_sum, width) -> None:
+    """vectors._scale_run: sums += scale · run, then += offset · x_sum, each fused."""
+    part = slice(i * width, (i + 1) * width)
+    sums[part] = _fused(scale[:width], runs[part], sums[part])
+    sums[part] = _fused(offset[:width], F32(x_sum), sums[part])
+
+
+def _bytes_of(xq, first, count) -> np.ndarray:
+    """The int8 bytes of `count` 32-bit words of xq from word `first`."""
+    return xq.reshape(-1)[first : first + count].view(np.int8).astype(np.int64)
+
+
+def nibble_dots(values, at, lanes, shift, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, rows, width):
+    """byte_vectors._nibble_dots: [rows · width] the run's Σ q · x̂ (integers), times each row's
+    x_scale."""
+    q = np.stack([
+        (_words(values, at + 4 * lanes * c, width)[None, :] >> (8 * np.arange(4)[:, None] + shift)) & 15
+        for c in range(8)
+    ]).astype(np.int64)  # [8 words, 4 bytes, width]
+    runs = np.empty(rows * width, F32)
+    for i in range(rows):
+        x = _bytes_of(xq, xq_at + i * xq_stride, 8).reshape(8, 4)
+        total = np.einsum("cbl,cb->l", q, x)
+        runs[i * width : (i + 1) * width] = total.astype(F32) * x_scales.reshape(-1)[xs_at + i * xs_stride]
+    return runs
+
+
+def byte_column_dots(
+    values, at, lanes, size, xq, xq_at, xq_stride, x_runs, xr_at, xr_stride,
+    scales, offsets, scale_at, sums, rows, width,
+) -> None:
+    """byte_vectors._byte_column_dots: sums (in transposed_lanes' order) += scale · (Σ_j w·xq · x_scale),
+    then += offset · Σ x, each fused, for the block's `size` columns of int8 weights."""
+    order = transposed_lanes(width)
+    flat = values.reshape(-1)
+    w = np.stack([flat[at + j * lanes : at + j * lanes + width] for j in range(size)]).astype(np.int64)
+    scale = scales.reshape(-1)[scale_at : scale_at + width][order]
+    offset = None if offsets is None else offsets.reshape(-1)[scale_at : scale_at + width][order]
+    runs = x_runs.reshape(-1)
+    for i in range(rows):
+        x = _bytes_of(xq, xq_at + i * xq_stride, size // 4)
+        run = (x @ w)[order].astype(F32) * runs[xr_at + i * xr_stride + 1]
+        part = slice(i * width, (i + 1) * width)
+        sums[part] = _fused(scale, run, sums[part])
+        if offset is not None:
+            sums[part] = _fused(offset, runs[xr_at + i * xr_stride], sums[part])
+
+
+def in_lane_order(sums, rows, width) -> None:
+    """byte_vectors.in_lane_order: each row's sums from transposed_lanes' order to the lanes' own."""
+    order = transposed_lanes(width)
+    for i in range(rows):
+        part = sums[i * width : (i + 1) * width].copy()
+        sums[i * width + np.asarray(order)] = part

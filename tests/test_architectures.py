@@ -1,0 +1,74 @@
+"""The switches that set the later architectures apart, read from their GGUFs as llama.cpp reads them
+(gemma2's windows and soft-capping, phi3's fused matrices and LongRoPE), and what adding switches
+leaves alone: the fingerprint of the models that ran before. (Their logits against llama.cpp's:
+test_llamacpp_tiny.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llama_chat.inference import load_model
+from llama_chat.inference.config import ADDED
+from llama_chat.inference.forward import rope
+from tiny_later_archs import PHI3_ROPE_DIM
+
+
+def test_gemma2_slides_its_window_on_every_other_layer(tiny_model_paths):
+    """llama.cpp's gemma2: the even layers see the last 8 positions (the tiny model's window), the odd
+    ones all; a token outside every window still changes the output, through the global layers."""
+    model = load_model(tiny_model_paths["gemma2"])
+    cfg = model.config
+    assert cfg.sliding_window == 8
+    assert [cfg.is_sliding(i) for i in range(cfg.n_layer)] == [True, False, True, False]
+    assert cfg.post_norms and cfg.embed_scale == 8.0 and cfg.ffn_act == "gelu"
+    ids = model.tokenizer.encode("hello the world is in the air and the sun and the water")
+    changed = list(ids)
+    changed[1] = model.tokenizer.encode("q")[-1]
+    assert np.abs(model.logits(ids)[-1] - model.logits(changed)[-1]).max() > 1e-4
+
+
+def test_gemma2_caps_its_logits(tiny_model_paths):
+    """Final logits pass through cap·tanh(x / cap): none reaches the GGUF's cap (8 in the tiny model,
+    whose logits reach 32 without it), and attention scores are capped at 2."""
+    model = load_model(tiny_model_paths["gemma2"])
+    assert (model.config.final_logit_softcap, model.config.attn_logit_softcap) == (8.0, 2.0)
+    logits = model.logits(model.tokenizer.encode("the hello world is in the air"))
+    assert np.abs(logits).max() < 8.0
+    assert np.abs(logits).max() > 6.0  # where tanh bends: the cap bites
+
+
+def test_phi3_reads_its_fused_matrices_and_longrope(tiny_model_paths):
+    """phi3: q/k/v in one tensor and gate/up in ffn_up, packed as they lie; RoPE on the first 12 of 16
+    channels (as Phi-4-mini's 96 of 128) with the short factors and the attention factor; the GGUF's
+    sliding window ignored, as llama.cpp ignores it; the context stops at the original length (256 of
+    the 512 the GGUF says), where the short factors hold."""
+    model = load_model(tiny_model_paths["phi3"])
+    cfg, layer = model.config, model.weights.layers[0]
+    assert layer.attn_qkv.shape == ((cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, cfg.n_embd)
+    assert layer.ffn_gate_up.shape == (2 * cfg.n_ff, cfg.n_embd)
+    assert cfg.rope_dim == PHI3_ROPE_DIM and cfg.rope_attn_factor == np.float32(1.19)
+    assert model.weights.rope_freqs.shape == (PHI3_ROPE_DIM // 2,)
+    assert cfg.sliding_window == 0
+    assert (model.metadata["phi3.context_length"], cfg.n_ctx_train) == (512, 256)
+    assert model.new_sequence(4096).n_ctx == 256
+
+
+def test_partial_rope_turns_only_the_first_channels():
+    """With n_rot of hd channels turned, the rest pass untouched, and the turned ones are a rotation
+    (scaled by the attention factor): their norm per pair is kept times it."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    turned = rope(x, np.arange(3, 8), 10000.0, True, None, n_rot=12, scale=1.5)
+    assert np.array_equal(turned[..., 12:], x[..., 12:])
+    pairs = lambda a: np.hypot(a[..., :6], a[..., 6:12])  # noqa: E731 (neox pairs: i and i + n_rot/2)
+    assert np.allclose(pairs(turned), 1.5 * pairs(x), rtol=1e-5)
+    assert np.allclose(turned[..., :12], rope(x[..., :12], np.arange(3, 8), 10000.0, True, None, scale=1.5))
+
+
+def test_the_models_that_ran_before_keep_their_fingerprints(tiny_model_paths):
+    """The fingerprint (what stored KV is keyed by) describes an added switch only where a model sets
+    it: the four architectures that ran before describe the same fields as before, so their KV stays."""
+    for arch in ("llama", "qwen2", "qwen3", "gemma3"):
+        described = load_model(tiny_model_paths[arch]).config.description()
+        assert not set(described) & ADDED
+    assert "n_expert" in load_model(tiny_model_paths["qwen3moe"]).config.description()

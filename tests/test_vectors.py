@@ -1,0 +1,282 @@
+"""The kernels' building blocks and kernels against their plain NumPy references (as ggml tests each
+`arch/x86` kernel against its `*_generic` twin): each LLVM intrinsic of vectors.py and byte_vectors.py
+against vectors_reference.py, bit for bit, and the products, inputs as bytes and attention against
+the references beside them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import gguf
+import numpy as np
+import pytest
+from numba import carray
+from numba import njit as plain_njit
+from test_kernels import raw_tensor
+
+from llama_chat.inference import activations, attention, products, quants
+from llama_chat.inference import vectors_reference as ref
+from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
+from llama_chat.inference.vectors import (
+    _dequantize_column,
+    _dequantize_nibbles,
+    _multiply_add,
+    _nibbles,
+    _q4_k_scales,
+    _registers,
+    _scale_run,
+)
+
+T = gguf.GGMLQuantizationType
+F32 = np.float32
+W = 16  # lanes an intrinsic works across in these checks (one AVX-512 register, two AVX2 ones)
+W2, W3 = 2 * W, 3 * W  # (literals for numba, as _registers wants them)
+LANES = products.LANES  # rows interleaved in the packed layouts the intrinsics read
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def floats(n: int, seed: int = 0) -> np.ndarray:
+    return rng(seed).standard_normal(n).astype(F32)
+
+
+@plain_njit
+def copy_out(registers, out):
+    view = carray(registers, out.size)
+    for k in range(out.size):
+        out[k] = view[k]
+
+
+@plain_njit
+def dequantize_column(values, scales, offsets, at, scale_at, out):
+    w = _registers(W)
+    _dequantize_column(values, scales, offsets, at, scale_at, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("kind", ["int8, scales, offsets", "int8, scales", "float32"])
+def test_a_column_is_dequantized_as_the_reference_says(kind):
+    values = rng().integers(-128, 128, 4 * LANES).astype(np.int8)
+    scales, offsets = floats(2 * LANES, 1), floats(2 * LANES, 2)
+    if kind == "float32":
+        values, scales, offsets = floats(4 * LANES, 3), None, None
+    elif kind == "int8, scales":
+        offsets = None
+    out = np.empty(W, F32)
+    dequantize_column(values, scales, offsets, 37, 5, out)
+    assert np.array_equal(out, ref.dequantize_column(values, scales, offsets, 37, 5, W))
+
+
+@plain_njit
+def multiply_add(sums, w, xj):
+    registers, column = _registers(W2), _registers(W)
+    view, weights = carray(registers, 2 * W), carray(column, W)
+    for k in range(2 * W):
+        view[k] = sums[k]
+    for k in range(W):
+        weights[k] = w[k]
+    _multiply_add(registers, 1, column, xj, W)
+    copy_out(registers, sums)
+
+
+def test_a_multiply_add_is_fused_as_the_reference_says():
+    sums, w = floats(2 * W, 1), floats(W, 2)
+    want = sums.copy()
+    ref.multiply_add(want, 1, w, F32(0.3), W)
+    multiply_add(sums, w, F32(0.3))
+    assert np.array_equal(sums, want)
+
+
+def q4_k(seed: int = 0):
+    """A Q4_K matrix of LANES rows packed in k_quants' layout."""
+    shape = (LANES, 512)
+    raw = rng(seed).integers(0, 256, (shape[0], 2 * 144), dtype=np.uint8)
+    d_dmin = (rng(seed + 1).random((shape[0] * 2, 2)) * 0.02).astype(np.float16)
+    raw.reshape(-1, 144)[:, 0:4] = d_dmin.view(np.uint8)
+    return quants.pack([(raw, T.Q4_K, shape)])
+
+
+@plain_njit
+def q4_k_scales(halves, six_bits, d_at, sc_at, lanes, scale_out, offset_out):
+    scale, offset = _registers(W), _registers(W)
+    _q4_k_scales(halves, six_bits, d_at, sc_at, lanes, scale, offset, W)
+    copy_out(scale, scale_out)
+    copy_out(offset, offset_out)
+
+
+@plain_njit
+def nibbles(values, at, byte, low, high, column):
+    w, scale, offset = _registers(W), _registers(W), _registers(W)
+    _nibbles(values, at, 0, byte, w, W)
+    copy_out(w, low)
+    _nibbles(values, at, 4, byte, w, W)
+    copy_out(w, high)
+    s, o = carray(scale, W), carray(offset, W)
+    for k in range(W):
+        s[k], o[k] = F32(0.5) + k, F32(-1) - k
+    _dequantize_nibbles(values, at, 4, byte, scale, offset, w, W)
+    copy_out(w, column)
+
+
+def test_q4_k_scales_and_nibbles_are_read_as_the_reference_says():
+    w = q4_k()
+    scale, offset = np.empty(W, F32), np.empty(W, F32)
+    q4_k_scales(w.scales, w.offsets, 2 * LANES + 3, 5 * LANES + 3, LANES, scale, offset)
+    want = ref.q4_k_scales(w.scales, w.offsets, 2 * LANES + 3, 5 * LANES + 3, LANES, W)
+    assert np.array_equal(scale, want[0]) and np.array_equal(offset, want[1])
+    s, o = F32(0.5) + np.arange(W, dtype=F32), F32(-1) - np.arange(W, dtype=F32)
+    for byte in range(4):
+        low, high, column = (np.empty(W, F32) for _ in range(3))
+        nibbles(w.values, 4 * LANES + 8, byte, low, high, column)
+        assert np.array_equal(low, ref.nibbles(w.values, 4 * LANES + 8, 0, byte, W))
+        assert np.array_equal(high, ref.nibbles(w.values, 4 * LANES + 8, 4, byte, W))
+        assert np.array_equal(column, ref.dequantize_nibbles(w.values, 4 * LANES + 8, 4, byte, s, o, W))
+
+
+@plain_njit
+def scale_run(sums, runs, scale, offset, x_sum):
+    registers, run_sums, s, o = _registers(W2), _registers(W2), _registers(W), _registers(W)
+    view, run_view = carray(registers, 2 * W), carray(run_sums, 2 * W)
+    s_view, o_view = carray(s, W), carray(o, W)
+    for k in range(2 * W):
+        view[k], run_view[k] = sums[k], runs[k]
+    for k in range(W):
+        s_view[k], o_view[k] = scale[k], offset[k]
+    _scale_run(registers, run_sums, 1, s, o, x_sum, W)
+    copy_out(registers, sums)
+
+
+def test_a_runs_scale_and_offset_are_added_as_the_reference_says():
+    sums, runs, scale, offset = floats(2 * W, 1), floats(2 * W, 2), floats(W, 3), floats(W, 4)
+    want = sums.copy()
+    ref.scale_run(want, runs, 1, scale, offset, F32(1.7), W)
+    scale_run(sums, runs, scale, offset, F32(1.7))
+    assert np.array_equal(sums, want)
+
+
+def bytes_of(n_rows: int, n_cols: int, seed: int = 5):
+    x = rng(seed).standard_normal((n_rows, n_cols)).astype(F32)
+    xq, x_runs = activations.quantize_rows(x)
+    return xq.view(np.int32), x_runs
+
+
+@plain_njit
+def nibble_dots(values, at, lanes, shift, xq, x_runs, runs_out):
+    runs = _registers(W3)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    if shift == 0:
+        _nibble_dots(values, at, lanes, 0, xq, 8, n_words, x_runs, 2 * 1 + 1, 2 * n_runs, runs, 3, W)
+    else:
+        _nibble_dots(values, at, lanes, 4, xq, 8, n_words, x_runs, 2 * 1 + 1, 2 * n_runs, runs, 3, W)
+    copy_out(runs, runs_out)
+
+
+@pytest.mark.parametrize("shift", [0, 4])
+def test_a_q4_k_runs_byte_dots_are_the_references_integers(shift):
+    w = q4_k(7)
+    xq, x_runs = bytes_of(3, 512)
+    out = np.empty(3 * W, F32)
+    at = 4 * 8 * LANES + 4 * 8  # the second run pair's words, from lane 8
+    nibble_dots(w.values, at, LANES, shift, xq, x_runs, out)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    want = ref.nibble_dots(w.values, at, LANES, shift, xq, 8, n_words, x_runs, 3, 2 * n_runs, 3, W)
+    assert np.array_equal(out, want)
+
+
+@plain_njit
+def byte_column_dots(values, xq, x_runs, scales, offsets, sums, size):
+    registers = _registers(W3)
+    view = carray(registers, 3 * W)
+    for k in range(3 * W):
+        view[k] = sums[k]
+    lanes, n_words, n_runs = values.shape[2], xq.shape[1], x_runs.shape[1]
+    at, xr_at, scale_at = 32 * lanes + 8, 2, 32 // size * lanes + 8  # columns 32… from lane 8
+    if size == 16:
+        _byte_column_dots(
+            values, at, lanes, 16, xq, 8, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at,
+            registers, 3, W,
+        )
+    else:
+        _byte_column_dots(
+            values, at, lanes, 32, xq, 8, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at,
+            registers, 3, W,
+        )
+    copy_out(registers, sums)
+    in_lane_order(registers, 3, W)
+    copy_out(registers, sums[3 * W :])
+
+
+@pytest.mark.parametrize("qtype, size", [(T.Q4_1, 32), (T.Q8_0, 32), (T.Q6_K, 16)], ids=lambda v: str(v))
+def test_an_int8_blocks_byte_dots_are_the_references(qtype, size):
+    shape = (LANES, 256)
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng(9).integers(0, 256, (shape[0], shape[1] // block_len * block_bytes), dtype=np.uint8)
+    halves = {T.Q6_K: slice(208, 210), T.Q4_1: slice(0, 4)}.get(qtype, slice(0, 2))  # d (and m)
+    blocks = raw.reshape(-1, block_bytes)
+    d = np.full((len(blocks), (halves.stop - halves.start) // 2), 0.01, np.float16)
+    blocks[:, halves] = d.view(np.uint8)
+    w = quants.pack([(raw, qtype, shape)])
+    xq, x_runs = bytes_of(3, 256)
+    sums = np.zeros(6 * W, F32)
+    sums[: 3 * W] = floats(3 * W, 1)
+    want = sums[: 3 * W].copy()
+    byte_column_dots(w.values, xq, x_runs, w.scales, w.offsets, sums, size)
+    at, scale_at = 32 * LANES + 8, LANES * (32 // size) + 8
+    ref.byte_column_dots(
+        w.values, at, LANES, size, xq, 8, xq.shape[1], x_runs, 2, 2 * x_runs.shape[1],
+        w.scales, w.offsets, scale_at, want, 3, W,
+    )
+    assert np.array_equal(sums[: 3 * W], want)
+    ref.in_lane_order(want, 3, W)
+    assert np.array_equal(sums[3 * W :], want)
+
+
+def test_quantizing_rows_is_bit_for_bit_the_references():
+    x = rng(3).standard_normal((5, 256)).astype(F32) * np.array([0, 1, 1e-3, 40, 1], F32)[:, None]
+    for got, want in zip(activations.quantize_rows(x), activations.quantize_rows_reference(x), strict=True):
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q6_K, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("inputs", ["f32", "q8"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_products_are_the_references(qtype, inputs, n):
+    shape = (96, 512)
+    w = replace(quants.pack([(raw_tensor(qtype, shape), qtype, shape)]), activations=inputs)
+    x = rng(1).standard_normal((n, shape[1])).astype(F32)
+    want = products.product_reference(x, w)
+    for product in (products.kernel_product, products.tile_product):
+        if product is products.tile_product and products.takes_bytes(w):
+            continue  # inputs as bytes run in the kernels only
+        got = product(x, w)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-6, product.__name__
+
+
+def test_one_tokens_attention_is_the_references():
+    q = floats(2 * 7 * 64, 1).reshape(2, 7, 64) * 0.5
+    k, v = (floats(2 * 900 * 64, s).reshape(2, 900, 64) for s in (2, 3))
+    runs = [(0, 300), (512, 270), (899, 1)]
+    got = attention.one_token_attention(q, k.astype(np.float16), v.astype(np.float16), runs)
+    want = attention.one_token_attention_reference(q, k.astype(np.float16), v.astype(np.float16), runs)
+    assert np.abs(got - want).max() <= 1e-5
+
+
+def test_the_building_blocks_are_the_references_under_the_avx2_profile():
+    """The byte kernels' AVX2 instructions (vpmaddubsw, vpsignb) and its 8-float vectors, on any x86
+    machine: these checks again in a process compiled for a Haswell (its own kernel cache folder)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
+    env["NUMBA_CPU_NAME"] = "haswell"
+    checks = "column or fused or nibbles or scale or byte_dots or quantizing"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]

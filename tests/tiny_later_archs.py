@@ -1,0 +1,66 @@
+"""The layers and keys of the tiny models of the architectures added later (qwen3moe, gemma2, phi3), as
+llama.cpp's converter writes them (gguf-py's MODEL_TENSORS), with the switches that set each apart set
+so that they show: experts chosen per token, soft-capping that bites, partial RoPE with LongRoPE
+factors and an attention factor, a sliding window that phi3 must ignore (tests/tiny_models.py writes
+the rest)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+LATER_ARCHS = ("qwen3moe", "gemma2", "phi3")
+N_EXPERT, N_EXPERT_USED, N_FF_EXP = 8, 2, 32
+PHI3_ROPE_DIM = 12  # of 16 channels a head, as Phi-4-mini turns 96 of 128
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def later_metadata(w: gguf.GGUFWriter, arch: str, context_length: int) -> None:
+    if arch == "qwen3moe":
+        w.add_expert_count(N_EXPERT)
+        w.add_expert_used_count(N_EXPERT_USED)
+        w.add_expert_feed_forward_length(N_FF_EXP)
+    elif arch == "gemma2":  # (Gemma 2's own are 50 and 30: far above a tiny model's logits)
+        w.add_attn_logit_softcapping(2.0)
+        w.add_final_logit_softcapping(8.0)
+    elif arch == "phi3":
+        w.add_rope_dimension_count(PHI3_ROPE_DIM)
+        w.add_rope_scaling_attn_factors(1.19)  # Phi-3.5-mini's: sqrt(1 + ln 32 / ln 4096)
+        w.add_rope_scaling_orig_ctx_len(context_length)
+
+
+def later_layers(arch: str, w: gguf.GGUFWriter, rng, tensor, norm, attention, dims) -> None:
+    """The layers, with tiny_models' writers: `attention(prefix)` writes a layer's norm, q, k, v and
+    output as every architecture before these has them."""
+    n_layer, n_embd, q_dim, kv_dim, head_dim, n_ff = dims
+    if arch == "phi3":
+        half = PHI3_ROPE_DIM // 2
+        w.add_tensor("rope_factors_short.weight", (1.0 + rng.random(half)).astype(np.float32))
+        w.add_tensor("rope_factors_long.weight", (4.0 + 8.0 * rng.random(half)).astype(np.float32))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        if arch == "phi3":  # q, k and v in one tensor
+            norm(p + "attn_norm.weight", n_embd)
+            tensor(p + "attn_qkv.weight", (q_dim + 2 * kv_dim, n_embd))
+            tensor(p + "attn_output.weight", (n_embd, q_dim))
+        else:
+            attention(p)
+        if arch == "qwen3moe":
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
+        if arch == "gemma2":
+            norm(p + "post_attention_norm.weight", n_embd)
+        norm(p + "ffn_norm.weight", n_embd)
+        if arch == "qwen3moe":
+            tensor(p + "ffn_gate_inp.weight", (N_EXPERT, n_embd))
+            tensor(p + "ffn_gate_exps.weight", (N_EXPERT, N_FF_EXP, n_embd), quant=Q8_0)
+            tensor(p + "ffn_up_exps.weight", (N_EXPERT, N_FF_EXP, n_embd))
+            tensor(p + "ffn_down_exps.weight", (N_EXPERT, n_embd, N_FF_EXP), quant=Q8_0)
+        elif arch == "phi3":  # gate and up in one tensor, gate first
+            tensor(p + "ffn_up.weight", (2 * n_ff, n_embd), quant=Q8_0)
+            tensor(p + "ffn_down.weight", (n_embd, n_ff))
+        else:
+            tensor(p + "ffn_gate.weight", (n_ff, n_embd), quant=Q8_0)
+            tensor(p + "ffn_up.weight", (n_ff, n_embd))
+            tensor(p + "ffn_down.weight", (n_embd, n_ff))
+            norm(p + "post_ffw_norm.weight", n_embd)
