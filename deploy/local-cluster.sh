@@ -7,7 +7,7 @@
 #       starts it; the last line printed is the balancer's base URL, once every server answers
 #       /health. OPTIONS go to every `llama-chat serve` (e.g. --threads 1 --block-size 16).
 #   deploy/local-cluster.sh --add-server [--dir DIR]
-#       one server more, with the same options; the balancer is reloaded and keeps its table.
+#       one server more, with the same options, added to the running balancer (which keeps its table).
 #   deploy/local-cluster.sh --stop [--dir DIR]
 #       ends what the start began (by its pid files) and frees every port it took.
 #
@@ -71,9 +71,7 @@ end() {  # end PIDFILE WORD SECONDS: SIGTERM, then SIGKILL after SECONDS; the pi
 
 stop() {
     [[ -d $DIR/pids ]] || { say "nothing started in $DIR"; return 0; }
-    for pidfile in "$DIR"/pids/haproxy*.pid; do  # (and one a reload left finishing its connections)
-        [[ -e $pidfile ]] && end "$pidfile" haproxy 10
-    done
+    end "$DIR/pids/haproxy.pid" haproxy 10
     for pidfile in "$DIR"/pids/s[0-9]*.pid; do
         [[ -e $pidfile ]] && end "$pidfile" serve 40 &  # each drains its replies (--drain-seconds)
     done
@@ -189,17 +187,11 @@ admin() {  # admin COMMANDS: HAProxy's answer on its runtime API (commands separ
     { exec 3<>"/dev/tcp/127.0.0.1/$port" && printf '%s\n' "$1" >&3 && cat <&3; } 2>/dev/null || true
 }
 
-table_of() {  # table_of PID: the entries in the affinity table, once the process PID answers
-    admin "show info; show table llama-chat" | awk -v pid="$1" '
-        /^Pid: / { ours = ($2 == pid) }
-        ours && /^# table: llama-chat/ { sub(/.*used:/, ""); print $1 + 0 }'
-}
-
-balancer() {  # balancer [haproxy options...]: HAProxy on DIR/haproxy.cfg with the ports of DIR/balancer
+balancer() {  # HAProxy on DIR/haproxy.cfg with the ports of DIR/balancer
     local port peer
     read -r port peer _ <"$DIR/balancer"
     LLAMA_BALANCER_BIND=127.0.0.1:$port LLAMA_BALANCER_PEER=127.0.0.1:$peer \
-        haproxy -f "$DIR/haproxy.cfg" -L local -D -p "$DIR/pids/haproxy.pid" "$@" 2>>"$DIR/logs/haproxy.log" \
+        haproxy -f "$DIR/haproxy.cfg" -L local -D -p "$DIR/pids/haproxy.pid" 2>>"$DIR/logs/haproxy.log" \
         || die "haproxy did not start: $DIR/logs/haproxy.log"
     echo "http://127.0.0.1:$port"
 }
@@ -243,24 +235,24 @@ start() {
 
 add_server() {
     [[ -s $DIR/servers ]] && alive "$DIR/pids/haproxy.pid" haproxy || die "no cluster runs in $DIR"
-    local n port
+    local n port reply
     n=$(($(wc -l <"$DIR/servers") + 1))
     port=$(free_ports 1)
     start_server "s$n" "$port"
     wait_ready
-    write_balancer
-    local old entries new entries_new
-    old=$(<"$DIR/pids/haproxy.pid")
-    entries=$(table_of "$old")
-    mv "$DIR/pids/haproxy.pid" "$DIR/pids/haproxy-$old.pid"  # it finishes its connections, then exits
-    balancer -sf "$old"  # the new process takes the table from the old one (the local peer)
-    new=$(<"$DIR/pids/haproxy.pid")
-    for ((t = 0; t < 100; t++)); do  # until it has: else the next turns would be hashed anew
-        entries_new=$(table_of "$new")
-        ((${entries_new:-0} >= ${entries:-0})) && return
+    write_balancer  # the file says what runs, for HAProxy's next start
+    # Into the running HAProxy through its runtime API, not by a reload: its table of which server
+    # holds which conversation stays whole. (A server added so takes no default-server line.)
+    reply=$(admin "add server llama-chat/s$n 127.0.0.1:$port check inter 1s fall 3 rise 2")
+    [[ $reply == *"New server registered"* ]] || die "haproxy did not take s$n: $reply"
+    admin "enable health llama-chat/s$n" >/dev/null
+    admin "enable server llama-chat/s$n" >/dev/null
+    for ((t = 0; t < 100; t++)); do  # until its checks find it up
+        admin "show servers state llama-chat" | awk -v s="s$n" '$4 == s && $6 == 2 { up = 1 } END { exit !up }' \
+            && break
         sleep 0.1
     done
-    say "the new balancer has not taken the old one's table: turns may move once"
+    echo "http://127.0.0.1:$(cut -d' ' -f1 "$DIR/balancer")"
 }
 
 case $ACTION in
