@@ -64,7 +64,8 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         choices=ACTIVATIONS,
         default=default(None),
         help="what matrix products take their inputs as (default f32: exactly as computed; q8: bytes, "
-        "a scale per 32, as llama.cpp: faster prompts, logits within ~1%%, replies may differ)",
+        "a scale per 32, as llama.cpp: faster prompts, logits within ~1%%, replies may differ; mixed: "
+        "bytes only for inputs that come from a norm, nearer the exact model than llama.cpp)",
     )
     group.add_argument(
         "--kv-codec",

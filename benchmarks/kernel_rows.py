@@ -27,7 +27,11 @@ MATRICES = {
     "ffn_gate_up": (9728, 896, "Q5_0"),
     "ffn_down": (896, 4864, "Q4_K"),
     "output": (151936, 896, "Q8_0"),
+    # a 7B's (Qwen2-7B Q4_K_M): larger than the L2, as decode reads them
+    "7b_ffn_gate_up": (37888, 3584, "Q4_K"),
+    "7b_ffn_down": (3584, 18944, "Q6_K"),
 }
+DEFAULT_MATRICES = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down", "output")
 ROWS = (1, 2, 4, 8, 32, 64)
 # numba's AVX2 target: haswell, and the features of an AVX2 machine (no AVX-512), on any x86 host.
 AVX2_ENV = {
@@ -49,7 +53,11 @@ def time_product(product, x, w, clock=time.perf_counter, budget_s: float = 0.4, 
     return best
 
 
-def measure(rows: tuple[int, ...], names: list[str], clock=time.perf_counter) -> dict:
+def measure(
+    rows: tuple[int, ...], names: list[str], clock=time.perf_counter, activations: str = "f32"
+) -> dict:
+    from dataclasses import replace
+
     import gguf
     import numba
     import numpy as np
@@ -58,13 +66,14 @@ def measure(rows: tuple[int, ...], names: list[str], clock=time.perf_counter) ->
 
     kernels.blas_on_one_thread(True)  # as in a step of the kernels
     profile = f"{numba.config.CPU_NAME or 'host'} LANES={kernels.LANES} ROWS={kernels.ROWS}"
+    profile += f", inputs {activations}"
     results = {"profile": profile, "matrices": {}}
     for name in names:
         n_rows, n_cols, type_name = MATRICES[name]
         qtype = gguf.GGMLQuantizationType[type_name]
         block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = np.zeros((n_rows, n_cols // block_len * block_bytes), np.uint8)
-        w = quants.pack([(raw, qtype, (n_rows, n_cols))])
+        w = replace(quants.pack([(raw, qtype, (n_rows, n_cols))]), activations=activations)
         table = {}
         for n in rows:
             x = np.zeros((n, n_cols), np.float32)
@@ -88,24 +97,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=("both", "native", "avx2"), default="both")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="input row counts, comma-separated")
-    parser.add_argument("--matrices", default=",".join(MATRICES), help="of: " + ", ".join(MATRICES))
+    parser.add_argument("--matrices", default=",".join(DEFAULT_MATRICES), help="of: " + ", ".join(MATRICES))
     parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time by the process's CPU time (all threads together): on a busy machine, with "
         "NUMBA_NUM_THREADS=1, what a product costs without the time other processes take the core",
     )
+    parser.add_argument("--activations", choices=("f32", "q8"), default="f32", help="the products' inputs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = tuple(int(n) for n in args.rows.split(","))
     names = args.matrices.split(",")
     if args.profile != "both":
-        results = measure(rows, names, time.process_time if args.cpu_time else time.perf_counter)
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        results = measure(rows, names, clock, args.activations)
         print(json.dumps(results) if args.json else print_table(results) or "", flush=True)
         return
     for profile, extra in (("native", {}), ("avx2", AVX2_ENV)):
         argv = [sys.executable, __file__, "--profile", profile, "--rows", args.rows]
-        argv += ["--matrices", args.matrices]
+        argv += ["--matrices", args.matrices, "--activations", args.activations]
+        argv += ["--cpu-time"] if args.cpu_time else []
         subprocess.run([*argv, *(["--json"] if args.json else [])], env={**os.environ, **extra}, check=True)
 
 

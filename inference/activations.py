@@ -3,7 +3,8 @@
 "f32": as computed, exactly. "q8": each row quantized to bytes with a scale for each run of 32 columns,
 as llama.cpp multiplies (its q8 inputs): the byte kernels (byte_vectors.py) then add up four products
 of bytes in one 32-bit lane of an instruction, within ~0.5 % of the exact products
-(docs/performance.md, "Inputs as bytes").
+(docs/performance.md, "Inputs as bytes"). "mixed": bytes where a product's inputs come straight from
+a norm (NORMED_INPUTS), float32 for the others.
 """
 
 from __future__ import annotations
@@ -13,11 +14,25 @@ import numpy as np
 from .cpu import PROFILE
 from .jit import njit, prange
 
-ACTIVATIONS = ("f32", "q8")
+ACTIVATIONS = ("f32", "q8", "mixed")
 F32 = np.float32
+# The matrices whose inputs come straight from an RMS norm, where no channel stands far above the rest:
+# bytes with a scale per 32 columns keep them well. The others' inputs (attention's mix of values, the
+# FFN's gated product) carry a few channels far above the rest, and a run's scale set by one of those
+# rounds its small neighbours away: under "mixed" they stay float32, which keeps the logits nearer the
+# exact model's than llama.cpp's on every reference text (docs/benchmarks.md).
+NORMED_INPUTS = ("attn_qkv", "ffn_gate_up", "output")
 # Input numbers from which quantize_rows runs on numba's threads: below it, waking them costs more than
 # the rows take.
 QUANTIZE_IN_PARALLEL_FROM = PROFILE.quantize_in_parallel_from
+
+
+def inputs_of(activations: str, matrix: str) -> str:
+    """What one matrix's products take as inputs, "f32" or "q8", under a model's `activations`; `matrix`
+    is its name in the packed file ("output", "blk.3.ffn_down", "blk.0.attn_qkv#1")."""
+    if activations != "mixed":
+        return activations
+    return "q8" if matrix.rpartition(".")[2].partition("#")[0] in NORMED_INPUTS else "f32"
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -65,6 +65,15 @@ class Weights:
     rope_freqs: np.ndarray | None = None  # [n_rot/2] per-frequency factors (llama 3; phi3's LongRoPE)
     activations: str = "f32"  # what its products take their inputs as (kernels.ACTIVATIONS)
 
+    def matrices(self) -> list[PackedMatrix | StackedMatrix]:
+        """Every weight matrix the forward pass multiplies (a mixture's router and experts included)."""
+        found = [self.output]
+        for layer in self.layers:
+            found += [layer.attn_qkv, layer.attn_output, layer.ffn_gate_up, layer.ffn_down]
+            if layer.experts is not None:
+                found += [layer.experts.router, *layer.experts.gate_up, *layer.experts.down]
+        return [m for m in found if m is not None]
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # x [..., n]; mean over the last axis in float32 (np.float32 eps keeps NumPy from promoting), as

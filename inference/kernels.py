@@ -61,9 +61,9 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
 
 def use_blas_threads_for(rows: int, activations: str = "f32") -> None:
     """Before a forward step of `rows` rows of a model with these activations: BLAS on one thread for a
-    step of the kernels (any step where inputs go as bytes), else on all it started with (in a long
+    step of the kernels (any step where all inputs go as bytes), else on all it started with (in a long
     prefill through the kernels too, BLAS's spinning threads would take the cores from them)."""
-    blas_on_one_thread(activations != "f32" or kernels_take(rows))
+    blas_on_one_thread(activations == "q8" or kernels_take(rows))
 
 
 def attention_threads(rows: int, positions: int) -> int:

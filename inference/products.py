@@ -152,20 +152,16 @@ def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, s
 
 @njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
 def _group_product(values, scales, offsets, x, x_sums, out, g):
-    """Columns g·L … g·L + L - 1 of out = x @ w.T: one or two rows alone across all LANES, else ROWS
-    rows at a time (x is padded to a multiple of ROWS) across PASS_LANES lanes at a time."""
+    """Columns g·L … g·L + L - 1 of out = x @ w.T: one row alone across all LANES, else ROWS rows at a
+    time (x is padded to a multiple of ROWS) across PASS_LANES lanes at a time."""
     registers, runs = _registers(SUMS), _registers(SUMS)
     w = _registers(LANES)
     n = out.shape[0]
-    if n <= 2:  # one token decoded alone, or two replies: no padded rows to compute
-        sums = carray(registers, (2, LANES))
-        if n == 1:
-            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
-        else:
-            _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES, True)
-        for i in range(n):
-            for r in range(LANES):
-                out[i, g * LANES + r] = sums[i, r]
+    if n == 1:  # one token decoded alone: no padded rows to compute
+        _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
+        sums = carray(registers, LANES)
+        for r in range(LANES):
+            out[0, g * LANES + r] = sums[r]
         return
     sums = carray(registers, (ROWS, PASS_LANES))
     for i0 in range(0, n, ROWS):
@@ -179,12 +175,32 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
                     out[i0 + i, g * LANES + lane0 + r] = sums[i, r]
 
 
+@njit(cache=True)
+def _two_row_group_product(values, scales, offsets, x, x_sums, out, g):
+    """_group_product of two rows (two replies decoded together, a draft of one token verified): both
+    across all LANES, no padded rows. A function of its own, compiled after a first start's load (no
+    first reply waits on it: compile_two_rows)."""
+    registers, runs = _registers(SUMS), _registers(SUMS)
+    w = _registers(LANES)
+    _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES, True)
+    sums = carray(registers, (2, LANES))
+    for i in range(2):
+        for r in range(LANES):
+            out[i, g * LANES + r] = sums[i, r]
+
+
 @njit(cache=True, parallel=True)
 def _product(values, scales, offsets, x, x_sums, out):
     for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
         # (g as int64: numba types a parallel loop's index both signed and unsigned, and a uint64 g
         # would compile _group_product a second time, seconds of a first start)
         _group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+
+
+@njit(cache=True, parallel=True)
+def _two_row_product(values, scales, offsets, x, x_sums, out):
+    for g in prange(values.shape[0]):
+        _two_row_group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
 
 
 @njit(cache=True)
@@ -235,13 +251,27 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((n, n_groups * LANES), dtype=F32)
     if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
         x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
+    product = _two_row_product if n == 2 else _product
     if takes_bytes(w):
         xq, x_runs = quantize_rows(x)
-        _product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
+        product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
     else:
         x_sums = k_quants.run_sums(x) if w.in_q4_k else None
-        _product(w.values, w.scales, w.offsets, x, x_sums, out)
+        product(w.values, w.scales, w.offsets, x, x_sums, out)
     return out[:, : w.n_rows]
+
+
+def compile_two_rows(matrices) -> None:
+    """The two-row products of these matrices' kinds (and input types), compiled or loaded from the cache:
+    what a first start leaves to a thread of its own, as no first reply multiplies two rows at once (a
+    call that comes first waits for numba's compiler lock and runs what it compiled)."""
+    done = set()
+    for matrix in matrices:
+        for w in getattr(matrix, "parts", [matrix]):
+            kind = (w.values.dtype, w.scales is None, w.offsets is None, takes_bytes(w))
+            if kind not in done:
+                done.add(kind)
+                kernel_product(np.zeros((2, w.n_cols), F32), w)
 
 
 _scratch = threading.local()

@@ -23,7 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -315,16 +315,17 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
     kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
-def compile_kernels(progress=None, matrices=None, activations: str = "f32") -> float:
+def compile_kernels(progress=None, matrices=None, activations: str = "f32", inputs=None) -> float:
     """Compile (first start) or load from the cache (later starts) the kernels that the model's
     `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
     attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no reply waits
-    on the compiler: each signature once, on a tiny example, progress told after each. A model's
-    attention kernel is not among them: nothing before KERNEL_ATTENTION_FROM cached positions calls it
-    (compile_attention). Returns the seconds it took."""
+    on the compiler: each signature once, on a tiny example, progress told after each. `inputs`: what
+    each of `matrices` takes as inputs, "f32" or "q8" (activations.inputs_of); None: `activations` for
+    all. A model's attention kernel is not among them: nothing before KERNEL_ATTENTION_FROM cached
+    positions calls it (compile_attention). Returns the seconds it took."""
     t0 = time.perf_counter()
-    steps = _compile_steps(matrices, activations)
-    cached = all(in_cache(k) for k in (_unpack_blocks, _interleave_rows, *kernels.COMPILED))
+    steps, float_kinds = _compile_steps(matrices, activations, inputs)
+    cached = all(in_cache(k) for k in kernels.COMPILED)
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     for i, (what, compile_one) in enumerate(steps):
         if progress:
@@ -332,19 +333,33 @@ def compile_kernels(progress=None, matrices=None, activations: str = "f32") -> f
         compile_one()
     if progress:
         progress(label, len(steps), len(steps))
+    if not float_kinds:  # every product takes bytes: the kernels at any size, no crossover to BLAS
+        return time.perf_counter() - t0
     kernels.use_blas_from(measured_blas_from(progress))
-    if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these formats
-        for what, compile_one in _tile_steps(matrices):
+    if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these kinds
+        for what, compile_one in _tile_steps(float_kinds):
             if progress:
                 progress(f"{label}: {what}", len(steps), len(steps))
             compile_one()
     return time.perf_counter() - t0
 
 
-def _example(qtype: Q, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
-    block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    w = pack([(np.zeros((shape[0], shape[1] // block_len * block_bytes), np.uint8), qtype, shape)])
-    return replace(w, activations=activations)
+def _example(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
+    """A matrix of a format (or of formats joined in one), all zeros, laid out as pack lays it out but
+    not packed (the unpacking loops compile only where a model is packed)."""
+    formats = {formats} if isinstance(formats, Q) else set(formats)
+    arrays = (None if a is None else np.zeros(*a) for a in layout(formats, *shape))
+    return PackedMatrix(*arrays, n_rows=shape[0], activations=activations)
+
+
+def _parts(formats) -> list[set]:
+    """The formats of each part that pack makes of a matrix of these formats (None: one of each kind)."""
+    if formats is None:
+        return [{qtype} for qtype in KINDS]
+    formats = {formats} if isinstance(formats, Q) else set(formats)
+    if Q.Q4_K in formats and len(kinds_of(formats)) > 1:  # its Q4_K rows a part of their own
+        return [{Q.Q4_K}, formats - {Q.Q4_K}]
+    return [formats]
 
 
 def _kinds(matrices) -> list[tuple[str, Q]]:
@@ -356,20 +371,33 @@ def _kinds(matrices) -> list[tuple[str, Q]]:
     return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 
-def _compile_steps(matrices, activations: str = "f32") -> list[tuple[str, Callable[[], object]]]:
-    kinds = _kinds(matrices)
-    steps = [("unpacking", partial(_example, Q.Q8_0))] if any(q != Q.F32 for _, q in kinds) else []
-    steps += [(what, partial(_multiply_example, qtype)) for what, qtype in kinds]
-    if activations != "f32":
+def _compile_steps(matrices, activations: str = "f32", inputs=None) -> tuple[list, list[tuple[str, Q]]]:
+    """The steps that compile what `matrices` take, and the kinds among them with float32 inputs. A kind
+    whose matrices all take bytes needs no float32 kernel ("mixed" without `inputs`: either, for all).
+    The unpacking loops are not among them: they compile where a model is packed, its first start."""
+    entries = [None] if matrices is None else matrices
+    takes = [activations] * len(entries) if inputs is None else inputs
+    float_kinds, byte_kinds = set(), set()
+    for formats, taken in zip(entries, takes, strict=True):
+        for part in _parts(formats):
+            kind = kind_of(part)
+            bytes_too = taken != "f32" and kernels.takes_bytes(_example(part, activations="q8"))
+            if bytes_too:
+                byte_kinds.add(kind)
+            if not bytes_too or taken == "mixed" or matrices is None:
+                float_kinds.add(kind)
+    floats = [(what, qtype) for what, qtype in _kinds(None) if what in float_kinds]
+    steps = [(what, partial(_multiply_example, qtype)) for what, qtype in floats]
+    if byte_kinds:
         steps += [("inputs as bytes", kernels.compile_quantize)]
         steps += [
-            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations=activations))
-            for what, qtype in kinds
-            if kernels.takes_bytes(_example(qtype, activations=activations))
+            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations="q8"))
+            for what, qtype in _kinds(None)
+            if what in byte_kinds
         ]
     if matrices is None:
         steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
-    return steps
+    return steps, floats
 
 
 def compile_attention(dtype) -> None:
@@ -380,10 +408,10 @@ def compile_attention(dtype) -> None:
     kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
 
 
-def _tile_steps(matrices) -> list[tuple[str, Callable[[], object]]]:
+def _tile_steps(kinds) -> list[tuple[str, Callable[[], object]]]:
     return [
         (f"{what}, tiles for BLAS", partial(_multiply_example, qtype, kernels.tile_product))
-        for what, qtype in _kinds(matrices)
+        for what, qtype in kinds
     ]
 
 
@@ -435,9 +463,8 @@ def measure_blas_from(repeats: int = 5) -> int | None:
     (the best of `repeats` interleaved runs each), or None when the kernels win at the largest. Sizes
     are timed from the largest down, up to the first the kernels win: the smaller ones could not change
     the answer (timing all four took 6.5 s of CPU of a first start here, the largest alone half)."""
-    n_rows, n_cols = CROSSOVER_SHAPE
-    block_len, block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_0]
-    w = pack([(np.zeros((n_rows, n_cols // block_len * block_bytes), np.uint8), Q.Q8_0, CROSSOVER_SHAPE)])
+    n_cols = CROSSOVER_SHAPE[1]
+    w = _example(Q.Q8_0, CROSSOVER_SHAPE)
     blas_from = None
     for n in reversed(CROSSOVER_ROWS):
         if not _blas_wins(np.zeros((n, n_cols), F32), w, repeats):

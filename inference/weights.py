@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from . import kernels, packed_file, quants
+from .activations import inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig, read_config
 from .errors import ModelError
@@ -62,12 +63,20 @@ class Prepared:
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
         """The GGUF types of each matrix the kernels multiply (q/k/v and gate/up each one matrix of
         their parts' types): what the kernels must be compiled for."""
-        formats = set()
-        for _, parts, _ in matrix_plan(self.config, self.tensors):
+        return sorted({formats for formats, _ in self.matrix_kinds})
+
+    @property
+    def matrix_kinds(self) -> list[tuple[tuple[gguf.GGMLQuantizationType, ...], str]]:
+        """matrix_formats, each with what its matrix's products take as inputs ("f32" or "q8") under the
+        model's activations (activations.inputs_of): the kernels a first start compiles."""
+        kinds = set()
+        for name, parts, _ in matrix_plan(self.config, self.tensors):
             names = {self.tensors[n].type_name for n in (tensor_of(p)[0] for p in parts) if n in self.tensors}
             known = sorted(n for n in names if n in gguf.GGMLQuantizationType.__members__)
-            formats.add(tuple(gguf.GGMLQuantizationType[n] for n in known))
-        return sorted(formats - {()})
+            if known:
+                formats = tuple(gguf.GGMLQuantizationType[n] for n in known)
+                kinds.add((formats, inputs_of(self.activations, name)))
+        return sorted(kinds)
 
     @property
     def fingerprint(self) -> str:
@@ -150,7 +159,8 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
     and one for gate/up."""
     path, cfg = info.path, info.config
-    quants.compile_kernels(progress, info.matrix_formats, info.activations)
+    kinds = info.matrix_kinds
+    quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
     gguf_file = GGUFTensors(info)
     check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)
@@ -172,7 +182,9 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     else:
         matrices = dict(pack_all())
     if info.activations != "f32":
-        matrices = {name: replace(m, activations=info.activations) for name, m in matrices.items()}
+        matrices = {
+            name: replace(m, activations=inputs_of(info.activations, name)) for name, m in matrices.items()
+        }
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(

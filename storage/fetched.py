@@ -1,5 +1,6 @@
 """Reading the remote tier, and what it sent waiting in RAM: blocks until a snapshot stores them in
-SQLite, tails until a resume takes them. Only a cache: what is forgotten is read again or recomputed."""
+SQLite, tails until a resume takes them, each under its namespace (a tenant's, or None: the blocks
+every session shares). Only a cache: what is forgotten is read again or recomputed."""
 
 from __future__ import annotations
 
@@ -17,14 +18,18 @@ MAX_FETCHED_BYTES = 256 << 20
 MAX_FETCHED_TAILS = 64
 
 
+Named = tuple[bytes | None, bytes]  # (namespace, prefix key or tail key)
+
+
 class Fetched:
-    """Blocks by prefix key and tails by tail key, read from the remote tier. Thread-safe: snapshots are
-    stored off the scheduler's thread, reads happen on the threads that submit replies."""
+    """Blocks by namespace and prefix key, tails by namespace and tail key, read from the remote tier.
+    Thread-safe: snapshots are stored off the scheduler's thread, reads happen on the threads that
+    submit replies."""
 
     def __init__(self, max_bytes: int = MAX_FETCHED_BYTES, max_tails: int = MAX_FETCHED_TAILS):
         self.max_bytes, self.max_tails = max_bytes, max_tails
-        self.blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
-        self.tails: OrderedDict[bytes, StoredBlock] = OrderedDict()
+        self.blocks: OrderedDict[Named, StoredBlock] = OrderedDict()
+        self.tails: OrderedDict[Named, StoredBlock] = OrderedDict()
         self._lock = threading.Lock()
 
     def read(
@@ -34,11 +39,13 @@ class Fetched:
         tail: tuple[bytes, tuple[int, ...]] | None,
         codec: str,
         prefill_tok_s: float,
+        namespace: bytes | None = None,
     ) -> tuple[str, int]:
-        """Blocks (prefix key, tokens) RAM and SQLite lack, in order, read in one round trip when the
-        tier's measured round trips and bytes per second beat computing them at `prefill_tok_s`, and kept
-        here; the tail (tail key, tokens) after them rides along (alone where no block is missing).
-        Returns the choice ("fetch", "compute"; "local": no block was missing) and the tokens read."""
+        """Blocks (prefix key, tokens) of the namespace RAM and SQLite lack, in order, read in one round
+        trip when the tier's measured round trips and bytes per second beat computing them at
+        `prefill_tok_s`, and kept here; the tail (tail key, tokens) after them rides along (alone where no
+        block is missing). Returns the choice ("fetch", "compute"; "local": no block was missing) and the
+        tokens read."""
         if missing:
             n_bytes, n_tokens = remote.estimated_bytes(len(missing)), sum(len(t) for _, t in missing)
             if not remote.worth_fetching(len(missing), n_bytes, prefill_tok_s, n_tokens):
@@ -47,45 +54,45 @@ class Fetched:
             return "local", 0
         # a round trip after an 11 MB answer takes ~20 ms on loopback every other time (and one more RTT
         # on a real link): the tail, the last thing a returning conversation needs, comes with the blocks
-        blocks = remote.fetch_run([*missing, *([tail] if tail else [])], codec)
+        blocks = remote.fetch_run([*missing, *([tail] if tail else [])], codec, namespace)
         found = []
         for block in blocks[: len(missing)]:
             if block is None:
                 break  # the pool stops at the first missing block anyway
             found.append(block)
-        self.keep_blocks(found)
+        self.keep_blocks(found, namespace)
         if tail is not None and blocks[-1] is not None:
-            self.keep_tail(tail[0], blocks[-1])
+            self.keep_tail(tail[0], blocks[-1], namespace)
         return "fetch" if missing else "local", sum(block.n_tokens for block in found)
 
-    def block(self, key: bytes) -> StoredBlock | None:
+    def block(self, key: bytes, namespace: bytes | None = None) -> StoredBlock | None:
         with self._lock:
-            return self.blocks.get(key)
+            return self.blocks.get((namespace, key))
 
-    def keep_blocks(self, blocks: Sequence[StoredBlock]) -> None:
+    def keep_blocks(self, blocks: Sequence[StoredBlock], namespace: bytes | None = None) -> None:
         with self._lock:
             for block in blocks:
-                self.blocks[block.key] = block
-                self.blocks.move_to_end(block.key)
+                self.blocks[namespace, block.key] = block
+                self.blocks.move_to_end((namespace, block.key))
             total = sum(len(b.data) for b in self.blocks.values())
             while total > self.max_bytes:
                 total -= len(self.blocks.popitem(last=False)[1].data)
 
-    def forget(self, keys: Sequence[bytes]) -> None:
+    def forget(self, keys: Sequence[bytes], namespace: bytes | None = None) -> None:
         with self._lock:
             for key in keys:
-                self.blocks.pop(key, None)
+                self.blocks.pop((namespace, key), None)
 
-    def keep_tail(self, key: bytes, tail: StoredBlock) -> None:
+    def keep_tail(self, key: bytes, tail: StoredBlock, namespace: bytes | None = None) -> None:
         with self._lock:
-            self.tails[key] = tail
+            self.tails[namespace, key] = tail
             while len(self.tails) > self.max_tails:
                 self.tails.popitem(last=False)
 
-    def has_tail(self, key: bytes) -> bool:
+    def has_tail(self, key: bytes, namespace: bytes | None = None) -> bool:
         with self._lock:
-            return key in self.tails
+            return (namespace, key) in self.tails
 
-    def take_tail(self, key: bytes) -> StoredBlock | None:
+    def take_tail(self, key: bytes, namespace: bytes | None = None) -> StoredBlock | None:
         with self._lock:
-            return self.tails.pop(key, None)
+            return self.tails.pop((namespace, key), None)

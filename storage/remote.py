@@ -1,11 +1,12 @@
 """The remote KV tier: full blocks shared by every server through Redis (or Valkey), signed with a secret.
 
 It sits under RAM and SQLite. A block stored locally is also written here, in the background; a block
-missing from both lower tiers is looked for here. A block read back is used only when its HMAC-SHA256
-(over its Redis key, its token ids, its checksum and its bytes) proves a holder of the secret wrote it,
-its token ids are the ones its prefix key stands for, and its checksum holds. Anything else — a dead,
-slow, flushed or lying server, an evicted or altered block — is a miss: the block is recomputed, and
-nothing held locally is touched.
+missing from both lower tiers is looked for here. A namespace's blocks (a tenant's: vLLM's cache_salt)
+have names and a signing key of their own, so no block of one is ever read as another's. A block read
+back is used only when its HMAC-SHA256 (over its Redis key, its token ids, its checksum and its bytes)
+proves a holder of the secret wrote it, its token ids are the ones its prefix key stands for, and its
+checksum holds. Anything else — a dead, slow, flushed or lying server, an evicted or altered block — is
+a miss: the block is recomputed, and nothing held locally is touched.
 
 The URLs it takes and the connections it makes are remote_wire.py's. Bound it on the server side with
 `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`; every block is also written with a TTL
@@ -124,29 +125,47 @@ class RemoteTier:
 
     # -- names and signatures ----------------------------------------------------------------------
 
-    def block_name(self, key: bytes, codec: str) -> bytes:
-        """A block's Redis key: the model, the codec and its prefix key (which hashes every token before
-        it and its own); one model's blocks under one codec are found under one pattern."""
-        return f"{KEY_PREFIX}:{self.fingerprint}:{codec}:{key.hex()}".encode()
+    def block_name(self, key: bytes, codec: str, namespace: bytes | None = None) -> bytes:
+        """A block's Redis key: the model, the codec, its namespace (none: the blocks every server's
+        sessions share) and its prefix key (which hashes every token before it and its own); one
+        model's blocks under one codec are found under one pattern."""
+        where = "" if namespace is None else namespace.hex() + ":"
+        return f"{KEY_PREFIX}:{self.fingerprint}:{codec}:{where}{key.hex()}".encode()
 
-    def _mac(self, name: bytes, body: bytes) -> bytes:
-        return hmac.new(self.secret, struct.pack("<I", len(name)) + name + body, hashlib.sha256).digest()
+    def signing_key(self, namespace: bytes | None) -> bytes:
+        """The secret for the shared blocks; for a namespace's, a key derived from it (HKDF's extract
+        step), so a block signed for one namespace is no block of another's, whatever its name."""
+        if namespace is None:
+            return self.secret
+        return hmac.new(self.secret, b"llama-chat kv namespace:" + namespace, hashlib.sha256).digest()
 
-    def seal(self, block: StoredBlock) -> tuple[bytes, bytes]:
+    def _mac(self, name: bytes, body: bytes, namespace: bytes | None) -> bytes:
+        message = struct.pack("<I", len(name)) + name + body
+        return hmac.new(self.signing_key(namespace), message, hashlib.sha256).digest()
+
+    def seal(self, block: StoredBlock, namespace: bytes | None = None) -> tuple[bytes, bytes]:
         """(Redis key, value) for a block: its HMAC, then its token ids, checksum and encoded KV."""
-        name = self.block_name(block.key, block.codec)
+        name = self.block_name(block.key, block.codec, namespace)
         tokens = np.asarray(block.tokens, dtype="<i4").tobytes()
         body = _BODY.pack(_MAGIC, len(block.tokens)) + tokens + block.checksum.encode("ascii") + block.data
-        return name, self._mac(name, body) + body
+        return name, self._mac(name, body, namespace) + body
 
-    def unseal(self, name: bytes, key: bytes, codec: str, tokens: tuple[int, ...], value: bytes):
-        """The block in a value read under `name`, or None unless it is signed with the secret, holds
-        the token ids its key stands for, and its bytes match their checksum and the codec."""
+    def unseal(
+        self,
+        name: bytes,
+        key: bytes,
+        codec: str,
+        tokens: tuple[int, ...],
+        value: bytes,
+        namespace: bytes | None = None,
+    ) -> StoredBlock | None:
+        """The block in a value read under `name`, or None unless it is signed with the namespace's key,
+        holds the token ids its key stands for, and its bytes match their checksum and the codec."""
         head = _MAC + _BODY.size
         if len(value) < head:
             return None
         body = memoryview(value)[_MAC:]
-        if not hmac.compare_digest(value[:_MAC], self._mac(name, body)):
+        if not hmac.compare_digest(value[:_MAC], self._mac(name, body, namespace)):
             return None
         magic, n = _BODY.unpack_from(value, _MAC)
         data_at = head + 4 * n + _CHECKSUM
@@ -163,15 +182,20 @@ class RemoteTier:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def fetch(self, key: bytes, tokens: tuple[int, ...], codec: str) -> StoredBlock | None:
-        return self.fetch_run([(key, tokens)], codec)[0]
+    def fetch(
+        self, key: bytes, tokens: tuple[int, ...], codec: str, namespace: bytes | None = None
+    ) -> StoredBlock | None:
+        return self.fetch_run([(key, tokens)], codec, namespace)[0]
 
-    def fetch_run(self, blocks: list[tuple[bytes, tuple[int, ...]]], codec: str) -> list[StoredBlock | None]:
-        """The blocks (prefix key, token ids) that the store holds intact, read in one round trip
-        (each read refreshes the block's TTL); None for each one missing, rejected or unreachable."""
+    def fetch_run(
+        self, blocks: list[tuple[bytes, tuple[int, ...]]], codec: str, namespace: bytes | None = None
+    ) -> list[StoredBlock | None]:
+        """The blocks (prefix key, token ids) of the namespace that the store holds intact, read in one
+        round trip (each read refreshes the block's TTL); None for each one missing, rejected or
+        unreachable."""
         if not blocks:
             return []
-        names = [self.block_name(key, codec) for key, _ in blocks]
+        names = [self.block_name(key, codec, namespace) for key, _ in blocks]
         values = self._round_trip(lambda client: self._read(client, names), "bytes_read")
         if values is None:
             return [None] * len(blocks)
@@ -179,7 +203,7 @@ class RemoteTier:
         for name, (key, tokens), value in zip(names, blocks, values):
             block = None
             if isinstance(value, bytes) and len(value) <= MAX_VALUE_BYTES:
-                block = self.unseal(name, key, codec, tokens, value)
+                block = self.unseal(name, key, codec, tokens, value, namespace)
                 if block is None:
                     self._count("rejected")
                     self._warn_once(
@@ -211,14 +235,14 @@ class RemoteTier:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def put(self, block: StoredBlock) -> bool:
-        """Queue a block for the writer thread; never waits. False (and counted) when it is dropped:
-        the queue is full or the tier is backing off."""
+    def put(self, block: StoredBlock, namespace: bytes | None = None) -> bool:
+        """Queue a block of the namespace for the writer thread; never waits. False (and counted) when
+        it is dropped: the queue is full or the tier is backing off."""
         if self.down:
             self._count("dropped_writes")
             return False
         try:
-            self._queue.put_nowait(self.seal(block))
+            self._queue.put_nowait(self.seal(block, namespace))
         except queue.Full:
             self._count("dropped_writes")
             return False

@@ -110,6 +110,23 @@ def test_inputs_as_bytes_answer_near_the_exact_model_with_kv_of_their_own(tiny_m
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
 
 
+def test_mixed_inputs_go_as_bytes_only_where_they_come_from_a_norm(tiny_model_paths):
+    """--activations mixed: q/k/v, gate/up and the output matrix take their inputs as bytes, the attention
+    output and FFN down matrices float32 (the outlying channels of their inputs); its KV is its own."""
+    path = tiny_model_paths["qwen2"]
+    mixed = load_model(path, cache_ram_mb=4, activations="mixed")
+    others = {load_model(path, cache_ram_mb=4, activations=a).fingerprint for a in ("f32", "q8")}
+    assert mixed.fingerprint not in others
+    layer = mixed.weights.layers[0]
+    inputs = {kind: {p.activations for p in getattr(w, "parts", [w])} for kind, w in vars(layer).items()
+              if hasattr(w, "n_rows")}
+    assert inputs == {"attn_qkv": {"q8"}, "ffn_gate_up": {"q8"}, "attn_output": {"f32"}, "ffn_down": {"f32"}}
+    assert mixed.weights.output.activations == "q8"
+    ids = list(range(1, 40))
+    want, got = load_model(path, cache_ram_mb=4).logits(ids), mixed.logits(ids)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+
+
 def test_unknown_activations_are_refused_in_one_line(tiny_model_path):
-    with pytest.raises(ValueError, match="activations must be one of f32, q8, not 'q4'"):
+    with pytest.raises(ValueError, match="activations must be one of f32, q8, mixed, not 'q4'"):
         load_model(tiny_model_path, activations="q4")

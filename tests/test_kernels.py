@@ -357,22 +357,29 @@ def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folde
 def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkeypatch):
     """A first start compiles what the model's matrices take (a Q8_0 one, and Q5_0 joined with Q6_K:
     integers without offsets), not the float, offset or GGUF-bits kernels nor the attention kernel
-    (app/chat/build.compile_later's), and its progress moves after each signature."""
+    (app/chat/build.compile_later's) nor the unpacking loops (packing's, where a model is packed), and
+    its progress moves after each signature."""
     monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
     seen = []
     matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]
     quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices)
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
-    assert steps == ["unpacking", "integer weights"]
-    assert [done for _, done, _ in seen] == [0, 1, 2] and {total for _, _, total in seen} == {2}
+    assert steps == ["integer weights"]
+    assert [done for _, done, _ in seen] == [0, 1] and {total for _, _, total in seen} == {1}
 
 
 def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkeypatch):
     """--activations q8: the byte kernels of the model's kinds of matrix and both quantizing loops are
-    compiled (or loaded) with the rest, as steps of the progress, so no reply waits on the compiler."""
+    compiled (or loaded), as steps of the progress, so no reply waits on the compiler; not the float32
+    kernels, which none of its matrices takes. Under mixed, what each matrix takes: float32 for one
+    (a Q4_K ffn_down), bytes for the other (a Q5_0 attn_qkv)."""
     monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
     seen = []
     quants.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
     steps = [label.split(": ")[-1] for label in seen[:-1]]
     kinds = ["integer weights", "Q4_K weights"]
-    assert steps == ["unpacking", *kinds, "inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
+    assert steps == ["inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
+    seen.clear()
+    quants.compile_kernels(lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"])
+    steps = [label.split(": ")[-1] for label in seen[:-1]]
+    assert steps == ["Q4_K weights", "inputs as bytes", "integer weights, inputs as bytes"]

@@ -128,6 +128,24 @@ def test_inputs_as_bytes_keep_the_greedy_chat_replies(qwen_bytes, case):
     assert stats.token_ids == ref["greedy_ids"]
 
 
+@pytest.mark.parametrize("case", sorted(CHAT_REFERENCE["greedy"]))
+def test_mixed_inputs_keep_the_greedy_chat_replies(qwen_model_path, case):
+    """--activations mixed (bytes only where the inputs come from a norm), whose logits lie nearer the
+    exact model's than llama.cpp's own on every reference text (benchmarks/exact_reference.py): the
+    default model's greedy replies are llama.cpp's."""
+    from conftest import real_cache
+    from llama_chat.inference import Model
+    from llama_chat.inference.weights import prepare
+
+    with real_cache():
+        mixed = Model(prepare(qwen_model_path, activations="mixed"))
+    ref = CHAT_REFERENCE["greedy"][case]
+    stats = GenerationStats()
+    sampling = SamplingParams(temperature=0)
+    "".join(generate(mixed, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats))
+    assert stats.token_ids == ref["greedy_ids"]
+
+
 def test_inputs_as_bytes_stay_near_llamacpp_and_keep_their_kv_apart(qwen_bytes, qwen_model):
     """Logits within 1.0 of llama.cpp's top 20 (benchmarks/exact_reference.py: 0.30-0.57; as far from the
     exact model as llama.cpp's own, 0.25-0.47 against 0.30-0.55); KV computed so is not taken as exact KV."""

@@ -108,6 +108,25 @@ def test_blocks_not_signed_with_the_secret_or_not_of_their_tokens_are_ignored(re
     assert len(warnings) == 1  # once, not once per block
 
 
+def test_a_namespaces_blocks_are_read_only_in_that_namespace(redis_server):
+    """Tenants' blocks (vLLM's cache_salt): a name and a signing key per namespace, so the same prefix key
+    of two tenants are two blocks, and one copied into another's name is rejected."""
+    writer, reader = tier(redis_server.url), tier(redis_server.url)
+    alice, bob = b"a" * 16, b"b" * 16
+    block = make_block(3)
+    assert writer.put(block, alice) and writer.flush()
+    run = run_of([block])
+    assert reader.fetch_run(run, "q6", alice)[0].data == block.data
+    assert reader.fetch_run(run, "q6", bob) == [None] and reader.fetch_run(run, "q6") == [None]
+    assert writer.signing_key(alice) not in (writer.signing_key(bob), writer.signing_key(None), writer.secret)
+
+    raw = redis_server.client()
+    for other in (bob, None):  # alice's signed value planted under bob's name, or the shared one
+        raw.set(reader.block_name(block.key, "q6", other), raw.get(reader.block_name(block.key, "q6", alice)))
+        assert reader.fetch_run(run, "q6", other) == [None]
+    assert reader.stats()["rejected"] == 2 and reader.stats()["hits"] == 1
+
+
 def test_a_dead_server_is_a_miss_and_the_tier_comes_back_after_its_backoff(redis_server, caplog):
     remote = tier(redis_server.url)
     block = make_block(3)

@@ -8,11 +8,13 @@ import contextlib
 import json
 import sqlite3
 
+import openai
 import pytest
 
+from llama_chat.app.chat.session_cache import kv_salt
 from llama_chat.inference import chat_prompt_ids
 from redis_servers import REDIS_SERVER, RedisServer, start_cluster
-from served import BLOCK, SYSTEM, Served, upload
+from served import BLOCK, MODEL, SYSTEM, Served, upload
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
@@ -84,6 +86,41 @@ def test_a_conversation_computed_on_one_server_goes_on_at_another(tmp_path, qwen
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_tenants_conversation_goes_on_at_another_server_and_no_other_tenant_reads_it(tmp_path, qwen2):
+    redis = RedisServer(tmp_path / "redis").start()
+    tenants = {"key-a": "alice", "key-b": "bob"}
+    a, b = (Served(tmp_path / f"{name}.db", qwen2, api_key=tenants, kv_remote=redis.url, kv_secret=SECRET)
+            for name in "ab")
+    try:
+        a.wait_ready(), b.wait_ready()
+
+        def ask(server: Served, key: str, messages: list[dict], **extra):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            return client.chat.completions.create(model=MODEL, messages=messages, **GREEDY, **extra)
+
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": HISTORY}]
+        first = ask(a, "key-a", messages)
+        assert a.state.engine._cache.remote.flush()
+        names = redis.client().keys()
+        assert names and all(kv_salt("alice").hex().encode() in name for name in names)  # her namespace
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "and then"}]
+        held = len(chat_prompt_ids(b.model, messages[:-1], False))
+
+        theirs = ask(b, "key-b", messages)  # bob, on the server that never saw it: nothing of alice's
+        assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+        assert theirs.usage.model_extra["kv_remote"]["hits"] == 0
+        hers = ask(b, "key-a", messages)  # alice there: every block and the tail, from Redis
+        assert hers.usage.prompt_tokens_details.cached_tokens == held
+        assert hers.usage.model_extra["kv_remote"]["choice"] == "fetch"
+        scoped = ask(b, "key-a", messages, extra_body={"prompt_cache_key": "team-x"})  # her other namespace
+        assert scoped.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        a.stop()
+        b.stop()
+        redis.kill()
 
 
 def test_with_the_store_dead_the_second_server_computes_the_same_reply(tmp_path, qwen2):

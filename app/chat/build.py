@@ -12,6 +12,7 @@ from pathlib import Path
 from llama_chat.inference import Model, load_model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
+from llama_chat.inference.products import compile_two_rows
 from llama_chat.inference.quants import compile_attention
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
@@ -67,13 +68,14 @@ def load_chat_model(
 def compile_later(model: Model) -> threading.Thread:
     """What a first reply does not wait on, compiled (first start: 5-15 s on 2 cores) or loaded from
     numba's cache on a thread of its own while the user reads and types: the KV codec's loops (a reply's
-    snapshot, a resume) and the attention kernel of the model's cache type (past KERNEL_ATTENTION_FROM
-    cached positions). A call that comes first waits for numba's compiler lock and runs what it
-    compiled. Not a daemon: a process that ends sooner (a short `ask`) waits for it, so what it compiles
-    is cached whole for the next start."""
+    snapshot, a resume), the attention kernel of the model's cache type (past KERNEL_ATTENTION_FROM
+    cached positions) and the products of two rows at once (two replies decoded together). A call that
+    comes first waits for numba's compiler lock and runs what it compiled. Not a daemon: a process that
+    ends sooner (a short `ask`) waits for it, so what it compiles is cached whole for the next start."""
 
     def compile_all() -> None:
         try:
+            compile_two_rows(model.weights.matrices())
             compile_attention(element_type(model.pool.cache_type))
             compile_codec()
         except Exception:  # (never seen) the first call compiles it again and says what fails, where

@@ -22,7 +22,6 @@ from llama_chat.storage import ChatStore, Message, Session, StoreError
 
 from .jobs import Job
 from .replies import Plan, ReplyNotStored, fitting, make_session, reply_message, store_reply
-from .resume import RemoteRead
 from .session_cache import SessionCache, kv_salt
 from .settings import template_variables
 from .titles import TITLE_CHARS, session_title
@@ -144,10 +143,8 @@ class Conversations:
         base: list[KVSequence] = []
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
         # as the scheduler's reuse_prefix takes the prompt, with the tail the session cache restores next
-        remote: RemoteRead | None = None
-        if namespace is None:  # (a namespace's KV never travels, as an import's does not)
-            session_id = kept.id if kept else None
-            remote = self.cache.read_remote(prompt[:-1], tail_of=previous, session_id=session_id)
+        session_id = kept.id if kept else None
+        remote = self.cache.read_remote(prompt[:-1], previous, session_id, namespace)
 
         def prepare(job: Job) -> tuple[list[int], KVSequence]:
             base.append(self.cache.open_fresh(namespace, previous, kept, remote))
@@ -227,7 +224,7 @@ class Conversations:
             print(f"llama-chat serve: a conversation was not stored: {e.cause}", file=sys.stderr)
             raise e from None
         try:
-            self.cache.store(stored.id, held)
+            self.cache.store(stored.id, held, travels=True)  # computed here, in the tenant's namespace
         except StoreError as e:
             print(f"llama-chat serve: a conversation's KV was not stored: {e}", file=sys.stderr)
         return stored

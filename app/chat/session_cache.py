@@ -70,11 +70,18 @@ def tail_key(parent_key: bytes | None, tokens: Sequence[int]) -> bytes:
 
 def kv_salt(tenant: str | None, cache_key: str | None = None) -> bytes | None:
     """The KV namespace of a tenant's requests (vLLM's cache_salt), narrowed by a prompt_cache_key: no
-    block, in RAM or stored, is shared across two, so no cached_tokens tell of another's prompts. None,
-    without either: the blocks every session shares (and the remote tier, which only those reach)."""
+    block, in RAM, stored or in the remote tier, is shared across two, so no cached_tokens tell of
+    another's prompts. None, without either: the blocks every session shares."""
     if tenant is None and cache_key is None:
         return None
     return hashlib.sha256(json.dumps(["llama-chat kv salt", tenant, cache_key]).encode()).digest()[:16]
+
+
+def computed_here(session: Session) -> bool:
+    """Whether a session's KV is the shared namespace's or its tenant's own: computed by a model, so the
+    remote tier may carry it (in that namespace). An import's namespace is its own until verified, and
+    its KV never leaves this server."""
+    return session.kv_namespace in (None, kv_salt(session.tenant))
 
 
 def system_message(system_prompt: str | None) -> list[dict]:
@@ -202,11 +209,12 @@ class SessionCache:
         if self.remote is None:
             return None
         live = self._seqs.get(session.id)
-        if session.kv_namespace is not None or (live is not None and live.private):
+        if not computed_here(session) or (live is not None and live.private):
             return RemoteRead()  # an import's KV, or KV that is no prefix's: never read from the tier
         ids = self.stored_conversation(session, messages)[1]
         held = live is not None and live.common_prefix(ids) == len(ids)  # (without the lock: a hint)
-        return self.read_remote(ids, tail_of=None if held else ids, session_id=session.id)
+        tail_of = None if held else ids
+        return self.read_remote(ids, tail_of, session_id=session.id, namespace=session.kv_namespace)
 
     def open(
         self,
@@ -256,9 +264,13 @@ class SessionCache:
         return seq
 
     def read_remote(
-        self, ids: Sequence[int], tail_of: Sequence[int] | None = None, session_id: str | None = None
+        self,
+        ids: Sequence[int],
+        tail_of: Sequence[int] | None = None,
+        session_id: str | None = None,
+        namespace: bytes | None = None,
     ) -> RemoteRead | None:
-        """The full blocks of `ids` (of the shared namespace) that RAM and SQLite lack, read from the
+        """The full blocks of `ids` (of the namespace) that RAM and SQLite lack, read from the
         remote tier in one round trip, when its measured round trips and bytes per second beat computing
         them at the measured prefill speed, and kept in RAM as read (the pool then takes them as any
         stored block) until a snapshot stores them in SQLite. The tail after the full blocks of `tail_of`
@@ -270,8 +282,9 @@ class SessionCache:
             return None
         t0 = time.perf_counter()
         pool, B = self.model.pool, self.model.pool.block_size
-        missing = [(key, tokens) for key, tokens in pool.missing(ids) if self.fetched.block(key) is None]
-        stored = self._tables.stored_keys([key for key, _ in missing])
+        missing = pool.missing(ids, namespace)
+        missing = [(key, tokens) for key, tokens in missing if self.fetched.block(key, namespace) is None]
+        stored = self._tables.stored_keys([key for key, _ in missing], namespace)
         missing = [(key, tokens) for key, tokens in missing if key not in stored]
         tail, wanted = None, None
         if tail_of is not None and len(tail_of) % B and len(tail_of) // B <= len(ids) // B:
@@ -279,16 +292,16 @@ class SessionCache:
             wanted = (keys[-1] if keys else None, tuple(tail_of[len(keys) * B :]))
             key = tail_key(*wanted)
             here = session_id is not None and self._stored_tail(session_id, *wanted) is not None
-            tail = None if here or self.fetched.has_tail(key) else (key, wanted[1])
+            tail = None if here or self.fetched.has_tail(key, namespace) else (key, wanted[1])
         prefill_tok_s = self._prefill.value or 0.0
-        choice, tokens = self.fetched.read(self.remote, missing, tail, self._codec, prefill_tok_s)
+        choice, tokens = self.fetched.read(self.remote, missing, tail, self._codec, prefill_tok_s, namespace)
         return RemoteRead(choice, tokens, time.perf_counter() - t0, wanted if choice != "compute" else None)
 
     def fetch(self, key: bytes, tokens: Sequence[int], namespace: bytes | None, out: KV) -> bool:
         """The pool's block source: a stored block of the namespace (or one the remote tier sent) decoded
         into `out` (the pool's arena), checked whole as it is decoded, against the tokens it stands for
         and out's shape; a bad one is dropped so it gets recomputed."""
-        fetched = self.fetched.block(key) if namespace is None else None
+        fetched = self.fetched.block(key, namespace)
         block = fetched or self._tables.load_block(key, self.model.fingerprint, namespace)
         if block is None:
             return False
@@ -297,7 +310,7 @@ class SessionCache:
         # 2,000-token resume. (A remote block had its signature checked as it was read.)
         kv = decoded(block.data, out=out) if block.tokens == list(tokens) else None
         if kv is None:
-            self.fetched.forget([key])
+            self.fetched.forget([key], namespace)
             self._tables.drop_block(key, namespace)
         return kv is not None
 
@@ -318,9 +331,9 @@ class SessionCache:
         found = None
         if session is not None and (tail := self._stored_tail(session.id, seq.last_key, want)) is not None:
             found = self._decoded_tail(tail, tail.checksum, _fits(tail, want))
-        remote = found is None and seq.namespace is None and not seq.private  # an import's KV never travels
+        remote = found is None and not seq.private  # (an import's KV is never read: prefetch)
         if remote and read is not None and read.tail is not None and read.tail[0] == seq.last_key:
-            tail = self.fetched.take_tail(tail_key(*read.tail))  # (its signature was checked as it was read)
+            tail = self.fetched.take_tail(tail_key(*read.tail), seq.namespace)  # (its signature was checked)
             whole = tail is not None and tail.tokens == list(read.tail[1]) == list(want[: len(tail.tokens)])
             if whole:
                 found = self._decoded_tail(tail, None, len(tail.tokens))
@@ -354,7 +367,7 @@ class SessionCache:
             self.keep(session.id, seq)
             digest, ids, kept = self.stored_conversation(session, messages)
             held = self.hold(seq, ids, complete)
-        self.store(session.id, held)
+        self.store(session.id, held, computed_here(session))
         if not kept:
             self._tables.keep_ids(session.id, ids_seal(digest, ids), ids)
 
@@ -370,42 +383,41 @@ class SessionCache:
             self.model.forward(ids[held:], seq)  # e.g. the end-of-turn marker after the reply
         return seq.fork()
 
-    def store(self, session_id: str, held: KVSequence) -> list[StoredBlock]:
+    def store(self, session_id: str, held: KVSequence, travels: bool) -> list[StoredBlock]:
         """Store what hold() kept as the session's KV, in one transaction — its full blocks (encoding
-        only those not stored yet) and its tail — and queue what is new for the remote tier; then free
-        it. Returns the blocks new to SQLite."""
-        shared = held.namespace is None  # (an import's blocks never leave)
+        only those not stored yet) and its tail — and, where it `travels` (computed_here), queue what is
+        new for the remote tier in its namespace; then free it. Returns the blocks new to SQLite."""
+        namespace = held.namespace
         try:
             full, tail = held.snapshot()
             keys = [b.key for b in full]
-            stored = self._tables.stored_keys(keys, held.namespace)
-            new_blocks = [self._stored_block(b, shared) for b in full if b.key not in stored]
+            stored = self._tables.stored_keys(keys, namespace)
+            new_blocks = [self._stored_block(b, namespace) for b in full if b.key not in stored]
             stored_tail = None
             if tail is not None:
                 data = encode_kv(tail[1], tail[2], self._codec, self._plan)
                 parent = keys[-1] if keys else None
                 stored_tail = StoredTail(parent, tail[0], self._codec, data, checksum(data))
             self._tables.save_snapshot(session_id, self.model.fingerprint, keys, new_blocks, stored_tail,
-                                       held.n_tokens, held.namespace)  # fmt: skip
+                                       held.n_tokens, namespace)  # fmt: skip
         finally:
             with self.lock:
                 held.free()
-        if shared and self.remote is not None:  # in the background: a full queue drops, nothing waits
+        if travels and self.remote is not None:  # in the background: a full queue drops, nothing waits
             for block in new_blocks:
-                if self.fetched.block(block.key) is not block:  # (the tier has those: they came from there)
-                    self.remote.put(block)
+                if self.fetched.block(block.key, namespace) is not block:  # (the tier sent those)
+                    self.remote.put(block, namespace)
             if stored_tail is not None:
                 t = stored_tail
                 self.remote.put(StoredBlock(tail_key(t.parent_key, t.tokens), len(t.tokens), t.codec, t.data,
-                                             t.checksum, t.tokens))  # fmt: skip
-        if shared:
-            self.fetched.forget(keys)  # stored now
+                                             t.checksum, t.tokens), namespace)  # fmt: skip
+        self.fetched.forget(keys, namespace)  # stored now
         return new_blocks
 
-    def _stored_block(self, block: KVBlock, shared: bool) -> StoredBlock:
+    def _stored_block(self, block: KVBlock, namespace: bytes | None) -> StoredBlock:
         """A full block as it is stored: as another server wrote it, where the remote tier sent it, else
         encoded now."""
-        fetched = self.fetched.block(block.key) if shared else None
+        fetched = self.fetched.block(block.key, namespace)
         if fetched is not None and fetched.tokens == list(block.tokens):
             return fetched
         data = encode_kv(*self.model.pool.block_kv(block), self._codec, self._plan)

@@ -217,7 +217,7 @@ def middleware(options: ServeOptions, api_key: str | dict[str, str | None] | Non
                 allow_origins=list(options.cors_origins),
                 allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["*"],  # the openai JS client sends x-stainless-* headers
-                expose_headers=["X-Session-Id", "Retry-After"],
+                expose_headers=["X-Session-Id", "X-Conversation-Key", "Retry-After"],
                 max_age=600,
             )
         ]

@@ -27,6 +27,7 @@ from ..chat.jobs import Event, JobView, QueueFull, State
 from ..chat.replies import PromptTooLong
 from ..chat.resume import RemoteRead
 from ..chat.settings import max_tokens as longest
+from .affinity import CONVERSATION_KEY, conversation_key
 from .errors import (
     ApiError,
     busy,
@@ -50,10 +51,8 @@ CLOSING_GRACE_S = 5
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    req = parse_completion(
-        await read_json(request, state.options.max_body, state.options.body_timeout_s),
-        request.headers.get("x-session-id"),
-    )
+    body = await read_json(request, state.options.max_body, state.options.body_timeout_s)
+    req = parse_completion(body, request.headers.get("x-session-id"))
     state.check_model(req.model)
     engine = state.ready()
     fmt = engine.model_info.tool_format
@@ -63,6 +62,7 @@ async def chat_completions(request: Request) -> Response:
     reply = Reply(req.model, "llama-chat-" + engine.model_info.fingerprint[:12])
     headers = {}
     if req.session is None:
+        headers[CONVERSATION_KEY] = conversation_key(req.messages, req.prompt_cache_key, body.get("user"))
         tenant = tenant_of(request)
         job = await run_in_threadpool(
             submitted, lambda: _submit_conversation(state, req, events, tenant, grammar)

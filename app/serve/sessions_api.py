@@ -20,7 +20,7 @@ from starlette.routing import Route
 from llama_chat.storage import Session, StoreError
 
 from ..chat.conversations import API_ORIGIN
-from ..chat.session_cache import kv_salt
+from ..chat.session_cache import computed_here, kv_salt
 from ..chat.sessions import (
     HEADER_SIZE,
     MAX_DATA_BYTES,
@@ -48,7 +48,7 @@ def _state(request: Request) -> ServerState:
 
 def _json(session: Session) -> dict:
     """A session as the API shows it: its KV is verified where it is its tenant's own (not an import's)."""
-    return {**session.to_json(), "kv_verified": session.kv_namespace in (None, kv_salt(session.tenant))}
+    return {**session.to_json(), "kv_verified": computed_here(session)}
 
 
 async def list_sessions(request: Request) -> Response:
@@ -67,7 +67,7 @@ async def create_session(request: Request) -> Response:
                                   tenant=tenant)  # fmt: skip
 
     session = await run_in_threadpool(create)
-    return JSONResponse(_json(session), status_code=201)
+    return JSONResponse(_json(session), status_code=201, headers={"X-Session-Id": session.id})
 
 
 async def show_session(request: Request) -> Response:
@@ -95,7 +95,7 @@ async def fork_session(request: Request) -> Response:
             raise invalid(f"Cannot fork there: {e}.", param="at_message") from None
 
     child = await run_in_threadpool(fork)
-    return JSONResponse(_json(child), status_code=201)
+    return JSONResponse(_json(child), status_code=201, headers={"X-Session-Id": child.id})
 
 
 async def delete_session(request: Request) -> Response:

@@ -1,0 +1,122 @@
+"""Where a decoded token's time goes, matrix by matrix: each kind of matrix's share of a token, and the
+rate it reads its bytes at, against the machine's read bandwidth.
+
+    python benchmarks/decode_matrices.py [--model PATH] [--tokens 12] [--activations f32|q8] [--json]
+
+Every product of a decode (kernels.matmul) is timed by the wall clock and by the process's CPU time
+(all threads): on a machine shared with other work the CPU time says what the product costs when it
+has the cores. Each kind's figure is its best token of --tokens (a busy machine only makes one
+slower). `GB/s` is the kind's bytes over its wall time, `cpu GB/s` over its CPU time divided by the
+threads. The rest of the token (norms, attention, sampling) is `other`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numba
+import numpy as np
+
+KINDS = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down", "output")
+
+
+def matrix_kinds(weights) -> dict[int, tuple[str, int]]:
+    """id of each matrix the forward pass multiplies → (its kind, its bytes)."""
+    kinds = {id(weights.output): ("output", weights.output.nbytes)}
+    for layer in weights.layers:
+        for kind in KINDS[:-1]:
+            w = getattr(layer, kind)
+            kinds[id(w)] = (kind, w.nbytes)
+    return kinds
+
+
+def measure(path: str, tokens: int, activations: str) -> dict:
+    from llama_chat.inference import kernels, load_model
+
+    model = load_model(path, activations=activations)
+    kinds = matrix_kinds(model.weights)
+    token_totals: dict[str, list[float]] = {}
+    depth = [0]
+    multiply = kernels.matmul
+
+    def timed_matmul(x, w):
+        if depth[0]:  # a StackedMatrix's parts: timed with the whole
+            return multiply(x, w)
+        depth[0] += 1
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return multiply(x, w)
+        finally:
+            depth[0] -= 1
+            kind = kinds.get(id(w), ("unnamed", 0))[0]
+            spent = token_totals.setdefault(kind, [0.0, 0.0])
+            spent[0] += time.perf_counter() - wall
+            spent[1] += time.process_time() - cpu
+
+    ids = model.tokenizer.encode("The history of the printing press begins in")
+    seq = model.new_sequence(len(ids) + tokens + 2)
+    logits = model.forward(ids, seq)[-1]
+    kernels.matmul = timed_matmul
+    best: dict[str, list[float]] = {}
+    token_walls = []
+    try:
+        for _ in range(tokens):
+            token_totals.clear()
+            wall = time.perf_counter()
+            logits = model.forward([int(np.argmax(logits))], seq)[-1]
+            token_walls.append(time.perf_counter() - wall)
+            token_totals["other"] = [token_walls[-1] - sum(w for w, _ in token_totals.values()), 0.0]
+            for kind, (w, c) in token_totals.items():
+                kept = best.setdefault(kind, [float("inf"), float("inf")])
+                kept[0], kept[1] = min(kept[0], w), min(kept[1], c)
+    finally:
+        kernels.matmul = multiply
+    threads = numba.config.NUMBA_NUM_THREADS
+    per_kind_bytes: dict[str, int] = {}
+    for kind, nbytes in kinds.values():
+        per_kind_bytes[kind] = per_kind_bytes.get(kind, 0) + nbytes
+    table = {}
+    for kind, (w, c) in best.items():
+        nbytes = per_kind_bytes.get(kind, 0)
+        row = {"ms": round(w * 1000, 2), "cpu_ms": round(c * 1000, 2), "mb": round(nbytes / 1e6, 1)}
+        if nbytes:
+            row["gb_s"] = round(nbytes / w / 1e9, 1)
+            row["cpu_gb_s"] = round(nbytes / (c / threads) / 1e9, 1) if c > 0 else None
+        table[kind] = row
+    total = sum(per_kind_bytes.values())
+    return {
+        "model": str(path),
+        "activations": activations,
+        "threads": threads,
+        "token_ms_best": round(min(token_walls) * 1000, 1),
+        "tok_s_best": round(1 / min(token_walls), 2),
+        "matrix_gb": round(total / 1e9, 3),
+        "matrices_gb_s": round(total / sum(best[k][0] for k in best if k != "other") / 1e9, 1),
+        "kinds": table,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a GGUF path (default: the default model)")
+    parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--activations", choices=("f32", "q8", "mixed"), default="f32")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = measure(args.model, args.tokens, args.activations)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{result['model']} ({result['activations']}, {result['threads']} threads): best token "
+          f"{result['token_ms_best']} ms ({result['tok_s_best']} tok/s), matrices {result['matrix_gb']} GB "
+          f"at {result['matrices_gb_s']} GB/s")
+    print(f"{'kind':12}{'ms':>9}{'cpu ms':>9}{'MB':>9}{'GB/s':>8}{'cpu GB/s':>10}")
+    for kind, row in result["kinds"].items():
+        print(f"{kind:12}{row['ms']:9.2f}{row['cpu_ms']:9.2f}{row['mb']:9.1f}"
+              f"{row.get('gb_s') or 0:8.1f}{row.get('cpu_gb_s') or 0:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
