@@ -47,7 +47,9 @@ async def test_a_turn_asked_in_another_process_shows_and_the_next_reply_follows_
         await until(pilot, lambda: len(views(app)) == 4, what="the other process's turn")
         assert roles_and_text(app) == stored_path(app)
         assert views(app)[2].content == "a question from the terminal"
-        assert any("2 new messages from another window" in n for n in notices(app))
+        # the chat is drawn first, the notice given after it
+        told = "2 new messages from another window"
+        await until(pilot, lambda: any(told in n for n in notices(app)), what="the notice")
         await say(pilot, "and one from the app")
         assert roles_and_text(app) == stored_path(app)  # after the other turn, as shown
         asked = [text for _, text in roles_and_text(app)][2::2]
