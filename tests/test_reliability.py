@@ -318,7 +318,13 @@ def test_ctrl_c_at_the_chat_prompt_drops_the_line_and_the_chat_goes_on(qwen2, tm
     session_id = a_database(qwen2, db)
     child = Child(cli_args(db, qwen2, "chat", "--session", session_id, "--temp", "0", "--max-tokens", "4"))
     child.wait_until(lambda: "Ctrl+D ends" in child.stderr, "the prompt")
-    child.proc.send_signal(signal.SIGINT)  # as a Ctrl+C pressed a moment after a reply ended
+    # as a Ctrl+C pressed a moment after a reply ended; the hint is printed just before input() is
+    # reached, so on a busy machine a first signal may land before the prompt waits: pressed again
+    deadline = time.monotonic() + PATIENCE_S
+    while "(Ctrl+D ends the chat)" not in child.stderr and child.proc.poll() is None:
+        assert time.monotonic() < deadline, child.stderr
+        child.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
     child.wait_until(lambda: "(Ctrl+D ends the chat)" in child.stderr, "the line dropped")
     child.proc.stdin.write(b"and then\n")
     child.proc.stdin.close()
