@@ -58,7 +58,14 @@ def run_of(blocks):
     return [(b.key, tuple(b.tokens)) for b in blocks]
 
 
+# a busy machine (the suite beside a CPU burner) can take longer than the tier's 0.25 s to answer a
+# healthy local Redis: then the tier is rightly called down and a test's reads miss. Tests of healthy
+# stores wait longer; the tests of timeouts name the default.
+BUSY_TIMEOUT_S = 5.0
+
+
 def tier(url: str, secret: str = SECRET, **options) -> RemoteTier:
+    options.setdefault("timeout_s", BUSY_TIMEOUT_S)
     return RemoteTier.from_url(url, secret, "model-fingerprint", **options)
 
 
@@ -153,7 +160,7 @@ def test_a_dead_server_is_a_miss_and_the_tier_comes_back_after_its_backoff(redis
 def test_a_stalled_server_times_out_and_writes_never_wait(redis_server):
     proxy = SlowProxy(redis_server.port, delay_s=2.0)
     try:
-        remote = tier(proxy.url, queue_blocks=2)
+        remote = tier(proxy.url, queue_blocks=2, timeout_s=DEFAULT_TIMEOUT_S)
         block = make_block(4)
         assert remote.fetch(block.key, tuple(block.tokens), "q6") is None
         assert remote.stats()["failures"] == 1  # a timeout (0.25 s), not a two-second wait
@@ -173,7 +180,7 @@ def test_a_slow_link_that_keeps_pace_is_read_to_the_end(redis_server):
     assert all(writer.put(b) for b in blocks) and writer.flush()
     far = SlowProxy(redis_server.port, delay_s=0.02, bytes_per_s=2e6)
     try:
-        reader = tier(far.url)  # the default timeout
+        reader = tier(far.url, timeout_s=DEFAULT_TIMEOUT_S)
         assert [g.data for g in reader.fetch_run(run_of(blocks), "q6")] == [b.data for b in blocks]
         assert reader.stats()["failures"] == 0 and reader.stats()["bytes_read"] > 1.3e6
     finally:
@@ -253,16 +260,11 @@ def qwen2(tiny_model_paths):
     return tiny_model_paths["qwen2"]
 
 
-BUSY_TIMEOUT_S = 5.0
-
-
 def server(model_path, db, url: str | None, secret: str = SECRET, **options) -> ChatEngine:
     """A fresh process's engine on its own SQLite file, with the remote tier at `url` (None: none).
     Blocks are stored lossless (f32), so a reply read from blocks is the reply computed in full: a
     random tiny model flips a greedy choice on a lossy codec's rounding."""
     model = load_model(model_path, block_size=8)
-    # a busy machine (the suite beside a CPU burner) can take longer than the tier's 0.25 s to answer
-    # a healthy local Redis: then the tier is rightly called down and the test's remote reads fail
     options.setdefault("timeout_s", BUSY_TIMEOUT_S)
     remote = RemoteTier.from_url(url, secret, model.fingerprint, **options) if url else None
     return ChatEngine(model, ChatStore(db), codec="f32", remote=remote)
