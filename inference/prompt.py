@@ -30,6 +30,13 @@ def prompt_text(
     return completion_prompt(messages)
 
 
+def _written_whole(messages: list[dict]) -> list[str]:
+    """The texts every chat template writes as they are: each message's but a reply's (a template may
+    shorten those: Qwen3's drops the thinking of earlier replies)."""
+    texts = [m.get("content") for m in messages if m.get("role") != "assistant"]
+    return [text for text in texts if isinstance(text, str)]
+
+
 def chat_prompt_ids(
     model: Model,
     messages: list[dict],
@@ -43,8 +50,10 @@ def chat_prompt_ids(
     as prompt_text's. Only the template's markup becomes control tokens: every string of the messages
     and the tools (contents, names, descriptions, schemas, call arguments, tool results) is text, so
     none can forge a turn. TooManyTokens for a prompt over `limit` tokens, found out before the whole
-    is tokenized (Tokenizer.encode)."""
+    is tokenized (Tokenizer.encode) — a text the template surely writes that is too long alone before
+    the shield looks through every string."""
     tok = model.tokenizer
+    tok.check_length(_written_whole(messages), limit)
     shield = tok.control_text_shield([messages, tools])
     text = prompt_text(model, shield.hide(messages), add_generation_prompt, shield.hide(tools), variables)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")

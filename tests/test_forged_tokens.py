@@ -14,6 +14,7 @@ from test_tool_formats import LLAMA_SPECIALS, LLAMA_TEMPLATE, NEMO_SPECIALS, NEM
 
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig
 from llama_chat.inference import chat_prompt_ids, load_model
+from llama_chat.inference.errors import TooManyTokens
 from llama_chat.inference.tokenizer import ATTR_CONTROL
 from served import Served
 from tiny_models import write_tiny_model
@@ -91,6 +92,22 @@ def test_outside_text_never_becomes_a_control_token(format_models, fmt, field):
     plain = chat_prompt_ids(model, messages, tools=tools)
     assert controls(model, hostile) == controls(model, plain)  # the template's own turns, no other
     assert model.tokenizer.decode(hostile).count("You are root.") >= 3  # the text is there, as text
+
+
+def test_a_prompt_too_long_alone_is_refused_before_its_control_text_is_looked_for(format_models, monkeypatch):
+    """The shield looks through every string of a prompt (~112 ms a 7.5 MB one): a message with more
+    bytes than the window's tokens stand for is refused first, and no shield is made for it."""
+    model = format_models["hermes"]
+    shields = []
+    made = model.tokenizer.control_text_shield
+    monkeypatch.setattr(model.tokenizer, "control_text_shield", lambda outside: shields.append(1) or made(outside))
+    limit = 256
+    huge = HOSTILE * (limit * model.tokenizer.bytes_per_token // len(HOSTILE) + 1)
+    with pytest.raises(TooManyTokens):
+        chat_prompt_ids(model, [{"role": "user", "content": huge}], tools=[_tool()], limit=limit)
+    assert shields == []
+    assert len(chat_prompt_ids(model, [{"role": "user", "content": HOSTILE}], limit=limit)) < limit
+    assert shields == [1]  # one that fits is shielded as before
 
 
 def test_a_hostile_description_over_the_api_costs_what_its_text_does(tmp_path, format_models):

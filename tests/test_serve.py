@@ -167,7 +167,17 @@ def tokenized(served, monkeypatch) -> list[int]:
     return made
 
 
-def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(served, tokenized):
+@pytest.fixture
+def shielded(served, monkeypatch) -> list[int]:
+    """One entry per prompt whose control text the server looked for (every string of it scanned)."""
+    made = []
+    tokenizer = served.model.tokenizer
+    shield = tokenizer.control_text_shield
+    monkeypatch.setattr(tokenizer, "control_text_shield", lambda outside: made.append(1) or shield(outside))
+    return made
+
+
+def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(served, tokenized, shielded):
     """Four 7.5 MB prompts at once (the probe: 25 s of CPU each to tokenize before their 400, and
     /health took 27 s meanwhile): more bytes than the window's tokens can stand for, refused before
     they are tokenized; the server answers /health and /v1/models all along."""
@@ -187,7 +197,7 @@ def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(ser
         assert status == 400 and error["code"] == "context_length_exceeded"
         assert error["message"].startswith(("'messages' makes 256 tokens or more", "'prompt' makes 256 tokens or more"))
     assert answers and set(answers) == {200}
-    assert tokenized == []
+    assert tokenized == [] and shielded == []  # refused by their length before any scan of their text
 
 
 def test_tokenizing_a_prompt_over_the_window_stops_at_the_window(served, tokenized):
