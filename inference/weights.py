@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import kernels, packed_file, quants
+from . import kernels, packed_file, quants, warmup
 from .activations import inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig, read_config
@@ -160,7 +160,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     and one for gate/up."""
     path, cfg = info.path, info.config
     kinds = info.matrix_kinds
-    quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+    warmup.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
     gguf_file = GGUFTensors(info)
     check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)
