@@ -19,7 +19,7 @@ from .chat import build
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
-from .chat.session_cache import system_message
+from .chat.replies import system_message
 from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, TEMPLATE_SETTINGS, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text

@@ -87,8 +87,8 @@ def test_a_turn_reads_its_conversation_once_and_renders_its_prompt_once(qwen2, t
     template.render = counted
     chat(engine, store.get_session(session.id), "and then", max_tokens=4)
     assert len(reads) == 1  # the conversation, from SQLite
-    # the prompt; then the conversation with its reply as it is kept for the next resume: its digest, its ids
-    assert renders == [True, False, False]
+    # the prompt; then the conversation with its reply as it is kept for the next resume (its digest and ids)
+    assert renders == [True, False]
 
 
 def test_a_tools_answer_goes_below_the_reply_that_called_it_once_that_reply_is_stored(qwen2, tmp_path):

@@ -131,6 +131,7 @@ class Scheduler:
             return job.end(State.FAILED, e)
         job.stats[0].prompt_tokens = len(prompt)
         run = _Run(job, prompt, seq, prompt[seq.n_tokens :])
+        job.started = True
         with self._wake:
             self._runs.append(run)
 
@@ -284,9 +285,4 @@ class Scheduler:
         job.replies_written()
         for stats in job.stats:
             stats.stop_reason = stats.stop_reason or "cancelled"  # a reply cut short by a failure
-        if job.finish is not None and not job.dropped:  # also after a failure: what was made is kept
-            try:
-                job.result = job.finish(job)
-            except Exception as e:  # noqa: BLE001 — e.g. the reply could not be stored: the job says so
-                state, error = (State.FAILED, e) if error is None else (state, error)
-        job.end(state, error)
+        job.end(state, error)  # finish(): also after a failure, what was made is kept
