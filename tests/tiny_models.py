@@ -1,11 +1,12 @@
 """Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
 
-Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
-llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, the family's turn
-markers) for the gemmas and phi3. The weights are random but fixed by a seed, so every test sees the
-same model; the architectures added later (qwen3moe, gemma2, phi3) also carry their family's real chat
-template and the switches that make them differ (experts, soft-capping, LongRoPE), so that their
-logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
+Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials, the
+family's control tokens) for llama/qwen2/qwen3/qwen3moe/granite/olmo2/smollm3, and SentencePiece
+(pieces with scores, byte fallback, the family's turn markers) for the gemmas and phi3. The weights are
+random but fixed by a seed, so every test sees the same model; the architectures added later (qwen3moe,
+gemma2, phi3, granite, olmo2, smollm3) also carry their family's real chat template and the switches
+that make them differ (experts, soft-capping, LongRoPE, scales, norms, layers without RoPE), so that
+their logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
 from __future__ import annotations
