@@ -163,6 +163,8 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
     if arch == "granite":
         common.update(granite_switches(meta, path))
     if arch == "olmo2":  # llama.cpp: norms after attention and the FFN only; q/k norms over all heads at once
+        if int(meta.get("olmo2.attention.sliding_window", 0)):  # OLMo 3's windows, beside YaRN
+            raise ModelError(f"{path}: olmo2 with a sliding window (OLMo 3) is not supported")
         common.update(post_norms=True, pre_norms=False, qk_norm=True, qk_norm_whole=True)
     if arch == "smollm3":  # llama.cpp hard-codes it (n_no_rope_layer_step): layers 3, 7, 11… turn no RoPE
         common.update(nope_step=4)

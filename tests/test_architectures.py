@@ -96,6 +96,14 @@ def test_olmo2_norms_after_and_over_whole_projections(tiny_model_paths):
     assert layer.attn_k_norm.shape == (cfg.n_head_kv * cfg.head_dim,)
 
 
+def test_an_olmo2_with_sliding_windows_is_refused_in_one_line(tmp_path):
+    """OLMo 3 is an olmo2 with sliding windows (and YaRN), which are not read here: refused at load,
+    not run as OLMo 2."""
+    path = write_tiny_model(tmp_path / "olmo3.gguf", "olmo2", metadata={"olmo2.attention.sliding_window": 8})
+    with pytest.raises(ModelError, match=r"olmo3\.gguf: olmo2 with a sliding window \(OLMo 3\) is not supported$"):
+        load_model(path)
+
+
 def test_smollm3_turns_no_rope_on_every_fourth_layer(tmp_path):
     """smollm3: layers 3, 7, 11… attend without positions (llama.cpp's n_no_rope_layer_step, 4, no
     key); a context shift leaves their keys as they are and turns the others'."""
