@@ -231,7 +231,12 @@ HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
 # per format. Q4_K keeps its GGUF bits (k_quants.py); joined with another integer format (q/k beside a
 # Q6_K v) its rows are a part of their own (StackedMatrix).
-KINDS = {Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", Q.Q4_K: "Q4_K weights", Q.F32: "float weights"}
+KINDS = {
+    Q.Q8_0: "integer weights",
+    Q.Q4_1: "integer weights with offsets",
+    Q.Q4_K: "Q4_K weights",
+    Q.F32: "float weights",
+}
 
 
 def kinds_of(formats: set) -> set[str]:
@@ -260,7 +265,11 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     if kind == "Q4_K weights":
         return k_quants.layout(groups, n_cols)
     scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
-    return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
+    return [
+        ((groups, n_cols, LANES), np.int8),
+        scales,
+        scales if kind == "integer weights with offsets" else None,
+    ]
 
 
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix | StackedMatrix:
@@ -295,7 +304,9 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
     """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
     offsets = scales if offsets is None else offsets
-    _in_parallel_over_groups(_unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype)))
+    _in_parallel_over_groups(
+        _unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype))
+    )
 
 
 def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) -> None:

@@ -208,7 +208,9 @@ def forward_passes(monkeypatch) -> ForwardPasses:
 
     monkeypatch.setattr(forward, "step", watched(forward.step, batch_rows))
     monkeypatch.setattr(
-        forward, "read_and_verify", watched(forward.read_and_verify, lambda a, b, *_: batch_rows(a) + batch_rows(b))
+        forward,
+        "read_and_verify",
+        watched(forward.read_and_verify, lambda a, b, *_: batch_rows(a) + batch_rows(b)),
     )
     return seen
 

@@ -79,7 +79,8 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
 
 # Where a block keeps its quants: zeroed, each of its weights is its offset (formats with offsets).
 QUANT_BYTES = {T.Q4_K: slice(16, 144), T.Q4_1: slice(4, 20)}
-BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]  # Q4_K's bits; int8 with offsets, without; scales per 16
+# Q4_K's bits; int8 with offsets, without; scales per 16
+BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]
 
 
 def as_bytes(w):
@@ -380,6 +381,8 @@ def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkey
     kinds = ["integer weights", "Q4_K weights"]
     assert steps == ["inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
     seen.clear()
-    warmup.compile_kernels(lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"])
+    warmup.compile_kernels(
+        lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"]
+    )
     steps = [label.split(": ")[-1] for label in seen[:-1]]
     assert steps == ["Q4_K weights", "inputs as bytes", "integer weights, inputs as bytes"]

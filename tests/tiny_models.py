@@ -19,7 +19,8 @@ import numpy as np
 from tiny_later_archs import LATER_ARCHS, later_layers, later_metadata
 
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -152,7 +153,8 @@ def write_tiny_model(
     context_length = context_length or {"smollm3": 2048}.get(arch, 256)  # (SmolLM3's system prompt is long)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
-    n_layer = n_layer or {"gemma3": 6, "gemma2": 4, "smollm3": 4}.get(arch, 2)  # (smollm3: layer 3 has no RoPE)
+    # (smollm3: layer 3 has no RoPE)
+    n_layer = n_layer or {"gemma3": 6, "gemma2": 4, "smollm3": 4}.get(arch, 2)
     if chat_template is None:
         family = FAMILY_TEMPLATES.get(arch)
         chat_template = (TEMPLATES / family).read_text() if family else CHATML
@@ -192,7 +194,11 @@ def write_tiny_model(
         tokens, types, merges, bos, eos = bpe_vocab()
         specials = specials or FAMILY_SPECIALS.get(arch, ())
         if specials:
-            tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
+            tokens, types, eos = (
+                tokens + list(specials),
+                types + [3] * len(specials),
+                len(tokens) + len(specials) - 1,
+            )
         if arch == "olmo2":
             eos = bos
         if arch in ("qwen3moe", "smollm3"):  # the thinking markers: user-defined tokens, matched in any text

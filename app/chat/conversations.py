@@ -182,7 +182,11 @@ class Conversations:
         system, turns = split_system(messages)
         try:
             return self.store.session_ending_with(
-                API_ORIGIN, system, [(m["role"], stored_text(m, self.format)) for m in turns[:-1]], tenant, namespace
+                API_ORIGIN,
+                system,
+                [(m["role"], stored_text(m, self.format)) for m in turns[:-1]],
+                tenant,
+                namespace,
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
             return None
@@ -210,7 +214,9 @@ class Conversations:
         left off, else in a new one (with the request's settings), in one transaction — then its KV. A
         failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
         system, turns = split_system(messages)
-        asked = [Message(0, None, m["role"], stored_text(m, self.format), None, reply.created, None) for m in turns]
+        asked = [
+            Message(0, None, m["role"], stored_text(m, self.format), None, reply.created, None) for m in turns
+        ]
         new = partial(make_session, self.store, self.model, title_of(turns), system, settings,
                       origin=API_ORIGIN, tenant=tenant, namespace=held.namespace)  # fmt: skip
         history = [(m["role"], stored_text(m, self.format)) for m in turns[:-1]]

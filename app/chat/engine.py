@@ -271,7 +271,8 @@ class ChatEngine:
         store them fails the job with ReplyNotStored; a failure to store the KV only notes it. Not
         `store`: nothing is written, the session stays as it was. A job of a session waits for the one
         before it, and starts from what that one stored. Not `keep_kv`: the session's KV goes back to the
-        pool's cache when it ends (a server's sessions hold none between turns). `drop_unanswered`: see Job."""
+        pool's cache when it ends (a server's sessions hold none between turns). `drop_unanswered`: see
+        Job."""
         if isinstance(to, Conversation | RawText):
             plan = self._conversations.plan(to, settings or {}, store)
             sampling = reply_sampling(self.sampling_defaults, {}, settings, sampling, grammar, logprobs)
@@ -437,7 +438,8 @@ class ChatEngine:
         self._cache.note_prefill(job.stats[alt])
         conversation = [*turn.messages, *(template_message(m, self._cache.thinking) for m in [*asked, reply])]
         try:
-            # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
+            # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the
+            # Esc.
             complete = job.stats[alt].stop_reason != "cancelled"
             self._cache.snapshot(stored, seq, conversation, complete)
         except (StoreError, KeyboardInterrupt) as e:  # KV is a cache; a second Ctrl+C may skip it
