@@ -1,28 +1,40 @@
 """Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
 
 Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
-llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, the family's turn
-markers) for the gemmas and phi3. The weights are random but fixed by a seed, so every test sees the
-same model; the architectures added later (qwen3moe, gemma2, phi3) also carry their family's real chat
-template and the switches that make them differ (experts, soft-capping, LongRoPE), so that their
-logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
+llama/qwen2/qwen3/qwen3moe (gpt-oss: harmony's specials and the gpt-4o pre-tokenizer), and
+SentencePiece (pieces with scores, byte fallback, the family's turn markers) for the gemmas and phi3.
+The weights are random but fixed by a seed, so every test sees the same model; the architectures added
+later (qwen3moe, gemma2, phi3, gpt-oss) also carry their family's real chat template and the switches
+that make them differ (experts, soft-capping, LongRoPE, sinks, YaRN), so that their logits from
+llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from tiny_later_archs import LATER_ARCHS, later_layers, later_metadata
+from tiny_later_archs import HARMONY_SPECIALS, LATER_ARCHS, later_layers, later_metadata
+
+
+class FixtureDay(datetime):
+    """A datetime whose now() is one fixed day: a real template that writes the current date (gpt-oss's)
+    renders the prompt the llama.cpp fixtures recorded, on any day (patched in as chat_template.datetime)."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2025, 8, 5)
+
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3", "gpt-oss")
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
 # each later architecture's family template, from llama.cpp's models/templates/, and Qwen3's (its
 # replies' thinking: tests/test_thinking.py)
@@ -31,6 +43,7 @@ FAMILY_TEMPLATES = {
     "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
     "gemma2": "google-gemma-2-2b-it.jinja",
     "phi3": "microsoft-Phi-3.5-mini-instruct.jinja",
+    "gpt-oss": "openai-gpt-oss-120b.jinja",
 }
 SPM_ARCHS = ("gemma3", "gemma2", "phi3")
 
@@ -149,7 +162,8 @@ def write_tiny_model(
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
-    w.add_context_length(context_length * (2 if arch == "phi3" else 1))  # phi3: LongRoPE's longer one
+    # phi3: LongRoPE's longer one; gpt-oss: room for its template's system message (300 tiny tokens)
+    w.add_context_length(context_length * {"phi3": 2, "gpt-oss": 4}.get(arch, 1))
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
@@ -161,7 +175,7 @@ def write_tiny_model(
     later_metadata(w, arch, context_length)
     for key, value in (metadata or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    if arch in ("gemma3", "gemma2", "phi3"):
+    if arch in ("gemma3", "gemma2", "phi3", "gpt-oss"):
         w.add_sliding_window(8)  # (phi3's is read by no one: llama.cpp turns it off)
     if arch in SPM_ARCHS:
         vocab = PHI3_SPECIALS if arch == "phi3" else GEMMA_SPECIALS
@@ -184,8 +198,11 @@ def write_tiny_model(
             tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
         if arch == "qwen3moe":  # Qwen3's thinking markers: user-defined tokens, matched in any text
             tokens, types = tokens + ["<think>", "</think>"], types + [4, 4]
+        if arch == "gpt-oss":  # o200k_harmony's specials in place of ChatML's
+            tokens, types = tokens[:-3] + list(HARMONY_SPECIALS), types[:-3] + [3] * len(HARMONY_SPECIALS)
+            bos, eos = tokens.index("<|startoftext|>"), tokens.index("<|return|>")
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+        w.add_tokenizer_pre({"llama": "llama-bpe", "gpt-oss": "gpt-4o"}.get(arch, "qwen2"))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
