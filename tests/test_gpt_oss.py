@@ -9,6 +9,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from test_constrain import WEATHER  # its city one of two: a tiny model's string would go on
 from test_thinking import forced  # (the grammar that makes a tiny model write a text)
 
 from llama_chat.app.chat.engine import ChatEngine
@@ -16,15 +17,20 @@ from llama_chat.app.chat.jobs import State
 from llama_chat.inference import (
     GenerationStats,
     SamplingParams,
+    chat_prompt_ids,
     chat_template,
+    generate,
     kernels,
     load_model,
 )
 from llama_chat.inference.attention import one_token_attention_reference
+from llama_chat.inference.constrain import check_grammar, lark_grammar
 from llama_chat.inference.experts import route
 from llama_chat.inference.forward import SWIGLU_OAI_LIMIT, attention, swiglu_oai
 from llama_chat.inference.prompt import prompt_text
 from llama_chat.inference.rope import rope, yarn_frequencies
+from llama_chat.inference.tool_calls import HARMONY, ToolCall, tool_format
+from llama_chat.inference.tool_stream import CallSplitter
 from llama_chat.storage import ChatStore
 from tiny_later_archs import N_EXPERT, N_EXPERT_USED, YARN_FACTOR, YARN_ORIGINAL_CONTEXT
 from tiny_models import FixtureDay
@@ -156,3 +162,54 @@ def test_the_reasoning_effort_reaches_the_template(engine):
     session = engine._store.get_session(job.result.session.id)
     read = engine._model.tokenizer.decode(engine._cache.stored_conversation(session)[1])
     assert "Reasoning: low" in read and "Reasoning: medium" not in read
+
+
+# -- harmony's tool calls -------------------------------------------------------------------------------
+
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+# gpt-oss's template writes every tool's description
+TOOL = {**WEATHER, "function": {**WEATHER["function"], "description": "The weather in a city"}}
+
+
+def test_the_gpt_oss_template_asks_for_harmony_calls(gpt_oss):
+    assert tool_format(gpt_oss.chat_template) is HARMONY
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',  # as rendered back
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+    ],
+)
+def test_a_harmony_call_parses_whole_and_streamed(text):
+    """Either order harmony allows, after a thought's `<|start|>assistant` or not; streamed a few
+    characters at a time it is the same call."""
+    assert HARMONY.split(text) == ("", [ToolCall("get_weather", {"city": "Paris"})])
+    splitter = CallSplitter(HARMONY, offered={"get_weather"})
+    deltas = [d for at in range(0, len(text), 5) for d in splitter.feed(text[at : at + 5])] + splitter.finish()
+    assert [(d.content, d.name, d.arguments) for d in deltas] == [("", "get_weather", ""), ("", None, '{"city": "Paris"}')]
+
+
+def test_a_final_answer_that_names_functions_is_no_call():
+    assert HARMONY.split("Call to=functions.get_weather yourself.") is None
+
+
+@pytest.mark.parametrize("temperature", [0, 5.0])
+def test_a_required_harmony_call_parses_and_renders_back_as_the_model_wrote_it(gpt_oss, temperature, monkeypatch):
+    """Constrained by HARMONY.grammar, the tiny gpt-oss calls one of the tools with valid arguments; the
+    call given back renders the tokens it wrote after the prompt (so a continued conversation keeps its
+    KV)."""
+    monkeypatch.setattr(chat_template, "datetime", FixtureDay)
+    tok = gpt_oss.tokenizer
+    lark = HARMONY.grammar([TOOL], tokenizer=tok)
+    sampling = SamplingParams(temperature=temperature, seed=4, grammar=check_grammar(tok, lark_grammar(lark)))
+    prompt = chat_prompt_ids(gpt_oss, ASK, tools=[TOOL])
+    reply = "".join(generate(gpt_oss, prompt, sampling=sampling, max_tokens=200))
+    content, (call,) = HARMONY.split(reply)
+    assert content == "" and call.name == "get_weather" and call.arguments["city"] in ("Paris", "Oslo")
+    returned = HARMONY.as_message(reply)
+    assert HARMONY.call_text(returned["tool_calls"]) == reply
+    after = chat_prompt_ids(gpt_oss, [*ASK, returned], add_generation_prompt=False, tools=[TOOL])
+    assert after[: len(prompt)] == prompt and tok.decode(after[len(prompt) :]).startswith(reply)
