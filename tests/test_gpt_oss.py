@@ -6,6 +6,8 @@ llama.cpp's: test_llamacpp_tiny.py.)"""
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from llama_chat.inference.rope import rope, yarn_frequencies
 from llama_chat.inference.tool_calls import HARMONY, ToolCall, tool_format
 from llama_chat.inference.tool_stream import CallSplitter
 from llama_chat.storage import ChatStore
+from served import Served
 from tiny_later_archs import N_EXPERT, N_EXPERT_USED, YARN_FACTOR, YARN_ORIGINAL_CONTEXT
 from tiny_models import FixtureDay
 
@@ -180,7 +183,8 @@ def test_the_gpt_oss_template_asks_for_harmony_calls(gpt_oss):
     [
         ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',  # as rendered back
         '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
-        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris"}<|call|>',
     ],
 )
 def test_a_harmony_call_parses_whole_and_streamed(text):
@@ -188,8 +192,10 @@ def test_a_harmony_call_parses_whole_and_streamed(text):
     characters at a time it is the same call."""
     assert HARMONY.split(text) == ("", [ToolCall("get_weather", {"city": "Paris"})])
     splitter = CallSplitter(HARMONY, offered={"get_weather"})
-    deltas = [d for at in range(0, len(text), 5) for d in splitter.feed(text[at : at + 5])] + splitter.finish()
-    assert [(d.content, d.name, d.arguments) for d in deltas] == [("", "get_weather", ""), ("", None, '{"city": "Paris"}')]
+    deltas = [d for at in range(0, len(text), 5) for d in splitter.feed(text[at : at + 5])]
+    deltas += splitter.finish()
+    expected = [("", "get_weather", ""), ("", None, '{"city": "Paris"}')]
+    assert [(d.content, d.name, d.arguments) for d in deltas] == expected
 
 
 def test_a_final_answer_that_names_functions_is_no_call():
@@ -197,7 +203,9 @@ def test_a_final_answer_that_names_functions_is_no_call():
 
 
 @pytest.mark.parametrize("temperature", [0, 5.0])
-def test_a_required_harmony_call_parses_and_renders_back_as_the_model_wrote_it(gpt_oss, temperature, monkeypatch):
+def test_a_required_harmony_call_parses_and_renders_back_as_the_model_wrote_it(
+    gpt_oss, temperature, monkeypatch
+):
     """Constrained by HARMONY.grammar, the tiny gpt-oss calls one of the tools with valid arguments; the
     call given back renders the tokens it wrote after the prompt (so a continued conversation keeps its
     KV)."""
@@ -213,3 +221,26 @@ def test_a_required_harmony_call_parses_and_renders_back_as_the_model_wrote_it(g
     assert HARMONY.call_text(returned["tool_calls"]) == reply
     after = chat_prompt_ids(gpt_oss, [*ASK, returned], add_generation_prompt=False, tools=[TOOL])
     assert after[: len(prompt)] == prompt and tok.decode(after[len(prompt) :]).startswith(reply)
+
+
+def test_the_server_answers_a_required_call_as_openai_tool_calls_whole_and_streamed(
+    tiny_model_paths, tmp_path
+):
+    """gpt-oss behind `serve`: a required call comes back as `tool_calls` (finish_reason "tool_calls"),
+    streamed as OpenAI streams a call (its name, then its arguments), the same call either way."""
+    path = tiny_model_paths["gpt-oss"]
+    s = Served(tmp_path / "chat.db", path).wait_ready()
+    try:
+        asked = {"model": path.stem, "messages": ASK, "tools": [TOOL], "tool_choice": "required"}
+        reply = s.client.chat.completions.create(**asked, temperature=0, max_tokens=200)
+        choice = reply.choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+        chunks = list(s.client.chat.completions.create(**asked, temperature=0, max_tokens=200, stream=True))
+        deltas = [c for chunk in chunks for d in chunk.choices for c in d.delta.tool_calls or []]
+        assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    finally:
+        s.stop()
