@@ -4,7 +4,7 @@ GGUF's metadata into them, with llama.cpp's keys and its defaults for each archi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,9 @@ import numpy as np
 from .errors import ModelError
 from .rope import yarn_scale
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3", "gpt-oss")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
+ARCHITECTURES += ("granite", "olmo2", "smollm3", "gpt-oss")
+ROPE_ADJACENT = ("llama", "granite", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM: pairs (2i, 2i + 1)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,12 @@ class ModelConfig:
     rope_dim: int = 0  # channels of each head that RoPE turns, the first ones (phi-4-mini); 0: all
     rope_attn_factor: float = 1.0  # LongRoPE (phi3): RoPE's cos and sin times this
     fused_gate_up: bool = False  # phi3: ffn_up holds the gate's rows, then the up projection's
+    rope_long: bool = False  # phi3's LongRoPE with its long factors: a context past the original length
+    residual_scale: float = 0.0  # granite: attention and FFN outputs times this before the residual; 0: 1
+    logit_scale: float = 0.0  # granite: final logits divided by this; 0: 1
+    pre_norms: bool = True  # RMSNorm before attention and the FFN (olmo2 has only the norms after)
+    qk_norm_whole: bool = False  # olmo2: q/k norm over the whole projection, not over each head
+    nope_step: int = 0  # smollm3: every nope_step-th layer turns no RoPE (NoPE); 0: every layer turns
     # "softmax": the k most probable experts of a softmax over all (qwen3moe); "softmax_weight": the k
     # highest router logits, weighted by a softmax over those k (gpt-oss)
     expert_gating: str = "softmax"
@@ -72,6 +80,10 @@ class ModelConfig:
     def rope_scale(self) -> float:
         """What RoPE's cos and sin are multiplied by: LongRoPE's attention factor, YaRN's temperature."""
         return self.rope_attn_factor * yarn_scale(self.rope_yarn_factor)
+
+    def rotates(self, layer: int) -> bool:
+        """Whether the layer turns q and k by RoPE (llama.cpp: (il + 1) % n_no_rope_layer_step != 0)."""
+        return not self.nope_step or (layer + 1) % self.nope_step != 0
 
     def description(self) -> dict:
         """What the KV depends on, as the model's fingerprint describes it: a switch of ADDED only where
@@ -115,7 +127,7 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
         n_ctx_train=int(get("context_length")),
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_base=float(get("rope.freq_base", 10000.0)),
-        rope_neox=arch != "llama",
+        rope_neox=arch not in ROPE_ADJACENT,
         final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0)),
         attn_logit_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", 0.0)),
         rope_dim=rope_dim if rope_dim != head_dim else 0,
@@ -179,6 +191,14 @@ def read_config(meta: dict, path: Path) -> ModelConfig:
         )
     if arch == "phi3":
         common.update(phi3_switches(meta, common["n_ctx_train"]))
+    if arch == "granite":
+        common.update(granite_switches(meta, path))
+    if arch == "olmo2":  # llama.cpp: norms after attention and the FFN only; q/k norms over all heads at once
+        if int(meta.get("olmo2.attention.sliding_window", 0)):  # OLMo 3's windows, beside YaRN
+            raise ModelError(f"{path}: olmo2 with a sliding window (OLMo 3) is not supported")
+        common.update(post_norms=True, pre_norms=False, qk_norm=True, qk_norm_whole=True)
+    if arch == "smollm3":  # llama.cpp hard-codes it (n_no_rope_layer_step): layers 3, 7, 11… turn no RoPE
+        common.update(nope_step=4)
     return ModelConfig(**common)
 
 
@@ -196,11 +216,36 @@ def phi3_switches(meta: dict, n_ctx_train: int) -> dict:
     """phi3's fused gate/up and its LongRoPE. llama.cpp turns a GGUF's sliding window off for phi3
     ("Phi SWA is currently disabled"), so none is read. LongRoPE: llama.cpp takes the short factors
     (rope_factors_short.weight) for a context of at most the original length, the long ones past it,
-    and RoPE's cos and sin times rope.scaling.attn_factor either way; here the context stops at the
-    original length, where the short factors apply."""
+    and RoPE's cos and sin times rope.scaling.attn_factor either way. Read so, the context stops at the
+    original length, where the short factors apply; with_context takes the long ones past it."""
     attn_factor = float(meta.get("phi3.rope.scaling.attn_factor", 1.0))
     switches: dict = {"fused_gate_up": True, "rope_attn_factor": attn_factor}
     original = int(meta.get("phi3.rope.scaling.original_context_length", 0))
     if 0 < original < n_ctx_train:
         switches["n_ctx_train"] = original
     return switches
+
+
+def with_context(cfg: ModelConfig, meta: dict, n_ctx: int | None) -> ModelConfig:
+    """The config for a context of n_ctx tokens per sequence (None: as read). A phi3 whose LongRoPE
+    stops its context at the original length takes its long factors past it, with its whole trained
+    context, as llama.cpp picks the factors by its context (llama_model::get_rope_factors); the
+    fingerprint tells the two apart, so their KV never mixes."""
+    full = int(meta.get(f"{cfg.arch}.context_length", 0))
+    if cfg.arch != "phi3" or n_ctx is None or n_ctx <= cfg.n_ctx_train or full <= cfg.n_ctx_train:
+        return cfg
+    return replace(cfg, n_ctx_train=full, rope_long=True)
+
+
+def granite_switches(meta: dict, path: Path) -> dict:
+    """granite's scales, as llama.cpp reads them (src/models/granite.cpp): embeddings times
+    embedding_scale, attention and FFN outputs times residual_scale before each residual, q·k times
+    attention.scale, the final logits divided by logit_scale (the one that must be there)."""
+    if "granite.logit_scale" not in meta:
+        raise ModelError(f"{path}: missing metadata granite.logit_scale")
+    return {
+        "embed_scale": float(meta.get("granite.embedding_scale", 0.0)) or 1.0,
+        "residual_scale": float(meta.get("granite.residual_scale", 0.0)),
+        "attn_scale": float(meta.get("granite.attention.scale", 0.0)),
+        "logit_scale": float(meta["granite.logit_scale"]),
+    }

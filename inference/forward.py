@@ -2,8 +2,9 @@
 (the weights stay quantized; their matrix products are compiled kernels, see kernels.py).
 
 Shapes in comments: T new tokens, S cached positions, d = n_embd, hd = head_dim.
-Architecture differences (QKV bias, q/k norms, post-norms, sliding windows, GELU vs SiLU,
-embedding scale, soft-capping) are switches in `ModelConfig`, read from the GGUF metadata.
+Architecture differences (QKV bias, q/k norms, pre- and post-norms, sliding windows, GELU vs SiLU,
+embedding, residual and logit scales, soft-capping, layers without RoPE) are switches in
+`ModelConfig`, read from the GGUF metadata.
 The weights come as `Weights` (built once at load by weights.py), the KV as `KVSequence`s whose
 memory layout is kv_cache.py's business. One call of `step` is one forward pass: cutting a long
 prompt into passes is the caller's (model.Model.prefill).
@@ -24,6 +25,7 @@ from .errors import ContextFullError
 from .kv_arena import KVViews
 from .kv_cache import KVSequence
 from .rope import rope
+from .segment import Segment
 
 if TYPE_CHECKING:
     from .experts import Experts
@@ -41,16 +43,16 @@ class LayerWeights:
     """One transformer block's weights as the kernels read them; the optional ones are None where the
     architecture has none."""
 
-    attn_norm: np.ndarray  # [d]
+    attn_norm: np.ndarray | None  # [d] (None: olmo2, whose norms come after)
     attn_qkv: PackedMatrix | StackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
     attn_output: PackedMatrix  # [d, q_dim]
-    ffn_norm: np.ndarray  # [d]
+    ffn_norm: np.ndarray | None  # [d]
     ffn_gate_up: PackedMatrix | None = None  # gate and up fused: [2·n_ff, d] (None: experts instead)
     ffn_down: PackedMatrix | None = None  # [d, n_ff]
     experts: Experts | None = None  # a mixture of experts in place of the one FFN (qwen3moe)
     attn_qkv_bias: np.ndarray | None = None  # [q_dim + 2·kv_dim] (qwen2)
-    attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3)
-    attn_k_norm: np.ndarray | None = None  # [hd]
+    attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3); [q_dim] (olmo2)
+    attn_k_norm: np.ndarray | None = None  # [hd]; [kv_dim] (olmo2)
     post_attention_norm: np.ndarray | None = None  # [d] (gemma3)
     post_ffw_norm: np.ndarray | None = None  # [d]
     attn_output_bias: np.ndarray | None = None  # [d] (gpt-oss)
@@ -83,6 +85,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # np.mean computes it but without its Python wrapper: 49 norms run for every decoded token
     mean_square = np.add.reduce(x * x, axis=-1, keepdims=True) / F32(x.shape[-1])
     return x * (1.0 / np.sqrt(mean_square + F32(eps))) * weight
+
+
+def pre_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """The RMSNorm before attention or the FFN; none where the architecture has none (olmo2)."""
+    return x if weight is None else rms_norm(x, weight, eps)
 
 
 def linear(x: np.ndarray, weight) -> np.ndarray:
@@ -202,39 +209,6 @@ def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: ModelConfig) -> np.ndarra
     return experts.mixture(x, lw.experts, cfg.n_expert_used, cfg.expert_gating, cfg.expert_weights_norm, ffn)
 
 
-class Segment:
-    """The rows of a forward step that belong to one sequence, and where their KV goes."""
-
-    def __init__(
-        self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int, all_rows: bool, commit: bool
-    ):
-        self.seq, self.rows, self.tokens = seq, rows, tokens
-        self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)
-        # the rows that go on past the last layer's attention: all of them (their logits are wanted) or
-        # only the last (a prompt's: llama.cpp's skipping of unused outputs)
-        self.kept = rows if all_rows else slice(rows.stop - 1, rows.stop)
-        self.commit = commit  # whether the sequence takes the new tokens (else see verify_draft)
-        self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
-        self.where = seq.reserve(len(tokens))  # where the new tokens' KV goes (for seq.write)
-        self._views: dict[tuple[int, int, int], tuple] = {}
-
-    def view(self, window: int, lo: int, hi: int) -> tuple[KVViews, np.ndarray | None]:
-        """What rows lo..hi-1 attend to: the cached positions from the first key any of them sees to the
-        last row's own, and their mask (made once per window, read by every layer)."""
-        if (window, lo, hi) not in self._views:
-            positions = self.positions[lo:hi]
-            first = max(int(positions[0]) - window + 1, 0) if window else 0
-            end = int(positions[-1]) + 1
-            views = self.seq.views(first, end)
-            dist = positions[:, None] - np.arange(first, end)[None, :]  # [rows, S]
-            hidden = dist < 0
-            if window:
-                hidden |= dist >= window
-            mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
-            self._views[window, lo, hi] = (views, mask)
-        return self._views[window, lo, hi]
-
-
 ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row
 # From this many cached positions one token's attention goes to the compiled kernel (kernels.py).
 KERNEL_ATTENTION_FROM = PROFILE.kernel_attention_from
@@ -294,16 +268,20 @@ def self_attention(
     qkv = linear(x, lw.attn_qkv)  # [T, q_dim + 2·kv_dim]
     if lw.attn_qkv_bias is not None:
         qkv += lw.attn_qkv_bias
+    if cfg.qk_norm_whole:  # olmo2: q and k normed over all their heads at once
+        qkv[:, :q_dim] = rms_norm(qkv[:, :q_dim], lw.attn_q_norm, cfg.norm_eps)
+        qkv[:, q_dim : q_dim + kv_dim] = rms_norm(qkv[:, q_dim : q_dim + kv_dim], lw.attn_k_norm, cfg.norm_eps)
     q = qkv[:, :q_dim].reshape(T, cfg.n_head, cfg.head_dim).transpose(1, 0, 2)  # [n_head, T, hd]
     k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
     v = qkv[:, q_dim + kv_dim :].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, lw.attn_q_norm, cfg.norm_eps)
         k = rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
     sliding = cfg.is_sliding(layer)
     base = cfg.rope_base_swa if sliding else cfg.rope_base
-    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_scale, cfg.yarn)
-    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_scale, cfg.yarn)
+    if cfg.rotates(layer):
+        q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_scale, cfg.yarn)
+        k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_scale, cfg.yarn)
     window = cfg.sliding_window if sliding else 0
     rows = [seg.kept if last_layer else seg.rows for seg in segments]
     out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
@@ -328,21 +306,27 @@ def transformer_block(
     """In the last layer, go on with the rows each segment keeps (Segment.kept: nothing reads the others
     there but their K and V)."""
     lw = w.layers[layer]
-    h = self_attention(rms_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer)
+    h = self_attention(pre_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer)
     if last_layer and any(seg.kept != seg.rows for seg in segments):
         x = x[np.concatenate([np.arange(seg.kept.start, seg.kept.stop) for seg in segments])]
     if cfg.post_norms:
         h = rms_norm(h, lw.post_attention_norm, cfg.norm_eps)
+    if cfg.residual_scale:  # granite
+        h *= F32(cfg.residual_scale)
     x = x + h
-    h = feed_forward(rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw, cfg)
+    h = feed_forward(pre_norm(x, lw.ffn_norm, cfg.norm_eps), lw, cfg)
     if cfg.post_norms:
         h = rms_norm(h, lw.post_ffw_norm, cfg.norm_eps)
+    if cfg.residual_scale:
+        h *= F32(cfg.residual_scale)
     return x + h
 
 
 def output_logits(x: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray:
     x = rms_norm(x, w.output_norm, cfg.norm_eps)
     logits = linear(x, w.output)  # [n, n_vocab]
+    if cfg.logit_scale:  # granite divides its logits, as llama.cpp: times 1/logit_scale in float32
+        logits *= F32(1.0) / F32(cfg.logit_scale)
     if cfg.final_logit_softcap:
         logits = np.tanh(logits / F32(cfg.final_logit_softcap)) * F32(cfg.final_logit_softcap)
     return logits
@@ -427,6 +411,8 @@ def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: ModelC
     seq_rm + seq_add do (see KVSequence.shift)."""
 
     def rerotate(layer: int, k: np.ndarray) -> np.ndarray:  # k [kv_head, m, hd]
+        if not cfg.rotates(layer):
+            return k
         base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
         shift = np.full(k.shape[1], -drop)  # a rotation only: no scale (the keys have theirs)
         return rope(k, shift, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, yarn=cfg.yarn)

@@ -25,7 +25,7 @@ import numpy as np
 from . import kernels, packed_file, quants
 from .activations import inputs_of
 from .catalog import cache_dir
-from .config import ModelConfig, read_config
+from .config import ModelConfig, read_config, with_context
 from .errors import ModelError
 from .experts import Experts
 from .forward import LayerWeights, Weights
@@ -124,12 +124,19 @@ def model_info(path: Path, progress: Progress | None = None, use_cache: bool = T
     return info
 
 
-def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True, activations: str = "f32") -> Prepared:
-    """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS): everything a
-    Model needs."""
+def prepare(
+    path: Path,
+    progress: Progress | None = None,
+    use_cache: bool = True,
+    activations: str = "f32",
+    n_ctx: int | None = None,
+) -> Prepared:
+    """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS), for a context of
+    n_ctx tokens per sequence (config.with_context; None: the model's own): everything a Model needs."""
     if activations not in kernels.ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, not {activations!r}")
     info = model_info(path, progress, use_cache)
+    info.config = with_context(info.config, info.metadata, n_ctx)
     info.activations = activations
     info.weights = load_weights(info, progress, use_cache)
     return info
@@ -166,7 +173,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     plan = matrix_plan(cfg, info.tensors)
     output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
     rope_freqs = None
-    for name in ROPE_FACTORS:
+    for name in rope_factors(cfg):
         if name in info.tensors:
             rope_freqs = gguf_file.vector(name, ((cfg.rope_dim or cfg.head_dim) // 2,))
             break
@@ -199,9 +206,10 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs, info.activations)
 
 
-# The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors for a context
-# of at most the original length (config.phi3_switches)
-ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
+def rope_factors(cfg: ModelConfig) -> tuple[str, str]:
+    """The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors, the long
+    ones past the original context, else the short ones (config.with_context)."""
+    return "rope_freqs.weight", f"rope_factors_{'long' if cfg.rope_long else 'short'}.weight"
 
 
 def check_tensors(gguf_file: GGUFTensors) -> None:
@@ -269,7 +277,8 @@ def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):
 def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
     """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32."""
     p, tensors = f"blk.{i}.", gguf_file.info.tensors
-    vectors = {
+    vectors = {"attn_norm": None, "ffn_norm": None}  # (olmo2 has no norms before attention and the FFN)
+    vectors |= {
         name[len(p) :].removesuffix(".weight"): gguf_file.vector(name, shape)
         for name, shape in layer_tensors(cfg, i, tensors).items()
         if len(shape) == 1

@@ -1,12 +1,13 @@
 """Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
 
-Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
-llama/qwen2/qwen3/qwen3moe (gpt-oss: harmony's specials and the gpt-4o pre-tokenizer), and
-SentencePiece (pieces with scores, byte fallback, the family's turn markers) for the gemmas and phi3.
-The weights are random but fixed by a seed, so every test sees the same model; the architectures added
-later (qwen3moe, gemma2, phi3, gpt-oss) also carry their family's real chat template and the switches
-that make them differ (experts, soft-capping, LongRoPE, sinks, YaRN), so that their logits from
-llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
+Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials, the
+family's control tokens) for llama/qwen2/qwen3/qwen3moe/granite/olmo2/smollm3 (gpt-oss: harmony's
+specials in place of ChatML's, the gpt-4o pre-tokenizer), and SentencePiece (pieces with scores, byte
+fallback, the family's turn markers) for the gemmas and phi3. The weights are random but fixed by a
+seed, so every test sees the same model; the architectures added later (qwen3moe, gemma2, phi3,
+granite, olmo2, smollm3, gpt-oss) also carry their family's real chat template and the switches that
+make them differ (experts, soft-capping, LongRoPE, scales, norms, layers without RoPE, sinks, YaRN), so
+that their logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3", "gpt-oss")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
+ARCHS += ("granite", "olmo2", "smollm3", "gpt-oss")
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
 # each later architecture's family template, from llama.cpp's models/templates/, and Qwen3's (its
 # replies' thinking: tests/test_thinking.py)
@@ -43,8 +45,16 @@ FAMILY_TEMPLATES = {
     "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
     "gemma2": "google-gemma-2-2b-it.jinja",
     "phi3": "microsoft-Phi-3.5-mini-instruct.jinja",
+    "granite": "ibm-granite-granite-4.0.jinja",  # Granite-4.0-micro: a granite (its 3.3 one writes the date)
+    "olmo2": "allenai-OLMo-2-0425-1B-SFT.jinja",  # (the tokenizer_config of OLMo 2 SFT and Instruct)
+    "smollm3": "HuggingFaceTB-SmolLM3-3B.jinja",
     "gpt-oss": "openai-gpt-oss-120b.jinja",
 }
+# the BPE vocabularies' pre-tokenizers and control tokens as the families' GGUFs name them (ChatML's
+# besides), the last of them the end of text; olmo2 begins and ends a text with <|endoftext|>
+BPE_PRE = {"llama": "llama-bpe", "granite": "refact", "olmo2": "dbrx", "smollm3": "smaug-bpe"}
+BPE_PRE["gpt-oss"] = "gpt-4o"
+FAMILY_SPECIALS = {"granite": ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>")}
 SPM_ARCHS = ("gemma3", "gemma2", "phi3")
 
 
@@ -140,7 +150,7 @@ def write_tiny_model(
     chat_template: str | None = None,
     metadata: dict | None = None,
     specials: tuple[str, ...] = (),
-    context_length: int = 256,
+    context_length: int | None = None,
     space_prefix: bool = False,
     quantized: bool = True,
 ) -> Path:
@@ -155,17 +165,18 @@ def write_tiny_model(
     # gpt-oss draws from seed + 1: from seed 0 its greedy reply to test_generate's prompt ends after 9
     # tokens, before prompt lookup has a run to guess
     rng = np.random.default_rng(seed + (arch == "gpt-oss"))
+    # (SmolLM3's system prompt is long, gpt-oss's 300 tokens of the tiny vocabulary)
+    context_length = context_length or {"smollm3": 2048, "gpt-oss": 1024}.get(arch, 256)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
-    n_layer = n_layer or {"gemma3": 6, "gemma2": 4}.get(arch, 2)
+    n_layer = n_layer or {"gemma3": 6, "gemma2": 4, "smollm3": 4}.get(arch, 2)  # (smollm3: layer 3 has no RoPE)
     if chat_template is None:
         family = FAMILY_TEMPLATES.get(arch)
         chat_template = (TEMPLATES / family).read_text() if family else CHATML
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
-    # phi3: LongRoPE's longer one; gpt-oss: room for its template's system message (300 tiny tokens)
-    w.add_context_length(context_length * {"phi3": 2, "gpt-oss": 4}.get(arch, 1))
+    w.add_context_length(context_length * (2 if arch == "phi3" else 1))  # phi3: LongRoPE's longer one
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
@@ -196,15 +207,18 @@ def write_tiny_model(
             w.add_chat_template(chat_template)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
+        specials = specials or FAMILY_SPECIALS.get(arch, ())
         if specials:
             tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
-        if arch == "qwen3moe":  # Qwen3's thinking markers: user-defined tokens, matched in any text
+        if arch == "olmo2":
+            eos = bos
+        if arch in ("qwen3moe", "smollm3"):  # the thinking markers: user-defined tokens, matched in any text
             tokens, types = tokens + ["<think>", "</think>"], types + [4, 4]
         if arch == "gpt-oss":  # o200k_harmony's specials in place of ChatML's
             tokens, types = tokens[:-3] + list(HARMONY_SPECIALS), types[:-3] + [3] * len(HARMONY_SPECIALS)
             bos, eos = tokens.index("<|startoftext|>"), tokens.index("<|return|>")
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre({"llama": "llama-bpe", "gpt-oss": "gpt-4o"}.get(arch, "qwen2"))
+        w.add_tokenizer_pre(BPE_PRE.get(arch, "qwen2"))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

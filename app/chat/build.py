@@ -96,6 +96,7 @@ def open_model(options: EngineOptions, progress: Progress | None = None) -> Mode
         cache_type=options.cache_type,
         activations=options.activations,
         prompt_lookup=options.prompt_lookup,
+        n_ctx=options.n_ctx,
     )
 
 
