@@ -2,7 +2,7 @@
 replies on the tiny random model of every architecture (tests/tiny_models.py), so that each
 architecture is checked against llama.cpp without a real model and without llama.cpp in CI.
 
-    .venv/bin/python benchmarks/make_tiny_reference.py [--llamacpp-python PATH]
+    .venv/bin/python benchmarks/make_tiny_reference.py [--llamacpp-python PATH] [--arch ARCH ...]
 
 The models are the tiny ones with every matrix in float32 and llama.cpp runs in its float32
 configuration (F32 KV cache, no flash attention, which rounds q to float16): its rounding of
@@ -15,7 +15,9 @@ logits at every position of the text (float32, the .npy) and its greedy continua
 prompt, with the smallest margin between its two best tokens along it. llama.cpp runs in a child
 process of another Python (llama-cpp-python is no dependency of this project: `pip install
 llama-cpp-python` there, or --llamacpp-python names its interpreter). The tests write the tiny models
-again from the same seed, byte for byte the files used here.
+again from the same seed, byte for byte the files used here. `--arch` writes those architectures'
+entries again and keeps the others'. Templates that write the current date render it as the fixed
+day of tiny_models.FixtureDay.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llama_chat.inference import load_model  # noqa: E402
+from llama_chat.inference import chat_template, load_model  # noqa: E402
 from llama_chat.inference.prompt import prompt_text  # noqa: E402
 from tiny_later_archs import LONG_CONTEXT  # noqa: E402
-from tiny_models import ARCHS, write_tiny_model  # noqa: E402
+from tiny_models import ARCHS, FixtureDay, write_tiny_model  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
 TEXT = "the hello world is in the air, then the water and the sun; it is a test of the tiny model"
@@ -114,11 +116,17 @@ def reference(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llamacpp-python", default=sys.executable, help="a Python with llama_cpp installed")
+    parser.add_argument("--arch", action="append", choices=ARCHS, help="only this one (repeatable)")
     args = parser.parse_args()
+    chat_template.datetime = FixtureDay
+    kept = json.loads((OUT / "tiny.json").read_text())["models"] if args.arch else {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {arch: reference(arch, Path(tmp), args.llamacpp_python) for arch in ARCHS}
+        made = {arch: reference(arch, Path(tmp), args.llamacpp_python) for arch in args.arch or ARCHS}
         for name, (arch, n_ctx) in LONG_CONTEXT.items():
-            models[name] = reference(arch, Path(tmp), args.llamacpp_python, n_ctx, name)
+            if arch in made:
+                made[name] = reference(arch, Path(tmp), args.llamacpp_python, n_ctx, name)
+    names = [*ARCHS, *LONG_CONTEXT]
+    models = {name: made.get(name) or kept[name] for name in names if name in made or name in kept}
     fixture = {"text": TEXT, "messages": MESSAGES, "models": models}
     (OUT / "tiny.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
     return 0

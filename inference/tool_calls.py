@@ -7,6 +7,8 @@ the chat template as chat.cpp chooses it (the first whose marker the template's 
     Llama 3.x (3.1, 3.2, 3.3):              {"name": "get_weather", "parameters": {"city": "Paris"}}
     Mistral Nemo:                           [TOOL_CALLS][{"name": "get_weather", "arguments": {...},
                                                           "id": "a1B2c3D4e"}]
+    harmony (gpt-oss):                      to=functions.get_weather<|channel|>commentary json<|message|>
+                                            {"city": "Paris"}
 
 Here: which format a template speaks, the text a call is written as (what the template renders a
 call as, so a continued conversation reuses its KV), the grammar that makes a reply calls (when a call
@@ -64,6 +66,7 @@ class ToolFormat:
     one_call: bool = False  # the template renders one call per reply
     control: str = ""  # the control token `opening` starts with, in the vocabularies that have it
     template_vars: dict = field(default_factory=dict)  # what llama.cpp gives the template besides tools
+    call_head: regex.Pattern | None = None  # where a call's arguments begin, group 1 its name; None: JSON's
 
     def call_text(self, calls: list[dict]) -> str:
         """OpenAI `tool_calls` as the model writes them (and the template renders them)."""
@@ -195,7 +198,73 @@ MISTRAL_NEMO = ToolFormat(
     with_id=True,
     control="[TOOL_CALLS]",
 )
-FORMATS = (HERMES, LLAMA_3_X, MISTRAL_NEMO)  # in the order chat.cpp tries them
+
+
+class HarmonyFormat(ToolFormat):
+    """gpt-oss's calls (harmony): a message to `functions.NAME` on the commentary channel, its arguments
+    the message, one call a reply (the template renders one). Read in either order harmony allows
+    (`to=` in the header or after the channel, as chat.cpp reads them, the `<|start|>assistant` that
+    follows a thought or not); written, and constrained, as the template renders a call back."""
+
+    def call_text(self, calls: list[dict]) -> str:
+        function = calls[0]["function"]
+        arguments = function.get("arguments") or "{}"
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return self._header(function["name"]) + json.dumps(arguments, ensure_ascii=False)
+
+    @staticmethod
+    def _header(name: str) -> str:
+        return f" to=functions.{name}<|channel|>commentary json<|message|>"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        head = self.call_head.search(text)
+        if head is None:
+            return None
+        try:
+            arguments, end = json.JSONDecoder().raw_decode(text, _skip_space(text, head.end()))
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(arguments, dict) or text[end:].strip() not in ("", "<|call|>"):
+            return None
+        return text[: head.start()].strip(), [ToolCall(head.group("name"), arguments)]
+
+    def grammar(self, tools, name=None, several=False, ids=None, tokenizer=None) -> str:
+        """One call of `tools` (or of the one named), its arguments valid under its parameters, its
+        header's markers the tokens the template renders."""
+        rules, heads = [], []
+        for i, tool in enumerate(t["function"] for t in tools):
+            if name is not None and tool["name"] != name:
+                continue
+            schema = {**(tool.get("parameters") or {"type": "object"}), "x-guidance": COMPACT}
+            rules.append(f"args_{i}: %json {json.dumps(schema)}")
+            heads.append(f"{_markers_as_tokens(self._header(tool['name']), tokenizer)} args_{i}")
+        return "\n".join(["start: " + " | ".join(heads), *rules])
+
+
+def _markers_as_tokens(text: str, tokenizer: Tokenizer | None) -> str:
+    """`text` in Lark, each `<|…|>` marker that is one token of the vocabulary as that token."""
+    pieces = []
+    for piece in regex.split(r"(<\|[a-z]+\|>)", text):
+        marker = tokenizer is not None and piece.startswith("<|")
+        ids = tokenizer.encode(piece, special=True) if marker else []
+        pieces.append(f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(piece) if piece else "")
+    return " ".join(p for p in pieces if p)
+
+
+HARMONY = HarmonyFormat(
+    "GPT-OSS",
+    marker="<|channel|>",
+    begins=regex.compile(
+        r"(?=(?:<\|start\|>assistant)?[ \t]*(?:to=functions\.|<\|channel\|>commentary to=functions\.))"
+    ),
+    one_call=True,
+    call_head=regex.compile(
+        r"(?:<\|start\|>assistant)?\s*(?:to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>commentary"
+        r"|<\|channel\|>commentary\s+to=functions\.(?P<name>[^\s<]+))"
+        r"\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>"
+    ),
+)
+FORMATS = (HERMES, LLAMA_3_X, MISTRAL_NEMO, HARMONY)  # in the order chat.cpp tries them
 
 
 def tool_format(template: ChatTemplate) -> ToolFormat | None:

@@ -42,7 +42,7 @@ class CallSplitter:
         offered: set[str] = frozenset(),
     ):
         self.fmt, self.constrained, self.ids, self.offered = fmt, constrained, ids or [], offered
-        self.head = re.compile(_HEAD % re.escape(fmt.arguments))
+        self.head = fmt.call_head or re.compile(_HEAD % re.escape(fmt.arguments))
         self.text = ""  # the reply so far
         self.sent = 0  # how much of it went out as content
         self.scan = 0  # where calls may begin: what begins before it was found to be content

@@ -30,7 +30,7 @@ from .errors import ModelError
 from .experts import Experts
 from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
-from .tensor_plan import Plan, expert_matrix, layer_tensors, matrix_plan, stacked, tensor_of
+from .tensor_plan import Plan, expert_biases, expert_matrix, layer_tensors, matrix_plan, stacked, tensor_of
 
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 
@@ -178,6 +178,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
             rope_freqs = gguf_file.vector(name, ((cfg.rope_dim or cfg.head_dim) // 2,))
             break
     vectors = [_layer_vectors(gguf_file, cfg, i) for i in range(cfg.n_layer)]
+    biases = [_expert_biases(gguf_file, cfg, i) for i in range(cfg.n_layer)]
     tied = "output.weight" not in info.tensors
     table = None if tied else gguf_file.table("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
 
@@ -195,7 +196,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(
-        LayerWeights(**vectors[i], **_layer_matrices(matrices, cfg, i))
+        LayerWeights(**vectors[i], **_layer_matrices(matrices, cfg, i, biases[i]))
         for i in range(cfg.n_layer)
     )
     if tied:  # the output matrix is the embedding table
@@ -220,6 +221,7 @@ def check_tensors(gguf_file: GGUFTensors) -> None:
         needed += [
             (name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1
         ]
+        needed += expert_biases(cfg, i).items()
     for _, parts, shapes in matrix_plan(cfg, info.tensors):
         needed += zip(parts, shapes, strict=True)
     for name, shape in needed:
@@ -227,8 +229,8 @@ def check_tensors(gguf_file: GGUFTensors) -> None:
         gguf_file.qtype(name)
 
 
-def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
-    """A layer's packed matrices, as LayerWeights takes them."""
+def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int, biases: dict) -> dict:
+    """A layer's packed matrices, as LayerWeights takes them (a mixture's with its `biases`)."""
     p = f"blk.{i}."
     layer = {name: stacked(matrices, p + name) for name in ("attn_qkv", "attn_output")}
     if not cfg.n_expert:
@@ -238,8 +240,19 @@ def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
         stacked(matrices, p + "ffn_gate_inp"),
         tuple(stacked(matrices, expert_matrix(i, e, "ffn_gate_up")) for e in experts),
         tuple(stacked(matrices, expert_matrix(i, e, "ffn_down")) for e in experts),
+        **biases,
     )
     return layer
+
+
+def _expert_biases(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
+    """A layer's router and expert biases as Experts takes them (gate's and up's side by side)."""
+    shapes = expert_biases(cfg, i)
+    read = {name.split(".")[2]: gguf_file.vector(name, shape) for name, shape in shapes.items()}
+    if not read:
+        return {}
+    gate_up = np.concatenate([read["ffn_gate_exps"], read["ffn_up_exps"]], axis=1)
+    return {"router_bias": read["ffn_gate_inp"], "gate_up_bias": gate_up, "down_bias": read["ffn_down_exps"]}
 
 
 def _packed_layout(info: Prepared, plan: Plan) -> dict[str, packed_file.Layout]:
@@ -272,6 +285,10 @@ def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str
         for name, shape in layer_tensors(cfg, i, tensors).items()
         if len(shape) == 1
     }
+    if cfg.ffn_norm_tensor != "ffn_norm":
+        vectors["ffn_norm"] = vectors.pop(cfg.ffn_norm_tensor)
+    if p + "attn_output.bias" in tensors:
+        vectors["attn_output_bias"] = gguf_file.vector(p + "attn_output.bias", (cfg.n_embd,))
     biases = [p + b for b in OPTIONAL_BIASES]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     if p + "attn_qkv.bias" in tensors:

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llama_chat.inference import chat_prompt_ids, load_model
+from llama_chat.inference import chat_prompt_ids, chat_template, load_model
 from tiny_later_archs import LONG_CONTEXT
-from tiny_models import ARCHS, write_tiny_model
+from tiny_models import ARCHS, FixtureDay, write_tiny_model
 
 LLAMACPP = Path(__file__).parent / "fixtures" / "llamacpp"
 REFERENCE = json.loads((LLAMACPP / "tiny.json").read_text())
@@ -31,7 +31,8 @@ def float_models(tmp_path_factory) -> dict:
 
 
 @pytest.fixture
-def reference_model(request, float_models):
+def reference_model(request, float_models, monkeypatch):
+    monkeypatch.setattr(chat_template, "datetime", FixtureDay)  # the day the fixtures' prompts were rendered
     name = request.param
     arch, n_ctx = LONG_CONTEXT.get(name, (name, None))
     return name, load_model(float_models[arch], cache_type="f32", n_ctx=n_ctx), REFERENCE["models"][name]
