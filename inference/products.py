@@ -29,6 +29,7 @@ from . import k_quants
 from .activations import quantize_rows, quantize_rows_reference
 from .byte_vectors import _byte_column_dots, in_lane_order
 from .cpu import PROFILE
+from .half import to_floats
 from .jit import njit, prange
 from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
 
@@ -305,7 +306,7 @@ def tile_product(x: np.ndarray, w) -> np.ndarray:
 
 def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
     if w.scales is None:
-        out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
+        out[:] = to_floats(w.values[g0:g1].transpose(1, 0, 2)).reshape(out.shape)
     elif w.in_q4_k:
         k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
     else:
@@ -329,7 +330,7 @@ def rows(w, ids: np.ndarray) -> np.ndarray:
     g, lane = ids // LANES, ids % LANES
     values = w.values[g, :, lane]  # [n, n_cols]
     if w.scales is None:
-        return values.astype(F32)
+        return to_floats(values)
     n, n_cols = values.shape
     scales = w.scales[g, :, lane]  # [n, n_blocks]
     out = values.reshape(n, scales.shape[1], -1).astype(F32) * scales[:, :, None]

@@ -57,7 +57,8 @@ def _fma(builder, n):
 
 @intrinsic
 def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, width):
-    """w[:width] = values.flat[at:at + width] as float32, times scales.flat[scale_at:…] and plus
+    """w[:width] = values.flat[at:at + width] as float32 (float16 or bfloat16 bits widened, integers
+    converted), times scales.flat[scale_at:…] and plus
     offsets.flat[scale_at:…] where the matrix has them (None: numba types the call without them). Plain
     multiply and add, as gguf.quants dequantizes: the weights are exactly the GGUF's."""
     if not isinstance(width, types.IntegerLiteral):
@@ -71,8 +72,15 @@ def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, widt
         ]
         element = context.get_data_type(values.dtype)
         column = builder.load(_vector_at(builder, arrays[0], args[3], element, n), align=1)
-        if isinstance(values.dtype, types.Integer):
-            column = builder.sitofp(column, ir.VectorType(f32, n))
+        floats = ir.VectorType(f32, n)
+        if values.dtype == types.uint16:  # float16 bits (formats.HALF_TYPES): vcvtph2ps
+            column = builder.fpext(builder.bitcast(column, ir.VectorType(ir.HalfType(), n)), floats)
+        elif values.dtype == types.int16:  # bfloat16 bits: the high half of a float32's
+            words = ir.VectorType(ir.IntType(32), n)
+            column = builder.shl(builder.zext(column, words), ir.Constant(words, [16] * n))
+            column = builder.bitcast(column, floats)
+        elif isinstance(values.dtype, types.Integer):
+            column = builder.sitofp(column, floats)
         if arrays[1] is not None:
             scales_at = _vector_at(builder, arrays[1], args[4], f32, n)
             column = builder.fmul(column, builder.load(scales_at, align=4))

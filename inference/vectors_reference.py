@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .byte_vectors import transposed_lanes
+from .half import to_floats
 
 F32 = np.float32
 
@@ -18,8 +19,8 @@ def _fused(a, b, c) -> np.ndarray:
 
 
 def dequantize_column(values, scales, offsets, at, scale_at, width) -> np.ndarray:
-    """vectors._dequantize_column: w = value · scale + offset, two roundings."""
-    w = values.reshape(-1)[at : at + width].astype(F32)
+    """vectors._dequantize_column: w = value · scale + offset, two roundings (16-bit floats widened)."""
+    w = to_floats(values.reshape(-1)[at : at + width])
     if scales is not None:
         w = w * scales.reshape(-1)[scale_at : scale_at + width]
     if offsets is not None:

@@ -59,17 +59,22 @@ def dequantize_column(values, scales, offsets, at, scale_at, out):
     copy_out(w, out)
 
 
-@pytest.mark.parametrize("kind", ["int8, scales, offsets", "int8, scales", "float32"])
+@pytest.mark.parametrize("kind", ["int8, scales, offsets", "int8, scales", "float32", "float16", "bfloat16"])
 def test_a_column_is_dequantized_as_the_reference_says(kind):
     values = rng().integers(-128, 128, 4 * LANES).astype(np.int8)
     scales, offsets = floats(2 * LANES, 1), floats(2 * LANES, 2)
     if kind == "float32":
         values, scales, offsets = floats(4 * LANES, 3), None, None
+    elif kind in ("float16", "bfloat16"):  # their bits, every pattern (NaN and infinities too)
+        values = rng().integers(0, 1 << 16, 4 * LANES).astype(np.uint16)
+        values, scales, offsets = values.view(np.int16) if kind == "bfloat16" else values, None, None
     elif kind == "int8, scales":
         offsets = None
     out = np.empty(W, F32)
     dequantize_column(values, scales, offsets, 37, 5, out)
-    assert np.array_equal(out, ref.dequantize_column(values, scales, offsets, 37, 5, W))
+    with np.errstate(invalid="ignore"):
+        expected = ref.dequantize_column(values, scales, offsets, 37, 5, W)
+    assert np.array_equal(out, expected, equal_nan=True)
 
 
 @plain_njit

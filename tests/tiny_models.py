@@ -130,6 +130,8 @@ def write_tiny_model(
     context_length: int = 256,
     space_prefix: bool = False,
     quantized: bool = True,
+    dims: tuple[int, int, int, int, int] | None = None,
+    matrix_bytes=None,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
@@ -138,10 +140,12 @@ def write_tiny_model(
     room for a real template's long prompts; `space_prefix`: a SentencePiece vocabulary (gemma3)
     that puts a space before the text, as Llama 2's does. `chat_template`: ChatML, or the family's
     real one for the later architectures. `quantized=False`: every matrix in float32 (the models
-    checked against llama.cpp's float32 logits)."""
+    checked against llama.cpp's float32 logits). `dims`: (n_embd, n_head, n_head_kv, head_dim, n_ff)
+    for wider models; `matrix_bytes(name, data)` → (array, GGML type): each layer matrix and the output
+    written in another format (test_formats.py)."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
-    n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
+    n_embd, n_head, n_head_kv, head_dim, n_ff = dims or (64, 4, 2, 16, 96)
     n_layer = n_layer or {"gemma3": 6, "gemma2": 4}.get(arch, 2)
     if chat_template is None:
         family = FAMILY_TEMPLATES.get(arch)
@@ -204,6 +208,9 @@ def write_tiny_model(
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
             raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
+        elif matrix_bytes is not None and len(shape) == 2 and name != "token_embd.weight":
+            raw, qtype = matrix_bytes(name, data)
+            w.add_tensor(name, raw, raw_dtype=qtype)
         elif quant is not None and quantized:
             w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
         else:

@@ -1,0 +1,43 @@
+"""A model in each format kept in its own bits (formats.OWN_BITS): held in about its GGUF's bytes, and
+its logits those of the same model with its matrices dequantized to float32."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from test_kernels import OWN_BITS
+
+from llama_chat.inference import load_model
+from llama_chat.inference.support import gguf_needs
+from tiny_models import write_tiny_model
+
+T = gguf.GGMLQuantizationType
+DIMS = (256, 4, 2, 64, 256)  # n_embd, heads, KV heads, head_dim, n_ff: every matrix's columns 256s
+
+
+def tiny_model_in(path, qtype: T, as_float32: bool = False):
+    """A tiny llama whose layer matrices and output are in `qtype` (or, as_float32, the same weights
+    dequantized to float32)."""
+
+    def matrix_bytes(name, data):
+        raw = gguf.quants.quantize(data, qtype).view(np.uint8)
+        if as_float32:
+            return np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(data.shape), T.F32
+        return raw, qtype
+
+    return write_tiny_model(path, "llama", dims=DIMS, matrix_bytes=matrix_bytes)
+
+
+@pytest.mark.parametrize("qtype", OWN_BITS, ids=lambda t: t.name)
+def test_a_model_in_its_own_bits_is_about_its_gguf_and_computes_as_float32(tmp_path, qtype):
+    path = tiny_model_in(tmp_path / f"{qtype.name}.gguf", qtype)
+    twin = tiny_model_in(tmp_path / "f32.gguf", qtype, as_float32=True)
+    model, float32 = load_model(path), load_model(twin)
+    reader = gguf.GGUFReader(path)
+    in_gguf = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == qtype)
+    resident = sum(m.nbytes for m in model.weights.matrices())
+    assert resident <= 1.15 * in_gguf
+    ids = model.tokenizer.encode("The formats people download run in their own bits.")
+    assert np.array_equal(model.logits(ids), float32.logits(ids))
+    assert gguf_needs(path)["formats"][qtype.name]["kept"] == "kept in its own bits"
