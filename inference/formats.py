@@ -3,8 +3,8 @@
 The integer formats of ggml with a scale per 16 or 32 weights (Q4_0 … Q8_0, Q5_K, Q6_K) unpack to
 int8 with float32 scales (quants.py) and join each other in one matrix. Formats kept in their own bits
 never join another format: Q4_K (k_quants.py), float16 and bfloat16 (their 16 bits, which the kernels
-widen). A matrix whose parts differ there (q/k in Q4_K beside a Q6_K v) is a StackedMatrix of runs,
-each packed on its own. Any other format (F32, the formats read only by gguf.quants) makes the
+widen), and the block formats (block_formats.py: Q2_K, Q3_K, the GGUF's blocks as they are). A matrix whose parts differ there (q/k in Q3_K beside a Q5_K v) is a StackedMatrix of
+runs, each packed on its own. Any other format (F32, the formats read only by gguf.quants) makes the
 whole matrix float32.
 """
 
@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from . import k_quants
+from .block_formats import BLOCK_FORMATS
 from .cpu import PROFILE
 from .half import NATIVE
 
@@ -32,9 +33,10 @@ HALF_TYPES = {Q.F16: np.uint16, Q.BF16: np.int16} if NATIVE else {Q.BF16: np.int
 OWN_BITS = {
     Q.Q4_K: "Q4_K weights",
     **{qtype: f"{qtype.name} weights" for qtype in HALF_TYPES},
+    **{qtype: f"{qtype.name} blocks" for qtype in BLOCK_FORMATS},
 }
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
-# per format.
+# per format (the block formats share one kernel: a matrix's block size tells it the format).
 KINDS = {Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", **OWN_BITS, Q.F32: "float weights"}
 
 
@@ -80,5 +82,8 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     (qtype,) = formats if len(formats) == 1 else (None,)
     if qtype in HALF_TYPES:
         return [((groups, n_cols, LANES), HALF_TYPES[qtype]), None, None]
+    if qtype in BLOCK_FORMATS:
+        block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        return [((groups, n_cols // block_len, block_bytes, LANES), np.uint8), None, None]
     scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
     return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]

@@ -25,7 +25,7 @@ import numpy as np
 from numba import carray, types
 from numba.extending import overload
 
-from . import k_quants
+from . import block_formats, k_quants
 from .activations import quantize_rows, quantize_rows_reference
 from .byte_vectors import _byte_column_dots, in_lane_order
 from .cpu import PROFILE
@@ -52,7 +52,8 @@ def _n_blocks(scales):
 
 def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
-    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py); `ahead`:
+    it compiles): int8 or float values (_accumulate_values), Q4_K's own bits (k_quants.py) or a block
+    format's (block_formats.py); `ahead`:
     whether the pass asks for its weights ahead of reading them (Profile.ahead_in_passes)."""
 
 
@@ -80,6 +81,14 @@ def _accumulate_by_layout(
             )
 
         return in_value_bytes
+    if values.ndim == 4:  # a block format's GGUF blocks
+
+        def in_blocks(
+            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+        ):
+            block_formats.accumulate(values, x, i0, g, lane0, sums, w, rows, width, ahead)
+
+        return in_blocks
     if values.dtype != types.uint8:
 
         def in_values(
@@ -305,7 +314,9 @@ def tile_product(x: np.ndarray, w) -> np.ndarray:
 
 
 def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
-    if w.scales is None:
+    if w.values.ndim == 4:
+        block_formats.dequantize_tile(w.values, g0, g1, out)
+    elif w.scales is None:
         out[:] = to_floats(w.values[g0:g1].transpose(1, 0, 2)).reshape(out.shape)
     elif w.in_q4_k:
         k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
@@ -327,6 +338,8 @@ def rows(w, ids: np.ndarray) -> np.ndarray:
     if w.in_q4_k:
         blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
         return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)
+    if w.values.ndim == 4:
+        return block_formats.gguf_rows(w.values, ids)
     g, lane = ids // LANES, ids % LANES
     values = w.values[g, :, lane]  # [n, n_cols]
     if w.scales is None:

@@ -14,7 +14,8 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds. Which formats join in one matrix, and the arrays each kind packs into: formats.py.
+and which RAM holds. So do Q2_K and Q3_K (block_formats.py). Which formats
+join in one matrix, and the arrays each kind packs into: formats.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import gguf
 import numba
 import numpy as np
 
-from . import k_quants, kernels
+from . import block_formats, k_quants, kernels
 from .cpu import PROFILE
 from .formats import GROUP, HALF_TYPES, KINDS, OWN_BITS, kind_of, kinds_of, layout, runs_of
 from .jit import in_cache, njit, prange
@@ -49,7 +50,8 @@ _Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 class PackedMatrix:
     """A weight matrix [n_rows, n_cols] as the kernels read it (rows padded to a multiple of LANES)."""
 
-    values: np.ndarray  # [groups, n_cols, LANES] int8, float32 or 16-bit floats' bits (Q4_K: k_quants.py)
+    values: np.ndarray  # [groups, n_cols, LANES] int8, float32 or 16-bit floats' bits; Q4_K: k_quants.py;
+    # block formats: [groups, blocks, block bytes, LANES] (block_formats.py)
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
     offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
@@ -58,10 +60,12 @@ class PackedMatrix:
     @property
     def in_q4_k(self) -> bool:
         """Q4_K in its own bits: values, scales and offsets in k_quants.py's layout."""
-        return self.values.dtype == np.uint8
+        return self.values.dtype == np.uint8 and self.values.ndim == 3
 
     @property
     def n_cols(self) -> int:
+        if self.values.ndim == 4:  # a block format's blocks (block_formats.py)
+            return block_formats.n_cols_of(self.values)
         return self.values.shape[1] * (2 if self.in_q4_k else 1)  # Q4_K: two weights a byte
 
     @property
@@ -257,6 +261,8 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
             _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
         elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits
             _interleave_rows(raw.view(HALF_TYPES[qtype]).reshape(shape), row0, values)
+        elif values.ndim == 4:  # the GGUF's blocks, byte for byte (block_formats.py)
+            _interleave_rows(raw.reshape(shape[0], -1), row0, values.reshape(values.shape[0], -1, LANES))
         else:
             repeat = GROUP.get(qtype, 32) // (n_cols // scales.shape[1])
             _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)

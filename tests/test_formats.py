@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from test_kernels import OWN_BITS
+from test_kernels import OWN_BITS, SCALE_BYTES, raw_tensor
 
 from llama_chat.inference import load_model
 from llama_chat.inference.support import gguf_needs
@@ -14,6 +14,8 @@ from tiny_models import write_tiny_model
 
 T = gguf.GGMLQuantizationType
 DIMS = (256, 4, 2, 64, 256)  # n_embd, heads, KV heads, head_dim, n_ff: every matrix's columns 256s
+# Scales of the random blocks that keep their weights about 0.1 (a block's largest scale times value)
+SCALE = {T.Q2_K: 2e-3, T.Q3_K: 1e-3}
 
 
 def tiny_model_in(path, qtype: T, as_float32: bool = False):
@@ -21,7 +23,10 @@ def tiny_model_in(path, qtype: T, as_float32: bool = False):
     dequantized to float32)."""
 
     def matrix_bytes(name, data):
-        raw = gguf.quants.quantize(data, qtype).view(np.uint8)
+        if qtype not in SCALE_BYTES:  # formats gguf.quants writes: the random weights quantized
+            raw = gguf.quants.quantize(data, qtype).view(np.uint8)
+        else:
+            raw = raw_tensor(qtype, data.shape, seed=sum(name.encode()), scale=SCALE[qtype])
         if as_float32:
             return np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(data.shape), T.F32
         return raw, qtype

@@ -17,12 +17,13 @@ from llama_chat.inference import cpu, kernels, quants
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
-OWN_BITS = [T.F16, T.BF16]
+OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K]
 FORMATS = [T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *OWN_BITS]
 # Where the float16 scales of a format that gguf.quants does not quantize lie in its block: its blocks are
 # random bytes (every bit pattern is a valid block) with small, finite scales there.
 SCALE_BYTES = {
-    T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210),
+    T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210), T.Q2_K: slice(80, 84),
+    T.Q3_K: slice(108, 110),
 }
 
 
@@ -69,7 +70,7 @@ def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, product
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32, T.BF16, T.Q3_K], ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
     """Prompt-lookup verification relies on it: row i of an n-row product is the 1-row product."""
     shape = (128, 256)
@@ -261,8 +262,8 @@ def test_a_float_part_makes_the_joined_matrix_float():
 
 @pytest.mark.parametrize("qtype", OWN_BITS, ids=lambda t: t.name)
 def test_a_format_in_its_own_bits_stays_in_about_its_gguf_bytes(qtype):
-    """Held in at most 1.15 times its GGUF bytes (twice as float32), alone or joined with parts in other
-    formats (each kept as itself), every weight the GGUF's."""
+    """Held in at most 1.15 times its GGUF bytes (4.2 times as float32), alone or joined with parts in
+    other formats (q/k in Q3_K beside a Q5_K v: each kept as itself), every weight the GGUF's."""
     shape = (128, 1024)
     raw = raw_tensor(qtype, shape)
     assert quants.pack([(raw, qtype, shape)]).nbytes <= 1.15 * raw.nbytes
@@ -277,7 +278,7 @@ def test_a_format_in_its_own_bits_stays_in_about_its_gguf_bytes(qtype):
 
 @pytest.mark.parametrize("qtype", OWN_BITS, ids=lambda t: t.name)
 def test_a_format_in_its_own_bits_multiplies_as_its_weights_in_float32_bit_for_bit(qtype):
-    """The kernels widen each weight as gguf.quants does and multiply it as they multiply float32
+    """The kernels decode each weight as gguf.quants does and multiply it as they multiply float32
     weights, so a product is the one of the same matrix dequantized to float32, bit for bit."""
     shape = (130, 512)
     raw = raw_tensor(qtype, shape)
@@ -334,7 +335,7 @@ import test_kernels as t
 from llama_chat.inference import kernels
 from llama_chat.inference.cpu import PROFILE
 T = gguf.GGMLQuantizationType
-for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16):  # integers, Q4_K's bits, 16-bit floats
+for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K):  # integers, Q4_K's bits, floats, blocks
     t.test_packing_keeps_every_weight_exactly(qtype)
     t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
     for n in (1, 3, kernels.KERNEL_ROWS):

@@ -1,0 +1,149 @@
+"""Formats kept as the GGUF's own blocks: Q2_K and Q3_K, and the kernels' half of reading them.
+
+Each block of these formats holds 32 or 256 weights of a row in a few bytes (ggml-quants.c's block_*
+structs). Packed, LANES rows are interleaved as in quants.py and every byte keeps its place in its
+block: values [groups, blocks per row, block bytes, LANES] uint8, byte k of block b of row g·L + lane
+at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The block
+size tells the kernels the format, so one compiled kernel reads them all.
+
+A kernel's pass decodes a run of 32 columns of its lanes into a tile of float32 weights (decode_run),
+each weight exactly as gguf.quants dequantizes it (its float32 operations in its order), the bytes of
+LANES rows side by side so that each step runs across the lanes in vectors. Then it multiplies the tile into its rows' sums as products.py
+multiplies float32 weights: the same fused multiply-adds in the same order, so a product is bit for
+bit the one of the same matrix dequantized to float32, at a quarter to a tenth of its bytes.
+gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to it.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from numba import carray
+
+from .cpu import PROFILE
+from .half import to_f32
+from .jit import njit
+from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
+
+Q = gguf.GGMLQuantizationType
+LANES = PROFILE.lanes
+RUN = 32  # columns a pass decodes at a time: a sub-block of every format here
+TILE = RUN * LANES  # (a literal, as _registers wants it)
+F32 = np.float32
+BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K)
+_Q2_K = gguf.GGML_QUANT_SIZES[Q.Q2_K][1]  # bytes a block
+
+
+def format_of(values: np.ndarray) -> Q:
+    """The format of a matrix packed here, by its block size."""
+    return next(q for q in BLOCK_FORMATS if gguf.GGML_QUANT_SIZES[q][1] == values.shape[2])
+
+
+def n_cols_of(values: np.ndarray) -> int:
+    return values.shape[1] * gguf.GGML_QUANT_SIZES[format_of(values)][0]
+
+
+def gguf_rows(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a packed matrix as float32, dequantized by gguf.quants from their GGUF bytes."""
+    blocks = values[ids // LANES, :, :, ids % LANES]  # [n, blocks, block bytes]
+    return np.asarray(gguf.quants.dequantize(blocks.reshape(len(ids), -1), format_of(values)), F32)
+
+
+@njit(cache=True, inline="always")
+def _half_at(values, g, b, at, lane):
+    """The float16 at bytes at, at + 1 of a lane's block b, as float32 (exact)."""
+    return to_f32(np.uint16(np.uint16(values[g, b, at, lane]) | (np.uint16(values[g, b, at + 1, lane]) << 8)))
+
+
+# The decoders index values and run element by element: a view of either (values[g, b], run[j]) would
+# count a reference to the array, an atomic operation that the threads contend for. Their lanes are
+# unsigned (decode_run).
+
+
+@njit(cache=True)
+def _q2_k_run(values, g, b, k, run, lane0, width):
+    """Run k of Q2_K block b (84 bytes): a 4-bit scale and min a byte for each 16 weights (bytes 0-15),
+    2-bit quants (16-79: weight j of run k at bits 2·(k % 4) of byte 16 + 32·(k // 4) + j), d and dmin
+    (80, 82). Weight = d·sc·q − dmin·m."""
+    dl, ml = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    shift = 2 * (k % 4)
+    for h in range(2):
+        for lane in range(lane0, lane0 + width):
+            s = values[g, b, 2 * k + h, lane]
+            dl[lane] = _half_at(values, g, b, 80, lane) * F32(s & 15)
+            ml[lane] = _half_at(values, g, b, 82, lane) * F32(s >> 4)
+        for j in range(16 * h, 16 * h + 16):
+            at = 16 + 32 * (k // 4) + j
+            for lane in range(lane0, lane0 + width):
+                run[j, lane] = dl[lane] * F32((values[g, b, at, lane] >> shift) & 3) - ml[lane]
+
+
+@njit(cache=True)
+def _q3_k_run(values, g, b, k, run, lane0, width):
+    """Run k of Q3_K block b (110 bytes): the high bits (0-31: weight j of run k at bit k of byte j),
+    2-bit low bits (32-95, as Q2_K's), 6-bit signed scales for each 16 weights (96-107: low 4 bits in
+    nibbles of 96-103, high 2 in pairs of 104-107) and d (108). Weight = d·(sc − 32)·q, q the low
+    bits less 4 where the high bit is clear."""
+    dl = carray(_registers(LANES), LANES)
+    shift = 2 * (k % 4)
+    for h in range(2):
+        s = 2 * k + h
+        for lane in range(lane0, lane0 + width):
+            low = (values[g, b, 96 + s % 8, lane] >> (4 * (s // 8))) & 15
+            high = (values[g, b, 104 + s % 4, lane] >> (2 * (s // 4))) & 3
+            dl[lane] = _half_at(values, g, b, 108, lane) * F32((low | (high << 4)) - 32)
+        for j in range(16 * h, 16 * h + 16):
+            at = 32 + 32 * (k // 4) + j
+            for lane in range(lane0, lane0 + width):
+                low = np.int32((values[g, b, at, lane] >> shift) & 3)
+                run[j, lane] = dl[lane] * F32(low - 4 * np.int32(((values[g, b, j, lane] >> k) & 1) ^ 1))
+
+
+@njit(cache=True)
+def decode_run(values, g, r, run, lane0, width):
+    """Run r (columns 32·r…32·r + 31) of group g's lanes lane0…lane0 + width - 1 as float32 into run
+    [RUN, LANES], each weight as gguf.quants dequantizes it."""
+    block_bytes = values.shape[2]
+    # Unsigned, so that numba adds no wrap-around of negative indices, which made the loops over the
+    # lanes gathers and scatters instead of vector loads and stores
+    lane0, width = np.uint64(lane0), np.uint64(width)
+    if block_bytes == _Q2_K:
+        _q2_k_run(values, g, r // 8, r % 8, run, lane0, width)
+    else:
+        _q3_k_run(values, g, r // 8, r % 8, run, lane0, width)
+
+
+@njit(cache=True, inline="always")
+def accumulate(values, x, i0, g, lane0, sums, w, rows, width, ahead):
+    """products._accumulate for these formats: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j], a
+    run of 32 columns decoded at a time, then multiplied as products._accumulate_values multiplies
+    float32 weights (the same operations in the same order: the same bits)."""
+    run = carray(_registers(TILE), (RUN, LANES))
+    n_blocks, block_bytes, lanes = values.shape[1], values.shape[2], values.shape[3]
+    runs_a_block = x.shape[1] // RUN // n_blocks
+    for k in range(rows * width):
+        sums[k] = 0
+    for r in range(x.shape[1] // RUN):
+        if ahead and r % runs_a_block == 0:  # a block's bytes of every lane, a line at a time
+            at = (g * n_blocks + r // runs_a_block) * block_bytes * lanes
+            for line in range(0, block_bytes * lanes, 64):
+                _prefetch(values, at, line)
+        decode_run(values, g, r, run, lane0, width)
+        for j in range(RUN):
+            _dequantize_column(run, None, None, j * LANES + lane0, 0, w, width)
+            for i in range(rows):
+                _multiply_add(sums, i, w, x[i0 + i, RUN * r + j], width)
+
+
+@njit(cache=True)
+def dequantize_tile(values, g0, g1, out):
+    """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies
+    (products.tile_product)."""
+    run = np.empty((RUN, LANES), F32)
+    for g in range(g0, g1):
+        c = (g - g0) * LANES
+        for r in range(out.shape[0] // RUN):
+            decode_run(values, g, r, run, 0, LANES)
+            for j in range(RUN):
+                for lane in range(np.uint64(LANES)):
+                    out[RUN * r + j, np.uint64(c) + lane] = run[j, lane]
