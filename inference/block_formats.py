@@ -1,4 +1,5 @@
-"""Formats kept as the GGUF's own blocks: Q2_K and Q3_K, and the kernels' half of reading them.
+"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL and IQ4_XS, and the kernels' half of reading
+them.
 
 Each block of these formats holds 32 or 256 weights of a row in a few bytes (ggml-quants.c's block_*
 structs). Packed, LANES rows are interleaved as in quants.py and every byte keeps its place in its
@@ -7,8 +8,9 @@ at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of
 size tells the kernels the format, so one compiled kernel reads them all.
 
 A kernel's pass decodes a run of 32 columns of its lanes into a tile of float32 weights (decode_run),
-each weight exactly as gguf.quants dequantizes it (its float32 operations in its order), the bytes of
-LANES rows side by side so that each step runs across the lanes in vectors. Then it multiplies the tile into its rows' sums as products.py
+each weight exactly as gguf.quants dequantizes it (its float32 operations in its order; the IQ formats
+through their tables of values, gguf.quants' own), the bytes of LANES rows side by side so that each
+step runs across the lanes in vectors. Then it multiplies the tile into its rows' sums as products.py
 multiplies float32 weights: the same fused multiply-adds in the same order, so a product is bit for
 bit the one of the same matrix dequantized to float32, at a quarter to a tenth of its bytes.
 gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to it.
@@ -30,8 +32,10 @@ LANES = PROFILE.lanes
 RUN = 32  # columns a pass decodes at a time: a sub-block of every format here
 TILE = RUN * LANES  # (a literal, as _registers wants it)
 F32 = np.float32
-BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K)
-_Q2_K = gguf.GGML_QUANT_SIZES[Q.Q2_K][1]  # bytes a block
+BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS)
+_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
+# the IQ formats' 16 values of a 4-bit index (int8 as floats, exact), gguf.quants' tables
+IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, F32)
 
 
 def format_of(values: np.ndarray) -> Q:
@@ -99,6 +103,38 @@ def _q3_k_run(values, g, b, k, run, lane0, width):
                 run[j, lane] = dl[lane] * F32(low - 4 * np.int32(((values[g, b, j, lane] >> k) & 1) ^ 1))
 
 
+@njit(cache=True, inline="always")
+def _table_nibbles(values, g, b, at, scale, table, run, lane0, width):
+    """32 weights from the 16 bytes at `at` of block b: the low nibbles are weights 0-15, the high ones
+    16-31, each scale · table[nibble] (the IQ formats' values)."""
+    for j in range(16):
+        for lane in range(lane0, lane0 + width):
+            q = values[g, b, at + j, lane]
+            run[j, lane] = scale[lane] * table[q & 15]
+            run[16 + j, lane] = scale[lane] * table[q >> 4]
+
+
+@njit(cache=True)
+def _iq4_nl_run(values, g, b, run, lane0, width):
+    """IQ4_NL block b (18 bytes, one run): d, then 16 bytes of 4-bit indices into IQ4_VALUES."""
+    d = carray(_registers(LANES), LANES)
+    for lane in range(lane0, lane0 + width):
+        d[lane] = _half_at(values, g, b, 0, lane)
+    _table_nibbles(values, g, b, 2, d, IQ4_VALUES, run, lane0, width)
+
+
+@njit(cache=True)
+def _iq4_xs_run(values, g, b, k, run, lane0, width):
+    """Run k of IQ4_XS block b (136 bytes): d, the high 2 bits of 8 scales (a uint16 at 2), their low 4
+    (nibbles of 4-7), then 16 bytes of indices into IQ4_VALUES per run (8…). Weight = d·(sc − 32)·value."""
+    dl = carray(_registers(LANES), LANES)
+    for lane in range(lane0, lane0 + width):
+        low = (values[g, b, 4 + k // 2, lane] >> (4 * (k % 2))) & 15
+        high = (values[g, b, 2 + k // 4, lane] >> (2 * (k % 4))) & 3
+        dl[lane] = _half_at(values, g, b, 0, lane) * F32((low | (high << 4)) - 32)
+    _table_nibbles(values, g, b, 8 + 16 * k, dl, IQ4_VALUES, run, lane0, width)
+
+
 @njit(cache=True)
 def decode_run(values, g, r, run, lane0, width):
     """Run r (columns 32·r…32·r + 31) of group g's lanes lane0…lane0 + width - 1 as float32 into run
@@ -109,8 +145,12 @@ def decode_run(values, g, r, run, lane0, width):
     lane0, width = np.uint64(lane0), np.uint64(width)
     if block_bytes == _Q2_K:
         _q2_k_run(values, g, r // 8, r % 8, run, lane0, width)
-    else:
+    elif block_bytes == _Q3_K:
         _q3_k_run(values, g, r // 8, r % 8, run, lane0, width)
+    elif block_bytes == _IQ4_XS:
+        _iq4_xs_run(values, g, r // 8, r % 8, run, lane0, width)
+    else:
+        _iq4_nl_run(values, g, r, run, lane0, width)
 
 
 @njit(cache=True, inline="always")

@@ -17,13 +17,13 @@ from llama_chat.inference import cpu, kernels, quants
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
-OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K]
+OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
 FORMATS = [T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *OWN_BITS]
 # Where the float16 scales of a format that gguf.quants does not quantize lie in its block: its blocks are
 # random bytes (every bit pattern is a valid block) with small, finite scales there.
 SCALE_BYTES = {
     T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210), T.Q2_K: slice(80, 84),
-    T.Q3_K: slice(108, 110),
+    T.Q3_K: slice(108, 110), T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2),
 }
 
 
@@ -335,7 +335,7 @@ import test_kernels as t
 from llama_chat.inference import kernels
 from llama_chat.inference.cpu import PROFILE
 T = gguf.GGMLQuantizationType
-for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K):  # integers, Q4_K's bits, floats, blocks
+for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # integers, Q4_K's bits, floats, blocks
     t.test_packing_keeps_every_weight_exactly(qtype)
     t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
     for n in (1, 3, kernels.KERNEL_ROWS):
