@@ -1,5 +1,5 @@
-"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL and IQ4_XS, and the kernels' half of reading
-them.
+"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4, and the kernels' half of
+reading them.
 
 Each block of these formats holds 32 or 256 weights of a row in a few bytes (ggml-quants.c's block_*
 structs). Packed, LANES rows are interleaved as in quants.py and every byte keeps its place in its
@@ -32,10 +32,11 @@ LANES = PROFILE.lanes
 RUN = 32  # columns a pass decodes at a time: a sub-block of every format here
 TILE = RUN * LANES  # (a literal, as _registers wants it)
 F32 = np.float32
-BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS)
+BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
 _Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
 # the IQ formats' 16 values of a 4-bit index (int8 as floats, exact), gguf.quants' tables
 IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, F32)
+MXFP4_VALUES = np.array(gguf.quants.MXFP4.kvalues, F32)  # e2m1, doubled: the scale is halved to match
 
 
 def format_of(values: np.ndarray) -> Q:
@@ -106,7 +107,7 @@ def _q3_k_run(values, g, b, k, run, lane0, width):
 @njit(cache=True, inline="always")
 def _table_nibbles(values, g, b, at, scale, table, run, lane0, width):
     """32 weights from the 16 bytes at `at` of block b: the low nibbles are weights 0-15, the high ones
-    16-31, each scale · table[nibble] (the IQ formats' values)."""
+    16-31, each scale · table[nibble] (the IQ formats' values, MXFP4's e2m1)."""
     for j in range(16):
         for lane in range(lane0, lane0 + width):
             q = values[g, b, at + j, lane]
@@ -136,6 +137,17 @@ def _iq4_xs_run(values, g, b, k, run, lane0, width):
 
 
 @njit(cache=True)
+def _mxfp4_run(values, g, b, run, lane0, width):
+    """MXFP4 block b (17 bytes, one run): a power of two e (E8M0), then 16 bytes of e2m1 indices into
+    MXFP4_VALUES; the scale is half of 2^(e − 127), as ggml_e8m0_to_fp32_half."""
+    d = carray(_registers(LANES), LANES)
+    for lane in range(lane0, lane0 + width):
+        e = np.int64(values[g, b, 0, lane])
+        d[lane] = np.uint32(0x00200000 << e if e < 2 else (e - 1) << 23).view(F32)
+    _table_nibbles(values, g, b, 1, d, MXFP4_VALUES, run, lane0, width)
+
+
+@njit(cache=True)
 def decode_run(values, g, r, run, lane0, width):
     """Run r (columns 32·r…32·r + 31) of group g's lanes lane0…lane0 + width - 1 as float32 into run
     [RUN, LANES], each weight as gguf.quants dequantizes it."""
@@ -149,8 +161,10 @@ def decode_run(values, g, r, run, lane0, width):
         _q3_k_run(values, g, r // 8, r % 8, run, lane0, width)
     elif block_bytes == _IQ4_XS:
         _iq4_xs_run(values, g, r // 8, r % 8, run, lane0, width)
-    else:
+    elif block_bytes == _IQ4_NL:
         _iq4_nl_run(values, g, r, run, lane0, width)
+    else:
+        _mxfp4_run(values, g, r, run, lane0, width)
 
 
 @njit(cache=True, inline="always")

@@ -14,7 +14,7 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds. So do Q2_K, Q3_K, IQ4_NL and IQ4_XS (block_formats.py). Which formats
+and which RAM holds. So do Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 (block_formats.py). Which formats
 join in one matrix, and the arrays each kind packs into: formats.py.
 """
 

@@ -17,7 +17,7 @@ from llama_chat.inference import cpu, kernels, quants
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
-OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
+OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 FORMATS = [T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *OWN_BITS]
 # Where the float16 scales of a format that gguf.quants does not quantize lie in its block: its blocks are
 # random bytes (every bit pattern is a valid block) with small, finite scales there.
