@@ -7,13 +7,13 @@ block: values [groups, blocks per row, block bytes, LANES] uint8, byte k of bloc
 at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The block
 size tells the kernels the format, so one compiled kernel reads them all.
 
-A kernel's pass decodes a run of 32 columns of its lanes into a tile of float32 weights (decode_run),
-each weight exactly as gguf.quants dequantizes it (its float32 operations in its order; the IQ formats
-through their tables of values, gguf.quants' own), the bytes of LANES rows side by side so that each
-step runs across the lanes in vectors. Then it multiplies the tile into its rows' sums as products.py
-multiplies float32 weights: the same fused multiply-adds in the same order, so a product is bit for
-bit the one of the same matrix dequantized to float32, at a quarter to a tenth of its bytes.
-gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to it.
+A kernel decodes each group of LANES rows into a float32 tile (decode_group), each weight exactly as
+gguf.quants dequantizes it (its float32 operations in its order; the IQ formats through their tables
+of values, gguf.quants' own), the bytes of LANES rows side by side so that each step runs across the
+lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a product
+is bit for bit the one of the same matrix dequantized to float32, at a quarter to a tenth of its
+bytes. gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to
+it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from numba import carray
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
-from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
+from .vectors import _registers
 
 Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
-RUN = 32  # columns a pass decodes at a time: a sub-block of every format here
-TILE = RUN * LANES  # (a literal, as _registers wants it)
+RUN = 32  # columns decoded at a time: a sub-block of every format here
 F32 = np.float32
 BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
 _Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
@@ -60,31 +59,33 @@ def _half_at(values, g, b, at, lane):
     return to_f32(np.uint16(np.uint16(values[g, b, at, lane]) | (np.uint16(values[g, b, at + 1, lane]) << 8)))
 
 
-# The decoders index values and run element by element: a view of either (values[g, b], run[j]) would
-# count a reference to the array, an atomic operation that the threads contend for. Their lanes are
-# unsigned (decode_run).
+# The decoders write run k of block b of group g's LANES rows into columns c0… of tile [n_cols, LANES],
+# indexing element by element: a view (values[g, b], tile[j]) would count a reference to its array,
+# an atomic operation the threads contend for. Their loops over the lanes run from 0 to LANES, a
+# constant, so that numba's wrap-around of negative indices folds away: with a variable start, the
+# loops were gathers and scatters instead of vector loads and stores.
 
 
 @njit(cache=True)
-def _q2_k_run(values, g, b, k, run, lane0, width):
+def _q2_k_run(values, g, b, k, tile, c0):
     """Run k of Q2_K block b (84 bytes): a 4-bit scale and min a byte for each 16 weights (bytes 0-15),
     2-bit quants (16-79: weight j of run k at bits 2·(k % 4) of byte 16 + 32·(k // 4) + j), d and dmin
     (80, 82). Weight = d·sc·q − dmin·m."""
     dl, ml = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
     shift = 2 * (k % 4)
     for h in range(2):
-        for lane in range(lane0, lane0 + width):
+        for lane in range(LANES):
             s = values[g, b, 2 * k + h, lane]
             dl[lane] = _half_at(values, g, b, 80, lane) * F32(s & 15)
             ml[lane] = _half_at(values, g, b, 82, lane) * F32(s >> 4)
         for j in range(16 * h, 16 * h + 16):
             at = 16 + 32 * (k // 4) + j
-            for lane in range(lane0, lane0 + width):
-                run[j, lane] = dl[lane] * F32((values[g, b, at, lane] >> shift) & 3) - ml[lane]
+            for lane in range(LANES):
+                tile[c0 + j, lane] = dl[lane] * F32((values[g, b, at, lane] >> shift) & 3) - ml[lane]
 
 
 @njit(cache=True)
-def _q3_k_run(values, g, b, k, run, lane0, width):
+def _q3_k_run(values, g, b, k, tile, c0):
     """Run k of Q3_K block b (110 bytes): the high bits (0-31: weight j of run k at bit k of byte j),
     2-bit low bits (32-95, as Q2_K's), 6-bit signed scales for each 16 weights (96-107: low 4 bits in
     nibbles of 96-103, high 2 in pairs of 104-107) and d (108). Weight = d·(sc − 32)·q, q the low
@@ -93,111 +94,86 @@ def _q3_k_run(values, g, b, k, run, lane0, width):
     shift = 2 * (k % 4)
     for h in range(2):
         s = 2 * k + h
-        for lane in range(lane0, lane0 + width):
+        for lane in range(LANES):
             low = (values[g, b, 96 + s % 8, lane] >> (4 * (s // 8))) & 15
             high = (values[g, b, 104 + s % 4, lane] >> (2 * (s // 4))) & 3
             dl[lane] = _half_at(values, g, b, 108, lane) * F32((low | (high << 4)) - 32)
         for j in range(16 * h, 16 * h + 16):
             at = 32 + 32 * (k // 4) + j
-            for lane in range(lane0, lane0 + width):
+            for lane in range(LANES):
                 low = np.int32((values[g, b, at, lane] >> shift) & 3)
-                run[j, lane] = dl[lane] * F32(low - 4 * np.int32(((values[g, b, j, lane] >> k) & 1) ^ 1))
+                tile[c0 + j, lane] = dl[lane] * F32(low - 4 * np.int32(((values[g, b, j, lane] >> k) & 1) ^ 1))
 
 
 @njit(cache=True, inline="always")
-def _table_nibbles(values, g, b, at, scale, table, run, lane0, width):
+def _table_nibbles(values, g, b, at, scale, table, tile, c0):
     """32 weights from the 16 bytes at `at` of block b: the low nibbles are weights 0-15, the high ones
     16-31, each scale · table[nibble] (the IQ formats' values, MXFP4's e2m1)."""
     for j in range(16):
-        for lane in range(lane0, lane0 + width):
+        for lane in range(LANES):
             q = values[g, b, at + j, lane]
-            run[j, lane] = scale[lane] * table[q & 15]
-            run[16 + j, lane] = scale[lane] * table[q >> 4]
+            tile[c0 + j, lane] = scale[lane] * table[q & 15]
+            tile[c0 + 16 + j, lane] = scale[lane] * table[q >> 4]
 
 
 @njit(cache=True)
-def _iq4_nl_run(values, g, b, run, lane0, width):
+def _iq4_nl_run(values, g, b, tile, c0):
     """IQ4_NL block b (18 bytes, one run): d, then 16 bytes of 4-bit indices into IQ4_VALUES."""
     d = carray(_registers(LANES), LANES)
-    for lane in range(lane0, lane0 + width):
+    for lane in range(LANES):
         d[lane] = _half_at(values, g, b, 0, lane)
-    _table_nibbles(values, g, b, 2, d, IQ4_VALUES, run, lane0, width)
+    _table_nibbles(values, g, b, 2, d, IQ4_VALUES, tile, c0)
 
 
 @njit(cache=True)
-def _iq4_xs_run(values, g, b, k, run, lane0, width):
+def _iq4_xs_run(values, g, b, k, tile, c0):
     """Run k of IQ4_XS block b (136 bytes): d, the high 2 bits of 8 scales (a uint16 at 2), their low 4
     (nibbles of 4-7), then 16 bytes of indices into IQ4_VALUES per run (8…). Weight = d·(sc − 32)·value."""
     dl = carray(_registers(LANES), LANES)
-    for lane in range(lane0, lane0 + width):
+    for lane in range(LANES):
         low = (values[g, b, 4 + k // 2, lane] >> (4 * (k % 2))) & 15
         high = (values[g, b, 2 + k // 4, lane] >> (2 * (k % 4))) & 3
         dl[lane] = _half_at(values, g, b, 0, lane) * F32((low | (high << 4)) - 32)
-    _table_nibbles(values, g, b, 8 + 16 * k, dl, IQ4_VALUES, run, lane0, width)
+    _table_nibbles(values, g, b, 8 + 16 * k, dl, IQ4_VALUES, tile, c0)
 
 
 @njit(cache=True)
-def _mxfp4_run(values, g, b, run, lane0, width):
+def _mxfp4_run(values, g, b, tile, c0):
     """MXFP4 block b (17 bytes, one run): a power of two e (E8M0), then 16 bytes of e2m1 indices into
     MXFP4_VALUES; the scale is half of 2^(e − 127), as ggml_e8m0_to_fp32_half."""
     d = carray(_registers(LANES), LANES)
-    for lane in range(lane0, lane0 + width):
+    for lane in range(LANES):
         e = np.int64(values[g, b, 0, lane])
         d[lane] = np.uint32(0x00200000 << e if e < 2 else (e - 1) << 23).view(F32)
-    _table_nibbles(values, g, b, 1, d, MXFP4_VALUES, run, lane0, width)
+    _table_nibbles(values, g, b, 1, d, MXFP4_VALUES, tile, c0)
 
 
 @njit(cache=True)
-def decode_run(values, g, r, run, lane0, width):
-    """Run r (columns 32·r…32·r + 31) of group g's lanes lane0…lane0 + width - 1 as float32 into run
-    [RUN, LANES], each weight as gguf.quants dequantizes it."""
+def decode_group(values, g, tile):
+    """Group g's LANES rows as float32 into tile [n_cols, LANES], each weight as gguf.quants
+    dequantizes it, a run of 32 columns at a time."""
     block_bytes = values.shape[2]
-    # Unsigned, so that numba adds no wrap-around of negative indices, which made the loops over the
-    # lanes gathers and scatters instead of vector loads and stores
-    lane0, width = np.uint64(lane0), np.uint64(width)
-    if block_bytes == _Q2_K:
-        _q2_k_run(values, g, r // 8, r % 8, run, lane0, width)
-    elif block_bytes == _Q3_K:
-        _q3_k_run(values, g, r // 8, r % 8, run, lane0, width)
-    elif block_bytes == _IQ4_XS:
-        _iq4_xs_run(values, g, r // 8, r % 8, run, lane0, width)
-    elif block_bytes == _IQ4_NL:
-        _iq4_nl_run(values, g, r, run, lane0, width)
-    else:
-        _mxfp4_run(values, g, r, run, lane0, width)
-
-
-@njit(cache=True, inline="always")
-def accumulate(values, x, i0, g, lane0, sums, w, rows, width, ahead):
-    """products._accumulate for these formats: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j], a
-    run of 32 columns decoded at a time, then multiplied as products._accumulate_values multiplies
-    float32 weights (the same operations in the same order: the same bits)."""
-    run = carray(_registers(TILE), (RUN, LANES))
-    n_blocks, block_bytes, lanes = values.shape[1], values.shape[2], values.shape[3]
-    runs_a_block = x.shape[1] // RUN // n_blocks
-    for k in range(rows * width):
-        sums[k] = 0
-    for r in range(x.shape[1] // RUN):
-        if ahead and r % runs_a_block == 0:  # a block's bytes of every lane, a line at a time
-            at = (g * n_blocks + r // runs_a_block) * block_bytes * lanes
-            for line in range(0, block_bytes * lanes, 64):
-                _prefetch(values, at, line)
-        decode_run(values, g, r, run, lane0, width)
-        for j in range(RUN):
-            _dequantize_column(run, None, None, j * LANES + lane0, 0, w, width)
-            for i in range(rows):
-                _multiply_add(sums, i, w, x[i0 + i, RUN * r + j], width)
+    for r in range(tile.shape[0] // RUN):
+        if block_bytes == _Q2_K:
+            _q2_k_run(values, g, r // 8, r % 8, tile, RUN * r)
+        elif block_bytes == _Q3_K:
+            _q3_k_run(values, g, r // 8, r % 8, tile, RUN * r)
+        elif block_bytes == _IQ4_XS:
+            _iq4_xs_run(values, g, r // 8, r % 8, tile, RUN * r)
+        elif block_bytes == _IQ4_NL:
+            _iq4_nl_run(values, g, r, tile, RUN * r)
+        else:
+            _mxfp4_run(values, g, r, tile, RUN * r)
 
 
 @njit(cache=True)
 def dequantize_tile(values, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies
     (products.tile_product)."""
-    run = np.empty((RUN, LANES), F32)
+    tile = np.empty((out.shape[0], LANES), F32)
     for g in range(g0, g1):
+        decode_group(values, g, tile)
         c = (g - g0) * LANES
-        for r in range(out.shape[0] // RUN):
-            decode_run(values, g, r, run, 0, LANES)
-            for j in range(RUN):
-                for lane in range(np.uint64(LANES)):
-                    out[RUN * r + j, np.uint64(c) + lane] = run[j, lane]
+        for j in range(out.shape[0]):
+            for lane in range(LANES):
+                out[j, c + lane] = tile[j, lane]

@@ -52,8 +52,7 @@ def _n_blocks(scales):
 
 def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
-    it compiles): int8 or float values (_accumulate_values), Q4_K's own bits (k_quants.py) or a block
-    format's (block_formats.py); `ahead`:
+    it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py); `ahead`:
     whether the pass asks for its weights ahead of reading them (Profile.ahead_in_passes)."""
 
 
@@ -81,14 +80,6 @@ def _accumulate_by_layout(
             )
 
         return in_value_bytes
-    if values.ndim == 4:  # a block format's GGUF blocks
-
-        def in_blocks(
-            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
-        ):
-            block_formats.accumulate(values, x, i0, g, lane0, sums, w, rows, width, ahead)
-
-        return in_blocks
     if values.dtype != types.uint8:
 
         def in_values(
@@ -213,6 +204,26 @@ def _two_row_product(values, scales, offsets, x, x_sums, out):
         _two_row_group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
 
 
+@njit(cache=True, parallel=True)
+def _block_product(values, x, out):
+    """_product of a block format's matrix (block_formats.py): each group decoded into a float32 tile,
+    then multiplied by the float32 kernels' own code, so that its products are those of the matrix in
+    float32, bit for bit. The tile of a group (its columns times LANES floats) stays in the core's
+    cache for the passes over it."""
+    n = out.shape[0]
+    for g in prange(values.shape[0]):
+        tile = np.empty((1, x.shape[1], LANES), F32)
+        block_formats.decode_group(values, np.int64(g), tile[0])
+        part = np.empty((n, LANES), F32)
+        if n == 2:
+            _two_row_group_product(tile, None, None, x, None, part, np.int64(0))
+        else:
+            _group_product(tile, None, None, x, None, part, np.int64(0))
+        for i in range(n):
+            for r in range(LANES):
+                out[i, g * LANES + r] = part[i, r]
+
+
 @njit(cache=True)
 def _dequantize_int8(values, scales, offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies.
@@ -262,7 +273,9 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
         x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
     product = _two_row_product if n == 2 else _product
-    if takes_bytes(w):
+    if w.values.ndim == 4:
+        _block_product(w.values, x, out)
+    elif takes_bytes(w):
         xq, x_runs = quantize_rows(x)
         product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
     else:
