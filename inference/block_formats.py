@@ -25,7 +25,7 @@ from numba import carray
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
-from .vectors import _registers
+from .vectors import _bit_fields, _registers
 
 Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
@@ -72,16 +72,18 @@ def _q2_k_run(values, g, b, k, tile, c0):
     2-bit quants (16-79: weight j of run k at bits 2·(k % 4) of byte 16 + 32·(k // 4) + j), d and dmin
     (80, 82). Weight = d·sc·q − dmin·m."""
     dl, ml = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
-    shift = 2 * (k % 4)
+    q = _registers(LANES)
+    quants = carray(q, LANES)
+    shift, block = 2 * (k % 4), (g * values.shape[1] + b) * values.shape[2]
     for h in range(2):
         for lane in range(LANES):
             s = values[g, b, 2 * k + h, lane]
             dl[lane] = _half_at(values, g, b, 80, lane) * F32(s & 15)
             ml[lane] = _half_at(values, g, b, 82, lane) * F32(s >> 4)
         for j in range(16 * h, 16 * h + 16):
-            at = 16 + 32 * (k // 4) + j
+            _bit_fields(values, (block + 16 + 32 * (k // 4) + j) * LANES, shift, 3, q, LANES)
             for lane in range(LANES):
-                tile[c0 + j, lane] = dl[lane] * F32((values[g, b, at, lane] >> shift) & 3) - ml[lane]
+                tile[c0 + j, lane] = dl[lane] * quants[lane] - ml[lane]
 
 
 @njit(cache=True)
@@ -89,20 +91,22 @@ def _q3_k_run(values, g, b, k, tile, c0):
     """Run k of Q3_K block b (110 bytes): the high bits (0-31: weight j of run k at bit k of byte j),
     2-bit low bits (32-95, as Q2_K's), 6-bit signed scales for each 16 weights (96-107: low 4 bits in
     nibbles of 96-103, high 2 in pairs of 104-107) and d (108). Weight = d·(sc − 32)·q, q the low
-    bits less 4 where the high bit is clear."""
+    bits less 4 where the high bit is clear (every step exact in float32 but the last product)."""
     dl = carray(_registers(LANES), LANES)
-    shift = 2 * (k % 4)
+    q, h1 = _registers(LANES), _registers(LANES)
+    low, high = carray(q, LANES), carray(h1, LANES)
+    shift, block = 2 * (k % 4), (g * values.shape[1] + b) * values.shape[2]
     for h in range(2):
         s = 2 * k + h
         for lane in range(LANES):
-            low = (values[g, b, 96 + s % 8, lane] >> (4 * (s // 8))) & 15
-            high = (values[g, b, 104 + s % 4, lane] >> (2 * (s // 4))) & 3
-            dl[lane] = _half_at(values, g, b, 108, lane) * F32((low | (high << 4)) - 32)
+            low_bits = (values[g, b, 96 + s % 8, lane] >> (4 * (s // 8))) & 15
+            high_bits = (values[g, b, 104 + s % 4, lane] >> (2 * (s // 4))) & 3
+            dl[lane] = _half_at(values, g, b, 108, lane) * F32((low_bits | (high_bits << 4)) - 32)
         for j in range(16 * h, 16 * h + 16):
-            at = 32 + 32 * (k // 4) + j
+            _bit_fields(values, (block + 32 + 32 * (k // 4) + j) * LANES, shift, 3, q, LANES)
+            _bit_fields(values, (block + j) * LANES, k, 1, h1, LANES)
             for lane in range(LANES):
-                low = np.int32((values[g, b, at, lane] >> shift) & 3)
-                tile[c0 + j, lane] = dl[lane] * F32(low - 4 * np.int32(((values[g, b, j, lane] >> k) & 1) ^ 1))
+                tile[c0 + j, lane] = dl[lane] * ((low[lane] - F32(4)) + F32(4) * high[lane])
 
 
 @njit(cache=True, inline="always")

@@ -1,6 +1,6 @@
 """The float kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch
-array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, a request
-for memory ahead. LLVM splits a vector of `width` floats into the target's registers, so no vectorizer
+array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, bit fields
+of the block formats' bytes, a request for memory ahead. LLVM splits a vector of `width` floats into the target's registers, so no vectorizer
 has to find the loops (LLVM's did not, once they were short enough to unroll first); `width` is a
 literal wherever these are called (products.py, k_quants.py). Each has its plain NumPy twin in
 vectors_reference.py, which tests/test_vectors.py holds it to.
@@ -92,6 +92,32 @@ def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, widt
         return context.get_dummy_value()
 
     return types.void(values, scales, offsets, at, scale_at, w, width), codegen
+
+
+@intrinsic
+def _bit_fields(typingctx, values, at, shift, mask, w, width):
+    """w[:width] = (values.flat[at:at + width] >> shift) & mask as float32, exact: a field of the bytes
+    of `width` lanes (block_formats.py's layout), in 32-bit lanes (numba's own integers are 64-bit,
+    half as many a vector)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        at, shift, mask = (
+            context.cast(builder, a, t, types.int64) for a, t in zip(args[1:4], signature.args[1:4])
+        )
+        words = ir.VectorType(i32, n)
+        column = builder.zext(builder.load(_vector_at(builder, values_ptr, at, ir.IntType(8), n), align=1), words)
+        column = builder.lshr(column, _splat(builder, words, builder.trunc(shift, i32)))
+        column = builder.and_(column, _splat(builder, words, builder.trunc(mask, i32)))
+        floats = builder.sitofp(column, ir.VectorType(ir.FloatType(), n))  # (AVX2 has no unsigned conversion)
+        builder.store(floats, _vector_at(builder, args[4], ir.Constant(i64, 0), ir.FloatType(), n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, shift, mask, w, width), codegen
 
 
 @intrinsic

@@ -28,6 +28,11 @@ def dequantize_column(values, scales, offsets, at, scale_at, width) -> np.ndarra
     return w
 
 
+def bit_fields(values, at, shift, mask, width) -> np.ndarray:
+    """vectors._bit_fields: (byte >> shift) & mask of `width` bytes, as float32."""
+    return ((values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & mask).astype(F32)
+
+
 def multiply_add(sums, i, w, xj, width) -> None:
     """vectors._multiply_add: sums[i·width:…] += w · xj, fused."""
     part = slice(i * width, (i + 1) * width)

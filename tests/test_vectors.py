@@ -21,6 +21,7 @@ from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
 from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
 from llama_chat.inference.vectors import (
+    _bit_fields,
     _dequantize_column,
     _dequantize_nibbles,
     _multiply_add,
@@ -104,6 +105,23 @@ def q4_k(seed: int = 0):
     d_dmin = (rng(seed + 1).random((shape[0] * 2, 2)) * 0.02).astype(np.float16)
     raw.reshape(-1, 144)[:, 0:4] = d_dmin.view(np.uint8)
     return quants.pack([(raw, T.Q4_K, shape)])
+
+
+@plain_njit
+def bit_fields(values, at, shift, mask, out):
+    w = _registers(W)
+    _bit_fields(values, at, shift, mask, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("shift, mask", [(0, 3), (6, 3), (5, 1), (4, 15)])
+def test_a_bit_field_of_bytes_is_read_as_the_reference_says(shift, mask):
+    """The fields the block formats' decoders take out of their bytes (block_formats.py): Q2_K's and
+    Q3_K's 2-bit quants, Q3_K's high bits, a nibble."""
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    out = np.empty(W, F32)
+    bit_fields(values, 37, shift, mask, out)
+    assert np.array_equal(out, ref.bit_fields(values, 37, shift, mask, W))
 
 
 @plain_njit
@@ -276,7 +294,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     machine: these checks again in a process compiled for a Haswell (its own kernel cache folder)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
-    checks = "column or fused or nibbles or scale or byte_dots or quantizing"
+    checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
