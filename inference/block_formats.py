@@ -25,7 +25,7 @@ from numba import carray
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
-from .vectors import _bit_fields, _registers
+from .vectors import _bit_fields, _registers, _table_fields
 
 Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
@@ -113,11 +113,14 @@ def _q3_k_run(values, g, b, k, tile, c0):
 def _table_nibbles(values, g, b, at, scale, table, tile, c0):
     """32 weights from the 16 bytes at `at` of block b: the low nibbles are weights 0-15, the high ones
     16-31, each scale · table[nibble] (the IQ formats' values, MXFP4's e2m1)."""
+    picked = _registers(LANES)
+    value = carray(picked, LANES)
+    block = (g * values.shape[1] + b) * values.shape[2]
     for j in range(16):
-        for lane in range(LANES):
-            q = values[g, b, at + j, lane]
-            tile[c0 + j, lane] = scale[lane] * table[q & 15]
-            tile[c0 + 16 + j, lane] = scale[lane] * table[q >> 4]
+        for half in range(2):
+            _table_fields(values, (block + at + j) * LANES, 4 * half, table, picked, LANES)
+            for lane in range(LANES):
+                tile[c0 + 16 * half + j, lane] = scale[lane] * value[lane]
 
 
 @njit(cache=True)

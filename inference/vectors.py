@@ -1,6 +1,6 @@
 """The float kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch
 array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, bit fields
-of the block formats' bytes, a request for memory ahead. LLVM splits a vector of `width` floats into the target's registers, so no vectorizer
+of the block formats' bytes and their nibbles through a table, a request for memory ahead. LLVM splits a vector of `width` floats into the target's registers, so no vectorizer
 has to find the loops (LLVM's did not, once they were short enough to unroll first); `width` is a
 literal wherever these are called (products.py, k_quants.py). Each has its plain NumPy twin in
 vectors_reference.py, which tests/test_vectors.py holds it to.
@@ -118,6 +118,45 @@ def _bit_fields(typingctx, values, at, shift, mask, w, width):
         return context.get_dummy_value()
 
     return types.void(values, at, shift, mask, w, width), codegen
+
+
+@intrinsic
+def _table_fields(typingctx, values, at, shift, table, w, width):
+    """w[:width] = table[(values.flat[at:at + width] >> shift) & 15]: a nibble of the bytes of `width`
+    lanes through a table of 16 floats (the IQ formats' values, MXFP4's e2m1), exact. AVX-512 picks
+    16 lanes' floats from a register of the table in one vpermps; elsewhere each lane is looked up."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        table_ptr = _data(context, builder, signature.args[3], args[3])
+        at, shift = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:3], signature.args[1:3]))
+        table = builder.load(_vector_at(builder, table_ptr, ir.Constant(i64, 0), f32, 16), align=4)
+        for k in range(0, n, min(n, 16)):
+            m = min(n - k, 16)
+            words, where = ir.VectorType(i32, m), ir.Constant(i64, k)
+            start = builder.add(at, where)
+            column = builder.zext(builder.load(_vector_at(builder, values_ptr, start, ir.IntType(8), m), align=1), words)
+            column = builder.lshr(column, _splat(builder, words, builder.trunc(shift, i32)))
+            if PROFILE.isa == "AVX-512" and m == 16:  # (the permute reads only the low 4 bits)
+                floats = ir.VectorType(f32, 16)
+                kind = ir.FunctionType(floats, [floats, words])
+                picked = builder.call(cgutils.get_or_insert_function(builder.module, kind, _PERMUTE_16), [table, column])
+            else:
+                column = builder.and_(column, ir.Constant(words, [15] * m))
+                picked = ir.Constant(ir.VectorType(f32, m), ir.Undefined)
+                for lane in range(m):
+                    index = builder.extract_element(column, ir.Constant(i32, lane))
+                    picked = builder.insert_element(
+                        picked, builder.extract_element(table, index), ir.Constant(i32, lane)
+                    )
+            builder.store(picked, _vector_at(builder, args[4], where, f32, m), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, shift, table, w, width), codegen
 
 
 @intrinsic

@@ -33,6 +33,11 @@ def bit_fields(values, at, shift, mask, width) -> np.ndarray:
     return ((values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & mask).astype(F32)
 
 
+def table_fields(values, at, shift, table, width) -> np.ndarray:
+    """vectors._table_fields: table[(byte >> shift) & 15] of `width` bytes."""
+    return table[(values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & 15]
+
+
 def multiply_add(sums, i, w, xj, width) -> None:
     """vectors._multiply_add: sums[i·width:…] += w · xj, fused."""
     part = slice(i * width, (i + 1) * width)

@@ -29,6 +29,7 @@ from llama_chat.inference.vectors import (
     _q4_k_scales,
     _registers,
     _scale_run,
+    _table_fields,
 )
 
 T = gguf.GGMLQuantizationType
@@ -122,6 +123,24 @@ def test_a_bit_field_of_bytes_is_read_as_the_reference_says(shift, mask):
     out = np.empty(W, F32)
     bit_fields(values, 37, shift, mask, out)
     assert np.array_equal(out, ref.bit_fields(values, 37, shift, mask, W))
+
+
+@plain_njit
+def table_fields(values, at, shift, table, out):
+    w = _registers(W)
+    _table_fields(values, at, shift, table, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("shift", [0, 4])
+@pytest.mark.parametrize("table", [T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
+def test_a_nibble_through_a_table_is_read_as_the_reference_says(shift, table):
+    """The IQ formats' and MXFP4's 4-bit indices into their 16 values (block_formats.py)."""
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    table = np.array(gguf.quants.IQ4_NL.kvalues if table == T.IQ4_NL else gguf.quants.MXFP4.kvalues, F32)
+    out = np.empty(W, F32)
+    table_fields(values, 37, shift, table, out)
+    assert np.array_equal(out, ref.table_fields(values, 37, shift, table, W))
 
 
 @plain_njit
@@ -294,7 +313,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     machine: these checks again in a process compiled for a Haswell (its own kernel cache folder)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
-    checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field"
+    checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
