@@ -46,3 +46,27 @@ def test_a_model_in_its_own_bits_is_about_its_gguf_and_computes_as_float32(tmp_p
     ids = model.tokenizer.encode("The formats people download run in their own bits.")
     assert np.array_equal(model.logits(ids), float32.logits(ids))
     assert gguf_needs(path)["formats"][qtype.name]["kept"] == "kept in its own bits"
+
+
+def test_mxfp4_experts_are_kept_in_their_bits_and_compute_as_float32(tmp_path):
+    """gpt-oss keeps its experts in MXFP4: a mixture's 3-D expert tensors in MXFP4, each expert's slice
+    packed as any matrix, held in the GGUF's bytes, with the logits of the same experts in float32."""
+
+    def experts_in(path, as_float32: bool):
+        def matrix_bytes(name, data):
+            if "_exps" not in name:
+                return data, T.F32
+            raw = gguf.quants.quantize(data, T.MXFP4)
+            if as_float32:
+                return np.asarray(gguf.quants.dequantize(raw, T.MXFP4), np.float32).reshape(data.shape), T.F32
+            return raw, T.MXFP4
+
+        return write_tiny_model(path, "qwen3moe", matrix_bytes=matrix_bytes)
+
+    model = load_model(experts_in(tmp_path / "mxfp4.gguf", False))
+    float32 = load_model(experts_in(tmp_path / "f32.gguf", True))
+    in_gguf = sum(int(t.n_bytes) for t in gguf.GGUFReader(model.path).tensors if t.tensor_type == T.MXFP4)
+    experts = [layer.experts for layer in model.weights.layers]
+    assert sum(m.nbytes for e in experts for m in e.gate_up + e.down) <= 1.15 * in_gguf
+    ids = model.tokenizer.encode("Experts in four bits.")
+    assert np.array_equal(model.logits(ids), float32.logits(ids))

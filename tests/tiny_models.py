@@ -141,8 +141,8 @@ def write_tiny_model(
     that puts a space before the text, as Llama 2's does. `chat_template`: ChatML, or the family's
     real one for the later architectures. `quantized=False`: every matrix in float32 (the models
     checked against llama.cpp's float32 logits). `dims`: (n_embd, n_head, n_head_kv, head_dim, n_ff)
-    for wider models; `matrix_bytes(name, data)` → (array, GGML type): each layer matrix and the output
-    written in another format (test_formats.py)."""
+    for wider models; `matrix_bytes(name, data)` → (array, GGML type): each layer matrix (and 3-D expert
+    tensor) and the output written in another format (test_formats.py)."""
     rng = np.random.default_rng(seed)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = dims or (64, 4, 2, 16, 96)
@@ -208,7 +208,7 @@ def write_tiny_model(
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
             raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
-        elif matrix_bytes is not None and len(shape) == 2 and name != "token_embd.weight":
+        elif matrix_bytes is not None and len(shape) > 1 and name != "token_embd.weight":
             raw, qtype = matrix_bytes(name, data)
             w.add_tensor(name, raw, raw_dtype=qtype)
         elif quant is not None and quantized:
