@@ -11,7 +11,7 @@ A kernel decodes each group of LANES rows into a float32 tile (decode_group), ea
 gguf.quants dequantizes it (its float32 operations in its order; the IQ formats through their tables
 of values, gguf.quants' own), the bytes of LANES rows side by side so that each step runs across the
 lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a product
-is bit for bit the one of the same matrix dequantized to float32, at a quarter to a tenth of its
+is bit for bit the one of the same matrix dequantized to float32, at a seventh to a twelfth of its
 bytes. gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to
 it.
 """
