@@ -25,7 +25,7 @@ from numba import carray
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
-from .vectors import _bit_fields, _registers, _table_fields
+from .vectors import _bit_fields, _q3_k_quants, _registers, _table_fields
 
 Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
@@ -91,10 +91,10 @@ def _q3_k_run(values, g, b, k, tile, c0):
     """Run k of Q3_K block b (110 bytes): the high bits (0-31: weight j of run k at bit k of byte j),
     2-bit low bits (32-95, as Q2_K's), 6-bit signed scales for each 16 weights (96-107: low 4 bits in
     nibbles of 96-103, high 2 in pairs of 104-107) and d (108). Weight = d·(sc − 32)·q, q the low
-    bits less 4 where the high bit is clear (every step exact in float32 but the last product)."""
+    bits less 4 where the high bit is clear."""
     dl = carray(_registers(LANES), LANES)
-    q, h1 = _registers(LANES), _registers(LANES)
-    low, high = carray(q, LANES), carray(h1, LANES)
+    q = _registers(LANES)
+    quants = carray(q, LANES)
     shift, block = 2 * (k % 4), (g * values.shape[1] + b) * values.shape[2]
     for h in range(2):
         s = 2 * k + h
@@ -103,10 +103,10 @@ def _q3_k_run(values, g, b, k, tile, c0):
             high_bits = (values[g, b, 104 + s % 4, lane] >> (2 * (s // 4))) & 3
             dl[lane] = _half_at(values, g, b, 108, lane) * F32((low_bits | (high_bits << 4)) - 32)
         for j in range(16 * h, 16 * h + 16):
-            _bit_fields(values, (block + 32 + 32 * (k // 4) + j) * LANES, shift, 3, q, LANES)
-            _bit_fields(values, (block + j) * LANES, k, 1, h1, LANES)
+            low_at, high_at = (block + 32 + 32 * (k // 4) + j) * LANES, (block + j) * LANES
+            _q3_k_quants(values, low_at, shift, high_at, k, q, LANES)
             for lane in range(LANES):
-                tile[c0 + j, lane] = dl[lane] * ((low[lane] - F32(4)) + F32(4) * high[lane])
+                tile[c0 + j, lane] = dl[lane] * quants[lane]
 
 
 @njit(cache=True, inline="always")
@@ -135,7 +135,8 @@ def _iq4_nl_run(values, g, b, tile, c0):
 @njit(cache=True)
 def _iq4_xs_run(values, g, b, k, tile, c0):
     """Run k of IQ4_XS block b (136 bytes): d, the high 2 bits of 8 scales (a uint16 at 2), their low 4
-    (nibbles of 4-7), then 16 bytes of indices into IQ4_VALUES per run (8…). Weight = d·(sc − 32)·value."""
+    (nibbles of 4-7), then 16 bytes of indices into IQ4_VALUES per run (8…).
+    Weight = d·(sc − 32)·value."""
     dl = carray(_registers(LANES), LANES)
     for lane in range(LANES):
         low = (values[g, b, 4 + k // 2, lane] >> (4 * (k % 2))) & 15

@@ -38,7 +38,9 @@ OWN_BITS = {
 }
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
 # per format (the block formats share one kernel: a matrix's block size tells it the format).
-KINDS = {Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", **OWN_BITS, Q.F32: "float weights"}
+KINDS = {
+    Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", **OWN_BITS, Q.F32: "float weights"
+}
 
 
 def kinds_of(formats: set) -> set[str]:
@@ -87,4 +89,5 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
         block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         return [((groups, n_cols // block_len, block_bytes, LANES), np.uint8), None, None]
     scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
-    return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
+    offsets = scales if kind == "integer weights with offsets" else None
+    return [((groups, n_cols, LANES), np.int8), scales, offsets]

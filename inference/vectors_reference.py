@@ -33,6 +33,12 @@ def bit_fields(values, at, shift, mask, width) -> np.ndarray:
     return ((values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & mask).astype(F32)
 
 
+def q3_k_quants(values, low_at, shift, high_at, bit, width) -> np.ndarray:
+    """vectors._q3_k_quants: 2 low bits, less 4 where the high bit is clear, as float32."""
+    low = bit_fields(values, low_at, shift, 3, width)
+    return low - 4 + 4 * bit_fields(values, high_at, bit, 1, width)
+
+
 def table_fields(values, at, shift, table, width) -> np.ndarray:
     """vectors._table_fields: table[(byte >> shift) & 15] of `width` bytes."""
     return table[(values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & 15]

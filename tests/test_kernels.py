@@ -335,7 +335,7 @@ import test_kernels as t
 from llama_chat.inference import kernels
 from llama_chat.inference.cpu import PROFILE
 T = gguf.GGMLQuantizationType
-for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # integers, Q4_K's bits, floats, blocks
+for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # ints, Q4_K, floats, blocks
     t.test_packing_keeps_every_weight_exactly(qtype)
     t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
     for n in (1, 3, kernels.KERNEL_ROWS):

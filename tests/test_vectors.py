@@ -26,6 +26,7 @@ from llama_chat.inference.vectors import (
     _dequantize_nibbles,
     _multiply_add,
     _nibbles,
+    _q3_k_quants,
     _q4_k_scales,
     _registers,
     _scale_run,
@@ -123,6 +124,21 @@ def test_a_bit_field_of_bytes_is_read_as_the_reference_says(shift, mask):
     out = np.empty(W, F32)
     bit_fields(values, 37, shift, mask, out)
     assert np.array_equal(out, ref.bit_fields(values, 37, shift, mask, W))
+
+
+@plain_njit
+def q3_k_quants(values, low_at, shift, high_at, bit, out):
+    w = _registers(W)
+    _q3_k_quants(values, low_at, shift, high_at, bit, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("shift, bit", [(0, 0), (6, 7), (2, 5)])
+def test_q3_k_quants_are_read_as_the_reference_says(shift, bit):
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    out = np.empty(W, F32)
+    q3_k_quants(values, 37, shift, 101, bit, out)
+    assert np.array_equal(out, ref.q3_k_quants(values, 37, shift, 101, bit, W))
 
 
 @plain_njit
@@ -313,7 +329,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     machine: these checks again in a process compiled for a Haswell (its own kernel cache folder)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
-    checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table"
+    checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
