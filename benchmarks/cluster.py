@@ -60,7 +60,8 @@ def built(url: str, model: str, i: int, tokens: int) -> list[dict]:
     """A conversation of about `tokens` tokens answered once at `url`, and its next turn's messages."""
     opening = f"Story {i} ({uuid.uuid4().hex[:8]}): " + FILLER * max(1, int(tokens * CHARS_PER_TOKEN / len(FILLER)))
     messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": opening}]
-    turn = send(url, {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0})
+    # its whole prompt computed at one thread: minutes for 2,000 tokens on a busy machine
+    turn = send(url, {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}, timeout=1800)
     return [*messages, {"role": "assistant", "content": turn.reply}, {"role": "user", "content": NEXT}]
 
 

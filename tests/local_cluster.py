@@ -231,17 +231,17 @@ class Conversation:
         return [(m["role"], m["content"]) for m in self.messages[1 : 1 + 2 * n_turns]]
 
 
-def send(url: str, body: dict, headers: dict | None = None, stream: bool = False) -> Turn:
+def send(url: str, body: dict, headers: dict | None = None, stream: bool = False, timeout: float = 120) -> Turn:
     """One chat completion (streamed: its first token timed); Failed unless it came back whole and
-    stored."""
+    stored, each read within `timeout` seconds."""
     if stream:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    return (_streamed if stream else _whole)(url, body, headers or {}, time.perf_counter())
+    return (_streamed if stream else _whole)(url, body, headers or {}, time.perf_counter(), timeout)
 
 
-def _whole(url: str, body: dict, headers: dict, t0: float) -> Turn:
+def _whole(url: str, body: dict, headers: dict, t0: float, timeout: float) -> Turn:
     try:
-        status, answer_headers, data = request(url, "POST", "/v1/chat/completions", body, headers)
+        status, answer_headers, data = request(url, "POST", "/v1/chat/completions", body, headers, timeout)
     except (OSError, http.client.HTTPException) as e:
         raise Failed(f"{type(e).__name__}: {e}") from None
     if status != 200:
@@ -252,9 +252,9 @@ def _whole(url: str, body: dict, headers: dict, t0: float) -> Turn:
     return _turn(answer_headers, usage, reply["choices"][0]["message"]["content"], reply, seconds, seconds)
 
 
-def _streamed(url: str, body: dict, headers: dict, t0: float) -> Turn:
+def _streamed(url: str, body: dict, headers: dict, t0: float, timeout: float) -> Turn:
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
                      {"Content-Type": "application/json", **headers})
