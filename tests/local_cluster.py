@@ -231,7 +231,9 @@ class Conversation:
         return [(m["role"], m["content"]) for m in self.messages[1 : 1 + 2 * n_turns]]
 
 
-def send(url: str, body: dict, headers: dict | None = None, stream: bool = False, timeout: float = 120) -> Turn:
+def send(
+    url: str, body: dict, headers: dict | None = None, stream: bool = False, timeout: float = 120
+) -> Turn:
     """One chat completion (streamed: its first token timed); Failed unless it came back whole and
     stored, each read within `timeout` seconds."""
     if stream:
@@ -292,4 +294,6 @@ def _turn(headers, usage: dict, text: str, last: dict, seconds: float, first_tok
     if not last.get("stored"):
         raise Failed(f"the turn was not stored: {last.get('store_error')}")
     server = headers.get("X-Served-By", "")
-    return Turn(server, usage, text, last.get("session"), seconds, first_token_s, headers["X-Conversation-Key"])
+    return Turn(
+        server, usage, text, last.get("session"), seconds, first_token_s, headers["X-Conversation-Key"]
+    )
