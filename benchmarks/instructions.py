@@ -26,6 +26,7 @@ from pathlib import Path
 
 from llama_chat.app.chat.settings import model_sampling, sampling_params
 from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, load_model
+from llama_chat.inference.catalog import DEFAULT_MODEL, KNOWN_MODELS
 from llama_chat.inference.generate import ReplyStream, run_streams, start_streams
 from llama_chat.inference.kernels import KERNEL_ROWS
 
@@ -42,10 +43,7 @@ PROMPTS = {
         "asked for. Give the answer itself, never a question back."
     ),
     "a helpful assistant": "You are a helpful assistant.",
-    "answer first": (
-        "Answer the user's request directly. When a format is asked for (one word, a number, a list, "
-        "JSON, code), reply in that format and nothing else."
-    ),
+    "answer first": KNOWN_MODELS[DEFAULT_MODEL].system_prompt,  # the default: it scored best here
     # the template's own, which keeps one-word answers, and the one sentence against questions back
     "Qwen's + answer itself": (
         "You are Qwen, created by Alibaba Cloud. You are a helpful assistant. "
@@ -249,7 +247,10 @@ def run_candidate(model, name: str, requests: list[Request], samplings: dict, pa
     the rest, each appended to `path` as it is written, so a run stopped part way goes on where it was."""
     records = saved(path)
     done = {(r["request"], r["seed"]) for r in records}
-    work = [(q, todo) for q in requests if (todo := {s: p for s, p in samplings.items() if (q.text, s) not in done})]
+    work = []
+    for q in requests:
+        if todo := {s: p for s, p in samplings.items() if (q.text, s) not in done}:
+            work.append((q, todo))
     print(f"{name}: {len(records)} answers saved, {sum(len(t) for _, t in work)} to write", file=sys.stderr)
     with path.open("a") as out:
         for answer in answer_all(model, work, PROMPTS[name]):
@@ -259,7 +260,8 @@ def run_candidate(model, name: str, requests: list[Request], samplings: dict, pa
             records.append(record)
             how = "greedy" if answer.seed is None else f"seed {answer.seed}"
             verdict = "pass" if answer.request.passes(record["reply"]) else "FAIL"
-            print(f"  {verdict} {record['request'][:40]!r} ({how}): {record['reply'][:70]!r}", file=sys.stderr)
+            line = f"  {verdict} {record['request'][:40]!r} ({how}): {record['reply'][:70]!r}"
+            print(line, file=sys.stderr)
     wanted = {(q.text, s) for q in requests for s in samplings}
     return [r for r in records if (r["request"], r["seed"]) in wanted]
 
@@ -310,7 +312,8 @@ def main() -> None:
     folder = args.out or Path(tempfile.mkdtemp(prefix="instructions-"))
     folder.mkdir(parents=True, exist_ok=True)
     sampled = sampling_params({}, model_sampling(model))
-    samplings = {None: SamplingParams(temperature=0)} | {s: replace(sampled, seed=s) for s in range(args.samples)}
+    samplings = {None: SamplingParams(temperature=0)}
+    samplings |= {s: replace(sampled, seed=s) for s in range(args.samples)}
     requests = REQUESTS[:: args.only]
     results = {}
     for name in names:
