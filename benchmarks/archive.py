@@ -119,7 +119,9 @@ def command_ms(db: Path, args: list[str], repeat: int = 3) -> dict:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "llama_chat", "--db", str(db), *args], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "llama_chat", "--db", str(db), *args], check=True, capture_output=True
+        )
         times.append(time.perf_counter() - t0)
     return {"best_ms": round(min(times) * 1000), "median_ms": round(statistics.median(times) * 1000)}
 
@@ -132,7 +134,8 @@ def app_ready_ms(db: Path, repeat: int = 3) -> dict:
         with tempfile.TemporaryDirectory() as folder:
             env = {**os.environ, "XDG_CONFIG_HOME": folder, "XDG_STATE_HOME": folder}
             args = [sys.executable, "-c", APP_CHILD, str(db), folder]
-            out = subprocess.run(args, check=True, capture_output=True, text=True, env=env, timeout=600).stdout
+            run = subprocess.run(args, check=True, capture_output=True, text=True, env=env, timeout=600)
+            out = run.stdout
             times.append(float(out.split()[-1]))
     return {"best_ms": round(min(times) * 1000), "median_ms": round(statistics.median(times) * 1000)}
 
@@ -150,7 +153,9 @@ def measure(db: Path, n: int, words: list[str]) -> dict:
     out["titles holding a word (none does)"] = {"ms": titled}
     out["every session"] = {"ms": best_of(2, store.list_sessions)}
     (middle,) = store.list_sessions(limit=1, offset=n // 2)
-    out["one session's messages"] = {"ms": best_of(5, lambda: store.path(store.get_session(middle.id).head_id))}
+    out["one session's messages"] = {
+        "ms": best_of(5, lambda: store.path(store.get_session(middle.id).head_id))
+    }
     store.close()
     listing = ["--db", str(db), "sessions", "list", "--limit", str(PAGE)]
     ChatStore(db).close()  # (checked: the file is new to it)
@@ -192,7 +197,11 @@ def main() -> None:
         seconds = fill(store, filled, n, words)
         store.close()
         filled = n
-        result = {"fill_s": round(seconds, 1), "db_mb": round(db.stat().st_size / 1e6), **measure(db, n, words)}
+        result = {
+            "fill_s": round(seconds, 1),
+            "db_mb": round(db.stat().st_size / 1e6),
+            **measure(db, n, words),
+        }
         results[n] = result
         print(f"{n:,} conversations ({result['db_mb']} MB, filled in {result['fill_s']} s)")
         for name, figure in result.items():

@@ -64,7 +64,8 @@ class ChatStore:
     def add_model(self, fingerprint: str, name: str, architecture: str, path: str | None) -> None:
         with self.transaction():
             self.db.conn.execute(
-                "INSERT INTO models VALUES (?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO UPDATE SET path = excluded.path",
+                "INSERT INTO models VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (fingerprint) DO UPDATE SET path = excluded.path",
                 (fingerprint, name, architecture, path, time.time()),
             )
 
@@ -231,8 +232,8 @@ class ChatStore:
             )
             if head == parent.head_id:
                 self.db.conn.execute(
-                    "INSERT INTO session_tails SELECT ?, fingerprint, parent_key, tokens, codec, data, checksum, "
-                    "updated FROM session_tails WHERE session_id = ?",
+                    "INSERT INTO session_tails SELECT ?, fingerprint, parent_key, tokens, codec, data, "
+                    "checksum, updated FROM session_tails WHERE session_id = ?",
                     (row["id"], parent.id),
                 )
         return Session.from_row(row)
@@ -362,7 +363,8 @@ class ChatStore:
             return []
         return self._messages(
             "WITH RECURSIVE up(id, depth) AS (SELECT ?, 0 UNION ALL "
-            "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id WHERE m.parent_id IS NOT NULL) "
+            "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id "
+            "WHERE m.parent_id IS NOT NULL) "
             "SELECT messages.* FROM up JOIN messages ON messages.id = up.id ORDER BY up.depth DESC",
             (head_id,),
         )

@@ -307,7 +307,10 @@ def test_reading_chats_loads_neither_the_model_code_nor_the_app(tmp_path):
     store.add_message(session.id, "user", "hello there")
     store.close()
     heavy = ("numba", "textual", "rich", "redis", "jinja2", "gguf", "llguidance", "mcp", "starlette")
-    script = f"import sys; from llama_chat.app.cli import main; main(sys.argv[1:]); print([m for m in {heavy} if m in sys.modules])"
+    script = (
+        "import sys; from llama_chat.app.cli import main; main(sys.argv[1:]); "
+        f"print([m for m in {heavy} if m in sys.modules])"
+    )
     for command in (["list"], ["show", session.id], ["search", "hello"]):
         args = [sys.executable, "-c", script, "--db", str(tmp_path / "chat.db"), "sessions", *command]
         out = subprocess.run(args, capture_output=True, text=True, check=True).stdout

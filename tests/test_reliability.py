@@ -475,7 +475,10 @@ def test_a_file_is_read_through_for_damage_only_where_damage_may_have_come_in(tm
     store.close()
     ChatStore(db).close()
     assert len(checks) == 1  # when it was made, not since
-    command = "import sys; from llama_chat.storage import ChatStore; ChatStore(sys.argv[1]).rename_session(*sys.argv[2:])"
+    command = (
+        "import sys; from llama_chat.storage import ChatStore; "
+        "ChatStore(sys.argv[1]).rename_session(*sys.argv[2:])"
+    )
     subprocess.run([sys.executable, "-c", command, str(db), session.id, "renamed"], check=True)
     ChatStore(db).close()
     assert len(checks) == 1

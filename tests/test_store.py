@@ -173,7 +173,7 @@ def test_sessions_listed_by_who_made_them_and_by_words_of_their_title(store):
     assert [s.id for s in store.list_sessions(titled="PLAN")] == [api.id, mine.id]
     assert [s.id for s in store.list_sessions(titled="plan notes")] == [mine.id]
     assert [s.id for s in store.list_sessions(titled="100%")] == [mine.id]  # % and _ are letters here
-    assert store.list_sessions(titled="s_o") == [] and store.list_sessions(titled="0%o") == []  # not wildcards
+    assert store.list_sessions(titled="s_o") == store.list_sessions(titled="0%o") == []  # not wildcards
 
 
 def test_snapshot_bookkeeping_and_gc(store):

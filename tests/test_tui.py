@@ -428,7 +428,9 @@ async def test_selecting_a_chat_in_the_sidebar_opens_it(open_chat):
 
 
 @aio
-async def test_the_sidebar_reads_the_newest_chats_and_more_as_it_nears_its_end(open_chat, tmp_path, monkeypatch):
+async def test_the_sidebar_reads_the_newest_chats_and_more_as_it_nears_its_end(
+    open_chat, tmp_path, monkeypatch
+):
     monkeypatch.setattr(sidebar, "PAGE", 40)  # (a page is more than the list shows at once)
     store = ChatStore(tmp_path / "chat.db")
     for i in range(100):
@@ -442,7 +444,8 @@ async def test_the_sidebar_reads_the_newest_chats_and_more_as_it_nears_its_end(o
             await pilot.press("end")
             await until(pilot, lambda n=shown: len(tree_labels(app)) == n, what=f"{shown} chats")
         await idle(pilot)
-        assert [label for _, label in tree_labels(app)] == ["● chat 99", *(f"chat {i}" for i in range(98, -1, -1))]
+        newest_first = ["● chat 99", *(f"chat {i}" for i in range(98, -1, -1))]
+        assert [label for _, label in tree_labels(app)] == newest_first
 
 
 @aio
@@ -460,7 +463,8 @@ async def test_titles_show_as_typed_not_as_markup(tmp_path, qwen2):
         await pilot.press("ctrl+o")  # a fork, whose notice names the chat
         await until(pilot, lambda: list(app.screen.query("Toast")), what="the notice")
         await idle(pilot)
-        assert [toast.render().plain for toast in app.screen.query("Toast")] == [f"Forked into “{title} (fork)”"]
+        shown = [toast.render().plain for toast in app.screen.query("Toast")]
+        assert shown == [f"Forked into “{title} (fork)”"]
         assert tree_labels(app) == [(0, title), (1, "● (fork) · after msg 2")]
     released(app)
 
@@ -680,7 +684,8 @@ async def test_a_long_prompt_shows_its_prefill_as_a_bar(open_chat):
 async def test_keys_typed_while_a_reply_streams_reach_the_input(open_chat, slow_decode):
     """Type while a reply streams: each key reaches the input before the next is typed, and the reply
     goes on. A real model's decode step is emulated by a wait that releases the GIL; the tiny model's
-    Python work per token still runs. How fast keys answer is the bench's `app_key_ms`, not asserted: a busy machine is no bug."""
+    Python work per token still runs. How fast keys answer is the bench's `app_key_ms`, not asserted: a busy
+    machine is no bug."""
     slow_decode(0.02)
     async with open_chat(max_tokens=120) as pilot:
         app = pilot.app

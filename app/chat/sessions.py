@@ -102,7 +102,9 @@ class Sessions:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def list(self, tenant: str | None = None, limit: int | None = None, offset: int = 0, **which) -> list[Session]:
+    def list(
+        self, tenant: str | None = None, limit: int | None = None, offset: int = 0, **which
+    ) -> list[Session]:
         """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
         tenant's only; `which`: by whom they were made, by words of their title (ChatStore.list_sessions)."""
         return self._store.list_sessions(tenant, limit, offset, **which)
@@ -161,7 +163,7 @@ class Sessions:
         if self.engine is not None:
             return self.engine.fork(session, at_message, title, before=before)
         if before is not None:
-            from .engine import fork_before
+            from .replies import fork_before
 
             return fork_before(self._store, session, self._store.message(before), title)
         return self._store.fork_session(session.id, at_message, title)

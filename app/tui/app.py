@@ -77,7 +77,13 @@ class ChatApp(App, inherit_bindings=False):
             )
 
     def notify(
-        self, message: str, *, title: str = "", severity="information", timeout: float | None = None, markup=False
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity="information",
+        timeout: float | None = None,
+        markup: bool = False,
     ) -> None:
         """Every notification as written, never as markup: they name chats, files and models, and errors
         that quote them (Textual reads a message as markup by default, where a title such as

@@ -384,7 +384,8 @@ class Sidebar(Vertical):
         keep: bool = False,
         more: bool = False,
     ) -> None:
-        """Draw what a worker read; `more`: the list holds as many chats as it asked for (there may be more)."""
+        """Draw what a worker read; `more`: the list holds as many chats as it asked for (so there may
+        be more)."""
         self.query_one(SessionTree).show_sessions(sessions, self.current, points, hits, keep)
         if hits is None:
             self.call_after_refresh(setattr, self, "_more", more)  # asked for once the list is laid out
