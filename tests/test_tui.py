@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from textual.widgets import Input, ProgressBar, TextArea
@@ -694,3 +696,12 @@ async def test_keys_typed_while_a_reply_streams_reach_the_input(open_chat, slow_
         await idle(pilot)
         assert typed == app.chat.query_one(ChatInput).text == "abcdefghijkl"
         assert len(views(app)[1].content) > streamed  # the reply went on while we typed
+
+
+def test_the_window_needs_none_of_the_model_code_to_open():
+    """The chats are drawn before the model loads: the app's modules load none of numba's kernels, the
+    Redis client or llguidance (seconds of imports); the model's worker loads them."""
+    heavy = ("numba", "redis", "llguidance")
+    script = f"import sys, llama_chat.app.tui; print([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"

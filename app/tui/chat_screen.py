@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import ComposeResult, SystemCommand
@@ -28,7 +29,6 @@ from textual.worker import Worker, WorkerState
 from llama_chat.storage import Message, Session, StoreError
 
 from ..chat.build import EngineOptions, open_engine
-from ..chat.engine import ChatEngine
 from ..chat.sessions import Sessions
 from ..config import UserConfig
 from .actions import ChatActions
@@ -40,6 +40,9 @@ from .other_windows import OtherWindows
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
 from .sidebar import WIDTH_STEP, SessionTree, Sidebar
 from .widgets import ChatInput, MessageView, Progress, StatusLine, model_label
+
+if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
+    from ..chat.engine import ChatEngine
 
 
 class ModelReady(UIMessage):

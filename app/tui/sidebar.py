@@ -16,9 +16,8 @@ from textual.message import Message as UIMessage
 from textual.widgets import Input, Label, Tree
 
 from llama_chat.storage import Message, Session, StoreError
-from llama_chat.storage.records import unmarked_title
+from llama_chat.storage.records import API_ORIGIN, unmarked_title
 
-from ..chat.conversations import API_ORIGIN
 from ..chat.sessions import Sessions
 from ..chat.titles import session_title, title_from_text
 
