@@ -8,21 +8,22 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llama_chat.inference import Model, load_model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.inference.products import compile_two_rows
-from llama_chat.inference.warmup import compile_attention
 from llama_chat.storage.codec import PLANNED_CODECS
-from llama_chat.storage.codec import compile_kernels as compile_codec
-from llama_chat.storage.kv_plan import model_plan
 
-from .compile_progress import CompileProgress
-from .engine import ChatEngine
-from .scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
 from .sessions import Sessions
-from .settings import CACHE_RAM_MB, CODEC, N_CTX
+from .settings import CACHE_RAM_MB, CODEC, DEFAULT_PARALLEL, DEFAULT_QUEUE, N_CTX
+
+if TYPE_CHECKING:
+    from llama_chat.inference import Model
+
+    from .engine import ChatEngine
+
+# The model's code (numba's kernels, the tokenizers, the engine) loads where a model is built: the app
+# draws its window and chats first, and a command that needs no model never loads it.
 
 Progress = Callable[[str, int, int], None]
 IN_MEMORY = ":memory:"  # the database of an engine that keeps nothing (a one-off question)
@@ -54,6 +55,11 @@ def load_chat_model(
     """load_model (name, progress and its options: what numba compiles for it is shown as it compiles),
     then what no first reply waits on compiled on a thread of its own (compile_later). Under a planned
     `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
+    from llama_chat.inference import load_model
+    from llama_chat.storage.kv_plan import model_plan
+
+    from .compile_progress import CompileProgress
+
     if progress is None:
         model = load_model(name, **options)
     else:
@@ -72,6 +78,10 @@ def compile_later(model: Model) -> threading.Thread:
     cached positions) and the products of two rows at once (two replies decoded together). A call that
     comes first waits for numba's compiler lock and runs what it compiled. Not a daemon: a process that
     ends sooner (a short `ask`) waits for it, so what it compiles is cached whole for the next start."""
+
+    from llama_chat.inference.products import compile_two_rows
+    from llama_chat.inference.warmup import compile_attention
+    from llama_chat.storage.codec import compile_kernels as compile_codec
 
     def compile_all() -> None:
         try:
@@ -117,6 +127,9 @@ def open_engine(
     opened; the conversations hear of it (their forks and deletes go through it). Whoever built it
     closes it (ChatEngine.close), and the conversations it brought in the options; those opened here
     (none brought: a database in memory, say) live as long as the engine."""
+    from .engine import ChatEngine
+    from .scheduler import Scheduler
+
     sessions = options.sessions or Sessions(options.db)
     try:
         model = model or open_model(options, progress)
