@@ -61,23 +61,29 @@ def _exp_nonpositive(x):
 
 
 @njit(cache=True, parallel=True, fastmath=DOT)
-def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
-    """Attention of one new token over a chunk of positions per task, as flash-decoding does: for the
-    positions runs (first, n) of one layer of the cache k, v [n_kv, N, hd] (whole: their last axis
-    contiguous, which the vectorized loops rely on), q [n_kv, group, hd] → per kv head h and chunk c the
-    scores' max m_out[h, c, g], the sum of exp(score - max) l_out[h, c, g] and the sum of those
-    weights times the values acc_out[h, c, g] [hd]; one_token_attention merges the chunks."""
-    n_kv, group, hd = q.shape
-    chunks = m_out.shape[1]
+def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, acc_out):
+    """Attention of new tokens, each over its own positions, a chunk of positions per task, as
+    flash-decoding does: token t (of q [n_tok, n_kv, group, hd], scaled) attends to the runs (first, n)
+    runs[first_run[t] : first_run[t + 1]] of one layer of the cache k, v [n_kv, N, hd] (whole: their
+    last axis contiguous, which the vectorized loops rely on); its chunks are first_chunk[t] … of the
+    outputs' chunk axis. Per kv head h and chunk c: the scores' max m_out[h, c, g], the sum of
+    exp(score - max) l_out[h, c, g] and the sum of those weights times the values acc_out[h, c, g]
+    [hd]; one_token_attention merges each token's chunks. A task's sums depend on its chunk alone, not
+    on the other tokens or the threads."""
+    n_tok, n_kv, group, hd = q.shape
+    chunks = first_chunk[n_tok]
     for task in prange(n_kv * chunks):
         h, c = task // chunks, task % chunks
-        lo = c * ATTENTION_CHUNK
+        t = 0
+        while first_chunk[t + 1] <= c:
+            t += 1
+        lo = (c - first_chunk[t]) * ATTENTION_CHUNK
         where = np.empty(ATTENTION_CHUNK, np.int64)  # the chunk's positions in the cache
         size, base = 0, 0
-        for r in range(runs.shape[0]):
+        for r in range(first_run[t], first_run[t + 1]):
             first, n = runs[r, 0], runs[r, 1]
-            for t in range(max(lo, base), min(lo + ATTENTION_CHUNK, base + n)):
-                where[size] = first + t - base
+            for p in range(max(lo, base), min(lo + ATTENTION_CHUNK, base + n)):
+                where[size] = first + p - base
                 size += 1
             base += n
         scores = np.empty((group, ATTENTION_CHUNK), F32)
@@ -90,7 +96,7 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
             for g in range(group):
                 dot = F32(0)
                 for d in range(hd):
-                    dot += q[h, g, d] * kv[d]
+                    dot += q[t, h, g, d] * kv[d]
                 scores[g, i] = dot
         acc = np.zeros((group, hd), F32)
         for g in range(group):
@@ -120,17 +126,38 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
 def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np.ndarray:
     """softmax(q · keys) · values for one new token: q [n_kv, group, hd] (scaled), k, v one layer of the
     cache [n_kv, N, hd] (float32, or float16 read as float32) and the runs (first, n) of it to attend to
-    → [n_kv, group, hd]. One call for all heads: each call wakes numba's threads."""
-    n_kv, group, hd = q.shape
-    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)  # (as it comes from KVViews.runs: no copy)
-    chunks = -(-int(runs[:, 1].sum()) // ATTENTION_CHUNK)
-    m = np.empty((n_kv, chunks, group), F32)
-    l = np.empty((n_kv, chunks, group), F32)
-    acc = np.empty((n_kv, chunks, group, hd), F32)
-    _one_token_attention(q, bits_view(k), bits_view(v), runs, m, l, acc)
-    scale = np.exp(m - m.max(axis=1, keepdims=True))  # each chunk's weights against the largest max
-    total = (l * scale).sum(axis=1)  # [n_kv, group]
-    return (acc * scale[..., None]).sum(axis=1) / total[..., None]
+    → [n_kv, group, hd]."""
+    return tokens_attention(q[None], k, v, [runs])[0]
+
+
+def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list) -> np.ndarray:
+    """one_token_attention of several new tokens (several sequences' next tokens) in one call: q [n_tok,
+    n_kv, group, hd], runs[t] the runs of token t → [n_tok, n_kv, group, hd]. One call for all: each call
+    wakes numba's threads. Each token's result has the bits it gets alone: its chunks are computed
+    alone, and merged in one order, the chunks past its own (of a longer token's) adding zeros."""
+    n_tok, n_kv, group, hd = q.shape
+    runs = [np.asarray(r, dtype=np.int64).reshape(-1, 2) for r in runs]  # (as from KVViews.runs: no copy)
+    first_run = np.cumsum([0] + [len(r) for r in runs])
+    n_chunks = [-(-int(r[:, 1].sum()) // ATTENTION_CHUNK) for r in runs]
+    first_chunk = np.cumsum([0, *n_chunks])
+    total, most = int(first_chunk[-1]), max(n_chunks)
+    m = np.empty((n_kv, total, group), F32)
+    l = np.empty((n_kv, total, group), F32)
+    acc = np.empty((n_kv, total, group, hd), F32)
+    joined = runs[0] if n_tok == 1 else np.concatenate(runs)
+    _one_token_attention(q, bits_view(k), bits_view(v), joined, first_run, first_chunk, m, l, acc)
+    if min(n_chunks) < most:  # a shorter token's chunks padded to the most: max -inf, sums 0
+        pad = np.concatenate([np.arange(most) >= n for n in n_chunks])  # [n_tok·most]
+        at = np.where(pad, 0, np.concatenate([first_chunk[t] + np.arange(most) for t in range(n_tok)]))
+        m, l, acc = m[:, at], l[:, at], acc[:, at]
+        m[:, pad], l[:, pad], acc[:, pad] = -np.inf, 0, 0
+    m = m.reshape(n_kv, n_tok, most, group)
+    l = l.reshape(n_kv, n_tok, most, group)
+    acc = acc.reshape(n_kv, n_tok, most, group, hd)
+    scale = np.exp(m - m.max(axis=2, keepdims=True))  # each chunk's weights against the largest max
+    total_weight = (l * scale).sum(axis=2)  # [n_kv, n_tok, group]
+    out = (acc * scale[..., None]).sum(axis=2) / total_weight[..., None]
+    return out.transpose(1, 0, 2, 3)
 
 
 def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np.ndarray:
@@ -140,4 +167,3 @@ def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     scores = q.astype(np.float64) @ keys.transpose(0, 2, 1)  # [n_kv, group, S]
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return (weights / weights.sum(axis=-1, keepdims=True)) @ values
-
