@@ -60,6 +60,18 @@ def _exp_nonpositive(x):
     return p * _float_from_bits((np.int32(n) + 127) << 23)
 
 
+@njit(cache=True, inline="always")
+def _rows_as_f32(kv, h, where, i, n, rows):
+    """Rows where[i : i + n] of head h of a layer of keys or values (float16 bits or float32) into
+    rows[:n] as float32, each asked for ahead as the products ask for weights."""
+    hd = kv.shape[2]
+    for j in range(n):
+        row = where[i + j]
+        _prefetch(kv, (h * kv.shape[1] + row) * hd, 0)
+        for d in range(hd):
+            rows[j, d] = to_f32(kv[h, row, d])
+
+
 @njit(cache=True, parallel=True, fastmath=DOT)
 def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, acc_out):
     """Attention of new tokens, each over its own positions, a chunk of positions per task, as
@@ -87,18 +99,27 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
                 size += 1
             base += n
         scores = np.empty((group, ATTENTION_CHUNK), F32)
-        kv = np.empty(hd, F32)  # a key or value row as float32, converted once for the group's heads
-        for i in range(size):
-            row = where[i]
-            _prefetch(k, (h * k.shape[1] + row) * hd, 0)  # rows ahead, as the products ask for weights
-            for d in range(hd):
-                kv[d] = to_f32(k[h, row, d])
-            for g in range(group):
-                dot = F32(0)
-                for d in range(hd):
-                    dot += q[t, h, g, d] * kv[d]
-                scores[g, i] = dot
+        rows = np.empty((4, hd), F32)  # 4 key or value rows as float32, converted once for the heads
         acc = np.zeros((group, hd), F32)
+        for i in range(0, size, 4):
+            n = min(4, size - i)
+            _rows_as_f32(k, h, where, i, n, rows)
+            for g in range(group):
+                if n == 4:  # four dot products in one loop: each as alone, the query read once for them
+                    dot0 = dot1 = dot2 = dot3 = F32(0)
+                    for d in range(hd):
+                        qd = q[t, h, g, d]
+                        dot0 += qd * rows[0, d]
+                        dot1 += qd * rows[1, d]
+                        dot2 += qd * rows[2, d]
+                        dot3 += qd * rows[3, d]
+                    scores[g, i], scores[g, i + 1], scores[g, i + 2], scores[g, i + 3] = dot0, dot1, dot2, dot3
+                else:
+                    for j in range(n):
+                        dot = F32(0)
+                        for d in range(hd):
+                            dot += q[t, h, g, d] * rows[j, d]
+                        scores[g, i + j] = dot
         for g in range(group):
             top = scores[g, 0]
             for i in range(1, size):
@@ -109,15 +130,22 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
                 scores[g, i] = e
                 total += e
             m_out[h, c, g], l_out[h, c, g] = top, total
-        for i in range(size):
-            row = where[i]
-            _prefetch(v, (h * v.shape[1] + row) * hd, 0)
-            for d in range(hd):
-                kv[d] = to_f32(v[h, row, d])
+        for i in range(0, size, 4):
+            n = min(4, size - i)
+            _rows_as_f32(v, h, where, i, n, rows)
             for g in range(group):
-                weight = scores[g, i]
-                for d in range(hd):
-                    acc[g, d] += weight * kv[d]
+                if n == 4:  # each sum in position order, as one row at a time; acc read once for four
+                    w0, w1, w2, w3 = scores[g, i], scores[g, i + 1], scores[g, i + 2], scores[g, i + 3]
+                    for d in range(hd):
+                        a = acc[g, d] + w0 * rows[0, d]
+                        a = a + w1 * rows[1, d]
+                        a = a + w2 * rows[2, d]
+                        acc[g, d] = a + w3 * rows[3, d]
+                else:
+                    for j in range(n):
+                        weight = scores[g, i + j]
+                        for d in range(hd):
+                            acc[g, d] += weight * rows[j, d]
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiles its shape check's error
             for d in range(hd):  # message, seconds of a first start)
                 acc_out[h, c, g, d] = acc[g, d]
