@@ -1,11 +1,12 @@
-"""The attention of one new token over the cache, compiled (flash-decoding), and its plain reference.
+"""The attention of a new token over the cache, compiled (flash-decoding), several sequences' tokens in
+one call, and its plain reference.
 
 Decoding one token attends over the whole cache. BLAS does poorly on that shape (a few query rows
 against thousands of keys, on the one thread a step of the kernels leaves it) and needs a float16 cache
 copied into float32 first. This kernel reads each key and value once, as float16 where it lies, for all
 the query heads sharing it, on every thread, a chunk of positions per task: a chunk's sums are its own
 and are merged in one order afterwards, so a token's result does not depend on the number of threads or
-on what else is in the batch. From how many cached positions it takes over from BLAS is the profile's
+on what else is in the batch (every reply of a scheduler's step goes in one call: tokens_attention). From how many cached positions it takes over from BLAS is the profile's
 (cpu.py); figures in docs/performance.md, "Decode over a long history".
 """
 
@@ -80,7 +81,7 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
     last axis contiguous, which the vectorized loops rely on); its chunks are first_chunk[t] … of the
     outputs' chunk axis. Per kv head h and chunk c: the scores' max m_out[h, c, g], the sum of
     exp(score - max) l_out[h, c, g] and the sum of those weights times the values acc_out[h, c, g]
-    [hd]; one_token_attention merges each token's chunks. A task's sums depend on its chunk alone, not
+    [hd]; tokens_attention merges each token's chunks. A task's sums depend on its chunk alone, not
     on the other tokens or the threads."""
     n_tok, n_kv, group, hd = q.shape
     chunks = first_chunk[n_tok]
