@@ -1,12 +1,14 @@
-"""The attention of one new token over the cache, compiled (flash-decoding), and its plain reference.
+"""The attention of a new token over the cache, compiled (flash-decoding), several sequences' tokens in
+one call, and its plain reference.
 
 Decoding one token attends over the whole cache. BLAS does poorly on that shape (a few query rows
 against thousands of keys, on the one thread a step of the kernels leaves it) and needs a float16 cache
 copied into float32 first. This kernel reads each key and value once, as float16 where it lies, for all
 the query heads sharing it, on every thread, a chunk of positions per task: a chunk's sums are its own
 and are merged in one order afterwards, so a token's result does not depend on the number of threads or
-on what else is in the batch. From how many cached positions it takes over from BLAS is the profile's
-(cpu.py); figures in docs/performance.md, "Decode over a long history".
+on what else is in the batch (every reply of a scheduler's step goes in one call: tokens_attention).
+From how many cached positions it takes over from BLAS is the profile's (cpu.py); figures in
+docs/performance.md, "Decode over a long history".
 """
 
 from __future__ import annotations
@@ -60,39 +62,67 @@ def _exp_nonpositive(x):
     return p * _float_from_bits((np.int32(n) + 127) << 23)
 
 
+@njit(cache=True, inline="always")
+def _rows_as_f32(kv, h, where, i, n, rows):
+    """Rows where[i : i + n] of head h of a layer of keys or values (float16 bits or float32) into
+    rows[:n] as float32, each asked for ahead as the products ask for weights."""
+    hd = kv.shape[2]
+    for j in range(n):
+        row = where[i + j]
+        _prefetch(kv, (h * kv.shape[1] + row) * hd, 0)
+        for d in range(hd):
+            rows[j, d] = to_f32(kv[h, row, d])
+
+
 @njit(cache=True, parallel=True, fastmath=DOT)
-def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
-    """Attention of one new token over a chunk of positions per task, as flash-decoding does: for the
-    positions runs (first, n) of one layer of the cache k, v [n_kv, N, hd] (whole: their last axis
-    contiguous, which the vectorized loops rely on), q [n_kv, group, hd] → per kv head h and chunk c the
-    scores' max m_out[h, c, g], the sum of exp(score - max) l_out[h, c, g] and the sum of those
-    weights times the values acc_out[h, c, g] [hd]; one_token_attention merges the chunks."""
-    n_kv, group, hd = q.shape
-    chunks = m_out.shape[1]
+def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, acc_out):
+    """Attention of new tokens, each over its own positions, a chunk of positions per task, as
+    flash-decoding does: token t (of q [n_tok, n_kv, group, hd], scaled) attends to the runs (first, n)
+    runs[first_run[t] : first_run[t + 1]] of one layer of the cache k, v [n_kv, N, hd] (whole: their
+    last axis contiguous, which the vectorized loops rely on); its chunks are first_chunk[t] … of the
+    outputs' chunk axis. Per kv head h and chunk c: the scores' max m_out[h, c, g], the sum of
+    exp(score - max) l_out[h, c, g] and the sum of those weights times the values acc_out[h, c, g]
+    [hd]; tokens_attention merges each token's chunks. A task's sums depend on its chunk alone, not
+    on the other tokens or the threads."""
+    n_tok, n_kv, group, hd = q.shape
+    chunks = first_chunk[n_tok]
     for task in prange(n_kv * chunks):
         h, c = task // chunks, task % chunks
-        lo = c * ATTENTION_CHUNK
+        t = 0
+        while first_chunk[t + 1] <= c:
+            t += 1
+        lo = (c - first_chunk[t]) * ATTENTION_CHUNK
         where = np.empty(ATTENTION_CHUNK, np.int64)  # the chunk's positions in the cache
         size, base = 0, 0
-        for r in range(runs.shape[0]):
+        for r in range(first_run[t], first_run[t + 1]):
             first, n = runs[r, 0], runs[r, 1]
-            for t in range(max(lo, base), min(lo + ATTENTION_CHUNK, base + n)):
-                where[size] = first + t - base
+            for p in range(max(lo, base), min(lo + ATTENTION_CHUNK, base + n)):
+                where[size] = first + p - base
                 size += 1
             base += n
         scores = np.empty((group, ATTENTION_CHUNK), F32)
-        kv = np.empty(hd, F32)  # a key or value row as float32, converted once for the group's heads
-        for i in range(size):
-            row = where[i]
-            _prefetch(k, (h * k.shape[1] + row) * hd, 0)  # rows ahead, as the products ask for weights
-            for d in range(hd):
-                kv[d] = to_f32(k[h, row, d])
-            for g in range(group):
-                dot = F32(0)
-                for d in range(hd):
-                    dot += q[h, g, d] * kv[d]
-                scores[g, i] = dot
+        rows = np.empty((4, hd), F32)  # 4 key or value rows as float32, converted once for the heads
         acc = np.zeros((group, hd), F32)
+        for i in range(0, size, 4):
+            n = min(4, size - i)
+            _rows_as_f32(k, h, where, i, n, rows)
+            for g in range(group):
+                if n == 4:  # four dot products in one loop: each as alone, the query read once for them
+                    dot0 = dot1 = dot2 = dot3 = F32(0)
+                    for d in range(hd):
+                        qd = q[t, h, g, d]
+                        dot0 += qd * rows[0, d]
+                        dot1 += qd * rows[1, d]
+                        dot2 += qd * rows[2, d]
+                        dot3 += qd * rows[3, d]
+                    scores[g, i], scores[g, i + 1] = dot0, dot1
+                    scores[g, i + 2], scores[g, i + 3] = dot2, dot3
+                else:
+                    for j in range(n):
+                        dot = F32(0)
+                        for d in range(hd):
+                            dot += q[t, h, g, d] * rows[j, d]
+                        scores[g, i + j] = dot
         for g in range(group):
             top = scores[g, 0]
             for i in range(1, size):
@@ -103,15 +133,22 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
                 scores[g, i] = e
                 total += e
             m_out[h, c, g], l_out[h, c, g] = top, total
-        for i in range(size):
-            row = where[i]
-            _prefetch(v, (h * v.shape[1] + row) * hd, 0)
-            for d in range(hd):
-                kv[d] = to_f32(v[h, row, d])
+        for i in range(0, size, 4):
+            n = min(4, size - i)
+            _rows_as_f32(v, h, where, i, n, rows)
             for g in range(group):
-                weight = scores[g, i]
-                for d in range(hd):
-                    acc[g, d] += weight * kv[d]
+                if n == 4:  # each sum in position order, as one row at a time; acc read once for four
+                    w0, w1, w2, w3 = scores[g, i], scores[g, i + 1], scores[g, i + 2], scores[g, i + 3]
+                    for d in range(hd):
+                        a = acc[g, d] + w0 * rows[0, d]
+                        a = a + w1 * rows[1, d]
+                        a = a + w2 * rows[2, d]
+                        acc[g, d] = a + w3 * rows[3, d]
+                else:
+                    for j in range(n):
+                        weight = scores[g, i + j]
+                        for d in range(hd):
+                            acc[g, d] += weight * rows[j, d]
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiles its shape check's error
             for d in range(hd):  # message, seconds of a first start)
                 acc_out[h, c, g, d] = acc[g, d]
@@ -121,22 +158,43 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks
     """softmax(q · keys) · values for one new token: q [n_kv, group, hd] (scaled), k, v one layer of the
     cache [n_kv, N, hd] (float32, or float16 read as float32) and the runs (first, n) of it to attend to
     → [n_kv, group, hd]. `sinks` [n_kv, group]: each head's logit more in its softmax, with no value
-    (gpt-oss), joined where the chunks are. One call for all heads: each call wakes numba's threads."""
-    n_kv, group, hd = q.shape
-    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)  # (as it comes from KVViews.runs: no copy)
-    chunks = -(-int(runs[:, 1].sum()) // ATTENTION_CHUNK)
-    m = np.empty((n_kv, chunks, group), F32)
-    l = np.empty((n_kv, chunks, group), F32)
-    acc = np.empty((n_kv, chunks, group, hd), F32)
-    _one_token_attention(q, bits_view(k), bits_view(v), runs, m, l, acc)
-    top = m.max(axis=1, keepdims=True)  # [n_kv, 1, group]
+    (gpt-oss), joined where the chunks are."""
+    return tokens_attention(q[None], k, v, [runs], sinks)[0]
+
+
+def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list, sinks=None) -> np.ndarray:
+    """one_token_attention of several new tokens (several sequences' next tokens) in one call: q [n_tok,
+    n_kv, group, hd], runs[t] the runs of token t → [n_tok, n_kv, group, hd]. One call for all: each call
+    wakes numba's threads. Each token's result has the bits it gets alone: its chunks are computed
+    alone, and merged in one order, the chunks past its own (of a longer token's) adding zeros."""
+    n_tok, n_kv, group, hd = q.shape
+    runs = [np.asarray(r, dtype=np.int64).reshape(-1, 2) for r in runs]  # (as from KVViews.runs: no copy)
+    first_run = np.cumsum([0] + [len(r) for r in runs])
+    n_chunks = [-(-int(r[:, 1].sum()) // ATTENTION_CHUNK) for r in runs]
+    first_chunk = np.cumsum([0, *n_chunks])
+    total, most = int(first_chunk[-1]), max(n_chunks)
+    m = np.empty((n_kv, total, group), F32)
+    l = np.empty((n_kv, total, group), F32)
+    acc = np.empty((n_kv, total, group, hd), F32)
+    joined = runs[0] if n_tok == 1 else np.concatenate(runs)
+    _one_token_attention(q, bits_view(k), bits_view(v), joined, first_run, first_chunk, m, l, acc)
+    if min(n_chunks) < most:  # a shorter token's chunks padded to the most: max -inf, sums 0
+        pad = np.concatenate([np.arange(most) >= n for n in n_chunks])  # [n_tok·most]
+        at = np.where(pad, 0, np.concatenate([first_chunk[t] + np.arange(most) for t in range(n_tok)]))
+        m, l, acc = m[:, at], l[:, at], acc[:, at]
+        m[:, pad], l[:, pad], acc[:, pad] = -np.inf, 0, 0
+    m = m.reshape(n_kv, n_tok, most, group)
+    l = l.reshape(n_kv, n_tok, most, group)
+    acc = acc.reshape(n_kv, n_tok, most, group, hd)
+    top = m.max(axis=2, keepdims=True)  # [n_kv, n_tok, 1, group]
     if sinks is not None:
-        top = np.maximum(top, sinks[:, None, :])
+        top = np.maximum(top, sinks[:, None, None, :])
     scale = np.exp(m - top)  # each chunk's weights against the largest max
-    total = (l * scale).sum(axis=1)  # [n_kv, group]
+    total_weight = (l * scale).sum(axis=2)  # [n_kv, n_tok, group]
     if sinks is not None:
-        total += np.exp(sinks - top[:, 0])
-    return (acc * scale[..., None]).sum(axis=1) / total[..., None]
+        total_weight += np.exp(sinks[:, None, :] - top[:, :, 0])
+    out = (acc * scale[..., None]).sum(axis=2) / total_weight[..., None]
+    return out.transpose(1, 0, 2, 3)
 
 
 def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None):
@@ -150,4 +208,3 @@ def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, r
         values = np.concatenate([values, np.zeros_like(values[:, :1])], axis=1)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return (weights / weights.sum(axis=-1, keepdims=True)) @ values
-

@@ -152,15 +152,20 @@ def attention(q, parts, mask, scale: float, softcap: float, sinks=None) -> np.nd
     return out.reshape(n_head, T, hd).transpose(1, 0, 2).reshape(T, n_head * hd)
 
 
-def one_token_attention(q, k, v, runs, scale: float, sinks=None) -> np.ndarray:
-    """attention() of one query row by the compiled kernel: q [n_head, 1, hd]; k, v one layer of the
-    cache [n_kv, N, hd] and the runs (first, n) of it to attend to (KVViews.runs) → [1, n_head·hd]."""
-    n_head, _, hd = q.shape
+def one_token_attentions(rows: list, scale: float, sinks=None) -> None:
+    """attention() of single query rows by the compiled kernel, every row of a step in one call (each call
+    wakes numba's threads): rows of (out [1, n_head·hd], q [n_head, 1, hd], (k, v, runs) of KVViews.runs,
+    one layer of the cache and the runs of it that row attends to). Each row gets the bits it gets alone.
+    `sinks` [n_head]: the layer's attention sinks (gpt-oss)."""
+    q = np.stack([q for _, q, _ in rows])  # [n, n_head, 1, hd]
+    n, n_head, _, hd = q.shape
+    k, v, _ = rows[0][2]  # (every sequence of a step lies in one pool's arena)
     n_kv = k.shape[0]
-    qg = q.reshape(n_kv, n_head // n_kv, hd) * F32(scale)  # query heads by the kv head they share
-    if sinks is None:
-        return kernels.one_token_attention(qg, k, v, runs).reshape(1, n_head * hd)
-    return kernels.one_token_attention(qg, k, v, runs, sinks.reshape(n_kv, -1)).reshape(1, n_head * hd)
+    qg = q.reshape(n, n_kv, n_head // n_kv, hd) * F32(scale)  # query heads by their kv head
+    sinks = None if sinks is None else sinks.reshape(n_kv, -1)
+    found = kernels.tokens_attention(qg, k, v, [runs for *_, (_, _, runs) in rows], sinks)
+    for (out, _, _), row in zip(rows, found.reshape(n, 1, n_head * hd), strict=True):
+        out[:] = row
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -214,23 +219,31 @@ ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys onl
 KERNEL_ATTENTION_FROM = PROFILE.kernel_attention_from
 
 
-def attend(q: np.ndarray, seg: Segment, layer: int, cfg: ModelConfig, window: int, sinks=None) -> np.ndarray:
-    """One sequence's attention over its cached blocks, read as slices of the arena. q holds the
+def attend(
+    q: np.ndarray,
+    seg: Segment,
+    layer: int,
+    window: int,
+    scale: float,
+    softcap: float,
+    out,
+    by_kernel: list,
+    sinks=None,
+) -> None:
+    """One sequence's attention over its cached blocks, read as slices of the arena, into out. q holds the
     segment's last rows (all of them, or only the last one). A long prefill goes in groups of rows:
-    causal attention lets the early rows skip the later keys, a quarter to a third of the work."""
-    scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
+    causal attention lets the early rows skip the later keys, a quarter to a third of the work. Single
+    rows that the compiled kernel takes are added to by_kernel instead, for one_token_attentions."""
     T, rows = len(seg.tokens), q.shape[1]
-    out = []
     for lo in range(T - rows, T, seg.attention_rows):
         hi = min(lo + seg.attention_rows, T)
         views, mask = seg.view(window, lo, hi)
-        q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
-        softcap = cfg.attn_logit_softcap
+        at = lo - (T - rows)
+        q_rows = q[:, at : at + hi - lo]
         if hi - lo == 1 and mask is None and not softcap and views.n_positions >= KERNEL_ATTENTION_FROM:
-            out.append(one_token_attention(q_rows, *views.runs(layer), scale, sinks))
+            by_kernel.append((out[at : at + 1], q_rows, views.runs(layer)))
         else:
-            out.append(attention_in_threads(q_rows, views, layer, mask, scale, softcap, sinks))
-    return _join(out, axis=0)
+            out[at : at + hi - lo] = attention_in_threads(q_rows, views, layer, mask, scale, softcap, sinks)
 
 
 def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, softcap: float, sinks=None):
@@ -287,11 +300,15 @@ def self_attention(
     window = cfg.sliding_window if sliding else 0
     rows = [seg.kept if last_layer else seg.rows for seg in segments]
     out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
-    at = 0
+    scale = cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)
+    at, by_kernel = 0, []
     for seg, r in zip(segments, rows, strict=True):
         seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
-        out[at : at + r.stop - r.start] = attend(q[:, r], seg, layer, cfg, window, lw.attn_sinks)
+        rows_out = out[at : at + r.stop - r.start]
+        attend(q[:, r], seg, layer, window, scale, cfg.attn_logit_softcap, rows_out, by_kernel, lw.attn_sinks)
         at += r.stop - r.start
+    if by_kernel:  # the decoded rows of every sequence, in one call
+        one_token_attentions(by_kernel, scale, lw.attn_sinks)
     out = linear(out, lw.attn_output)  # [rows, d]
     return out if lw.attn_output_bias is None else out + lw.attn_output_bias
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import threads
 from .activations import ACTIVATIONS, compile_quantize, quantize_rows
-from .attention import _exp_nonpositive, _one_token_attention, one_token_attention
+from .attention import _exp_nonpositive, _one_token_attention, one_token_attention, tokens_attention
 from .cpu import PROFILE
 from .products import COMPILED as _PRODUCTS
 from .products import LANES, PASS_LANES, ROWS, kernel_product, rows, takes_bytes, tile_product
@@ -95,6 +95,7 @@ __all__ = [
     "rows",
     "takes_bytes",
     "tile_product",
+    "tokens_attention",
     "use_blas_from",
     "use_blas_threads_for",
 ]

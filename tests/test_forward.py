@@ -208,9 +208,9 @@ def test_one_token_attention_by_the_kernels_equals_blas(tiny_model_path, monkeyp
     cache of either type."""
     model = load_model(tiny_model_path, cache_type=cache_type)
     ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 2)
-    calls = []
-    by_kernels = kernels.one_token_attention
-    monkeypatch.setattr(kernels, "one_token_attention", lambda *args: calls.append(1) or by_kernels(*args))
+    calls = []  # a row per token the kernels attend for
+    by_kernels = kernels.tokens_attention
+    monkeypatch.setattr(kernels, "tokens_attention", lambda q, *args: calls.extend(q) or by_kernels(q, *args))
 
     def decoded(kernels_from: int) -> np.ndarray:
         monkeypatch.setattr(forward, "KERNEL_ATTENTION_FROM", kernels_from)

@@ -316,6 +316,21 @@ def test_one_token_attention_equals_softmax_attention(n_kv, group, hd, runs):
     assert np.abs(got - expected).max() <= 1e-5
 
 
+@pytest.mark.parametrize("cache_type", [np.float16, np.float32])
+def test_tokens_attended_together_get_the_bits_each_gets_alone(cache_type):
+    """Several sequences' next tokens in one call of the attention kernel (a scheduler's step of
+    replies): each token's result is bit for bit its own call's, whatever the others' lengths."""
+    rng = np.random.default_rng(5)
+    n_kv, group, hd = 2, 7, 64
+    k = rng.standard_normal((n_kv, 3000, hd), dtype=np.float32).astype(cache_type)
+    v = rng.standard_normal((n_kv, 3000, hd), dtype=np.float32).astype(cache_type)
+    runs = [[(0, 512)], [(600, 1700), (64, 3)], [(2400, 257)], [(0, 300)], [(10, 2900)]]
+    q = rng.standard_normal((len(runs), n_kv, group, hd), dtype=np.float32) * 0.5
+    together = kernels.tokens_attention(q, k, v, runs)
+    for t, token_runs in enumerate(runs):
+        assert np.array_equal(together[t], kernels.one_token_attention(q[t], k, v, token_runs))
+
+
 def test_the_kernels_exp_is_within_two_float32_ulps():
     x = -np.concatenate([np.linspace(0, 87, 4001), [1e-8, 0.5, 20.25]]).astype(np.float32)
     got = np.array([kernels._exp_nonpositive(v) for v in x], dtype=np.float64)

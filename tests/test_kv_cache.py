@@ -8,8 +8,10 @@ import pytest
 from llama_chat.inference import (
     GenerationStats,
     SamplingParams,
+    forward,
     generate,
     generate_alternatives,
+    kernels,
     load_model,
 )
 from llama_chat.inference.kernels import KERNEL_ROWS
@@ -246,6 +248,27 @@ def test_unrelated_sequences_decoded_together_get_the_bits_each_gets_alone(model
         together = model.decode_batch(list(tokens), [a, b])
         assert np.array_equal(together[0], alone[0]) and np.array_equal(together[1], alone[1])
     assert a.tokens[3:] == [7, 23, 8] and b.tokens[2 * B + 2 :] == [19, 4, 9]
+
+
+def test_sequences_decoded_together_by_the_attention_kernel_get_the_bits_each_gets_alone(model, monkeypatch):
+    """Where the compiled kernel attends for decoded tokens, a step's rows go to it in one call, every
+    sequence's: each row is still what decoding it alone gives, over histories of different lengths."""
+    monkeypatch.setattr(forward, "KERNEL_ATTENTION_FROM", 1)
+    calls = []
+    by_kernel = kernels.tokens_attention
+    counted = lambda q, *args: calls.append(len(q)) or by_kernel(q, *args)  # noqa: E731
+    monkeypatch.setattr(kernels, "tokens_attention", counted)
+    lengths = (3, 2 * B + 2, 200)
+    seqs = [model.new_sequence(256) for _ in lengths]
+    for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        model.forward(ids_of(model, n, seed=i + 1), seq)
+    for tokens in [(7, 19, 5), (23, 4, 11)]:
+        alone = decoded_alone(model, seqs, tokens)
+        calls.clear()
+        together = model.decode_batch(list(tokens), seqs)
+        assert all(np.array_equal(t, a) for t, a in zip(together, alone, strict=True))
+        # the three rows in one call (gemma2 soft-caps its scores, which the kernel does not: BLAS)
+        assert 3 in calls or model.config.attn_logit_softcap
 
 
 @pytest.mark.parametrize("piece", [5, KERNEL_ROWS + 2], ids=["small step", "large step"])

@@ -248,8 +248,8 @@ def test_decode_past_1024_positions_agrees_with_blas_attention(real_model, monke
     from llama_chat.inference import forward, kernels
 
     calls = []
-    by_kernel = kernels.one_token_attention
-    monkeypatch.setattr(kernels, "one_token_attention", lambda *args: calls.append(1) or by_kernel(*args))
+    by_kernel = kernels.tokens_attention
+    monkeypatch.setattr(kernels, "tokens_attention", lambda *args: calls.append(1) or by_kernel(*args))
     ids = sample_tokens(real_model.tokenizer, 1100)
     logits = {}
     for name, kernels_from in (("blas", 10**9), ("kernel", forward.KERNEL_ATTENTION_FROM)):
