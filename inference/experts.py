@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import kernels
+from . import expert_products, kernels
+from .expert_products import ExpertMatrices
 
 if TYPE_CHECKING:
     from .quants import PackedMatrix, StackedMatrix
@@ -43,6 +45,13 @@ class Experts:
             return {}
         return {"gate_up_bias": self.gate_up_bias[expert], "down_bias": self.down_bias[expert]}
 
+    @cached_property
+    def grouped(self) -> tuple[ExpertMatrices, ExpertMatrices] | None:
+        """The experts' gate_up and down matrices as one compiled call multiplies them all (None where
+        they are not packed alike: then one expert at a time)."""
+        gate_up, down = expert_products.matrices_of(self.gate_up), expert_products.matrices_of(self.down)
+        return None if gate_up is None or down is None else (gate_up, down)
+
 
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
@@ -66,17 +75,52 @@ def route(logits: np.ndarray, k: int, normalize: bool, gating: str = "softmax") 
 
 
 Ffn = Callable[..., np.ndarray]  # (rows, gate_up, down, **biases) → [rows, d]
+Unit = Callable[[np.ndarray], np.ndarray]  # gate and up side by side [rows, 2·n_ff] → [rows, n_ff]
 
 
-def mixture(x: np.ndarray, experts: Experts, k: int, gating: str, normalize: bool, ffn: Ffn) -> np.ndarray:
-    """x [T, d] → Σ over each row's k chosen experts of weight · ffn(row, gate_up, down), [T, d]."""
+def mixture(
+    x: np.ndarray, experts: Experts, k: int, gating: str, normalize: bool, ffn: Ffn, unit: Unit
+) -> np.ndarray:
+    """x [T, d] → Σ over each row's k chosen experts of weight · ffn(row, gate_up, down), [T, d]; `unit`
+    is ffn's gated unit, for the experts multiplied together (grouped)."""
     logits = kernels.matmul(x, experts.router)
     if experts.router_bias is not None:
         logits += experts.router_bias
     chosen, weights = route(logits, k, normalize, gating)
+    if experts.grouped is not None:
+        return grouped(x, experts, chosen, weights, unit)
     out = np.zeros_like(x)
     for e in np.unique(chosen):  # in order of the experts' numbers
         rows, slots = np.nonzero(chosen == e)
         share = ffn(x[rows], experts.gate_up[e], experts.down[e], **experts.biases(e))
         out[rows] += share * weights[rows, slots][:, None]
+    return out
+
+
+def grouped(x: np.ndarray, experts: Experts, chosen: np.ndarray, weights: np.ndarray, unit: Unit) -> np.ndarray:
+    """mixture's sum with every chosen expert's products in one compiled call for gate_up and one for down
+    (expert_products.py): the rows routed to each expert are a segment of one array, in the order of the
+    experts' numbers, and each row's shares are added in that order, as mixture adds them."""
+    k = chosen.shape[1]
+    pairs = np.argsort(chosen.ravel(), kind="stable")  # (row, slot) pairs by expert, rows in order
+    ids = chosen.ravel()[pairs]
+    used, counts = np.unique(ids, return_counts=True)
+    starts = expert_products.segments(counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each pair's expert's first pair
+    at = np.repeat(starts[:-1], counts) + np.arange(len(ids)) - first  # each pair's row in the segments
+    rows, slots = pairs // k, pairs % k
+    xs = np.zeros((starts[-1], x.shape[1]), x.dtype)
+    xs[at] = x[rows]
+    gate_up_w, down_w = experts.grouped
+    gate_up = expert_products.grouped_product(xs, starts, counts, used, gate_up_w)
+    if experts.gate_up_bias is not None:
+        gate_up[at] += experts.gate_up_bias[ids]
+    shares = expert_products.grouped_product(unit(gate_up), starts, counts, used, down_w)[at]
+    if experts.down_bias is not None:
+        shares += experts.down_bias[ids]
+    shares *= weights[rows, slots][:, None]
+    out = np.zeros_like(x)
+    ends = np.cumsum(counts)
+    for lo, hi in zip(ends - counts, ends, strict=True):
+        out[rows[lo:hi]] += shares[lo:hi]
     return out
