@@ -49,22 +49,73 @@ def padded(n: int) -> int:
     return n if n <= 2 else -(-n // ROWS) * ROWS
 
 
-def segments(counts: np.ndarray) -> np.ndarray:
-    """Where each expert's segment of rows starts in the padded array, and (last) its total rows."""
-    return np.concatenate([[0], np.cumsum([padded(int(n)) for n in counts])]).astype(np.int64)
+class Layout:
+    """Where a step's (row, slot) pairs lie in the segments, one segment an expert: `experts` the
+    experts chosen, in the order of their numbers, `counts` their pairs, `starts` their first rows (and
+    last, the total, padding included); for each pair in segment order its row, slot and place (`at`)."""
+
+    def __init__(self, chosen: np.ndarray, n_expert: int):
+        counts = np.bincount(chosen.ravel(), minlength=n_expert)
+        self.experts = np.flatnonzero(counts)
+        self.counts = counts[self.experts]
+        sizes = np.array([padded(int(n)) for n in self.counts], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.rows, self.slots, self.at = _pairs(chosen, self.experts, self.counts, self.starts)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.starts[-1])
 
 
-def grouped_product(x: np.ndarray, starts: np.ndarray, counts: np.ndarray, experts: np.ndarray,
-                    w: ExpertMatrices) -> np.ndarray:
-    """out[segment j] = x[segment j] @ w[experts[j]].T for every segment, [starts[-1], w.n_rows]: x's
-    segments padded with zero rows as `segments` lays them out (the padding rows of out are left 0)."""
-    out = np.zeros((x.shape[0], w.n_groups * LANES), F32)
+@njit(cache=True)
+def _pairs(chosen, experts, counts, starts):
+    """Each (row, slot) pair in segment order (rows in order within an expert) and its row there."""
+    n, k = chosen.shape
+    segment = np.full(chosen.max() + 1, -1, np.int64)
+    for j in range(len(experts)):
+        segment[experts[j]] = j
+    filled = np.zeros(len(experts), np.int64)
+    ends = np.cumsum(counts) - counts
+    rows, slots, at = np.empty(n * k, np.int64), np.empty(n * k, np.int64), np.empty(n * k, np.int64)
+    for t in range(n):
+        for s in range(k):
+            j = segment[chosen[t, s]]
+            p = ends[j] + filled[j]
+            rows[p], slots[p], at[p] = t, s, starts[j] + filled[j]
+            filled[j] += 1
+    return rows, slots, at
+
+
+@njit(cache=True)
+def gather_rows(x, rows, at, n_rows):
+    """x's rows as the segments take them [n_rows, n_cols]: row rows[p] at at[p], zeros in padding."""
+    out = np.zeros((n_rows, x.shape[1]), x.dtype)
+    for p in range(len(rows)):
+        out[at[p]] = x[rows[p]]
+    return out
+
+
+@njit(cache=True)
+def add_shares(out, shares, rows, at, weights):
+    """out[rows[p]] += shares[at[p]] · weights[p] for each pair p in turn (segment order: each row's
+    experts in the order of their numbers), a product rounded to float32, then a sum, as NumPy adds."""
+    for p in range(len(rows)):
+        w = weights[p]
+        for c in range(out.shape[1]):
+            out[rows[p], c] += shares[at[p], c] * w
+
+
+def grouped_product(x: np.ndarray, plan: Layout, w: ExpertMatrices) -> np.ndarray:
+    """out[segment j] = x[segment j] @ w[plan.experts[j]].T for every segment, [plan.n_rows, w.n_rows],
+    x laid out as `plan` says (gather_rows); the padding rows of out are zeros."""
+    out = np.empty((x.shape[0], w.n_groups * LANES), F32)
+    segments = (plan.starts, plan.counts, plan.experts)
     if w.takes_bytes:
         xq, x_runs = quantize_rows(x)
-        _grouped(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out, starts, counts, experts)
+        _grouped(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out, *segments)
     else:
         x_sums = k_quants.run_sums(x) if w.in_q4_k else None
-        _grouped(w.values, w.scales, w.offsets, x, x_sums, out, starts, counts, experts)
+        _grouped(w.values, w.scales, w.offsets, x, x_sums, out, *segments)
     return out[:, : w.n_rows]
 
 
@@ -96,8 +147,6 @@ def _grouped(values, scales, offsets, x, x_sums, out, starts, counts, experts):
     for job in prange(len(experts) * n_groups):
         j, g = job // n_groups, job % n_groups
         e, start, n = experts[j], starts[j], counts[j]
-        if n == 0:
-            continue
         span = starts[j + 1] - start  # n and its padding rows
         v, s, o = values[e], _pick(scales, e), _pick(offsets, e)
         xs, sums, part = x[start : start + span], _rows(x_sums, start, span), out[start : start + n]
@@ -105,3 +154,4 @@ def _grouped(values, scales, offsets, x, x_sums, out, starts, counts, experts):
             _two_row_group_product(v, s, o, xs, sums, part, np.int64(g))
         else:
             _group_product(v, s, o, xs, sums, part, np.int64(g))
+        out[start + n : start + span, g * LANES : (g + 1) * LANES] = 0

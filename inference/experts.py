@@ -101,26 +101,15 @@ def grouped(x: np.ndarray, experts: Experts, chosen: np.ndarray, weights: np.nda
     """mixture's sum with every chosen expert's products in one compiled call for gate_up and one for down
     (expert_products.py): the rows routed to each expert are a segment of one array, in the order of the
     experts' numbers, and each row's shares are added in that order, as mixture adds them."""
-    k = chosen.shape[1]
-    pairs = np.argsort(chosen.ravel(), kind="stable")  # (row, slot) pairs by expert, rows in order
-    ids = chosen.ravel()[pairs]
-    used, counts = np.unique(ids, return_counts=True)
-    starts = expert_products.segments(counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)  # each pair's expert's first pair
-    at = np.repeat(starts[:-1], counts) + np.arange(len(ids)) - first  # each pair's row in the segments
-    rows, slots = pairs // k, pairs % k
-    xs = np.zeros((starts[-1], x.shape[1]), x.dtype)
-    xs[at] = x[rows]
+    plan = expert_products.Layout(chosen, len(experts.gate_up))
+    xs = expert_products.gather_rows(x, plan.rows, plan.at, plan.n_rows)
     gate_up_w, down_w = experts.grouped
-    gate_up = expert_products.grouped_product(xs, starts, counts, used, gate_up_w)
+    gate_up = expert_products.grouped_product(xs, plan, gate_up_w)
     if experts.gate_up_bias is not None:
-        gate_up[at] += experts.gate_up_bias[ids]
-    shares = expert_products.grouped_product(unit(gate_up), starts, counts, used, down_w)[at]
+        gate_up[plan.at] += experts.gate_up_bias[chosen[plan.rows, plan.slots]]
+    shares = expert_products.grouped_product(unit(gate_up), plan, down_w)
     if experts.down_bias is not None:
-        shares += experts.down_bias[ids]
-    shares *= weights[rows, slots][:, None]
+        shares[plan.at] += experts.down_bias[chosen[plan.rows, plan.slots]]
     out = np.zeros_like(x)
-    ends = np.cumsum(counts)
-    for lo, hi in zip(ends - counts, ends, strict=True):
-        out[rows[lo:hi]] += shares[lo:hi]
+    expert_products.add_shares(out, shares, plan.rows, plan.at, weights[plan.rows, plan.slots])
     return out

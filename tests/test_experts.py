@@ -46,10 +46,10 @@ def products(monkeypatch, moe):
             seen.append((*names[id(w)], x.shape[0]))
         return matmul(x, w)
 
-    def watched_grouped(x, starts, counts, experts, w):
+    def watched_grouped(x, plan, w):
         layer, kind = grouped[id(w)]
-        seen.extend((layer, int(e), kind, int(n)) for e, n in zip(experts, counts, strict=True))
-        return grouped_product(x, starts, counts, experts, w)
+        seen.extend((layer, int(e), kind, int(n)) for e, n in zip(plan.experts, plan.counts, strict=True))
+        return grouped_product(x, plan, w)
 
     monkeypatch.setattr(kernels, "matmul", watched)
     monkeypatch.setattr(expert_products, "grouped_product", watched_grouped)
