@@ -10,8 +10,8 @@ step for all experts instead of one for each, and no Python between them.
 from __future__ import annotations
 
 import numpy as np
-from numba import typed, types
-from numba.extending import overload
+from numba import carray, types
+from numba.extending import intrinsic, overload
 
 from . import k_quants
 from .activations import quantize_rows
@@ -22,15 +22,25 @@ F32 = np.float32
 
 
 class ExpertMatrices:
-    """One matrix of each of a layer's experts (all packed alike), as lists the compiled loop indexes."""
+    """One matrix of each of a layer's experts (all packed alike), as the compiled loop finds them: the
+    addresses of each expert's arrays, and expert 0's arrays for their type and shape."""
 
     def __init__(self, matrices):
+        self.matrices = matrices  # (keeps the arrays at those addresses)
         first = matrices[0]
-        self.n_rows, self.n_cols, self.n_groups = first.n_rows, first.n_cols, first.values.shape[0]
+        self.n_rows, self.n_groups = first.n_rows, first.values.shape[0]
         self.in_q4_k, self.takes_bytes = first.in_q4_k, takes_bytes(first)
-        self.values = typed.List([m.values for m in matrices])
-        self.scales = None if first.scales is None else typed.List([m.scales for m in matrices])
-        self.offsets = None if first.offsets is None else typed.List([m.offsets for m in matrices])
+        self.values, self.scales, self.offsets = first.values, first.scales, first.offsets
+        self.at = tuple(
+            None if a is None else np.array([getattr(m, name).ctypes.data for m in matrices], np.int64)
+            for name, a in (("values", first.values), ("scales", first.scales), ("offsets", first.offsets))
+        )
+
+
+def _layout(m) -> tuple:
+    """What the compiled loop takes alike from every expert: each array's type, shape and contiguity."""
+    arrays = (m.values, m.scales, m.offsets)
+    return tuple(None if a is None else (a.dtype, a.shape, a.flags.c_contiguous) for a in arrays)
 
 
 def matrices_of(matrices) -> ExpertMatrices | None:
@@ -38,10 +48,9 @@ def matrices_of(matrices) -> ExpertMatrices | None:
     PackedMatrix each (a StackedMatrix: then each expert is multiplied on its own)."""
     if any(hasattr(m, "parts") for m in matrices):
         return None
-    first = matrices[0]
-    kind = (first.values.dtype, first.values.shape, first.scales is None, first.offsets is None)
-    same = all((m.values.dtype, m.values.shape, m.scales is None, m.offsets is None) == kind for m in matrices)
-    return ExpertMatrices(matrices) if same else None
+    kind = _layout(matrices[0])
+    alike = all(_layout(m) == kind for m in matrices) and all(a is None or a[2] for a in kind)
+    return ExpertMatrices(matrices) if alike else None
 
 
 def padded(n: int) -> int:
@@ -112,22 +121,33 @@ def grouped_product(x: np.ndarray, plan: Layout, w: ExpertMatrices) -> np.ndarra
     segments = (plan.starts, plan.counts, plan.experts)
     if w.takes_bytes:
         xq, x_runs = quantize_rows(x)
-        _grouped(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out, *segments)
+        _grouped(w.values, w.scales, w.offsets, *w.at, xq.view(np.int32), x_runs, out, *segments)
     else:
         x_sums = k_quants.run_sums(x) if w.in_q4_k else None
-        _grouped(w.values, w.scales, w.offsets, x, x_sums, out, *segments)
+        _grouped(w.values, w.scales, w.offsets, *w.at, x, x_sums, out, *segments)
     return out[:, : w.n_rows]
 
 
-def _pick(arrays, e):
-    """Expert e's array of a list, or None where the matrices have none."""
+@intrinsic
+def _pointer(typingctx, address, sample):
+    """An address (an integer) as a pointer to elements of sample's type."""
+    sig = types.CPointer(sample.dtype)(address, sample)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
 
 
-@overload(_pick, inline="always")
-def _pick_by_type(arrays, e):
-    if isinstance(arrays, types.NoneType):
-        return lambda arrays, e: None
-    return lambda arrays, e: arrays[e]
+def _expert(addresses, e, sample):
+    """Expert e's array, of sample's type and shape, or None where the matrices have none."""
+
+
+@overload(_expert, inline="always")
+def _expert_by_type(addresses, e, sample):
+    if isinstance(sample, types.NoneType):
+        return lambda addresses, e, sample: None
+    return lambda addresses, e, sample: carray(_pointer(addresses[e], sample), sample.shape)
 
 
 def _rows(x, start, n):
@@ -142,13 +162,18 @@ def _rows_by_type(x, start, n):
 
 
 @njit(cache=True, parallel=True)
-def _grouped(values, scales, offsets, x, x_sums, out, starts, counts, experts):
-    n_groups = values[0].shape[0]
+def _grouped(
+    values, scales, offsets, values_at, scales_at, offsets_at, x, x_sums, out, starts, counts, experts
+):
+    """Each segment's rows times its expert's matrix: expert e's arrays lie at values_at[e] (…), of the
+    type and shape of values (…); segment j has counts[j] rows from starts[j], for expert experts[j]."""
+    n_groups = values.shape[0]
     for job in prange(len(experts) * n_groups):
         j, g = job // n_groups, job % n_groups
         e, start, n = experts[j], starts[j], counts[j]
         span = starts[j + 1] - start  # n and its padding rows
-        v, s, o = values[e], _pick(scales, e), _pick(offsets, e)
+        v = _expert(values_at, e, values)
+        s, o = _expert(scales_at, e, scales), _expert(offsets_at, e, offsets)
         xs, sums, part = x[start : start + span], _rows(x_sums, start, span), out[start : start + n]
         if n == 2:
             _two_row_group_product(v, s, o, xs, sums, part, np.int64(g))

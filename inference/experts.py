@@ -97,7 +97,9 @@ def mixture(
     return out
 
 
-def grouped(x: np.ndarray, experts: Experts, chosen: np.ndarray, weights: np.ndarray, unit: Unit) -> np.ndarray:
+def grouped(
+    x: np.ndarray, experts: Experts, chosen: np.ndarray, weights: np.ndarray, unit: Unit
+) -> np.ndarray:
     """mixture's sum with every chosen expert's products in one compiled call for gate_up and one for down
     (expert_products.py): the rows routed to each expert are a segment of one array, in the order of the
     experts' numbers, and each row's shares are added in that order, as mixture adds them."""
