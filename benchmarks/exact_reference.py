@@ -1,16 +1,18 @@
 """How far llama.cpp's logits, and ours, lie from the model computed exactly (not CI).
 
-    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32] [--activations f32|q8]
+    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32] \\
+        [--activations f32|q8]
 
 "Exactly": the same forward pass with every matrix product in float64 on the GGUF's weights
 dequantized (as ggml dequantizes them) and a float32 KV cache, so no rounding of activations,
-attention or KV is left to speak of (ours: the live cache of --cache-type, float16 by default). For each text of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints
-the worst top-20 |difference| over the positions, on llama.cpp's 20 best tokens: ours vs llama.cpp
-(what the real-model tests check), llama.cpp vs the exact logits, and ours vs the exact logits.
-Where ours is near zero from the exact logits, the distance to llama.cpp is llama.cpp's own rounding
-(8-bit activations before each product, float16 KV, scores and GELU), not a difference of the model.
-Then, for the default model, whether our greedy replies to the chat fixtures (chat_reference.json) are
-llama.cpp's, token for token (`--activations q8`: ours with inputs as bytes, as llama.cpp's).
+attention or KV is left to speak of (ours: the live cache of --cache-type, float16 by default). For each text
+of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints the worst top-20 |difference|
+over the positions, on llama.cpp's 20 best tokens: ours vs llama.cpp (what the real-model tests check),
+llama.cpp vs the exact logits, and ours vs the exact logits. Where ours is near zero from the exact logits,
+the distance to llama.cpp is llama.cpp's own rounding (8-bit activations before each product, float16 KV,
+scores and GELU), not a difference of the model. Then, for the default model, whether our greedy replies to
+the chat fixtures (chat_reference.json) are llama.cpp's, token for token (`--activations q8`: ours with inputs
+as bytes, as llama.cpp's).
 """
 
 from __future__ import annotations

@@ -73,7 +73,9 @@ print(json.dumps({"text_ids": text_ids, "prompt_ids": prompt_ids, "greedy_ids": 
 """
 
 
-def reference(arch: str, folder: Path, python: str, n_ctx: int | None = None, name: str | None = None) -> dict:
+def reference(
+    arch: str, folder: Path, python: str, n_ctx: int | None = None, name: str | None = None
+) -> dict:
     """llama.cpp run with the context `n_ctx`, or the model's own: phi3's original one, where llama.cpp
     takes its short LongRoPE factors (LONG_CONTEXT: the same phi3 past it, with its long ones)."""
     name = name or arch

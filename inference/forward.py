@@ -242,8 +242,8 @@ def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, soft
     """attention() with the query rows split over the threads where that pays (kernels.attention_threads).
     Where a row's bits matter (a prompt read alone or beside others) the split depends only on its own
     segment's rows, so it is the same either way."""
-    parts = [(k.astype(F32, copy=False), v.astype(F32, copy=False)) for k, v in views.layer(layer)]  # (BLAS has
-    # no float16: a float16 cache is read once per call into float32, shared by the threads below)
+    # (BLAS has no float16: a float16 cache is read once per call into float32, shared by the threads below)
+    parts = [(k.astype(F32, copy=False), v.astype(F32, copy=False)) for k, v in views.layer(layer)]
     T = q.shape[1]
     n = kernels.attention_threads(T, views.n_positions)
     if n == 1:
@@ -275,7 +275,9 @@ def self_attention(
         qkv += lw.attn_qkv_bias
     if cfg.qk_norm_whole:  # olmo2: q and k normed over all their heads at once
         qkv[:, :q_dim] = rms_norm(qkv[:, :q_dim], lw.attn_q_norm, cfg.norm_eps)
-        qkv[:, q_dim : q_dim + kv_dim] = rms_norm(qkv[:, q_dim : q_dim + kv_dim], lw.attn_k_norm, cfg.norm_eps)
+        qkv[:, q_dim : q_dim + kv_dim] = rms_norm(
+            qkv[:, q_dim : q_dim + kv_dim], lw.attn_k_norm, cfg.norm_eps
+        )
     q = qkv[:, :q_dim].reshape(T, cfg.n_head, cfg.head_dim).transpose(1, 0, 2)  # [n_head, T, hd]
     k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
     v = qkv[:, q_dim + kv_dim :].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
@@ -311,7 +313,9 @@ def transformer_block(
     """In the last layer, go on with the rows each segment keeps (Segment.kept: nothing reads the others
     there but their K and V)."""
     lw = w.layers[layer]
-    h = self_attention(pre_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer)
+    h = self_attention(
+        pre_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer
+    )
     if last_layer and any(seg.kept != seg.rows for seg in segments):
         x = x[np.concatenate([np.arange(seg.kept.start, seg.kept.stop) for seg in segments])]
     if cfg.post_norms:
@@ -337,7 +341,9 @@ def output_logits(x: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray:
     return logits
 
 
-def run_parts(parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: ModelConfig) -> np.ndarray:
+def run_parts(
+    parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: ModelConfig
+) -> np.ndarray:
     """One forward step over new tokens of one or more sequences, each with its own (tokens,
     attention_rows, all_rows, commit): e.g. a prompt's piece (its last row kept, taken) beside replies'
     rows being verified (all kept; without commit their KV is written but the sequences do not take

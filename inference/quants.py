@@ -5,7 +5,7 @@ unsigned integer per weight times a float scale per group of 16 or 32 weights, p
 the formats with a minimum. Those integers all fit int8, so each format unpacks here into one shape:
 int8 values, a float32 scale per group and, where the format has one, a float32 offset per group —
 exactly the numbers ggml's `dequantize_row_*` multiplies (ggml-quants.c; one row decoder per format
-below follows it line by line). Float tensors (F32, F16, BF16) and the rarer formats keep float32 values.
+below follows it line by line). F16 and BF16 keep their 16 bits, F32 and the rarer formats float32.
 
 Packed, LANES rows are interleaved (cpu.py: 64 for AVX-512, fewer for narrower registers): values
 [rows/LANES, cols, LANES]. A kernel then runs its vector lanes across LANES rows at once and applies
@@ -14,26 +14,22 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds.
+and which RAM holds. So do Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 (block_formats.py). Which formats
+join in one matrix, and the arrays each kind packs into: formats.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import gguf
 import numba
 import numpy as np
 
-from . import k_quants, kernels
-from .cpu import PROFILE
-from .jit import in_cache, njit, prange
+from . import block_formats, k_quants, kernels
+from .formats import GROUP, HALF_TYPES, OWN_BITS, kind_of, kinds_of, layout, runs_of
+from .jit import njit, prange
 from .k_quants import StackedMatrix, _scale_min_k4, _store
 from .kernels import LANES
 
@@ -48,7 +44,8 @@ _Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 class PackedMatrix:
     """A weight matrix [n_rows, n_cols] as the kernels read it (rows padded to a multiple of LANES)."""
 
-    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats (Q4_K, Q6_K: k_quants.py)
+    values: np.ndarray  # [groups, n_cols, LANES] int8, float32 or 16-bit floats' bits; Q4_K: k_quants.py;
+    # block formats: [groups, blocks, block bytes, LANES] (block_formats.py)
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
     offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
@@ -57,10 +54,12 @@ class PackedMatrix:
     @property
     def in_q4_k(self) -> bool:
         """Q4_K in its own bits: values, scales and offsets in k_quants.py's layout."""
-        return self.values.dtype == np.uint8
+        return self.values.dtype == np.uint8 and self.values.ndim == 3
 
     @property
     def n_cols(self) -> int:
+        if self.values.ndim == 4:  # a block format's blocks (block_formats.py)
+            return block_formats.n_cols_of(self.values)
         return self.values.shape[1] * (2 if self.in_q4_k else 1)  # Q4_K: two weights a byte
 
     @property
@@ -231,50 +230,13 @@ def _interleave_rows(a, row0, out):
             out[g, j, lane] = a[i, j]
 
 
-INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
-HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
-# The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
-# per format. Q4_K keeps its GGUF bits (k_quants.py); joined with another integer format (q/k beside a
-# Q6_K v) its rows are a part of their own (StackedMatrix).
-KINDS = {Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", Q.Q4_K: "Q4_K weights", Q.F32: "float weights"}
-
-
-def kinds_of(formats: set) -> set[str]:
-    """The kinds of packed matrix that parts of these formats make, one per part pack makes."""
-    if kind_of(formats) == "float weights" or formats == {Q.Q4_K} or Q.Q4_K not in formats:
-        return {kind_of(formats)}
-    return {"Q4_K weights", kind_of(formats - {Q.Q4_K})}
-
-
-def kind_of(formats: set) -> str:
-    """The kind of packed matrix that parts of these formats make, joined in one (pack_one decides by it)."""
-    if formats - set(INTEGER_FORMATS):
-        return "float weights"
-    if formats == {Q.Q4_K}:
-        return "Q4_K weights"
-    return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
-
-
-def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...], type] | None]:
-    """The arrays (shape, dtype) that a matrix of parts in these formats packs into: values, scales and
-    offsets, None where it has none (pack allocates them; packed_file.py reserves their room)."""
-    groups = -(-n_rows // LANES)
-    kind = kind_of(formats)
-    if kind == "float weights":
-        return [((groups, n_cols, LANES), F32), None, None]
-    if kind == "Q4_K weights":
-        return k_quants.layout(groups, n_cols)
-    scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
-    return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
-
-
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix | StackedMatrix:
     """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → their rows in one
-    PackedMatrix (q/k/v, gate/up: one kernel call), or where Q4_K meets other formats, a StackedMatrix."""
+    PackedMatrix (q/k/v, gate/up: one kernel call), or where a format kept in its own bits meets
+    others, a StackedMatrix (formats.py)."""
     if len(kinds_of({qtype for _, qtype, _ in parts})) == 1:
         return pack_one(parts)
-    return StackedMatrix([pack_one(run) for run in k_quants.runs_of_q4_k(parts)])
+    return StackedMatrix([pack_one(run) for run in runs_of(parts)])
 
 
 def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
@@ -291,6 +253,10 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
             _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
         elif kind == "Q4_K weights":  # kept in its bits (k_quants.py)
             _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
+        elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits
+            _interleave_rows(raw.view(HALF_TYPES[qtype]).reshape(shape), row0, values)
+        elif values.ndim == 4:  # the GGUF's blocks, byte for byte (block_formats.py)
+            _interleave_rows(raw.reshape(shape[0], -1), row0, values.reshape(values.shape[0], -1, LANES))
         else:
             repeat = GROUP.get(qtype, 32) // (n_cols // scales.shape[1])
             _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)
@@ -301,7 +267,9 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
     """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
     offsets = scales if offsets is None else offsets
-    _in_parallel_over_groups(_unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype)))
+    _in_parallel_over_groups(
+        _unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype))
+    )
 
 
 def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) -> None:
@@ -315,170 +283,9 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
     kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
-def compile_kernels(progress=None, matrices=None, activations: str = "f32", inputs=None) -> float:
-    """Compile (first start) or load from the cache (later starts) the kernels that the model's
-    `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
-    attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no reply waits
-    on the compiler: each signature once, on a tiny example, progress told after each. `inputs`: what
-    each of `matrices` takes as inputs, "f32" or "q8" (activations.inputs_of); None: `activations` for
-    all. A model's attention kernel is not among them: nothing before KERNEL_ATTENTION_FROM cached
-    positions calls it (compile_attention). Returns the seconds it took."""
-    t0 = time.perf_counter()
-    steps, float_kinds = _compile_steps(matrices, activations, inputs)
-    cached = all(in_cache(k) for k in kernels.COMPILED)
-    label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
-    for i, (what, compile_one) in enumerate(steps):
-        if progress:
-            progress(f"{label}: {what}", i, len(steps))
-        compile_one()
-    if progress:
-        progress(label, len(steps), len(steps))
-    if not float_kinds:  # every product takes bytes: the kernels at any size, no crossover to BLAS
-        return time.perf_counter() - t0
-    kernels.use_blas_from(measured_blas_from(progress))
-    if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these kinds
-        for what, compile_one in _tile_steps(float_kinds):
-            if progress:
-                progress(f"{label}: {what}", len(steps), len(steps))
-            compile_one()
-    return time.perf_counter() - t0
-
-
-def _example(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
+def zero_matrix(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
     """A matrix of a format (or of formats joined in one), all zeros, laid out as pack lays it out but
     not packed (the unpacking loops compile only where a model is packed)."""
     formats = {formats} if isinstance(formats, Q) else set(formats)
     arrays = (None if a is None else np.zeros(*a) for a in layout(formats, *shape))
     return PackedMatrix(*arrays, n_rows=shape[0], activations=activations)
-
-
-def _parts(formats) -> list[set]:
-    """The formats of each part that pack makes of a matrix of these formats (None: one of each kind)."""
-    if formats is None:
-        return [{qtype} for qtype in KINDS]
-    formats = {formats} if isinstance(formats, Q) else set(formats)
-    if Q.Q4_K in formats and len(kinds_of(formats)) > 1:  # its Q4_K rows a part of their own
-        return [{Q.Q4_K}, formats - {Q.Q4_K}]
-    return [formats]
-
-
-def _kinds(matrices) -> list[tuple[str, Q]]:
-    """The kinds of packed matrix among `matrices` (each a format or a set of formats joined in one
-    matrix; None: every kind), each with its example format."""
-    if matrices is None:
-        return [(kind, qtype) for qtype, kind in KINDS.items()]
-    found = set().union(*(kinds_of({m} if isinstance(m, Q) else set(m)) for m in matrices))
-    return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
-
-
-def _compile_steps(matrices, activations: str = "f32", inputs=None) -> tuple[list, list[tuple[str, Q]]]:
-    """The steps that compile what `matrices` take, and the kinds among them with float32 inputs. A kind
-    whose matrices all take bytes needs no float32 kernel ("mixed" without `inputs`: either, for all).
-    The unpacking loops are not among them: they compile where a model is packed, its first start."""
-    entries = [None] if matrices is None else matrices
-    takes = [activations] * len(entries) if inputs is None else inputs
-    float_kinds, byte_kinds = set(), set()
-    for formats, taken in zip(entries, takes, strict=True):
-        for part in _parts(formats):
-            kind = kind_of(part)
-            bytes_too = taken != "f32" and kernels.takes_bytes(_example(part, activations="q8"))
-            if bytes_too:
-                byte_kinds.add(kind)
-            if not bytes_too or taken == "mixed" or matrices is None:
-                float_kinds.add(kind)
-    floats = [(what, qtype) for what, qtype in _kinds(None) if what in float_kinds]
-    steps = [(what, partial(_multiply_example, qtype)) for what, qtype in floats]
-    if byte_kinds:
-        steps += [("inputs as bytes", kernels.compile_quantize)]
-        steps += [
-            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations="q8"))
-            for what, qtype in _kinds(None)
-            if what in byte_kinds
-        ]
-    if matrices is None:
-        steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
-    return steps, floats
-
-
-def compile_attention(dtype) -> None:
-    """One token's attention over a cache of this element type (kv_arena.CACHE_TYPES), compiled or
-    loaded from the cache: 2-6 s of a first start, so a model's load leaves it to a thread of its own
-    (app/chat/build.py), or to the first reply past KERNEL_ATTENTION_FROM cached positions."""
-    kv = np.zeros((1, 2, 64), dtype)
-    kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
-
-
-def _tile_steps(kinds) -> list[tuple[str, Callable[[], object]]]:
-    return [
-        (f"{what}, tiles for BLAS", partial(_multiply_example, qtype, kernels.tile_product))
-        for what, qtype in kinds
-    ]
-
-
-def _multiply_example(qtype: Q, product=kernels.kernel_product, activations: str = "f32") -> None:
-    product(np.zeros((1, 256), F32), _example(qtype, activations=activations))
-
-
-# Rows at which BLAS on tiles and the kernels are timed against each other, on a matrix the size of the
-# default model's larger ones. Not 64: there the kernels run at ~92 % of sgemm on float weights; BLAS won
-# this test by a hair on an idle Xeon, then lost the default model's 64-token turn by 1.5x.
-CROSSOVER_ROWS = (128, 256, 512)
-CROSSOVER_SHAPE = (4096, 1024)
-_measured: dict[str, int | None] = {}  # this process's, by machine
-
-
-def crossover_key() -> str:
-    """What the crossover depends on: the machine profile (the kernels' code and shape) and the threads."""
-    return f"{PROFILE.key} {numba.config.NUMBA_NUM_THREADS} threads"
-
-
-def measured_blas_from(progress=None) -> int | None:
-    """kernels.blas_from for this machine profile and thread count: measured on its first start (under a
-    second), then read from a file beside the profile's compiled kernels."""
-    machine = crossover_key()
-    path = Path(numba.config.CACHE_DIR) / "blas_from.json"
-    if machine not in _measured:
-        try:
-            kept = json.loads(path.read_text())
-            if isinstance(kept, dict):  # a damaged file is measured again and rewritten
-                _measured.update({k: v for k, v in kept.items() if v is None or type(v) is int})
-        except (OSError, ValueError):
-            pass
-    if machine not in _measured:
-        if progress:
-            progress("timing the kernels against BLAS (first start only)", 0, 1)
-        _measured[machine] = measure_blas_from()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(_measured))
-            tmp.replace(path)
-        except OSError:
-            pass  # measured again next start
-    return _measured[machine]
-
-
-def measure_blas_from(repeats: int = 5) -> int | None:
-    """The fewest rows from which BLAS on dequantized tiles beats the kernels at every size measured
-    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest. Sizes
-    are timed from the largest down, up to the first the kernels win: the smaller ones could not change
-    the answer (timing all four took 6.5 s of CPU of a first start here, the largest alone half)."""
-    n_cols = CROSSOVER_SHAPE[1]
-    w = _example(Q.Q8_0, CROSSOVER_SHAPE)
-    blas_from = None
-    for n in reversed(CROSSOVER_ROWS):
-        if not _blas_wins(np.zeros((n, n_cols), F32), w, repeats):
-            break
-        blas_from = n
-    return blas_from
-
-
-def _blas_wins(x: np.ndarray, w: PackedMatrix, repeats: int) -> bool:
-    times = {kernels.kernel_product: [], kernels.tile_product: []}
-    for _ in range(repeats):
-        for product, seconds in times.items():
-            kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
-            t0 = time.perf_counter()
-            product(x, w)
-            seconds.append(time.perf_counter() - t0)
-    return min(times[kernels.tile_product]) < min(times[kernels.kernel_product])

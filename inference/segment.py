@@ -15,7 +15,13 @@ class Segment:
     """The rows of a forward step that belong to one sequence, and where their KV goes."""
 
     def __init__(
-        self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int, all_rows: bool, commit: bool
+        self,
+        seq: KVSequence,
+        rows: slice,
+        tokens: np.ndarray,
+        attention_rows: int,
+        all_rows: bool,
+        commit: bool,
     ):
         self.seq, self.rows, self.tokens = seq, rows, tokens
         self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)

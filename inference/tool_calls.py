@@ -5,7 +5,8 @@ the chat template as chat.cpp chooses it (the first whose marker the template's 
                                             {"name": "get_weather", "arguments": {"city": "Paris"}}
                                             </tool_call>
     Llama 3.x (3.1, 3.2, 3.3):              {"name": "get_weather", "parameters": {"city": "Paris"}}
-    Mistral Nemo:                           [TOOL_CALLS][{"name": "get_weather", "arguments": {...}, "id": "a1B2c3D4e"}]
+    Mistral Nemo:                           [TOOL_CALLS][{"name": "get_weather", "arguments": {...},
+                                                          "id": "a1B2c3D4e"}]
     harmony (gpt-oss):                      to=functions.get_weather<|channel|>commentary json<|message|>
                                             {"city": "Paris"}
 
@@ -86,7 +87,10 @@ class ToolFormat:
         parsed = self.split(text)
         if parsed is None or self.with_id and not all(_ID.fullmatch(c.id or "") for c in parsed[1]):
             return {"role": "assistant", "content": text}
-        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed[1]]
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed[1]
+        ]
         return {"role": "assistant", "content": parsed[0], "tool_calls": calls}
 
     def new_id(self) -> str:
@@ -156,10 +160,14 @@ class ToolFormat:
                 chain = f"call_{k}" + (f" ({json.dumps(self.between)} {chain})?" if chain else "")
             calls = chain
         else:
-            rules.append("call: " + " | ".join(f"{head} {json.dumps('}' + self.call_close)}" for head in heads))
+            rules.append(
+                "call: " + " | ".join(f"{head} {json.dumps('}' + self.call_close)}" for head in heads)
+            )
             calls = f"call ({json.dumps(self.between)} call)*" if several else "call"
         opening = _literal(self.opening, self.control, tokenizer)
-        start = " ".join(part for part in (opening, calls, json.dumps(self.closing) if self.closing else "") if part)
+        start = " ".join(
+            part for part in (opening, calls, json.dumps(self.closing) if self.closing else "") if part
+        )
         return "\n".join([f"start: {start}", *rules])
 
 
@@ -316,7 +324,9 @@ def _call(value) -> ToolCall | None:
     return ToolCall(value["name"], arguments, call_id) if isinstance(arguments, dict) else None
 
 
-def split_offered_calls(text: str, names: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[ToolCall]] | None:
+def split_offered_calls(
+    text: str, names: set[str], fmt: ToolFormat = HERMES
+) -> tuple[str, list[ToolCall]] | None:
     """The one reading of a reply's calls, for every front end: fmt.split(), or else the calls of tools
     offered (`names`) written as a bare JSON object or in a ```json fence — how small models often
     write one (llama.cpp's Hermes parser reads both: its open_regex takes an optional fence before
@@ -348,7 +358,8 @@ def split_offered_calls(text: str, names: set[str], fmt: ToolFormat = HERMES) ->
 
 # Where a call may begin outside the format's own markers: a JSON object with a name, in a fence or bare.
 LOOSE_CALL = regex.compile(r'(?P<fence>```(?:json|xml)?\n\s*)?\{\s*"name"\s*:')
-_CALL_KEYS = {"name", "arguments", "parameters", "id"}  # a call's object holds no other (a tool's definition does)
+# a call's object holds no other (a tool's definition does)
+_CALL_KEYS = {"name", "arguments", "parameters", "id"}
 
 
 def loose_call(text: str, start: regex.Match, names: set[str]) -> tuple[ToolCall | None, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import kernels, packed_file, quants
+from . import kernels, packed_file, quants, warmup
 from .activations import inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig, read_config, with_context
@@ -167,7 +167,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     and one for gate/up."""
     path, cfg = info.path, info.config
     kinds = info.matrix_kinds
-    quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+    warmup.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
     gguf_file = GGUFTensors(info)
     check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)
@@ -218,7 +218,9 @@ def check_tensors(gguf_file: GGUFTensors) -> None:
     info, cfg = gguf_file.info, gguf_file.info.config
     needed = [("output_norm.weight", (cfg.n_embd,))]
     for i in range(cfg.n_layer):
-        needed += [(name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1]
+        needed += [
+            (name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1
+        ]
         needed += expert_biases(cfg, i).items()
     for _, parts, shapes in matrix_plan(cfg, info.tensors):
         needed += zip(parts, shapes, strict=True)
@@ -366,7 +368,9 @@ class GGUFTensors:
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         raw = self.raw(name, shape)
-        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(shape)
+        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(
+            shape
+        )
 
     def matrix(self, names: list[str], shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
         packed = quants.pack([(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)])
@@ -377,7 +381,9 @@ class GGUFTensors:
         """The embedding table's rows as bytes, mapped read-only: only the rows used are paged in."""
         t = self.need(name, shape)
         self.qtype(name)
-        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(shape[0], t.nbytes // shape[0]))
+        return np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(shape[0], t.nbytes // shape[0])
+        )
 
 
 def _prepared_dir(path: Path) -> Path:

@@ -70,7 +70,8 @@ def test_phi3_past_its_original_context_takes_the_long_factors(tiny_model_paths)
     assert long.weights.rope_freqs.min() >= 4.0 > short.weights.rope_freqs.max()  # the tiny model's factors
     ids = long.tokenizer.encode("the hello world is in the air")
     assert np.abs(long.logits(ids)[-1] - short.logits(ids)[-1]).max() > 1e-3
-    assert open_model(EngineOptions(model=str(path), n_ctx=300)).config.rope_long  # --ctx 300, as the app loads
+    # --ctx 300, as the app loads
+    assert open_model(EngineOptions(model=str(path), n_ctx=300)).config.rope_long
 
 
 def test_granite_reads_its_scales(tiny_model_paths):
@@ -100,7 +101,9 @@ def test_an_olmo2_with_sliding_windows_is_refused_in_one_line(tmp_path):
     """OLMo 3 is an olmo2 with sliding windows (and YaRN), which are not read here: refused at load,
     not run as OLMo 2."""
     path = write_tiny_model(tmp_path / "olmo3.gguf", "olmo2", metadata={"olmo2.attention.sliding_window": 8})
-    with pytest.raises(ModelError, match=r"olmo3\.gguf: olmo2 with a sliding window \(OLMo 3\) is not supported$"):
+    with pytest.raises(
+        ModelError, match=r"olmo3\.gguf: olmo2 with a sliding window \(OLMo 3\) is not supported$"
+    ):
         load_model(path)
 
 
@@ -113,7 +116,9 @@ def test_smollm3_turns_no_rope_on_every_fourth_layer(tmp_path):
     model.forward(model.tokenizer.encode("the hello world is in the air and the sun"), seq)
 
     def keys(layer: int) -> np.ndarray:  # [kv_head, n_tokens, hd]
-        return np.concatenate([k for k, _ in seq.views(0, seq.n_tokens).layer(layer)], axis=1).astype(np.float32)
+        return np.concatenate([k for k, _ in seq.views(0, seq.n_tokens).layer(layer)], axis=1).astype(
+            np.float32
+        )
 
     before = [keys(i) for i in range(8)]
     model.context_shift(seq, 1, 2)

@@ -74,7 +74,8 @@ def test_gpt_oss_is_written_as_its_mxfp4_gguf_lays_it_out(tmp_path, qwen2):
     sinks, a window and YaRN; it loads and gives finite logits."""
     experts = {"n_expert": 4, "n_expert_used": 2, "n_ff_exp": 256}
     shape = synthetic.Shape(
-        "gpt-oss", 2, 256, 256, 4, 2, head_dim=64, qkv_bias=True, sliding_window=16, yarn=(32.0, 4096), **experts
+        "gpt-oss", 2, 256, 256, 4, 2, head_dim=64, qkv_bias=True, sliding_window=16, yarn=(32.0, 4096),
+        **experts,
     )
     path = synthetic.write_synthetic(tmp_path / "gpt-oss.gguf", "tiny-gpt-oss", shape, qwen2)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}

@@ -37,7 +37,7 @@ def measure_compile(model_arg) -> float:
     cache, in a child process); the attention kernel and the KV codec compile after it, on a thread
     of their own (app/chat/build.compile_later)."""
     code = (
-        "import sys; from llama_chat.inference.quants import compile_kernels; "
+        "import sys; from llama_chat.inference.warmup import compile_kernels; "
         "from llama_chat.inference.weights import model_info; "
         "print(compile_kernels(None, model_info(sys.argv[1]).matrix_formats))"
     )

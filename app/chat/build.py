@@ -13,7 +13,7 @@ from llama_chat.inference import Model, load_model
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.inference.products import compile_two_rows
-from llama_chat.inference.quants import compile_attention
+from llama_chat.inference.warmup import compile_attention
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
