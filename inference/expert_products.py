@@ -45,8 +45,9 @@ def _layout(m) -> tuple:
 
 def matrices_of(matrices) -> ExpertMatrices | None:
     """The experts' matrices as one ExpertMatrices, or None where they are not all packed alike in one
-    PackedMatrix each (a StackedMatrix: then each expert is multiplied on its own)."""
-    if any(hasattr(m, "parts") for m in matrices):
+    PackedMatrix each, or in a block format (a StackedMatrix, MXFP4…: then each expert is multiplied
+    on its own)."""
+    if any(hasattr(m, "parts") or m.values.ndim != 3 for m in matrices):
         return None
     kind = _layout(matrices[0])
     alike = all(_layout(m) == kind for m in matrices) and all(a is None or a[2] for a in kind)
