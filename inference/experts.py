@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import kernels
+from . import expert_products, kernels
+from .expert_products import ExpertMatrices
 
 if TYPE_CHECKING:
     from .quants import PackedMatrix, StackedMatrix
@@ -43,6 +45,13 @@ class Experts:
             return {}
         return {"gate_up_bias": self.gate_up_bias[expert], "down_bias": self.down_bias[expert]}
 
+    @cached_property
+    def grouped(self) -> tuple[ExpertMatrices, ExpertMatrices] | None:
+        """The experts' gate_up and down matrices as one compiled call multiplies them all (None where
+        they are not packed alike: then one expert at a time)."""
+        gate_up, down = expert_products.matrices_of(self.gate_up), expert_products.matrices_of(self.down)
+        return None if gate_up is None or down is None else (gate_up, down)
+
 
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
@@ -66,17 +75,43 @@ def route(logits: np.ndarray, k: int, normalize: bool, gating: str = "softmax") 
 
 
 Ffn = Callable[..., np.ndarray]  # (rows, gate_up, down, **biases) → [rows, d]
+Unit = Callable[[np.ndarray], np.ndarray]  # gate and up side by side [rows, 2·n_ff] → [rows, n_ff]
 
 
-def mixture(x: np.ndarray, experts: Experts, k: int, gating: str, normalize: bool, ffn: Ffn) -> np.ndarray:
-    """x [T, d] → Σ over each row's k chosen experts of weight · ffn(row, gate_up, down), [T, d]."""
+def mixture(
+    x: np.ndarray, experts: Experts, k: int, gating: str, normalize: bool, ffn: Ffn, unit: Unit
+) -> np.ndarray:
+    """x [T, d] → Σ over each row's k chosen experts of weight · ffn(row, gate_up, down), [T, d]; `unit`
+    is ffn's gated unit, for the experts multiplied together (grouped)."""
     logits = kernels.matmul(x, experts.router)
     if experts.router_bias is not None:
         logits += experts.router_bias
     chosen, weights = route(logits, k, normalize, gating)
+    if experts.grouped is not None:
+        return grouped(x, experts, chosen, weights, unit)
     out = np.zeros_like(x)
     for e in np.unique(chosen):  # in order of the experts' numbers
         rows, slots = np.nonzero(chosen == e)
         share = ffn(x[rows], experts.gate_up[e], experts.down[e], **experts.biases(e))
         out[rows] += share * weights[rows, slots][:, None]
+    return out
+
+
+def grouped(
+    x: np.ndarray, experts: Experts, chosen: np.ndarray, weights: np.ndarray, unit: Unit
+) -> np.ndarray:
+    """mixture's sum with every chosen expert's products in one compiled call for gate_up and one for down
+    (expert_products.py): the rows routed to each expert are a segment of one array, in the order of the
+    experts' numbers, and each row's shares are added in that order, as mixture adds them."""
+    plan = expert_products.Layout(chosen, len(experts.gate_up))
+    xs = expert_products.gather_rows(x, plan.rows, plan.at, plan.n_rows)
+    gate_up_w, down_w = experts.grouped
+    gate_up = expert_products.grouped_product(xs, plan, gate_up_w)
+    if experts.gate_up_bias is not None:
+        gate_up[plan.at] += experts.gate_up_bias[chosen[plan.rows, plan.slots]]
+    shares = expert_products.grouped_product(unit(gate_up), plan, down_w)
+    if experts.down_bias is not None:
+        shares[plan.at] += experts.down_bias[chosen[plan.rows, plan.slots]]
+    out = np.zeros_like(x)
+    expert_products.add_shares(out, shares, plan.rows, plan.at, weights[plan.rows, plan.slots])
     return out

@@ -196,22 +196,27 @@ def gated_ffn(x: np.ndarray, gate_up, down, act: str, gate_up_bias=None, down_bi
     gate_up = linear(x, gate_up)  # [T, 2·n_ff]
     if gate_up_bias is not None:
         gate_up += gate_up_bias
+    out = linear(gated_unit(gate_up, act), down)  # [T, d]
+    return out if down_bias is None else out + down_bias
+
+
+def gated_unit(gate_up: np.ndarray, act: str) -> np.ndarray:
+    """act(gate) * up [T, n_ff] of the products gate and up side by side [T, 2·n_ff]."""
     n_ff = gate_up.shape[1] // 2
     gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
     if act == "swiglu_oai":
-        h = swiglu_oai(gate, up)
-    else:
-        h = gelu_tanh(gate) if act == "gelu" else silu(gate)
-        h *= up
-    out = linear(h, down)  # [T, d]
-    return out if down_bias is None else out + down_bias
+        return swiglu_oai(gate, up)
+    h = gelu_tanh(gate) if act == "gelu" else silu(gate)
+    h *= up
+    return h
 
 
 def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: ModelConfig) -> np.ndarray:
     if lw.experts is None:
         return gated_ffn(x, lw.ffn_gate_up, lw.ffn_down, cfg.ffn_act)
-    ffn = partial(gated_ffn, act=cfg.ffn_act)
-    return experts.mixture(x, lw.experts, cfg.n_expert_used, cfg.expert_gating, cfg.expert_weights_norm, ffn)
+    ffn, unit = partial(gated_ffn, act=cfg.ffn_act), partial(gated_unit, act=cfg.ffn_act)
+    k, gating, normalize = cfg.n_expert_used, cfg.expert_gating, cfg.expert_weights_norm
+    return experts.mixture(x, lw.experts, k, gating, normalize, ffn, unit)
 
 
 ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row

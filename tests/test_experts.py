@@ -5,15 +5,18 @@ test_llamacpp_tiny.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from functools import partial
 
 import gguf
 import numpy as np
 import pytest
 
 from llama_chat.app.cli import main
-from llama_chat.inference import kernels, load_model
-from llama_chat.inference.experts import route
+from llama_chat.inference import expert_products, kernels, load_model
+from llama_chat.inference.experts import mixture, route
+from llama_chat.inference.forward import gated_ffn, gated_unit
 from tiny_later_archs import N_EXPERT, N_EXPERT_USED
 from tiny_models import write_tiny_model
 
@@ -25,21 +28,31 @@ def moe(tiny_model_paths):
 
 @pytest.fixture
 def products(monkeypatch, moe):
-    """Each expert matrix multiplied in a step, as (layer, expert, "gate_up" or "down", rows)."""
-    names = {}
+    """Each expert matrix multiplied in a step, as (layer, expert, "gate_up" or "down", rows): one at a
+    time (kernels.matmul) or all of a step's together (expert_products.grouped_product)."""
+    names, grouped = {}, {}
     for i, layer in enumerate(moe.weights.layers):
         for e in range(N_EXPERT):
             names[id(layer.experts.gate_up[e])] = (i, e, "gate_up")
             names[id(layer.experts.down[e])] = (i, e, "down")
+        if layer.experts.grouped is not None:
+            gate_up, down = layer.experts.grouped
+            grouped[id(gate_up)], grouped[id(down)] = (i, "gate_up"), (i, "down")
     seen = []
-    matmul = kernels.matmul
+    matmul, grouped_product = kernels.matmul, expert_products.grouped_product
 
     def watched(x, w):
         if id(w) in names:
             seen.append((*names[id(w)], x.shape[0]))
         return matmul(x, w)
 
+    def watched_grouped(x, plan, w):
+        layer, kind = grouped[id(w)]
+        seen.extend((layer, int(e), kind, int(n)) for e, n in zip(plan.experts, plan.counts, strict=True))
+        return grouped_product(x, plan, w)
+
     monkeypatch.setattr(kernels, "matmul", watched)
+    monkeypatch.setattr(expert_products, "grouped_product", watched_grouped)
     return seen
 
 
@@ -79,6 +92,22 @@ def test_a_prompt_reads_each_expert_once_a_step_for_all_its_rows(moe, products):
         rows = [n for i, _, kind, n in products if i == layer and kind == "gate_up"]
         assert sum(rows) == len(ids) * N_EXPERT_USED  # every row went to k experts
         assert len(rows) > N_EXPERT_USED  # the rows went to several experts: grouped, not one a row
+
+
+@pytest.mark.parametrize("activations", ["f32", "q8", "mixed"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 40])
+def test_all_experts_in_one_call_give_the_bits_of_one_expert_at_a_time(tiny_model_paths, rows, activations):
+    """The grouped products (one compiled call for all of a step's experts) against the experts
+    multiplied one at a time: the same bits, a decoded token's and a prompt's, inputs as floats or bytes."""
+    moe = load_model(tiny_model_paths["qwen3moe"], activations=activations)
+    layer = moe.weights.layers[1].experts
+    alone = dataclasses.replace(layer)
+    alone.__dict__["grouped"] = None  # (the cached property, left out)
+    x = np.random.default_rng(rows).standard_normal((rows, moe.config.n_embd)).astype(np.float32)
+    ffn, unit = partial(gated_ffn, act="silu"), partial(gated_unit, act="silu")
+    args = (N_EXPERT_USED, "softmax", True, ffn, unit)
+    assert layer.grouped is not None
+    assert np.array_equal(mixture(x, layer, *args), mixture(x, alone, *args))
 
 
 def test_each_experts_matrices_are_its_slices_of_the_gguf(moe, tiny_model_paths):
