@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from . import kernels, packed_file, quants
-from .activations import inputs_of
+from .activations import DEFAULT_ACTIVATIONS, inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig, read_config
 from .errors import ModelError
@@ -57,7 +57,7 @@ class Prepared:
     tensor_types: dict[str, list]  # name → [type name, shape] of the GGUF's tensors (for the fingerprint)
     tensors: dict[str, TensorEntry] = field(repr=False)
     weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
-    activations: str = "f32"  # what the products take their inputs as (kernels.ACTIVATIONS)
+    activations: str = DEFAULT_ACTIVATIONS  # what the products take their inputs as (kernels.ACTIVATIONS)
 
     @property
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
@@ -124,7 +124,9 @@ def model_info(path: Path, progress: Progress | None = None, use_cache: bool = T
     return info
 
 
-def prepare(path: Path, progress: Progress | None = None, use_cache: bool = True, activations: str = "f32") -> Prepared:
+def prepare(
+    path: Path, progress: Progress | None = None, use_cache: bool = True, activations: str = DEFAULT_ACTIVATIONS
+) -> Prepared:
     """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS): everything a
     Model needs."""
     if activations not in kernels.ACTIVATIONS:
@@ -152,6 +154,13 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
     return Prepared(path, meta, cfg, tensor_types, entries)
 
 
+def compile_kernels_for(info: Prepared, progress: Progress | None = None) -> float:
+    """quants.compile_kernels for the model's kinds of matrix and what each takes as inputs: what its
+    first reply runs. Returns the seconds it took."""
+    kinds = info.matrix_kinds
+    return quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+
+
 def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bool = True) -> Weights:
     """The weights as the kernels read them: matrices stay in their integer formats (Q4_K in its own
     bits, the others int8 with their scales), mapped from their packed file in the cache (packed into it
@@ -159,8 +168,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
     and one for gate/up."""
     path, cfg = info.path, info.config
-    kinds = info.matrix_kinds
-    quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+    compile_kernels_for(info, progress)
     gguf_file = GGUFTensors(info)
     check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)

@@ -154,6 +154,51 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     assert by_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
 
 
+def test_a_long_product_waits_for_the_crossover_under_measurement_and_takes_its_way(monkeypatch):
+    """The crossover is measured once, by whoever asks first (the load's compile-later thread here); a
+    product past KERNEL_ROWS rows that comes meanwhile waits for that answer: never another way."""
+    import threading
+
+    measuring, release, runs = threading.Event(), threading.Event(), []
+
+    def measure():
+        runs.append(1)
+        measuring.set()
+        release.wait()
+        return 64
+
+    monkeypatch.setattr(kernels, "blas_from", kernels.MeasuredLater(measure))
+    later = threading.Thread(target=kernels.known_blas_from)
+    later.start()
+    measuring.wait()
+    ways = []
+    asking = threading.Thread(target=lambda: ways.append((kernels.kernels_take(40), kernels.kernels_take(100))))
+    asking.start()
+    assert kernels.kernels_take(32)  # up to KERNEL_ROWS the kernels, without asking
+    asking.join(0.2)
+    assert asking.is_alive() and not ways  # waiting for the measurement
+    release.set()
+    later.join()
+    asking.join()
+    assert ways == [(True, False)] and runs == [1] and kernels.blas_from == 64
+
+
+def test_a_load_leaves_the_crossover_to_the_first_prompt_past_the_kernel_rows(tiny_model_paths, monkeypatch):
+    """A first start measures where BLAS takes long prompts from only when one needs it (or on the load's
+    compile-later thread): not while the first reply waits."""
+    from llama_chat.inference import load_model
+
+    runs = []
+    monkeypatch.setattr(quants, "measured_blas_from", lambda: runs.append(1) or 33)
+    monkeypatch.setattr(kernels, "blas_from", kernels.blas_from)  # (this machine's again after the test)
+    model = load_model(tiny_model_paths["qwen2"], activations="f32")
+    ids = list(range(1, 41))
+    model.logits(ids[:32])
+    assert not runs
+    model.logits(ids)
+    assert runs == [1] and kernels.blas_from == 33
+
+
 def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
     monkeypatch.setattr(quants.numba.config, "CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(quants, "_measured", {})
@@ -362,7 +407,7 @@ def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkey
     monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
     seen = []
     matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]
-    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices)
+    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices, "f32")
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
     assert steps == ["integer weights"]
     assert [done for _, done, _ in seen] == [0, 1] and {total for _, _, total in seen} == {1}

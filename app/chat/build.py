@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_chat.inference import Model, load_model
+from llama_chat.inference.activations import DEFAULT_ACTIVATIONS
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.inference.products import compile_two_rows
-from llama_chat.inference.quants import compile_attention
+from llama_chat.inference.quants import compile_attention, compile_long_prompts
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
@@ -39,7 +40,7 @@ class EngineOptions:
     cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
     block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
     cache_type: str = DEFAULT_CACHE_TYPE  # --cache-type: the live KV cache's element type
-    activations: str = "f32"  # --activations: what matrix products take their inputs as
+    activations: str = DEFAULT_ACTIVATIONS  # --activations: what matrix products take their inputs as
     prompt_lookup: bool = True  # --no-lookup
     codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
     kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
@@ -66,18 +67,21 @@ def load_chat_model(
 
 
 def compile_later(model: Model) -> threading.Thread:
-    """What a first reply does not wait on, compiled (first start: 5-15 s on 2 cores) or loaded from
-    numba's cache on a thread of its own while the user reads and types: the KV codec's loops (a reply's
-    snapshot, a resume), the attention kernel of the model's cache type (past KERNEL_ATTENTION_FROM
-    cached positions) and the products of two rows at once (two replies decoded together). A call that
-    comes first waits for numba's compiler lock and runs what it compiled. Not a daemon: a process that
-    ends sooner (a short `ask`) waits for it, so what it compiles is cached whole for the next start."""
+    """What a first reply does not wait on, compiled (first start: 5-20 s on 2 cores) or loaded from
+    numba's cache on a thread of its own while the user reads and types: the products of two rows at
+    once (two replies decoded together), the attention kernel of the model's cache type (past
+    KERNEL_ATTENTION_FROM cached positions), the KV codec's loops (a reply's snapshot, a resume) and
+    what only a prompt past KERNEL_ROWS rows takes (compile_long_prompts). A call that comes first waits
+    for numba's compiler lock (or for the crossover's measurement) and runs what it made ready, so a
+    reply is the same whichever came first. Not a daemon: a process that ends sooner (a short `ask`)
+    waits for it, so what it compiles is cached whole for the next start."""
 
     def compile_all() -> None:
         try:
             compile_two_rows(model.weights.matrices())
             compile_attention(element_type(model.pool.cache_type))
             compile_codec()
+            compile_long_prompts(model.weights.activations)
         except Exception:  # (never seen) the first call compiles it again and says what fails, where
             pass  # it is made: no traceback from a thread no one waits on
 
