@@ -424,7 +424,9 @@ def compile_attention(dtype) -> None:
 
 
 def _multiply_example(qtype: Q, product=kernels.kernel_product, activations: str = "f32") -> None:
-    product(np.zeros((1, 256), F32), _example(qtype, activations=activations))
+    """One row (its own kernel, unless left to compile_later_rows) and a pass of ROWS rows."""
+    for rows in (1, kernels.ROWS):
+        product(np.zeros((rows, 256), F32), _example(qtype, activations=activations))
 
 
 # Rows at which BLAS on tiles and the kernels are timed against each other, on a matrix the size of the

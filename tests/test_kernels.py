@@ -77,6 +77,32 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
             assert np.array_equal(together[i], alone[i]), (n, i)
 
 
+@pytest.mark.parametrize(
+    "qtype, activations", [(T.Q8_0, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32"), (T.Q4_K, "q8"), (T.Q5_0, "q8")]
+)
+def test_a_token_decoded_before_its_one_row_kernel_is_ready_gets_the_bits_it_gets_after(
+    qtype, activations, monkeypatch
+):
+    """The app's first start leaves the one-row kernels to a thread after the load: a token decoded
+    meanwhile goes through the passes, padded, with the bits the one-row kernel gives it once ready."""
+    from llama_chat.inference import products
+
+    shape = (128, 256)
+    w = replace(quants.pack([(raw_tensor(qtype, shape), qtype, shape)]), activations=activations)
+    x = np.random.default_rng(3).standard_normal((5, shape[1])).astype(np.float32)
+    monkeypatch.setattr(products, "_one_row_later", True)
+    monkeypatch.setattr(products, "_one_row_ready", set())
+    one_row = []
+    kernel = products._one_row_product
+    monkeypatch.setattr(products, "_one_row_product", lambda *args: one_row.append(1) or kernel(*args))
+    before = [kernels.matmul(x[i : i + 1], w) for i in range(len(x))]
+    assert not one_row  # through the passes
+    products.compile_later_rows([w])
+    after = [kernels.matmul(x[i : i + 1], w) for i in range(len(x))]
+    assert len(one_row) == 1 + len(x)  # compiled, then taken by every row
+    assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+
+
 # Where a block keeps its quants: zeroed, each of its weights is its offset (formats with offsets).
 QUANT_BYTES = {T.Q4_K: slice(16, 144), T.Q4_1: slice(4, 20)}
 BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]  # Q4_K's bits; int8 with offsets, without; scales per 16

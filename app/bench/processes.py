@@ -35,9 +35,10 @@ def measure_cold_load(model_arg) -> float:
 def measure_compile(model_arg, activations: str) -> float:
     """Seconds a first start's load waits on compiling the kernels this model takes with these
     activations (an empty numba cache, in a child process); the rest compiles after it, on a thread of
-    its own (app/chat/build.compile_later)."""
+    its own (app/chat/build.compile_later, which takes the one-row kernels too)."""
     code = (
         "import sys; from llama_chat.inference.weights import compile_kernels_for, model_info; "
+        "from llama_chat.inference.products import compile_one_row_later; compile_one_row_later(); "
         "info = model_info(sys.argv[1]); info.activations = sys.argv[2]; print(compile_kernels_for(info))"
     )
     with tempfile.TemporaryDirectory() as folder:

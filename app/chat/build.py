@@ -13,7 +13,7 @@ from llama_chat.inference import Model, load_model
 from llama_chat.inference.activations import DEFAULT_ACTIVATIONS
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.inference.products import compile_two_rows
+from llama_chat.inference.products import compile_later_rows, compile_one_row_later
 from llama_chat.inference.quants import compile_attention, compile_long_prompts
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
@@ -55,6 +55,7 @@ def load_chat_model(
     """load_model (name, progress and its options: what numba compiles for it is shown as it compiles),
     then what no first reply waits on compiled on a thread of its own (compile_later). Under a planned
     `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
+    compile_one_row_later()
     if progress is None:
         model = load_model(name, **options)
     else:
@@ -68,8 +69,9 @@ def load_chat_model(
 
 def compile_later(model: Model) -> threading.Thread:
     """What a first reply does not wait on, compiled (first start: 5-20 s on 2 cores) or loaded from
-    numba's cache on a thread of its own while the user reads and types: the products of two rows at
-    once (two replies decoded together), the attention kernel of the model's cache type (past
+    numba's cache on a thread of its own while the user reads and types: the products of one row (until
+    then a decoded token goes through the passes, with the same bits) and of two rows at once (two
+    replies decoded together), the attention kernel of the model's cache type (past
     KERNEL_ATTENTION_FROM cached positions), the KV codec's loops (a reply's snapshot, a resume) and
     what only a prompt past KERNEL_ROWS rows takes (compile_long_prompts). A call that comes first waits
     for numba's compiler lock (or for the crossover's measurement) and runs what it made ready, so a
@@ -78,7 +80,7 @@ def compile_later(model: Model) -> threading.Thread:
 
     def compile_all() -> None:
         try:
-            compile_two_rows(model.weights.matrices())
+            compile_later_rows(model.weights.matrices())
             compile_attention(element_type(model.pool.cache_type))
             compile_codec()
             compile_long_prompts(model.weights.activations)
