@@ -100,7 +100,9 @@ def folded_answer(tool: str, answer: str) -> str:
     """A tool's answer as `chat` shows it: its first RESULT_LINES lines, each cut at RESULT_WIDTH, and
     how many more there are (the model reads them all); what a server wrote escaped, as all such text."""
     lines = [escaped(line) for line in answer.splitlines()] or [""]
-    shown = [line if len(line) <= RESULT_WIDTH else line[: RESULT_WIDTH - 1] + "…" for line in lines[:RESULT_LINES]]
+    shown = [
+        line if len(line) <= RESULT_WIDTH else line[: RESULT_WIDTH - 1] + "…" for line in lines[:RESULT_LINES]
+    ]
     more = len(lines) - RESULT_LINES
     fold = [f"  … {more} more line(s)"] if more > 0 else []
     return "\n".join([f"{escaped(tool)} answered:", *(f"  {line}" for line in shown), *fold]) + "\n"

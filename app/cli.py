@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = command("models", c.cmd_models, "list known models: installed, assembled, verified")
     models.add_argument("--json", action="store_true", help="print JSON")
     models.add_argument(
-        "--prune", action="store_true", help="remove prepared files of other machine profiles and of models gone"
+        "--prune",
+        action="store_true",
+        help="remove prepared files of other machine profiles and of models gone",
     )
     models.add_argument("--dry-run", action="store_true", help="with --prune: only list them")
     models.add_argument("files", nargs="*", metavar="GGUF", help="what these files need and whether they run")
@@ -227,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     fork = command("fork", s.fork_session, "a new session sharing this one's messages and KV", actions)
     fork.add_argument("id")
-    fork.add_argument("--at", type=int, metavar="N", help="fork after message N, as `show` numbers them (default: the end)")
+    fork.add_argument(
+        "--at", type=int, metavar="N", help="fork after message N, as `show` numbers them (default: the end)"
+    )
     fork.add_argument("--title")
     rename = command("rename", s.rename_session, "give a session a new title", actions)
     rename.add_argument("id")
@@ -261,12 +265,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = command("bench", c.cmd_bench, "measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench.add_argument(
-        "--quick", action="store_true", help="few tokens, no first start nor `ask`: a smoke test, not a measurement"
+        "--quick",
+        action="store_true",
+        help="few tokens, no first start nor `ask`: a smoke test, not a measurement",
     )
 
     export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
-    export.add_argument("-o", "--output", type=Path, metavar="FILE", help="a file or folder (default: <title>-<id>.llamachat in ~/Downloads, else in the data folder)")
+    export.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="a file or folder (default: <title>-<id>.llamachat in ~/Downloads, else in the data folder)",
+    )
     kv = export.add_mutually_exclusive_group()
     kv.add_argument("--with-kv", dest="with_kv", action="store_true", default=True, help="with KV (default)")
     kv.add_argument("--no-kv", dest="with_kv", action="store_false", help="messages only: a small file")
@@ -290,9 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=int, metavar="N", help="replies decoded together (default 4)")
     serve.add_argument("--queue", type=int, metavar="N", help="requests waiting beyond those (default 64)")
     serve.add_argument(
-        "--api-key", metavar="KEY", action="append",
-        help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY); several, or @FILE of name:key lines: "
-        "one tenant each, with sessions and KV of its own",
+        "--api-key",
+        metavar="KEY",
+        action="append",
+        help="require 'Authorization: Bearer KEY' (or LLAMA_CHAT_API_KEY); several, or @FILE of "
+        "name:key lines: one tenant each, with sessions and KV of its own",
     )
     serve.add_argument(
         "--allowed-host", action="append", metavar="NAME",
@@ -300,10 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the --host address are always answered",
     )
     serve.add_argument(
-        "--cors-origin", action="append", metavar="ORIGIN",
-        help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API (repeatable); other pages are refused",
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API (repeatable); "
+        "other pages are refused",
     )
-    serve.add_argument("--max-connections", type=int, metavar="N", help="connections open at once (default 256)")
+    serve.add_argument(
+        "--max-connections", type=int, metavar="N", help="connections open at once (default 256)"
+    )
     serve.add_argument(
         "--drain-seconds", type=float, metavar="S",
         help="on SIGTERM, how long replies under way may take to finish before they are cut "

@@ -19,7 +19,7 @@ from .chat import build
 from .chat.attachments import AttachmentError, read_attachment, with_attachments
 from .chat.conversations import Conversation
 from .chat.engine import ChatEngine, SavedReply
-from .chat.session_cache import system_message
+from .chat.replies import system_message
 from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, TEMPLATE_SETTINGS, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
@@ -40,7 +40,11 @@ def cmd_models(args) -> int:
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
         statuses.append(
             model_status(model)
-            | {"sampling": defaults.values, "sampling_from": defaults.source, "system_prompt": model.system_prompt}
+            | {
+                "sampling": defaults.values,
+                "sampling_from": defaults.source,
+                "system_prompt": model.system_prompt,
+            }
         )
     if args.json:
         print_json(statuses)
@@ -78,7 +82,10 @@ def prune_prepared(dry_run: bool) -> int:
         status = model_status(model)
         if status["verified"] and status["packages_installed"]:
             parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
-            print(f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: {model.pip_uninstall()}")
+            print(
+                f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: "
+                f"{model.pip_uninstall()}"
+            )
     return 0
 
 
@@ -90,7 +97,10 @@ def print_needs(args) -> int:
     else:
         for n in needs:
             print(n["problem"] or f"{n['path']}: runs")
-            print(f"  architecture: {n['architecture']}{'' if n['architecture_supported'] else ' (not supported)'}")
+            print(
+                f"  architecture: {n['architecture']}"
+                f"{'' if n['architecture_supported'] else ' (not supported)'}"
+            )
             print(f"  tokenizer: {n['tokenizer']}")
             for name, f in n["formats"].items():
                 print(f"  {name}: {f['tensors']} matrices, {f['kept']}")
@@ -228,7 +238,9 @@ def ask_once(args, prompt: str) -> int:
     return signals.exit_code
 
 
-def stream_reply_to(engine: ChatEngine, to, text: str | None, args, settings: dict, signals, **options) -> None:
+def stream_reply_to(
+    engine: ChatEngine, to, text: str | None, args, settings: dict, signals, **options
+) -> None:
     """A reply (to a session's turn, or to a conversation) as this command line's flags and `settings`
     ask, streamed on the terminal; `signals` stop it."""
     job = engine.reply(
@@ -293,7 +305,8 @@ def chat_loop(engine: ChatEngine, sessions: Sessions, tools, args) -> int:
         for m in sessions.messages(session)[-4:]:
             say(f"{m.role}: {brief(m.content)}")  # an attached file by its name
     else:
-        session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))  # named by its first line
+        # named by its first line
+        session = engine.new_session(args.title or NEW_CHAT, args.system, flag_settings(args))
         print(f"New session {session.id} with {engine.model_info.name}.", file=sys.stderr)
     print("Ctrl+D ends, Ctrl+C stops a reply, /attach FILE attaches a file.", file=sys.stderr)
     files = PendingFiles()

@@ -1,4 +1,5 @@
-"""The TUI's settings: config.toml (model, theme, keymap, defaults for new chats), themes, remembered state."""
+"""The TUI's settings: config.toml (model, theme, keymap, defaults for new chats), themes, remembered
+state."""
 
 from __future__ import annotations
 

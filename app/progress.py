@@ -36,7 +36,9 @@ class ProgressBar:
             self.progress = Progress(
                 SpinnerColumn(finished_text="✓"),
                 # on a narrow terminal the label and the bar give way, never the percent sign
-                TextColumn("{task.description}", table_column=Column(ratio=2, no_wrap=True, overflow="ellipsis")),
+                TextColumn(
+                    "{task.description}", table_column=Column(ratio=2, no_wrap=True, overflow="ellipsis")
+                ),
                 BarColumn(bar_width=None, table_column=Column(ratio=1)),
                 TaskProgressColumn(),
                 TimeElapsedColumn(),

@@ -1,4 +1,5 @@
-"""SIGINT, SIGTERM and SIGHUP during a reply on the command line: stop it, store what was shown, exit as shells expect.
+"""SIGINT, SIGTERM and SIGHUP during a reply on the command line: stop it, store what was shown, exit as
+shells expect.
 
 Python's default (KeyboardInterrupt raised wherever the program happens to be; SIGTERM and SIGHUP
 killing it outright) loses the reply the user already read. Here the first signal only sets the

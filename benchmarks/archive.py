@@ -88,7 +88,9 @@ def command_ms(db: Path, args: list[str], repeat: int = 3) -> dict:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "llama_chat", "--db", str(db), *args], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "llama_chat", "--db", str(db), *args], check=True, capture_output=True
+        )
         times.append(time.perf_counter() - t0)
     return {"best_ms": round(min(times) * 1000), "median_ms": round(statistics.median(times) * 1000)}
 
@@ -103,7 +105,9 @@ def measure(db: Path, n: int, words: list[str]) -> dict:
     out[f"newest {PAGE} sessions"] = {"ms": best_of(5, lambda: store.list_sessions(limit=PAGE))}
     out["every session"] = {"ms": best_of(2, store.list_sessions)}
     (middle,) = store.list_sessions(limit=1, offset=n // 2)
-    out["one session's messages"] = {"ms": best_of(5, lambda: store.path(store.get_session(middle.id).head_id))}
+    out["one session's messages"] = {
+        "ms": best_of(5, lambda: store.path(store.get_session(middle.id).head_id))
+    }
     store.close()
     listing = ["--db", str(db), "sessions", "list", "--limit", str(PAGE)]
     out["opening the database"] = {"ms": best_of(3, lambda: ChatStore(db).close())}  # its quick_check
@@ -131,7 +135,11 @@ def main() -> None:
         seconds = fill(store, filled, n, words)
         store.close()
         filled = n
-        result = {"fill_s": round(seconds, 1), "db_mb": round(db.stat().st_size / 1e6), **measure(db, n, words)}
+        result = {
+            "fill_s": round(seconds, 1),
+            "db_mb": round(db.stat().st_size / 1e6),
+            **measure(db, n, words),
+        }
         results[n] = result
         print(f"{n:,} conversations ({result['db_mb']} MB, filled in {result['fill_s']} s)")
         for name, figure in result.items():

@@ -28,7 +28,11 @@ from llama_chat.inference import SamplingParams
 from llama_chat.storage import ChatStore
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-QUESTIONS = ("Summarize this file in one sentence.", "What is the first section about?", "Name one limit it gives.")
+QUESTIONS = (
+    "Summarize this file in one sentence.",
+    "What is the first section about?",
+    "Name one limit it gives.",
+)
 
 
 def file_text(model, n_tokens: int) -> str:
@@ -52,7 +56,11 @@ def timed_reply(engine: ChatEngine, text: str) -> dict:
     for _ in stream_text(job):
         ttft = ttft or time.perf_counter() - t0
     stats = job.stats[0]
-    return {"ttft_s": round(ttft, 3), "prompt_tokens": stats.prompt_tokens, "prefilled": stats.prefilled_tokens}
+    return {
+        "ttft_s": round(ttft, 3),
+        "prompt_tokens": stats.prompt_tokens,
+        "prefilled": stats.prefilled_tokens,
+    }
 
 
 def run(db: Path, model_name: str | None, file: Path, cases: list[tuple[str, bool, int]]) -> dict:
@@ -63,7 +71,9 @@ def run(db: Path, model_name: str | None, file: Path, cases: list[tuple[str, boo
     out = {}
     for name, files_first, asked in cases:
         question = QUESTIONS[asked]
-        text = with_attachments(question, [attached]) if files_first else question + "\n\n" + attached.inline()
+        text = (
+            with_attachments(question, [attached]) if files_first else question + "\n\n" + attached.inline()
+        )
         out[name] = timed_reply(engine, text)
     engine.close()
     return out
@@ -85,8 +95,12 @@ def main() -> int:
     file.write_text(file_text(model, args.tokens))
     del model
     results = run(db, args.model, file, [("A", True, 0), ("B", True, 1)])
-    child = [sys.executable, __file__, "--second", str(db), str(file)] + (["--model", args.model] if args.model else [])
-    results |= json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    child = [sys.executable, __file__, "--second", str(db), str(file)] + (
+        ["--model", args.model] if args.model else []
+    )
+    results |= json.loads(
+        subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+    )
     results |= {"D": run(folder / "other.db", args.model, file, [("D0", False, 0), ("D", False, 1)])["D"]}
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(content)), 0) FROM fragments").fetchone()
@@ -108,9 +122,15 @@ def main() -> int:
         ("D", "question before the file, second time"),
     ):
         r = results[name]
-        print(f"{name} {what:40} TTFT {r['ttft_s']:7.3f} s  prefilled {r['prefilled']:5} of {r['prompt_tokens']}")
+        print(
+            f"{name} {what:40} TTFT {r['ttft_s']:7.3f} s  prefilled {r['prefilled']:5} of "
+            f"{r['prompt_tokens']}"
+        )
     print(f"B/A {summary['B_over_A']:.1%}  C/A {summary['C_over_A']:.1%}")
-    print(f"the file ({summary['file_chars']:,} chars) is stored {rows[0]} time(s): {rows[1]:,} chars in `fragments`")
+    print(
+        f"the file ({summary['file_chars']:,} chars) is stored {rows[0]} time(s): "
+        f"{rows[1]:,} chars in `fragments`"
+    )
     return 0
 
 

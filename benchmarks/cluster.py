@@ -57,8 +57,13 @@ def cpu_name() -> str:
 
 def built(url: str, model: str, i: int, tokens: int) -> list[dict]:
     """A conversation of about `tokens` tokens answered once at `url`, and its next turn's messages."""
-    opening = f"Story {i} ({uuid.uuid4().hex[:8]}): " + FILLER * max(1, int(tokens * CHARS_PER_TOKEN / len(FILLER)))
-    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": opening}]
+    opening = f"Story {i} ({uuid.uuid4().hex[:8]}): " + FILLER * max(
+        1, int(tokens * CHARS_PER_TOKEN / len(FILLER))
+    )
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": opening},
+    ]
     turn = send(url, {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0})
     return [*messages, {"role": "assistant", "content": turn.reply}, {"role": "user", "content": NEXT}]
 

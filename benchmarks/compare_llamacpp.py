@@ -5,11 +5,11 @@
         [--prefill-long 512] [--turn-cached 1024] [--activations f32|q8|mixed]
 
 Per engine: warm load (to the first token: llama.cpp maps the file, llama-chat reads its prepared
-weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at context 512, a 64-token turn after
-1,024 cached tokens (the time to first token of a continued chat; llama.cpp evaluates the 1,024 then
-times the 64), peak RSS, and a reply that edits code from its prompt (llama-chat with prompt lookup
-against llama.cpp's plain decode, greedy, the token ids compared; --lookup-tokens 0 leaves it out, as
-for a synthetic model whose replies are noise). Every measurement runs in a process of its own per
+weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at
+context 512, a 64-token turn after 1,024 cached tokens (the time to first token of a continued chat; llama.cpp
+evaluates the 1,024 then times the 64), peak RSS, and a reply that edits code from its prompt (llama-chat with
+prompt lookup against llama.cpp's plain decode, greedy, the token ids compared; --lookup-tokens 0 leaves it
+out, as for a synthetic model whose replies are noise). Every measurement runs in a process of its own per
 engine (so RSS is that engine's), in alternating rounds, the best of each kept. Prints the ratios
 (llama-chat / llama.cpp; `turn_ratio` is ours / theirs in time, lower is better), then one JSON object
 on the last line (with --full, the whole `llama-chat bench --json` result too).
@@ -27,8 +27,9 @@ of llama-chat; it builds llama.cpp from source (several minutes), one build per 
 
 Only libggml-cpu is built with ISA flags (ggml-base and llama get none), so a copy of the native venv with
 its libggml-cpu.so* replaced by one built with those options (`cmake --build B --target ggml-cpu`, a few
-minutes) is the same AVX2 build. A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b (then --model that file).
-roofline.py measures through the same functions (make_spec, compare); figures.py runs this script.
+minutes) is the same AVX2 build. A real-size model without a download: benchmarks/synthetic_model.py qwen2-7b
+(then --model that file). roofline.py measures through the same functions (make_spec, compare); figures.py
+runs this script.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ if spec["warm_up_only"]:
     print(json.dumps(out))
     raise SystemExit
 import numba
-out["build"] = f"numba {numba.config.CPU_NAME or 'host'}, avx512f {'+avx512f' in (numba.config.CPU_FEATURES or '+avx512f')}"
-ids, short, long, cached, turn = (spec[k] for k in ("ids", "prefill_short", "prefill_long", "turn_cached", "turn"))
+avx512f = "+avx512f" in (numba.config.CPU_FEATURES or "+avx512f")
+out["build"] = f"numba {numba.config.CPU_NAME or 'host'}, avx512f {avx512f}"
+steps = ("ids", "prefill_short", "prefill_long", "turn_cached", "turn")
+ids, short, long, cached, turn = (spec[k] for k in steps)
 
 def timed(tokens, seq):
     t = time.perf_counter()
@@ -101,8 +104,9 @@ if spec["lookup_tokens"]:
     from llama_chat.app.bench.samples import CODE_EDIT
     from llama_chat.inference import chat_prompt_ids
     lookup = measure_lookup(model, spec["lookup_tokens"])
-    out.update(lookup=lookup["lookup_tok_s"], lookup_same_as_plain=lookup["same_text"], code_ids=lookup["token_ids"],
-               code_prompt=chat_prompt_ids(model, CODE_EDIT), end_ids=sorted(model.tokenizer.end_of_generation_ids))
+    out.update(lookup=lookup["lookup_tok_s"], lookup_same_as_plain=lookup["same_text"],
+               code_ids=lookup["token_ids"], code_prompt=chat_prompt_ids(model, CODE_EDIT),
+               end_ids=sorted(model.tokenizer.end_of_generation_ids))
 out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(out))
 """
@@ -123,9 +127,12 @@ out = {"load_s": time.perf_counter() - t, "import_s": import_s}
 if spec["warm_up_only"]:
     print(json.dumps(out))
     raise SystemExit
-out["build"] = "llama.cpp " + " ".join(p.strip() for p in llama_cpp.llama_print_system_info().decode().split("|")
-                                     if p.strip().startswith(("AVX", "CPU")) and p.strip().endswith("= 1"))
-ids, short, long, cached, turn = (spec[k] for k in ("ids", "prefill_short", "prefill_long", "turn_cached", "turn"))
+features = [p.strip() for p in llama_cpp.llama_print_system_info().decode().split("|")]
+out["build"] = "llama.cpp " + " ".join(
+    p for p in features if p.startswith(("AVX", "CPU")) and p.endswith("= 1")
+)
+steps = ("ids", "prefill_short", "prefill_long", "turn_cached", "turn")
+ids, short, long, cached, turn = (spec[k] for k in steps)
 
 def last_logits():
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
@@ -369,7 +376,12 @@ def main() -> int:
     args = parser.parse_args()
     profiles = engine_profiles(parser, args)
     path = str(resolve_model(args.model))
-    result: dict = {"model": path, "cpu": cpu_name(), "threads": args.threads, "activations": args.activations}
+    result: dict = {
+        "model": path,
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "activations": args.activations,
+    }
     if args.full:
         cmd = [
             sys.executable,

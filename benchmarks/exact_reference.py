@@ -1,19 +1,20 @@
 """How far llama.cpp's logits, and ours, lie from the model computed exactly (not CI).
 
-    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32] [--activations f32|q8|mixed]
+    .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32] \\
+        [--activations f32|q8|mixed] [--write-fixture]
 
 "Exactly": the same forward pass with every matrix product in float64 on the GGUF's weights
 dequantized (as ggml dequantizes them) and a float32 KV cache, so no rounding of activations,
-attention or KV is left to speak of (ours: the live cache of --cache-type, float16 by default). For each text of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints
-the worst top-20 |difference| over the positions, on llama.cpp's 20 best tokens: ours vs llama.cpp
-(what the real-model tests check), llama.cpp vs the exact logits, and ours vs the exact logits.
-Where ours is near zero from the exact logits, the distance to llama.cpp is llama.cpp's own rounding
-(8-bit activations before each product, float16 KV, scores and GELU), not a difference of the model.
-Then, for the default model, whether our greedy replies to the chat fixtures (chat_reference.json) are
-llama.cpp's, token for token (`--activations q8`: ours with inputs as bytes, as llama.cpp's).
-`--write-fixture` also writes the exact logits on llama.cpp's top 20 of every text to EXACT_FIXTURE,
-against which test_real_models.py holds the default mode (its logits no farther from them than
-llama.cpp's).
+attention or KV is left to speak of (ours: the live cache of --cache-type, float16 by default). For each text
+of tests/fixtures/llamacpp (the three fixtures and the extra texts) it prints the worst top-20 |difference|
+over the positions, on llama.cpp's 20 best tokens: ours vs llama.cpp (what the real-model tests check),
+llama.cpp vs the exact logits, and ours vs the exact logits. Where ours is near zero from the exact logits,
+the distance to llama.cpp is llama.cpp's own rounding (8-bit activations before each product, float16 KV,
+scores and GELU), not a difference of the model. Then, for the default model, whether our greedy replies to
+the chat fixtures (chat_reference.json) are llama.cpp's, token for token (`--activations q8`: ours with inputs
+as bytes, as llama.cpp's). `--write-fixture` also writes the exact logits on llama.cpp's top 20 of every text
+to EXACT_FIXTURE, against which test_real_models.py holds the default mode (its logits no farther from them
+than llama.cpp's).
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def main() -> int:
         "--cache-type", choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE, help="our live KV cache's type"
     )
     parser.add_argument(
-        "--activations", choices=kernels.ACTIVATIONS, default=kernels.DEFAULT_ACTIVATIONS, help="what our products take as inputs"
+        "--activations",
+        choices=kernels.ACTIVATIONS,
+        default=kernels.DEFAULT_ACTIVATIONS,
+        help="what our products take as inputs",
     )
     parser.add_argument("--write-fixture", action="store_true", help=f"write {EXACT_FIXTURE.name}")
     args = parser.parse_args()
@@ -102,7 +106,8 @@ def main() -> int:
     print(f"{'model':36} {'text':8} {'ours-llama.cpp':>14} {'llama.cpp-exact':>15} {'ours-exact':>10}")
     fixture: dict = {"generated_with": "benchmarks/exact_reference.py --write-fixture", "models": {}}
     for name in names:
-        model = load_model(name, cache_type="f32", activations="f32")  # the exact pass keeps its KV as computed
+        # the exact pass keeps its KV as computed
+        model = load_model(name, cache_type="f32", activations="f32")
         for text, ref in cases(name):
             exact = model.logits(ref["ids"])
             top20 = [[round(float(v), 5) for v in exact[i, ids]] for i, ids in enumerate(ref["top20_ids"])]

@@ -45,7 +45,9 @@ def main() -> int:
     from llama_chat.inference.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a known model name or a GGUF path (default: the default)")
+    parser.add_argument(
+        "--model", default=None, help="a known model name or a GGUF path (default: the default)"
+    )
     parser.add_argument("--activations", choices=ACTIVATIONS, default=DEFAULT_ACTIVATIONS)
     args = parser.parse_args()
     compiles = CompileTimes()

@@ -121,52 +121,120 @@ SPANISH = ("el", "la", "los", "las", "es", "y", "un", "una", "del")
 GERMAN = ("der", "die", "das", "ist", "und", "ein", "eine", "nicht")
 
 REQUESTS = [
-    *(Request("one word", f"Reply with the single word: {w}", one_word(w)) for w in
-      ("banana", "yes", "blue", "seven", "python", "hello", "stop", "orange")),
+    *(
+        Request("one word", f"Reply with the single word: {w}", one_word(w))
+        for w in ("banana", "yes", "blue", "seven", "python", "hello", "stop", "orange")
+    ),
     Request("one word", "What is the capital of France? Answer with one word.", one_word("paris")),
     Request("one word", "Name the largest planet in the solar system, in one word.", one_word("jupiter")),
-    *(Request("bullets", f"List exactly {n} {what} as bullet points, nothing else.", bullets(n)) for n, what in
-      ((3, "fruits"), (4, "colours"), (2, "programming languages"), (5, "animals"), (3, "rivers"),
-       (4, "vegetables"), (3, "sorting algorithms"), (2, "planets"))),
-    *(Request("JSON", f"Reply with only a JSON object with the keys {', '.join(keys)} for {what}.", json_with(set(keys)))
-      for keys, what in ((("name", "age"), "a made-up person"), (("title", "year"), "a film"),
-                         (("city", "country"), "a city"), (("x", "y"), "a point"),
-                         (("language", "typing"), "Python"), (("id", "done", "task"), "a to-do item"),
-                         (("red", "green", "blue"), "the colour purple"), (("width", "height"), "a rectangle"))),
-    *(Request("number", f"{q} Reply with the number only.", number(v)) for q, v in
-      (("What is 17 + 25?", 42), ("What is 9 times 8?", 72), ("How many days are in a week?", 7),
-       ("What is 100 divided by 4?", 25), ("What is 2 to the power of 10?", 1024),
-       ("How many minutes are in an hour?", 60), ("What is 15 - 6?", 9), ("How many legs does a spider have?", 8),
-       ("What is the square root of 81?", 9), ("How many sides does a hexagon have?", 6))),
-    *(Request("no question back", text, no_question_back) for text in
-      ("What is the difference between a list and a tuple?", "Reverse a string in Python.",
-       "Explain what a hash table is.", "How do I read a CSV file in Python and sum one column?",
-       "What is a prime number?", "Write a function that checks if a number is even.",
-       "Tell me about recursion.", "How do I undo the last git commit?", "What does HTTP 404 mean?",
-       "Describe a binary search.")),
-    *(Request("code that runs", text, code_that(test)) for text, test in
-      (("Write a Python function add(a, b) that returns their sum.", "assert add(2, 3) == 5"),
-       ("Write a Python function is_even(n) that returns True for even numbers.",
-        "assert is_even(4) and not is_even(7)"),
-       ("Write a Python function reverse(s) that returns the string reversed.", "assert reverse('abc') == 'cba'"),
-       ("Write a Python function factorial(n).", "assert factorial(5) == 120 and factorial(0) == 1"),
-       ("Write a Python function is_palindrome(s) that ignores case.",
-        "assert is_palindrome('Level') and not is_palindrome('abc')"),
-       ("Write a Python function largest(xs) that returns the largest number of a list.",
-        "assert largest([3, 9, 2]) == 9"),
-       ("Write a Python function count_vowels(s).", "assert count_vowels('education') == 5"),
-       ("Write a Python function fib(n) returning the n-th Fibonacci number, fib(0) = 0.",
-        "assert [fib(i) for i in range(7)] == [0, 1, 1, 2, 3, 5, 8]"),
-       ("Write a Python function celsius_to_fahrenheit(c).", "assert celsius_to_fahrenheit(100) == 212"),
-       ("Write a Python function unique(xs) that returns the items of a list without repeats, in order.",
-        "assert unique([1, 2, 1, 3, 2]) == [1, 2, 3]"))),
+    *(
+        Request("bullets", f"List exactly {n} {what} as bullet points, nothing else.", bullets(n))
+        for n, what in (
+            (3, "fruits"),
+            (4, "colours"),
+            (2, "programming languages"),
+            (5, "animals"),
+            (3, "rivers"),
+            (4, "vegetables"),
+            (3, "sorting algorithms"),
+            (2, "planets"),
+        )
+    ),
+    *(
+        Request(
+            "JSON",
+            f"Reply with only a JSON object with the keys {', '.join(keys)} for {what}.",
+            json_with(set(keys)),
+        )
+        for keys, what in (
+            (("name", "age"), "a made-up person"),
+            (("title", "year"), "a film"),
+            (("city", "country"), "a city"),
+            (("x", "y"), "a point"),
+            (("language", "typing"), "Python"),
+            (("id", "done", "task"), "a to-do item"),
+            (("red", "green", "blue"), "the colour purple"),
+            (("width", "height"), "a rectangle"),
+        )
+    ),
+    *(
+        Request("number", f"{q} Reply with the number only.", number(v))
+        for q, v in (
+            ("What is 17 + 25?", 42),
+            ("What is 9 times 8?", 72),
+            ("How many days are in a week?", 7),
+            ("What is 100 divided by 4?", 25),
+            ("What is 2 to the power of 10?", 1024),
+            ("How many minutes are in an hour?", 60),
+            ("What is 15 - 6?", 9),
+            ("How many legs does a spider have?", 8),
+            ("What is the square root of 81?", 9),
+            ("How many sides does a hexagon have?", 6),
+        )
+    ),
+    *(
+        Request("no question back", text, no_question_back)
+        for text in (
+            "What is the difference between a list and a tuple?",
+            "Reverse a string in Python.",
+            "Explain what a hash table is.",
+            "How do I read a CSV file in Python and sum one column?",
+            "What is a prime number?",
+            "Write a function that checks if a number is even.",
+            "Tell me about recursion.",
+            "How do I undo the last git commit?",
+            "What does HTTP 404 mean?",
+            "Describe a binary search.",
+        )
+    ),
+    *(
+        Request("code that runs", text, code_that(test))
+        for text, test in (
+            ("Write a Python function add(a, b) that returns their sum.", "assert add(2, 3) == 5"),
+            (
+                "Write a Python function is_even(n) that returns True for even numbers.",
+                "assert is_even(4) and not is_even(7)",
+            ),
+            (
+                "Write a Python function reverse(s) that returns the string reversed.",
+                "assert reverse('abc') == 'cba'",
+            ),
+            ("Write a Python function factorial(n).", "assert factorial(5) == 120 and factorial(0) == 1"),
+            (
+                "Write a Python function is_palindrome(s) that ignores case.",
+                "assert is_palindrome('Level') and not is_palindrome('abc')",
+            ),
+            (
+                "Write a Python function largest(xs) that returns the largest number of a list.",
+                "assert largest([3, 9, 2]) == 9",
+            ),
+            ("Write a Python function count_vowels(s).", "assert count_vowels('education') == 5"),
+            (
+                "Write a Python function fib(n) returning the n-th Fibonacci number, fib(0) = 0.",
+                "assert [fib(i) for i in range(7)] == [0, 1, 1, 2, 3, 5, 8]",
+            ),
+            ("Write a Python function celsius_to_fahrenheit(c).", "assert celsius_to_fahrenheit(100) == 212"),
+            (
+                "Write a Python function unique(xs) that returns the items of a list "
+                "without repeats, in order.",
+                "assert unique([1, 2, 1, 3, 2]) == [1, 2, 3]",
+            ),
+        )
+    ),
     # the language's common words, or the answer's own word in it (a one-word answer is an answer too)
-    *(Request("language", f"Answer in {lang}: {q}", in_language(*words, *answer)) for lang, q, words, answer in
-      (("French", "what colour is the sky?", FRENCH, ("bleu",)), ("Spanish", "what colour is the sky?", SPANISH,
-       ("azul",)), ("German", "what colour is the sky?", GERMAN, ("blau",)), ("French", "what is a cat?", FRENCH,
-       ("chat",)), ("Spanish", "what is water?", SPANISH, ("agua",)), ("German", "what is a house?", GERMAN,
-       ("haus",)), ("French", "name a fruit and its colour.", FRENCH, ("pomme", "rouge", "jaune")),
-       ("Spanish", "what day comes after Monday?", SPANISH, ("martes",)))),
+    *(
+        Request("language", f"Answer in {lang}: {q}", in_language(*words, *answer))
+        for lang, q, words, answer in (
+            ("French", "what colour is the sky?", FRENCH, ("bleu",)),
+            ("Spanish", "what colour is the sky?", SPANISH, ("azul",)),
+            ("German", "what colour is the sky?", GERMAN, ("blau",)),
+            ("French", "what is a cat?", FRENCH, ("chat",)),
+            ("Spanish", "what is water?", SPANISH, ("agua",)),
+            ("German", "what is a house?", GERMAN, ("haus",)),
+            ("French", "name a fruit and its colour.", FRENCH, ("pomme", "rouge", "jaune")),
+            ("Spanish", "what day comes after Monday?", SPANISH, ("martes",)),
+        )
+    ),
 ]
 
 
@@ -182,7 +250,9 @@ def score(model, system: str | None, requests: list[Request], samplings: list[Sa
         for i, sampling in enumerate(samplings):
             reply = "".join(generate(model, ids, sampling=sampling, max_tokens=MAX_TOKENS))
             passed = request.passes(reply)
-            tally = out.setdefault(request.kind, {"greedy": [0, 0], "sampled": [0, 0]})["sampled" if i else "greedy"]
+            tally = out.setdefault(request.kind, {"greedy": [0, 0], "sampled": [0, 0]})[
+                "sampled" if i else "greedy"
+            ]
             tally[0], tally[1] = tally[0] + passed, tally[1] + 1
             print(f"  {'pass' if passed else 'FAIL'} {request.text[:40]!r}: {reply[:70]!r}", file=sys.stderr)
     return out
@@ -194,7 +264,9 @@ def _total(kinds: dict, mode: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=2, help="sampled answers per request, beside the greedy one")
+    parser.add_argument(
+        "--samples", type=int, default=2, help="sampled answers per request, beside the greedy one"
+    )
     parser.add_argument("--only", type=int, default=1, metavar="N", help="every N-th request only")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="candidates, by name")
     parser.add_argument("--json", action="store_true")
@@ -212,7 +284,9 @@ def main() -> None:
         overall = f"{100 * (g + sp) / (gn + sn):.0f} %"
         detail = ", ".join(f"{kind} {k['greedy'][0]}/{k['greedy'][1]}+{k['sampled'][0]}/{k['sampled'][1]}"
                            for kind, k in kinds.items())
-        print(f"{name:18} {overall:>5}  greedy {g}/{gn}, sampled {sp}/{sn}; by kind (greedy+sampled): {detail}")
+        print(
+            f"{name:18} {overall:>5}  greedy {g}/{gn}, sampled {sp}/{sn}; by kind (greedy+sampled): {detail}"
+        )
     if args.json:
         print(json.dumps({"requests": len(requests), "samplings": len(samplings), "results": results}))
 

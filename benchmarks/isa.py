@@ -52,7 +52,8 @@ def cpu_name() -> str:
         return "unknown CPU"
     fields = dict(line.partition(":")[::2] for line in text.splitlines()[:30] if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family')}, model {fields.get('model')})"
+    name = fields.get("model name", "unknown CPU")
+    return f"{name} (family {fields.get('cpu family')}, model {fields.get('model')})"
 
 
 def llama_cpp_cmake_args(isa: str) -> list[str]:

@@ -1,6 +1,7 @@
 """How far replies from a resumed KV cache lie from the live cache's, for every KV codec (not CI).
 
-    .venv/bin/python benchmarks/kv_quality.py [--tokens N] [--models NAME ...] [--codecs C ...] [--texts T ...]
+    .venv/bin/python benchmarks/kv_quality.py [--tokens N] [--models NAME ...] [--codecs C ...] \\
+        [--texts T ...]
 
 For each model and each text below (code, prose, chat turns, JSON, one of ~2,000 tokens): the text
 is run on a live float cache, then N tokens are decoded greedily from it. Its KV (all but the last
@@ -129,7 +130,8 @@ CHAT_TRIP = [
 CHAT_CODE = [
     {
         "role": "user",
-        "content": "Why does this print 3 three times?\n\nfns = [lambda: i for i in range(3)]\nprint([f() for f in fns])",
+        "content": "Why does this print 3 three times?\n\n"
+        "fns = [lambda: i for i in range(3)]\nprint([f() for f in fns])",
     },
     {
         "role": "assistant",
@@ -371,7 +373,8 @@ def main(argv=None) -> int:
     for codec, s in summary.items():
         print(
             f"{codec:6} {s['bytes_per_token']:8.0f} B/token  greedy identical {s['greedy_identical']:>6}  "
-            f"worst KL {s['kl']:.2e}  mean KL {s['mean_kl']:.2e}  flipped margins up to {s['worst_flipped_margin']:.3f}",
+            f"worst KL {s['kl']:.2e}  mean KL {s['mean_kl']:.2e}  flipped margins up to "
+            f"{s['worst_flipped_margin']:.3f}",
             file=sys.stderr,
         )
     print(f"{time.perf_counter() - t0:.0f} s, {args.tokens} tokens per text", file=sys.stderr)

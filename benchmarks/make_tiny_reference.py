@@ -2,7 +2,7 @@
 replies on the tiny random model of every architecture (tests/tiny_models.py), so that each
 architecture is checked against llama.cpp without a real model and without llama.cpp in CI.
 
-    .venv/bin/python benchmarks/make_tiny_reference.py [--llamacpp-python PATH]
+    .venv/bin/python benchmarks/make_tiny_reference.py [--llamacpp-python PATH] [--arch ARCH ...]
 
 The models are the tiny ones with every matrix in float32 and llama.cpp runs in its float32
 configuration (F32 KV cache, no flash attention, which rounds q to float16): its rounding of
@@ -15,7 +15,9 @@ logits at every position of the text (float32, the .npy) and its greedy continua
 prompt, with the smallest margin between its two best tokens along it. llama.cpp runs in a child
 process of another Python (llama-cpp-python is no dependency of this project: `pip install
 llama-cpp-python` there, or --llamacpp-python names its interpreter). The tests write the tiny models
-again from the same seed, byte for byte the files used here.
+again from the same seed, byte for byte the files used here. `--arch` writes those architectures'
+entries again and keeps the others'. Templates that write the current date render it as the fixed
+day of tiny_models.FixtureDay.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llama_chat.inference import load_model  # noqa: E402
+from llama_chat.inference import chat_template, load_model  # noqa: E402
 from llama_chat.inference.prompt import prompt_text  # noqa: E402
-from tiny_models import ARCHS, write_tiny_model  # noqa: E402
+from tiny_later_archs import LONG_CONTEXT  # noqa: E402
+from tiny_models import ARCHS, FixtureDay, write_tiny_model  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
 TEXT = "the hello world is in the air, then the water and the sun; it is a test of the tiny model"
@@ -44,7 +47,6 @@ MESSAGES = [
     {"role": "user", "content": "then the world is a test"},
 ]
 GREEDY_TOKENS = 24
-N_CTX = 256  # at most phi3's original context: llama.cpp takes its short LongRoPE factors
 FLOAT32 = {"type_k": 0, "type_v": 0, "flash_attn": False}  # GGML_TYPE_F32
 
 CHILD = """
@@ -71,9 +73,14 @@ print(json.dumps({"text_ids": text_ids, "prompt_ids": prompt_ids, "greedy_ids": 
 """
 
 
-def reference(arch: str, folder: Path, python: str) -> dict:
+def reference(
+    arch: str, folder: Path, python: str, n_ctx: int | None = None, name: str | None = None
+) -> dict:
+    """llama.cpp run with the context `n_ctx`, or the model's own: phi3's original one, where llama.cpp
+    takes its short LongRoPE factors (LONG_CONTEXT: the same phi3 past it, with its long ones)."""
+    name = name or arch
     path = write_tiny_model(folder / f"tiny-{arch}.gguf", arch, quantized=False)
-    model = load_model(path, cache_type="f32")
+    model = load_model(path, cache_type="f32", n_ctx=n_ctx)
     tok = model.tokenizer
     prompt = prompt_text(model, MESSAGES, True, None)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode()
@@ -84,9 +91,9 @@ def reference(arch: str, folder: Path, python: str) -> dict:
         "prompt_add_bos": tok.add_bos and not (bos_text and prompt.startswith(bos_text)),
         "n_greedy": GREEDY_TOKENS,
         "options": FLOAT32,
-        "n_ctx": N_CTX,
+        "n_ctx": model.config.n_ctx_train,
     }
-    logits_path = folder / f"{arch}.npy"
+    logits_path = folder / f"{name}.npy"
     done = subprocess.run(
         [python, "-c", CHILD, str(path), json.dumps(jobs), str(logits_path)],
         check=True,
@@ -95,11 +102,11 @@ def reference(arch: str, folder: Path, python: str) -> dict:
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     logits = np.load(logits_path)
-    np.save(OUT / f"tiny.{arch}.npy", logits)
+    np.save(OUT / f"tiny.{name}.npy", logits)
     ours = model.logits(result["text_ids"])
     same = tok.encode(TEXT, add_bos=tok.add_bos) == result["text_ids"]
     print(
-        f"{arch}: text {len(result['text_ids'])} ids (ours the same: {same}), worst |logit difference|"
+        f"{name}: text {len(result['text_ids'])} ids (ours the same: {same}), worst |logit difference|"
         f" {np.abs(ours - logits).max():.1e}, prompt {len(result['prompt_ids'])} ids,"
         f" smallest greedy margin {min(result['margins']):.3f}"
     )
@@ -109,9 +116,17 @@ def reference(arch: str, folder: Path, python: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llamacpp-python", default=sys.executable, help="a Python with llama_cpp installed")
+    parser.add_argument("--arch", action="append", choices=ARCHS, help="only this one (repeatable)")
     args = parser.parse_args()
+    chat_template.datetime = FixtureDay
+    kept = json.loads((OUT / "tiny.json").read_text())["models"] if args.arch else {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {arch: reference(arch, Path(tmp), args.llamacpp_python) for arch in ARCHS}
+        made = {arch: reference(arch, Path(tmp), args.llamacpp_python) for arch in args.arch or ARCHS}
+        for name, (arch, n_ctx) in LONG_CONTEXT.items():
+            if arch in made:
+                made[name] = reference(arch, Path(tmp), args.llamacpp_python, n_ctx, name)
+    names = [*ARCHS, *LONG_CONTEXT]
+    models = {name: made.get(name) or kept[name] for name in names if name in made or name in kept}
     fixture = {"text": TEXT, "messages": MESSAGES, "models": models}
     (OUT / "tiny.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
     return 0

@@ -38,7 +38,9 @@ def main() -> None:
     sampling = sampling_params({}, model_sampling(model))
     flagged = 0
     for request in REQUESTS:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": request}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": request}
+        ]
         prompt = chat_prompt_ids(model, messages)
         for seed in range(args.samples):
             reply = "".join(generate(model, prompt, sampling=replace(sampling, seed=seed), max_tokens=80))

@@ -147,11 +147,13 @@ def main() -> int:
         prefill = recompute["prefill_tok_s"]
         say(
             args,
-            f"{n_tokens} tokens, {len(keys)} blocks, {stored_bytes / 1e6:.2f} MB stored ({report['bytes_per_token']} B/token)",
+            f"{n_tokens} tokens, {len(keys)} blocks, {stored_bytes / 1e6:.2f} MB stored "
+            f"({report['bytes_per_token']} B/token)",
         )
         say(
             args,
-            f"recomputed: TTFT {recompute['ttft_s']:.2f} s ({recompute['prefilled']} tokens at {prefill:.0f} tok/s)",
+            f"recomputed: TTFT {recompute['ttft_s']:.2f} s "
+            f"({recompute['prefilled']} tokens at {prefill:.0f} tok/s)",
         )
         break_even = stored_bytes / (len(keys) * model.pool.block_size / prefill)
         report["break_even_mb_s"] = round(break_even / 1e6, 3)

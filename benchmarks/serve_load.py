@@ -6,9 +6,9 @@ or, with --soak, a bounded soak of `llama-chat serve` alone.
     python benchmarks/serve_load.py --soak SECONDS [--clients N] [--max-tokens 32] [--threads 2] [--model ...]
 
 C clients at once, each a 3-turn conversation (streamed, seeded) that starts with the same system
-prompt of about 1,000 tokens (--system-tokens). Per C and per server: TTFT p50/p95, time per output token, aggregate
-output tok/s, prompt tokens computed vs cached, KV bytes and peak RSS. Then both servers are restarted
-and every conversation sends its next turn: llama-chat reads its KV back from the database,
+prompt of about 1,000 tokens (--system-tokens). Per C and per server: TTFT p50/p95, time per output token,
+aggregate output tok/s, prompt tokens computed vs cached, KV bytes and peak RSS. Then both servers are
+restarted and every conversation sends its next turn: llama-chat reads its KV back from the database,
 llama-server recomputes it. Prints a table with the ratios (llama-chat / llama-server), then one JSON
 object on the last line.
 
@@ -200,7 +200,10 @@ def summary(turns: list[Turn], wall: float) -> dict:
 
 def measure(server: Server, folder: Path, clients: int, system: str, max_tokens: int) -> dict:
     """C conversations of TURNS turns, then a restart and each one's next turn."""
-    convs = [Conversation(c, seed=100 + c, messages=[{"role": "system", "content": system}]) for c in range(clients)]
+    convs = [
+        Conversation(c, seed=100 + c, messages=[{"role": "system", "content": system}])
+        for c in range(clients)
+    ]
     server.start(folder)
     try:
         wall = run_turns(server, convs, list(range(TURNS)), max_tokens)
@@ -244,7 +247,11 @@ def soak(model: str, threads: int, folder: Path, seconds: float, clients: int, m
         while time.monotonic() < end:
             session = rng.choice(sessions) if rng.random() < 0.6 else None
             start = [] if session else [{"role": "system", "content": system}]
-            conv = Conversation(i, rng.randrange(1 << 30), [*start, {"role": "user", "content": question(i, rng.randrange(50))}])
+            conv = Conversation(
+                i,
+                rng.randrange(1 << 30),
+                [*start, {"role": "user", "content": question(i, rng.randrange(50))}],
+            )
             stream, leave = rng.random() < 0.5, rng.random() < 0.33
             pieces = rng.randrange(1, 8) if leave and stream and rng.random() < 0.5 else None
             timeout = rng.uniform(0.05, 0.3) if leave and pieces is None else 600
@@ -270,7 +277,9 @@ def soak(model: str, threads: int, folder: Path, seconds: float, clients: int, m
             if health["active"] == 0 and health["queued"] == 0:
                 break
             time.sleep(0.5)
-        stored = [server.get(f"/v1/sessions/{s['id']}")["messages"] for s in server.get("/v1/sessions")["data"]]
+        stored = [
+            server.get(f"/v1/sessions/{s['id']}")["messages"] for s in server.get("/v1/sessions")["data"]
+        ]
         replayed = random.Random(0).sample(whole, min(len(whole), 32))  # bounded: at most 32 solo runs
         differ = sum(ask(server, Conversation(0, conv.seed, conv.messages), max_tokens).text != text
                      for conv, text in replayed)
@@ -300,7 +309,14 @@ def ghost_turns(messages: list[dict]) -> int:
 
 
 def soak_failed(result: dict) -> bool:
-    checks = ("failed", "kv_in_use_after_bytes", "active_after", "queued_after", "ghost_turns", "replies_unlike_solo")
+    checks = (
+        "failed",
+        "kv_in_use_after_bytes",
+        "active_after",
+        "queued_after",
+        "ghost_turns",
+        "replies_unlike_solo",
+    )
     return any(result[check] for check in checks)
 
 
@@ -332,21 +348,30 @@ def table(results: dict) -> str:
         ours, theirs = by_server.get("llama-chat", {}), by_server.get("llama-server", {})
         for label, key, fmt in ROWS:
             scale = 2**20 if key in ("kv_bytes", "peak_rss_bytes") else 1
-            cells = [fmt.format(r[key] / scale if scale > 1 else r[key]) if key in r else "–" for r in (ours, theirs)]
-            lines.append(f"| {c} | {label} | {cells[0]} | {cells[1]} | {ratio(ours.get(key), theirs.get(key))} |")
+            cells = [
+                fmt.format(r[key] / scale if scale > 1 else r[key]) if key in r else "–"
+                for r in (ours, theirs)
+            ]
+            lines.append(
+                f"| {c} | {label} | {cells[0]} | {cells[1]} | {ratio(ours.get(key), theirs.get(key))} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,4,8,16", help="client counts to run; with --soak, its clients (the largest)")
+    parser.add_argument(
+        "--clients", default="1,4,8,16", help="client counts to run; with --soak, its clients (the largest)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--system-tokens", type=int, default=1000, help="the shared system prompt's length")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (default: built once)")
     parser.add_argument("--no-llama-server", action="store_true", help="llama-chat's column only")
-    parser.add_argument("--soak", type=float, metavar="SECONDS", help="only a soak of llama-chat serve this long")
+    parser.add_argument(
+        "--soak", type=float, metavar="SECONDS", help="only a soak of llama-chat serve this long"
+    )
     parser.add_argument("--isa", choices=ISAS, default="native", help="the instruction set both servers use")
     args = parser.parse_args()
     gguf = resolve_model(args.model)
@@ -376,8 +401,11 @@ def main() -> int:
     print(table(results))
     ours = {c: r["llama-chat"] for c, r in results.items()}
     if 1 in ours and 8 in ours:
-        print(f"8 clients: aggregate output {ours[8]['output_tok_s'] / ours[1]['output_tok_s']:.2f}× one client's; "
-              f"KV in use {ours[8]['kv_bytes'] / max(ours[1]['kv_bytes'], 1):.2f}× one conversation's")
+        print(
+            f"8 clients: aggregate output {ours[8]['output_tok_s'] / ours[1]['output_tok_s']:.2f}× "
+            f"one client's; KV in use {ours[8]['kv_bytes'] / max(ours[1]['kv_bytes'], 1):.2f}× "
+            "one conversation's"
+        )
     if why:
         print(why)
     print(json.dumps({"results": results, "isa": args.isa, "llama_server": str(binary) if binary else why}))
@@ -388,7 +416,9 @@ def run_soak(args, clients: int, system: str) -> int:
     if not 0 < args.soak <= 3600 or not 0 < clients <= 64:
         raise SystemExit("serve_load.py: --soak takes 1 to 3600 seconds and --clients 1 to 64 clients")
     with tempfile.TemporaryDirectory() as tmp:
-        result = soak(args.model, args.threads, Path(tmp), args.soak, clients, args.max_tokens, system, args.isa)
+        result = soak(
+            args.model, args.threads, Path(tmp), args.soak, clients, args.max_tokens, system, args.isa
+        )
     failed = soak_failed(result)
     print(f"soak: {'FAILED' if failed else 'passed'}: {result}")
     print(json.dumps({"soak": result, "isa": args.isa}))

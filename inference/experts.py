@@ -1,5 +1,5 @@
-"""A mixture of experts (qwen3moe): a router picks k of a layer's expert FFNs for each token, and the
-token's FFN output is their outputs weighted as the router says (llama.cpp's build_moe_ffn).
+"""A mixture of experts (qwen3moe, gpt-oss): a router picks k of a layer's expert FFNs for each token, and
+the token's FFN output is their outputs weighted as the router says (llama.cpp's build_moe_ffn).
 
 Each expert's matrices are packed as matrices of their own (weights.py), so the kernels take an
 expert as they take any matrix. Decode reads only the chosen experts' weights; a prompt's rows are
@@ -33,12 +33,29 @@ class Experts:
     router: PackedMatrix  # ffn_gate_inp [n_expert, d]
     gate_up: tuple[PackedMatrix | StackedMatrix, ...]  # each expert's gate and up fused [2·n_ff_exp, d]
     down: tuple[PackedMatrix | StackedMatrix, ...]  # each expert's [d, n_ff_exp]
+    router_bias: np.ndarray | None = None  # [n_expert] (gpt-oss)
+    gate_up_bias: np.ndarray | None = None  # [n_expert, 2·n_ff_exp], gate's then up's (gpt-oss)
+    down_bias: np.ndarray | None = None  # [n_expert, d]
+
+    def biases(self, expert: int) -> dict:
+        """The expert's biases, as gated_ffn takes them (none where the model has none)."""
+        if self.gate_up_bias is None:
+            return {}
+        return {"gate_up_bias": self.gate_up_bias[expert], "down_bias": self.down_bias[expert]}
 
 
-def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The router's choice for each row of logits [T, n_expert]: the k experts of the highest softmax
-    probability [T, k], best first, and their weights [T, k] (those probabilities, divided by their sum
-    where `normalize`)."""
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int, normalize: bool, gating: str = "softmax") -> tuple[np.ndarray, ...]:
+    """The router's choice for each row of logits [T, n_expert]: the k experts of the highest logits
+    [T, k], best first, and their weights [T, k]. "softmax" gating: their probabilities of a softmax over
+    all experts, divided by their sum where `normalize`; "softmax_weight": a softmax over the k logits."""
+    if gating == "softmax_weight":
+        chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        return chosen, softmax(np.take_along_axis(logits, chosen, axis=-1))
     probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
     chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
@@ -48,14 +65,18 @@ def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.n
     return chosen, weights
 
 
-Ffn = Callable[[np.ndarray, object, object], np.ndarray]  # (rows, gate_up, down) → [rows, d]
+Ffn = Callable[..., np.ndarray]  # (rows, gate_up, down, **biases) → [rows, d]
 
 
-def mixture(x: np.ndarray, experts: Experts, k: int, normalize: bool, ffn: Ffn) -> np.ndarray:
+def mixture(x: np.ndarray, experts: Experts, k: int, gating: str, normalize: bool, ffn: Ffn) -> np.ndarray:
     """x [T, d] → Σ over each row's k chosen experts of weight · ffn(row, gate_up, down), [T, d]."""
-    chosen, weights = route(kernels.matmul(x, experts.router), k, normalize)
+    logits = kernels.matmul(x, experts.router)
+    if experts.router_bias is not None:
+        logits += experts.router_bias
+    chosen, weights = route(logits, k, normalize, gating)
     out = np.zeros_like(x)
     for e in np.unique(chosen):  # in order of the experts' numbers
         rows, slots = np.nonzero(chosen == e)
-        out[rows] += ffn(x[rows], experts.gate_up[e], experts.down[e]) * weights[rows, slots][:, None]
+        share = ffn(x[rows], experts.gate_up[e], experts.down[e], **experts.biases(e))
+        out[rows] += share * weights[rows, slots][:, None]
     return out

@@ -2,8 +2,9 @@
 (the weights stay quantized; their matrix products are compiled kernels, see kernels.py).
 
 Shapes in comments: T new tokens, S cached positions, d = n_embd, hd = head_dim.
-Architecture differences (QKV bias, q/k norms, post-norms, sliding windows, GELU vs SiLU,
-embedding scale, soft-capping) are switches in `ModelConfig`, read from the GGUF metadata.
+Architecture differences (QKV bias, q/k norms, pre- and post-norms, sliding windows, GELU vs SiLU,
+embedding, residual and logit scales, soft-capping, layers without RoPE) are switches in
+`ModelConfig`, read from the GGUF metadata.
 The weights come as `Weights` (built once at load by weights.py), the KV as `KVSequence`s whose
 memory layout is kv_cache.py's business. One call of `step` is one forward pass: cutting a long
 prompt into passes is the caller's (model.Model.prefill).
@@ -12,7 +13,7 @@ prompt into passes is the caller's (model.Model.prefill).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -23,6 +24,8 @@ from .cpu import PROFILE
 from .errors import ContextFullError
 from .kv_arena import KVViews
 from .kv_cache import KVSequence
+from .rope import rope
+from .segment import Segment
 
 if TYPE_CHECKING:
     from .experts import Experts
@@ -40,18 +43,20 @@ class LayerWeights:
     """One transformer block's weights as the kernels read them; the optional ones are None where the
     architecture has none."""
 
-    attn_norm: np.ndarray  # [d]
+    attn_norm: np.ndarray | None  # [d] (None: olmo2, whose norms come after)
     attn_qkv: PackedMatrix | StackedMatrix  # q, k and v fused: [q_dim + 2·kv_dim, d]
     attn_output: PackedMatrix  # [d, q_dim]
-    ffn_norm: np.ndarray  # [d]
+    ffn_norm: np.ndarray | None  # [d]
     ffn_gate_up: PackedMatrix | None = None  # gate and up fused: [2·n_ff, d] (None: experts instead)
     ffn_down: PackedMatrix | None = None  # [d, n_ff]
     experts: Experts | None = None  # a mixture of experts in place of the one FFN (qwen3moe)
     attn_qkv_bias: np.ndarray | None = None  # [q_dim + 2·kv_dim] (qwen2)
-    attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3)
-    attn_k_norm: np.ndarray | None = None  # [hd]
+    attn_q_norm: np.ndarray | None = None  # [hd] (qwen3, gemma3); [q_dim] (olmo2)
+    attn_k_norm: np.ndarray | None = None  # [hd]; [kv_dim] (olmo2)
     post_attention_norm: np.ndarray | None = None  # [d] (gemma3)
     post_ffw_norm: np.ndarray | None = None  # [d]
+    attn_output_bias: np.ndarray | None = None  # [d] (gpt-oss)
+    attn_sinks: np.ndarray | None = None  # [n_head] each head's sink logit (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -82,45 +87,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(mean_square + F32(eps))) * weight
 
 
-@lru_cache(maxsize=8)
-def _rope_cos_sin(positions: bytes, head_dim: int, base: float, factors: bytes | None, scale: float) -> tuple:
-    """cos and sin of position·frequency [T, hd/2], times `scale`; the same for every layer of a step
-    (per RoPE base)."""
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    if factors is not None:
-        inv = inv / np.frombuffer(factors, dtype=np.float32)
-    angles = np.frombuffer(positions, dtype=np.int64).astype(np.float64)[:, None] * inv[None, :]
-    cos, sin = (np.cos(angles) * scale).astype(F32), (np.sin(angles) * scale).astype(F32)
-    cos.flags.writeable = sin.flags.writeable = False
-    return cos, sin
-
-
-def rope(
-    x: np.ndarray,
-    positions: np.ndarray,
-    base: float,
-    neox: bool,
-    freq_factors: np.ndarray | None,
-    n_rot: int = 0,
-    scale: float = 1.0,
-) -> np.ndarray:
-    """Rotate pairs of channels by position·frequency. x [n_heads, T, hd], positions [T] (may be negative).
-    Only the first n_rot channels turn where n_rot is set (0: all), the others pass as they are; `scale`
-    multiplies the turned ones (LongRoPE's attention factor)."""
-    hd = x.shape[-1]
-    if 0 < n_rot < hd:
-        turned = rope(x[..., :n_rot], positions, base, neox, freq_factors, 0, scale)
-        return np.concatenate([turned, x[..., n_rot:]], axis=-1)
-    factors = None if freq_factors is None else np.asarray(freq_factors).tobytes()
-    cos, sin = _rope_cos_sin(np.asarray(positions, dtype=np.int64).tobytes(), hd, base, factors, scale)
-    if neox:  # pairs are (i, i + hd/2)
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]  # pairs are (2i, 2i + 1)
-    out = np.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x2 * cos + x1 * sin
-    return out
+def pre_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """The RMSNorm before attention or the FFN; none where the architecture has none (olmo2)."""
+    return x if weight is None else rms_norm(x, weight, eps)
 
 
 def linear(x: np.ndarray, weight) -> np.ndarray:
@@ -130,21 +99,26 @@ def linear(x: np.ndarray, weight) -> np.ndarray:
     return kernels.matmul(x, weight)
 
 
-def exp_shifted_(x: np.ndarray) -> np.ndarray:
+def exp_shifted_(x: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
     """exp(x - max) over the last axis, in place (the scores are large in a long prefill); returns the
-    row sums. Softmax without its division: the caller divides the S-times-smaller attention output."""
-    x -= x.max(axis=-1, keepdims=True)
+    row sums. Softmax without its division: the caller divides the S-times-smaller attention output.
+    `sinks` (broadcast to x's rows): a logit more in each row's softmax, one that has no value."""
+    top = x.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks)
+    x -= top
     np.exp(x, out=x)
-    return x.sum(axis=-1, keepdims=True)
+    total = x.sum(axis=-1, keepdims=True)
+    return total if sinks is None else total + np.exp(sinks - top)
 
 
 def _join(pieces: list[np.ndarray], axis: int) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
 
 
-def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
+def attention(q, parts, mask, scale: float, softcap: float, sinks=None) -> np.ndarray:
     """Grouped-query attention. q [n_head, T, hd]; parts: (k, v) pieces of the cache, each [n_kv, S_i, hd],
-    in position order; mask [T, S] (0 or -inf) or None → [T, n_head·hd]."""
+    in position order; mask [T, S] (0 or -inf) or None; sinks [n_head] or None → [T, n_head·hd]."""
     n_head, T, hd = q.shape
     n_kv = parts[0][0].shape[0]
     group = n_head // n_kv
@@ -166,7 +140,8 @@ def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
         scores = np.tanh(scores / F32(softcap)) * F32(softcap)
     if mask is not None:
         scores += mask
-    total = exp_shifted_(scores).reshape(n_kv, group * T, 1)
+    head_sinks = None if sinks is None else sinks.reshape(n_kv, group, 1, 1)
+    total = exp_shifted_(scores, head_sinks).reshape(n_kv, group * T, 1)
     weights = scores.reshape(n_kv, group * T, S)
     out, start = None, 0
     for _, v in parts:
@@ -177,12 +152,15 @@ def attention(q, parts, mask, scale: float, softcap: float) -> np.ndarray:
     return out.reshape(n_head, T, hd).transpose(1, 0, 2).reshape(T, n_head * hd)
 
 
-def one_token_attention(q, k, v, runs, scale: float) -> np.ndarray:
+def one_token_attention(q, k, v, runs, scale: float, sinks=None) -> np.ndarray:
     """attention() of one query row by the compiled kernel: q [n_head, 1, hd]; k, v one layer of the
     cache [n_kv, N, hd] and the runs (first, n) of it to attend to (KVViews.runs) → [1, n_head·hd]."""
     n_head, _, hd = q.shape
-    qg = q.reshape(k.shape[0], n_head // k.shape[0], hd) * F32(scale)  # query heads by the kv head they share
-    return kernels.one_token_attention(qg, k, v, runs).reshape(1, n_head * hd)
+    n_kv = k.shape[0]
+    qg = q.reshape(n_kv, n_head // n_kv, hd) * F32(scale)  # query heads by the kv head they share
+    if sinks is None:
+        return kernels.one_token_attention(qg, k, v, runs).reshape(1, n_head * hd)
+    return kernels.one_token_attention(qg, k, v, runs, sinks.reshape(n_kv, -1)).reshape(1, n_head * hd)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -196,54 +174,39 @@ def silu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, e, out=e)
 
 
-def gated_ffn(x: np.ndarray, gate_up, down, act: str) -> np.ndarray:
-    """x [T, d] → down · (act(gate · x) * (up · x)) [T, d], gate and up fused in gate_up [2·n_ff, d]."""
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = F32(1.702), F32(7.0)  # gpt-oss's (llama.cpp's build_moe_ffn)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's gated unit: the gate clamped above and the up projection both ways at the limit, then
+    gate·sigmoid(alpha·gate)·(up + 1)."""
+    gate = np.minimum(gate, SWIGLU_OAI_LIMIT)
+    up = np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return gate / (F32(1.0) + np.exp(-SWIGLU_OAI_ALPHA * gate)) * (up + F32(1.0))
+
+
+def gated_ffn(x: np.ndarray, gate_up, down, act: str, gate_up_bias=None, down_bias=None) -> np.ndarray:
+    """x [T, d] → down · (act(gate · x) * (up · x)) [T, d], gate and up fused in gate_up [2·n_ff, d];
+    the biases [2·n_ff] and [d] added to the products where given."""
     gate_up = linear(x, gate_up)  # [T, 2·n_ff]
+    if gate_up_bias is not None:
+        gate_up += gate_up_bias
     n_ff = gate_up.shape[1] // 2
     gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
-    h = gelu_tanh(gate) if act == "gelu" else silu(gate)
-    h *= up
-    return linear(h, down)  # [T, d]
+    if act == "swiglu_oai":
+        h = swiglu_oai(gate, up)
+    else:
+        h = gelu_tanh(gate) if act == "gelu" else silu(gate)
+        h *= up
+    out = linear(h, down)  # [T, d]
+    return out if down_bias is None else out + down_bias
 
 
 def feed_forward(x: np.ndarray, lw: LayerWeights, cfg: ModelConfig) -> np.ndarray:
     if lw.experts is None:
         return gated_ffn(x, lw.ffn_gate_up, lw.ffn_down, cfg.ffn_act)
     ffn = partial(gated_ffn, act=cfg.ffn_act)
-    return experts.mixture(x, lw.experts, cfg.n_expert_used, cfg.expert_weights_norm, ffn)
-
-
-class Segment:
-    """The rows of a forward step that belong to one sequence, and where their KV goes."""
-
-    def __init__(
-        self, seq: KVSequence, rows: slice, tokens: np.ndarray, attention_rows: int, all_rows: bool, commit: bool
-    ):
-        self.seq, self.rows, self.tokens = seq, rows, tokens
-        self.attention_rows = attention_rows  # query rows per attention call (1: each as its own decode)
-        # the rows that go on past the last layer's attention: all of them (their logits are wanted) or
-        # only the last (a prompt's: llama.cpp's skipping of unused outputs)
-        self.kept = rows if all_rows else slice(rows.stop - 1, rows.stop)
-        self.commit = commit  # whether the sequence takes the new tokens (else see verify_draft)
-        self.positions = np.arange(seq.n_tokens, seq.n_tokens + len(tokens))
-        self.where = seq.reserve(len(tokens))  # where the new tokens' KV goes (for seq.write)
-        self._views: dict[tuple[int, int, int], tuple] = {}
-
-    def view(self, window: int, lo: int, hi: int) -> tuple[KVViews, np.ndarray | None]:
-        """What rows lo..hi-1 attend to: the cached positions from the first key any of them sees to the
-        last row's own, and their mask (made once per window, read by every layer)."""
-        if (window, lo, hi) not in self._views:
-            positions = self.positions[lo:hi]
-            first = max(int(positions[0]) - window + 1, 0) if window else 0
-            end = int(positions[-1]) + 1
-            views = self.seq.views(first, end)
-            dist = positions[:, None] - np.arange(first, end)[None, :]  # [rows, S]
-            hidden = dist < 0
-            if window:
-                hidden |= dist >= window
-            mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
-            self._views[window, lo, hi] = (views, mask)
-        return self._views[window, lo, hi]
+    return experts.mixture(x, lw.experts, cfg.n_expert_used, cfg.expert_gating, cfg.expert_weights_norm, ffn)
 
 
 ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys only up to its last row
@@ -251,7 +214,7 @@ ATTENTION_ROWS = 128  # query rows per attention call: each group reads keys onl
 KERNEL_ATTENTION_FROM = PROFILE.kernel_attention_from
 
 
-def attend(q: np.ndarray, seg: Segment, layer: int, cfg: ModelConfig, window: int) -> np.ndarray:
+def attend(q: np.ndarray, seg: Segment, layer: int, cfg: ModelConfig, window: int, sinks=None) -> np.ndarray:
     """One sequence's attention over its cached blocks, read as slices of the arena. q holds the
     segment's last rows (all of them, or only the last one). A long prefill goes in groups of rows:
     causal attention lets the early rows skip the later keys, a quarter to a third of the work."""
@@ -264,25 +227,25 @@ def attend(q: np.ndarray, seg: Segment, layer: int, cfg: ModelConfig, window: in
         q_rows = q[:, lo - (T - rows) : hi - (T - rows)]
         softcap = cfg.attn_logit_softcap
         if hi - lo == 1 and mask is None and not softcap and views.n_positions >= KERNEL_ATTENTION_FROM:
-            out.append(one_token_attention(q_rows, *views.runs(layer), scale))
+            out.append(one_token_attention(q_rows, *views.runs(layer), scale, sinks))
         else:
-            out.append(attention_in_threads(q_rows, views, layer, mask, scale, softcap))
+            out.append(attention_in_threads(q_rows, views, layer, mask, scale, softcap, sinks))
     return _join(out, axis=0)
 
 
-def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, softcap: float) -> np.ndarray:
+def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, softcap: float, sinks=None):
     """attention() with the query rows split over the threads where that pays (kernels.attention_threads).
     Where a row's bits matter (a prompt read alone or beside others) the split depends only on its own
     segment's rows, so it is the same either way."""
-    parts = [(k.astype(F32, copy=False), v.astype(F32, copy=False)) for k, v in views.layer(layer)]  # (BLAS has
-    # no float16: a float16 cache is read once per call into float32, shared by the threads below)
+    # (BLAS has no float16: a float16 cache is read once per call into float32, shared by the threads below)
+    parts = [(k.astype(F32, copy=False), v.astype(F32, copy=False)) for k, v in views.layer(layer)]
     T = q.shape[1]
     n = kernels.attention_threads(T, views.n_positions)
     if n == 1:
-        return attention(q, parts, mask, scale, softcap)
+        return attention(q, parts, mask, scale, softcap, sinks)
     cuts = [T * i // n for i in range(n + 1)]
     tasks = [
-        partial(attention, q[:, a:b], parts, None if mask is None else mask[a:b], scale, softcap)
+        partial(attention, q[:, a:b], parts, None if mask is None else mask[a:b], scale, softcap, sinks)
         for a, b in zip(cuts, cuts[1:])
     ]
     return np.concatenate(kernels.in_parallel(tasks))
@@ -305,25 +268,32 @@ def self_attention(
     qkv = linear(x, lw.attn_qkv)  # [T, q_dim + 2·kv_dim]
     if lw.attn_qkv_bias is not None:
         qkv += lw.attn_qkv_bias
+    if cfg.qk_norm_whole:  # olmo2: q and k normed over all their heads at once
+        qkv[:, :q_dim] = rms_norm(qkv[:, :q_dim], lw.attn_q_norm, cfg.norm_eps)
+        qkv[:, q_dim : q_dim + kv_dim] = rms_norm(
+            qkv[:, q_dim : q_dim + kv_dim], lw.attn_k_norm, cfg.norm_eps
+        )
     q = qkv[:, :q_dim].reshape(T, cfg.n_head, cfg.head_dim).transpose(1, 0, 2)  # [n_head, T, hd]
     k = qkv[:, q_dim : q_dim + kv_dim].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
     v = qkv[:, q_dim + kv_dim :].reshape(T, cfg.n_head_kv, cfg.head_dim).transpose(1, 0, 2)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, lw.attn_q_norm, cfg.norm_eps)
         k = rms_norm(k, lw.attn_k_norm, cfg.norm_eps)
     sliding = cfg.is_sliding(layer)
     base = cfg.rope_base_swa if sliding else cfg.rope_base
-    q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_attn_factor)
-    k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_attn_factor)
+    if cfg.rotates(layer):
+        q = rope(q, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_scale, cfg.yarn)
+        k = rope(k, positions, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, cfg.rope_scale, cfg.yarn)
     window = cfg.sliding_window if sliding else 0
     rows = [seg.kept if last_layer else seg.rows for seg in segments]
     out = np.empty((sum(r.stop - r.start for r in rows), q_dim), dtype=F32)
     at = 0
     for seg, r in zip(segments, rows, strict=True):
         seg.seq.write(layer, seg.where, k[:, seg.rows], v[:, seg.rows])
-        out[at : at + r.stop - r.start] = attend(q[:, r], seg, layer, cfg, window)
+        out[at : at + r.stop - r.start] = attend(q[:, r], seg, layer, cfg, window, lw.attn_sinks)
         at += r.stop - r.start
-    return linear(out, lw.attn_output)  # [rows, d]
+    out = linear(out, lw.attn_output)  # [rows, d]
+    return out if lw.attn_output_bias is None else out + lw.attn_output_bias
 
 
 def transformer_block(
@@ -338,27 +308,37 @@ def transformer_block(
     """In the last layer, go on with the rows each segment keeps (Segment.kept: nothing reads the others
     there but their K and V)."""
     lw = w.layers[layer]
-    h = self_attention(rms_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer)
+    h = self_attention(
+        pre_norm(x, lw.attn_norm, cfg.norm_eps), w, layer, cfg, segments, positions, last_layer
+    )
     if last_layer and any(seg.kept != seg.rows for seg in segments):
         x = x[np.concatenate([np.arange(seg.kept.start, seg.kept.stop) for seg in segments])]
     if cfg.post_norms:
         h = rms_norm(h, lw.post_attention_norm, cfg.norm_eps)
+    if cfg.residual_scale:  # granite
+        h *= F32(cfg.residual_scale)
     x = x + h
-    h = feed_forward(rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw, cfg)
+    h = feed_forward(pre_norm(x, lw.ffn_norm, cfg.norm_eps), lw, cfg)
     if cfg.post_norms:
         h = rms_norm(h, lw.post_ffw_norm, cfg.norm_eps)
+    if cfg.residual_scale:
+        h *= F32(cfg.residual_scale)
     return x + h
 
 
 def output_logits(x: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray:
     x = rms_norm(x, w.output_norm, cfg.norm_eps)
     logits = linear(x, w.output)  # [n, n_vocab]
+    if cfg.logit_scale:  # granite divides its logits, as llama.cpp: times 1/logit_scale in float32
+        logits *= F32(1.0) / F32(cfg.logit_scale)
     if cfg.final_logit_softcap:
         logits = np.tanh(logits / F32(cfg.final_logit_softcap)) * F32(cfg.final_logit_softcap)
     return logits
 
 
-def run_parts(parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: ModelConfig) -> np.ndarray:
+def run_parts(
+    parts: list[tuple[KVSequence, np.ndarray, int, bool, bool]], w: Weights, cfg: ModelConfig
+) -> np.ndarray:
     """One forward step over new tokens of one or more sequences, each with its own (tokens,
     attention_rows, all_rows, commit): e.g. a prompt's piece (its last row kept, taken) beside replies'
     rows being verified (all kept; without commit their KV is written but the sequences do not take
@@ -437,7 +417,10 @@ def context_shift(seq: KVSequence, keep: int, drop: int, w: Weights, cfg: ModelC
     seq_rm + seq_add do (see KVSequence.shift)."""
 
     def rerotate(layer: int, k: np.ndarray) -> np.ndarray:  # k [kv_head, m, hd]
+        if not cfg.rotates(layer):
+            return k
         base = cfg.rope_base_swa if cfg.is_sliding(layer) else cfg.rope_base
-        return rope(k, np.full(k.shape[1], -drop), base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim)
+        shift = np.full(k.shape[1], -drop)  # a rotation only: no scale (the keys have theirs)
+        return rope(k, shift, base, cfg.rope_neox, w.rope_freqs, cfg.rope_dim, yarn=cfg.yarn)
 
     seq.shift(keep, drop, rerotate)

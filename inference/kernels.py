@@ -11,7 +11,7 @@ ggml keeps `*_generic` beside `arch/x86`), which the tests hold it to:
 
 Up to KERNEL_ROWS input rows the kernels always take a product, so a row's bits never depend on its
 batch. Past it, BLAS on dequantized tiles takes products from `blas_from` rows on, where this machine
-measured it faster (quants.measured_blas_from, use_blas_from); inputs as bytes stay in the kernels.
+measured it faster (blas_crossover.measured_blas_from, use_blas_from); inputs as bytes stay in the kernels.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class MeasuredLater:
 
 
 # From this many rows on BLAS on dequantized tiles multiplies faster than the kernels; None: the kernels
-# are faster at any size. Measured once per machine, where first needed (quants.py).
+# are faster at any size. Measured once per machine, where first needed (blas_crossover.py).
 blas_from: int | None | MeasuredLater = KERNEL_ROWS + 1
 # Query rows × cached positions from which a step of the kernels splits its attention by query rows over
 # the threads (the profile's). Each part is single-threaded BLAS, exp and sums, all of which let go of

@@ -49,6 +49,7 @@ def prefix_key(fingerprint: str, parent: bytes | None, tokens: Sequence[int]) ->
 
 
 BlockName = tuple[bytes | None, bytes | None]  # (namespace, prefix key): what the pool shares a block under
+BlockWanted = tuple[bytes, tuple[int, ...]]  # (prefix key, tokens): a full block a slower tier may hold
 
 
 class BlockSource(Protocol):
@@ -135,8 +136,8 @@ class BlockPool:
     def _evict_one(self) -> None:
         if not self.lru:
             raise CacheFullError(
-                f"KV cache full: all {self.n_slots} blocks ({self.n_slots * self.block_bytes >> 20} MB) are in use; "
-                "raise --cache-ram"
+                f"KV cache full: all {self.n_slots} blocks ({self.n_slots * self.block_bytes >> 20} MB) "
+                "are in use; raise --cache-ram"
             )
         name, block = self.lru.popitem(last=False)
         del self.by_key[name]
@@ -180,7 +181,7 @@ class BlockPool:
             keys.append(parent)
         return keys
 
-    def missing(self, ids: Sequence[int], namespace: bytes | None = None) -> list[tuple[bytes, tuple[int, ...]]]:
+    def missing(self, ids: Sequence[int], namespace: bytes | None = None) -> list[BlockWanted]:
         """The full blocks of `ids` that RAM lacks in `namespace`, as (prefix key, tokens): what a
         slower tier may be asked for. (It may be read without the pool's lock: it only says what to
         fetch, and lookup confirms every block taken.)"""

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 NGRAMS = (3, 2)  # the longest match first; a single token repeats too often to predict much
-MAX_DRAFT = 7  # with the token being decoded, 8 rows: two of the kernels' 4-row steps, ~1.6-1.9x one row's time
+# with the token being decoded, 8 rows: two of the kernels' 4-row steps, ~1.6-1.9x one row's time
+MAX_DRAFT = 7
 
 
 class PromptLookup:

@@ -193,6 +193,7 @@ def load_model(
     source: BlockSource | None = None,
     cache_type: str = DEFAULT_CACHE_TYPE,
     activations: str = DEFAULT_ACTIVATIONS,
+    n_ctx: int | None = None,
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
@@ -203,6 +204,9 @@ def load_model(
     `cache_type` the live KV cache's element type (kv_cache.CACHE_TYPES: "f16" or "f32");
     `activations` what the matrix products take their inputs as (kernels.ACTIVATIONS: "f32" exactly,
     "q8" quantized to bytes, faster, as llama.cpp, or "mixed", the default: bytes only where they come
-    from a norm; KV of each is kept apart, by the fingerprint)."""
+    from a norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
+    given (--ctx): where a model's RoPE depends on it (phi3's LongRoPE), as llama.cpp decides by its
+    context (config.with_context); None: as the GGUF reads."""
     path = resolve_model(name_or_path, progress)
-    return Model(prepare(path, progress, activations=activations), cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)
+    prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx)
+    return Model(prepared, cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)

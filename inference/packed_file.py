@@ -2,16 +2,16 @@
 written once per GGUF and machine profile into the cache and memory-mapped by every later start, so
 that a start takes what the page cache takes to hand the pages over instead of unpacking the GGUF.
 
-One file per GGUF path and profile, `$XDG_CACHE_HOME/llama-chat/prepared/<digest of the path>-<profile>.packed`:
-the arrays, each at a multiple of the page size; then a JSON header (where each array lies and the
-CRC-32 of its bytes, the layout version, the profile, the GGUF's identity); then a trailer (the
-header's length and SHA-256, a magic string). A file is trusted only whole: another layout, profile or
-GGUF (path, size, mtime, digest of its first MiB) or other arrays than the GGUF's matrices pack into,
-and it is packed again over the old one; a file cut short or overwritten (its trailer, header or an
-array's bytes not what they say), and it is packed again with one line saying so. Every array is
-checked as the file is mapped, on all cores at once: a start reads every page anyway (the first token
-does), and a damaged array would give garbage replies, not an error. A file is written under a
-temporary name, synced, then renamed, never written in place: a crash or a full disk leaves no file a
+One file per GGUF path and profile,
+`$XDG_CACHE_HOME/llama-chat/prepared/<digest of the path>-<profile>.packed`: the arrays, each at a multiple of
+the page size; then a JSON header (where each array lies and the CRC-32 of its bytes, the layout version, the
+profile, the GGUF's identity); then a trailer (the header's length and SHA-256, a magic string). A file is
+trusted only whole: another layout, profile or GGUF (path, size, mtime, digest of its first MiB) or other
+arrays than the GGUF's matrices pack into, and it is packed again over the old one; a file cut short or
+overwritten (its trailer, header or an array's bytes not what they say), and it is packed again with one line
+saying so. Every array is checked as the file is mapped, on all cores at once: a start reads every page anyway
+(the first token does), and a damaged array would give garbage replies, not an error. A file is written under
+a temporary name, synced, then renamed, never written in place: a crash or a full disk leaves no file a
 later start trusts, and a process that maps the old file keeps it whole. Packing also removes the files
 of GGUFs no longer where they were. Where it cannot be written, the weights are packed in memory as
 before, with one line saying so.
@@ -68,7 +68,12 @@ def gguf_identity(gguf_path: Path) -> dict:
     with open(gguf_path, "rb") as f:
         st = os.fstat(f.fileno())
         head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
-    return {"path": str(Path(gguf_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": head}
+    return {
+        "path": str(Path(gguf_path).resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "head": head,
+    }
 
 
 def load_or_pack(
@@ -88,11 +93,15 @@ def load_or_pack(
         return matrices
     try:
         nbytes = sum(-(-_nbytes(a) // ALIGN) * ALIGN for _, arrays in expected.values() for a in arrays if a)
-        write_packed(target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}"))
+        write_packed(
+            target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}")
+        )
         matrices = open_packed(target, identity, expected)
     except OSError as e:
         reason = e.strerror or str(e)
-        log.warning(f"{target.parent}: cannot keep packed weights ({reason}); {gguf_path.name} is unpacked in memory")
+        log.warning(
+            f"{target.parent}: cannot keep packed weights ({reason}); {gguf_path.name} is unpacked in memory"
+        )
     return matrices if matrices is not None else dict(pack_all())
 
 
@@ -145,7 +154,8 @@ def _layouts_of(expected: dict[str, Layout]) -> dict:
 
 
 def header_of(path: Path) -> dict | None:
-    """A packed file's header (its arrays, layout, profile and GGUF), or None: the file is not whole (DamagedFile)."""
+    """A packed file's header (its arrays, layout, profile and GGUF), or None: the file is not whole
+    (DamagedFile)."""
     try:
         with open(path, "rb") as f:
             return _header(f, os.fstat(f.fileno()).st_size)
@@ -222,7 +232,9 @@ def write_packed(
     _remove_abandoned(path)
     free = shutil.disk_usage(path.parent).free
     if free < nbytes + SPARE_BYTES:
-        raise OSError(errno.ENOSPC, f"{nbytes / 1e9:.1f} GB needed and 1 GB to spare, {free / 1e9:.1f} GB free")
+        raise OSError(
+            errno.ENOSPC, f"{nbytes / 1e9:.1f} GB needed and 1 GB to spare, {free / 1e9:.1f} GB free"
+        )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:

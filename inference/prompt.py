@@ -3,7 +3,10 @@ the context window (the oldest turns dropped, the cached KV following by context
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .chat_template import completion_prompt
+from .control_text import ControlTextShield
 from .kv_cache import KVSequence
 from .model import Model
 from .tool_calls import tool_format
@@ -30,6 +33,13 @@ def prompt_text(
     return completion_prompt(messages)
 
 
+def _written_whole(messages: list[dict]) -> list[str]:
+    """The texts every chat template writes as they are: each message's but a reply's (a template may
+    shorten those: Qwen3's drops the thinking of earlier replies)."""
+    texts = [m.get("content") for m in messages if m.get("role") != "assistant"]
+    return [text for text in texts if isinstance(text, str)]
+
+
 def chat_prompt_ids(
     model: Model,
     messages: list[dict],
@@ -43,13 +53,42 @@ def chat_prompt_ids(
     as prompt_text's. Only the template's markup becomes control tokens: every string of the messages
     and the tools (contents, names, descriptions, schemas, call arguments, tool results) is text, so
     none can forge a turn. TooManyTokens for a prompt over `limit` tokens, found out before the whole
-    is tokenized (Tokenizer.encode)."""
+    is tokenized (Tokenizer.encode) — a text the template surely writes that is too long alone before
+    the shield looks through every string."""
+    model.tokenizer.check_length(_written_whole(messages), limit)
+    return prompt_ids(model, render(model, messages, add_generation_prompt, tools, variables), limit)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as its chat template writes it, to be tokenized: the text, with the control text
+    of every string from outside hidden by `shield`, and whether BOS goes before it."""
+
+    text: str
+    shield: ControlTextShield
+    add_bos: bool
+
+
+def render(
+    model: Model,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    variables: dict | None = None,
+) -> Rendered:
+    """The messages and tools rendered as chat_prompt_ids renders them, before they are tokenized."""
     tok = model.tokenizer
     shield = tok.control_text_shield([messages, tools])
     text = prompt_text(model, shield.hide(messages), add_generation_prompt, shield.hide(tools), variables)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode("utf-8", "replace")
     add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))  # templates often write BOS
-    return tok.encode(text, add_bos=add_bos, special=True, shield=shield, limit=limit)
+    return Rendered(text, shield, add_bos)
+
+
+def prompt_ids(model: Model, rendered: Rendered, limit: int | None = None) -> list[int]:
+    """A rendered conversation's tokens: the template's markup as control tokens, the rest as text."""
+    text, shield = rendered.text, rendered.shield
+    return model.tokenizer.encode(text, add_bos=rendered.add_bos, special=True, shield=shield, limit=limit)
 
 
 def fit_messages(
@@ -59,14 +98,17 @@ def fit_messages(
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
     variables: dict | None = None,
+    whole: list[int] | None = None,
 ) -> tuple[list[dict], list[int]]:
     """Drop the oldest turns after the system prompt until the prompt fits in `budget` tokens.
     The last message always stays (a prompt longer than the window fails in forward). `tools` and
-    `variables`: as chat_prompt_ids'."""
+    `variables`: as chat_prompt_ids'; `whole`: the tokens of all the messages, where they are made."""
     messages = list(messages)
     if not messages:
         return [], []
-    ids = chat_prompt_ids(model, messages, add_generation_prompt, tools, variables=variables)
+    ids = whole
+    if ids is None:
+        ids = chat_prompt_ids(model, messages, add_generation_prompt, tools, variables=variables)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     while len(ids) > budget and len(messages) - first > 1:
         del messages[first]

@@ -19,20 +19,15 @@ and which RAM holds.
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import gguf
 import numba
 import numpy as np
 
 from . import k_quants, kernels
-from .cpu import PROFILE
-from .jit import in_cache, njit, prange
+from .jit import njit, prange
 from .k_quants import StackedMatrix, _scale_min_k4, _store
 from .kernels import LANES
 
@@ -236,7 +231,12 @@ HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 # The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
 # per format. Q4_K keeps its GGUF bits (k_quants.py); joined with another integer format (q/k beside a
 # Q6_K v) its rows are a part of their own (StackedMatrix).
-KINDS = {Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", Q.Q4_K: "Q4_K weights", Q.F32: "float weights"}
+KINDS = {
+    Q.Q8_0: "integer weights",
+    Q.Q4_1: "integer weights with offsets",
+    Q.Q4_K: "Q4_K weights",
+    Q.F32: "float weights",
+}
 
 
 def kinds_of(formats: set) -> set[str]:
@@ -265,7 +265,11 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     if kind == "Q4_K weights":
         return k_quants.layout(groups, n_cols)
     scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
-    return [((groups, n_cols, LANES), np.int8), scales, scales if kind == "integer weights with offsets" else None]
+    return [
+        ((groups, n_cols, LANES), np.int8),
+        scales,
+        scales if kind == "integer weights with offsets" else None,
+    ]
 
 
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix | StackedMatrix:
@@ -300,7 +304,9 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
     """Write one integer-format tensor's values, scales and offsets at rows row0… of a packed matrix."""
     offsets = scales if offsets is None else offsets
-    _in_parallel_over_groups(_unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype)))
+    _in_parallel_over_groups(
+        _unpack_blocks, raw, qtype, shape, row0, (values, scales, offsets, repeat, int(qtype))
+    )
 
 
 def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) -> None:
@@ -314,180 +320,9 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
     kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
 
 
-def compile_kernels(
-    progress=None, matrices=None, activations: str = kernels.DEFAULT_ACTIVATIONS, inputs=None
-) -> float:
-    """Compile (first start) or load from the cache (later starts) the kernels that the model's
-    `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
-    attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no first reply
-    waits on the compiler: each signature once, on a tiny example, progress told after each. `inputs`:
-    what each of `matrices` takes as inputs, "f32" or "q8" (activations.inputs_of); None: `activations`
-    for all. What only a prompt past KERNEL_ROWS rows takes (the crossover to BLAS, quantizing on the
-    threads) is left to compile_long_prompts, and a model's attention kernel to compile_attention:
-    nothing before KERNEL_ATTENTION_FROM cached positions calls it. Returns the seconds it took."""
-    t0 = time.perf_counter()
-    steps, float_kinds = _compile_steps(matrices, activations, inputs)
-    cached = all(in_cache(k) for k in kernels.COMPILED)
-    label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
-    for i, (what, compile_one) in enumerate(steps):
-        if progress:
-            progress(f"{label}: {what}", i, len(steps))
-        compile_one()
-    if progress:
-        progress(label, len(steps), len(steps))
-    if float_kinds:  # (every product taking bytes: the kernels at any size, no crossover to BLAS)
-        kernels.use_blas_from(kernels.MeasuredLater(partial(_measured_with_tiles, float_kinds)))
-    return time.perf_counter() - t0
-
-
-def compile_long_prompts(activations: str) -> None:
-    """What only a prompt past KERNEL_ROWS rows takes, made ready after a load on a thread of its own
-    (app/chat/build.compile_later), or by the first such prompt, which comes sooner: the crossover to
-    BLAS measured where some product takes float32 inputs (and the tiles compiled), quantize_rows'
-    loop over the threads where some takes bytes."""
-    kernels.known_blas_from()
-    if activations != "f32":
-        kernels.compile_quantize(in_parallel=True)
-
-
-def _measured_with_tiles(kinds: list[tuple[str, Q]]) -> int | None:
-    """measured_blas_from, and where BLAS takes long prompts the tiles of these kinds compiled."""
-    n = measured_blas_from()
-    if n is not None:
-        for _, qtype in kinds:
-            _multiply_example(qtype, kernels.tile_product)
-    return n
-
-
-def _example(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
+def zero_matrix(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
     """A matrix of a format (or of formats joined in one), all zeros, laid out as pack lays it out but
     not packed (the unpacking loops compile only where a model is packed)."""
     formats = {formats} if isinstance(formats, Q) else set(formats)
     arrays = (None if a is None else np.zeros(*a) for a in layout(formats, *shape))
     return PackedMatrix(*arrays, n_rows=shape[0], activations=activations)
-
-
-def _parts(formats) -> list[set]:
-    """The formats of each part that pack makes of a matrix of these formats (None: one of each kind)."""
-    if formats is None:
-        return [{qtype} for qtype in KINDS]
-    formats = {formats} if isinstance(formats, Q) else set(formats)
-    if Q.Q4_K in formats and len(kinds_of(formats)) > 1:  # its Q4_K rows a part of their own
-        return [{Q.Q4_K}, formats - {Q.Q4_K}]
-    return [formats]
-
-
-def _kinds(matrices) -> list[tuple[str, Q]]:
-    """The kinds of packed matrix among `matrices` (each a format or a set of formats joined in one
-    matrix; None: every kind), each with its example format."""
-    if matrices is None:
-        return [(kind, qtype) for qtype, kind in KINDS.items()]
-    found = set().union(*(kinds_of({m} if isinstance(m, Q) else set(m)) for m in matrices))
-    return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
-
-
-def _compile_steps(matrices, activations: str, inputs=None) -> tuple[list, list[tuple[str, Q]]]:
-    """The steps that compile what `matrices` take, and the kinds among them with float32 inputs. A kind
-    whose matrices all take bytes needs no float32 kernel ("mixed" without `inputs`: either, for all).
-    The unpacking loops are not among them: they compile where a model is packed, its first start."""
-    entries = [None] if matrices is None else matrices
-    takes = [activations] * len(entries) if inputs is None else inputs
-    float_kinds, byte_kinds = set(), set()
-    for formats, taken in zip(entries, takes, strict=True):
-        for part in _parts(formats):
-            kind = kind_of(part)
-            bytes_too = taken != "f32" and kernels.takes_bytes(_example(part, activations="q8"))
-            if bytes_too:
-                byte_kinds.add(kind)
-            if not bytes_too or taken == "mixed" or matrices is None:
-                float_kinds.add(kind)
-    floats = [(what, qtype) for what, qtype in _kinds(None) if what in float_kinds]
-    steps = [(what, partial(_multiply_example, qtype)) for what, qtype in floats]
-    if byte_kinds:
-        steps += [("inputs as bytes", kernels.compile_quantize)]
-        steps += [
-            (f"{what}, inputs as bytes", partial(_multiply_example, qtype, activations="q8"))
-            for what, qtype in _kinds(None)
-            if what in byte_kinds
-        ]
-    if matrices is None:
-        steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
-    return steps, floats
-
-
-def compile_attention(dtype) -> None:
-    """One token's attention over a cache of this element type (kv_arena.CACHE_TYPES), compiled or
-    loaded from the cache: 2-6 s of a first start, so a model's load leaves it to a thread of its own
-    (app/chat/build.py), or to the first reply past KERNEL_ATTENTION_FROM cached positions."""
-    kv = np.zeros((1, 2, 64), dtype)
-    kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
-
-
-def _multiply_example(qtype: Q, product=kernels.kernel_product, activations: str = "f32") -> None:
-    """One row (its own kernel, unless left to compile_later_rows) and a pass of ROWS rows."""
-    for rows in (1, kernels.ROWS):
-        product(np.zeros((rows, 256), F32), _example(qtype, activations=activations))
-
-
-# Rows at which BLAS on tiles and the kernels are timed against each other, on a matrix the size of the
-# default model's larger ones. Not 64: there the kernels run at ~92 % of sgemm on float weights; BLAS won
-# this test by a hair on an idle Xeon, then lost the default model's 64-token turn by 1.5x.
-CROSSOVER_ROWS = (128, 256, 512)
-CROSSOVER_SHAPE = (4096, 1024)
-_measured: dict[str, int | None] = {}  # this process's, by machine
-
-
-def crossover_key() -> str:
-    """What the crossover depends on: the machine profile (the kernels' code and shape) and the threads."""
-    return f"{PROFILE.key} {numba.config.NUMBA_NUM_THREADS} threads"
-
-
-def measured_blas_from() -> int | None:
-    """kernels.blas_from for this machine profile and thread count: measured on its first start (under a
-    second, after the load: compile_long_prompts), then read from a file beside the profile's compiled
-    kernels."""
-    machine = crossover_key()
-    path = Path(numba.config.CACHE_DIR) / "blas_from.json"
-    if machine not in _measured:
-        try:
-            kept = json.loads(path.read_text())
-            if isinstance(kept, dict):  # a damaged file is measured again and rewritten
-                _measured.update({k: v for k, v in kept.items() if v is None or type(v) is int})
-        except (OSError, ValueError):
-            pass
-    if machine not in _measured:
-        _measured[machine] = measure_blas_from()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(_measured))
-            tmp.replace(path)
-        except OSError:
-            pass  # measured again next start
-    return _measured[machine]
-
-
-def measure_blas_from(repeats: int = 5) -> int | None:
-    """The fewest rows from which BLAS on dequantized tiles beats the kernels at every size measured
-    (the best of `repeats` interleaved runs each), or None when the kernels win at the largest. Sizes
-    are timed from the largest down, up to the first the kernels win: the smaller ones could not change
-    the answer (timing all four took 6.5 s of CPU of a first start here, the largest alone half)."""
-    n_cols = CROSSOVER_SHAPE[1]
-    w = _example(Q.Q8_0, CROSSOVER_SHAPE)
-    blas_from = None
-    for n in reversed(CROSSOVER_ROWS):
-        if not _blas_wins(np.zeros((n, n_cols), F32), w, repeats):
-            break
-        blas_from = n
-    return blas_from
-
-
-def _blas_wins(x: np.ndarray, w: PackedMatrix, repeats: int) -> bool:
-    times = {kernels.kernel_product: [], kernels.tile_product: []}
-    for _ in range(repeats):
-        for product, seconds in times.items():
-            kernels.blas_on_one_thread(product is kernels.kernel_product)  # as each runs in a step
-            t0 = time.perf_counter()
-            product(x, w)
-            seconds.append(time.perf_counter() - t0)
-    return min(times[kernels.tile_product]) < min(times[kernels.kernel_product])

@@ -39,14 +39,16 @@ def layer_tensors(cfg: ModelConfig, layer: int, names) -> Shapes:
     whether q/k/v are fused); optional ones are marked by the loader."""
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     d, p = cfg.n_embd, f"blk.{layer}."
-    shapes: Shapes = {p + "attn_norm.weight": (d,)}
+    norms = {p + "attn_norm.weight": (d,), f"{p}{cfg.ffn_norm_tensor}.weight": (d,)}
+    shapes: Shapes = norms if cfg.pre_norms else {}
     if fused_qkv(names, layer):
         shapes[p + "attn_qkv.weight"] = (q_dim + 2 * kv_dim, d)
     else:
         shapes |= {p + "attn_q.weight": (q_dim, d), p + "attn_k.weight": (kv_dim, d)}
         shapes[p + "attn_v.weight"] = (kv_dim, d)
     shapes[p + "attn_output.weight"] = (d, q_dim)
-    shapes[p + "ffn_norm.weight"] = (d,)
+    if cfg.attn_sinks:
+        shapes[p + "attn_sinks.weight"] = (cfg.n_head,)
     if cfg.n_expert:
         e, n_ff = cfg.n_expert, cfg.n_ff_exp
         shapes[p + "ffn_gate_inp.weight"] = (e, d)
@@ -57,13 +59,22 @@ def layer_tensors(cfg: ModelConfig, layer: int, names) -> Shapes:
     else:
         shapes |= {p + "ffn_gate.weight": (cfg.n_ff, d), p + "ffn_up.weight": (cfg.n_ff, d)}
         shapes[p + "ffn_down.weight"] = (d, cfg.n_ff)
-    if cfg.qk_norm:
-        shapes[p + "attn_q_norm.weight"] = (cfg.head_dim,)
-        shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)
+    if cfg.qk_norm:  # over each head, or over the whole projection (olmo2)
+        shapes[p + "attn_q_norm.weight"] = (q_dim,) if cfg.qk_norm_whole else (cfg.head_dim,)
+        shapes[p + "attn_k_norm.weight"] = (kv_dim,) if cfg.qk_norm_whole else (cfg.head_dim,)
     if cfg.post_norms:
         shapes[p + "post_attention_norm.weight"] = (d,)
         shapes[p + "post_ffw_norm.weight"] = (d,)
     return shapes
+
+
+def expert_biases(cfg: ModelConfig, layer: int) -> Shapes:
+    """The router's and the experts' biases of one layer (gpt-oss), rows first: one row an expert."""
+    if not cfg.expert_biases:
+        return {}
+    e, n_ff, p = cfg.n_expert, cfg.n_ff_exp, f"blk.{layer}."
+    shapes: Shapes = {p + "ffn_gate_inp.bias": (e,), p + "ffn_gate_exps.bias": (e, n_ff)}
+    return shapes | {p + "ffn_up_exps.bias": (e, n_ff), p + "ffn_down_exps.bias": (e, cfg.n_embd)}
 
 
 def layer_matrices(cfg: ModelConfig, layer: int, names) -> list[tuple[str, list[str]]]:

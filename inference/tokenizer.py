@@ -1,5 +1,5 @@
-"""llama.cpp's SPM and byte-level BPE tokenizers (the BPE merges in bpe.py), re-implemented exactly from
-GGUF metadata: vocabulary, special tokens, encoding with control text kept apart, decoding."""
+"""llama.cpp's SPM and byte-level BPE tokenizers (their merges in spm.py and bpe.py), re-implemented
+exactly from GGUF metadata: vocabulary, special tokens, encoding with control text kept apart, decoding."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import codecs
 import os
 from typing import Any
 
-from .bpe import ADD_BOS, BPE, CHAR_TO_BYTE, NO_BOS, PRE_TYPES, merge_symbols
+from .bpe import ADD_BOS, BPE, CHAR_TO_BYTE, NO_BOS, PRE_TYPES
 from .control_text import ControlTextShield
 from .errors import ModelError, TooManyTokens
 from .gguf_file import open_gguf, read_metadata
+from .spm import SPM
 
 # GGUF token types (tokenizer.ggml.token_type): 0 undefined, 1 normal, 2 unknown, 3 control,
 # 4 user-defined, 5 unused, 6 byte.
@@ -32,45 +33,6 @@ _TYPE_TO_ATTR = {
 
 # llama.cpp's isspace() in the "C" locale, used when stripping around lstrip/rstrip special tokens.
 _C_SPACE = " \t\n\v\f\r"
-
-
-# --- SentencePiece (byte-level BPE is in bpe.py) --------------------------------------------------
-
-
-class _SPM:
-    """llm_tokenizer_spm: merge adjacent symbols into the highest-scoring vocab entry, left-most on ties."""
-
-    def __init__(self, vocab: _Vocab):
-        self.token_to_id = vocab.token_to_id
-        self.scores = vocab.scores
-        self.unk_id = vocab.unk_id
-        self.byte_ids: list[int | None] = []
-        for b in range(256):
-            tid = vocab.token_to_id.get(f"<0x{b:02X}>")
-            if tid is None:  # llama.cpp falls back to the byte itself as a token
-                tid = vocab.token_to_id.get(chr(b)) if b < 0x80 else None
-            self.byte_ids.append(tid)
-
-    def tokenize(self, text: str, out: list[int], limit: int | None = None) -> None:
-        """`limit` is not used: merges run over the whole text (its length in bytes bounds the work)."""
-        vocab, scores = self.token_to_id, self.scores
-
-        def priority(left: str, right: str) -> float | None:
-            tid = vocab.get(left + right)
-            return None if tid is None else -scores[tid]
-
-        for sym in merge_symbols(list(text), priority):
-            tid = vocab.get(sym)
-            if tid is not None:
-                out.append(tid)
-                continue
-            # Only single characters can be missing (merges always form vocab entries): byte fallback.
-            for b in sym.encode("utf-8", "surrogatepass"):
-                tid = self.byte_ids[b]
-                if tid is None:
-                    tid = self.unk_id
-                if tid is not None:
-                    out.append(tid)
 
 
 # --- vocabulary --------------------------------------------------------------------------------------
@@ -260,7 +222,8 @@ class Tokenizer:
         self.add_bos = bool(add_bos)
         self.end_of_generation_ids: frozenset[int] = frozenset(eog)
         self._vocab = _Vocab(tokens, token_to_id, scores, attrs, ids["unk"])
-        self._algo = _SPM(self._vocab) if self.is_spm else BPE(token_to_id, _key(meta, "merges") or [], pre)
+        merges = [] if self.is_spm else _key(meta, "merges") or []
+        self._algo = SPM(token_to_id, scores, ids["unk"]) if self.is_spm else BPE(token_to_id, merges, pre)
         # Tokens split out before the tokenizer runs, longest first (llama.cpp's cache_special_tokens).
         special = [i for i, a in enumerate(attrs) if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)]
         special.sort(key=lambda i: (-len(tokens[i].encode("utf-8", "surrogatepass")), i))
@@ -285,6 +248,14 @@ class Tokenizer:
         template is given: messages, tools), for encode()."""
         return ControlTextShield(self._control_texts, outside)
 
+    def check_length(self, texts: list[str], limit: int | None) -> None:
+        """TooManyTokens where `texts` have more bytes than `limit` tokens stand for (each at most this
+        vocabulary's longest token), found out without tokenizing them."""
+        if limit is not None and self.bytes_per_token is not None:
+            size = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
+            if size > limit * self.bytes_per_token:
+                raise TooManyTokens(limit)
+
     def encode(
         self,
         text: str,
@@ -298,10 +269,7 @@ class Tokenizer:
         that makes more tokens raises TooManyTokens as soon as that is known: by its length in bytes
         before any work, or once the tokens made pass it (byte-level BPE stops there; SentencePiece
         finishes the piece of text it is on)."""
-        if limit is not None and self.bytes_per_token is not None:
-            size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-            if size > limit * self.bytes_per_token:
-                raise TooManyTokens(limit)
+        self.check_length([text], limit)
         out: list[int] = []
         if add_bos:
             if self.bos_id is None:

@@ -5,7 +5,10 @@ the chat template as chat.cpp chooses it (the first whose marker the template's 
                                             {"name": "get_weather", "arguments": {"city": "Paris"}}
                                             </tool_call>
     Llama 3.x (3.1, 3.2, 3.3):              {"name": "get_weather", "parameters": {"city": "Paris"}}
-    Mistral Nemo:                           [TOOL_CALLS][{"name": "get_weather", "arguments": {...}, "id": "a1B2c3D4e"}]
+    Mistral Nemo:                           [TOOL_CALLS][{"name": "get_weather", "arguments": {...},
+                                                          "id": "a1B2c3D4e"}]
+    harmony (gpt-oss):                      to=functions.get_weather<|channel|>commentary json<|message|>
+                                            {"city": "Paris"}
 
 Here: which format a template speaks, the text a call is written as (what the template renders a
 call as, so a continued conversation reuses its KV), the grammar that makes a reply calls (when a call
@@ -63,6 +66,7 @@ class ToolFormat:
     one_call: bool = False  # the template renders one call per reply
     control: str = ""  # the control token `opening` starts with, in the vocabularies that have it
     template_vars: dict = field(default_factory=dict)  # what llama.cpp gives the template besides tools
+    call_head: regex.Pattern | None = None  # where a call's arguments begin, group 1 its name; None: JSON's
 
     def call_text(self, calls: list[dict]) -> str:
         """OpenAI `tool_calls` as the model writes them (and the template renders them)."""
@@ -83,7 +87,10 @@ class ToolFormat:
         parsed = self.split(text)
         if parsed is None or self.with_id and not all(_ID.fullmatch(c.id or "") for c in parsed[1]):
             return {"role": "assistant", "content": text}
-        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed[1]]
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed[1]
+        ]
         return {"role": "assistant", "content": parsed[0], "tool_calls": calls}
 
     def new_id(self) -> str:
@@ -153,10 +160,14 @@ class ToolFormat:
                 chain = f"call_{k}" + (f" ({json.dumps(self.between)} {chain})?" if chain else "")
             calls = chain
         else:
-            rules.append("call: " + " | ".join(f"{head} {json.dumps('}' + self.call_close)}" for head in heads))
+            rules.append(
+                "call: " + " | ".join(f"{head} {json.dumps('}' + self.call_close)}" for head in heads)
+            )
             calls = f"call ({json.dumps(self.between)} call)*" if several else "call"
         opening = _literal(self.opening, self.control, tokenizer)
-        start = " ".join(part for part in (opening, calls, json.dumps(self.closing) if self.closing else "") if part)
+        start = " ".join(
+            part for part in (opening, calls, json.dumps(self.closing) if self.closing else "") if part
+        )
         return "\n".join([f"start: {start}", *rules])
 
 
@@ -187,7 +198,73 @@ MISTRAL_NEMO = ToolFormat(
     with_id=True,
     control="[TOOL_CALLS]",
 )
-FORMATS = (HERMES, LLAMA_3_X, MISTRAL_NEMO)  # in the order chat.cpp tries them
+
+
+class HarmonyFormat(ToolFormat):
+    """gpt-oss's calls (harmony): a message to `functions.NAME` on the commentary channel, its arguments
+    the message, one call a reply (the template renders one). Read in either order harmony allows
+    (`to=` in the header or after the channel, as chat.cpp reads them, the `<|start|>assistant` that
+    follows a thought or not); written, and constrained, as the template renders a call back."""
+
+    def call_text(self, calls: list[dict]) -> str:
+        function = calls[0]["function"]
+        arguments = function.get("arguments") or "{}"
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return self._header(function["name"]) + json.dumps(arguments, ensure_ascii=False)
+
+    @staticmethod
+    def _header(name: str) -> str:
+        return f" to=functions.{name}<|channel|>commentary json<|message|>"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        head = self.call_head.search(text)
+        if head is None:
+            return None
+        try:
+            arguments, end = json.JSONDecoder().raw_decode(text, _skip_space(text, head.end()))
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(arguments, dict) or text[end:].strip() not in ("", "<|call|>"):
+            return None
+        return text[: head.start()].strip(), [ToolCall(head.group("name"), arguments)]
+
+    def grammar(self, tools, name=None, several=False, ids=None, tokenizer=None) -> str:
+        """One call of `tools` (or of the one named), its arguments valid under its parameters, its
+        header's markers the tokens the template renders."""
+        rules, heads = [], []
+        for i, tool in enumerate(t["function"] for t in tools):
+            if name is not None and tool["name"] != name:
+                continue
+            schema = {**(tool.get("parameters") or {"type": "object"}), "x-guidance": COMPACT}
+            rules.append(f"args_{i}: %json {json.dumps(schema)}")
+            heads.append(f"{_markers_as_tokens(self._header(tool['name']), tokenizer)} args_{i}")
+        return "\n".join(["start: " + " | ".join(heads), *rules])
+
+
+def _markers_as_tokens(text: str, tokenizer: Tokenizer | None) -> str:
+    """`text` in Lark, each `<|…|>` marker that is one token of the vocabulary as that token."""
+    pieces = []
+    for piece in regex.split(r"(<\|[a-z]+\|>)", text):
+        marker = tokenizer is not None and piece.startswith("<|")
+        ids = tokenizer.encode(piece, special=True) if marker else []
+        pieces.append(f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(piece) if piece else "")
+    return " ".join(p for p in pieces if p)
+
+
+HARMONY = HarmonyFormat(
+    "GPT-OSS",
+    marker="<|channel|>",
+    begins=regex.compile(
+        r"(?=(?:<\|start\|>assistant)?[ \t]*(?:to=functions\.|<\|channel\|>commentary to=functions\.))"
+    ),
+    one_call=True,
+    call_head=regex.compile(
+        r"(?:<\|start\|>assistant)?\s*(?:to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>commentary"
+        r"|<\|channel\|>commentary\s+to=functions\.(?P<name>[^\s<]+))"
+        r"\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>"
+    ),
+)
+FORMATS = (HERMES, LLAMA_3_X, MISTRAL_NEMO, HARMONY)  # in the order chat.cpp tries them
 
 
 def tool_format(template: ChatTemplate) -> ToolFormat | None:
@@ -247,7 +324,9 @@ def _call(value) -> ToolCall | None:
     return ToolCall(value["name"], arguments, call_id) if isinstance(arguments, dict) else None
 
 
-def split_offered_calls(text: str, names: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[ToolCall]] | None:
+def split_offered_calls(
+    text: str, names: set[str], fmt: ToolFormat = HERMES
+) -> tuple[str, list[ToolCall]] | None:
     """The one reading of a reply's calls, for every front end: fmt.split(), or else the calls of tools
     offered (`names`) written as a bare JSON object or in a ```json fence — how small models often
     write one (llama.cpp's Hermes parser reads both: its open_regex takes an optional fence before
@@ -279,7 +358,8 @@ def split_offered_calls(text: str, names: set[str], fmt: ToolFormat = HERMES) ->
 
 # Where a call may begin outside the format's own markers: a JSON object with a name, in a fence or bare.
 LOOSE_CALL = regex.compile(r'(?P<fence>```(?:json|xml)?\n\s*)?\{\s*"name"\s*:')
-_CALL_KEYS = {"name", "arguments", "parameters", "id"}  # a call's object holds no other (a tool's definition does)
+# a call's object holds no other (a tool's definition does)
+_CALL_KEYS = {"name", "arguments", "parameters", "id"}
 
 
 def loose_call(text: str, start: regex.Match, names: set[str]) -> tuple[ToolCall | None, int]:

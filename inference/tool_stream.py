@@ -42,7 +42,7 @@ class CallSplitter:
         offered: set[str] = frozenset(),
     ):
         self.fmt, self.constrained, self.ids, self.offered = fmt, constrained, ids or [], offered
-        self.head = re.compile(_HEAD % re.escape(fmt.arguments))
+        self.head = fmt.call_head or re.compile(_HEAD % re.escape(fmt.arguments))
         self.text = ""  # the reply so far
         self.sent = 0  # how much of it went out as content
         self.scan = 0  # where calls may begin: what begins before it was found to be content
@@ -71,7 +71,10 @@ class CallSplitter:
         deltas = [Delta(parsed[0])] if parsed[0] else []  # (JSON that was no call, before a tagged one)
         for index, call in enumerate(parsed[1]):
             arguments = json.dumps(call.arguments, ensure_ascii=False)
-            deltas += [Delta(index=index, name=call.name, id=call.id), Delta(index=index, arguments=arguments)]
+            deltas += [
+                Delta(index=index, name=call.name, id=call.id),
+                Delta(index=index, arguments=arguments),
+            ]
         return deltas
 
     def _content_until_calls(self) -> list[Delta]:
@@ -80,7 +83,11 @@ class CallSplitter:
         while True:
             self.scan = max(self.scan, self.sent)
             start = self.fmt.begins.search(self.text, self.scan, partial=True)
-            loose = LOOSE_CALL.search(self.text, self.scan, partial=True) if self.offered and not self.constrained else None
+            loose = (
+                LOOSE_CALL.search(self.text, self.scan, partial=True)
+                if self.offered and not self.constrained
+                else None
+            )
             if loose is not None and (start is None or loose.start() < start.start()):
                 call, end = (None, -1) if loose.partial else loose_call(self.text, loose, self.offered)
                 if call is None and end >= 0:  # JSON, not a call: content, and calls may begin inside it

@@ -22,15 +22,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import kernels, packed_file, quants
+from . import kernels, packed_file, quants, warmup
 from .activations import DEFAULT_ACTIVATIONS, inputs_of
 from .catalog import cache_dir
-from .config import ModelConfig, read_config
+from .config import ModelConfig, read_config, with_context
 from .errors import ModelError
 from .experts import Experts
 from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
-from .tensor_plan import Plan, expert_matrix, layer_tensors, matrix_plan, stacked, tensor_of
+from .tensor_plan import Plan, expert_biases, expert_matrix, layer_tensors, matrix_plan, stacked, tensor_of
 
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 
@@ -125,13 +125,18 @@ def model_info(path: Path, progress: Progress | None = None, use_cache: bool = T
 
 
 def prepare(
-    path: Path, progress: Progress | None = None, use_cache: bool = True, activations: str = DEFAULT_ACTIVATIONS
+    path: Path,
+    progress: Progress | None = None,
+    use_cache: bool = True,
+    activations: str = DEFAULT_ACTIVATIONS,
+    n_ctx: int | None = None,
 ) -> Prepared:
-    """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS): everything a
-    Model needs."""
+    """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS), for a context of
+    n_ctx tokens per sequence (config.with_context; None: the model's own): everything a Model needs."""
     if activations not in kernels.ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, not {activations!r}")
     info = model_info(path, progress, use_cache)
+    info.config = with_context(info.config, info.metadata, n_ctx)
     info.activations = activations
     info.weights = load_weights(info, progress, use_cache)
     return info
@@ -155,10 +160,10 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
 
 
 def compile_kernels_for(info: Prepared, progress: Progress | None = None) -> float:
-    """quants.compile_kernels for the model's kinds of matrix and what each takes as inputs: what its
+    """warmup.compile_kernels for the model's kinds of matrix and what each takes as inputs: what its
     first reply runs. Returns the seconds it took."""
     kinds = info.matrix_kinds
-    return quants.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+    return warmup.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
 
 
 def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bool = True) -> Weights:
@@ -174,11 +179,12 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     plan = matrix_plan(cfg, info.tensors)
     output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
     rope_freqs = None
-    for name in ROPE_FACTORS:
+    for name in rope_factors(cfg):
         if name in info.tensors:
             rope_freqs = gguf_file.vector(name, ((cfg.rope_dim or cfg.head_dim) // 2,))
             break
     vectors = [_layer_vectors(gguf_file, cfg, i) for i in range(cfg.n_layer)]
+    biases = [_expert_biases(gguf_file, cfg, i) for i in range(cfg.n_layer)]
     tied = "output.weight" not in info.tensors
     table = None if tied else gguf_file.table("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
 
@@ -196,7 +202,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(
-        LayerWeights(**vectors[i], **_layer_matrices(matrices, cfg, i))
+        LayerWeights(**vectors[i], **_layer_matrices(matrices, cfg, i, biases[i]))
         for i in range(cfg.n_layer)
     )
     if tied:  # the output matrix is the embedding table
@@ -206,9 +212,10 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     return Weights(token_embd, output_norm, matrices["output"], layers, rope_freqs, info.activations)
 
 
-# The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors for a context
-# of at most the original length (config.phi3_switches)
-ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
+def rope_factors(cfg: ModelConfig) -> tuple[str, str]:
+    """The per-frequency RoPE factors a GGUF may hold: llama 3's, or phi3's LongRoPE factors, the long
+    ones past the original context, else the short ones (config.with_context)."""
+    return "rope_freqs.weight", f"rope_factors_{'long' if cfg.rope_long else 'short'}.weight"
 
 
 def check_tensors(gguf_file: GGUFTensors) -> None:
@@ -217,7 +224,10 @@ def check_tensors(gguf_file: GGUFTensors) -> None:
     info, cfg = gguf_file.info, gguf_file.info.config
     needed = [("output_norm.weight", (cfg.n_embd,))]
     for i in range(cfg.n_layer):
-        needed += [(name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1]
+        needed += [
+            (name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1
+        ]
+        needed += expert_biases(cfg, i).items()
     for _, parts, shapes in matrix_plan(cfg, info.tensors):
         needed += zip(parts, shapes, strict=True)
     for name, shape in needed:
@@ -225,8 +235,8 @@ def check_tensors(gguf_file: GGUFTensors) -> None:
         gguf_file.qtype(name)
 
 
-def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
-    """A layer's packed matrices, as LayerWeights takes them."""
+def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int, biases: dict) -> dict:
+    """A layer's packed matrices, as LayerWeights takes them (a mixture's with its `biases`)."""
     p = f"blk.{i}."
     layer = {name: stacked(matrices, p + name) for name in ("attn_qkv", "attn_output")}
     if not cfg.n_expert:
@@ -236,8 +246,19 @@ def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int) -> dict:
         stacked(matrices, p + "ffn_gate_inp"),
         tuple(stacked(matrices, expert_matrix(i, e, "ffn_gate_up")) for e in experts),
         tuple(stacked(matrices, expert_matrix(i, e, "ffn_down")) for e in experts),
+        **biases,
     )
     return layer
+
+
+def _expert_biases(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
+    """A layer's router and expert biases as Experts takes them (gate's and up's side by side)."""
+    shapes = expert_biases(cfg, i)
+    read = {name.split(".")[2]: gguf_file.vector(name, shape) for name, shape in shapes.items()}
+    if not read:
+        return {}
+    gate_up = np.concatenate([read["ffn_gate_exps"], read["ffn_up_exps"]], axis=1)
+    return {"router_bias": read["ffn_gate_inp"], "gate_up_bias": gate_up, "down_bias": read["ffn_down_exps"]}
 
 
 def _packed_layout(info: Prepared, plan: Plan) -> dict[str, packed_file.Layout]:
@@ -264,11 +285,16 @@ def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):
 def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
     """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32."""
     p, tensors = f"blk.{i}.", gguf_file.info.tensors
-    vectors = {
+    vectors = {"attn_norm": None, "ffn_norm": None}  # (olmo2 has no norms before attention and the FFN)
+    vectors |= {
         name[len(p) :].removesuffix(".weight"): gguf_file.vector(name, shape)
         for name, shape in layer_tensors(cfg, i, tensors).items()
         if len(shape) == 1
     }
+    if cfg.ffn_norm_tensor != "ffn_norm":
+        vectors["ffn_norm"] = vectors.pop(cfg.ffn_norm_tensor)
+    if p + "attn_output.bias" in tensors:
+        vectors["attn_output_bias"] = gguf_file.vector(p + "attn_output.bias", (cfg.n_embd,))
     biases = [p + b for b in OPTIONAL_BIASES]
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     if p + "attn_qkv.bias" in tensors:
@@ -348,7 +374,9 @@ class GGUFTensors:
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         raw = self.raw(name, shape)
-        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(shape)
+        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(
+            shape
+        )
 
     def matrix(self, names: list[str], shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
         packed = quants.pack([(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)])
@@ -359,7 +387,9 @@ class GGUFTensors:
         """The embedding table's rows as bytes, mapped read-only: only the rows used are paged in."""
         t = self.need(name, shape)
         self.qtype(name)
-        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(shape[0], t.nbytes // shape[0]))
+        return np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(shape[0], t.nbytes // shape[0])
+        )
 
 
 def _prepared_dir(path: Path) -> Path:

@@ -25,8 +25,8 @@ PLANNED_CODECS: tuple[str, ...] = tuple(n for n, c in TABLE.items() if c.bits is
 # Layout: a 22-byte header (magic, format version, codec id, n_layer, n_kv_head, n_tokens, head_dim),
 # then one zstd frame (with content size and checksum) holding a copy of the header and the codec's
 # streams (codec_formats.py describes each codec's). A planned (auto, auto-h) block's header is
-# followed (outside the frame and again inside it) by its plan: one byte per layer and head, [L, H] row-major, giving its
-# keys' bits, then one per head for the values (each of PLAN_BITS).
+# followed (outside the frame and again inside it) by its plan: one byte per layer and head, [L, H] row-major,
+# giving its keys' bits, then one per head for the values (each of PLAN_BITS).
 # Groups are 32 consecutive values along the last axis named (tokens for k, head_dim for v); a
 # ragged last group is simply shorter. Multi-byte numbers are little-endian.
 MAGIC = b"LCKV"
@@ -112,7 +112,9 @@ def encode_kv(k: np.ndarray, v: np.ndarray, codec: str, plan: KVPlan | None = No
     if form.bits is not None:
         return block_bytes(codec, k.shape, form.encode(k, v, None))
     if plan is None or plan.shape != k.shape[:2]:
-        raise ValueError(f"an {codec} KV block needs a plan of its {k.shape[0]} layers and {k.shape[1]} heads")
+        raise ValueError(
+            f"an {codec} KV block needs a plan of its {k.shape[0]} layers and {k.shape[1]} heads"
+        )
     return block_bytes(codec, k.shape, form.encode(k, v, plan), plan.table())
 
 

@@ -139,9 +139,8 @@ def dequantize(
     bits; differences: each is its code minus the one before along n, mod 256 (codec_kernels.py)."""
     groups = (*codes.shape[:3], -1)
     compiled = kernels()
-    compiled.dequantize(
-        codes, scales.reshape(groups), mins.reshape(groups), GROUP_BITS, compiled.bits_view(out), keys, signed, differences
-    )
+    scales, mins = scales.reshape(groups), mins.reshape(groups)
+    compiled.dequantize(codes, scales, mins, GROUP_BITS, compiled.bits_view(out), keys, signed, differences)
 
 
 def hadamard_block(head_dim: int) -> int:
@@ -362,10 +361,11 @@ class PlannedCodec(Codec):
         _, H, T, D = k.shape
         offset = 0
         for x, bits, is_key, chosen, size in self._parts(plan, k.shape, k, v):
+            data = raw[offset : offset + size]
             if self._rotates(bits, is_key):  # rotated back in float32, then rounded once to the arena's type
-                part = rotate_in_place(self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, F32))
+                part = rotate_in_place(self._decode_part(data, chosen.size, T, D, bits, is_key, F32))
             else:
-                part = self._decode_part(raw[offset : offset + size], chosen.size, T, D, bits, is_key, x.dtype)
+                part = self._decode_part(data, chosen.size, T, D, bits, is_key, x.dtype)
             x[chosen // H, chosen % H] = part  # (written through: x may be the arena's view)
             offset += size
 

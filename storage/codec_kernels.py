@@ -1,9 +1,9 @@
-"""The KV codec's inner loops, compiled (storage/codec.py and codec_formats.py say the format; tests/codec_reference.py
-holds the plain NumPy version these must agree with, byte for byte). Through NumPy, unpacking 6-bit
-codes and applying the scales took ~20 of the ~27 ms that decoding a 2,000-token conversation's 32
-blocks cost (a pass over memory per step), and encoding a block 3.5 ms; here ~0.2 and ~1.3 ms a block.
-codec_formats.py imports this module on first use: numba's import and set-up (~0.3 s) are not for commands
-that never encode or decode a block, such as listing sessions."""
+"""The KV codec's inner loops, compiled (storage/codec.py and codec_formats.py say the format;
+tests/codec_reference.py holds the plain NumPy version these must agree with, byte for byte). Through NumPy,
+unpacking 6-bit codes and applying the scales took ~20 of the ~27 ms that decoding a 2,000-token
+conversation's 32 blocks cost (a pass over memory per step), and encoding a block 3.5 ms; here ~0.2 and ~1.3
+ms a block. codec_formats.py imports this module on first use: numba's import and set-up (~0.3 s) are not for
+commands that never encode or decode a block, such as listing sessions."""
 
 from __future__ import annotations
 
@@ -152,4 +152,13 @@ def hadamard_rows(x, block):
 
 
 # Every kernel of this module, for compile_kernels' "compiled or loaded from the cache?"
-COMPILED = (unpack_sixes, unpack_nibbles, dequantize, group_ranges, quantize, pack_sixes, pack_nibbles, hadamard_rows)
+COMPILED = (
+    unpack_sixes,
+    unpack_nibbles,
+    dequantize,
+    group_ranges,
+    quantize,
+    pack_sixes,
+    pack_nibbles,
+    hadamard_rows,
+)

@@ -166,7 +166,8 @@ def _v5(conn: sqlite3.Connection) -> None:
 def _v6(conn: sqlite3.Connection) -> None:
     """Each session keeps the token ids of its conversation, sealed with the digest of what they were made
     from (app/chat/resume.py) and of themselves: a resume need not tokenize it again. Only a cache: ids
-    under another seal are ignored and made again; none are kept yet (the next reply's snapshot keeps them)."""
+    under another seal are ignored and made again; none are kept yet (the next reply's snapshot keeps
+    them)."""
     _run_script(
         conn,
         """

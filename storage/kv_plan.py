@@ -4,11 +4,11 @@ model's next-token distribution within an error budget, measured once on the mod
 Heads differ: on the default model 4-bit keys of layer 22's second head move the next-token
 distribution 400x as much as layer 0's (Qwen2.5's huge key biases of its first and last layers cost
 nothing here: keys are quantized per channel above a minimum, which absorbs a bias). So each head's
-keys, and its values, are put through the codec alone at 4 bits, on the model's KV of a small built-in text, and the KL divergence this causes
-on the text's last tokens is measured; 6, 8 and 16 bits are measured where the plan may give them, or
-estimated (the KL of a small error grows with its square: 4x the step, 16x the KL). The bits then go,
-one step at a time, where they buy the most KL per bit, until the sum is within the budget; the
-whole plan is measured at the end, and the budget tightened if the sum was optimistic.
+keys, and its values, are put through the codec alone at 4 bits, on the model's KV of a small built-in text,
+and the KL divergence this causes on the text's last tokens is measured; 6, 8 and 16 bits are measured where
+the plan may give them, or estimated (the KL of a small error grows with its square: 4x the step, 16x the KL).
+The bits then go, one step at a time, where they buy the most KL per bit, until the sum is within the budget;
+the whole plan is measured at the end, and the budget tightened if the sum was optimistic.
 
 The plan is kept in the user's cache (`kv_plans/<model fingerprint>.json`, a few hundred bytes):
 measured at a model's first use, read at every later one. Each block stores the plan it was written
@@ -64,7 +64,9 @@ Progress = Callable[[str, int, int], None]
 
 def plan_path(fingerprint: str, codec: str = AUTO) -> Path:
     """auto's plans kept their first name; each other planned codec measures its own."""
-    return cache_dir() / "kv_plans" / (f"{fingerprint}.json" if codec == AUTO else f"{fingerprint}.{codec}.json")
+    return (
+        cache_dir() / "kv_plans" / (f"{fingerprint}.json" if codec == AUTO else f"{fingerprint}.{codec}.json")
+    )
 
 
 def model_plan(model, progress: Progress | None = None, codec: str = AUTO) -> KVPlan:

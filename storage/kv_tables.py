@@ -126,7 +126,9 @@ class KVTables:
     def kept_ids(self, session_id: str) -> tuple[bytes, list[int]] | None:
         """The token ids kept for a session's conversation with the seal they were kept under (the
         session cache's ids_seal says whether they are still the conversation's); None: none kept."""
-        rows = self.connection.rows("SELECT seal, ids FROM session_token_ids WHERE session_id = ?", (session_id,))
+        rows = self.connection.rows(
+            "SELECT seal, ids FROM session_token_ids WHERE session_id = ?", (session_id,)
+        )
         return (rows[0]["seal"], np.frombuffer(rows[0]["ids"], dtype=np.int32).tolist()) if rows else None
 
     def keep_ids(self, session_id: str, seal: bytes, ids: list[int]) -> None:
@@ -159,7 +161,8 @@ class KVTables:
             conn = self.db.conn
             before = conn.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM kv_blocks").fetchone()
             conn.execute(
-                "DELETE FROM kv_blocks WHERE (namespace, key) NOT IN (SELECT COALESCE(s.kv_namespace, x''), b.key "
+                "DELETE FROM kv_blocks WHERE (namespace, key) NOT IN "
+                "(SELECT COALESCE(s.kv_namespace, x''), b.key "
                 "FROM session_blocks b JOIN sessions s ON s.id = b.session_id)"
             )
             if budget_bytes is not None:

@@ -64,7 +64,8 @@ class ChatStore:
     def add_model(self, fingerprint: str, name: str, architecture: str, path: str | None) -> None:
         with self.transaction():
             self.db.conn.execute(
-                "INSERT INTO models VALUES (?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO UPDATE SET path = excluded.path",
+                "INSERT INTO models VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (fingerprint) DO UPDATE SET path = excluded.path",
                 (fingerprint, name, architecture, path, time.time()),
             )
 
@@ -131,11 +132,14 @@ class ChatStore:
             raise StoreError(f"session '{id_or_prefix}' is ambiguous: give more of its id")
         return Session.from_row(rows[0])
 
-    def list_sessions(self, tenant: str | None = None, limit: int | None = None, offset: int = 0) -> list[Session]:
+    def list_sessions(
+        self, tenant: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[Session]:
         """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
         tenant's only."""
         rows = self.connection.rows(
-            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} ORDER BY updated DESC, created DESC LIMIT ? OFFSET ?",
+            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} "
+            "ORDER BY updated DESC, created DESC LIMIT ? OFFSET ?",
             (tenant, tenant, -1 if limit is None else limit, offset),
         )
         return [Session.from_row(r) for r in rows]
@@ -217,8 +221,8 @@ class ChatStore:
             )
             if head == parent.head_id:
                 self.db.conn.execute(
-                    "INSERT INTO session_tails SELECT ?, fingerprint, parent_key, tokens, codec, data, checksum, "
-                    "updated FROM session_tails WHERE session_id = ?",
+                    "INSERT INTO session_tails SELECT ?, fingerprint, parent_key, tokens, codec, data, "
+                    "checksum, updated FROM session_tails WHERE session_id = ?",
                     (row["id"], parent.id),
                 )
         return Session.from_row(row)
@@ -348,7 +352,8 @@ class ChatStore:
             return []
         return self._messages(
             "WITH RECURSIVE up(id, depth) AS (SELECT ?, 0 UNION ALL "
-            "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id WHERE m.parent_id IS NOT NULL) "
+            "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id "
+            "WHERE m.parent_id IS NOT NULL) "
             "SELECT messages.* FROM up JOIN messages ON messages.id = up.id ORDER BY up.depth DESC",
             (head_id,),
         )

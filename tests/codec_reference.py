@@ -44,7 +44,9 @@ def decode(payload: memoryview, codec: str, shape: tuple[int, ...]) -> tuple[np.
     gk, gv = n_groups(shape)
     cshape = (n_layer, n_head, head_dim, n_tokens)
     if codec == "q8":
-        qk = np.cumsum(np.frombuffer(payload, np.uint8, n).reshape(cshape), axis=-1, dtype=np.uint8).view(np.int8)
+        qk = np.cumsum(np.frombuffer(payload, np.uint8, n).reshape(cshape), axis=-1, dtype=np.uint8).view(
+            np.int8
+        )
         qv = np.frombuffer(payload, np.int8, n, offset=n).reshape(shape)
         scales = unshuffle(payload[2 * n :], F16)
         k = dequantize(qk, scales[:gk].reshape(*cshape[:3], -1))

@@ -32,7 +32,7 @@ def pytest_configure(config):
         # Two workers compiling one kernel at once could each number a new cache file 1 and save an
         # index over the other's (numba's cache has no lock): compiled here, before any worker starts,
         # the workers only load them (compile_kernels compiles every signature the tests use).
-        from llama_chat.inference.quants import compile_kernels, compile_long_prompts
+        from llama_chat.inference.warmup import compile_kernels, compile_long_prompts
         from llama_chat.storage.codec import compile_kernels as compile_codec
 
         compile_kernels()
@@ -211,7 +211,9 @@ def forward_passes(monkeypatch) -> ForwardPasses:
 
     monkeypatch.setattr(forward, "step", watched(forward.step, batch_rows))
     monkeypatch.setattr(
-        forward, "read_and_verify", watched(forward.read_and_verify, lambda a, b, *_: batch_rows(a) + batch_rows(b))
+        forward,
+        "read_and_verify",
+        watched(forward.read_and_verify, lambda a, b, *_: batch_rows(a) + batch_rows(b)),
     )
     return seen
 

@@ -265,4 +265,6 @@ def _turn(headers, usage: dict, text: str, last: dict, seconds: float, first_tok
     if not last.get("stored"):
         raise Failed(f"the turn was not stored: {last.get('store_error')}")
     server = headers.get("X-Served-By", "")
-    return Turn(server, usage, text, last.get("session"), seconds, first_token_s, headers["X-Conversation-Key"])
+    return Turn(
+        server, usage, text, last.get("session"), seconds, first_token_s, headers["X-Conversation-Key"]
+    )

@@ -63,7 +63,9 @@ class Served:
     def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         """(status, headers, body bytes) of a request sent as bytes (a body as JSON unless the headers
         say otherwise)."""
-        headers = {"Content-Type": "application/json", **(headers or {})} if body is not None else headers or {}
+        headers = (
+            {"Content-Type": "application/json", **(headers or {})} if body is not None else headers or {}
+        )
         request = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request) as r:

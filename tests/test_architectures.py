@@ -1,16 +1,20 @@
 """The switches that set the later architectures apart, read from their GGUFs as llama.cpp reads them
-(gemma2's windows and soft-capping, phi3's fused matrices and LongRoPE), and what adding switches
-leaves alone: the fingerprint of the models that ran before. (Their logits against llama.cpp's:
-test_llamacpp_tiny.py.)"""
+(gemma2's windows and soft-capping, phi3's fused matrices and LongRoPE, granite's scales, olmo2's
+norms, smollm3's layers without RoPE), and what adding switches leaves alone: the fingerprint of the
+models that ran before. (Their logits against llama.cpp's: test_llamacpp_tiny.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from llama_chat.app.chat.build import EngineOptions, open_model
 from llama_chat.inference import load_model
-from llama_chat.inference.config import ADDED
+from llama_chat.inference.config import ADDED, read_config
+from llama_chat.inference.errors import ModelError
 from llama_chat.inference.forward import rope
 from tiny_later_archs import PHI3_ROPE_DIM
+from tiny_models import write_tiny_model
 
 
 def test_gemma2_slides_its_window_on_every_other_layer(tiny_model_paths):
@@ -51,6 +55,76 @@ def test_phi3_reads_its_fused_matrices_and_longrope(tiny_model_paths):
     assert cfg.sliding_window == 0
     assert (model.metadata["phi3.context_length"], cfg.n_ctx_train) == (512, 256)
     assert model.new_sequence(4096).n_ctx == 256
+
+
+def test_phi3_past_its_original_context_takes_the_long_factors(tiny_model_paths):
+    """Asked for a context past the original length (--ctx), phi3 divides RoPE's frequencies by
+    rope_factors_long, as llama.cpp does for such a context, and gets its whole trained context; its
+    fingerprint differs, so KV computed with the short factors is never taken for it."""
+    path = tiny_model_paths["phi3"]
+    short, within, long = load_model(path), load_model(path, n_ctx=256), load_model(path, n_ctx=300)
+    assert within.fingerprint == short.fingerprint and not within.config.rope_long
+    assert long.config.rope_long and long.config.n_ctx_train == 512
+    assert long.new_sequence(4096).n_ctx == 512
+    assert long.fingerprint != short.fingerprint
+    assert long.weights.rope_freqs.min() >= 4.0 > short.weights.rope_freqs.max()  # the tiny model's factors
+    ids = long.tokenizer.encode("the hello world is in the air")
+    assert np.abs(long.logits(ids)[-1] - short.logits(ids)[-1]).max() > 1e-3
+    # --ctx 300, as the app loads
+    assert open_model(EngineOptions(model=str(path), n_ctx=300)).config.rope_long
+
+
+def test_granite_reads_its_scales(tiny_model_paths):
+    """granite: embeddings times embedding_scale, each residual branch times residual_scale, q·k times
+    attention.scale, logits divided by logit_scale (without which llama.cpp refuses the model)."""
+    model = load_model(tiny_model_paths["granite"])
+    cfg = model.config
+    assert (cfg.embed_scale, cfg.attn_scale, cfg.logit_scale) == (12.0, np.float32(0.3), 1.25)
+    assert cfg.residual_scale == np.float32(0.22) and not cfg.rope_neox
+    without = {k: v for k, v in model.metadata.items() if k != "granite.logit_scale"}
+    with pytest.raises(ModelError, match="missing metadata granite.logit_scale"):
+        read_config(without, model.path)
+
+
+def test_olmo2_norms_after_and_over_whole_projections(tiny_model_paths):
+    """olmo2: no norm before attention or the FFN, norms after both; q and k normed over all their
+    heads at once (weights [n_head·head_dim] and [n_head_kv·head_dim])."""
+    model = load_model(tiny_model_paths["olmo2"])
+    cfg, layer = model.config, model.weights.layers[0]
+    assert not cfg.pre_norms and cfg.post_norms and cfg.qk_norm_whole and cfg.rope_neox
+    assert layer.attn_norm is None and layer.ffn_norm is None
+    assert layer.attn_q_norm.shape == (cfg.n_head * cfg.head_dim,)
+    assert layer.attn_k_norm.shape == (cfg.n_head_kv * cfg.head_dim,)
+
+
+def test_an_olmo2_with_sliding_windows_is_refused_in_one_line(tmp_path):
+    """OLMo 3 is an olmo2 with sliding windows (and YaRN), which are not read here: refused at load,
+    not run as OLMo 2."""
+    path = write_tiny_model(tmp_path / "olmo3.gguf", "olmo2", metadata={"olmo2.attention.sliding_window": 8})
+    with pytest.raises(
+        ModelError, match=r"olmo3\.gguf: olmo2 with a sliding window \(OLMo 3\) is not supported$"
+    ):
+        load_model(path)
+
+
+def test_smollm3_turns_no_rope_on_every_fourth_layer(tmp_path):
+    """smollm3: layers 3, 7, 11… attend without positions (llama.cpp's n_no_rope_layer_step, 4, no
+    key); a context shift leaves their keys as they are and turns the others'."""
+    model = load_model(write_tiny_model(tmp_path / "smollm3.gguf", "smollm3", n_layer=8))
+    assert [model.config.rotates(i) for i in range(8)] == [True, True, True, False] * 2
+    seq = model.new_sequence(64)
+    model.forward(model.tokenizer.encode("the hello world is in the air and the sun"), seq)
+
+    def keys(layer: int) -> np.ndarray:  # [kv_head, n_tokens, hd]
+        return np.concatenate([k for k, _ in seq.views(0, seq.n_tokens).layer(layer)], axis=1).astype(
+            np.float32
+        )
+
+    before = [keys(i) for i in range(8)]
+    model.context_shift(seq, 1, 2)
+    assert np.array_equal(keys(3), np.delete(before[3], [1, 2], axis=1))
+    assert not np.allclose(keys(2), np.delete(before[2], [1, 2], axis=1), atol=1e-3)
+    seq.free()
 
 
 def test_partial_rope_turns_only_the_first_channels():

@@ -48,7 +48,9 @@ def notes(tmp_path, monkeypatch):
     return Path("notes.txt")
 
 
-def test_a_file_attached_to_two_conversations_is_stored_once_and_reads_back_whole(qwen2, tmp_path, notes, capsys):
+def test_a_file_attached_to_two_conversations_is_stored_once_and_reads_back_whole(
+    qwen2, tmp_path, notes, capsys
+):
     db = tmp_path / "chat.db"
     assert ask(qwen2, db, "--new-session", "-f", str(notes), "hello the world") == 0
     assert ask(qwen2, db, "--new-session", "-f", str(notes), "the world is it") == 0
@@ -108,7 +110,9 @@ def test_content_that_only_looks_like_a_file_reads_back_exactly(tmp_path):
     ],
     ids=["10MB", "binary", "latin-1"],
 )
-def test_a_file_that_cannot_be_attached_is_one_line_and_nothing_is_stored(qwen2, tmp_path, notes, capsys, data, says):
+def test_a_file_that_cannot_be_attached_is_one_line_and_nothing_is_stored(
+    qwen2, tmp_path, notes, capsys, data, says
+):
     db = tmp_path / "chat.db"
     assert ask(qwen2, db, "--new-session", "-f", str(notes), "hello the world") == 0
     before = stored_contents(db), fragment_rows(db), [s.id for s in ChatStore(db).list_sessions()]
@@ -128,7 +132,9 @@ def test_a_fifo_a_socket_a_device_or_a_folder_is_refused_at_once(tmp_path, capsy
     listening = socket.socket(socket.AF_UNIX)
     listening.bind(str(sock))
     tried: list = []
-    reading = threading.Thread(target=lambda: tried.append(main(["ask", "-f", str(fifo), "hello"])), daemon=True)
+    reading = threading.Thread(
+        target=lambda: tried.append(main(["ask", "-f", str(fifo), "hello"])), daemon=True
+    )
     reading.start()
     reading.join(30)
     if reading.is_alive():  # let it go: a writer unblocks the open()
@@ -137,7 +143,9 @@ def test_a_fifo_a_socket_a_device_or_a_folder_is_refused_at_once(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{fifo}: a FIFO, not a file" in err
     for path, kind in ((sock, "a socket"), ("/dev/zero", "a device"), (tmp_path, "a folder")):
-        with pytest.raises(AttachmentError, match=f"^{path}: {kind}, not a file; only files can be attached$"):
+        with pytest.raises(
+            AttachmentError, match=f"^{path}: {kind}, not a file; only files can be attached$"
+        ):
             read_attachment(str(path))
     listening.close()
 
@@ -157,14 +165,16 @@ def test_chat_attaches_a_file_to_the_next_message(qwen2, tmp_path, notes, monkey
     lines = "/attach bad.bin\n/attach -\n/attach notes.txt\nhello the world\nthe world\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     db = tmp_path / "chat.db"
-    assert main(["chat", "--model", str(qwen2), "--db", str(db), "--cache-ram", "64", "--temp", "0", "--max-tokens", "2"]) == 0
+    flags = ["--cache-ram", "64", "--temp", "0", "--max-tokens", "2"]
+    assert main(["chat", "--model", str(qwen2), "--db", str(db), *flags]) == 0
     err = capsys.readouterr().err
     assert "bad.bin: a binary file; only text files can be attached\n" in err
     assert "/attach: stdin is where the chat reads your lines; give a file's path\n" in err
     store = ChatStore(db)
     (session,) = store.list_sessions()
     asked = [m.content for m in store.path(session.head_id) if m.role == "user"]
-    assert asked == [inline("notes.txt", TEXT) + "hello the world", "the world"]  # once, with the next message
+    # once, with the next message
+    assert asked == [inline("notes.txt", TEXT) + "hello the world", "the world"]
     assert len(fragment_rows(db)) == 1
 
 
@@ -221,11 +231,14 @@ def test_a_path_completes_as_far_as_its_candidates_agree(tmp_path):
     assert complete_path("") is None
 
 
-def test_chat_refuses_a_file_too_long_for_the_window_in_one_line_and_goes_on(qwen2, tmp_path, notes, monkeypatch, capsys):
+def test_chat_refuses_a_file_too_long_for_the_window_in_one_line_and_goes_on(
+    qwen2, tmp_path, notes, monkeypatch, capsys
+):
     Path("long.txt").write_text(TEXT * 3)
     monkeypatch.setattr("sys.stdin", io.StringIO("/attach long.txt\nhello the world\nthe world\n"))
     db = tmp_path / "chat.db"
-    assert main(["chat", "--model", str(qwen2), "--db", str(db), "--cache-ram", "64", "--temp", "0", "--max-tokens", "2"]) == 0
+    flags = ["--cache-ram", "64", "--temp", "0", "--max-tokens", "2"]
+    assert main(["chat", "--model", str(qwen2), "--db", str(db), *flags]) == 0
     assert "llama-chat: the prompt is " in capsys.readouterr().err
     store = ChatStore(db)
     (session,) = store.list_sessions()

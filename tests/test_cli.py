@@ -48,7 +48,11 @@ def test_activations_choose_what_the_products_of_the_model_a_command_opens_take(
 
     gemma = str(tiny_model_paths["gemma3"])  # (its output matrix is Q8_0: one that takes bytes)
     parser = build_parser()
-    chosen = (([], "mixed", "q8"), (["--activations", "f32"], "f32", "f32"), (["--activations", "q8"], "q8", "q8"))
+    chosen = (
+        ([], "mixed", "q8"),
+        (["--activations", "f32"], "f32", "f32"),
+        (["--activations", "q8"], "q8", "q8"),
+    )
     for given, activations, output_takes in chosen:  # mixed by default: bytes for the output matrix
         model = open_model(parser.parse_args(["--model", gemma, *given, "sessions", "list"]))
         assert model.weights.activations == activations and model.weights.output.activations == output_takes

@@ -26,7 +26,8 @@ STREAMING_CLIENTS = 8
 
 needs_cluster = pytest.mark.skipif(
     HAPROXY is None or REDIS_SERVER is None,
-    reason="haproxy or redis-server is not installed (.ci/run installs them: apt-get install haproxy redis-server)",
+    reason="haproxy or redis-server is not installed "
+    "(.ci/run installs them: apt-get install haproxy redis-server)",
 )
 
 
@@ -39,8 +40,10 @@ def cluster(tmp_path):
 
 def opened(n: int, first: int = 0) -> list[Conversation]:
     """n conversations, each opening with a question of its own (a few hundred tokens)."""
-    return [Conversation(f"Question {i}: " + f"what do the rivers {i} and the hills {i} do in the rain? " * 12)
-            for i in range(first, first + n)]
+    return [
+        Conversation(f"Question {i}: " + f"what do the rivers {i} and the hills {i} do in the rain? " * 12)
+        for i in range(first, first + n)
+    ]
 
 
 def turns(conversations: list[Conversation], url: str, n: int, **options) -> None:

@@ -67,7 +67,8 @@ def q8_bound(x, axis):
 
 
 def asymmetric_bound(x, axis, bits):
-    """Asymmetric: step = (max - min) / (2**bits - 1) (min rounded down, scale up, to float16), error <= step / 2."""
+    """Asymmetric: step = (max - min) / (2**bits - 1) (min rounded down, scale up, to float16),
+    error <= step / 2."""
     lo, hi = (a.astype(np.float64) for a in grouped(x, axis))
     step = ((hi - lo) + np.abs(lo) * 2**-10 + 2**-24) / (2**bits - 1) * (1 + 2**-10) + 2**-24
     return step / 2 + np.maximum(np.abs(lo), np.abs(hi)) * 2**-22
@@ -615,7 +616,9 @@ print(ready == count(), ready, count())
 
 
 def test_after_compile_kernels_no_block_waits_on_the_compiler():
-    out = subprocess.run([sys.executable, "-c", AFTER_COMPILE], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", AFTER_COMPILE], capture_output=True, text=True, check=True
+    ).stdout
     assert out.startswith("True"), out
 
 

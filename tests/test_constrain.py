@@ -204,7 +204,11 @@ def test_ask_json_schema_prints_json_valid_under_it(tiny_model_paths, tmp_path, 
 
 @pytest.mark.parametrize(
     "content, complaint",
-    [('{"type": "nonsense"}', "nonsense"), (None, "cannot be read"), ("[" * 50_000 + "]" * 50_000, "not JSON")],
+    [
+        ('{"type": "nonsense"}', "nonsense"),
+        (None, "cannot be read"),
+        ("[" * 50_000 + "]" * 50_000, "not JSON"),
+    ],
 )
 def test_ask_with_a_schema_that_is_not_one_is_one_line(
     tiny_model_paths, tmp_path, capsys, content, complaint

@@ -51,7 +51,9 @@ def engine_for(path, db) -> ChatEngine:
 
 def chat(engine, session, text, max_tokens=6):
     stats = GenerationStats()
-    reply = "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)))
+    reply = "".join(
+        stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats))
+    )
     return reply, stats
 
 
@@ -184,7 +186,11 @@ def test_export_and_import_on_the_command_line(source, tmp_path, monkeypatch):
     again = tmp_path / "exports" / written.name
     again.write_text("mine")
     code, out, err = run("--db", db, "export", source.session.id, "-o", again)
-    assert code == 2 and out == "" and err == f"llama-chat: error: {again}: already exists; --force overwrites it\n"
+    assert (
+        code == 2
+        and out == ""
+        and err == f"llama-chat: error: {again}: already exists; --force overwrites it\n"
+    )
     assert again.read_text() == "mine"
     code, out, err = run("--db", db, "export", source.session.id, "-o", again, "--force")
     assert code == 0 and again.read_bytes().startswith(MAGIC)

@@ -14,6 +14,7 @@ from test_tool_formats import LLAMA_SPECIALS, LLAMA_TEMPLATE, NEMO_SPECIALS, NEM
 
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig
 from llama_chat.inference import chat_prompt_ids, load_model
+from llama_chat.inference.errors import TooManyTokens
 from llama_chat.inference.tokenizer import ATTR_CONTROL
 from served import Served
 from tiny_models import write_tiny_model
@@ -33,10 +34,15 @@ FORMATS = {
 }
 
 
-def _tool(name="get_weather", description="The weather in a city.", city="The city.", unit="celsius", key="city"):
+def _tool(
+    name="get_weather", description="The weather in a city.", city="The city.", unit="celsius", key="city"
+):
     properties = {key: {"type": "string", "description": city}, "unit": {"enum": [unit, "fahrenheit"]}}
     parameters = {"type": "object", "properties": properties, "required": [key]}
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
 
 
 def _called(arguments, name="get_weather", result="Sunny.") -> list[dict]:
@@ -93,9 +99,29 @@ def test_outside_text_never_becomes_a_control_token(format_models, fmt, field):
     assert model.tokenizer.decode(hostile).count("You are root.") >= 3  # the text is there, as text
 
 
+def test_a_prompt_too_long_alone_is_refused_before_its_control_text_is_looked_for(format_models, monkeypatch):
+    """The shield looks through every string of a prompt (~112 ms a 7.5 MB one): a message with more
+    bytes than the window's tokens stand for is refused first, and no shield is made for it."""
+    model = format_models["hermes"]
+    shields = []
+    made = model.tokenizer.control_text_shield
+    monkeypatch.setattr(
+        model.tokenizer, "control_text_shield", lambda outside: shields.append(1) or made(outside)
+    )
+    limit = 256
+    huge = HOSTILE * (limit * model.tokenizer.bytes_per_token // len(HOSTILE) + 1)
+    with pytest.raises(TooManyTokens):
+        chat_prompt_ids(model, [{"role": "user", "content": huge}], tools=[_tool()], limit=limit)
+    assert shields == []
+    assert len(chat_prompt_ids(model, [{"role": "user", "content": HOSTILE}], limit=limit)) < limit
+    assert shields == [1]  # one that fits is shielded as before
+
+
 def test_a_hostile_description_over_the_api_costs_what_its_text_does(tmp_path, format_models):
     path = tmp_path / "tiny-hermes.gguf"
-    write_tiny_model(path, "qwen2", chat_template=(TEMPLATES / FORMATS["hermes"][0]).read_text(), context_length=4096)
+    write_tiny_model(
+        path, "qwen2", chat_template=(TEMPLATES / FORMATS["hermes"][0]).read_text(), context_length=4096
+    )
     s = Served(tmp_path / "chat.db", path).wait_ready()
     try:
         def prompt_tokens(description: str) -> int:
@@ -128,7 +154,9 @@ server.run("stdio")
 
 def test_an_mcp_server_s_tool_metadata_is_text(format_models, tmp_path):
     (tmp_path / "hostile_server.py").write_text(HOSTILE_SERVER)
-    mcp = MCPTools([ServerConfig("hostile", sys.executable, [str(tmp_path / "hostile_server.py")], timeout=120)])
+    mcp = MCPTools(
+        [ServerConfig("hostile", sys.executable, [str(tmp_path / "hostile_server.py")], timeout=120)]
+    )
     try:
         mcp.connect()
         offered = mcp.tools

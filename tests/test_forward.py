@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llama_chat.app.cli import main
-from llama_chat.inference import ModelError, forward, kernels, load_model, quants
+from llama_chat.inference import ModelError, blas_crossover, forward, kernels, load_model
 from llama_chat.inference.forward import rope
 from tiny_models import write_tiny_model
 
@@ -180,7 +180,7 @@ def test_a_load_removes_the_float32_weights_older_versions_prepared(tiny_model_p
 def test_a_prompts_attention_split_over_threads_equals_it_whole(tiny_model_path, monkeypatch):
     """In a step of the kernels, a long prompt's attention is split by query rows over the threads:
     its logits agree with the attention computed whole (gemma3's sliding windows included)."""
-    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)  # the kernels take
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda progress=None: None)  # the kernels take
     monkeypatch.setattr(kernels, "blas_from", None)  # every step, whatever this machine measured
     model = load_model(tiny_model_path)
     ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 6)[:200]

@@ -149,7 +149,8 @@ RUNAWAY = {
     "format width": "{{ '{:>999999999}'.format('x') }}",
     "replace": "{{ ('a' * 100000).replace('a', 'a' * 100000) }}",
     "recursion": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
-    "output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}",
+    "output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}"
+    "{% endfor %}{% endfor %}",
 }
 
 

@@ -13,7 +13,7 @@ import numba
 import numpy as np
 import pytest
 
-from llama_chat.inference import cpu, kernels, quants
+from llama_chat.inference import blas_crossover, cpu, kernels, quants, warmup
 
 T = gguf.GGMLQuantizationType
 FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -105,7 +105,8 @@ def test_a_token_decoded_before_its_one_row_kernel_is_ready_gets_the_bits_it_get
 
 # Where a block keeps its quants: zeroed, each of its weights is its offset (formats with offsets).
 QUANT_BYTES = {T.Q4_K: slice(16, 144), T.Q4_1: slice(4, 20)}
-BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]  # Q4_K's bits; int8 with offsets, without; scales per 16
+# Q4_K's bits; int8 with offsets, without; scales per 16
+BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]
 
 
 def as_bytes(w):
@@ -198,7 +199,9 @@ def test_a_long_product_waits_for_the_crossover_under_measurement_and_takes_its_
     later.start()
     measuring.wait()
     ways = []
-    asking = threading.Thread(target=lambda: ways.append((kernels.kernels_take(40), kernels.kernels_take(100))))
+    asking = threading.Thread(
+        target=lambda: ways.append((kernels.kernels_take(40), kernels.kernels_take(100)))
+    )
     asking.start()
     assert kernels.kernels_take(32)  # up to KERNEL_ROWS the kernels, without asking
     asking.join(0.2)
@@ -215,7 +218,7 @@ def test_a_load_leaves_the_crossover_to_the_first_prompt_past_the_kernel_rows(ti
     from llama_chat.inference import load_model
 
     runs = []
-    monkeypatch.setattr(quants, "measured_blas_from", lambda: runs.append(1) or 33)
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: runs.append(1) or 33)
     monkeypatch.setattr(kernels, "blas_from", kernels.blas_from)  # (this machine's again after the test)
     model = load_model(tiny_model_paths["qwen2"], activations="f32")
     ids = list(range(1, 41))
@@ -226,28 +229,28 @@ def test_a_load_leaves_the_crossover_to_the_first_prompt_past_the_kernel_rows(ti
 
 
 def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
-    monkeypatch.setattr(quants.numba.config, "CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(quants, "_measured", {})
+    monkeypatch.setattr(blas_crossover.numba.config, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_crossover, "_measured", {})
     runs = []
-    monkeypatch.setattr(quants, "measure_blas_from", lambda: runs.append(1) or 128)
-    assert quants.measured_blas_from() == 128 and quants.measured_blas_from() == 128
-    monkeypatch.setattr(quants, "_measured", {})  # a new process reads the file
-    assert quants.measured_blas_from() == 128 and len(runs) == 1
+    monkeypatch.setattr(blas_crossover, "measure_blas_from", lambda: runs.append(1) or 128)
+    assert blas_crossover.measured_blas_from() == 128 and blas_crossover.measured_blas_from() == 128
+    monkeypatch.setattr(blas_crossover, "_measured", {})  # a new process reads the file
+    assert blas_crossover.measured_blas_from() == 128 and len(runs) == 1
 
 
 @pytest.mark.parametrize("damaged", ["{not json", '["a list"]', '{"%s": "64"}', '{"%s": 64.5}'])
 def test_a_damaged_crossover_file_is_measured_again(monkeypatch, tmp_path, damaged):
-    monkeypatch.setattr(quants.numba.config, "CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(quants, "_measured", {})
-    (tmp_path / "blas_from.json").write_text(damaged.replace("%s", quants.crossover_key()))
-    monkeypatch.setattr(quants, "measure_blas_from", lambda: 256)
-    assert quants.measured_blas_from() == 256
-    monkeypatch.setattr(quants, "_measured", {})
-    assert quants.measured_blas_from() == 256  # and written again whole
+    monkeypatch.setattr(blas_crossover.numba.config, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas_crossover, "_measured", {})
+    (tmp_path / "blas_from.json").write_text(damaged.replace("%s", blas_crossover.crossover_key()))
+    monkeypatch.setattr(blas_crossover, "measure_blas_from", lambda: 256)
+    assert blas_crossover.measured_blas_from() == 256
+    monkeypatch.setattr(blas_crossover, "_measured", {})
+    assert blas_crossover.measured_blas_from() == 256  # and written again whole
 
 
 def test_the_crossover_measurement_gives_a_size_it_measured_or_none():
-    assert quants.measure_blas_from(repeats=1) in (*quants.CROSSOVER_ROWS, None)
+    assert blas_crossover.measure_blas_from(repeats=1) in (*blas_crossover.CROSSOVER_ROWS, None)
 
 
 def test_q4_k_stays_in_its_gguf_bytes_and_multiplies_at_least_as_exactly_as_unpacked_to_int8():
@@ -430,10 +433,10 @@ def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkey
     integers without offsets), not the float, offset or GGUF-bits kernels nor the attention kernel
     (app/chat/build.compile_later's) nor the unpacking loops (packing's, where a model is packed), and
     its progress moves after each signature."""
-    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: None)
     seen = []
     matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]
-    quants.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices, "f32")
+    warmup.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices, "f32")
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
     assert steps == ["integer weights"]
     assert [done for _, done, _ in seen] == [0, 1] and {total for _, _, total in seen} == {1}
@@ -444,13 +447,15 @@ def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkey
     compiled (or loaded), as steps of the progress, so no reply waits on the compiler; not the float32
     kernels, which none of its matrices takes. Under mixed, what each matrix takes: float32 for one
     (a Q4_K ffn_down), bytes for the other (a Q5_0 attn_qkv)."""
-    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: None)
     seen = []
-    quants.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
+    warmup.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
     steps = [label.split(": ")[-1] for label in seen[:-1]]
     kinds = ["integer weights", "Q4_K weights"]
     assert steps == ["inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
     seen.clear()
-    quants.compile_kernels(lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"])
+    warmup.compile_kernels(
+        lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"]
+    )
     steps = [label.split(": ")[-1] for label in seen[:-1]]
     assert steps == ["Q4_K weights", "inputs as bytes", "integer weights, inputs as bytes"]

@@ -26,7 +26,13 @@ B = 8  # a small block size, so tiny prompts span several blocks
 CACHE_TYPES = pytest.mark.parametrize("cache_type, slack", [("f32", 1.0), ("f16", 20.0)])
 
 
-def tiny(path, ram_blocks: int = 64, arch_block: int = B, cache_type: str = "f16", activations: str = DEFAULT_ACTIVATIONS):
+def tiny(
+    path,
+    ram_blocks: int = 64,
+    arch_block: int = B,
+    cache_type: str = "f16",
+    activations: str = DEFAULT_ACTIVATIONS,
+):
     model = load_model(path, block_size=arch_block, cache_type=cache_type, activations=activations)
     model.pool.__init__(
         model.config,

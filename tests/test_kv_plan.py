@@ -111,9 +111,12 @@ def test_the_benchmarks_codec_table_has_a_row_for_the_plan():
 
 
 @pytest.mark.parametrize("codec", [AUTO, AUTO_ROTATED])
-def test_a_conversation_stored_in_planned_blocks_resumes_and_travels_in_a_file(tiny_model_paths, tmp_path, codec):
-    """Under a planned codec (auto, auto-h) a conversation is stored under the model's plan, resumes in a fresh engine
-    with nothing recomputed, and its export file imports elsewhere with its blocks as they are."""
+def test_a_conversation_stored_in_planned_blocks_resumes_and_travels_in_a_file(
+    tiny_model_paths, tmp_path, codec
+):
+    """Under a planned codec (auto, auto-h) a conversation is stored under the model's plan, resumes in a
+    fresh engine with nothing recomputed, and its export file imports elsewhere with its blocks as they
+    are."""
     from llama_chat.app.chat.engine import ChatEngine
     from llama_chat.app.chat.jobs import stream_text
     from llama_chat.inference import SamplingParams, load_model
@@ -124,7 +127,9 @@ def test_a_conversation_stored_in_planned_blocks_resumes_and_travels_in_a_file(t
     session = engine.new_session("auto")
     "".join(
         stream_text(
-            engine.reply(session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0))
+            engine.reply(
+                session, "the sun and the moon and the stars", sampling=SamplingParams(temperature=0)
+            )
         )
     )
     session = engine._store.get_session(session.id)

@@ -164,7 +164,11 @@ def chat_internals_used(path: Path, surface: set[str] | None = None) -> list[str
             used.append(f"calls {node.attr}")
         elif isinstance(node, ast.Attribute) and is_engine(node.value) and node.attr not in surface:
             used.append(f"reaches {ast.unparse(node)}")
-        elif isinstance(node, ast.Attribute) and node.attr in CHAT_INTERNALS and "engine" in ast.unparse(node.value):
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in CHAT_INTERNALS
+            and "engine" in ast.unparse(node.value)
+        ):
             used.append(f"reaches {ast.unparse(node)}")
     return used
 
@@ -224,7 +228,8 @@ def test_front_ends_reach_the_conversations_through_the_sessions_service(tmp_pat
         "imports llama_chat.storage.exchange", "opens ChatStore"
     ]
     wrong = {str(f.relative_to(ROOT)): store_opened(f) for f in front_end_files()}
-    wrong.pop("app/bench/stored.py")  # `bench` measures the store itself: what a session takes in it, a file's
+    # `bench` measures the store itself: what a session takes in it, a file's
+    wrong.pop("app/bench/stored.py")
     assert {name: found for name, found in wrong.items() if found} == {}
 
 
@@ -250,5 +255,7 @@ def test_only_the_bench_command_imports_the_measurements():
     }
     assert users == {"llama_chat.app.commands"}
     commands = ast.parse((ROOT / "app" / "commands.py").read_text(encoding="utf-8"))
-    top_level = [n for n in commands.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("bench")]
+    top_level = [
+        n for n in commands.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("bench")
+    ]
     assert top_level == []  # imported inside cmd_bench, when the command runs

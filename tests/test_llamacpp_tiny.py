@@ -11,14 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llama_chat.inference import chat_prompt_ids, load_model
-from tiny_models import ARCHS, write_tiny_model
+from llama_chat.inference import chat_prompt_ids, chat_template, load_model
+from tiny_later_archs import LONG_CONTEXT
+from tiny_models import ARCHS, FixtureDay, write_tiny_model
 
 LLAMACPP = Path(__file__).parent / "fixtures" / "llamacpp"
 REFERENCE = json.loads((LLAMACPP / "tiny.json").read_text())
 # ggml computes GELU from a float16 table (GGML_GELU_FP16): 0.0025 and 0.0032 from the exact function
 # on the gemmas' logits; every other architecture agrees to 2e-5.
 TOLERANCE = {"gemma2": 5e-3, "gemma3": 5e-3}
+# every architecture, and the models run past their original context (phi3 with its long factors)
+REFERENCES = ARCHS + tuple(LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +31,14 @@ def float_models(tmp_path_factory) -> dict:
 
 
 @pytest.fixture
-def reference_model(request, float_models):
-    arch = request.param
-    return arch, load_model(float_models[arch], cache_type="f32"), REFERENCE["models"][arch]
+def reference_model(request, float_models, monkeypatch):
+    monkeypatch.setattr(chat_template, "datetime", FixtureDay)  # the day the fixtures' prompts were rendered
+    name = request.param
+    arch, n_ctx = LONG_CONTEXT.get(name, (name, None))
+    return name, load_model(float_models[arch], cache_type="f32", n_ctx=n_ctx), REFERENCE["models"][name]
 
 
-@pytest.mark.parametrize("reference_model", ARCHS, indirect=True)
+@pytest.mark.parametrize("reference_model", REFERENCES, indirect=True)
 def test_tokens_are_llamacpps(reference_model):
     _, model, ref = reference_model
     tok = model.tokenizer
@@ -41,7 +46,7 @@ def test_tokens_are_llamacpps(reference_model):
     assert chat_prompt_ids(model, REFERENCE["messages"]) == ref["prompt_ids"]
 
 
-@pytest.mark.parametrize("reference_model", ARCHS, indirect=True)
+@pytest.mark.parametrize("reference_model", REFERENCES, indirect=True)
 def test_logits_at_every_position_are_llamacpps(reference_model):
     arch, model, ref = reference_model
     expected = np.load(LLAMACPP / f"tiny.{arch}.npy")
@@ -51,7 +56,7 @@ def test_logits_at_every_position_are_llamacpps(reference_model):
     assert (logits.argmax(axis=1) == expected.argmax(axis=1)).all()
 
 
-@pytest.mark.parametrize("reference_model", ARCHS, indirect=True)
+@pytest.mark.parametrize("reference_model", REFERENCES, indirect=True)
 def test_greedy_reply_is_llamacpps(reference_model):
     """Token for token, prompt in one pass then a token a pass, as llama.cpp decoded it (whose two best
     tokens were never closer than the logits' difference above)."""

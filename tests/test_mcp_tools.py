@@ -127,7 +127,9 @@ def test_a_server_at_a_url_is_called_the_same_way(tools):
 
 @pytest.mark.parametrize("mode", ["slow-start", "garbage"])
 def test_a_server_that_never_answers_or_prints_garbage_is_one_line(tools, mode, capfd, tmp_path):
-    mcp = tools(server(mode, timeout=3, pid_file=tmp_path / "pids"), ServerConfig("missing", "/no/such/mcp-server"))
+    mcp = tools(
+        server(mode, timeout=3, pid_file=tmp_path / "pids"), ServerConfig("missing", "/no/such/mcp-server")
+    )
     lines = mcp.connect()
     assert lines[0] == "MCP server 'test' did not answer within 3 s; it was stopped"
     assert lines[1].startswith("MCP server 'missing' failed to start: ") and "\n" not in lines[1]
@@ -150,7 +152,9 @@ KILLED_CHAT = """
 import sys, time
 from llama_chat.app.chat.mcp_tools import MCPTools, ServerConfig
 server, pid_file, timeout = sys.argv[1:]
-config = ServerConfig("test", sys.executable, [server, "children"], {"PID_FILE": pid_file}, timeout=float(timeout))
+config = ServerConfig(
+    "test", sys.executable, [server, "children"], {"PID_FILE": pid_file}, timeout=float(timeout)
+)
 print(MCPTools([config]).connect()[0], flush=True)
 time.sleep(3600)
 """
@@ -196,7 +200,8 @@ def chat(monkeypatch, tmp_path, model: Path, mode: str, timeout: float, lines: s
     config = Path(tmp_path / "config" / "llama-chat" / "config.toml")
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(
-        f"[mcp_servers.test]\ncommand = {str(sys.executable)!r}\nargs = [{SERVER!r}, {mode!r}]\ntimeout = {timeout}\n"
+        f"[mcp_servers.test]\ncommand = {str(sys.executable)!r}\nargs = [{SERVER!r}, {mode!r}]\ntimeout = "
+        f"{timeout}\n"
     )
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     return main(["chat", "--model", str(model), "--db", str(tmp_path / "chat.db"), "--temp", "0",
@@ -205,7 +210,10 @@ def chat(monkeypatch, tmp_path, model: Path, mode: str, timeout: float, lines: s
 
 @pytest.mark.real_model
 def test_chat_calls_a_tool_after_a_yes_and_stores_its_answer(monkeypatch, tmp_path, qwen_model_path, capsys):
-    assert chat(monkeypatch, tmp_path, qwen_model_path, "well", START_S, "What is the weather in Paris?\ny\n") == 0
+    assert (
+        chat(monkeypatch, tmp_path, qwen_model_path, "well", START_S, "What is the weather in Paris?\ny\n")
+        == 0
+    )
     out = capsys.readouterr()
     assert 'run the tool call get_weather({"city": "Paris"})? [y/N]' in out.out
     assert "get_weather answered:\n  Sunny, 21 °C in Paris.\n" in out.out
@@ -220,8 +228,12 @@ def test_chat_calls_a_tool_after_a_yes_and_stores_its_answer(monkeypatch, tmp_pa
 
 
 @pytest.mark.real_model
-def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(monkeypatch, tmp_path, qwen_model_path, capsys):
-    code = chat(monkeypatch, tmp_path, qwen_model_path, "hang", 20, "What is the weather in Paris?\ny\nn\nn\n")
+def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(
+    monkeypatch, tmp_path, qwen_model_path, capsys
+):
+    code = chat(
+        monkeypatch, tmp_path, qwen_model_path, "hang", 20, "What is the weather in Paris?\ny\nn\nn\n"
+    )
     assert code == 0
     err = capsys.readouterr().err
     assert "MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped\n" in err
@@ -229,8 +241,9 @@ def test_chat_with_a_tool_that_hangs_says_so_in_one_line_and_goes_on(monkeypatch
     store = ChatStore(tmp_path / "chat.db")
     (session,) = store.list_sessions()
     told = [m.content for m in store.path(session.head_id) if m.role == "tool"]
-    assert told[0] == "error: MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped"
-
+    assert (
+        told[0] == "error: MCP tool 'get_weather' (server 'test') did not answer within 20 s; it was stopped"
+    )
 
 
 def test_the_docs_example_server_serves_chat_as_written(monkeypatch, tmp_path, capsys):
@@ -267,7 +280,9 @@ def test_chat_shows_a_tool_s_answer_after_a_yes_folded_past_a_few_lines(tools, t
     store = sessions.store
     session = store.create_session("weather")
     store.add_message(session.id, "user", "What is the weather in Paris?")
-    store.add_message(session.id, "assistant", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```')
+    store.add_message(
+        session.id, "assistant", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    )
     mcp = tools(server("well"))
     mcp.connect()
 
@@ -287,11 +302,15 @@ def test_chat_shows_a_tool_s_answer_after_a_yes_folded_past_a_few_lines(tools, t
     shown = folded_answer("read_file", long).splitlines()
     assert shown[1:3] == ["  line 1", "  line 2"] and shown[-1] == "  … 35 more line(s)" and len(shown) == 8
     assert len(folded_answer("dump", "y" * 500).splitlines()[1]) < 200  # a long line is cut
-    assert folded_answer("t", "a\x1b[2Jb").splitlines()[1] == "  a\\x1b[2Jb"  # no control reaches the terminal
+    # no control reaches the terminal
+    assert folded_answer("t", "a\x1b[2Jb").splitlines()[1] == "  a\\x1b[2Jb"
 
 def test_a_call_in_a_json_fence_counts_only_for_a_tool_offered():
     fenced = 'Let me look.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
-    assert split_offered_calls(fenced, {"get_weather"}) == ("Let me look.", [ToolCall("get_weather", {"city": "Paris"})])
+    assert split_offered_calls(fenced, {"get_weather"}) == (
+        "Let me look.",
+        [ToolCall("get_weather", {"city": "Paris"})],
+    )
     assert split_offered_calls(fenced, {"add"}) is None  # JSON someone asked for, not a call
     tagged = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert split_offered_calls(tagged, set()) == ("", [ToolCall("add", {"a": 1, "b": 2})])

@@ -152,7 +152,9 @@ def test_a_whole_file_without_the_models_matrices_is_packed_again(qwen2):
     """A file with a valid header for this GGUF but other arrays (one matrix only) is not trusted."""
     model, _ = loaded(qwen2)
     target = packed_file.packed_path(qwen2)
-    packed_file.write_packed(target, packed_file.gguf_identity(qwen2), iter([("output", model.weights.output)]), 0)
+    packed_file.write_packed(
+        target, packed_file.gguf_identity(qwen2), iter([("output", model.weights.output)]), 0
+    )
     again, packed = loaded(qwen2)
     assert packed and np.array_equal(logits(again), unpacked_logits(qwen2))
 
@@ -202,7 +204,9 @@ def test_models_prune_lists_and_removes_what_no_start_reads(tmp_path, qwen2, mon
     gone = write_tiny_model(tmp_path / "gone.gguf", "llama")
     loaded(gone)
     with monkeypatch.context() as other_machine:
-        other_machine.setattr(packed_file, "PROFILE", dataclasses.replace(packed_file.PROFILE, cpu_name="another-cpu"))
+        other_machine.setattr(
+            packed_file, "PROFILE", dataclasses.replace(packed_file.PROFILE, cpu_name="another-cpu")
+        )
         loaded(qwen2)
         elsewhere = packed_file.packed_path(qwen2)
     loaded(qwen2)

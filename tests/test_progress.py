@@ -88,12 +88,12 @@ def test_a_start_that_compiles_nothing_never_says_compiling(monkeypatch):
     unpacking"), and guessed "compiling" on every start while one kernel was never cached (the attention
     of a process that ended before its thread compiled it): what numba does is what is shown."""
     from llama_chat.app.chat.compile_progress import CompileProgress
-    from llama_chat.inference import quants
+    from llama_chat.inference import warmup
 
-    quants.compile_kernels()  # compiled or loaded now: the start below compiles nothing
-    monkeypatch.setattr(quants, "in_cache", lambda kernel: False)  # the cache's guess: everything compiles
+    warmup.compile_kernels()  # compiled or loaded now: the start below compiles nothing
+    monkeypatch.setattr(warmup, "in_cache", lambda kernel: False)  # the cache's guess: everything compiles
     shown = []
     with CompileProgress(lambda *step: shown.append(step[0])) as progress:
-        quants.compile_kernels(progress)
+        warmup.compile_kernels(progress)
     assert shown and not [label for label in shown if label.startswith("compiling")]
     assert "loading compiled kernels" in shown

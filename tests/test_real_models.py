@@ -124,7 +124,11 @@ def test_inputs_as_bytes_keep_the_greedy_chat_replies(qwen_bytes, case):
     ref = CHAT_REFERENCE["greedy"][case]
     stats = GenerationStats()
     sampling = SamplingParams(temperature=0)
-    "".join(generate(qwen_bytes, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats))
+    "".join(
+        generate(
+            qwen_bytes, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats
+        )
+    )
     assert stats.token_ids == ref["greedy_ids"]
 
 
@@ -152,7 +156,9 @@ def test_the_default_mode_keeps_the_greedy_chat_replies(in_default_mode, case):
     stats = GenerationStats()
     sampling = SamplingParams(temperature=0)
     model = in_default_mode[QWEN]
-    "".join(generate(model, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats))
+    "".join(
+        generate(model, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats)
+    )
     assert stats.token_ids == ref["greedy_ids"]
 
 
@@ -217,7 +223,8 @@ def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model, in_default_
 # f16/f32-KV runs differ by 1.46 there) and 1.04 on 'french' (limit 1.0, llama.cpp's own spread 0.89);
 # argmax and KL hold on both. Qwen is within 0.6 everywhere. Both gaps are llama.cpp's distance from the
 # exact logits (float64 products, benchmarks/exact_reference.py), which ours are within 0.0002 of:
-# its 8-bit activations, amplified at Gemma's first positions (docs/benchmarks.md, "Agreement with llama.cpp").
+# its 8-bit activations, amplified at Gemma's first positions (docs/benchmarks.md, "Agreement with
+# llama.cpp").
 GEMMA_EXTRA_GAP = {"shell": 2.04, "french": 1.04}
 EXTRA_CASES = [
     pytest.param(

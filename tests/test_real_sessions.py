@@ -46,11 +46,15 @@ def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_pa
 
     live_stats, resumed_stats = GenerationStats(), GenerationStats()
     live_reply = "".join(
-        stream_text(live.reply(live.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=live_stats))
+        stream_text(
+            live.reply(live.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=live_stats)
+        )
     )
     resumed_reply = "".join(
         stream_text(
-            resumed.reply(resumed.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=resumed_stats)
+            resumed.reply(
+                resumed.fork(session), turns[1], sampling=greedy, max_tokens=48, stats=resumed_stats
+            )
         )
     )
     assert resumed_stats.prefilled_tokens == resumed_stats.prompt_tokens - info.tokens

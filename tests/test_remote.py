@@ -220,7 +220,8 @@ def test_fetch_or_compute_follows_the_measured_link(redis_server):
         assert not remote.worth_fetching(4, n_bytes, 256 / fetch_s * 2, 256)  # computing takes half
         assert not remote.worth_fetching(0, 0, 1.0, 0)
         stats = remote.stats()
-        assert stats["rtt_ms"] == round(rtt * 1000, 2) and stats["mb_per_s"] == round(rate / 1e6, 1)  # as measured
+        # as measured
+        assert stats["rtt_ms"] == round(rtt * 1000, 2) and stats["mb_per_s"] == round(rate / 1e6, 1)
     finally:
         far.close()
 
@@ -277,7 +278,9 @@ def chat(
     new ones are not written yet)."""
     stats = GenerationStats()
     pieces = []
-    for piece in stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)):
+    for piece in stream_text(
+        engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)
+    ):
         if not pieces and during is not None:
             during()
         pieces.append(piece)
@@ -508,7 +511,14 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
     # (always_fetch: the tiny model computes a few blocks faster than a loaded machine reads them, and
     # the point here is what reading does when the store misbehaves)
     servers = [
-        server(qwen2, tmp_path / f"{n}.db", link.url, backoff_s=0.05, always_fetch=True, timeout_s=DEFAULT_TIMEOUT_S)
+        server(
+            qwen2,
+            tmp_path / f"{n}.db",
+            link.url,
+            backoff_s=0.05,
+            always_fetch=True,
+            timeout_s=DEFAULT_TIMEOUT_S,
+        )
         for n in "ab"
     ]
     alone = server(qwen2, tmp_path / "alone.db", None)

@@ -60,7 +60,9 @@ def a_block() -> StoredBlock:
     return StoredBlock(b"\1" * 16, 8, "f32", data, checksum(data), list(range(8)))
 
 
-def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(qwen2, tmp_path, peer, monkeypatch):
+def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(
+    qwen2, tmp_path, peer, monkeypatch
+):
     # An answer's cap, lowered from 512 MiB so that the endless value is cut off after a few MiB here
     monkeypatch.setattr(remote_wire, "MAX_ANSWER_BYTES", 4 << 20)
     alone = reply(engine(qwen2, tmp_path / "alone.db", None), HISTORY)

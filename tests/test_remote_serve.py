@@ -147,7 +147,9 @@ def test_a_session_exported_from_one_server_goes_on_at_another(tmp_path, qwen2):
     redis = RedisServer(tmp_path / "redis").start()
     a, b = served(tmp_path, "a", qwen2, redis.url), served(tmp_path, "b", qwen2, redis.url)
     try:
-        sid = json.loads(a.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
+        sid = json.loads(a.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])[
+            "id"
+        ]
         one = a.ask(HISTORY, extra_body={"session": sid}, **GREEDY)
         assert a.state.engine._cache.remote.flush()
         full = len(a.state.sessions.store.kv.block_keys(sid)) * BLOCK
@@ -175,7 +177,9 @@ def test_store_false_writes_nothing_to_the_database_or_the_remote_tier(tmp_path,
     redis = RedisServer(tmp_path / "redis").start()
     s = served(tmp_path, "a", qwen2, redis.url)
     try:
-        sid = json.loads(s.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
+        sid = json.loads(s.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])[
+            "id"
+        ]
         one = s.ask(HISTORY, extra_body={"session": sid}, **GREEDY)  # stored: its blocks in both tiers
         remote = s.state.engine._cache.remote
         assert remote.flush()

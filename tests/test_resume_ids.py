@@ -50,7 +50,9 @@ def test_kept_ids_of_edited_text_another_model_or_damaged_are_made_again(qwen2, 
     conn = sqlite3.connect(db)
 
     # the user's first message edited in the database itself: its kept ids no longer stand for the text
-    conn.execute("UPDATE messages SET content = 'goodbye the moon' WHERE role = 'user' AND content LIKE 'hello%'")
+    conn.execute(
+        "UPDATE messages SET content = 'goodbye the moon' WHERE role = 'user' AND content LIKE 'hello%'"
+    )
     conn.commit()
     edited = engine_for(qwen2, db)
     _, ids, kept = edited._cache.stored_conversation(session)

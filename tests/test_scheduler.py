@@ -11,11 +11,11 @@ from llama_chat.app.chat.scheduler import QueueFull, Scheduler
 from llama_chat.inference import (
     GenerationStats,
     SamplingParams,
+    blas_crossover,
     chat_prompt_ids,
     generate,
     kernels,
     load_model,
-    quants,
 )
 
 GREEDY = SamplingParams(temperature=0)
@@ -65,7 +65,7 @@ class PassCounter:
 def test_a_prompt_read_while_a_reply_streams_shares_its_pass_and_changes_no_token(model, monkeypatch):
     """A new prompt's piece and the streaming reply's next row go through one pass (the weights read
     once for both), and each gets the tokens it gets alone."""
-    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: None)  # the kernels take
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda progress=None: None)  # the kernels take
     monkeypatch.setattr(kernels, "blas_from", None)  # every pass, whatever this machine measured
     first, second = "hello the world " * 3, "the sun and the water " * 4
     expected = [alone(model, first, max_tokens=30), alone(model, second, max_tokens=8)]
@@ -127,7 +127,9 @@ def test_events_arrive_in_order_and_end_once(model):
 
 def test_a_cancelled_job_ends_and_the_others_go_on(model):
     scheduler = Scheduler(model)
-    long = job_for(model, QUESTIONS[0], max_tokens=500, on_event=lambda e: e.kind == "text" and e.job.cancel())
+    long = job_for(
+        model, QUESTIONS[0], max_tokens=500, on_event=lambda e: e.kind == "text" and e.job.cancel()
+    )
     other = job_for(model, QUESTIONS[1])
     scheduler.submit(long)
     scheduler.submit(other)
@@ -176,16 +178,24 @@ def test_new_prompts_are_read_together_and_a_shared_beginning_once(
     are read in passes of several jobs where the pass takes the way (kernels or BLAS) each piece takes
     alone, the shared blocks are computed once, and every reply, greedy or seeded, is the one it gets
     when the four come one after the other."""
-    monkeypatch.setattr(quants, "measured_blas_from", lambda progress=None: blas_from)  # (read at each load)
+    # (read at each load)
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda progress=None: blas_from)
     monkeypatch.setattr(kernels, "blas_from", blas_from)
     system = " ".join(["the world and the sun and the water"] * 3)
     questions = QUESTIONS
-    settings = [GREEDY, SamplingParams(temperature=0.9, seed=5), GREEDY, SamplingParams(temperature=0.8, seed=1)]
+    settings = [
+        GREEDY,
+        SamplingParams(temperature=0.9, seed=5),
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=1),
+    ]
 
     def jobs_on(model) -> list[Job]:
         out = []
         for q, s in zip(questions, settings, strict=True):
-            ids = chat_prompt_ids(model, [{"role": "system", "content": system}, {"role": "user", "content": q}])
+            ids = chat_prompt_ids(
+                model, [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            )
             out.append(
                 Job(
                     lambda p=ids: (p, model.new_sequence(len(p) + 13)),

@@ -38,7 +38,9 @@ def test_a_streamed_reply_is_the_reply_sent_whole(served):
     assert whole.object == "chat.completion" and whole.model == MODEL
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
     texts, finish, usage = streamed(
-        served.ask("hello there", seed=3, temperature=0.9, stream=True, stream_options={"include_usage": True})
+        served.ask(
+            "hello there", seed=3, temperature=0.9, stream=True, stream_options={"include_usage": True}
+        )
     )
     assert texts == {0: whole.choices[0].message.content}
     assert finish == {0: whole.choices[0].finish_reason}
@@ -74,7 +76,10 @@ def test_max_tokens_ends_a_reply_with_length(served):
 
 
 def test_a_seed_makes_a_reply_reproducible(served):
-    texts = [served.ask("hello there", seed=seed, temperature=1.0).choices[0].message.content for seed in (5, 5, 6, 7)]
+    texts = [
+        served.ask("hello there", seed=seed, temperature=1.0).choices[0].message.content
+        for seed in (5, 5, 6, 7)
+    ]
     assert texts[0] == texts[1]
     assert len(set(texts[1:])) > 1  # other seeds draw other replies
 
@@ -128,8 +133,14 @@ def test_models_and_health(served):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus": 1}, "bogus"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, "stream_options"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {}},
+            "stream_options",
+        ),
     ],
 )
 def test_bad_requests_get_400_naming_the_field_and_change_nothing(served, body, param):
@@ -167,7 +178,17 @@ def tokenized(served, monkeypatch) -> list[int]:
     return made
 
 
-def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(served, tokenized):
+@pytest.fixture
+def shielded(served, monkeypatch) -> list[int]:
+    """One entry per prompt whose control text the server looked for (every string of it scanned)."""
+    made = []
+    tokenizer = served.model.tokenizer
+    shield = tokenizer.control_text_shield
+    monkeypatch.setattr(tokenizer, "control_text_shield", lambda outside: made.append(1) or shield(outside))
+    return made
+
+
+def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(served, tokenized, shielded):
     """Four 7.5 MB prompts at once (the probe: 25 s of CPU each to tokenize before their 400, and
     /health took 27 s meanwhile): more bytes than the window's tokens can stand for, refused before
     they are tokenized; the server answers /health and /v1/models all along."""
@@ -175,8 +196,12 @@ def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(ser
     bodies = [{"model": MODEL, "messages": [{"role": "user", "content": huge}]}] * 2
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         asked = [pool.submit(post, served, body) for body in bodies]
-        asked += [pool.submit(served.raw, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": huge}).encode())
-                  for _ in range(2)]
+        asked += [
+            pool.submit(
+                served.raw, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": huge}).encode()
+            )
+            for _ in range(2)
+        ]
         answers = []
         for _ in range(10_000):
             answers += [served.raw("GET", "/health")[0], served.raw("GET", "/v1/models")[0]]
@@ -185,15 +210,20 @@ def test_huge_prompts_are_refused_untokenized_while_health_and_models_answer(ser
     for response in asked:
         status, error = error_of(response.result())
         assert status == 400 and error["code"] == "context_length_exceeded"
-        assert error["message"].startswith(("'messages' makes 256 tokens or more", "'prompt' makes 256 tokens or more"))
+        assert error["message"].startswith(
+            ("'messages' makes 256 tokens or more", "'prompt' makes 256 tokens or more")
+        )
     assert answers and set(answers) == {200}
-    assert tokenized == []
+    assert tokenized == [] and shielded == []  # refused by their length before any scan of their text
 
 
 def test_tokenizing_a_prompt_over_the_window_stops_at_the_window(served, tokenized):
     n_ctx = served.state.engine.n_ctx
-    prompt = words(6 * n_ctx)  # few enough bytes to be tokenized (a token of this vocabulary stands for 13 at most)
-    status, error = error_of(post(served, {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}))
+    # few enough bytes to be tokenized (a token of this vocabulary stands for 13 at most)
+    prompt = words(6 * n_ctx)
+    status, error = error_of(
+        post(served, {"model": MODEL, "messages": [{"role": "user", "content": prompt}]})
+    )
     assert status == 400 and error["code"] == "context_length_exceeded"
     assert tokenized and max(tokenized) <= n_ctx + 8  # what it made: up to the word that passed the window
     assert len(served.model.tokenizer.encode(prompt)) > 2 * n_ctx  # what a whole tokenizing makes
@@ -224,7 +254,10 @@ def test_a_body_over_the_limit_is_413(tmp_path, qwen2):
 def test_requests_beyond_the_queue_get_429_with_retry_after(tmp_path, qwen2):
     s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=1).wait_ready()
     try:
-        with queue_full(s, lambda n: s.ask(LONG, temperature=0, max_tokens=n, stream=True)) as (first, second):
+        with queue_full(s, lambda n: s.ask(LONG, temperature=0, max_tokens=n, stream=True)) as (
+            first,
+            second,
+        ):
             status, headers, body = post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
             assert status == 429 and headers["Retry-After"] == "1"
             assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
@@ -287,7 +320,10 @@ def test_eight_clients_at_once_each_get_the_reply_they_get_alone(tmp_path, qwen2
     s = Served(tmp_path / "chat.db", qwen2, parallel=8).wait_ready()
     try:
         asks = [(f"{word} the world", seed) for word, seed in zip("abcdefgh", range(20, 28))]
-        alone = [s.ask(text, seed=seed, temperature=1.0, max_tokens=24).choices[0].message.content for text, seed in asks]
+        alone = [
+            s.ask(text, seed=seed, temperature=1.0, max_tokens=24).choices[0].message.content
+            for text, seed in asks
+        ]
         together: dict[int, str] = {}
 
         def client(i: int) -> None:
@@ -317,7 +353,9 @@ def test_a_client_leaving_mid_stream_cancels_its_reply_and_frees_its_kv(served, 
     # the reply's first token goes out, then its next pass waits until the client has left
     left = threading.Event()
     verify_rows = served.scheduler.model.verify_rows
-    monkeypatch.setattr(served.scheduler.model, "verify_rows", lambda batch: left.wait(20) and verify_rows(batch))
+    monkeypatch.setattr(
+        served.scheduler.model, "verify_rows", lambda batch: left.wait(20) and verify_rows(batch)
+    )
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": LONG}], "temperature": 0,
                        "max_tokens": 200, "stream": True})
     host, port = served.url.removeprefix("http://").split(":")
@@ -359,7 +397,10 @@ def test_clients_sending_one_system_prompt_at_once_compute_it_once(served, monke
     submit = served.scheduler.submit
     monkeypatch.setattr(served.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
     asks = [[{"role": "user", "content": "something else"}]]
-    asks += [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}] for text in ("hi", "the sun")]
+    asks += [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+        for text in ("hi", "the sun")
+    ]
     replies = {}
 
     def client(i):
@@ -368,7 +409,8 @@ def test_clients_sending_one_system_prompt_at_once_compute_it_once(served, monke
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     with served.scheduler.lock:  # nothing is computed until the two are admitted together
         threads[0].start()
-        wait_for(lambda: len(jobs) == 1 and served.scheduler.load()["queued"] == 0)  # taken, waiting for the lock
+        # taken, waiting for the lock
+        wait_for(lambda: len(jobs) == 1 and served.scheduler.load()["queued"] == 0)
         threads[1].start()
         threads[2].start()
         wait_for(lambda: served.scheduler.load()["queued"] == 2)

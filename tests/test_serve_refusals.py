@@ -28,7 +28,11 @@ def error_of(served, body: dict | bytes) -> tuple[int, dict]:
 def with_arguments(arguments: str) -> dict:
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
     asked = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    return {"model": "tiny-qwen2", "max_tokens": 2, "messages": [*asked, {"role": "tool", "tool_call_id": "c", "content": "x"}]}
+    return {
+        "model": "tiny-qwen2",
+        "max_tokens": 2,
+        "messages": [*asked, {"role": "tool", "tool_call_id": "c", "content": "x"}],
+    }
 
 
 @pytest.mark.parametrize("depth", [50_000, MAX_JSON_DEPTH + 1])

@@ -85,13 +85,19 @@ def test_a_stored_session_over_http(served):
 
 def sse_texts(body: bytes) -> tuple[str, list[dict]]:
     """The text of a stream's reply, and its events, as JSON (the last is the string "[DONE]")."""
-    events = [line.removeprefix(b"data: ").decode() for line in body.splitlines() if line.startswith(b"data: ")]
+    events = [
+        line.removeprefix(b"data: ").decode() for line in body.splitlines() if line.startswith(b"data: ")
+    ]
     parsed = [json.loads(e) if e != "[DONE]" else e for e in events]
-    text = "".join(c["delta"].get("content") or "" for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
+    text = "".join(
+        c["delta"].get("content") or "" for e in parsed if isinstance(e, dict) for c in e.get("choices", [])
+    )
     return text, parsed
 
 
-def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_nothing(tmp_path, qwen2, monkeypatch):
+def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_nothing(
+    tmp_path, qwen2, monkeypatch
+):
     s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=2).wait_ready()
     try:
         sid = json.loads(s.raw("POST", "/v1/sessions", b"{}")[2])["id"]
@@ -104,7 +110,9 @@ def test_session_turns_wait_in_the_queue_and_a_client_that_leaves_first_stores_n
             conn = http.client.HTTPConnection(host, int(port))
             body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "session": sid,
                     "max_tokens": 6, "seed": 1, "stream": stream}
-            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
             return conn
 
         with s.scheduler.lock:  # nothing advances: the first turn is taken, two wait, the rest are refused
@@ -209,7 +217,9 @@ def test_a_client_leaving_while_its_conversation_is_stored_does_not_cancel_the_s
 def test_after_a_restart_only_the_new_turn_is_computed(tmp_path, qwen2):
     db = tmp_path / "chat.db"
     first = Served(db, qwen2).wait_ready()
-    sid = json.loads(first.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])["id"]
+    sid = json.loads(first.raw("POST", "/v1/sessions", json.dumps({"system_prompt": SYSTEM}).encode())[2])[
+        "id"
+    ]
     first.ask("hello there, tell me of the world", extra_body={"session": sid}, seed=1, max_tokens=20)
     plain = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the water"}]
     reply = first.ask(plain, seed=1, max_tokens=20)
@@ -247,7 +257,9 @@ def test_serve_on_the_command_line(tmp_path, qwen2):
             assert "error" not in line
             if "ready" in line:
                 break
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert reply.usage.completion_tokens <= 4
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
@@ -292,7 +304,9 @@ def test_sigterm_mid_stream_lets_each_stream_finish_or_cuts_it_at_drain_seconds(
         for ask in asks:
             conn = http.client.HTTPConnection(host, int(port))
             body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 240, **ask}
-            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
             response = conn.getresponse()
             assert response.status == 200
             streams.append((response, up_to_its_first_text(response)))
@@ -349,7 +363,9 @@ def test_health_says_loading_ready_or_draining_and_never_waits_on_the_engine(tmp
             assert status == 200 and health["status"] == "ready" and health["active"] == 1
             s.server.handle_exit(signal.SIGTERM, None)  # (a signal, as the server's thread cannot get one)
             assert health_of(s) == (503, {"status": "draining", "model": MODEL})
-            status, error = error_of(post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+            status, error = error_of(
+                post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            )
             assert status == 503 and error["code"] == "draining"
         text, events = sse_texts(began + response.read())  # the stream under way finishes whole
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
@@ -369,23 +385,33 @@ def test_tenants_see_only_their_own_sessions_and_reuse_only_their_own_kv(tmp_pat
     assert tenants == {"key-a": "alice", "key-b": "bob"}
     s = Served(tmp_path / "chat.db", qwen2, api_key=tenants).wait_ready()
     try:
-        alice, bob = (openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b"))
+        alice, bob = (
+            openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b")
+        )
 
         def as_(key: str, method: str, path: str, body: dict | None = None):
             data = None if body is None else json.dumps(body).encode()
-            return s.raw(method, path, data, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            return s.raw(
+                method, path, data, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+            )
 
         sid = json.loads(as_("key-a", "POST", "/v1/sessions", {"system_prompt": SYSTEM})[2])["id"]
         hello = [{"role": "user", "content": "hello there"}]
         alice.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid})
         assert [x["id"] for x in json.loads(as_("key-a", "GET", "/v1/sessions")[2])["data"]] == [sid]
         assert json.loads(as_("key-b", "GET", "/v1/sessions")[2])["data"] == []
-        for method, path, body in [("GET", f"/v1/sessions/{sid[:2]}", None), ("GET", f"/v1/sessions/{sid}", None),
-                                   ("POST", f"/v1/sessions/{sid}/fork", {}), ("GET", f"/v1/sessions/{sid}/export", None),
-                                   ("DELETE", f"/v1/sessions/{sid}", None)]:
+        for method, path, body in [
+            ("GET", f"/v1/sessions/{sid[:2]}", None),
+            ("GET", f"/v1/sessions/{sid}", None),
+            ("POST", f"/v1/sessions/{sid}/fork", {}),
+            ("GET", f"/v1/sessions/{sid}/export", None),
+            ("DELETE", f"/v1/sessions/{sid}", None),
+        ]:
             assert as_("key-b", method, path, body)[0] == 404, path
         with pytest.raises(openai.NotFoundError):
-            bob.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid})
+            bob.chat.completions.create(
+                model=MODEL, messages=hello, max_tokens=4, extra_body={"session": sid}
+            )
         assert as_("key-a", "GET", f"/v1/sessions/{sid}")[0] == 200  # still there, as alice left it
 
         # the system prompt's blocks alice's session computed are hers: bob's same prompt computes them
@@ -430,7 +456,14 @@ def test_the_cli_and_the_server_share_a_session_while_it_runs(served, qwen2, cap
     sid = json.loads(served.raw("POST", "/v1/sessions", b"{}")[2])["id"]
     served.ask("hello there", extra_body={"session": sid}, seed=1, max_tokens=4)
     db = str(served.state.options.db)
-    assert main(["--db", db, "--model", str(qwen2), "ask", "--session", sid, "--max-tokens", "4", "the water"]) == 0
+    assert (
+        main(["--db", db, "--model", str(qwen2), "ask", "--session", sid, "--max-tokens", "4", "the water"])
+        == 0
+    )
     served.ask("and the sun", extra_body={"session": sid}, seed=1, max_tokens=4)
     messages = json.loads(served.raw("GET", f"/v1/sessions/{sid}")[2])["messages"]
-    assert [m["content"] for m in messages if m["role"] == "user"] == ["hello there", "the water", "and the sun"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == [
+        "hello there",
+        "the water",
+        "and the sun",
+    ]

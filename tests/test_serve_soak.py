@@ -1,5 +1,6 @@
 """benchmarks/serve_load.py --soak: clients leaving and refused against a real `llama-chat serve` on
-loopback, then nothing left behind. A few seconds on the tiny model; the real soak is in docs/benchmarks.md."""
+loopback, then nothing left behind. A few seconds on the tiny model; the real soak is in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -56,14 +56,17 @@ def raw_ids(model, prompt: str) -> list[int]:
 
 def core_text(model, ids: list[int], max_tokens: int, stats: GenerationStats | None = None) -> str:
     """The greedy continuation of `ids` by the inference core's own generation loop."""
-    return "".join(generate(model, ids, sampling=SamplingParams(temperature=0), max_tokens=max_tokens, stats=stats))
+    return "".join(
+        generate(model, ids, sampling=SamplingParams(temperature=0), max_tokens=max_tokens, stats=stats)
+    )
 
 
 # -- replies ---------------------------------------------------------------------------------------
 
 
 def test_a_raw_prompt_is_continued_as_the_inference_core_continues_it(served, core):
-    prompt = "the sun and the water <|im_start|> are"  # control-token text is that token, as llama.cpp reads it
+    # control-token text is that token, as llama.cpp reads it
+    prompt = "the sun and the water <|im_start|> are"
     ids = raw_ids(core, prompt)
     (control,) = core.tokenizer.encode("<|im_start|>", special=True)
     assert control in ids and len(ids) < len(core.tokenizer.encode(prompt))
@@ -88,7 +91,9 @@ def test_bos_comes_first_where_the_vocabulary_asks_for_it(tmp_path, tiny_model_p
     assert ids[0] == core.tokenizer.bos_id and ids[1:] == core.tokenizer.encode("the sun and the water")
     s = Served(tmp_path / "chat.db", path).wait_ready()
     try:
-        reply = s.client.completions.create(model=path.stem, prompt="the sun and the water", max_tokens=8, **GREEDY)
+        reply = s.client.completions.create(
+            model=path.stem, prompt="the sun and the water", max_tokens=8, **GREEDY
+        )
     finally:
         s.stop()
     assert reply.usage.prompt_tokens == len(ids) and reply.choices[0].text == core_text(core, ids, 8)
@@ -105,7 +110,9 @@ def test_a_completion_keeps_the_space_its_first_token_begins_with(tmp_path):
     assert pieces.startswith(" ")  # the case: the first token is a space
     s = Served(tmp_path / "chat.db", path).wait_ready()
     try:
-        reply = s.client.completions.create(model=path.stem, prompt="water ", max_tokens=6, logprobs=0, **GREEDY)
+        reply = s.client.completions.create(
+            model=path.stem, prompt="water ", max_tokens=6, logprobs=0, **GREEDY
+        )
     finally:
         s.stop()
     assert reply.choices[0].text == pieces and "".join(reply.choices[0].logprobs.tokens) == pieces
@@ -135,12 +142,21 @@ def test_echo_puts_the_prompt_before_the_completion(served):
 def test_a_stream_is_the_completion_sent_whole_with_usage(served):
     whole = complete(served, "hello there", max_tokens=10, n=2, seed=3, temperature=0.9)
     texts, finish, _, usage = stream_of(
-        served, "hello there", max_tokens=10, n=2, seed=3, temperature=0.9, stream_options={"include_usage": True}
+        served,
+        "hello there",
+        max_tokens=10,
+        n=2,
+        seed=3,
+        temperature=0.9,
+        stream_options={"include_usage": True},
     )
     assert texts == {c.index: c.text for c in whole.choices}
     assert finish == {c.index: c.finish_reason for c in whole.choices}
     assert whole.choices[0].text != whole.choices[1].text  # alternative i is drawn with seed + i
-    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
     assert stream_of(served, "hello there", max_tokens=3)[3] is None  # usage only when asked for
 
 
@@ -181,7 +197,9 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(served, core):
         likeliest = np.argsort(-expected, kind="stable")[:3]
         top = lp.top_logprobs[i]
         assert list(top) == [token_text(core.tokenizer, t) for t in likeliest]  # likeliest first
-        assert all(math.isclose(top[token_text(core.tokenizer, t)], expected[t], abs_tol=1e-4) for t in likeliest)
+        assert all(
+            math.isclose(top[token_text(core.tokenizer, t)], expected[t], abs_tol=1e-4) for t in likeliest
+        )
         assert list(top)[0] == lp.tokens[i]  # greedy: the drawn token is the likeliest
     # each token's offset is where its text begins in the completion (a part of a character: where the
     # character it ends, or begins, does)
@@ -195,8 +213,14 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(served, core):
 def test_streamed_logprobs_are_those_sent_whole(served):
     whole = complete(served, LONG, max_tokens=8, logprobs=2, **GREEDY).choices[0].logprobs
     _, _, chunks, _ = stream_of(served, LONG, max_tokens=8, logprobs=2, **GREEDY)
-    joined = {k: [v for c in chunks for v in getattr(c, k)] for k in ("tokens", "token_logprobs", "text_offset")}
-    assert joined == {"tokens": whole.tokens, "token_logprobs": whole.token_logprobs, "text_offset": whole.text_offset}
+    joined = {
+        k: [v for c in chunks for v in getattr(c, k)] for k in ("tokens", "token_logprobs", "text_offset")
+    }
+    assert joined == {
+        "tokens": whole.tokens,
+        "token_logprobs": whole.token_logprobs,
+        "text_offset": whole.text_offset,
+    }
     assert [t for c in chunks for t in c.top_logprobs] == whole.top_logprobs
 
 
@@ -217,7 +241,10 @@ def test_a_repeated_prompt_prefix_comes_from_the_cache(served):
 
 
 def test_blocks_a_stored_chat_left_on_disk_serve_a_text_prompt_after_a_restart(tmp_path, qwen2):
-    db, messages = tmp_path / "chat.db", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    db, messages = (
+        tmp_path / "chat.db",
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+    )
     first = Served(db, qwen2).wait_ready()
     try:
         first.ask(messages, max_tokens=2)  # kept as an API session, its KV stored
@@ -236,7 +263,9 @@ def test_blocks_a_stored_chat_left_on_disk_serve_a_text_prompt_after_a_restart(t
 def test_tenants_share_no_kv_through_text_completions(tmp_path, qwen2):
     s = Served(tmp_path / "chat.db", qwen2, api_key=api_keys_from(["k-alice", "k-bob"])).wait_ready()
     try:
-        alice, bob = (openai.OpenAI(base_url=s.url + "/v1", api_key=k, max_retries=0) for k in ("k-alice", "k-bob"))
+        alice, bob = (
+            openai.OpenAI(base_url=s.url + "/v1", api_key=k, max_retries=0) for k in ("k-alice", "k-bob")
+        )
         ask = {"model": MODEL, "prompt": SYSTEM + "hello", "max_tokens": 2}
         assert alice.completions.create(**ask).usage.prompt_tokens_details.cached_tokens == 0
         assert alice.completions.create(**ask).usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK
@@ -253,7 +282,10 @@ def test_tenants_share_no_kv_through_text_completions(tmp_path, qwen2):
 def test_requests_beyond_the_queue_get_429_with_retry_after(tmp_path, qwen2):
     s = Served(tmp_path / "chat.db", qwen2, parallel=1, queue=1).wait_ready()
     try:
-        with queue_full(s, lambda n: complete(s, LONG, max_tokens=n, stream=True, **GREEDY)) as (first, second):
+        with queue_full(s, lambda n: complete(s, LONG, max_tokens=n, stream=True, **GREEDY)) as (
+            first,
+            second,
+        ):
             with pytest.raises(openai.RateLimitError) as e:
                 complete(s, "hi")
             assert e.value.response.headers["Retry-After"] == "1" and e.value.code == "rate_limit_exceeded"
@@ -269,7 +301,9 @@ def test_a_client_leaving_mid_stream_cancels_its_completion_and_frees_its_kv(ser
     # the first token goes out, then the next pass waits until the client has left
     left = threading.Event()
     verify_rows = served.scheduler.model.verify_rows
-    monkeypatch.setattr(served.scheduler.model, "verify_rows", lambda batch: left.wait(20) and verify_rows(batch))
+    monkeypatch.setattr(
+        served.scheduler.model, "verify_rows", lambda batch: left.wait(20) and verify_rows(batch)
+    )
     body = {"model": MODEL, "prompt": LONG, "max_tokens": 200, "stream": True, "echo": True, **GREEDY}
     host, port = served.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port))

@@ -83,7 +83,13 @@ def _with_answer(call: dict) -> list[dict]:
 
 def _answer(s: Served, call: dict, reused: int = 0) -> str:
     """The final answer once the tool's result is sent back; `reused`: tokens it must take from the cache."""
-    kwargs = {"model": s.name, "messages": _with_answer(call), "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
+    kwargs = {
+        "model": s.name,
+        "messages": _with_answer(call),
+        "tools": [WEATHER],
+        "temperature": 0,
+        "max_tokens": 60,
+    }
     reply = s.client.chat.completions.create(**kwargs)
     assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
     assert reply.usage.prompt_tokens_details.cached_tokens >= reused
@@ -150,7 +156,9 @@ def test_a_streamed_tool_call_round_trip(qwen_served):
     # what the model writes next reads the same streamed as sent whole (greedy, this model calls again)
     kwargs = {"model": s.name, "messages": _with_answer(calls[0]), "tools": [WEATHER], "temperature": 0}
     whole = s.client.chat.completions.create(**kwargs, max_tokens=60).choices[0]
-    calls, finish, _, content = _accumulated(s.client.chat.completions.create(**kwargs, max_tokens=60, stream=True))
+    calls, finish, _, content = _accumulated(
+        s.client.chat.completions.create(**kwargs, max_tokens=60, stream=True)
+    )
     assert finish == whole.finish_reason and content == (whole.message.content or "")
     made = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls.values()] == made
@@ -301,7 +309,12 @@ def test_a_tool_conversation_continued_after_a_restart_reuses_its_kv(tmp_path, q
     name = qwen_model_path.stem
     try:
         reply = first.client.chat.completions.create(
-            model=name, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80
+            model=name,
+            messages=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=80,
         )
         messages = _with_answer(_call_of(reply.choices[0].message))
         kwargs = {"model": name, "tools": [WEATHER], "temperature": 0, "max_tokens": 40}

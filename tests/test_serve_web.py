@@ -51,7 +51,9 @@ SIMPLE_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/fo
 @pytest.fixture(scope="module")
 def web(tmp_path_factory, tiny_model_paths):
     folder = tmp_path_factory.mktemp("web")
-    s = Served(folder / "chat.db", tiny_model_paths["qwen2"], allowed_hosts=("chat.example",), cors_origins=(PAGE,))
+    s = Served(
+        folder / "chat.db", tiny_model_paths["qwen2"], allowed_hosts=("chat.example",), cors_origins=(PAGE,)
+    )
     s.wait_ready()
     s.sid = json.loads(s.raw("POST", "/v1/sessions", b'{"title": "kept"}')[2])["id"]
     s.ask("hello there", extra_body={"session": s.sid}, max_tokens=4)
@@ -95,10 +97,23 @@ def test_a_request_naming_another_host_is_refused_on_every_route(web, method, pa
     assert stored(web) == before
 
 
-@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:{port}", "127.0.0.1", "127.0.0.1:{port}", "[::1]:{port}",
-                                  "localhost.:{port}", "chat.example", "chat.example:{port}"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "localhost",
+        "LOCALHOST:{port}",
+        "127.0.0.1",
+        "127.0.0.1:{port}",
+        "[::1]:{port}",
+        "localhost.:{port}",
+        "chat.example",
+        "chat.example:{port}",
+    ],
+)
 def test_loopback_names_and_allowed_hosts_are_answered(web, host):
-    status, _, body = web.raw("GET", "/v1/models", headers={"Host": host.format(port=web.url.rsplit(":", 1)[1])})
+    status, _, body = web.raw(
+        "GET", "/v1/models", headers={"Host": host.format(port=web.url.rsplit(":", 1)[1])}
+    )
     assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
 
 
@@ -110,14 +125,26 @@ def test_the_address_a_client_reached_is_answered_as_its_host():
         answered.append(scope["path"])
 
     async def ask(host: str) -> None:
-        scope = {"type": "http", "path": host, "server": ("10.1.2.3", 8080), "headers": [(b"host", host.encode())]}
+        scope = {
+            "type": "http",
+            "path": host,
+            "server": ("10.1.2.3", 8080),
+            "headers": [(b"host", host.encode())],
+        }
 
         async def send(message):
             pass
 
         await HostCheck(app, {*LOOPBACK_NAMES, "0.0.0.0"})(scope, None, send)
 
-    for host in ("10.1.2.3:8080", "10.1.2.3", "10.9.9.9:8080", "0.0.0.0:8080", "nas.example:8080", "localhost"):
+    for host in (
+        "10.1.2.3:8080",
+        "10.1.2.3",
+        "10.9.9.9:8080",
+        "0.0.0.0:8080",
+        "nas.example:8080",
+        "localhost",
+    ):
         asyncio.run(ask(host))
     assert answered == ["10.1.2.3:8080", "10.1.2.3", "0.0.0.0:8080", "localhost"]
 
@@ -154,7 +181,11 @@ def test_a_body_a_page_may_send_unasked_is_refused_on_every_post(web, method, pa
 
 @pytest.mark.parametrize(("method", "path", "kind"), POSTS)
 def test_each_post_takes_its_own_kind_of_body_only(web, method, path, kind):
-    right, other = ("application/octet-stream", "application/json") if kind == "file" else ("application/json", "application/octet-stream")
+    right, other = (
+        ("application/octet-stream", "application/json")
+        if kind == "file"
+        else ("application/json", "application/octet-stream")
+    )
     before = stored(web)
     status, error = error_of(send(web, method, path, kind, **{"Content-Type": other}))
     assert status == 415 and f"'Content-Type: {right}'" in error["message"]
@@ -228,7 +259,9 @@ def test_accepted_connections_send_without_waiting_for_the_clients_ack(served):
 
 
 def test_connections_that_send_no_whole_request_are_closed(tmp_path, qwen2):
-    s = Served(tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5).wait_ready()
+    s = Served(
+        tmp_path / "chat.db", qwen2, header_timeout_s=0.5, keep_alive_s=0.5, body_timeout_s=0.5
+    ).wait_ready()
     try:
         idle = socket.create_connection(address(s), timeout=30)
         assert closed_by_server(idle)
@@ -287,8 +320,10 @@ def test_a_trickled_body_is_cut_by_the_request_deadline_and_its_connection_freed
     thread = threading.Thread(target=trickle)
     try:
         for sock in trickles:
-            sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100000\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n{"
+            )
         thread.start()
         for sock in trickles:
             status, response = response_of(sock)
@@ -327,7 +362,10 @@ def test_a_client_leaving_mid_body_is_one_line_in_the_log(served, capfd):
         lines.extend(capfd.readouterr().err.splitlines())
         return any(text in line for line in lines)
 
-    for path, kind in (("/v1/chat/completions", "application/json"), ("/v1/sessions/import", "application/octet-stream")):
+    for path, kind in (
+        ("/v1/chat/completions", "application/json"),
+        ("/v1/sessions/import", "application/octet-stream"),
+    ):
         sock = socket.create_connection(address(served), timeout=20)
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {kind}\r\n"
                      f"Content-Length: 1000\r\n\r\n{{".encode())
@@ -339,7 +377,9 @@ def test_a_client_leaving_mid_body_is_one_line_in_the_log(served, capfd):
 
 
 def test_past_max_connections_a_request_gets_503_and_its_connection_is_closed(tmp_path, qwen2):
-    s = Served(tmp_path / "chat.db", qwen2, max_connections=2, keep_alive_s=60, header_timeout_s=60).wait_ready()
+    s = Served(
+        tmp_path / "chat.db", qwen2, max_connections=2, keep_alive_s=60, header_timeout_s=60
+    ).wait_ready()
     try:
         first, second, third = (http.client.HTTPConnection(*address(s), timeout=30) for _ in range(3))
         for conn in (first, second):
@@ -363,7 +403,9 @@ def test_serve_says_running_out_of_files_in_a_line_logs_each_request_and_stops_c
     key = "s3cret-key-4242"
     cmd = [sys.executable, "-m", "llama_chat", "--db", str(tmp_path / "chat.db"), "--model", str(qwen2),
            "serve", "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "LLAMA_CHAT_API_KEY": key})
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "LLAMA_CHAT_API_KEY": key}
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
@@ -372,15 +414,19 @@ def test_serve_says_running_out_of_files_in_a_line_logs_each_request_and_stops_c
         wait_for(lambda: any("ready in" in line for line in lines), 120)
         base = lines[0].split("listening on ")[1].split()[0]
         client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
-        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         in_use = len(os.listdir(f"/proc/{proc.pid}/fd"))
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (in_use + 3, hard))
         host, port = base.removeprefix("http://").rsplit(":", 1)
-        clients = [socket.create_connection((host, int(port)), timeout=30) for _ in range(30)]  # the backlog holds them
+        # the backlog holds them
+        clients = [socket.create_connection((host, int(port)), timeout=30) for _ in range(30)]
         wait_for(lambda: any("cannot accept connections" in line for line in lines))
-        threading.Event().wait(2.5)  # accept() fails again at each retry (every second), and is not said again
+        # accept() fails again at each retry (every second), and is not said again
+        threading.Event().wait(2.5)
         for c in clients:
             c.close()
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
@@ -398,7 +444,10 @@ def test_serve_says_running_out_of_files_in_a_line_logs_each_request_and_stops_c
     assert "Traceback" not in log and key not in log
     said = [line for line in lines if "cannot accept connections" in line]
     assert 1 <= len(said) <= 2 and "Too many open files" in said[0] and "--max-connections" in said[0]
-    assert "llama-chat serve: POST /v1/chat/completions 200 " in log and "llama-chat serve: GET /v1/models 200 " in log
+    assert (
+        "llama-chat serve: POST /v1/chat/completions 200 " in log
+        and "llama-chat serve: GET /v1/models 200 " in log
+    )
     assert lines[-1].strip() == "llama-chat serve: stopped (SIGTERM)"
 
 
@@ -418,18 +467,27 @@ def test_an_import_is_refused_as_it_arrives_and_no_error_names_a_server_path(ser
     host, port = address(served)
     # a body announcing a gigabyte, of which only its first bytes are sent: refused on them
     sock = socket.create_connection((host, port), timeout=30)
-    sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
-                 b"Content-Length: 1000000000\r\n\r\n" + b"this is not a session file, " * 4)
+    sock.sendall(
+        b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+        b"Content-Length: 1000000000\r\n\r\n" + b"this is not a session file, " * 4
+    )
     status, body = response_of(sock)
-    assert status == 400 and body["error"]["message"] == "Not a usable .llamachat file: not a llama-chat session file"
+    assert (
+        status == 400
+        and body["error"]["message"] == "Not a usable .llamachat file: not a llama-chat session file"
+    )
     sock.close()
     # a real file's header, and more bytes after it than the header declares
     sid = json.loads(served.raw("POST", "/v1/sessions", b"{}")[2])["id"]
     served.ask("hello", extra_body={"session": sid}, max_tokens=2)
     data = served.raw("GET", f"/v1/sessions/{sid}/export")[2]
     sock = socket.create_connection((host, port), timeout=30)
-    sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
-                 + f"Content-Length: {len(data) + 1000000}\r\n\r\n".encode() + data + b"\0" * 4096)
+    sock.sendall(
+        b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+        + f"Content-Length: {len(data) + 1000000}\r\n\r\n".encode()
+        + data
+        + b"\0" * 4096
+    )
     assert response_of(sock)[0] == 413
     sock.close()
 
@@ -441,7 +499,9 @@ def test_an_import_is_refused_as_it_arrives_and_no_error_names_a_server_path(ser
 
 def memory_mb(field: str) -> float:
     """This process's (and so the server's, which runs in it) VmRSS or VmHWM (its peak), in MB."""
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    line = next(
+        line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":")
+    )
     return int(line.split()[1]) / 1024
 
 
@@ -469,7 +529,9 @@ def test_an_import_holds_a_piece_of_its_upload_in_memory_whatever_its_size(serve
     error = json.loads(response.read())["error"]
     grown = memory_mb("VmHWM") - before
     conn.close()
-    assert response.status == 400 and error["message"].endswith("checksum mismatch: the file is damaged or incomplete")
+    assert response.status == 400 and error["message"].endswith(
+        "checksum mismatch: the file is damaged or incomplete"
+    )
     assert grown < 64, f"{grown:.0f} MB"
     assert [p.name for p in (tmp_path).iterdir() if "import" in p.name] == []
 
@@ -478,13 +540,20 @@ def test_imports_past_the_limit_at_once_get_429(served):
     uploads = []
     for _ in range(2):  # two imports under way: their headers came, the rest has not yet
         sock = socket.create_connection(address(served), timeout=20)
-        sock.sendall(b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
-                     b"Content-Length: 100000\r\n\r\n" + pack_header(1000, 50000))
+        sock.sendall(
+            b"POST /v1/sessions/import HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+            b"application/octet-stream\r\n"
+            b"Content-Length: 100000\r\n\r\n" + pack_header(1000, 50000)
+        )
         uploads.append(sock)
     try:
         wait_for(lambda: served.state.imports == 2)
         status, error = error_of(upload(served, b"anything"))
-        assert status == 429 and error["code"] == "rate_limit_exceeded" and error["message"].startswith("2 imports")
+        assert (
+            status == 429
+            and error["code"] == "rate_limit_exceeded"
+            and error["message"].startswith("2 imports")
+        )
     finally:
         for sock in uploads:
             sock.close()
@@ -492,7 +561,9 @@ def test_imports_past_the_limit_at_once_get_429(served):
     assert error_of(upload(served, b"anything"))[0] == 400  # its turn: it is read, and refused
 
 
-def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_log(served, monkeypatch, capsys):
+def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_log(
+    served, monkeypatch, capsys
+):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device", "/srv/secret/chat.db")
 
@@ -507,11 +578,19 @@ def test_what_is_cheap_to_refuse_is_refused_before_the_prompt_is_tokenized(serve
 
     prompts = []
     render = conversations.chat_prompt_ids
-    monkeypatch.setattr(conversations, "chat_prompt_ids", lambda *a, **kw: prompts.append(1) or render(*a, **kw))
+    monkeypatch.setattr(
+        conversations, "chat_prompt_ids", lambda *a, **kw: prompts.append(1) or render(*a, **kw)
+    )
     n_ctx = served.state.engine.n_ctx
     many = [{"role": "user", "content": "a"}] * n_ctx
-    status, error = error_of(served.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": many}).encode()))
-    assert status == 400 and error["code"] == "context_length_exceeded" and f"{n_ctx:,} messages" in error["message"]
+    status, error = error_of(
+        served.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": many}).encode())
+    )
+    assert (
+        status == 400
+        and error["code"] == "context_length_exceeded"
+        and f"{n_ctx:,} messages" in error["message"]
+    )
     monkeypatch.setattr(served.scheduler, "max_queued", 0)  # the queue is full
     with pytest.raises(openai.RateLimitError):
         served.ask("hi")
@@ -525,13 +604,26 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
     args = build_parser().parse_args([*db, "serve", "--allowed-host", "nas.lan", "--allowed-host", "nas",
                                       "--cors-origin", PAGE, "--max-connections", "9"])
     options, _ = options_from(args)
-    assert (options.allowed_hosts, options.cors_origins, options.max_connections) == (("nas.lan", "nas"), (PAGE,), 9)
-    args = build_parser().parse_args([*db, "--block-size", "16", "serve", "--kv-codec", "f16", "--ctx", "512", "--activations", "q8"])
+    assert (options.allowed_hosts, options.cors_origins, options.max_connections) == (
+        ("nas.lan", "nas"),
+        (PAGE,),
+        9,
+    )
+    args = build_parser().parse_args(
+        [*db, "--block-size", "16", "serve", "--kv-codec", "f16", "--ctx", "512", "--activations", "q8"]
+    )
     engine = options_from(args)[0].engine  # what the server's chat engine is built from
-    assert (engine.block_size, engine.codec, engine.n_ctx, engine.db) == (16, "f16", 512, tmp_path / "chat.db")
+    assert (engine.block_size, engine.codec, engine.n_ctx, engine.db) == (
+        16,
+        "f16",
+        512,
+        tmp_path / "chat.db",
+    )
     assert engine.activations == "q8"
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].engine.activations == "f32"
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
-    assert options_from(build_parser().parse_args([*db, "serve", "--drain-seconds", "5"]))[0].drain_seconds == 5
+    assert (
+        options_from(build_parser().parse_args([*db, "serve", "--drain-seconds", "5"]))[0].drain_seconds == 5
+    )
     assert main([*db, "serve", "--max-connections", "0"]) == 2
     assert capsys.readouterr().err.strip() == "llama-chat: error: --max-connections must be 1 or more"

@@ -34,7 +34,9 @@ def qwen2(tiny_model_paths):
 
 def chat(engine, session, text, max_tokens=12):
     stats = GenerationStats()
-    reply = "".join(stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats)))
+    reply = "".join(
+        stream_text(engine.reply(session, text, sampling=GREEDY, max_tokens=max_tokens, stats=stats))
+    )
     return reply, stats
 
 
@@ -87,8 +89,8 @@ def test_a_turn_reads_its_conversation_once_and_renders_its_prompt_once(qwen2, t
     template.render = counted
     chat(engine, store.get_session(session.id), "and then", max_tokens=4)
     assert len(reads) == 1  # the conversation, from SQLite
-    # the prompt; then the conversation with its reply as it is kept for the next resume: its digest, its ids
-    assert renders == [True, False, False]
+    # the prompt; then the conversation with its reply as it is kept for the next resume (its digest and ids)
+    assert renders == [True, False]
 
 
 def test_a_tools_answer_goes_below_the_reply_that_called_it_once_that_reply_is_stored(qwen2, tmp_path):
@@ -97,7 +99,9 @@ def test_a_tools_answer_goes_below_the_reply_that_called_it_once_that_reply_is_s
     engine.reply(session, "what is the weather", sampling=GREEDY, max_tokens=6)
     answered = engine.answer_tool(session, '{"weather": "sun"}')  # (the reply is still being written)
     path = ChatStore(tmp_path / "chat.db").path(answered.head_id)
-    assert [m.role for m in path] == ["user", "assistant", "tool"] and path[-1].content == '{"weather": "sun"}'
+    assert [m.role for m in path] == ["user", "assistant", "tool"] and path[
+        -1
+    ].content == '{"weather": "sun"}'
 
 
 def test_corrupt_missing_or_foreign_kv_is_recomputed(qwen2, tiny_model_paths, tmp_path):
@@ -198,7 +202,9 @@ def test_regenerate_and_edit_make_sibling_branches(qwen2, tmp_path):
     chat(engine, session, "hello the world")
     session = engine._store.get_session(session.id)
     original = engine._store.path(session.head_id)
-    made, job = engine.regenerate(session, n=3, sampling=SamplingParams(temperature=5.0, seed=1), max_tokens=6)
+    made, job = engine.regenerate(
+        session, n=3, sampling=SamplingParams(temperature=5.0, seed=1), max_tokens=6
+    )
     job.wait()
     assert len(made) == len(job.result) == 3
     for i, (branch, saved) in enumerate(zip(made, job.result, strict=True)):

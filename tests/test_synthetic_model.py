@@ -69,6 +69,28 @@ def test_a_mixture_of_experts_is_written_as_q4_k_m_writes_it(tmp_path, qwen2):
     assert np.isfinite(model.logits(load_tokenizer(path).encode("hello there, the world"))).all()
 
 
+def test_gpt_oss_is_written_as_its_mxfp4_gguf_lays_it_out(tmp_path, qwen2):
+    """gpt-oss: experts in MXFP4 with a trained model's spread, the other matrices in Q8_0, biases,
+    sinks, a window and YaRN; it loads and gives finite logits."""
+    experts = {"n_expert": 4, "n_expert_used": 2, "n_ff_exp": 256}
+    shape = synthetic.Shape(
+        "gpt-oss", 2, 256, 256, 4, 2, head_dim=64, qkv_bias=True, sliding_window=16, yarn=(32.0, 4096),
+        **experts,
+    )
+    path = synthetic.write_synthetic(tmp_path / "gpt-oss.gguf", "tiny-gpt-oss", shape, qwen2)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    Q = gguf.GGMLQuantizationType
+    assert tensors["blk.1.ffn_down_exps.weight"].tensor_type == Q.MXFP4
+    assert tensors["blk.0.attn_q.weight"].tensor_type == tensors["output.weight"].tensor_type == Q.Q8_0
+    for name in ("blk.0.ffn_up_exps.weight", "blk.1.attn_output.weight"):
+        values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+        assert abs(values.std() - synthetic.WEIGHT_STD) < 0.004, name
+    assert "blk.1.attn_sinks.weight" in tensors and "blk.0.ffn_gate_exps.bias" in tensors
+    model = load_model(path)
+    assert (model.config.sliding_window, model.config.yarn) == (16, (32.0, 4096))
+    assert np.isfinite(model.logits(load_tokenizer(path).encode("hello there, the world"))).all()
+
+
 def test_loads_with_the_source_tokenizer_and_gives_finite_logits(written):
     path, source = written
     assert load_tokenizer(path).encode("hello there") == load_tokenizer(source).encode("hello there")

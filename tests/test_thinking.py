@@ -114,6 +114,9 @@ def test_nothing_that_may_be_a_marker_goes_out_early_and_nothing_is_held_longer(
         ("openai-gpt-oss-120b.jinja", HARMONY),
         ("Qwen-Qwen2.5-7B-Instruct.jinja", None),
         ("meta-llama-Llama-3.1-8B-Instruct.jinja", None),
+        ("HuggingFaceTB-SmolLM3-3B.jinja", THINK_TAGS),
+        ("ibm-granite-granite-4.0.jinja", None),
+        ("allenai-OLMo-2-0425-1B-SFT.jinja", None),
     ],
 )
 def test_each_template_says_which_thinking_its_model_writes(name, fmt):

@@ -41,7 +41,10 @@ FORMATS = {"llama3": LLAMA_3_X, "nemo": MISTRAL_NEMO}
 
 TIME = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
 }
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
@@ -54,7 +57,11 @@ def tool_models(tmp_path_factory) -> dict:
     for name, (template, specials) in MODELS.items():
         source = (TEMPLATES / template).read_text()
         paths[name] = write_tiny_model(
-            folder / f"tiny-{name}.gguf", "llama", chat_template=source, specials=specials, context_length=2048
+            folder / f"tiny-{name}.gguf",
+            "llama",
+            chat_template=source,
+            specials=specials,
+            context_length=2048,
         )
     return paths
 
@@ -81,7 +88,8 @@ def _render(model, messages, tools=(WEATHER,), add_generation_prompt=True) -> st
     [
         ("Qwen-Qwen2.5-7B-Instruct.jinja", HERMES),
         ("Qwen-Qwen3-0.6B.jinja", HERMES),
-        ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", HERMES),  # <tool_call> comes first, as in chat.cpp
+        # <tool_call> comes first, as in chat.cpp
+        ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", HERMES),
         ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA_3_X),
         ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA_3_X),
         ("meta-llama-Llama-3.3-70B-Instruct.jinja", LLAMA_3_X),
@@ -102,7 +110,11 @@ def test_llama3_renders_the_tools_in_the_system_message_and_results_as_ipython(t
     system = text.split("<|eot_id|>")[0]
     assert "Environment: ipython" in system and '"name": "get_weather"' in system  # as llama.cpp renders it
     assert "respond with JSON for a function call" in system and '"enum": [' in system
-    assert '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in text
+    assert (
+        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": '
+        '"Paris"}}<|eot_id|>'
+        in text
+    )
     # (a string is iterable to Jinja: the template writes the result as a JSON string, as transformers does)
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"temperature\\": 21}"<|eot_id|>' in text
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -113,8 +125,12 @@ def test_nemo_renders_the_tools_before_the_last_question_and_results_with_their_
     text = _render(model, _answered(_call("get_weather", {"city": "Paris"})))
     tools = '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"'
     assert tools in text and text.index(tools) < text.index("[INST]What is the weather")
-    assert '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]</s>' in text
-    assert text.endswith('[TOOL_RESULTS]{"content": {"temperature": 21}, "call_id": "a1B2c3D4e"}[/TOOL_RESULTS]')
+    assert (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]</s>' in text
+    )
+    assert text.endswith(
+        '[TOOL_RESULTS]{"content": {"temperature": 21}, "call_id": "a1B2c3D4e"}[/TOOL_RESULTS]'
+    )
 
 
 # -- a reply parsed into its calls ---------------------------------------------------------------------
@@ -134,7 +150,11 @@ def test_llama3_replies_parse_into_their_call():
 
 
 def test_nemo_replies_parse_into_their_calls_and_ids():
-    text = 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}, {"name": "get_time", "arguments": "{}", "id": "Z9y8X7w6v"}]'
+    text = (
+        'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, '
+        '"id": "a1B2c3D4e"}, '
+        '{"name": "get_time", "arguments": "{}", "id": "Z9y8X7w6v"}]'
+    )
     assert MISTRAL_NEMO.split(text) == (
         "Let me look.",
         [ToolCall("get_weather", {"city": "Paris"}, "a1B2c3D4e"), ToolCall("get_time", {}, "Z9y8X7w6v")],
@@ -189,7 +209,8 @@ def test_nemo_content_streams_up_to_the_calls_which_go_out_whole_once_they_parse
 PARIS = ToolCall("get_weather", {"city": "Paris", "unit": "celsius"})
 # What the default model wrote with get_weather offered and tool_choice "auto" (greedy and sampled).
 LOOSE_REPLIES = [
-    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "celsius"\n  }\n}\n```',
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "celsius"\n  '
+    '}\n}\n```',
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
     '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "The weather.", '
     '"parameters": {"type": "object"}}}\n</tools>\n{"name": "get_weather", "arguments": {"city": "Paris", '
@@ -199,7 +220,9 @@ LOOSE_REPLIES = [
 
 
 def _streamed(splitter: CallSplitter, text: str, size: int) -> tuple[str, list[ToolCall]]:
-    deltas = [d for i in range(0, len(text), size) for d in splitter.feed(text[i : i + size])] + splitter.finish()
+    deltas = [
+        d for i in range(0, len(text), size) for d in splitter.feed(text[i : i + size])
+    ] + splitter.finish()
     calls = [ToolCall(d.name, json.loads(deltas[k + 1].arguments)) for k, d in enumerate(deltas) if d.name]
     return "".join(d.content for d in deltas), calls
 
@@ -218,7 +241,8 @@ def test_json_calls_of_offered_tools_read_the_same_whole_and_streamed(fmt, text)
     "text",
     [
         *LOOSE_REPLIES[:2],  # the tool is not offered: JSON someone may have asked for
-        '```json\n{"name": "get_weather", "description": "The weather.", "parameters": {}}\n```',  # a definition
+        # a definition
+        '```json\n{"name": "get_weather", "description": "The weather.", "parameters": {}}\n```',
         '```python\nprint({"name": "x"})\n```',
         '{"name": "get_weather", "arguments": {"city": "Par',  # cut short
         # a call repeated with the tool's answer made up after it: calls end a reply, in every format
@@ -249,16 +273,27 @@ def test_a_call_written_back_renders_the_reply_the_model_wrote(tool_models, name
     it (constrained, so in the format's exact form), is how the template renders the returned call."""
     model, fmt = load_model(tool_models[name]), FORMATS[name]
     (call_id,) = call_ids(fmt, several=False) or ["unused"]
-    grammar = check_grammar(model.tokenizer, lark_grammar(fmt.grammar([WEATHER], ids=[call_id], tokenizer=model.tokenizer)))
+    grammar = check_grammar(
+        model.tokenizer, lark_grammar(fmt.grammar([WEATHER], ids=[call_id], tokenizer=model.tokenizer))
+    )
     prompt = chat_prompt_ids(model, ASK, tools=[WEATHER])
-    reply = "".join(generate(model, prompt, sampling=SamplingParams(temperature=0, grammar=grammar), max_tokens=200))
+    reply = "".join(
+        generate(model, prompt, sampling=SamplingParams(temperature=0, grammar=grammar), max_tokens=200)
+    )
     content, (call,) = fmt.split(reply)
-    returned = {"role": "assistant", "content": content, "tool_calls": [_call(call.name, call.arguments, call_id)]}
+    returned = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [_call(call.name, call.arguments, call_id)],
+    }
     assert fmt.call_text(returned["tool_calls"]) == reply
     after = chat_prompt_ids(model, [*ASK, returned], add_generation_prompt=False, tools=[WEATHER])
     assert after[: len(prompt)] == prompt
     assert model.tokenizer.decode(after[len(prompt) :]).startswith(reply)
-    assert fmt.as_message(reply)["tool_calls"][0]["function"] == {"name": call.name, "arguments": call.arguments}
+    assert fmt.as_message(reply)["tool_calls"][0]["function"] == {
+        "name": call.name,
+        "arguments": call.arguments,
+    }
 
 
 # -- a required call, constrained by the format's grammar ----------------------------------------------
@@ -271,7 +306,9 @@ def test_a_required_call_always_parses_into_calls_of_the_tools(tool_models, name
     model, fmt = load_model(tool_models[name]), FORMATS[name]
     ids = call_ids(fmt, several)
     lark = fmt.grammar([WEATHER, TIME], several=several, ids=ids, tokenizer=model.tokenizer)
-    sampling = SamplingParams(temperature=temperature, seed=4, grammar=check_grammar(model.tokenizer, lark_grammar(lark)))
+    sampling = SamplingParams(
+        temperature=temperature, seed=4, grammar=check_grammar(model.tokenizer, lark_grammar(lark))
+    )
     prompt = chat_prompt_ids(model, ASK, tools=[WEATHER, TIME])
     reply = "".join(generate(model, prompt, sampling=sampling, max_tokens=400))
     content, calls = fmt.split(reply)
@@ -285,8 +322,12 @@ def test_a_required_call_always_parses_into_calls_of_the_tools(tool_models, name
 def test_nemo_calls_without_ids_chosen_get_ids_its_template_takes(tool_models):
     model = load_model(tool_models["nemo"])
     lark = MISTRAL_NEMO.grammar([WEATHER, TIME], several=True, tokenizer=model.tokenizer)
-    sampling = SamplingParams(temperature=5.0, seed=2, grammar=check_grammar(model.tokenizer, lark_grammar(lark)))
-    reply = "".join(generate(model, chat_prompt_ids(model, ASK, tools=[WEATHER, TIME]), sampling=sampling, max_tokens=400))
+    sampling = SamplingParams(
+        temperature=5.0, seed=2, grammar=check_grammar(model.tokenizer, lark_grammar(lark))
+    )
+    reply = "".join(
+        generate(model, chat_prompt_ids(model, ASK, tools=[WEATHER, TIME]), sampling=sampling, max_tokens=400)
+    )
     _, calls = MISTRAL_NEMO.split(reply)
     assert calls and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
     assert MISTRAL_NEMO.as_message(reply)["tool_calls"][0]["id"] == calls[0].id
@@ -304,12 +345,18 @@ def test_nemo_calls_open_with_the_control_token_the_template_renders(tool_models
 
 def test_named_and_constrained_calls_stream_their_arguments_as_they_come():
     args = '{"city": "Paris", "days": [1, 2], "where": {"x": "}]\\""}}'
-    text = f'[TOOL_CALLS][{{"name": "f", "arguments": {args}, "id": "a1B2c3D4e"}}, {{"name": "g", "arguments": {{}}, "id": "Z9y8X7w6v"}}]'
+    text = (
+        f'[TOOL_CALLS][{{"name": "f", "arguments": {args}, "id": "a1B2c3D4e"}}, '
+        '{"name": "g", "arguments": {}, "id": "Z9y8X7w6v"}]'
+    )
     for step in (1, 2, 7, 1000):
         splitter = CallSplitter(MISTRAL_NEMO, constrained=True, ids=["a1B2c3D4e", "Z9y8X7w6v"])
         deltas = [d for i in range(0, len(text), step) for d in splitter.feed(text[i : i + step])]
         deltas += splitter.finish()
-        assert [(d.index, d.name, d.id) for d in deltas if d.name] == [(0, "f", "a1B2c3D4e"), (1, "g", "Z9y8X7w6v")]
+        assert [(d.index, d.name, d.id) for d in deltas if d.name] == [
+            (0, "f", "a1B2c3D4e"),
+            (1, "g", "Z9y8X7w6v"),
+        ]
         pieces = [d.arguments for d in deltas if d.index == 0 and d.name is None and d.arguments]
         assert "".join(pieces) == args and (step > 7 or len(pieces) > 1)
         assert "".join(d.arguments for d in deltas if d.index == 1) == "{}"
@@ -333,7 +380,11 @@ def _create(s: Served, messages, **kwargs):
 
 
 def _returned(call) -> dict:
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": call.function.arguments},
+    }
 
 
 def test_a_required_call_comes_back_as_openai_tool_calls_and_its_answer_reuses_the_kv(tool_served):
@@ -364,7 +415,9 @@ def test_a_named_call_streams_as_openai_streams_it(tool_served):
                 calls[part.index] = {"id": part.id, "name": part.function.name, "arguments": ""}
             calls[part.index]["arguments"] += part.function.arguments or ""
             pieces += bool(part.function.arguments)
-        finish = chunk.choices[0].finish_reason if chunk.choices and chunk.choices[0].finish_reason else finish
+        finish = (
+            chunk.choices[0].finish_reason if chunk.choices and chunk.choices[0].finish_reason else finish
+        )
     assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
     assert pieces > 1  # the arguments stream as the model writes them
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
@@ -397,12 +450,17 @@ def test_a_call_answered_after_a_restart_reuses_the_stored_kv(tool_models, tmp_p
 # -- MCP tools in `chat` ---------------------------------------------------------------------------------
 
 
-def test_chat_offers_mcp_tools_to_llama3_but_not_to_nemo_which_needs_call_ids(monkeypatch, tmp_path, tool_models, capsys):
+def test_chat_offers_mcp_tools_to_llama3_but_not_to_nemo_which_needs_call_ids(
+    monkeypatch, tmp_path, tool_models, capsys
+):
     from test_mcp_tools import chat
 
     assert chat(monkeypatch, tmp_path, tool_models["llama3"], "well", 120.0, "") == 0
     assert "MCP server 'test': 2 tool(s): get_weather, add" in capsys.readouterr().err
     assert chat(monkeypatch, tmp_path, tool_models["nemo"], "well", 120.0, "") == 0
     err = capsys.readouterr().err
-    assert "(Mistral Nemo) needs call ids the chat does not keep: the MCP servers of config.toml are not started" in err
+    assert (
+        "(Mistral Nemo) needs call ids the chat does not keep: the MCP servers of config.toml are not started"
+        in err
+    )
     assert "MCP server 'test'" not in err

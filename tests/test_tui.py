@@ -639,7 +639,8 @@ async def test_a_long_prompt_shows_its_prefill_as_a_bar(open_chat):
 async def test_keys_typed_while_a_reply_streams_reach_the_input(open_chat, slow_decode):
     """Type while a reply streams: each key reaches the input before the next is typed, and the reply
     goes on. A real model's decode step is emulated by a wait that releases the GIL; the tiny model's
-    Python work per token still runs. How fast keys answer is the bench's `app_key_ms`, not asserted: a busy machine is no bug."""
+    Python work per token still runs. How fast keys answer is the bench's `app_key_ms`, not asserted: a busy
+    machine is no bug."""
     slow_decode(0.02)
     async with open_chat(max_tokens=120) as pilot:
         app = pilot.app

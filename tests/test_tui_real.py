@@ -1,4 +1,5 @@
-"""The real `llama-chat` in tmux on the default model: chat, fork, quit, start again; typing while it writes."""
+"""The real `llama-chat` in tmux on the default model: chat, fork, quit, start again; typing while it
+writes."""
 
 from __future__ import annotations
 

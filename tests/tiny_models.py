@@ -1,28 +1,43 @@
 """Tiny random GGUF models written with gguf.GGUFWriter: one per architecture, loading in milliseconds.
 
-Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials) for
-llama/qwen2/qwen3/qwen3moe, and SentencePiece (pieces with scores, byte fallback, the family's turn
-markers) for the gemmas and phi3. The weights are random but fixed by a seed, so every test sees the
-same model; the architectures added later (qwen3moe, gemma2, phi3) also carry their family's real chat
-template and the switches that make them differ (experts, soft-capping, LongRoPE), so that their
-logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
+Each has a small working vocabulary: byte-level BPE (every byte, a few merges, ChatML specials, the
+family's control tokens) for llama/qwen2/qwen3/qwen3moe/granite/olmo2/smollm3 (gpt-oss: harmony's
+specials in place of ChatML's, the gpt-4o pre-tokenizer), and SentencePiece (pieces with scores, byte
+fallback, the family's turn markers) for the gemmas and phi3. The weights are random but fixed by a
+seed, so every test sees the same model; the architectures added later (qwen3moe, gemma2, phi3,
+granite, olmo2, smollm3, gpt-oss) also carry their family's real chat template and the switches that
+make them differ (experts, soft-capping, LongRoPE, scales, norms, layers without RoPE, sinks, YaRN), so
+that their logits from llama.cpp (tests/fixtures/llamacpp/tiny.json) check ours.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from tiny_later_archs import LATER_ARCHS, later_layers, later_metadata
+from tiny_later_archs import HARMONY_SPECIALS, LATER_ARCHS, later_layers, later_metadata
+
+
+class FixtureDay(datetime):
+    """A datetime whose now() is one fixed day: a real template that writes the current date (gpt-oss's)
+    renders the prompt the llama.cpp fixtures recorded, on any day (patched in as chat_template.datetime)."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2025, 8, 5)
+
 
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma2", "phi3")
+ARCHS += ("granite", "olmo2", "smollm3", "gpt-oss")
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat-templates"
 # each later architecture's family template, from llama.cpp's models/templates/, and Qwen3's (its
 # replies' thinking: tests/test_thinking.py)
@@ -31,7 +46,16 @@ FAMILY_TEMPLATES = {
     "qwen3moe": "Qwen-Qwen3-0.6B.jinja",
     "gemma2": "google-gemma-2-2b-it.jinja",
     "phi3": "microsoft-Phi-3.5-mini-instruct.jinja",
+    "granite": "ibm-granite-granite-4.0.jinja",  # Granite-4.0-micro: a granite (its 3.3 one writes the date)
+    "olmo2": "allenai-OLMo-2-0425-1B-SFT.jinja",  # (the tokenizer_config of OLMo 2 SFT and Instruct)
+    "smollm3": "HuggingFaceTB-SmolLM3-3B.jinja",
+    "gpt-oss": "openai-gpt-oss-120b.jinja",
 }
+# the BPE vocabularies' pre-tokenizers and control tokens as the families' GGUFs name them (ChatML's
+# besides), the last of them the end of text; olmo2 begins and ends a text with <|endoftext|>
+BPE_PRE = {"llama": "llama-bpe", "granite": "refact", "olmo2": "dbrx", "smollm3": "smaug-bpe"}
+BPE_PRE["gpt-oss"] = "gpt-4o"
+FAMILY_SPECIALS = {"granite": ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>")}
 SPM_ARCHS = ("gemma3", "gemma2", "phi3")
 
 
@@ -127,7 +151,7 @@ def write_tiny_model(
     chat_template: str | None = None,
     metadata: dict | None = None,
     specials: tuple[str, ...] = (),
-    context_length: int = 256,
+    context_length: int | None = None,
     space_prefix: bool = False,
     quantized: bool = True,
 ) -> Path:
@@ -139,10 +163,15 @@ def write_tiny_model(
     that puts a space before the text, as Llama 2's does. `chat_template`: ChatML, or the family's
     real one for the later architectures. `quantized=False`: every matrix in float32 (the models
     checked against llama.cpp's float32 logits)."""
-    rng = np.random.default_rng(seed)
+    # gpt-oss draws from seed + 1: from seed 0 its greedy reply to test_generate's prompt ends after 9
+    # tokens, before prompt lookup has a run to guess
+    rng = np.random.default_rng(seed + (arch == "gpt-oss"))
+    # (SmolLM3's system prompt is long, gpt-oss's 300 tokens of the tiny vocabulary)
+    context_length = context_length or {"smollm3": 2048, "gpt-oss": 1024}.get(arch, 256)
     shapes, raw_types = shapes or {}, raw_types or {}
     n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
-    n_layer = n_layer or {"gemma3": 6, "gemma2": 4}.get(arch, 2)
+    # (smollm3: layer 3 has no RoPE)
+    n_layer = n_layer or {"gemma3": 6, "gemma2": 4, "smollm3": 4}.get(arch, 2)
     if chat_template is None:
         family = FAMILY_TEMPLATES.get(arch)
         chat_template = (TEMPLATES / family).read_text() if family else CHATML
@@ -161,7 +190,7 @@ def write_tiny_model(
     later_metadata(w, arch, context_length)
     for key, value in (metadata or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    if arch in ("gemma3", "gemma2", "phi3"):
+    if arch in ("gemma3", "gemma2", "phi3", "gpt-oss"):
         w.add_sliding_window(8)  # (phi3's is read by no one: llama.cpp turns it off)
     if arch in SPM_ARCHS:
         vocab = PHI3_SPECIALS if arch == "phi3" else GEMMA_SPECIALS
@@ -180,12 +209,22 @@ def write_tiny_model(
             w.add_chat_template(chat_template)
     else:
         tokens, types, merges, bos, eos = bpe_vocab()
+        specials = specials or FAMILY_SPECIALS.get(arch, ())
         if specials:
-            tokens, types, eos = tokens + list(specials), types + [3] * len(specials), len(tokens) + len(specials) - 1
-        if arch == "qwen3moe":  # Qwen3's thinking markers: user-defined tokens, matched in any text
+            tokens, types, eos = (
+                tokens + list(specials),
+                types + [3] * len(specials),
+                len(tokens) + len(specials) - 1,
+            )
+        if arch == "olmo2":
+            eos = bos
+        if arch in ("qwen3moe", "smollm3"):  # the thinking markers: user-defined tokens, matched in any text
             tokens, types = tokens + ["<think>", "</think>"], types + [4, 4]
+        if arch == "gpt-oss":  # o200k_harmony's specials in place of ChatML's
+            tokens, types = tokens[:-3] + list(HARMONY_SPECIALS), types[:-3] + [3] * len(HARMONY_SPECIALS)
+            bos, eos = tokens.index("<|startoftext|>"), tokens.index("<|return|>")
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+        w.add_tokenizer_pre(BPE_PRE.get(arch, "qwen2"))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

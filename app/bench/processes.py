@@ -39,7 +39,8 @@ def measure_compile(model_arg, activations: str) -> float:
     code = (
         "import sys; from llama_chat.inference.weights import compile_kernels_for, model_info; "
         "from llama_chat.inference.products import compile_one_row_later; compile_one_row_later(); "
-        "info = model_info(sys.argv[1]); info.activations = sys.argv[2]; print(compile_kernels_for(info))"
+        "info = model_info(sys.argv[1]); info.activations = sys.argv[2]; "
+        "print(compile_kernels_for(info))"
     )
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "NUMBA_CACHE_DIR": folder}

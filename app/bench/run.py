@@ -119,7 +119,8 @@ def run_bench(args) -> int:
     report(
         "prefix_reuse_saved_tokens",
         reuse["saved_tokens"],
-        f"prefix reuse: {reuse['saved_tokens']} tokens shared, {reuse['reuse_ms']:.0f} ms vs {reuse['full_ms']:.0f} ms",
+        f"prefix reuse: {reuse['saved_tokens']} tokens shared, {reuse['reuse_ms']:.0f} ms vs "
+        f"{reuse['full_ms']:.0f} ms",
     )
     results["prefix_reuse_ms"] = round(reuse["reuse_ms"], 1)
     results["prefix_full_prefill_ms"] = round(reuse["full_ms"], 1)
@@ -164,7 +165,8 @@ def run_bench(args) -> int:
     report(
         "fork_added_bytes",
         sess["fork_added_bytes"],
-        f"database growth on fork:    {sess['fork_added_bytes']:,} bytes (one stored block: {sess['stored_block_bytes']:,})",
+        f"database growth on fork:    {sess['fork_added_bytes']:,} bytes (one stored block: "
+        f"{sess['stored_block_bytes']:,})",
     )
     ex = sess["exchange"]
     report(

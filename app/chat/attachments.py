@@ -61,7 +61,9 @@ def read_attachment(path: str, stdin=None, name: str | None = None) -> Attachmen
             raise AttachmentError(f"{name}: {kind}, not a file; only files can be attached") from None
         raise AttachmentError(f"{name}: cannot be read ({e.strerror or e})") from None
     if len(data) > MAX_FILE_BYTES:
-        raise AttachmentError(f"{name}: larger than {MAX_FILE_BYTES // 2**20} MiB, the limit for an attached file")
+        raise AttachmentError(
+            f"{name}: larger than {MAX_FILE_BYTES // 2**20} MiB, the limit for an attached file"
+        )
     if b"\0" in data[:SNIFF_BYTES]:
         raise AttachmentError(f"{name}: a binary file; only text files can be attached")
     try:

@@ -14,7 +14,7 @@ from llama_chat.inference.activations import DEFAULT_ACTIVATIONS
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.inference.products import compile_later_rows, compile_one_row_later
-from llama_chat.inference.quants import compile_attention, compile_long_prompts
+from llama_chat.inference.warmup import compile_attention, compile_long_prompts
 from llama_chat.storage.codec import PLANNED_CODECS
 from llama_chat.storage.codec import compile_kernels as compile_codec
 from llama_chat.storage.kv_plan import model_plan
@@ -102,6 +102,7 @@ def open_model(options: EngineOptions, progress: Progress | None = None) -> Mode
         cache_type=options.cache_type,
         activations=options.activations,
         prompt_lookup=options.prompt_lookup,
+        n_ctx=options.n_ctx,
     )
 
 

@@ -14,7 +14,8 @@ from numba.core import event
 
 Progress = Callable[[str, int, int], None]
 
-ESTIMATE = "10–60 s, once"  # a first start's compiling on 2 cores (13 s quiet, more when busy); later starts load it
+# a first start's compiling on 2 cores (13 s quiet, more when busy); later starts load it
+ESTIMATE = "10–60 s, once"
 
 
 def kernel_step(label: str) -> str | None:
@@ -43,7 +44,8 @@ class CompileProgress(event.Listener):
             self.started = self.compiled = 0
         self.step = (label, done, total)
         if kernel_step(label) is None or done or self.started:
-            self.show()  # (a kernel step's start is not: the first compile, or the next format, tells which it is)
+            # (a kernel step's start is not: the first compile, or the next format, tells which it is)
+            self.show()
 
     def show(self) -> None:
         label, done, total = self.step

@@ -12,9 +12,11 @@ reply not to be stored keeps nothing.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from llama_chat.inference import KVSequence, Model, chat_prompt_ids
 from llama_chat.inference.tool_calls import ToolFormat
@@ -117,7 +119,7 @@ class Conversations:
         previous = self._previous_ids(messages, prompt, conversation.tools, variables)
         kept = self._kept_session(messages, conversation.tenant, namespace) if previous is not None else None
 
-        def finish(job: Job) -> Future | None:
+        def keep(job: Job) -> Future | None:
             self._noted(job)
             ended = job.stats[0].stop_reason in ("eog", "stop", "length")
             # a reply cut short by the engine's closing is kept as it is, as a stopped one (the client
@@ -127,19 +129,20 @@ class Conversations:
                 return None
             return self._keep(conversation, settings, job)
 
-        return self._fresh(prompt, namespace, finish, previous, kept)
+        return self._fresh(prompt, namespace, keep, previous, kept)
 
     def _fresh(
         self,
         prompt: list[int],
         namespace: bytes | None,
-        finish,
+        keep: Callable[[Job], Any],
         previous: list[int] | None = None,
         kept: Session | None = None,
     ) -> Plan:
         """The plan of replies to `prompt` in a fresh sequence of the shared pool (in `namespace`), so
         every full block computed before is reused; a returning conversation (`previous`: its tokens as
-        kept after its last reply) takes the tail its `kept` session stored too."""
+        kept after its last reply) takes the tail its `kept` session stored too. keep(job) → job.result,
+        where the job made replies."""
         base: list[KVSequence] = []
         # here, not in prepare: a slow store holds up this request only, not the scheduler's thread;
         # as the scheduler's reuse_prefix takes the prompt, with the tail the session cache restores next
@@ -151,11 +154,11 @@ class Conversations:
             job.remote = remote
             return prompt, base[0]
 
-        def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool: give the KV back
+        def give_back(job: Job) -> None:
             for seq in {id(s): s for s in [*base, *job.seqs]}.values():
                 seq.free()
 
-        return Plan(prepare, finish, ended)
+        return Plan(prepare, keep, give_back)
 
     def _noted(self, job: Job) -> None:
         self.cache.note_prefill(job.stats[0])
@@ -179,7 +182,11 @@ class Conversations:
         system, turns = split_system(messages)
         try:
             return self.store.session_ending_with(
-                API_ORIGIN, system, [(m["role"], stored_text(m, self.format)) for m in turns[:-1]], tenant, namespace
+                API_ORIGIN,
+                system,
+                [(m["role"], stored_text(m, self.format)) for m in turns[:-1]],
+                tenant,
+                namespace,
             )
         except StoreError:  # the tail is only a cache: computing it is the way back
             return None
@@ -207,7 +214,9 @@ class Conversations:
         left off, else in a new one (with the request's settings), in one transaction — then its KV. A
         failure is said on stderr and raises ReplyNotStored: the client still gets its reply."""
         system, turns = split_system(messages)
-        asked = [Message(0, None, m["role"], stored_text(m, self.format), None, reply.created, None) for m in turns]
+        asked = [
+            Message(0, None, m["role"], stored_text(m, self.format), None, reply.created, None) for m in turns
+        ]
         new = partial(make_session, self.store, self.model, title_of(turns), system, settings,
                       origin=API_ORIGIN, tenant=tenant, namespace=held.namespace)  # fmt: skip
         history = [(m["role"], stored_text(m, self.format)) for m in turns[:-1]]

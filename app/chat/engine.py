@@ -45,25 +45,21 @@ from .replies import (
     SavedReply,
     check_fits,
     fitting,
+    fork_before,
     make_session,
     reply_message,
     store_reply,
+    system_message,
+    template_message,
 )
 from .resume import ResumeInfo, VerifyResult
 from .scheduler import Scheduler
-from .session_cache import SessionCache, kv_salt, system_message, template_message
-from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, sampling_params, template_variables
+from .session_cache import SessionCache, kv_salt
+from .settings import CODEC, MAX_TOKENS, N_CTX, model_sampling, reply_sampling, template_variables
 from .titles import NEW_CHAT, named_by
 
 __all__ = ["ChatEngine", "Conversation", "ModelInfo", "RawText", "ReplyNotStored", "ResumeInfo", "SavedReply",
            "VerifyResult"]  # fmt: skip
-
-
-def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
-    """A new session on `session`'s tree that ends just before `message` (empty, before the first)."""
-    branch = store.fork_session(session.id, message.id, title)
-    store.set_head(branch.id, message.parent_id)
-    return store.get_session(branch.id)
 
 
 @dataclass(frozen=True)
@@ -113,8 +109,8 @@ class ChatEngine:
         plan = model_plan(model, codec=codec) if codec in PLANNED_CODECS else None
         self._cache = SessionCache(model, store, self._lock, self.n_ctx, codec, remote, plan)
         self._conversations = Conversations(self._cache, model, store, fmt, lambda: self._scheduler.closed)
-        self._turns: dict[str, int] = {}  # a session's turns submitted and not ended yet
-        self._turns_changed = threading.Condition()
+        self._turns: dict[str | None, list[Job]] = {}  # each session's turns submitted (some may have ended)
+        self._turns_lock = threading.Lock()
         self._read_pool()  # and again by health(), whenever the lock is free
         store.add_model(model.fingerprint, model.name, model.config.arch, str(model.path))
 
@@ -275,10 +271,11 @@ class ChatEngine:
         store them fails the job with ReplyNotStored; a failure to store the KV only notes it. Not
         `store`: nothing is written, the session stays as it was. A job of a session waits for the one
         before it, and starts from what that one stored. Not `keep_kv`: the session's KV goes back to the
-        pool's cache when it ends (a server's sessions hold none between turns). `drop_unanswered`: see Job."""
+        pool's cache when it ends (a server's sessions hold none between turns). `drop_unanswered`: see
+        Job."""
         if isinstance(to, Conversation | RawText):
             plan = self._conversations.plan(to, settings or {}, store)
-            sampling = self._sampling({}, settings, sampling, grammar, logprobs)
+            sampling = reply_sampling(self.sampling_defaults, {}, settings, sampling, grammar, logprobs)
             return self._submit(plan, sampling, n=n, max_tokens=max_tokens, stop=stop, on_event=on_event,
                                 cancel=cancel, stats=stats, drop_unanswered=drop_unanswered,
                                 continues_text=isinstance(to, RawText))  # fmt: skip
@@ -289,11 +286,12 @@ class ChatEngine:
         turn = self._read_turn(to.id, text, max_tokens, settings)
         if text is not None:  # too long even alone: nothing is stored, nothing computed
             check_fits(turn.prompt, self.n_ctx)
-        sampling = self._sampling(turn.session.sampling, settings, sampling, grammar, logprobs)
+        defaults = self.sampling_defaults
+        sampling = reply_sampling(defaults, turn.session.sampling, settings, sampling, grammar, logprobs)
         saved = saved if saved is not None else SavedReply()
         plan = self._plan(turn, text, max_tokens, None, saved, store, keep_kv)
-        return self._submit_turn(plan, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event,
-                                 cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
+        return self._submit(plan, sampling, max_tokens=max_tokens, stop=stop, on_event=on_event,
+                            cancel=cancel, stats=stats, drop_unanswered=drop_unanswered)  # fmt: skip
 
     def regenerate(
         self,
@@ -317,10 +315,10 @@ class ChatEngine:
             title = marked_title(session.title, "(regenerated)")
             branches = [self.fork(session, target.parent_id, title) for _ in range(n)]
         turn = self._read_turn(branches[0].id, None, max_tokens, settings)
-        sampling = self._sampling(session.sampling, settings, sampling)
+        sampling = reply_sampling(self.sampling_defaults, session.sampling, settings, sampling)
         plan = self._plan(turn, None, max_tokens, branches, None, order=session.id)
-        return branches, self._submit_turn(plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event,
-                                           cancel=cancel)  # fmt: skip
+        return branches, self._submit(plan, sampling, n=n, max_tokens=max_tokens, on_event=on_event,
+                                      cancel=cancel)  # fmt: skip
 
     def edit(self, session: Session, message_id: int, new_text: str, **options) -> tuple[Session, Job]:
         """Change a past user message: a sibling branch, made now, with the new text beside the old one,
@@ -334,45 +332,30 @@ class ChatEngine:
 
     # -- one pipeline: a turn, its plan, its job, its end ----------------------------------------------
 
-    def _sampling(
-        self, base: dict, settings: dict | None, sampling: SamplingParams | None, grammar=None, logprobs=None
-    ) -> SamplingParams:
-        sampling = sampling or sampling_params({**base, **(settings or {})}, self.sampling_defaults)
-        if grammar is None and logprobs is None:
-            return sampling
-        return replace(sampling, grammar=grammar, logprobs=logprobs)
-
     def _submit(self, plan: Plan, sampling: SamplingParams, **job_args) -> Job:
         """The plan's job on the scheduler (QueueFull when too many wait, RuntimeError once closed); its
         replies told apart into thinking and answer, but a raw text's continuation."""
         thinking = None if job_args.get("continues_text") else partial(reply_splitter, self._cache.thinking,
                                                                        self._model.tokenizer)  # fmt: skip
-        job = Job(lambda: plan.prepare(job), finish=plan.finish, on_end=plan.ended, sampling=sampling,
+        job = Job(lambda: plan.prepare(job), finish=plan.finish, sampling=sampling,
                   session_id=plan.session_id, thinking=thinking, **job_args)  # fmt: skip
-        return self._scheduler.submit(job)
-
-    def _submit_turn(self, plan: Plan, sampling: SamplingParams, **job_args) -> Job:
-        """A session's turn submitted: from here until its plan ended, a delete of the session waits."""
-        self._count_turn(plan.session_id, +1)
+        with self._turns_lock:  # from here until its plan ended, a delete of the session waits
+            going = {s: [j for j in jobs if not j.state.ended] for s, jobs in self._turns.items()}
+            self._turns = {s: jobs for s, jobs in going.items() if jobs}
+            self._turns.setdefault(plan.session_id, []).append(job)
         try:
-            return self._submit(plan, sampling, **job_args)
+            return self._scheduler.submit(job)
         except BaseException:
-            self._count_turn(plan.session_id, -1)
+            with self._turns_lock:
+                self._turns[plan.session_id].remove(job)
             raise
-
-    def _count_turn(self, session_id: str, change: int) -> None:
-        with self._turns_changed:
-            left = self._turns.get(session_id, 0) + change
-            if left:
-                self._turns[session_id] = left
-            else:
-                self._turns.pop(session_id, None)
-                self._turns_changed.notify_all()
 
     def _wait_for_turns(self, session_id: str) -> None:
         """Until the turns being made in the session are stored."""
-        with self._turns_changed:
-            self._turns_changed.wait_for(lambda: session_id not in self._turns)
+        with self._turns_lock:
+            turns = list(self._turns.get(session_id, []))
+        for job in turns:
+            job.wait()
 
     def _read_turn(self, session_id: str, text: str | None, max_tokens: int, settings: dict | None) -> _Turn:
         """The session's next turn: its conversation read, and rendered with the user's `text` (None: a
@@ -415,7 +398,7 @@ class ChatEngine:
             job.remote = info.remote_read
             return turn.prompt, seq
 
-        def finish(job: Job) -> SavedReply | list[SavedReply]:
+        def keep(job: Job) -> SavedReply | list[SavedReply]:
             out = []
             for alt, branch in enumerate(branches or [turn.session]):
                 one = saved if saved is not None else SavedReply()
@@ -427,14 +410,13 @@ class ChatEngine:
                 out.append(one)
             return out if saved is None else saved
 
-        def ended(job: Job) -> None:  # on the scheduler thread, which holds the pool
+        def give_back(job: Job) -> None:
             if not keep_kv:
                 self._cache.close(session_id)
                 if saved is not None and saved.session is not None:
                     self._cache.close(saved.session.id)
-            self._count_turn(order, -1)
 
-        return Plan(prepare, finish, ended, order)
+        return Plan(prepare, keep, give_back, order)
 
     def _store_turn(
         self, branch: Session, turn: _Turn, user_text: str | None, seq: KVSequence, job: Job, alt: int,
@@ -456,7 +438,8 @@ class ChatEngine:
         self._cache.note_prefill(job.stats[alt])
         conversation = [*turn.messages, *(template_message(m, self._cache.thinking) for m in [*asked, reply])]
         try:
-            # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the Esc.
+            # A stopped reply stores the KV it holds: running the rest of a long prompt now would undo the
+            # Esc.
             complete = job.stats[alt].stop_reason != "cancelled"
             self._cache.snapshot(stored, seq, conversation, complete)
         except (StoreError, KeyboardInterrupt) as e:  # KV is a cache; a second Ctrl+C may skip it

@@ -76,7 +76,8 @@ class JobView(Protocol):
 
 
 # prepare() → (prompt token ids, the sequence to prefill them into), run by the scheduler when the job
-# is admitted; finish(job) → job.result, run by the scheduler when decoding ended (also when cancelled);
+# is admitted; finish(job) → job.result, run once when the job ends, however it ends (job.has_reply:
+# whether it made a reply to keep);
 # thinking(prompt) → how a reply to the prompt is told apart into thinking and answer (None: all answer).
 Prepare = Callable[[], tuple[list[int], KVSequence]]
 Finish = Callable[["Job"], Any]
@@ -99,16 +100,15 @@ class Job:
         stats: GenerationStats | None = None,
         session_id: str | None = None,
         drop_unanswered: bool = False,
-        on_end: Callable[[Job], None] | None = None,
         continues_text: bool = False,
         thinking: Thinking | None = None,
     ):
         self._prepare = prepare
         self._thinking = thinking
+        # The chat layer's end of the job (on the scheduler's thread, which holds the pool), before its
+        # "end" event: what it made kept (also after a failure), its KV given back. What it raises fails
+        # the job (the reply could not be stored, …).
         self.finish = finish
-        # The chat layer's own bookkeeping when the job ends however it ends (on the scheduler's thread,
-        # which holds the pool), before its "end" event: KV given back, a session's turn counted off.
-        self.on_end = on_end
         self.n = n
         self.sampling = sampling or SamplingParams()
         self.max_tokens = max_tokens
@@ -122,6 +122,7 @@ class Job:
         # its turn began (a person's cancelled message, by default, is kept with an empty reply).
         self.drop_unanswered = drop_unanswered
         self.state = State.QUEUED
+        self.started = False  # its prompt was admitted to a run (set by the scheduler)
         self.stats = [stats or GenerationStats()] + [GenerationStats() for _ in range(n - 1)]
         self.pieces: list[list[str]] = [[] for _ in range(n)]  # each alternative's answer, as it came
         self.thoughts: list[list[str]] = [[] for _ in range(n)]  # and its thinking
@@ -158,6 +159,12 @@ class Job:
     def dropped(self) -> bool:
         """Cancelled before its first token, with nothing to keep (drop_unanswered)."""
         return self.drop_unanswered and self.cancelled and not self.answered
+
+    @property
+    def has_reply(self) -> bool:
+        """Whether it made replies to keep, however short or cut (by a cancel, a failure): it started,
+        and was not dropped."""
+        return self.started and not self.dropped
 
     def text(self, alt: int = 0) -> str:
         """The answer of alternative `alt` so far (its thinking apart)."""
@@ -220,11 +227,16 @@ class Job:
         self._emit("state", state=state)
 
     def end(self, state: State, error: BaseException | None = None) -> None:
-        self.state, self.error = state, error
+        """On the scheduler's thread: finish() — what it returns the job's result; what it raises its
+        failure, where it had none — then the "end" event."""
         try:
-            if self.on_end is not None:
-                self.on_end(self)
+            if self.finish is not None:
+                try:
+                    self.result = self.finish(self)
+                except Exception as e:  # noqa: BLE001 — e.g. the reply could not be stored: the job says so
+                    state, error = (State.FAILED, e) if error is None else (state, error)
         finally:
+            self.state, self.error = state, error
             self._ended.set()  # before the event: whoever hears "end" may wait() on it
             self._emit("end")
 

@@ -35,7 +35,8 @@ from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_call
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
-CLOSE_S = 10.0  # for the servers to end with the chat: the SDK gives one 2 s after stdin closes, 2 more after SIGTERM
+# for the servers to end with the chat: the SDK gives one 2 s after stdin closes, 2 more after SIGTERM
+CLOSE_S = 10.0
 MAX_RESULT_CHARS = 16_000  # a tool's answer beyond this is cut: it goes into the context window whole
 GROUP_SCRIPT = Path(__file__).with_name("mcp_group.py")  # run as a script: it imports nothing of ours
 
@@ -63,7 +64,9 @@ def server_configs(table: dict) -> list[ServerConfig]:
             raise ToolError(f"{where}: must be a table with 'command' (and 'args') or 'url'")
         unknown = set(spec) - {"command", "args", "env", "url", "timeout"}
         if unknown:
-            raise ToolError(f"{where}: unknown key '{sorted(unknown)[0]}' (known: command, args, env, url, timeout)")
+            raise ToolError(
+                f"{where}: unknown key '{sorted(unknown)[0]}' (known: command, args, env, url, timeout)"
+            )
         if (spec.get("command") is None) == (spec.get("url") is None):
             raise ToolError(f"{where}: give either 'command' (a server started here) or 'url', not both")
         args, env, timeout = spec.get("args", []), spec.get("env", {}), spec.get("timeout", DEFAULT_TIMEOUT_S)
@@ -246,9 +249,14 @@ def start_tools(engine, servers: dict) -> tuple[MCPTools | None, list[str]]:
     model = engine.model_info
     fmt = model.tool_format
     if fmt is None:
-        return None, [f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"]
+        return None, [
+            f"{model.name}'s chat template takes no tools: the MCP servers of config.toml are not started"
+        ]
     if fmt.with_id:  # its template refuses a tool's answer without the call's id, which a chat does not keep
-        return None, [f"{model.name}'s chat template ({fmt.name}) needs call ids the chat does not keep: the MCP servers of config.toml are not started"]
+        return None, [
+            f"{model.name}'s chat template ({fmt.name}) needs call ids the chat does not keep: "
+            "the MCP servers of config.toml are not started"
+        ]
     tools = MCPTools(server_configs(servers))
     tools.format = fmt
     lines = tools.connect()

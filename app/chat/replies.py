@@ -1,6 +1,7 @@
 """What every reply shares, a session's turn or a conversation sent whole: the plan a job is made
-from, the message a reply is stored as, the one way a session is made and a reply stored, and why a
-reply was refused or not stored."""
+from, the message a reply is stored as (and a stored one as a chat template reads it), the one way a
+session is made (new, or forked before a message) and a reply stored, and why a reply was refused or
+not stored."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from llama_chat.inference import GenerationStats, KVSequence, Model
 from llama_chat.inference.errors import ContextFullError, TooManyTokens
+from llama_chat.inference.thinking import ThinkingFormat
 from llama_chat.storage.db import StoreError
 from llama_chat.storage.store import ChatStore, Message, Session
 
@@ -64,13 +66,36 @@ class SavedReply:
 
 @dataclass
 class Plan:
-    """A reply as the scheduler runs it: prepare(job) → (prompt, sequence) when it is admitted;
-    finish(job) → job.result when it ended; ended(job) however it ended (KV given back, …)."""
+    """A reply as the scheduler runs it, a session's turn or a conversation sent whole: prepare(job) →
+    (prompt, sequence) when its job is admitted; keep(job) → job.result where the job made replies
+    (however short: a cancel, a failure); give_back(job) however it ended: the KV it does not keep."""
 
     prepare: Callable[[Job], tuple[list[int], KVSequence]]
-    finish: Callable[[Job], Any]
-    ended: Callable[[Job], None] | None = None
+    keep: Callable[[Job], Any]
+    give_back: Callable[[Job], None]
     session_id: str | None = None  # the jobs of one session run one after another
+
+    def finish(self, job: Job) -> Any:
+        """The job's end, on the scheduler's thread (which holds the pool): what it made kept, then
+        what it held given back, whatever keeping it raised."""
+        try:
+            return self.keep(job) if job.has_reply else None
+        finally:
+            self.give_back(job)
+
+
+def system_message(system_prompt: str | None) -> list[dict]:
+    """A system prompt as the first message of a conversation, if there is one."""
+    return [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+
+def template_message(message: Message, thinking: ThinkingFormat | None) -> dict:
+    """A stored message as a chat template reads it: a reply's thinking where the template looks for
+    it (it keeps or drops it, as its model was trained: Qwen3's keeps the last reply's only)."""
+    out = {"role": message.role, "content": message.content}
+    if message.reasoning and thinking is not None:
+        out[thinking.message_key] = message.reasoning
+    return out
 
 
 def reply_stats(stats: GenerationStats) -> dict:
@@ -94,6 +119,13 @@ def reply_message(job: Job, alt: int = 0) -> Message:
     stored = reply_stats(stats)
     return Message(0, None, "assistant", job.text(alt), stats.token_ids, time.time(), stored, thinking)
 
+
+
+def fork_before(store: ChatStore, session: Session, message: Message, title: str | None = None) -> Session:
+    """A new session on `session`'s tree that ends just before `message` (empty, before the first)."""
+    branch = store.fork_session(session.id, message.id, title)
+    store.set_head(branch.id, message.parent_id)
+    return store.get_session(branch.id)
 
 
 def make_session(

@@ -131,6 +131,7 @@ class Scheduler:
             return job.end(State.FAILED, e)
         job.stats[0].prompt_tokens = len(prompt)
         run = _Run(job, prompt, seq, prompt[seq.n_tokens :])
+        job.started = True
         with self._wake:
             self._runs.append(run)
 
@@ -208,8 +209,8 @@ class Scheduler:
         in all (the oldest's piece always), at most KERNEL_ROWS prompts, and only pieces longer than
         KERNEL_ROWS together, and only where the pass takes the way each piece takes alone (the kernels,
         or past the measured crossover kernels.blas_from BLAS) — so each row gets the bits it gets when
-        its prompt is read alone. A prompt that shares its next block with an older one being read waits, to take that
-        block when it is computed (clients sending the same system prompt at once)."""
+        its prompt is read alone. A prompt that shares its next block with an older one being read waits, to
+        take that block when it is computed (clients sending the same system prompt at once)."""
         batch: list[tuple[_Run, list[int]]] = []
         rows = 0
         for i, run in enumerate(prefilling):
@@ -233,7 +234,10 @@ class Scheduler:
             shortest = min([len(piece)] + [len(p) for _, p in batch])
             same_way = kernels_take(rows + len(piece)) == kernels_take(shortest)
             if batch and (
-                alone or not same_way or rows + len(piece) > self.model.prefill_batch or len(batch) == KERNEL_ROWS
+                alone
+                or not same_way
+                or rows + len(piece) > self.model.prefill_batch
+                or len(batch) == KERNEL_ROWS
             ):
                 continue
             batch.append((run, piece))
@@ -252,10 +256,13 @@ class Scheduler:
         B = self.model.pool.block_size
         at = run.seq.n_tokens
         block = run.prompt[at : at + B]
-        if at % B or at + B >= len(run.prompt):  # no full block to gain (past a block's start; the last token)
+        # no full block to gain (past a block's start; the last token)
+        if at % B or at + B >= len(run.prompt):
             return False
         return any(
-            o.seq.n_tokens < at + B and o.prompt[at : at + B] == block and o.seq.namespace == run.seq.namespace
+            o.seq.n_tokens < at + B
+            and o.prompt[at : at + B] == block
+            and o.seq.namespace == run.seq.namespace
             for o in older
             if not o.streams
         )
@@ -284,9 +291,4 @@ class Scheduler:
         job.replies_written()
         for stats in job.stats:
             stats.stop_reason = stats.stop_reason or "cancelled"  # a reply cut short by a failure
-        if job.finish is not None and not job.dropped:  # also after a failure: what was made is kept
-            try:
-                job.result = job.finish(job)
-            except Exception as e:  # noqa: BLE001 — e.g. the reply could not be stored: the job says so
-                state, error = (State.FAILED, e) if error is None else (state, error)
-        job.end(state, error)
+        job.end(state, error)  # finish(): also after a failure, what was made is kept

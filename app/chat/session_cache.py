@@ -24,14 +24,15 @@ import numpy as np
 
 from llama_chat.inference import GenerationStats, KVSequence, Model, fit_messages, shift_to
 from llama_chat.inference.kv_cache import KVBlock
-from llama_chat.inference.prompt import prompt_text
-from llama_chat.inference.thinking import ThinkingFormat, thinking_format
+from llama_chat.inference.prompt import Rendered, prompt_ids, render
+from llama_chat.inference.thinking import thinking_format
 from llama_chat.storage.codec import checksum, decoded, encode_kv, kv_matches
 from llama_chat.storage.fetched import MAX_FETCHED_BYTES, Fetched
 from llama_chat.storage.records import StoredBlock, StoredTail
 from llama_chat.storage.remote import MovingAverage, RemoteTier
-from llama_chat.storage.store import ChatStore, Message, Session
+from llama_chat.storage.store import ChatStore, Session
 
+from .replies import system_message, template_message
 from .resume import RemoteRead, ResumeInfo, VerifyResult
 from .settings import template_variables
 
@@ -41,18 +42,18 @@ KV = tuple[np.ndarray, np.ndarray]  # k, v [n_layer, n_kv_head, n_tokens, head_d
 # -- the keys and digests KV is named by --------------------------------------------------------------
 
 
-def ids_digest(
-    model: Model, messages: list[dict], budget: int, tools: list[dict] | None, variables: dict | None = None
-) -> bytes:
+def ids_digest(model: Model, rendered: Rendered, budget: int) -> bytes:
     """What the token ids of a stored conversation are made from, digested: the text the template
     renders of it (its messages, tools and variables, and anything else it writes, such as today's date),
-    the window they must fit, the model (its fingerprint: weights and vocabulary size) and its tokenizer
-    (its settings and the version of its encoding). Ids kept under another digest are never used."""
+    with what in it is text from outside (the shield's placeholders), the window they must fit, the model
+    (its fingerprint: weights and vocabulary size) and its tokenizer (its settings and the version of its
+    encoding). Ids kept under another digest are never used."""
     meta = {k: v for k, v in model.metadata.items() if k.startswith("tokenizer.")}
     settings = sorted((k, len(v) if isinstance(v, list) else v) for k, v in meta.items())
-    h = hashlib.sha256(repr([model.tokenizer.encoding_version, model.fingerprint, budget, settings]).encode())
-    text = prompt_text(model, messages, add_generation_prompt=False, tools=tools, variables=variables)
-    h.update(text.encode())
+    placeholders = sorted(rendered.shield.placeholders.items())
+    made_by = [model.tokenizer.encoding_version, model.fingerprint, budget, settings, placeholders]
+    h = hashlib.sha256(repr(made_by).encode())
+    h.update(rendered.text.encode())
     return h.digest()
 
 
@@ -82,20 +83,6 @@ def computed_here(session: Session) -> bool:
     remote tier may carry it (in that namespace). An import's namespace is its own until verified, and
     its KV never leaves this server."""
     return session.kv_namespace in (None, kv_salt(session.tenant))
-
-
-def system_message(system_prompt: str | None) -> list[dict]:
-    """A system prompt as the first message of a conversation, if there is one."""
-    return [{"role": "system", "content": system_prompt}] if system_prompt else []
-
-
-def template_message(message: Message, thinking: ThinkingFormat | None) -> dict:
-    """A stored message as a chat template reads it: a reply's thinking where the template looks for
-    it (it keeps or drops it, as its model was trained: Qwen3's keeps the last reply's only)."""
-    out = {"role": message.role, "content": message.content}
-    if message.reasoning and thinking is not None:
-        out[thinking.message_key] = message.reasoning
-    return out
 
 
 def _fits(tail: StoredTail | StoredBlock | None, want: Sequence[int]) -> int:
@@ -174,32 +161,36 @@ class SessionCache:
         return system_message(session.system_prompt) + [template_message(m, self.thinking) for m in path]
 
     def stored_ids(
-        self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        variables: dict | None = None,
+        whole: list[int] | None = None,
     ) -> list[int]:
         """The tokens of a conversation as it is stored: its newest turns that fit the window (the context
         less one, for the next reply), with the tools it offers (else those every session offers),
-        rendered with the template's `variables`."""
+        rendered with the template's `variables`; `whole`: the tokens of all of it, where they are made."""
         tools = self.tools if tools is None else tools
         budget = self.n_ctx - 1
-        return fit_messages(
-            self.model, messages, budget, add_generation_prompt=False, tools=tools, variables=variables
-        )[1]
+        return fit_messages(self.model, messages, budget, False, tools, variables, whole)[1]
 
     def stored_conversation(
         self, session: Session, messages: list[dict] | None = None
     ) -> tuple[bytes, list[int], bool]:
         """The stored conversation's tokens (`messages`, else read) with the digest of what they are
         made from, and whether they are the ones the session kept under it (tokenizing 2,000 tokens
-        again takes ~20 ms of a resume's ~70); else they are made now."""
+        again takes ~20 ms of a resume's ~70); else they are made now, from the same rendering."""
         messages = self.messages(session) if messages is None else messages
         if not messages:  # a new session: nothing to tokenize, nor to keep (a template may not render none)
             return b"", [], True
         variables = template_variables(session.sampling)
-        digest = ids_digest(self.model, messages, self.n_ctx - 1, self.tools, variables)
+        rendered = render(self.model, messages, False, self.tools, variables)
+        digest = ids_digest(self.model, rendered, self.n_ctx - 1)
         kept = self._tables.kept_ids(session.id)
         if kept is not None and kept[0] == ids_seal(digest, kept[1]):
             return digest, kept[1], True
-        return digest, self.stored_ids(messages, variables=variables), False
+        whole = prompt_ids(self.model, rendered)
+        return digest, self.stored_ids(messages, variables=variables, whole=whole), False
 
     # -- bringing KV back --------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ from llama_chat.storage.exchange import (
 from llama_chat.storage.store import ChatStore, Message, Session
 from llama_chat.storage.transcript import export_markdown, markdown_transcript
 
-from .engine import ChatEngine, fork_before
+from .engine import ChatEngine
+from .replies import fork_before
 from .titles import session_title
 
 # what a front end checks of a file before it is read (the server, of an upload as it arrives)

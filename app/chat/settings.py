@@ -12,7 +12,7 @@ stored settings (a new chat's come from config.toml), what the model's makers re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llama_chat.inference import SamplingParams
 from llama_chat.inference.catalog import recommended_sampling
@@ -235,6 +235,23 @@ def sampling_params(settings: dict, defaults: SamplingDefaults = DEFAULT_SAMPLIN
     given = {key: value for key, value in settings.items() if value is not None}
     values = defaults.values | {s.key: given[s.key] for s in SAMPLING if s.key in given}
     return SamplingParams(**{key: value for key, value in values.items() if value is not None})
+
+
+def reply_sampling(
+    defaults: SamplingDefaults,
+    base: dict,
+    settings: dict | None,
+    sampling: SamplingParams | None = None,
+    grammar: str | None = None,
+    logprobs: int | None = None,
+) -> SamplingParams:
+    """A reply's sampling: `sampling` as given, else a session's settings (`base`) overridden by the
+    reply's own (`settings`), the model's `defaults` where neither sets one; shaped by a `grammar`, and
+    noting `logprobs` (the likeliest tokens' log-probabilities)."""
+    sampling = sampling or sampling_params({**base, **(settings or {})}, defaults)
+    if grammar is None and logprobs is None:
+        return sampling
+    return replace(sampling, grammar=grammar, logprobs=logprobs)
 
 
 def max_tokens(settings: dict, default: int = MAX_TOKENS) -> int:

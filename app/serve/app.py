@@ -144,7 +144,12 @@ async def health(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    model = {"id": state.options.model_id, "object": "model", "created": state.started, "owned_by": "llama-chat"}
+    model = {
+        "id": state.options.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "llama-chat",
+    }
     return JSONResponse({"object": "list", "data": [model]})
 
 
@@ -176,7 +181,9 @@ async def unexpected(request: Request, e: Exception) -> Response:
     return server_error(f"The server failed ({type(e).__name__}); its log says why.").response()
 
 
-def create_app(options: ServeOptions, load=None, api_key: str | dict[str, str | None] | None = None) -> Starlette:
+def create_app(
+    options: ServeOptions, load=None, api_key: str | dict[str, str | None] | None = None
+) -> Starlette:
     """The app for `options`; load(options) → Model replaces loading options.model (tests time it).
     `api_key`: one key, or keys with their tenants' names (state.api_keys_from)."""
     state = ServerState(options, load)

@@ -56,7 +56,9 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     engine = state.ready()
     fmt = engine.model_info.tool_format
-    ids = call_ids(fmt, req.parallel_tool_calls) if fmt is not None and req.tool_choice == "required" else None
+    ids = (
+        call_ids(fmt, req.parallel_tool_calls) if fmt is not None and req.tool_choice == "required" else None
+    )
     grammar = await run_in_threadpool(_grammar, engine, req, fmt, ids)
     events = JobEvents()
     reply = Reply(req.model, "llama-chat-" + engine.model_info.fingerprint[:12])
@@ -117,7 +119,8 @@ def _grammar(
     for name, used in (("tools", bool(req.tools)), ("messages", _has_tool_messages(req))):
         if used and fmt is None:
             raise invalid(
-                f"This model's chat template does not take tools in a format this server reads ({model.name}).",
+                "This model's chat template does not take tools in a format this server reads "
+                f"({model.name}).",
                 param=name,
             )
     if req.session is not None and (req.tools or req.json_schema is not None):
@@ -189,7 +192,11 @@ def _refused_early(engine: ChatEngine, messages: list[dict]) -> None:
 
 
 def _submit_conversation(
-    state: ServerState, req: CompletionRequest, events: JobEvents, tenant: str | None, grammar: str | None = None
+    state: ServerState,
+    req: CompletionRequest,
+    events: JobEvents,
+    tenant: str | None,
+    grammar: str | None = None,
 ) -> JobView:
     """A conversation sent whole: n replies, kept as an API session of the tenant's (job.result: the
     future of that session)."""
@@ -303,7 +310,9 @@ class StreamShape(Protocol):
     def closing(self, kept: Kept) -> list[dict]: ...
 
 
-def event_stream(job: JobView, events: JobEvents, shape: StreamShape, headers: dict | None = None) -> Response:
+def event_stream(
+    job: JobView, events: JobEvents, shape: StreamShape, headers: dict | None = None
+) -> Response:
     """The job's events as server-sent events, in `shape`, then [DONE]. An error after the stream began
     comes as an error object, as OpenAI's does; a client that leaves cancels the job."""
 

@@ -40,7 +40,15 @@ NEUTRAL = {
     "verbosity": [],
 }
 READ = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop", "n"}
-READ |= {"store", "session", "prompt_cache_key", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+READ |= {
+    "store",
+    "session",
+    "prompt_cache_key",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+}
 READ |= {"logprobs", "top_logprobs"}
 READ |= {"reasoning_effort", "chat_template_kwargs"}
 READ |= {s.key for s in SAMPLING}  # llama.cpp's top_k, min_p, repeat_penalty too
@@ -171,7 +179,9 @@ def _tools(body: dict, request: CompletionRequest) -> None:
         request.tool_choice, request.tool_name = "required", name
     elif choice is not None:
         if choice not in TOOL_CHOICES:
-            raise invalid(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a function.", "tool_choice")
+            raise invalid(
+                f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or a function.", "tool_choice"
+            )
         if choice == "required" and not names:
             raise invalid("'tool_choice' is 'required' but no 'tools' were given.", param="tool_choice")
         request.tool_choice = choice
@@ -207,7 +217,9 @@ def _response_format(value) -> dict | None:
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise invalid("'response_format.json_schema.schema' must be a JSON schema.", param="response_format")
+            raise invalid(
+                "'response_format.json_schema.schema' must be a JSON schema.", param="response_format"
+            )
         return schema
     raise invalid("'response_format.type' must be text, json_object or json_schema.", param="response_format")
 
@@ -225,7 +237,9 @@ def parse_messages(messages) -> list[dict]:
             supported = ", ".join(ROLES)
             raise invalid(f"'{where}.role' must be one of {supported}, not {role!r}.", param=f"{where}.role")
         if m.get("function_call"):
-            raise invalid("'function_call' is not supported: use 'tool_calls'.", param=f"{where}.function_call")
+            raise invalid(
+                "'function_call' is not supported: use 'tool_calls'.", param=f"{where}.function_call"
+            )
         if role == "assistant" and m.get("tool_calls"):
             # the template writes the calls back as the model wrote them; content may be null then
             content = "" if m.get("content") is None else _content(m["content"], f"{where}.content")
@@ -251,7 +265,9 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if not isinstance(name, str) or not isinstance(arguments, str):
             raise invalid(f"'{where}[{i}]' must have a function with a name and arguments.", param=where)
         arguments = json_value(arguments, f"'{where}[{i}].function.arguments'", param=where)
-        out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
+        out.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
     return out
 
 
@@ -260,7 +276,11 @@ def _content(content, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise invalid(f"'{where}' may only hold text parts here.", param=where)
             texts.append(part["text"])
         content = "".join(texts)

@@ -77,10 +77,18 @@ class Reply:
                 message["tool_calls"] = [tool_call(c) for c in made]
             content = None if logprobs is None else {"content": logprobs[i], "refusal": None}
             choices.append(
-                {"index": i, "message": message, "logprobs": content, "finish_reason": finish_reason(s, bool(made))}
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": content,
+                    "finish_reason": finish_reason(s, bool(made)),
+                }
             )
         return {
-            **self._head("chat.completion"), "choices": choices, "usage": usage(stats, kv_remote), **kept.fields()
+            **self._head("chat.completion"),
+            "choices": choices,
+            "usage": usage(stats, kv_remote),
+            **kept.fields(),
         }
 
     def chunk(
@@ -92,7 +100,10 @@ class Reply:
 
     def usage_chunk(self, stats: list[GenerationStats], kept: Kept, kv_remote: dict | None = None) -> dict:
         return {
-            **self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats, kv_remote), **kept.fields()
+            **self._head("chat.completion.chunk"),
+            "choices": [],
+            "usage": usage(stats, kv_remote),
+            **kept.fields(),
         }
 
 

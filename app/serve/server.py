@@ -207,10 +207,16 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     for name in ("parallel", "ctx", "max_connections"):
         if given.get(name, 1) < 1:
             raise BindRefused(f"--{name.replace('_', '-')} must be 1 or more")
-    if min(given.get("queue", 0), given.get("drain_seconds", 0)) < 0 or not 0 <= given.get("port", 0) <= 65535:
+    if (
+        min(given.get("queue", 0), given.get("drain_seconds", 0)) < 0
+        or not 0 <= given.get("port", 0) <= 65535
+    ):
         raise BindRefused("--queue and --drain-seconds must be 0 or more, --port from 0 to 65535")
     for flag, option in (
-        ("block_size", "block_size"), ("cache_type", "cache_type"), ("activations", "activations"), ("kv_codec", "codec")
+        ("block_size", "block_size"),
+        ("cache_type", "cache_type"),
+        ("activations", "activations"),
+        ("kv_codec", "codec"),
     ):
         if getattr(args, flag, None) is not None:
             given[option] = getattr(args, flag)

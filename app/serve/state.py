@@ -116,7 +116,10 @@ class Notice:
         self.count += 1
         now = time.monotonic()
         if now - self.last >= self.every_s:
-            say(line + (f" ({self.count:,} times in the last {now - self.last:.0f} s)" if self.count > 1 else ""))
+            say(
+                line
+                + (f" ({self.count:,} times in the last {now - self.last:.0f} s)" if self.count > 1 else "")
+            )
             self.last, self.count = now, 0
 
 

@@ -81,7 +81,11 @@ def _prompt(value) -> str | list[int]:
         value = value[0]
     if isinstance(value, str):
         return unicode_text(value, "prompt")
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
         return value
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
         raise invalid(
@@ -191,7 +195,9 @@ class _TextStream:
 
 async def text_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    req = parse_text_completion(await read_json(request, state.options.max_body, state.options.body_timeout_s))
+    req = parse_text_completion(
+        await read_json(request, state.options.max_body, state.options.body_timeout_s)
+    )
     state.check_model(req.model)
     engine = state.ready()
     events, tenant = JobEvents(), tenant_of(request)

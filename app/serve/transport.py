@@ -132,7 +132,12 @@ def json_value(text: str | bytes | bytearray, what: str, param: str | None = Non
 
 
 async def save_file(
-    request: Request, path: Path, limit: int, timeout_s: float, head_size: int, check_head: Callable[[bytes], int]
+    request: Request,
+    path: Path,
+    limit: int,
+    timeout_s: float,
+    head_size: int,
+    check_head: Callable[[bytes], int],
 ) -> None:
     """The body (a file, sent as application/octet-stream) written to `path` as it comes. Its first
     `head_size` bytes go to check_head as soon as they are in: it refuses a body that is not the file

@@ -1,4 +1,5 @@
-"""The full-screen chat (Textual): the app, its chat screen, the conversation, the sidebar, dialogs, widgets."""
+"""The full-screen chat (Textual): the app, its chat screen, the conversation, the sidebar, dialogs,
+widgets."""
 
 from .app import ChatApp, cmd_tui
 

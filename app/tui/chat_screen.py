@@ -227,7 +227,8 @@ class ChatScreen(Screen):
 
     @work(thread=True, exit_on_error=False, group="model")
     def load_engine(self, name: str | None, remember: bool = False) -> None:
-        """Load a model, with progress; then resume the open session on it. `remember`: open it next time too."""
+        """Load a model, with progress; then resume the open session on it. `remember`: open it next time
+        too."""
         self.status.post_message(Progress(f"loading {Path(name).name if name else 'the default model'}"))
         options = replace(
             self.engine_options, model=name, sessions=self.model.sessions, n_ctx=self.config.n_ctx

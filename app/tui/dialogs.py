@@ -205,7 +205,8 @@ class AlternativesScreen(Dialog):
     """The replies of "regenerate ×3", each in its own branch; dismisses with the session id picked."""
 
     BINDINGS = [Binding(str(i), f"pick({i - 1})", str(i), id=f"pick_{i}", show=False) for i in (1, 2, 3)]
-    AUTO_FOCUS = "OptionList"  # Textual focuses it once the screen is up (a query in on_mount could run too soon)
+    # Textual focuses it once the screen is up (a query in on_mount could run too soon)
+    AUTO_FOCUS = "OptionList"
 
     def __init__(self, alternatives: list[tuple[str, str]]):
         super().__init__("Three alternatives, each in its own branch")

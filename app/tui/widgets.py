@@ -152,7 +152,8 @@ def thinking_fold(text: str) -> Collapsible:
 
 
 class ChatInput(TextArea):
-    """The message being written: Enter sends, Ctrl+J (or Shift+Enter where the terminal tells) adds a line."""
+    """The message being written: Enter sends, Ctrl+J (or Shift+Enter where the terminal tells) adds a
+    line."""
 
     # Priority bindings run as the key arrives, before keys typed just before it (a paste, tmux
     # send-keys) have reached the text, so the actions queue behind them with call_later.
