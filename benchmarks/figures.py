@@ -8,11 +8,12 @@ Runs, in this order (each in a process of its own, its JSON taken from its last 
 compare_llamacpp.py on the default model (`compare`), roofline.py from that run (`roofline`: the
 machine's limits and each engine's fraction of them), compare_llamacpp.py on the synthetic 7B
 (`compare_7b`: no turn, no code edit; benchmarks/synthetic_model.py writes it, ~10 GB of RAM while it
-runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`) and `llama-chat bench
---json` (`bench`). `--from-json NAME=FILE` reads a source's output (a saved run, or the whole stdout of
-the script) instead of running it; `--skip NAME` leaves a source out, and its rows with it.
-`--save-json DIR` keeps every source's JSON, so the page can be written again from them with
-`--from-json`.
+runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`), `llama-chat bench
+--json` (`bench`) and cluster.py (`cluster`: two servers behind HAProxy sharing KV through a Redis
+Cluster; it needs `haproxy` and `redis-server`). `--from-json NAME=FILE` reads a source's output (a
+saved run, or the whole stdout of the script) instead of running it; `--skip NAME` leaves a source
+out, and its rows with it. `--save-json DIR` keeps every source's JSON, so the page can be written
+again from them with `--from-json`.
 
 Then writes --out (the CPU, the date and the commit above the tables) and rewrites the README between
 its `<!-- figures:begin -->` and `<!-- figures:end -->` lines with the headline rows, made by the same
@@ -36,7 +37,7 @@ from roofline import last_json
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-SOURCES = ("compare", "roofline", "compare_7b", "roofline_7b", "bench")
+SOURCES = ("compare", "roofline", "compare_7b", "roofline_7b", "bench", "cluster")
 SYNTHETIC_7B = Path.home() / ".cache" / "llama-chat-bench" / "synthetic-qwen2-7b-q4_k_m.gguf"
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 # The /proc/cpuinfo flags that decide which kernels run, on either engine.
@@ -83,6 +84,7 @@ def commands(args, saved: dict[str, Path]) -> dict[str, list[str]]:
         "compare_7b": [py, str(HERE / "compare_llamacpp.py"), *isas, *threads, *compare_7b],
         "roofline_7b": roofline("compare_7b", *model_7b, *limits, "--rounds", str(args.rounds_7b)),
         "bench": [py, "-m", "llama_chat", *threads, "bench", "--json"],
+        "cluster": [py, str(HERE / "cluster.py"), "--rounds", str(args.rounds)],
     }
 
 

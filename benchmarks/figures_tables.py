@@ -7,6 +7,7 @@ missing; its rows are then left out):
 - `compare`, `compare_7b`: compare_llamacpp.py's JSON (the default model; the synthetic 7B);
 - `roofline`, `roofline_7b`: roofline.py's JSON for the same two models;
 - `bench`: `llama-chat bench --json`;
+- `cluster`: benchmarks/cluster.py's JSON (two servers behind HAProxy, KV in a Redis Cluster);
 - `machine`: the CPU, the date and the commit (figures.machine()).
 """
 
@@ -89,6 +90,14 @@ HEADLINE = (
     ("bench", "bench", "compile_s"),
     ("bench", "bench", "resume_ms_2048"),
     ("bench", "codecs", None),
+    ("cluster", "cluster", "migration_ms"),
+)
+
+# benchmarks/cluster.py's TTFT of a continued turn by where its KV came from: (key, where).
+TTFT_SOURCES = (
+    ("ram", "its KV in the server's RAM"),
+    ("redis", "the other server, its KV read from Redis"),
+    ("recomputed", "nothing cached anywhere, recomputed"),
 )
 
 
@@ -181,6 +190,45 @@ def codecs_row(bench: dict) -> tuple[str, ...] | None:
     return (
         f"stored KV, the default codec ({bench['default_codec']})",
         f"{number(codec['bytes_per_token'])} bytes/token",
+    )
+
+
+def cluster_row(cluster: dict, key: str) -> tuple[str, str] | None:
+    """One measure of benchmarks/cluster.py: a conversation moved (best, p50, p95 of its runs), the
+    TTFT of a continued turn by where its KV came from (p50 / p95), or the output of 1 and 2 servers."""
+    if key == "migration_ms":
+        moved = cluster.get("migration_ms")
+        if not moved:
+            return None
+        what = (
+            f"a {number(moved['prompt_tokens'])}-token conversation moved to another server: KV ready "
+            f"(its first token from Redis less from RAM; best / p50 / p95 of {moved['n']})"
+        )
+        return what, joined([moved.get("best"), moved["p50"], moved["p95"]], "ms")
+    if key == "output_tok_s":
+        rates = cluster.get("output_tok_s")
+        if not rates:
+            return None
+        return "output tokens a second, 1 / 2 servers", joined([rates.get("1"), rates.get("2")], "tok/s")
+    ttft = cluster.get("ttft_ms", {}).get(key)
+    if not ttft:
+        return None
+    tokens = number(cluster.get("ttft_prompt_tokens", 0))
+    what = f"first token of a continued {tokens}-token turn (p50 / p95): {dict(TTFT_SOURCES)[key]}"
+    return what, joined([ttft["p50"], ttft["p95"]], "ms")
+
+
+def cluster_section(cluster: dict) -> str:
+    keys = [key for key, _ in TTFT_SOURCES] + ["migration_ms", "output_tok_s"]
+    rows = [row for key in keys if (row := cluster_row(cluster, key))]
+    return "\n\n".join(
+        [
+            f"`benchmarks/cluster.py`: `{cluster.get('model', '?')}`, two `llama-chat serve`s at "
+            f"{cluster.get('threads_per_server', 1)} thread each behind HAProxy, their KV shared through a "
+            "Redis Cluster of 3 primaries and 3 replicas, all on this machine's loopback "
+            "(`deploy/local-cluster.sh`).",
+            table(("what", "figure"), rows),
+        ]
     )
 
 
@@ -280,6 +328,8 @@ def headline_rows(inputs: dict) -> list[tuple[str, ...]]:
             row = compare_row(name, data, key)
         elif kind == "roofline":
             row = roofline_row(name, data, key)
+        elif kind == "cluster":
+            row = cluster_row(data, key)
         else:
             row = bench_row(data, key) if kind == "bench" else codecs_row(data)
         if row:
@@ -347,4 +397,6 @@ def figures_page(inputs: dict, command: str) -> str:
                 "tokens matching the live cache over 32 steps.",
                 codecs_section(bench),
             ]
+    if "cluster" in inputs:
+        parts += ["## Several servers", cluster_section(inputs["cluster"])]
     return "\n\n".join(parts) + "\n"

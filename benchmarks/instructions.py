@@ -3,10 +3,12 @@ request has a rule its answer must pass (one word, N bullet points, valid JSON, 
 back, code that runs, the language asked for), answered greedily and sampled with the model's
 recommended sampling, under each candidate system prompt; the score is the share of answers that pass.
 
-    python benchmarks/instructions.py [--samples 2] [--only N] [--prompts NAME,...] [--json]
+    python benchmarks/instructions.py [--samples 2] [--only N] [--prompts NAME,...] [--out DIR] [--json]
 
 --only N answers every N-th request (a short sample, for a busy machine); --samples 0 is greedy only.
-Prints a line per prompt and kind of request, then (--json) a JSON object on the last line.
+Each answer is appended to DIR/<candidate>.jsonl as it is written, and a run given the same DIR goes on
+from what is there (the rules judge the saved replies again each time). Prints a Markdown table (a row
+per candidate, a column per kind of request: greedy passed, sampled passed), then (--json) a JSON object.
 """
 
 from __future__ import annotations
@@ -18,27 +20,36 @@ import resource
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from llama_chat.app.chat.settings import model_sampling, sampling_params
-from llama_chat.inference import SamplingParams, chat_prompt_ids, generate, load_model
+from llama_chat.inference import GenerationStats, SamplingParams, chat_prompt_ids, load_model
 from llama_chat.inference.catalog import DEFAULT_MODEL, KNOWN_MODELS
+from llama_chat.inference.generate import ReplyStream, run_streams, start_streams
+from llama_chat.inference.kernels import KERNEL_ROWS
 
 MAX_TOKENS = 200
 # The candidates: None is the chat template's own (Qwen's: "You are Qwen, created by Alibaba Cloud…").
 PROMPTS = {
     "template's own": None,
-    "today's default": KNOWN_MODELS[DEFAULT_MODEL].system_prompt,
+    "answer with the solution": (
+        "You are a helpful assistant. When the user asks for something, do it: "
+        "answer with the solution, not with a question."
+    ),
     "exactly as asked": (
         "You are a helpful assistant. Do exactly what the user asks, in the form, length and language "
         "asked for. Give the answer itself, never a question back."
     ),
     "a helpful assistant": "You are a helpful assistant.",
-    "answer first": (
-        "Answer the user's request directly. When a format is asked for (one word, a number, a list, "
-        "JSON, code), reply in that format and nothing else."
+    "answer first": KNOWN_MODELS[DEFAULT_MODEL].system_prompt,  # the default: it scored best here
+    # the template's own, which keeps one-word answers, and the one sentence against questions back
+    "Qwen's + answer itself": (
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant. "
+        "Reply with the answer itself, never with a question."
     ),
+    "answer itself": "You are a helpful assistant. Reply with the answer itself, never with a question.",
 }
 
 
@@ -238,28 +249,120 @@ REQUESTS = [
 ]
 
 
-def score(model, system: str | None, requests: list[Request], samplings: list[SamplingParams]) -> dict:
-    """{kind: {"greedy": [passed, answered], "sampled": [...]}} of the requests under `system`, each
-    answered with every sampling (the first greedy)."""
+@dataclass
+class Answer:
+    """One answer being written: to which request, how (greedy, or sampled with a seed), its text."""
+
+    request: Request
+    seed: int | None  # None: greedy
+    stream: ReplyStream
+    pieces: list[str] = field(default_factory=list)
+
+    def record(self) -> dict:
+        return {"request": self.request.text, "seed": self.seed, "reply": "".join(self.pieces)}
+
+
+def start_answers(model, system: str | None, request: Request, samplings: dict) -> list[Answer]:
+    """The answers to one request, one per sampling ({seed or None: params}), its prompt prefilled once."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": request.text}
+    ]
+    ids = chat_prompt_ids(model, messages)
+    base = model.new_sequence(len(ids) + MAX_TOKENS + 1)
+    logits = [row for _, row in model.prefill(ids, base)][-1]
+    answers = [
+        Answer(request, seed, start_streams(model, ids, base.fork(), logits, [GenerationStats()],
+                                            sampling=params, stop=(), max_tokens=MAX_TOKENS, lookup=False)[0])
+        for seed, params in samplings.items()
+    ]
+    base.free()
+    return answers
+
+
+def answer_all(model, work: list[tuple[Request, dict]], system: str | None) -> Iterator[Answer]:
+    """Every answer of `work` (requests, each with its samplings), finished ones as they finish. Answers
+    are decoded together, a forward pass for up to KERNEL_ROWS of them: each row has the bits decoding
+    it alone gives (Model.verify_rows), so an answer is the one generate() writes, at a fraction of the
+    passes."""
+    todo, active = list(work), []
+    while todo or active:
+        while todo and len(active) + len(todo[0][1]) <= KERNEL_ROWS:
+            active += start_answers(model, system, *todo.pop(0))
+        for answer in active:
+            answer.pieces += answer.stream.advance(None)
+            if answer.stream.done:
+                answer.stream.seq.free()
+                yield answer
+        active = [a for a in active if not a.stream.done]
+        run_streams(model, [a.stream for a in active])
+
+
+def saved(path: Path) -> list[dict]:
+    """The answers a run already wrote to `path` (one JSON object a line; a line cut short is dropped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def run_candidate(model, name: str, requests: list[Request], samplings: dict, path: Path) -> list[dict]:
+    """Every answer of one candidate prompt ({"request", "seed", "reply"}): those saved in `path` and
+    the rest, each appended to `path` as it is written, so a run stopped part way goes on where it was."""
+    records = saved(path)
+    done = {(r["request"], r["seed"]) for r in records}
+    work = []
+    for q in requests:
+        if todo := {s: p for s, p in samplings.items() if (q.text, s) not in done}:
+            work.append((q, todo))
+    print(f"{name}: {len(records)} answers saved, {sum(len(t) for _, t in work)} to write", file=sys.stderr)
+    with path.open("a") as out:
+        for answer in answer_all(model, work, PROMPTS[name]):
+            record = answer.record()
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            records.append(record)
+            how = "greedy" if answer.seed is None else f"seed {answer.seed}"
+            verdict = "pass" if answer.request.passes(record["reply"]) else "FAIL"
+            line = f"  {verdict} {record['request'][:40]!r} ({how}): {record['reply'][:70]!r}"
+            print(line, file=sys.stderr)
+    wanted = {(q.text, s) for q in requests for s in samplings}
+    return [r for r in records if (r["request"], r["seed"]) in wanted]
+
+
+def tally(records: list[dict]) -> dict:
+    """{kind: {"greedy": [passed, answered], "sampled": [...]}} of saved answers, each judged now by its
+    request's rule, kinds in the order of REQUESTS."""
+    by_text = {q.text: q for q in REQUESTS}
     out: dict[str, dict[str, list[int]]] = {}
-    for request in requests:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": request.text}
-        ]
-        ids = chat_prompt_ids(model, messages)
-        for i, sampling in enumerate(samplings):
-            reply = "".join(generate(model, ids, sampling=sampling, max_tokens=MAX_TOKENS))
-            passed = request.passes(reply)
-            tally = out.setdefault(request.kind, {"greedy": [0, 0], "sampled": [0, 0]})[
-                "sampled" if i else "greedy"
-            ]
-            tally[0], tally[1] = tally[0] + passed, tally[1] + 1
-            print(f"  {'pass' if passed else 'FAIL'} {request.text[:40]!r}: {reply[:70]!r}", file=sys.stderr)
+    for kind in dict.fromkeys(q.kind for q in REQUESTS):
+        for r in (r for r in records if by_text[r["request"]].kind == kind):
+            counts = out.setdefault(kind, {"greedy": [0, 0], "sampled": [0, 0]})
+            count = counts["greedy" if r["seed"] is None else "sampled"]
+            count[0], count[1] = count[0] + by_text[r["request"]].passes(r["reply"]), count[1] + 1
     return out
 
 
 def _total(kinds: dict, mode: str) -> tuple[int, int]:
     return sum(k[mode][0] for k in kinds.values()), sum(k[mode][1] for k in kinds.values())
+
+
+def table(results: dict[str, dict]) -> str:
+    """The scores as a Markdown table: a row per candidate, a column per kind (greedy, sampled)."""
+    kinds = list(dict.fromkeys(k for r in results.values() for k in r))
+    lines = ["| candidate | overall | greedy | sampled | " + " | ".join(kinds) + " |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " |"]
+    for name, r in results.items():
+        (g, gn), (sp, sn) = _total(r, "greedy"), _total(r, "sampled")
+        cells = [f"{r[k]['greedy'][0]}/{r[k]['greedy'][1]}, {r[k]['sampled'][0]}/{r[k]['sampled'][1]}"
+                 if k in r else "" for k in kinds]
+        overall = f"{100 * (g + sp) / max(gn + sn, 1):.0f} %"
+        lines.append(f"| {name} | {overall} | {g}/{gn} | {sp}/{sn} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -269,24 +372,24 @@ def main() -> None:
     )
     parser.add_argument("--only", type=int, default=1, metavar="N", help="every N-th request only")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="candidates, by name")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the answers (resumes from it)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    names = args.prompts.split(",")
+    if unknown := [n for n in names if n not in PROMPTS]:
+        sys.exit(f"instructions.py: no candidate prompt {unknown[0]!r} (there are: {', '.join(PROMPTS)})")
     model = load_model()
+    folder = args.out or Path(tempfile.mkdtemp(prefix="instructions-"))
+    folder.mkdir(parents=True, exist_ok=True)
     sampled = sampling_params({}, model_sampling(model))
-    samplings = [SamplingParams(temperature=0)] + [replace(sampled, seed=s) for s in range(args.samples)]
+    samplings = {None: SamplingParams(temperature=0)}
+    samplings |= {s: replace(sampled, seed=s) for s in range(args.samples)}
     requests = REQUESTS[:: args.only]
     results = {}
-    for name in args.prompts.split(","):
-        print(f"{name}:", file=sys.stderr)
-        results[name] = score(model, PROMPTS[name], requests, samplings)
-    for name, kinds in results.items():
-        (g, gn), (sp, sn) = _total(kinds, "greedy"), _total(kinds, "sampled")
-        overall = f"{100 * (g + sp) / (gn + sn):.0f} %"
-        detail = ", ".join(f"{kind} {k['greedy'][0]}/{k['greedy'][1]}+{k['sampled'][0]}/{k['sampled'][1]}"
-                           for kind, k in kinds.items())
-        print(
-            f"{name:18} {overall:>5}  greedy {g}/{gn}, sampled {sp}/{sn}; by kind (greedy+sampled): {detail}"
-        )
+    for name in names:
+        path = folder / (re.sub(r"\W+", "-", name).strip("-") + ".jsonl")
+        results[name] = tally(run_candidate(model, name, requests, samplings, path))
+    print(table(results))
     if args.json:
         print(json.dumps({"requests": len(requests), "samplings": len(samplings), "results": results}))
 

@@ -68,13 +68,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 ("repeat_penalty", 1.05),
             ),
             sampling_source="Qwen2.5's model card",
-            # Asked to do something ("Reverse a string in Python."), even at the card's sampling this
-            # model often answers with the user's request as a question ("How can I reverse a string
-            # in Python?"): 2 of 20 sampled replies to five plain questions, 0 of 20 with this prompt
-            # (P("How" first) 0.36 -> under 0.07 for that request).
+            # Without one this model often answers a request with the request as a question ("How
+            # can I reverse a string in Python?") and words other than the one asked for; of the
+            # candidates benchmarks/instructions.py measures, this one does most of what 64 plain
+            # requests ask (docs/benchmarks.md, "The default system prompt").
             system_prompt=(
-                "You are a helpful assistant. When the user asks for something, do it: "
-                "answer with the solution, not with a question."
+                "Answer the user's request directly. When a format is asked for (one word, a number, a list, "
+                "JSON, code), reply in that format and nothing else."
             ),
         ),
         KnownModel(

@@ -27,6 +27,16 @@ from .jit import njit
 NATIVE = PROFILE.isa != "SSE"
 
 
+def to_floats(a: np.ndarray) -> np.ndarray:
+    """float32 of an array of numbers, or of float16 bits (uint16) or bfloat16 bits (int16), as the
+    kernels read matrices of these formats (formats.HALF_TYPES)."""
+    if a.dtype == np.uint16:
+        return a.view(np.float16).astype(np.float32)
+    if a.dtype == np.int16:
+        return (a.astype(np.int32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
 def bits_view(a: np.ndarray) -> np.ndarray:
     """What a kernel is handed for an array: a float16 one as its uint16 bits (a view), others as they are."""
     return a.view(np.uint16) if a.dtype == np.float16 else a

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 from numba import carray
 
@@ -48,7 +47,6 @@ from .vectors import (
 )
 
 LANES = PROFILE.lanes
-Q4_K = gguf.GGMLQuantizationType.Q4_K
 F32 = np.float32
 
 
@@ -296,15 +294,3 @@ class StackedMatrix:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
-
-
-def runs_of_q4_k(parts: list) -> list[list]:
-    """Tensors to be stacked (quants.pack's parts) in runs of consecutive Q4_K parts and of the others:
-    a StackedMatrix's parts."""
-    runs = [[parts[0]]]
-    for part in parts[1:]:
-        if (part[1] == Q4_K) == (runs[-1][-1][1] == Q4_K):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    return runs

@@ -40,7 +40,8 @@ from .catalog import cache_dir
 from .cpu import PROFILE
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 4  # raise when quants.py or k_quants.py lay a matrix out differently, or this file's header
+LAYOUT_VERSION = 5  # raise when formats.py (or a module it names) lays a matrix out differently, or this
+# file's header
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
 ALIGN = mmap.PAGESIZE

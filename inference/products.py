@@ -25,10 +25,11 @@ import numpy as np
 from numba import carray, types
 from numba.extending import overload
 
-from . import k_quants
+from . import block_formats, k_quants
 from .activations import quantize_rows, quantize_rows_reference
 from .byte_vectors import _byte_column_dots, in_lane_order
 from .cpu import PROFILE
+from .half import to_floats
 from .jit import njit, prange
 from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
 
@@ -216,6 +217,28 @@ def _two_row_product(values, scales, offsets, x, x_sums, out):
         _two_row_group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
 
 
+@njit(cache=True, parallel=True)
+def _block_product(values, x, out):
+    """_product of a block format's matrix (block_formats.py): each group decoded into a float32 tile,
+    then multiplied by the float32 kernels' own code, so that its products are those of the matrix in
+    float32, bit for bit. The tile of a group (its columns times LANES floats) stays in the core's
+    cache for the passes over it."""
+    n = out.shape[0]
+    for g in prange(values.shape[0]):
+        tile = np.empty((1, x.shape[1], LANES), F32)
+        block_formats.decode_group(values, np.int64(g), tile[0])
+        part = np.empty((n, LANES), F32)
+        if n == 1:
+            _one_row_group_product(tile, None, None, x, None, part, np.int64(0))
+        elif n == 2:
+            _two_row_group_product(tile, None, None, x, None, part, np.int64(0))
+        else:
+            _group_product(tile, None, None, x, None, part, np.int64(0))
+        for i in range(n):
+            for r in range(LANES):
+                out[i, g * LANES + r] = part[i, r]
+
+
 @njit(cache=True)
 def _dequantize_int8(values, scales, offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies.
@@ -275,8 +298,11 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
 
 
 def _multiply(product, x: np.ndarray, w, out: np.ndarray) -> None:
-    """out = x @ w.T by one of the product kernels, its inputs as bytes where takes_bytes."""
-    if takes_bytes(w):
+    """out = x @ w.T by one of the product kernels, its inputs as bytes where takes_bytes; a block
+    format's by its own kernel, which runs the passes' code (or the two-row kernel's)."""
+    if w.values.ndim == 4:
+        _block_product(w.values, x, out)
+    elif takes_bytes(w):
         xq, x_runs = quantize_rows(x)
         product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
     else:
@@ -299,8 +325,9 @@ def compile_one_row_later() -> None:
 
 
 def one_row_kernel_for(w) -> bool:
-    """Whether a product of one row with w takes the one-row kernel (else the passes)."""
-    return not _one_row_later or kind_of_product(w) in _one_row_ready
+    """Whether a product of one row with w takes the one-row kernel (else the passes). A block format's
+    kernel (_block_product) compiles its one-row path with it, at the load of a model with one."""
+    return w.values.ndim == 4 or not _one_row_later or kind_of_product(w) in _one_row_ready
 
 
 def kind_of_product(w) -> tuple:
@@ -355,8 +382,10 @@ def tile_product(x: np.ndarray, w) -> np.ndarray:
 
 
 def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
-    if w.scales is None:
-        out[:] = w.values[g0:g1].transpose(1, 0, 2).reshape(out.shape)
+    if w.values.ndim == 4:
+        block_formats.dequantize_tile(w.values, g0, g1, out)
+    elif w.scales is None:
+        out[:] = to_floats(w.values[g0:g1].transpose(1, 0, 2)).reshape(out.shape)
     elif w.in_q4_k:
         k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
     else:
@@ -377,10 +406,12 @@ def rows(w, ids: np.ndarray) -> np.ndarray:
     if w.in_q4_k:
         blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
         return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)
+    if w.values.ndim == 4:
+        return block_formats.gguf_rows(w.values, ids)
     g, lane = ids // LANES, ids % LANES
     values = w.values[g, :, lane]  # [n, n_cols]
     if w.scales is None:
-        return values.astype(F32)
+        return to_floats(values)
     n, n_cols = values.shape
     scales = w.scales[g, :, lane]  # [n, n_blocks]
     out = values.reshape(n, scales.shape[1], -1).astype(F32) * scales[:, :, None]

@@ -5,7 +5,7 @@ unsigned integer per weight times a float scale per group of 16 or 32 weights, p
 the formats with a minimum. Those integers all fit int8, so each format unpacks here into one shape:
 int8 values, a float32 scale per group and, where the format has one, a float32 offset per group —
 exactly the numbers ggml's `dequantize_row_*` multiplies (ggml-quants.c; one row decoder per format
-below follows it line by line). Float tensors (F32, F16, BF16) and the rarer formats keep float32 values.
+below follows it line by line). F16 and BF16 keep their 16 bits, F32 and the rarer formats float32.
 
 Packed, LANES rows are interleaved (cpu.py: 64 for AVX-512, fewer for narrower registers): values
 [rows/LANES, cols, LANES]. A kernel then runs its vector lanes across LANES rows at once and applies
@@ -14,7 +14,8 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds.
+and which RAM holds. So do Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 (block_formats.py). Which formats
+join in one matrix, and the arrays each kind packs into: formats.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import gguf
 import numba
 import numpy as np
 
-from . import k_quants, kernels
+from . import block_formats, k_quants, kernels
+from .formats import GROUP, HALF_TYPES, OWN_BITS, kind_of, kinds_of, layout, runs_of
 from .jit import njit, prange
 from .k_quants import StackedMatrix, _scale_min_k4, _store
 from .kernels import LANES
@@ -42,7 +44,8 @@ _Q4_K, _Q5_K = int(Q.Q4_K), int(Q.Q5_K)
 class PackedMatrix:
     """A weight matrix [n_rows, n_cols] as the kernels read it (rows padded to a multiple of LANES)."""
 
-    values: np.ndarray  # [groups, n_cols, LANES] int8, or float32 for float formats (Q4_K, Q6_K: k_quants.py)
+    values: np.ndarray  # [groups, n_cols, LANES] int8, float32 or 16-bit floats' bits; Q4_K: k_quants.py;
+    # block formats: [groups, blocks, block bytes, LANES] (block_formats.py)
     scales: np.ndarray | None  # [groups, n_cols / group_size, LANES] float32 (None for float values)
     offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
@@ -51,10 +54,12 @@ class PackedMatrix:
     @property
     def in_q4_k(self) -> bool:
         """Q4_K in its own bits: values, scales and offsets in k_quants.py's layout."""
-        return self.values.dtype == np.uint8
+        return self.values.dtype == np.uint8 and self.values.ndim == 3
 
     @property
     def n_cols(self) -> int:
+        if self.values.ndim == 4:  # a block format's blocks (block_formats.py)
+            return block_formats.n_cols_of(self.values)
         return self.values.shape[1] * (2 if self.in_q4_k else 1)  # Q4_K: two weights a byte
 
     @property
@@ -225,59 +230,13 @@ def _interleave_rows(a, row0, out):
             out[g, j, lane] = a[i, j]
 
 
-INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
-HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
-# The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
-# per format. Q4_K keeps its GGUF bits (k_quants.py); joined with another integer format (q/k beside a
-# Q6_K v) its rows are a part of their own (StackedMatrix).
-KINDS = {
-    Q.Q8_0: "integer weights",
-    Q.Q4_1: "integer weights with offsets",
-    Q.Q4_K: "Q4_K weights",
-    Q.F32: "float weights",
-}
-
-
-def kinds_of(formats: set) -> set[str]:
-    """The kinds of packed matrix that parts of these formats make, one per part pack makes."""
-    if kind_of(formats) == "float weights" or formats == {Q.Q4_K} or Q.Q4_K not in formats:
-        return {kind_of(formats)}
-    return {"Q4_K weights", kind_of(formats - {Q.Q4_K})}
-
-
-def kind_of(formats: set) -> str:
-    """The kind of packed matrix that parts of these formats make, joined in one (pack_one decides by it)."""
-    if formats - set(INTEGER_FORMATS):
-        return "float weights"
-    if formats == {Q.Q4_K}:
-        return "Q4_K weights"
-    return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
-
-
-def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...], type] | None]:
-    """The arrays (shape, dtype) that a matrix of parts in these formats packs into: values, scales and
-    offsets, None where it has none (pack allocates them; packed_file.py reserves their room)."""
-    groups = -(-n_rows // LANES)
-    kind = kind_of(formats)
-    if kind == "float weights":
-        return [((groups, n_cols, LANES), F32), None, None]
-    if kind == "Q4_K weights":
-        return k_quants.layout(groups, n_cols)
-    scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
-    return [
-        ((groups, n_cols, LANES), np.int8),
-        scales,
-        scales if kind == "integer weights with offsets" else None,
-    ]
-
-
 def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix | StackedMatrix:
     """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → their rows in one
-    PackedMatrix (q/k/v, gate/up: one kernel call), or where Q4_K meets other formats, a StackedMatrix."""
+    PackedMatrix (q/k/v, gate/up: one kernel call), or where a format kept in its own bits meets
+    others, a StackedMatrix (formats.py)."""
     if len(kinds_of({qtype for _, qtype, _ in parts})) == 1:
         return pack_one(parts)
-    return StackedMatrix([pack_one(run) for run in k_quants.runs_of_q4_k(parts)])
+    return StackedMatrix([pack_one(run) for run in runs_of(parts)])
 
 
 def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
@@ -294,6 +253,10 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
             _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
         elif kind == "Q4_K weights":  # kept in its bits (k_quants.py)
             _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
+        elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits
+            _interleave_rows(raw.view(HALF_TYPES[qtype]).reshape(shape), row0, values)
+        elif values.ndim == 4:  # the GGUF's blocks, byte for byte (block_formats.py)
+            _interleave_rows(raw.reshape(shape[0], -1), row0, values.reshape(values.shape[0], -1, LANES))
         else:
             repeat = GROUP.get(qtype, 32) // (n_cols // scales.shape[1])
             _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)

@@ -9,13 +9,14 @@ from pathlib import Path
 from . import quants
 from .config import ARCHITECTURES
 from .errors import ModelError
+from .formats import OWN_BITS
 from .gguf_file import open_gguf, read_metadata
 from .tokenizer import Tokenizer
 from .weights import UNREADABLE, GGUFTensors, check_tensors, model_info, readable_format
 
 # How the kernels keep a matrix of each kind of format (quants.kind_of)
 KEPT = {
-    "Q4_K weights": "kept in its own bits",
+    **{kind: "kept in its own bits" for kind in OWN_BITS.values()},
     "integer weights": "int8 with a scale per 16 or 32 weights",
     "integer weights with offsets": "int8 with a scale and offset per 32 weights",
     "float weights": "float32",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gguf
 
-from . import k_quants, quants
+from . import formats, quants
 from .config import ModelConfig
 from .k_quants import StackedMatrix
 
@@ -116,15 +116,16 @@ def matrix_plan(cfg: ModelConfig, tensors: dict) -> Plan:
 
 
 def _runs(tensors: dict, name: str, parts: list[str], shapes: list[tuple[int, int]]) -> Plan:
-    """A matrix of the plan; or where Q4_K meets other formats (q/k beside a Q6_K v), its runs, each
-    packed (and kept in the packed file) on its own as name#0, name#1…, multiplied as one StackedMatrix."""
+    """A matrix of the plan; or where a format kept in its own bits meets others (q/k in Q4_K beside a
+    Q6_K v: formats.py), its runs, each packed (and kept in the packed file) on its own as name#0,
+    name#1…, multiplied as one StackedMatrix."""
     types = [tensors[n].type_name if n in tensors else None for n in (tensor_of(p)[0] for p in parts)]
     if None in types or not all(t in gguf.GGMLQuantizationType.__members__ for t in types):
         return [(name, parts, shapes)]  # load_weights' check names the missing tensor or its type
     typed = [(n, gguf.GGMLQuantizationType[t], s) for n, t, s in zip(parts, types, shapes, strict=True)]
     if len(quants.kinds_of({qtype for _, qtype, _ in typed})) == 1:
         return [(name, parts, shapes)]
-    runs = k_quants.runs_of_q4_k(typed)
+    runs = formats.runs_of(typed)
     return [(f"{name}#{j}", [n for n, _, _ in run], [s for _, _, s in run]) for j, run in enumerate(runs)]
 
 

@@ -1,8 +1,9 @@
 """The float kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch
-array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, a request
-for memory ahead. LLVM splits a vector of `width` floats into the target's registers, so no vectorizer
-has to find the loops (LLVM's did not, once they were short enough to unroll first); `width` is a
-literal wherever these are called (products.py, k_quants.py). Each has its plain NumPy twin in
+array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, the block
+formats' bit fields, Q3_K's quants and nibbles through a table, a request for memory ahead. LLVM splits
+a vector of `width` floats into the target's registers, so no vectorizer has to find the loops (LLVM's
+did not, once they were short enough to unroll first); `width` is a literal wherever these are called
+(products.py, k_quants.py, block_formats.py). Each has its plain NumPy twin in
 vectors_reference.py, which tests/test_vectors.py holds it to.
 """
 
@@ -57,7 +58,8 @@ def _fma(builder, n):
 
 @intrinsic
 def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, width):
-    """w[:width] = values.flat[at:at + width] as float32, times scales.flat[scale_at:…] and plus
+    """w[:width] = values.flat[at:at + width] as float32 (float16 or bfloat16 bits widened, integers
+    converted), times scales.flat[scale_at:…] and plus
     offsets.flat[scale_at:…] where the matrix has them (None: numba types the call without them). Plain
     multiply and add, as gguf.quants dequantizes: the weights are exactly the GGUF's."""
     if not isinstance(width, types.IntegerLiteral):
@@ -71,8 +73,15 @@ def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, widt
         ]
         element = context.get_data_type(values.dtype)
         column = builder.load(_vector_at(builder, arrays[0], args[3], element, n), align=1)
-        if isinstance(values.dtype, types.Integer):
-            column = builder.sitofp(column, ir.VectorType(f32, n))
+        floats = ir.VectorType(f32, n)
+        if values.dtype == types.uint16:  # float16 bits (formats.HALF_TYPES): vcvtph2ps
+            column = builder.fpext(builder.bitcast(column, ir.VectorType(ir.HalfType(), n)), floats)
+        elif values.dtype == types.int16:  # bfloat16 bits: the high half of a float32's
+            words = ir.VectorType(ir.IntType(32), n)
+            column = builder.shl(builder.zext(column, words), ir.Constant(words, [16] * n))
+            column = builder.bitcast(column, floats)
+        elif isinstance(values.dtype, types.Integer):
+            column = builder.sitofp(column, floats)
         if arrays[1] is not None:
             scales_at = _vector_at(builder, arrays[1], args[4], f32, n)
             column = builder.fmul(column, builder.load(scales_at, align=4))
@@ -84,6 +93,105 @@ def _dequantize_column(typingctx, values, scales, offsets, at, scale_at, w, widt
         return context.get_dummy_value()
 
     return types.void(values, scales, offsets, at, scale_at, w, width), codegen
+
+
+@intrinsic
+def _bit_fields(typingctx, values, at, shift, mask, w, width):
+    """w[:width] = (values.flat[at:at + width] >> shift) & mask as float32, exact: a field of the bytes
+    of `width` lanes (block_formats.py's layout), in 32-bit lanes (numba's own integers are 64-bit,
+    half as many a vector)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        at, shift, mask = (
+            context.cast(builder, a, t, types.int64) for a, t in zip(args[1:4], signature.args[1:4])
+        )
+        words = ir.VectorType(i32, n)
+        column = builder.load(_vector_at(builder, values_ptr, at, ir.IntType(8), n), align=1)
+        column = builder.zext(column, words)
+        column = builder.lshr(column, _splat(builder, words, builder.trunc(shift, i32)))
+        column = builder.and_(column, _splat(builder, words, builder.trunc(mask, i32)))
+        floats = builder.sitofp(column, ir.VectorType(ir.FloatType(), n))  # (AVX2 has no unsigned conversion)
+        builder.store(floats, _vector_at(builder, args[4], ir.Constant(i64, 0), ir.FloatType(), n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, shift, mask, w, width), codegen
+
+
+@intrinsic
+def _q3_k_quants(typingctx, values, low_at, shift, high_at, bit, w, width):
+    """w[:width] = Q3_K's signed 3-bit quants of `width` lanes (block_formats.py's layout) as float32,
+    exact: the 2 bits at `shift` of the bytes at low_at, less 4 where bit `bit` of the bytes at high_at
+    is clear (ggml's hmask), in 32-bit lanes."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        low_at, shift, high_at, bit = (
+            context.cast(builder, a, t, types.int64) for a, t in zip(args[1:5], signature.args[1:5])
+        )
+        words = ir.VectorType(i32, n)
+
+        def field(at, by, mask):
+            column = builder.zext(builder.load(_vector_at(builder, values_ptr, at, i8, n), align=1), words)
+            column = builder.lshr(column, _splat(builder, words, builder.trunc(by, i32)))
+            return builder.and_(column, ir.Constant(words, [mask] * n))
+
+        high = builder.shl(field(high_at, bit, 1), ir.Constant(words, [2] * n))
+        q = builder.sub(builder.add(field(low_at, shift, 3), high), ir.Constant(words, [4] * n))
+        floats = builder.sitofp(q, ir.VectorType(ir.FloatType(), n))
+        builder.store(floats, _vector_at(builder, args[5], ir.Constant(i64, 0), ir.FloatType(), n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, low_at, shift, high_at, bit, w, width), codegen
+
+
+@intrinsic
+def _table_fields(typingctx, values, at, shift, table, w, width):
+    """w[:width] = table[(values.flat[at:at + width] >> shift) & 15]: a nibble of the bytes of `width`
+    lanes through a table of 16 floats (the IQ formats' values, MXFP4's e2m1), exact. AVX-512 picks
+    16 lanes' floats from a register of the table in one vpermps; elsewhere each lane is looked up."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        table_ptr = _data(context, builder, signature.args[3], args[3])
+        at, shift = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:3], signature.args[1:3]))
+        table = builder.load(_vector_at(builder, table_ptr, ir.Constant(i64, 0), f32, 16), align=4)
+        for k in range(0, n, min(n, 16)):
+            m = min(n - k, 16)
+            words, where = ir.VectorType(i32, m), ir.Constant(i64, k)
+            start = builder.add(at, where)
+            column = builder.load(_vector_at(builder, values_ptr, start, ir.IntType(8), m), align=1)
+            column = builder.zext(column, words)
+            column = builder.lshr(column, _splat(builder, words, builder.trunc(shift, i32)))
+            if PROFILE.isa == "AVX-512" and m == 16:  # (the permute reads only the low 4 bits)
+                floats = ir.VectorType(f32, 16)
+                kind = ir.FunctionType(floats, [floats, words])
+                permute = cgutils.get_or_insert_function(builder.module, kind, _PERMUTE_16)
+                picked = builder.call(permute, [table, column])
+            else:
+                column = builder.and_(column, ir.Constant(words, [15] * m))
+                picked = ir.Constant(ir.VectorType(f32, m), ir.Undefined)
+                for lane in range(m):
+                    index = builder.extract_element(column, ir.Constant(i32, lane))
+                    picked = builder.insert_element(
+                        picked, builder.extract_element(table, index), ir.Constant(i32, lane)
+                    )
+            builder.store(picked, _vector_at(builder, args[4], where, f32, m), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, shift, table, w, width), codegen
 
 
 @intrinsic

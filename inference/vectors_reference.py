@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .byte_vectors import transposed_lanes
+from .half import to_floats
 
 F32 = np.float32
 
@@ -18,13 +19,29 @@ def _fused(a, b, c) -> np.ndarray:
 
 
 def dequantize_column(values, scales, offsets, at, scale_at, width) -> np.ndarray:
-    """vectors._dequantize_column: w = value · scale + offset, two roundings."""
-    w = values.reshape(-1)[at : at + width].astype(F32)
+    """vectors._dequantize_column: w = value · scale + offset, two roundings (16-bit floats widened)."""
+    w = to_floats(values.reshape(-1)[at : at + width])
     if scales is not None:
         w = w * scales.reshape(-1)[scale_at : scale_at + width]
     if offsets is not None:
         w = w + offsets.reshape(-1)[scale_at : scale_at + width]
     return w
+
+
+def bit_fields(values, at, shift, mask, width) -> np.ndarray:
+    """vectors._bit_fields: (byte >> shift) & mask of `width` bytes, as float32."""
+    return ((values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & mask).astype(F32)
+
+
+def q3_k_quants(values, low_at, shift, high_at, bit, width) -> np.ndarray:
+    """vectors._q3_k_quants: 2 low bits, less 4 where the high bit is clear, as float32."""
+    low = bit_fields(values, low_at, shift, 3, width)
+    return low - 4 + 4 * bit_fields(values, high_at, bit, 1, width)
+
+
+def table_fields(values, at, shift, table, width) -> np.ndarray:
+    """vectors._table_fields: table[(byte >> shift) & 15] of `width` bytes."""
+    return table[(values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & 15]
 
 
 def multiply_add(sums, i, w, xj, width) -> None:

@@ -12,8 +12,9 @@ import gguf
 import numpy as np
 
 from . import blas_crossover, kernels
+from .formats import KINDS, OWN_BITS, kind_of, kinds_of
 from .jit import in_cache
-from .quants import KINDS, kind_of, kinds_of, zero_matrix
+from .quants import zero_matrix
 
 F32 = np.float32
 Q = gguf.GGMLQuantizationType
@@ -69,8 +70,9 @@ def _parts(formats) -> list[set]:
     if formats is None:
         return [{qtype} for qtype in KINDS]
     formats = {formats} if isinstance(formats, Q) else set(formats)
-    if Q.Q4_K in formats and len(kinds_of(formats)) > 1:  # its Q4_K rows a part of their own
-        return [{Q.Q4_K}, formats - {Q.Q4_K}]
+    own = formats & set(OWN_BITS)
+    if own and len(kinds_of(formats)) > 1:  # the rows of each format in its own bits a part of their own
+        return [{qtype} for qtype in own] + ([formats - own] if formats - own else [])
     return [formats]
 
 

@@ -182,8 +182,7 @@ def decode_kv(data: bytes, out: tuple[np.ndarray, np.ndarray] | None = None) -> 
     encode_kv (out then holds anything); memory use is bounded by the shape the header declares,
     which is itself bounded by MAX_ELEMENTS.
     """
-    if not isinstance(data, bytes):
-        data = bytes(memoryview(data))  # bytearray, memoryview, sqlite3 blobs
+    data = memoryview(data)  # bytes, or a view of them (a block read from the remote tier): not copied
     if len(data) < _HEADER.size:
         raise CorruptBlockError(f"KV block is {len(data)} bytes, shorter than its {_HEADER.size}-byte header")
     magic, version, codec_id, *dims = _HEADER.unpack_from(data)

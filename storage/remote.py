@@ -4,9 +4,10 @@ It sits under RAM and SQLite. A block stored locally is also written here, in th
 missing from both lower tiers is looked for here. A namespace's blocks (a tenant's: vLLM's cache_salt)
 have names and a signing key of their own, so no block of one is ever read as another's. A block read
 back is used only when its HMAC-SHA256 (over its Redis key, its token ids, its checksum and its bytes)
-proves a holder of the secret wrote it, its token ids are the ones its prefix key stands for, and its
-checksum holds. Anything else — a dead, slow, flushed or lying server, an evicted or altered block — is
-a miss: the block is recomputed, and nothing held locally is touched.
+proves a holder of the secret wrote it and its token ids are the ones its prefix key stands for (and
+its bytes decode whole, as any stored block's must). Anything else — a dead, slow, flushed or lying
+server, an evicted or altered block — is a miss: the block is recomputed, and nothing held locally is
+touched.
 
 The URLs it takes and the connections it makes are remote_wire.py's. Bound it on the server side with
 `maxmemory <bytes>` and `maxmemory-policy allkeys-lru`; every block is also written with a TTL
@@ -27,7 +28,7 @@ import time
 import numpy as np
 import redis
 
-from .codec import block_info, checksum
+from .codec import block_info
 from .records import StoredBlock
 from .remote_wire import DEFAULT_TIMEOUT_S, RemoteTierError, connector
 
@@ -139,9 +140,11 @@ class RemoteTier:
             return self.secret
         return hmac.new(self.secret, b"llama-chat kv namespace:" + namespace, hashlib.sha256).digest()
 
-    def _mac(self, name: bytes, body: bytes, namespace: bytes | None) -> bytes:
-        message = struct.pack("<I", len(name)) + name + body
-        return hmac.new(self.signing_key(namespace), message, hashlib.sha256).digest()
+    def _mac(self, name: bytes, body, namespace: bytes | None) -> bytes:
+        """The HMAC of a name and a body (bytes or a view of them: a block's ~400 KB are not copied)."""
+        mac = hmac.new(self.signing_key(namespace), struct.pack("<I", len(name)) + name, hashlib.sha256)
+        mac.update(body)
+        return mac.digest()
 
     def seal(self, block: StoredBlock, namespace: bytes | None = None) -> tuple[bytes, bytes]:
         """(Redis key, value) for a block: its HMAC, then its token ids, checksum and encoded KV."""
@@ -160,7 +163,10 @@ class RemoteTier:
         namespace: bytes | None = None,
     ) -> StoredBlock | None:
         """The block in a value read under `name`, or None unless it is signed with the namespace's key,
-        holds the token ids its key stands for, and its bytes match their checksum and the codec."""
+        holds the token ids its key stands for, and is of the codec. Its data is a view of `value`, not a
+        copy (a run of blocks is megabytes). Its CRC is not computed again: the signature covers it and
+        the bytes, so they are what a holder of the secret wrote, and decoding checks them whole (zstd's
+        content checksum), as for a block read from SQLite; the CRC cost as much as the HMAC."""
         head = _MAC + _BODY.size
         if len(value) < head:
             return None
@@ -174,9 +180,9 @@ class RemoteTier:
         if np.frombuffer(value, dtype="<i4", count=n, offset=head).tolist() != list(tokens):
             return None
         expected = value[head + 4 * n : data_at].decode("ascii", "replace")
-        data = value[data_at:]
+        data = memoryview(value)[data_at:]
         info = block_info(data)
-        if checksum(data) != expected or info is None or info[0] != codec or info[1][2] != n:
+        if info is None or info[0] != codec or info[1][2] != n:
             return None
         return StoredBlock(key, n, codec, data, expected, list(tokens))
 

@@ -25,6 +25,9 @@ PACE_BYTES = 64 * 1024  # an answer may take the timeout once, and once more for
 # The most one answer may bring: a 32k-token conversation's blocks are ~170 MB at q6. A peer that
 # announces a larger value is cut off as it sends, not after its bytes have filled memory.
 MAX_ANSWER_BYTES = 512 * 2**20
+# What one read from a socket may take: a run of blocks is megabytes, and redis-py's 64 KiB reads
+# (each appended to its buffer, then copied out) took as long again as the blocks' bytes on loopback.
+READ_BYTES = 4 * 2**20
 SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}  # → cluster?
 
 
@@ -53,6 +56,7 @@ def connector(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Callable[
         "retry": Retry(NoBackoff(), 0),  # a failed call is a miss now, not three slower tries
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
+        "socket_read_size": READ_BYTES,
         "connection_class": PacedSSLConnection if parts.scheme.startswith("rediss") else PacedConnection,
     }
     if cluster:

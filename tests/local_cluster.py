@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -99,11 +100,37 @@ class Cluster:
         return status, json.loads(body or b"{}")
 
     def wait_ready(self, name: str, timeout_s: float = 300) -> None:
+        """Until the server answers /health with 200 and the balancer's checks have found it up."""
         deadline = time.monotonic() + timeout_s
         while self.health(name)[0] != 200:
-            assert time.monotonic() < deadline, f"{name} did not become ready"
+            assert Path(f"/proc/{self.pid(name)}").exists(), f"{name} stopped: {self.log_tail(name)}"
+            assert time.monotonic() < deadline, f"{name} did not become ready: {self.log_tail(name)}"
             time.sleep(0.2)
-        time.sleep(2.5)  # the balancer's checks see it up (rise 2, inter 1 s)
+        self.wait_balanced([name], timeout_s)
+
+    def balanced(self) -> set[str]:
+        """The servers the balancer sends requests to now: those its checks find up (its runtime API)."""
+        port = int((self.folder / "balancer").read_text().split()[2])
+        with contextlib.closing(socket.create_connection(("127.0.0.1", port), timeout=5)) as admin:
+            admin.sendall(b"show servers state llama-chat\n")
+            answer = b""
+            while chunk := admin.recv(65536):
+                answer += chunk
+        rows = [line.split() for line in answer.decode().splitlines() if line and line[0].isdigit()]
+        return {row[3] for row in rows if len(row) > 5 and row[5] == "2"}  # srv_op_state 2: running
+
+    def wait_balanced(self, names: list[str] | None = None, timeout_s: float = 120) -> None:
+        """Until the balancer's checks find every one of `names` (default: every server) up; a check
+        can fail while the machine is busy, and the server is then out of the balance for a while."""
+        wanted = set(self.servers if names is None else names)
+        deadline = time.monotonic() + timeout_s
+        while not wanted <= self.balanced():
+            assert time.monotonic() < deadline, f"the balancer sends to {self.balanced()}, not {wanted}"
+            time.sleep(0.2)
+
+    def log_tail(self, name: str, lines: int = 5) -> str:
+        path = self.folder / "logs" / f"{name}.log"
+        return " | ".join(path.read_text().splitlines()[-lines:]) if path.exists() else "(no log)"
 
     def wait_written(self, name: str, timeout_s: float = 30) -> None:
         """Until the server has written to Redis every block it queued."""
@@ -204,17 +231,19 @@ class Conversation:
         return [(m["role"], m["content"]) for m in self.messages[1 : 1 + 2 * n_turns]]
 
 
-def send(url: str, body: dict, headers: dict | None = None, stream: bool = False) -> Turn:
+def send(
+    url: str, body: dict, headers: dict | None = None, stream: bool = False, timeout: float = 120
+) -> Turn:
     """One chat completion (streamed: its first token timed); Failed unless it came back whole and
-    stored."""
+    stored, each read within `timeout` seconds."""
     if stream:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    return (_streamed if stream else _whole)(url, body, headers or {}, time.perf_counter())
+    return (_streamed if stream else _whole)(url, body, headers or {}, time.perf_counter(), timeout)
 
 
-def _whole(url: str, body: dict, headers: dict, t0: float) -> Turn:
+def _whole(url: str, body: dict, headers: dict, t0: float, timeout: float) -> Turn:
     try:
-        status, answer_headers, data = request(url, "POST", "/v1/chat/completions", body, headers)
+        status, answer_headers, data = request(url, "POST", "/v1/chat/completions", body, headers, timeout)
     except (OSError, http.client.HTTPException) as e:
         raise Failed(f"{type(e).__name__}: {e}") from None
     if status != 200:
@@ -225,9 +254,9 @@ def _whole(url: str, body: dict, headers: dict, t0: float) -> Turn:
     return _turn(answer_headers, usage, reply["choices"][0]["message"]["content"], reply, seconds, seconds)
 
 
-def _streamed(url: str, body: dict, headers: dict, t0: float) -> Turn:
+def _streamed(url: str, body: dict, headers: dict, t0: float, timeout: float) -> Turn:
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
                      {"Content-Type": "application/json", **headers})

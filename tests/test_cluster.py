@@ -141,6 +141,7 @@ def test_a_rolling_restart_under_load_fails_no_request_and_loses_no_turn(cluster
         time.sleep(3)
         for name in cluster.servers:
             log = cluster.folder / "logs" / f"{name}.log"
+            cluster.wait_balanced()  # the two others take its conversations (a check may fail under load)
             cluster.kill(name, signal.SIGTERM)  # it drains: the streams under way finish and are stored
             assert log.read_text().count("stopped (SIGTERM)") == 1
             cluster.restart(name)

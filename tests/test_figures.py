@@ -85,10 +85,23 @@ BENCH = {
         "q8": {"bytes_per_token": 6530, "encode_ms": 35, "decode_ms": 11.5, "kl": 7.3e-5, "greedy_match": 32}
     },
 }
+CLUSTER = {
+    "model": "qwen2.5-coder-0.5b-instruct-q4_k_m",
+    "threads_per_server": 1,
+    "ttft_ms": {
+        "ram": {"best": 480.0, "p50": 590.0, "p95": 841.0, "n": 8},
+        "redis": {"best": 470.0, "p50": 498.0, "p95": 821.0, "n": 8},
+        "recomputed": {"best": 12000.0, "p50": 13223.0, "p95": 17441.0, "n": 8},
+    },
+    "ttft_prompt_tokens": 602,
+    "migration_ms": {"best": 41.5, "p50": 52.0, "p95": 77.3, "n": 5, "prompt_tokens": 1901},
+    "output_tok_s": {"1": 4.5, "2": 6.2},
+}
 INPUTS = {
     "compare": COMPARE,
     "roofline": ROOFLINE,
     "bench": BENCH,
+    "cluster": CLUSTER,
     "machine": {"cpu": "Test CPU", "date": "d"},
 }
 
@@ -123,6 +136,21 @@ def test_a_missing_source_leaves_its_section_out():
     assert "| export / import of that session | 37.0 / 101 ms |" in page
 
 
+def test_the_cluster_rows_give_a_moved_conversation_and_each_source_of_a_continued_turns_kv():
+    page = figures_tables.figures_page(INPUTS, "")
+    section = page.split("## Several servers")[1]
+    assert "two `llama-chat serve`s at 1 thread each behind HAProxy" in section
+    moved = "| a 1,901-token conversation moved to another server: KV ready"
+    how = "(its first token from Redis less from RAM; best / p50 / p95 of 5)"
+    assert f"{moved} {how} | 41.5 / 52.0 / 77.3 ms |" in section
+    ram = "| first token of a continued 602-token turn (p50 / p95): its KV in the server's RAM"
+    assert f"{ram} | 590 / 841 ms |" in section
+    assert "recomputed | 13,223 / 17,441 ms |" in section
+    assert "| output tokens a second, 1 / 2 servers | 4.50 / 6.20 tok/s |" in section
+    assert moved in figures_tables.readme_block(INPUTS)  # a headline row
+    assert "## Several servers" not in figures_tables.figures_page({"bench": BENCH}, "")
+
+
 def test_every_readme_row_is_a_row_of_the_page_word_for_word():
     page_rows = set(rows_of(figures_tables.figures_page(INPUTS, "")))
     block_rows = rows_of(figures_tables.readme_block(INPUTS))[1:]  # after the header
@@ -143,7 +171,7 @@ def test_the_readme_block_is_replaced_between_its_markers_only():
 
 def test_figures_writes_the_page_and_the_readme_from_saved_json_without_running_anything(tmp_path):
     files = {}
-    for name in ("compare", "roofline", "bench"):
+    for name in ("compare", "roofline", "bench", "cluster"):
         files[name] = tmp_path / f"{name}.json"
         files[name].write_text(f"a table a script prints\n{json.dumps(INPUTS[name])}\n")
     readme = tmp_path / "README.md"
@@ -172,6 +200,7 @@ def test_figures_writes_the_page_and_the_readme_from_saved_json_without_running_
     block = readme.read_text()
     assert block.startswith(f"# x\n{figures.BEGIN}\n") and block.endswith(f"{figures.END}\nrest\n")
     assert "| 0.5B: prefill, 512 tokens | 216 / 196 tok/s |" in block
+    assert "moved to another server: KV ready" in out.read_text() and "moved to another server" in block
 
 
 def test_a_source_named_wrong_is_one_line(tmp_path):

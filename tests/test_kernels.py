@@ -16,24 +16,30 @@ import pytest
 from llama_chat.inference import blas_crossover, cpu, kernels, quants, warmup
 
 T = gguf.GGMLQuantizationType
-FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
+OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+FORMATS = [T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *OWN_BITS]
+# Where the float16 scales of a format that gguf.quants does not quantize lie in its block: its blocks are
+# random bytes (every bit pattern is a valid block) with small, finite scales there.
+SCALE_BYTES = {
+    T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210), T.Q2_K: slice(80, 84),
+    T.Q3_K: slice(108, 110), T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2),
+}
 
 
-def raw_tensor(qtype: T, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """A tensor's GGUF bytes: quantized by gguf.quants where it can, else random blocks (every bit
-    pattern of a K-quant block is a valid block) with small, finite scales."""
+def raw_tensor(qtype: T, shape: tuple[int, int], seed: int = 0, scale: float = 0.02) -> np.ndarray:
+    """A tensor's GGUF bytes: quantized by gguf.quants where it can, else random blocks with small,
+    finite scales (below `scale`)."""
     rng = np.random.default_rng(seed)
-    if qtype not in (T.Q4_K, T.Q5_K, T.Q6_K):
+    if qtype not in SCALE_BYTES:
         data = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
         return data.view(np.uint8).reshape(shape[0], -1)
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(shape[0], shape[1] // block_len * block_bytes), dtype=np.uint8)
     blocks = raw.reshape(-1, block_bytes)
-    scales = (rng.random((blocks.shape[0], 2)) * 0.02).astype(np.float16).view(np.uint8)
-    if qtype == T.Q6_K:
-        blocks[:, 208:210] = scales[:, :2]  # d
-    else:
-        blocks[:, 0:4] = scales  # d, dmin
+    at = SCALE_BYTES[qtype]
+    scales = (rng.random((blocks.shape[0], 2)) * scale).astype(np.float16).view(np.uint8)
+    blocks[:, at] = scales[:, : at.stop - at.start]
     return raw
 
 
@@ -64,7 +70,7 @@ def test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, product
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32, T.BF16, T.Q3_K], ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
     """Prompt-lookup verification relies on it: row i of an n-row product is the 1-row product."""
     shape = (128, 256)
@@ -78,7 +84,8 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
 
 
 @pytest.mark.parametrize(
-    "qtype, activations", [(T.Q8_0, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32"), (T.Q4_K, "q8"), (T.Q5_0, "q8")]
+    "qtype, activations",
+    [(T.Q8_0, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32"), (T.F16, "f32"), (T.Q4_K, "q8"), (T.Q5_0, "q8")],
 )
 def test_a_token_decoded_before_its_one_row_kernel_is_ready_gets_the_bits_it_gets_after(
     qtype, activations, monkeypatch
@@ -321,11 +328,40 @@ def test_joined_parts_that_share_a_group_of_rows_keep_every_weight_exactly():
 
 
 def test_a_float_part_makes_the_joined_matrix_float():
-    parts = [(T.Q8_0, (64, 256)), (T.F16, (32, 256))]
+    parts = [(T.Q8_0, (64, 256)), (T.F32, (32, 256))]
     raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
     joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
     expected = np.concatenate([reference(t, r, s) for r, (t, s) in zip(raws, parts)])
     assert joined.scales is None and np.array_equal(kernels.rows(joined, np.arange(96)), expected)
+
+
+@pytest.mark.parametrize("qtype", OWN_BITS, ids=lambda t: t.name)
+def test_a_format_in_its_own_bits_stays_in_about_its_gguf_bytes(qtype):
+    """Held in at most 1.15 times its GGUF bytes (4.2 times as float32), alone or joined with parts in
+    other formats (q/k in Q3_K beside a Q5_K v: each kept as itself), every weight the GGUF's."""
+    shape = (128, 1024)
+    raw = raw_tensor(qtype, shape)
+    assert quants.pack([(raw, qtype, shape)]).nbytes <= 1.15 * raw.nbytes
+    parts = [(qtype, shape), (T.Q5_K, (64, 1024)), (qtype, (64, 1024))]
+    raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
+    joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
+    alone = quants.pack([(raws[1], T.Q5_K, parts[1][1])]).nbytes
+    assert joined.nbytes - alone <= 1.15 * (raws[0].nbytes + raws[2].nbytes)
+    expected = np.concatenate([reference(t, r, s) for r, (t, s) in zip(raws, parts)])
+    assert np.array_equal(kernels.rows(joined, np.arange(256)), expected)
+
+
+@pytest.mark.parametrize("qtype", OWN_BITS, ids=lambda t: t.name)
+def test_a_format_in_its_own_bits_multiplies_as_its_weights_in_float32_bit_for_bit(qtype):
+    """The kernels decode each weight as gguf.quants does and multiply it as they multiply float32
+    weights, so a product is the one of the same matrix dequantized to float32, bit for bit."""
+    shape = (130, 512)
+    raw = raw_tensor(qtype, shape)
+    w = quants.pack([(raw, qtype, shape)])
+    as_f32 = quants.pack([(reference(qtype, raw, shape).view(np.uint8), T.F32, shape)])
+    x = np.random.default_rng(6).standard_normal((kernels.KERNEL_ROWS, shape[1])).astype(np.float32)
+    for n in (1, 2, 3, kernels.KERNEL_ROWS):
+        assert np.array_equal(kernels.kernel_product(x[:n], w), kernels.kernel_product(x[:n], as_f32)), n
 
 
 @pytest.mark.parametrize(
@@ -374,7 +410,7 @@ import test_kernels as t
 from llama_chat.inference import kernels
 from llama_chat.inference.cpu import PROFILE
 T = gguf.GGMLQuantizationType
-for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16):  # integers without offsets, with offsets, Q4_K's bits, floats
+for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # ints, Q4_K, floats, blocks
     t.test_packing_keeps_every_weight_exactly(qtype)
     t.test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype)
     for n in (1, 3, kernels.KERNEL_ROWS):

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -374,6 +375,53 @@ def test_health_says_loading_ready_or_draining_and_never_waits_on_the_engine(tmp
         assert not s.thread.is_alive() and s.server.stopped_by == "SIGTERM"
     finally:
         loaded.set()
+        if s.thread.is_alive():
+            s.stop()
+
+
+def test_a_request_taken_before_a_sigterm_is_answered_whole_though_its_reply_was_not_yet_queued(
+    tmp_path, qwen2, monkeypatch
+):
+    """The drain waits for every request taken while ready, not only for the replies the engine runs:
+    one still being prepared at the SIGTERM (tokenized, its KV looked for in the tiers) streams whole
+    and is stored, where closing would have answered it 503."""
+    s = Served(tmp_path / "chat.db", qwen2).wait_ready()
+    engine, preparing, go = s.state.engine, threading.Event(), threading.Event()
+    reply = engine.reply
+
+    def prepared_slowly(*args, **kwargs):
+        preparing.set()
+        go.wait(30)
+        return reply(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "reply", prepared_slowly)
+    answer = Future()
+
+    def ask() -> None:
+        body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hello"}]}
+        try:
+            answer.set_result(post(s, body))
+        except Exception as e:  # noqa: BLE001 — the test says it
+            answer.set_exception(e)
+
+    client = threading.Thread(target=ask)
+    try:
+        client.start()
+        assert preparing.wait(30)
+        s.server.handle_exit(signal.SIGTERM, None)  # (a signal, as the server's thread cannot get one)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: s.server.should_exit, timeout_s=1)  # (without the count it stops at once)
+        assert not s.server.should_exit and s.state.phase == "draining"
+        go.set()
+        status, _, body = answer.result(60)
+        text, events = sse_texts(body)
+        assert status == 200 and events[-1] == "[DONE]" and events[-2]["stored"] and text
+        s.thread.join(30)  # then the server stops by itself
+        assert not s.thread.is_alive() and s.server.stopped_by == "SIGTERM"
+    finally:
+        go.set()
+        client.join(60)
         if s.thread.is_alive():
             s.stop()
 

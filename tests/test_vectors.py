@@ -21,13 +21,16 @@ from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
 from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
 from llama_chat.inference.vectors import (
+    _bit_fields,
     _dequantize_column,
     _dequantize_nibbles,
     _multiply_add,
     _nibbles,
+    _q3_k_quants,
     _q4_k_scales,
     _registers,
     _scale_run,
+    _table_fields,
 )
 
 T = gguf.GGMLQuantizationType
@@ -59,17 +62,22 @@ def dequantize_column(values, scales, offsets, at, scale_at, out):
     copy_out(w, out)
 
 
-@pytest.mark.parametrize("kind", ["int8, scales, offsets", "int8, scales", "float32"])
+@pytest.mark.parametrize("kind", ["int8, scales, offsets", "int8, scales", "float32", "float16", "bfloat16"])
 def test_a_column_is_dequantized_as_the_reference_says(kind):
     values = rng().integers(-128, 128, 4 * LANES).astype(np.int8)
     scales, offsets = floats(2 * LANES, 1), floats(2 * LANES, 2)
     if kind == "float32":
         values, scales, offsets = floats(4 * LANES, 3), None, None
+    elif kind in ("float16", "bfloat16"):  # their bits, every pattern (NaN and infinities too)
+        values = rng().integers(0, 1 << 16, 4 * LANES).astype(np.uint16)
+        values, scales, offsets = values.view(np.int16) if kind == "bfloat16" else values, None, None
     elif kind == "int8, scales":
         offsets = None
     out = np.empty(W, F32)
     dequantize_column(values, scales, offsets, 37, 5, out)
-    assert np.array_equal(out, ref.dequantize_column(values, scales, offsets, 37, 5, W))
+    with np.errstate(invalid="ignore"):
+        expected = ref.dequantize_column(values, scales, offsets, 37, 5, W)
+    assert np.array_equal(out, expected, equal_nan=True)
 
 
 @plain_njit
@@ -99,6 +107,56 @@ def q4_k(seed: int = 0):
     d_dmin = (rng(seed + 1).random((shape[0] * 2, 2)) * 0.02).astype(np.float16)
     raw.reshape(-1, 144)[:, 0:4] = d_dmin.view(np.uint8)
     return quants.pack([(raw, T.Q4_K, shape)])
+
+
+@plain_njit
+def bit_fields(values, at, shift, mask, out):
+    w = _registers(W)
+    _bit_fields(values, at, shift, mask, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("shift, mask", [(0, 3), (6, 3), (5, 1), (4, 15)])
+def test_a_bit_field_of_bytes_is_read_as_the_reference_says(shift, mask):
+    """The fields the block formats' decoders take out of their bytes (block_formats.py): Q2_K's and
+    Q3_K's 2-bit quants, Q3_K's high bits, a nibble."""
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    out = np.empty(W, F32)
+    bit_fields(values, 37, shift, mask, out)
+    assert np.array_equal(out, ref.bit_fields(values, 37, shift, mask, W))
+
+
+@plain_njit
+def q3_k_quants(values, low_at, shift, high_at, bit, out):
+    w = _registers(W)
+    _q3_k_quants(values, low_at, shift, high_at, bit, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("shift, bit", [(0, 0), (6, 7), (2, 5)])
+def test_q3_k_quants_are_read_as_the_reference_says(shift, bit):
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    out = np.empty(W, F32)
+    q3_k_quants(values, 37, shift, 101, bit, out)
+    assert np.array_equal(out, ref.q3_k_quants(values, 37, shift, 101, bit, W))
+
+
+@plain_njit
+def table_fields(values, at, shift, table, out):
+    w = _registers(W)
+    _table_fields(values, at, shift, table, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("shift", [0, 4])
+@pytest.mark.parametrize("table", [T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
+def test_a_nibble_through_a_table_is_read_as_the_reference_says(shift, table):
+    """The IQ formats' and MXFP4's 4-bit indices into their 16 values (block_formats.py)."""
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    table = np.array(gguf.quants.IQ4_NL.kvalues if table == T.IQ4_NL else gguf.quants.MXFP4.kvalues, F32)
+    out = np.empty(W, F32)
+    table_fields(values, 37, shift, table, out)
+    assert np.array_equal(out, ref.table_fields(values, 37, shift, table, W))
 
 
 @plain_njit
@@ -271,7 +329,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     machine: these checks again in a process compiled for a Haswell (its own kernel cache folder)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
-    checks = "column or fused or nibbles or scale or byte_dots or quantizing"
+    checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,

@@ -154,6 +154,8 @@ def write_tiny_model(
     context_length: int | None = None,
     space_prefix: bool = False,
     quantized: bool = True,
+    dims: tuple[int, int, int, int, int] | None = None,
+    matrix_bytes=None,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
@@ -162,14 +164,16 @@ def write_tiny_model(
     room for a real template's long prompts; `space_prefix`: a SentencePiece vocabulary (gemma3)
     that puts a space before the text, as Llama 2's does. `chat_template`: ChatML, or the family's
     real one for the later architectures. `quantized=False`: every matrix in float32 (the models
-    checked against llama.cpp's float32 logits)."""
+    checked against llama.cpp's float32 logits). `dims`: (n_embd, n_head, n_head_kv, head_dim, n_ff)
+    for wider models; `matrix_bytes(name, data)` → (array, GGML type): each layer matrix (and 3-D expert
+    tensor) and the output written in another format (test_formats.py)."""
     # gpt-oss draws from seed + 1: from seed 0 its greedy reply to test_generate's prompt ends after 9
     # tokens, before prompt lookup has a run to guess
     rng = np.random.default_rng(seed + (arch == "gpt-oss"))
     # (SmolLM3's system prompt is long, gpt-oss's 300 tokens of the tiny vocabulary)
     context_length = context_length or {"smollm3": 2048, "gpt-oss": 1024}.get(arch, 256)
     shapes, raw_types = shapes or {}, raw_types or {}
-    n_embd, n_head, n_head_kv, head_dim, n_ff = 64, 4, 2, 16, 96
+    n_embd, n_head, n_head_kv, head_dim, n_ff = dims or (64, 4, 2, 16, 96)
     # (smollm3: layer 3 has no RoPE)
     n_layer = n_layer or {"gemma3": 6, "gemma2": 4, "smollm3": 4}.get(arch, 2)
     if chat_template is None:
@@ -243,6 +247,9 @@ def write_tiny_model(
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
             raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
+        elif matrix_bytes is not None and len(shape) > 1 and name != "token_embd.weight":
+            raw, qtype = matrix_bytes(name, data)
+            w.add_tensor(name, raw, raw_dtype=qtype)
         elif quant is not None and quantized:
             w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
         else:

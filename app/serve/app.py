@@ -52,6 +52,25 @@ class AccessLog:
             say(f"{scope['method']} {scope['path']} {status} {(time.perf_counter() - t0) * 1000:.0f} ms")
 
 
+class UnderWay:
+    """Counts the requests taken while the server is ready until each is answered whole (a stream to
+    its last chunk), for a SIGTERM's drain to wait on (ServerState.drained). /health is not counted: a
+    balancer asks it all along."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.state.phase != "ready":
+            return await self.app(scope, receive, send)
+        self.state.under_way += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.under_way -= 1
+
+
 def host_name(host: str) -> str:
     """The name in a Host header (or a name given to --allowed-host), without its port and final dot:
     'localhost:8080' → 'localhost', '[::1]:80' → '::1', 'Example.com.' → 'example.com'."""
@@ -203,7 +222,7 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=middleware(options, api_key),
+        middleware=middleware(options, api_key, state),
         exception_handlers={
             ApiError: api_error, HTTPException: http_error, StoreError: store_failed, Exception: unexpected
         },
@@ -213,7 +232,9 @@ def create_app(
     return app
 
 
-def middleware(options: ServeOptions, api_key: str | dict[str, str | None] | None) -> list[Middleware]:
+def middleware(
+    options: ServeOptions, api_key: str | dict[str, str | None] | None, state: ServerState
+) -> list[Middleware]:
     """What every request passes, outermost first. CORS answers an allowed page's preflight before the
     key is asked for (a browser sends none with it)."""
     cors = []
@@ -230,6 +251,7 @@ def middleware(options: ServeOptions, api_key: str | dict[str, str | None] | Non
         ]
     return [
         Middleware(AccessLog),
+        Middleware(UnderWay, state=state),
         Middleware(HostCheck, names={*LOOPBACK_NAMES, options.host, *options.allowed_hosts}),
         Middleware(OriginCheck, origins=set(options.cors_origins)),
         *cors,

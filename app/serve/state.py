@@ -130,6 +130,7 @@ class ServerState:
         self.started = int(time.time())
         self.phase = "loading"  # then "ready", or "failed"; at the end "draining" (SIGTERM), "closing"
         self.drain_until = 0.0  # (time.monotonic) when replies still under way are cut
+        self.under_way = 0  # requests taken while ready, not yet answered whole (on the event loop)
         self.failure: str | None = None  # why the model could not be loaded
         self.on_failure: Callable[[str], None] | None = None  # e.g. stop the server
         self.engine: ChatEngine | None = None
@@ -182,9 +183,13 @@ class ServerState:
         return True
 
     def drained(self) -> bool:
-        """No reply runs or waits any more, or drain_seconds have passed (closing cuts what is left)."""
+        """Every request taken while ready is answered (a stream to its end) and no reply runs or waits
+        any more, or drain_seconds have passed (closing cuts what is left). The requests count, not only
+        the engine's replies: one taken just before the SIGTERM may still be tokenizing or reading the
+        remote tier, its job not yet submitted, and closing then would fail it."""
         load = {"active": 0, "queued": 0} if self.engine is None else self.engine.health()
-        return load["active"] == load["queued"] == 0 or time.monotonic() >= self.drain_until
+        idle = self.under_way == 0 and load["active"] == load["queued"] == 0
+        return idle or time.monotonic() >= self.drain_until
 
     def begin_closing(self) -> None:
         """New requests get 503; every running reply is cancelled (what was made is kept)."""

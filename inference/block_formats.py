@@ -1,0 +1,187 @@
+"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4, and the kernels' half of
+reading them.
+
+Each block of these formats holds 32 or 256 weights of a row in a few bytes (ggml-quants.c's block_*
+structs). Packed, LANES rows are interleaved as in quants.py and every byte keeps its place in its
+block: values [groups, blocks per row, block bytes, LANES] uint8, byte k of block b of row g·L + lane
+at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The block
+size tells the kernels the format, so one compiled kernel reads them all.
+
+A kernel decodes each group of LANES rows into a float32 tile (decode_group), each weight exactly as
+gguf.quants dequantizes it (its float32 operations in its order; the IQ formats through their tables
+of values, gguf.quants' own), the bytes of LANES rows side by side so that each step runs across the
+lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a product
+is bit for bit the one of the same matrix dequantized to float32, at a seventh to a twelfth of its
+bytes. gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to
+it.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from numba import carray
+
+from .cpu import PROFILE
+from .half import to_f32
+from .jit import njit
+from .vectors import _bit_fields, _q3_k_quants, _registers, _table_fields
+
+Q = gguf.GGMLQuantizationType
+LANES = PROFILE.lanes
+RUN = 32  # columns decoded at a time: a sub-block of every format here
+F32 = np.float32
+BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
+_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
+# the IQ formats' 16 values of a 4-bit index (int8 as floats, exact), gguf.quants' tables
+IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, F32)
+MXFP4_VALUES = np.array(gguf.quants.MXFP4.kvalues, F32)  # e2m1, doubled: the scale is halved to match
+
+
+def format_of(values: np.ndarray) -> Q:
+    """The format of a matrix packed here, by its block size."""
+    return next(q for q in BLOCK_FORMATS if gguf.GGML_QUANT_SIZES[q][1] == values.shape[2])
+
+
+def n_cols_of(values: np.ndarray) -> int:
+    return values.shape[1] * gguf.GGML_QUANT_SIZES[format_of(values)][0]
+
+
+def gguf_rows(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a packed matrix as float32, dequantized by gguf.quants from their GGUF bytes."""
+    blocks = values[ids // LANES, :, :, ids % LANES]  # [n, blocks, block bytes]
+    return np.asarray(gguf.quants.dequantize(blocks.reshape(len(ids), -1), format_of(values)), F32)
+
+
+@njit(cache=True, inline="always")
+def _half_at(values, g, b, at, lane):
+    """The float16 at bytes at, at + 1 of a lane's block b, as float32 (exact)."""
+    return to_f32(np.uint16(np.uint16(values[g, b, at, lane]) | (np.uint16(values[g, b, at + 1, lane]) << 8)))
+
+
+# The decoders write run k of block b of group g's LANES rows into columns c0… of tile [n_cols, LANES],
+# indexing element by element: a view (values[g, b], tile[j]) would count a reference to its array,
+# an atomic operation the threads contend for. Their loops over the lanes run from 0 to LANES, a
+# constant, so that numba's wrap-around of negative indices folds away: with a variable start, the
+# loops were gathers and scatters instead of vector loads and stores.
+
+
+@njit(cache=True)
+def _q2_k_run(values, g, b, k, tile, c0):
+    """Run k of Q2_K block b (84 bytes): a 4-bit scale and min a byte for each 16 weights (bytes 0-15),
+    2-bit quants (16-79: weight j of run k at bits 2·(k % 4) of byte 16 + 32·(k // 4) + j), d and dmin
+    (80, 82). Weight = d·sc·q − dmin·m."""
+    dl, ml = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    q = _registers(LANES)
+    quants = carray(q, LANES)
+    shift, block = 2 * (k % 4), (g * values.shape[1] + b) * values.shape[2]
+    for h in range(2):
+        for lane in range(LANES):
+            s = values[g, b, 2 * k + h, lane]
+            dl[lane] = _half_at(values, g, b, 80, lane) * F32(s & 15)
+            ml[lane] = _half_at(values, g, b, 82, lane) * F32(s >> 4)
+        for j in range(16 * h, 16 * h + 16):
+            _bit_fields(values, (block + 16 + 32 * (k // 4) + j) * LANES, shift, 3, q, LANES)
+            for lane in range(LANES):
+                tile[c0 + j, lane] = dl[lane] * quants[lane] - ml[lane]
+
+
+@njit(cache=True)
+def _q3_k_run(values, g, b, k, tile, c0):
+    """Run k of Q3_K block b (110 bytes): the high bits (0-31: weight j of run k at bit k of byte j),
+    2-bit low bits (32-95, as Q2_K's), 6-bit signed scales for each 16 weights (96-107: low 4 bits in
+    nibbles of 96-103, high 2 in pairs of 104-107) and d (108). Weight = d·(sc − 32)·q, q the low
+    bits less 4 where the high bit is clear."""
+    dl = carray(_registers(LANES), LANES)
+    q = _registers(LANES)
+    quants = carray(q, LANES)
+    shift, block = 2 * (k % 4), (g * values.shape[1] + b) * values.shape[2]
+    for h in range(2):
+        s = 2 * k + h
+        for lane in range(LANES):
+            low_bits = (values[g, b, 96 + s % 8, lane] >> (4 * (s // 8))) & 15
+            high_bits = (values[g, b, 104 + s % 4, lane] >> (2 * (s // 4))) & 3
+            dl[lane] = _half_at(values, g, b, 108, lane) * F32((low_bits | (high_bits << 4)) - 32)
+        for j in range(16 * h, 16 * h + 16):
+            low_at, high_at = (block + 32 + 32 * (k // 4) + j) * LANES, (block + j) * LANES
+            _q3_k_quants(values, low_at, shift, high_at, k, q, LANES)
+            for lane in range(LANES):
+                tile[c0 + j, lane] = dl[lane] * quants[lane]
+
+
+@njit(cache=True, inline="always")
+def _table_nibbles(values, g, b, at, scale, table, tile, c0):
+    """32 weights from the 16 bytes at `at` of block b: the low nibbles are weights 0-15, the high ones
+    16-31, each scale · table[nibble] (the IQ formats' values, MXFP4's e2m1)."""
+    picked = _registers(LANES)
+    value = carray(picked, LANES)
+    block = (g * values.shape[1] + b) * values.shape[2]
+    for j in range(16):
+        for half in range(2):
+            _table_fields(values, (block + at + j) * LANES, 4 * half, table, picked, LANES)
+            for lane in range(LANES):
+                tile[c0 + 16 * half + j, lane] = scale[lane] * value[lane]
+
+
+@njit(cache=True)
+def _iq4_nl_run(values, g, b, tile, c0):
+    """IQ4_NL block b (18 bytes, one run): d, then 16 bytes of 4-bit indices into IQ4_VALUES."""
+    d = carray(_registers(LANES), LANES)
+    for lane in range(LANES):
+        d[lane] = _half_at(values, g, b, 0, lane)
+    _table_nibbles(values, g, b, 2, d, IQ4_VALUES, tile, c0)
+
+
+@njit(cache=True)
+def _iq4_xs_run(values, g, b, k, tile, c0):
+    """Run k of IQ4_XS block b (136 bytes): d, the high 2 bits of 8 scales (a uint16 at 2), their low 4
+    (nibbles of 4-7), then 16 bytes of indices into IQ4_VALUES per run (8…).
+    Weight = d·(sc − 32)·value."""
+    dl = carray(_registers(LANES), LANES)
+    for lane in range(LANES):
+        low = (values[g, b, 4 + k // 2, lane] >> (4 * (k % 2))) & 15
+        high = (values[g, b, 2 + k // 4, lane] >> (2 * (k % 4))) & 3
+        dl[lane] = _half_at(values, g, b, 0, lane) * F32((low | (high << 4)) - 32)
+    _table_nibbles(values, g, b, 8 + 16 * k, dl, IQ4_VALUES, tile, c0)
+
+
+@njit(cache=True)
+def _mxfp4_run(values, g, b, tile, c0):
+    """MXFP4 block b (17 bytes, one run): a power of two e (E8M0), then 16 bytes of e2m1 indices into
+    MXFP4_VALUES; the scale is half of 2^(e − 127), as ggml_e8m0_to_fp32_half."""
+    d = carray(_registers(LANES), LANES)
+    for lane in range(LANES):
+        e = np.int64(values[g, b, 0, lane])
+        d[lane] = np.uint32(0x00200000 << e if e < 2 else (e - 1) << 23).view(F32)
+    _table_nibbles(values, g, b, 1, d, MXFP4_VALUES, tile, c0)
+
+
+@njit(cache=True)
+def decode_group(values, g, tile):
+    """Group g's LANES rows as float32 into tile [n_cols, LANES], each weight as gguf.quants
+    dequantizes it, a run of 32 columns at a time."""
+    block_bytes = values.shape[2]
+    for r in range(tile.shape[0] // RUN):
+        if block_bytes == _Q2_K:
+            _q2_k_run(values, g, r // 8, r % 8, tile, RUN * r)
+        elif block_bytes == _Q3_K:
+            _q3_k_run(values, g, r // 8, r % 8, tile, RUN * r)
+        elif block_bytes == _IQ4_XS:
+            _iq4_xs_run(values, g, r // 8, r % 8, tile, RUN * r)
+        elif block_bytes == _IQ4_NL:
+            _iq4_nl_run(values, g, r, tile, RUN * r)
+        else:
+            _mxfp4_run(values, g, r, tile, RUN * r)
+
+
+@njit(cache=True)
+def dequantize_tile(values, g0, g1, out):
+    """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies
+    (products.tile_product)."""
+    tile = np.empty((out.shape[0], LANES), F32)
+    for g in range(g0, g1):
+        decode_group(values, g, tile)
+        c = (g - g0) * LANES
+        for j in range(out.shape[0]):
+            for lane in range(LANES):
+                out[j, c + lane] = tile[j, lane]

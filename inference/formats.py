@@ -1,0 +1,93 @@
+"""Which kind of packed matrix each GGUF format makes, and the arrays (shape, dtype) each kind packs into.
+
+The integer formats of ggml with a scale per 16 or 32 weights (Q4_0 … Q8_0, Q5_K, Q6_K) unpack to
+int8 with float32 scales (quants.py) and join each other in one matrix. Formats kept in their own bits
+never join another format: Q4_K (k_quants.py), float16 and bfloat16 (their 16 bits, which the kernels
+widen), and the block formats (block_formats.py: Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, the GGUF's blocks
+as they are). A matrix whose parts differ there (q/k in Q3_K beside a Q5_K v) is a StackedMatrix of
+runs, each packed on its own. Any other format (F32, the formats read only by gguf.quants) makes the
+whole matrix float32.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from . import k_quants
+from .block_formats import BLOCK_FORMATS
+from .cpu import PROFILE
+from .half import NATIVE
+
+Q = gguf.GGMLQuantizationType
+LANES = PROFILE.lanes
+F32 = np.float32
+
+INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
+HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
+# The 16-bit floats as the kernels read them: float16 as uint16 bits, bfloat16 as int16 bits (numba has
+# neither type: the dtype tells the kernels which they are). Without F16C (the "SSE" profile) a kernel
+# cannot widen float16 in one instruction: there float16 matrices stay float32.
+HALF_TYPES = {Q.F16: np.uint16, Q.BF16: np.int16} if NATIVE else {Q.BF16: np.int16}
+# The formats kept in their own bits, each the kind of packed matrix it makes
+OWN_BITS = {
+    Q.Q4_K: "Q4_K weights",
+    **{qtype: f"{qtype.name} weights" for qtype in HALF_TYPES},
+    **{qtype: f"{qtype.name} blocks" for qtype in BLOCK_FORMATS},
+}
+# The kinds of packed matrix, each with a format of that kind: the kernels compile once per kind, not
+# per format (the block formats share one kernel: a matrix's block size tells it the format).
+KINDS = {
+    Q.Q8_0: "integer weights", Q.Q4_1: "integer weights with offsets", **OWN_BITS, Q.F32: "float weights"
+}
+
+
+def kinds_of(formats: set) -> set[str]:
+    """The kinds of packed matrix that parts of these formats make, one per part pack makes."""
+    if formats - set(INTEGER_FORMATS) - set(OWN_BITS):
+        return {"float weights"}
+    own, rest = formats & set(OWN_BITS), formats - set(OWN_BITS)
+    return {OWN_BITS[qtype] for qtype in own} | ({kind_of(rest)} if rest else set())
+
+
+def kind_of(formats: set) -> str:
+    """The kind of packed matrix that parts of these formats make, joined in one (pack_one decides by it):
+    a format of its own bits alone keeps them; joined with others, only integer formats stay integers."""
+    if len(formats) == 1 and next(iter(formats)) in OWN_BITS:
+        return OWN_BITS[next(iter(formats))]
+    if formats - set(INTEGER_FORMATS):
+        return "float weights"
+    return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
+
+
+def runs_of(parts: list) -> list[list]:
+    """Tensors to be stacked ((…, type, shape), as quants.pack's parts) in runs of consecutive parts of one
+    format kept in its own bits, and of the others: a StackedMatrix's parts."""
+    runs = [[parts[0]]]
+    for part in parts[1:]:
+        if OWN_BITS.get(part[1]) == OWN_BITS.get(runs[-1][-1][1]):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...], type] | None]:
+    """The arrays (shape, dtype) that a matrix of parts in these formats packs into: values, scales and
+    offsets, None where it has none (pack allocates them; packed_file.py reserves their room)."""
+    groups = -(-n_rows // LANES)
+    kind = kind_of(formats)
+    if kind == "float weights":
+        return [((groups, n_cols, LANES), F32), None, None]
+    if kind == "Q4_K weights":
+        return k_quants.layout(groups, n_cols)
+    (qtype,) = formats if len(formats) == 1 else (None,)
+    if qtype in HALF_TYPES:
+        return [((groups, n_cols, LANES), HALF_TYPES[qtype]), None, None]
+    if qtype in BLOCK_FORMATS:
+        block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        return [((groups, n_cols // block_len, block_bytes, LANES), np.uint8), None, None]
+    scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
+    offsets = scales if kind == "integer weights with offsets" else None
+    return [((groups, n_cols, LANES), np.int8), scales, offsets]

@@ -1,0 +1,72 @@
+"""A model in each format kept in its own bits (formats.OWN_BITS): held in about its GGUF's bytes, and
+its logits those of the same model with its matrices dequantized to float32."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from test_kernels import OWN_BITS, SCALE_BYTES, raw_tensor
+
+from llama_chat.inference import load_model
+from llama_chat.inference.support import gguf_needs
+from tiny_models import write_tiny_model
+
+T = gguf.GGMLQuantizationType
+DIMS = (256, 4, 2, 64, 256)  # n_embd, heads, KV heads, head_dim, n_ff: every matrix's columns 256s
+# Scales of the random blocks that keep their weights about 0.1 (a block's largest scale times value)
+SCALE = {T.Q2_K: 2e-3, T.Q3_K: 1e-3, T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5}
+
+
+def tiny_model_in(path, qtype: T, as_float32: bool = False):
+    """A tiny llama whose layer matrices and output are in `qtype` (or, as_float32, the same weights
+    dequantized to float32)."""
+
+    def matrix_bytes(name, data):
+        if qtype not in SCALE_BYTES:  # formats gguf.quants writes: the random weights quantized
+            raw = gguf.quants.quantize(data, qtype).view(np.uint8)
+        else:
+            raw = raw_tensor(qtype, data.shape, seed=sum(name.encode()), scale=SCALE[qtype])
+        if as_float32:
+            return np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(data.shape), T.F32
+        return raw, qtype
+
+    return write_tiny_model(path, "llama", dims=DIMS, matrix_bytes=matrix_bytes)
+
+
+@pytest.mark.parametrize("qtype", OWN_BITS, ids=lambda t: t.name)
+def test_a_model_in_its_own_bits_is_about_its_gguf_and_computes_as_float32(tmp_path, qtype):
+    path = tiny_model_in(tmp_path / f"{qtype.name}.gguf", qtype)
+    twin = tiny_model_in(tmp_path / "f32.gguf", qtype, as_float32=True)
+    model, float32 = load_model(path), load_model(twin)
+    reader = gguf.GGUFReader(path)
+    in_gguf = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == qtype)
+    resident = sum(m.nbytes for m in model.weights.matrices())
+    assert resident <= 1.15 * in_gguf
+    ids = model.tokenizer.encode("The formats people download run in their own bits.")
+    assert np.array_equal(model.logits(ids), float32.logits(ids))
+    assert gguf_needs(path)["formats"][qtype.name]["kept"] == "kept in its own bits"
+
+
+def test_mxfp4_experts_are_kept_in_their_bits_and_compute_as_float32(tmp_path):
+    """gpt-oss keeps its experts in MXFP4: a mixture's 3-D expert tensors in MXFP4, each expert's slice
+    packed as any matrix, held in the GGUF's bytes, with the logits of the same experts in float32."""
+
+    def experts_in(path, as_float32: bool):
+        def matrix_bytes(name, data):
+            if "_exps" not in name:
+                return data, T.F32
+            raw = gguf.quants.quantize(data, T.MXFP4)
+            if as_float32:
+                return np.asarray(gguf.quants.dequantize(raw, T.MXFP4), np.float32).reshape(data.shape), T.F32
+            return raw, T.MXFP4
+
+        return write_tiny_model(path, "qwen3moe", matrix_bytes=matrix_bytes)
+
+    model = load_model(experts_in(tmp_path / "mxfp4.gguf", False))
+    float32 = load_model(experts_in(tmp_path / "f32.gguf", True))
+    in_gguf = sum(int(t.n_bytes) for t in gguf.GGUFReader(model.path).tensors if t.tensor_type == T.MXFP4)
+    experts = [layer.experts for layer in model.weights.layers]
+    assert sum(m.nbytes for e in experts for m in e.gate_up + e.down) <= 1.15 * in_gguf
+    ids = model.tokenizer.encode("Experts in four bits.")
+    assert np.array_equal(model.logits(ids), float32.logits(ids))
