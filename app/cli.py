@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from llama_chat import __version__
@@ -23,7 +26,7 @@ def default_db_path() -> Path:
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of every command. Before the command they have their defaults; after it (as users
     type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
-    from llama_chat.inference.kernels import ACTIVATIONS, DEFAULT_ACTIVATIONS
+    from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
     from llama_chat.inference.kv_arena import CACHE_TYPES, DEFAULT_CACHE_TYPE
     from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 
@@ -61,7 +64,7 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
     )
     group.add_argument(
         "--activations",
-        choices=ACTIVATIONS,
+        choices=Later("llama_chat.inference.kernels", "ACTIVATIONS"),
         default=default(None),
         help=f"what matrix products take their inputs as (default {DEFAULT_ACTIVATIONS}; mixed: bytes only "
         "for inputs that come from a norm, faster prompts, logits nearer the exact model's than "
@@ -92,6 +95,23 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         default=default(os.environ.get("LLAMA_CHAT_KV_SECRET")),
         help="the secret that signs blocks in --kv-remote (better: LLAMA_CHAT_KV_SECRET)",
     )
+
+
+class Later(Sequence):
+    """A flag's choices, read from the module that owns them only when the flag is given or help is
+    shown: that module loads numba (a second or more), which most commands never need."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def values(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __getitem__(self, i):
+        return self.values()[i]
+
+    def __len__(self) -> int:
+        return len(self.values())
 
 
 def positive(text: str, least: int = 1) -> int:
@@ -165,11 +185,20 @@ def add_context_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # NumPy loads with the commands: after main() has set the thread count
-    from . import commands as c
-    from . import commands_sessions as s
+def lazy(module: str, function: str):
+    """A command's function, imported when that command runs: `sessions list` need not load the
+    inference core, Textual or the server (seconds of imports on every command). NumPy and numba load
+    after main() has set the thread count, as they read it once."""
 
+    def run(args):
+        return getattr(importlib.import_module(f"llama_chat.app.{module}"), function)(args)
+
+    run.__name__ = function
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    c, s = partial(lazy, "commands"), partial(lazy, "commands_sessions")
     parser = argparse.ArgumentParser(prog="llama-chat", description="Chat with local LLMs in the terminal.")
     parser.add_argument("--version", action="version", version=f"llama-chat {__version__}")
     add_global_options(parser)
@@ -183,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    models = command("models", c.cmd_models, "list known models: installed, assembled, verified")
+    models = command("models", c("cmd_models"), "list known models: installed, assembled, verified")
     models.add_argument("--json", action="store_true", help="print JSON")
     models.add_argument(
         "--prune",
@@ -193,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--dry-run", action="store_true", help="with --prune: only list them")
     models.add_argument("files", nargs="*", metavar="GGUF", help="what these files need and whether they run")
 
-    ask = command("ask", c.cmd_ask, "ask one question and stream the reply to stdout")
+    ask = command("ask", c("cmd_ask"), "ask one question and stream the reply to stdout")
     ask.add_argument("prompt", help="the question; '-' reads it from stdin")
     ask.add_argument(
         "-f", "--file", dest="files", action="append", default=[], metavar="FILE",
@@ -207,11 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid under this schema")
     add_sampling_options(ask)
 
-    chat = command("chat", c.cmd_chat, "chat in the terminal, line by line (Ctrl+D ends)")
+    chat = command("chat", c("cmd_chat"), "chat in the terminal, line by line (Ctrl+D ends)")
     chat.add_argument("--session", metavar="ID", help="continue a stored session instead of starting one")
     add_sampling_options(chat)
 
-    tui = command("tui", c.cmd_tui, "the full-screen chat (what no command opens)")
+    tui = command("tui", c("cmd_tui"), "the full-screen chat (what no command opens)")
     tui.add_argument("--session", metavar="ID", help="open this session (default: the last one)")
 
     sessions = sub.add_parser(
@@ -220,49 +249,49 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[after],
     )
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = command("list", s.list_sessions, "newest first", actions)
+    listing = command("list", s("list_sessions"), "newest first", actions)
     listing.add_argument("--json", action="store_true")
     listing.add_argument("--limit", type=positive, metavar="N", help="the newest N (default: all)")
     listing.add_argument("--offset", type=natural, default=0, metavar="N", help="after the newest N")
-    show = command("show", s.show_session, "the messages of a session", actions)
+    show = command("show", s("show_session"), "the messages of a session", actions)
     show.add_argument("id")
     show.add_argument("--json", action="store_true")
-    fork = command("fork", s.fork_session, "a new session sharing this one's messages and KV", actions)
+    fork = command("fork", s("fork_session"), "a new session sharing this one's messages and KV", actions)
     fork.add_argument("id")
     fork.add_argument(
         "--at", type=int, metavar="N", help="fork after message N, as `show` numbers them (default: the end)"
     )
     fork.add_argument("--title")
-    rename = command("rename", s.rename_session, "give a session a new title", actions)
+    rename = command("rename", s("rename_session"), "give a session a new title", actions)
     rename.add_argument("id")
     rename.add_argument("title")
-    rm = command("rm", s.remove_session, "delete a session (messages other sessions reach stay)", actions)
+    rm = command("rm", s("remove_session"), "delete a session (messages other sessions reach stay)", actions)
     rm.add_argument("id")
-    command("search", s.search_sessions, "full-text search over messages", actions).add_argument("text")
+    command("search", s("search_sessions"), "full-text search over messages", actions).add_argument("text")
     check = command(
         "check",
-        s.check_database_file,
+        s("check_database_file"),
         "check the database file; recover what can be read if damaged",
         actions,
     )
     check.add_argument("-o", "--output", type=Path, metavar="FILE", help="recover into (default: beside it)")
     verify = command(
         "verify",
-        s.verify_session,
+        c("verify_session"),
         "recompute an imported session's KV; blocks that match are shared from then on",
         actions,
     )
     verify.add_argument("id")
     add_context_option(verify)
-    gc = command("gc", s.collect_garbage, "drop stored KV no session needs", actions)
+    gc = command("gc", s("collect_garbage"), "drop stored KV no session needs", actions)
     gc.add_argument("--budget", type=int, metavar="MB", help="then keep at most this many MB of KV")
 
-    tok = command("tokenize", c.cmd_tokenize, "print the token ids of a text as JSON")
+    tok = command("tokenize", c("cmd_tokenize"), "print the token ids of a text as JSON")
     tok.add_argument("text", help="the text; '-' reads it from stdin")
     tok.add_argument("--special", action="store_true", help="parse special tokens such as <|im_start|>")
     tok.add_argument("--bos", action="store_true", help="add the BOS token when the model uses one")
 
-    bench = command("bench", c.cmd_bench, "measure load, prefill and decode speed on the model")
+    bench = command("bench", c("cmd_bench"), "measure load, prefill and decode speed on the model")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench.add_argument(
         "--quick",
@@ -270,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="few tokens, no first start nor `ask`: a smoke test, not a measurement",
     )
 
-    export = command("export", s.cmd_export, "write a session, with its KV, to a .llamachat file")
+    export = command("export", s("cmd_export"), "write a session, with its KV, to a .llamachat file")
     export.add_argument("id", help="session id or unique prefix")
     export.add_argument(
         "-o",
@@ -293,10 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--force", action="store_true", help="overwrite the file if it exists")
 
-    imp = command("import", s.cmd_import, "add the session(s) of a .llamachat file; prints the new id")
+    imp = command("import", s("cmd_import"), "add the session(s) of a .llamachat file; prints the new id")
     imp.add_argument("file", type=Path)
 
-    serve = command("serve", c.cmd_serve, "an OpenAI-compatible HTTP server sharing one persistent KV cache")
+    serve = command(
+        "serve", c("cmd_serve"), "an OpenAI-compatible HTTP server sharing one persistent KV cache"
+    )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1; others need --api-key)")
     serve.add_argument("--port", type=int, help="default 8080; 0 takes a free port (printed)")
     serve.add_argument("--parallel", type=int, metavar="N", help="replies decoded together (default 4)")

@@ -11,7 +11,7 @@ from llama_chat.inference import KNOWN_MODELS, ModelError, constrain
 from llama_chat.inference.catalog import chunk_files, model_path, model_status, recommended_sampling
 from llama_chat.inference.errors import ContextFullError
 from llama_chat.inference.support import gguf_needs
-from llama_chat.storage import ChatStore, Session, StoreError
+from llama_chat.storage import Session, StoreError
 from llama_chat.storage.fragments import brief
 from llama_chat.storage.remote import RemoteTierError
 
@@ -24,6 +24,7 @@ from .chat.sessions import Sessions
 from .chat.settings import REPLY_SETTINGS, SAMPLING, TEMPLATE_SETTINGS, max_tokens, sampling_defaults
 from .chat.titles import NEW_CHAT, title_from_text
 from .chat_lines import PendingFiles, answer_calls, ask_yes, open_tools
+from .commands_sessions import open_sessions, waiting_notice
 from .flags import engine_options
 from .progress import ProgressBar
 from .signals import ReplySignals
@@ -123,27 +124,12 @@ def reply_settings(args, session: Session | None = None) -> dict:
     return {**(session.sampling if session else {}), **flag_settings(args, REPLY_SETTINGS)}
 
 
-def open_sessions(args) -> Sessions:
-    """The conversations of --db, saying so while another process holds them."""
-    sessions = Sessions(args.db)
-    sessions.on_wait = waiting_notice(sessions)
-    return sessions
-
-
-def waiting_notice(store: ChatStore | Sessions, signals: ReplySignals | None = None):
-    """on_wait for the conversations: say once that another process holds the write lock; with `signals`
-    (while a reply is stored), a signal during the wait gives up waiting."""
-    seen = None
-
-    def on_wait(waited: float) -> None:
-        nonlocal seen
-        if seen is None:
-            seen = signals.count if signals else 0
-            say(f"waiting for {store.db_path}: another process is writing to it (Ctrl+C gives up)")
-        elif signals is not None and signals.count > seen:
-            raise StoreError("stopped while waiting for it")  # on the scheduler's thread: the job fails
-
-    return on_wait
+def verify_session(args) -> int:
+    """`sessions verify`: the one sessions command that needs the model."""
+    sessions = open_sessions(args)
+    session = sessions.get(args.id)  # an unknown session fails before the model loads
+    print(f"session {session.id}: {open_engine(args, sessions).verify(session).describe()}")
+    return 0
 
 
 def open_engine(args, sessions: Sessions | None = None) -> ChatEngine:

@@ -1,19 +1,47 @@
-"""The sub-commands on stored conversations: `sessions …` (list, show, fork, rename, rm, search, verify,
-gc, check), and export and import of .llamachat files."""
+"""The sub-commands on stored conversations: `sessions …` (list, show, fork, rename, rm, search, gc,
+check; verify, which needs the model, is in commands.py), and export and import of .llamachat files."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import asdict
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from llama_chat.storage import StoreError
+from llama_chat.storage import ChatStore, StoreError
 
 from .chat.sessions import Sessions, export_file_name, read_session_file
-from .commands import open_engine, open_sessions
-from .config import export_dir
-from .progress import ProgressBar
-from .terminal import escaped, on_stdout, print_json
+from .terminal import escaped, on_stdout, print_json, say
+
+if TYPE_CHECKING:
+    from .signals import ReplySignals
+
+# What a reply needs (the model, its kernels), the app's settings (Textual) and progress bars (Rich)
+# load with the commands that use them: listing, reading and searching chats take a fraction of a
+# second, on an archive of any size.
+
+
+def open_sessions(args) -> Sessions:
+    """The conversations of --db, saying so while another process holds them."""
+    sessions = Sessions(args.db)
+    sessions.on_wait = waiting_notice(sessions)
+    return sessions
+
+
+def waiting_notice(store: ChatStore | Sessions, signals: ReplySignals | None = None):
+    """on_wait for the conversations: say once that another process holds the write lock; with `signals`
+    (while a reply is stored), a signal during the wait gives up waiting."""
+    seen = None
+
+    def on_wait(waited: float) -> None:
+        nonlocal seen
+        if seen is None:
+            seen = signals.count if signals else 0
+            say(f"waiting for {store.db_path}: another process is writing to it (Ctrl+C gives up)")
+        elif signals is not None and signals.count > seen:
+            raise StoreError("stopped while waiting for it")  # on the scheduler's thread: the job fails
+
+    return on_wait
 
 
 def when(ts: float) -> str:
@@ -98,13 +126,6 @@ def snippet(text: str, query: str, width: int = 100) -> str:
     return ("…" if start else "") + cut + ("…" if start + width < len(line) else "")
 
 
-def verify_session(args) -> int:
-    sessions = open_sessions(args)
-    session = sessions.get(args.id)  # an unknown session fails before the model loads
-    print(f"session {session.id}: {open_engine(args, sessions).verify(session).describe()}")
-    return 0
-
-
 def collect_garbage(args) -> int:
     budget = None if args.budget is None else args.budget * 2**20
     result = open_sessions(args).collect_garbage(budget)
@@ -135,6 +156,9 @@ def check_database_file(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from .config import export_dir
+    from .progress import ProgressBar
+
     sessions = Sessions(args.db)
     session = sessions.get(args.id)
     # a transcript is text for people: to the terminal (or a pipe) unless -o names a file
@@ -172,6 +196,8 @@ def model_here(args) -> tuple[str | None, str | None]:
     from llama_chat.inference import ModelError, resolve_model
     from llama_chat.inference.weights import model_info
 
+    from .progress import ProgressBar
+
     try:
         with ProgressBar() as bar:  # draws only when the model must first be assembled or read
             return model_info(resolve_model(args.model, bar), bar).fingerprint, None
@@ -180,6 +206,8 @@ def model_here(args) -> tuple[str | None, str | None]:
 
 
 def cmd_import(args) -> int:
+    from .progress import ProgressBar
+
     with ProgressBar() as bar:
         exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
     fingerprint, why = model_here(args) if exported.has_kv else (None, None)

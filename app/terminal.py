@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from llama_chat.inference import GenerationStats
 from llama_chat.storage import StoreError
 
-from .chat.jobs import JobView, stream_text
-from .progress import ProgressBar
-from .signals import ReplySignals
+if TYPE_CHECKING:  # (what a reply needs loads with the reply: `sessions list` prints text only)
+    from llama_chat.inference import GenerationStats
+
+    from .chat.jobs import JobView
+    from .signals import ReplySignals
 
 
 class UsageError(Exception):
@@ -91,6 +93,8 @@ def prefill_bar():
     """on_prefill for a terminal: a bar on stderr while a long prompt is read, erased before the reply."""
     if not sys.stderr.isatty():
         return None
+    from .progress import ProgressBar
+
     bar = ProgressBar()
 
     def report(done: int, total: int) -> None:
@@ -107,6 +111,8 @@ def stream_reply(job: JobView, signals: ReplySignals, show_thinking: bool = Fals
     stderr. The job should stop at `signals.cancel`. However the writing ends (the reply's end, a
     cancel, a closed terminal, a second signal), the job is cancelled and waited for, so it keeps what
     it made; what it made beyond what was written is written then, so a stored reply is the one shown."""
+    from .chat.jobs import stream_text
+
     shown, thinking = 0, [False]  # thinking: its line on stderr is open
 
     def think(text: str) -> None:

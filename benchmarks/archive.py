@@ -1,7 +1,10 @@
 """What an archive of many conversations costs (not CI): a database filled with N conversations of six
 messages each, then the time of a search, of the newest page of sessions, of one session's messages
-(what a resume reads), and of `llama-chat sessions list --limit 50`: its own work (in this process)
-and as a person runs it (a new process, which imports the command line first).
+(what a resume reads), of opening the file (as llama-chat left it, and changed by another program: every
+page checked for damage), of `llama-chat sessions list --limit 50`: its own work (in this process)
+and as a person runs it (a new process, which imports the command line first), and of the app's start
+to its window ready: the newest chats in the sidebar and the last one's messages on screen (its model,
+a file that is not there, fails to load at once: `llama-chat bench` times a model's load).
 
     .venv/bin/python benchmarks/archive.py [--conversations 10000,100000] [--keep DIR] [--json]
 
@@ -35,6 +38,26 @@ SEED = 43
 # Words by their rank in the vocabulary: how many conversations a search for them finds grows with N.
 QUERIES = {"rare word": [15_000], "common word": [40], "two words": [300, 800]}
 PAGE = 50
+APP_CHILD = """
+import asyncio, sys, time
+started = time.perf_counter()
+from pathlib import Path
+from llama_chat.app.config import UserConfig
+from llama_chat.app.tui import ChatApp
+from llama_chat.app.tui.sidebar import SessionTree
+
+async def main():
+    folder = Path(sys.argv[2])
+    config = UserConfig(path=folder / "config.toml")
+    app = ChatApp(Path(sys.argv[1]), model=str(folder / "no-model.gguf"), config=config)
+    async with app.run_test(size=(110, 34)):
+        tree = app.chat.query_one(SessionTree)
+        while not (tree.root.children and app.chat.conversation.views()):
+            await asyncio.sleep(0.002)
+        print(time.perf_counter() - started)
+
+asyncio.run(main())
+"""
 
 
 def vocabulary() -> list[str]:
@@ -73,6 +96,14 @@ def fill(store: ChatStore, start: int, end: int, words: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def conversations_in(db: Path) -> int:
+    store = ChatStore(db)
+    try:
+        return store.connection.rows("SELECT count(*) AS n FROM sessions")[0]["n"]
+    finally:
+        store.close()
+
+
 def best_of(repeat: int, run) -> float:
     """The fastest of `repeat` runs, in ms (the machine is shared: the slower ones waited for others)."""
     times = []
@@ -95,6 +126,20 @@ def command_ms(db: Path, args: list[str], repeat: int = 3) -> dict:
     return {"best_ms": round(min(times) * 1000), "median_ms": round(statistics.median(times) * 1000)}
 
 
+def app_ready_ms(db: Path, repeat: int = 3) -> dict:
+    """The app in a process of its own (Textual's test driver, no terminal): ms from its first import
+    to its window ready (best and median of `repeat`)."""
+    times = []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as folder:
+            env = {**os.environ, "XDG_CONFIG_HOME": folder, "XDG_STATE_HOME": folder}
+            args = [sys.executable, "-c", APP_CHILD, str(db), folder]
+            run = subprocess.run(args, check=True, capture_output=True, text=True, env=env, timeout=600)
+            out = run.stdout
+            times.append(float(out.split()[-1]))
+    return {"best_ms": round(min(times) * 1000), "median_ms": round(statistics.median(times) * 1000)}
+
+
 def measure(db: Path, n: int, words: list[str]) -> dict:
     store = ChatStore(db)
     out = {}
@@ -103,6 +148,9 @@ def measure(db: Path, n: int, words: list[str]) -> dict:
         found = store.search(query)
         out[f"search {name}"] = {"ms": best_of(5, lambda q=query: store.search(q)), "results": len(found)}
     out[f"newest {PAGE} sessions"] = {"ms": best_of(5, lambda: store.list_sessions(limit=PAGE))}
+    # the sidebar's search of titles; no title holds the word: every one is read
+    titled = best_of(5, lambda: store.list_sessions(limit=100, titled=words[15_000]))
+    out["titles holding a word (none does)"] = {"ms": titled}
     out["every session"] = {"ms": best_of(2, store.list_sessions)}
     (middle,) = store.list_sessions(limit=1, offset=n // 2)
     out["one session's messages"] = {
@@ -110,27 +158,41 @@ def measure(db: Path, n: int, words: list[str]) -> dict:
     }
     store.close()
     listing = ["--db", str(db), "sessions", "list", "--limit", str(PAGE)]
-    out["opening the database"] = {"ms": best_of(3, lambda: ChatStore(db).close())}  # its quick_check
+    ChatStore(db).close()  # (checked: the file is new to it)
+    out["opening the database"] = {"ms": best_of(3, lambda: ChatStore(db).close())}
+
+    def changed_then_opened():
+        os.utime(db)  # as another program's write would leave it
+        ChatStore(db).close()
+
+    out["opening it, changed by another program"] = {"ms": best_of(3, changed_then_opened)}
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         out[f"sessions list --limit {PAGE}, its work"] = {"ms": best_of(3, lambda: cli.main(listing))}
     gc.collect()  # the stores main() opened: closed, so that the next fill's -wal is this process's only
     out[f"sessions list --limit {PAGE}, a process"] = command_ms(db, listing[2:])
     out["llama-chat --version, a process"] = command_ms(db, ["--version"])
+    out["the app's window ready, a process"] = app_ready_ms(db)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", default="10000,100000", help="sizes to measure, ascending")
-    parser.add_argument("--keep", type=Path, metavar="DIR", help="keep the database there (else a temp dir)")
+    parser.add_argument(
+        "--keep", type=Path, metavar="DIR",
+        help="keep the database there (else a temp dir); one kept there before is filled on, not again",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
     args = parser.parse_args()
     sizes = sorted(int(n) for n in args.conversations.split(","))
     folder = args.keep or Path(tempfile.mkdtemp(prefix="llama-chat-archive-"))
     db = folder / "archive.db"
-    db.unlink(missing_ok=True)
-    words, filled, results = vocabulary(), 0, {}
+    words, results = vocabulary(), {}
+    filled = conversations_in(db) if db.exists() else 0
     for n in sizes:
+        if n < filled:
+            print(f"{n:,} conversations: left out (the database kept in {folder} holds {filled:,})")
+            continue
         store = ChatStore(db)
         seconds = fill(store, filled, n, words)
         store.close()

@@ -43,7 +43,7 @@ from isa import ISAS, cpu_name, our_env
 
 from llama_chat.app.bench.samples import sample_tokens
 from llama_chat.inference import resolve_model
-from llama_chat.inference.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS
+from llama_chat.inference.activation_modes import ACTIVATIONS, DEFAULT_ACTIVATIONS
 from llama_chat.inference.tokenizer import load_tokenizer
 
 PREFILL_SHORT, PREFILL_LONG, TURN_CACHED, TURN = 32, 512, 1024, 64

@@ -42,7 +42,7 @@ class CompileTimes(event.Listener):
 
 
 def main() -> int:
-    from llama_chat.inference.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS
+    from llama_chat.inference.activation_modes import ACTIVATIONS, DEFAULT_ACTIVATIONS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(

@@ -1,41 +1,56 @@
 """The inference core: GGUF models in NumPy, tokenizers, chat templates, sampling and generation.
 
-Knows nothing of SQLite or Textual, so it can be used as a library on its own.
+Knows nothing of SQLite or Textual, so it can be used as a library on its own. Its names are imported
+from their modules when first used: a program that needs one of them (a constant, an error type)
+does not load NumPy, numba, Jinja2 and the kernels with it (the command line's `sessions list`).
 """
 
-from .catalog import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
-from .chat_template import ChatTemplate
-from .config import ModelConfig
-from .errors import ModelError
-from .generate import Alternative, GenerationStats, generate, generate_alternatives
-from .kv_cache import BlockPool, BlockSource, KVSequence
-from .model import DEFAULT_PREFILL_BATCH, Model, load_model
-from .prompt import chat_prompt_ids, fit_messages, shift_to
-from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer, load_tokenizer
+import importlib
+import types
 
-__all__ = [
-    "fit_messages",
-    "shift_to",
-    "Alternative",
-    "generate_alternatives",
-    "DEFAULT_MODEL",
-    "KNOWN_MODELS",
-    "ChatTemplate",
-    "GenerationStats",
-    "BlockPool",
-    "BlockSource",
-    "ModelConfig",
-    "DEFAULT_PREFILL_BATCH",
-    "KVSequence",
-    "Model",
-    "ModelError",
-    "Sampler",
-    "SamplingParams",
-    "Tokenizer",
-    "chat_prompt_ids",
-    "generate",
-    "load_model",
-    "load_tokenizer",
-    "resolve_model",
-]
+_HOMES = {  # each name the package offers, and its module
+    "fit_messages": "prompt",
+    "shift_to": "prompt",
+    "chat_prompt_ids": "prompt",
+    "Alternative": "generate",
+    "GenerationStats": "generate",
+    "generate": "generate",
+    "generate_alternatives": "generate",
+    "DEFAULT_MODEL": "catalog",
+    "KNOWN_MODELS": "catalog",
+    "resolve_model": "catalog",
+    "ChatTemplate": "chat_template",
+    "BlockPool": "kv_cache",
+    "BlockSource": "kv_cache",
+    "KVSequence": "kv_cache",
+    "ModelConfig": "config",
+    "DEFAULT_PREFILL_BATCH": "model",
+    "Model": "model",
+    "load_model": "model",
+    "ModelError": "errors",
+    "Sampler": "sampling",
+    "SamplingParams": "sampling",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """The package: `generate` stays the function when its module, of the same name, is imported (the
+    import system would set the module in its place)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if not (name in _HOMES and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+__import__("sys").modules[__name__].__class__ = _Package

@@ -16,8 +16,6 @@ import numpy as np
 from .cpu import PROFILE
 from .jit import njit, prange
 
-ACTIVATIONS = ("f32", "q8", "mixed")
-DEFAULT_ACTIVATIONS = "mixed"
 F32 = np.float32
 # The matrices whose inputs come straight from an RMS norm, where no channel stands far above the rest:
 # bytes with a scale per 32 columns keep them well. The others' inputs (attention's mix of values, the

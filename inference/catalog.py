@@ -10,7 +10,6 @@ re-hashing half a gigabyte.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelError
-from .gguf_file import check_gguf_path
 
 # progress(label, done, total): called as long work advances (bytes or items).
 Progress = Callable[[str, int, int], None]
@@ -151,6 +149,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: Progr
         return ensure_model(KNOWN_MODELS[name], progress)
     path = Path(name).expanduser()
     if path.exists() or name.endswith(".gguf") or os.sep in name:
+        from .gguf_file import check_gguf_path  # (gguf and NumPy: only where a file is given)
+
         return check_gguf_path(path)
     known = ", ".join(KNOWN_MODELS)
     raise ModelError(f"unknown model '{name}' (known: {known}; or give the path of a .gguf file)")
@@ -158,6 +158,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: Progr
 
 def chunk_files(model: KnownModel) -> list[Path]:
     """The installed chunk files, in order; a clear error with the pip command when any is missing."""
+    import importlib.metadata  # (a tenth of a second to import: only where a model is assembled)
+
     files = []
     for dist_name, rel in model.chunks:
         try:

@@ -23,7 +23,8 @@ import numba
 import numpy as np
 
 from . import threads
-from .activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, compile_quantize, quantize_rows
+from .activation_modes import ACTIVATIONS, DEFAULT_ACTIVATIONS
+from .activations import compile_quantize, quantize_rows
 from .attention import _exp_nonpositive, _one_token_attention, one_token_attention
 from .cpu import PROFILE
 from .products import COMPILED as _PRODUCTS

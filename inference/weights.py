@@ -23,7 +23,8 @@ import gguf
 import numpy as np
 
 from . import kernels, packed_file, quants, warmup
-from .activations import DEFAULT_ACTIVATIONS, inputs_of
+from .activation_modes import DEFAULT_ACTIVATIONS
+from .activations import inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig, read_config, with_context
 from .errors import ModelError

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from . import checked
 from .db import (
     BUSY_S,
     DISK_FULL,
@@ -33,16 +35,32 @@ class StoreConnection:
         self.lock = threading.RLock()  # one connection, used from the UI's workers one at a time
         # open_database() opens a file we may not write read-only, and marks the connection so
         self.read_only = bool(self.db.conn.execute("PRAGMA query_only").fetchone()[0])
-        # Damaged pages may read as fewer rows, without an error: look before showing or writing anything.
-        self.damage = self._quick_check()  # why the file is not fit to be used, once found
-        if self.damage:
-            self.close()
-            raise self._damaged()
+        # Damaged pages may read as fewer rows, without an error: look before showing or writing anything,
+        # unless the file is as llama-chat last left it (checked.py): reading every page is the cost of
+        # the archive's size, not of the question.
+        self.damage = None  # why the file is not fit to be used, once found
+        if not checked.trusted(self.db_path):
+            self.damage = self._quick_check()
+            if self.damage:
+                self.db.conn.close()
+                raise self._damaged()
+            if not self.read_only:
+                checked.remember(self.db_path)
+        # the file as this connection last wrote or saw it (None: never to be stamped sound, checked.py)
+        self._left = [None if self.read_only else checked.file_state(self.db_path)]
+        # one dropped without close() (the commands end so) or open at exit is stamped as one closed
+        self._dropped = weakref.finalize(self, _stamp_as_left, self.db_path, self._left)
         # Called as on_wait(seconds) while another process holds the write lock; it may raise to give up.
         self.on_wait: Callable[[float], None] | None = None
 
     def close(self) -> None:
-        self.db.conn.close()
+        """Close the file; stamped as sound (checked.py) when no one else wrote to it since this
+        connection last did or looked."""
+        ours = self._left[0] is not None and checked.file_state(self.db_path) == self._left[0]
+        self._dropped.detach()
+        self.db.conn.close()  # the last connection to close copies the -wal in: our own writes
+        if ours:
+            checked.remember(self.db_path, settle=True)
 
     @contextmanager
     def transaction(self):
@@ -65,6 +83,7 @@ class StoreConnection:
                     raise self._error(e, "nothing was changed") from None
                 raise
             self._checkpoint()
+            self._left[0] = checked.file_state(self.db_path)
 
     @contextmanager
     def reading(self):
@@ -126,6 +145,8 @@ class StoreConnection:
         """One line for a failed query; a damaged file found this way is not written to again."""
         if is_damage(e):
             self.damage = self.damage or str(e)
+            self._left[0] = None
+            checked.forget(self.db_path)
         return store_error(self.db_path, e, consequence)
 
     def data_version(self) -> int:
@@ -148,3 +169,11 @@ class StoreConnection:
                 return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
             except sqlite3.Error as e:
                 raise self._error(e, "it cannot be read") from None
+
+
+def _stamp_as_left(path: Path, left: list) -> None:
+    """Stamp the file of a connection dropped without close() (checked.py) when nothing else wrote to
+    it since the connection did and its -wal holds nothing, so that closing it copies nothing in."""
+    wal = checked.file_state(path.with_name(path.name + "-wal"))
+    if left[0] is not None and checked.file_state(path) == left[0] and (wal is None or wal[2] == 0):
+        checked.remember(path, settle=True)

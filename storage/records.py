@@ -11,6 +11,8 @@ import numpy as np
 TITLE_MARKS = ("(fork)", "(regenerated)", "(edited)", "(imported)")
 
 
+API_ORIGIN = "api"  # sessions.origin of the conversations `llama-chat serve` keeps
+
 def marked_title(title: str, mark: str) -> str:
     """`title` with `mark` (one of TITLE_MARKS) after it, in place of the mark it had."""
     return f"{unmarked_title(title)} {mark}"

@@ -133,14 +133,25 @@ class ChatStore:
         return Session.from_row(rows[0])
 
     def list_sessions(
-        self, tenant: str | None = None, limit: int | None = None, offset: int = 0
+        self,
+        tenant: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+        *,
+        origin: str | None = None,
+        other_origins: bool = False,
+        titled: str = "",
     ) -> list[Session]:
         """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
-        tenant's only."""
+        tenant's only; with an `origin`, only those it made (`other_origins`: all but those); `titled`:
+        only those whose title holds each of its words (ASCII letters in any case)."""
+        words = [w.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") for w in titled.split()]
         rows = self.connection.rows(
-            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} "
-            "ORDER BY updated DESC, created DESC LIMIT ? OFFSET ?",
-            (tenant, tenant, -1 if limit is None else limit, offset),
+            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} AND (? IS NULL OR (origin IS ?) != ?) "
+            + "".join("AND title LIKE ? ESCAPE '\\' " for _ in words)
+            + "ORDER BY updated DESC, created DESC LIMIT ? OFFSET ?",
+            (tenant, tenant, origin, origin, other_origins, *(f"%{w}%" for w in words),
+             -1 if limit is None else limit, offset),  # fmt: skip
         )
         return [Session.from_row(r) for r in rows]
 

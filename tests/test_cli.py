@@ -338,3 +338,21 @@ def test_a_one_token_reply_reports_no_made_up_speed(qwen2, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "1 generated;" in err and "0.0 tok/s" not in err
     assert not (tmp_path / "c.db").exists()  # a question without a session stores nothing
+
+
+def test_reading_chats_loads_neither_the_model_code_nor_the_app(tmp_path):
+    """`sessions list`, `show` and `search` cost what they read: numba's kernels, Textual, Rich and the
+    server's libraries (seconds of imports) load only with the commands that use them."""
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session("kept")
+    store.add_message(session.id, "user", "hello there")
+    store.close()
+    heavy = ("numba", "textual", "rich", "redis", "jinja2", "gguf", "llguidance", "mcp", "starlette")
+    script = (
+        "import sys; from llama_chat.app.cli import main; main(sys.argv[1:]); "
+        f"print([m for m in {heavy} if m in sys.modules])"
+    )
+    for command in (["list"], ["show", session.id], ["search", "hello"]):
+        args = [sys.executable, "-c", script, "--db", str(tmp_path / "chat.db"), "sessions", *command]
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        assert session.id in out and out.splitlines()[-1] == "[]", command

@@ -27,6 +27,7 @@ from llama_chat.app.chat.jobs import stream_text
 from llama_chat.app.cli import main
 from llama_chat.inference import SamplingParams, load_model
 from llama_chat.storage import ChatStore, open_database
+from llama_chat.storage.connection import StoreConnection
 
 GREEDY = SamplingParams(temperature=0)
 PATIENCE_S = 300  # how long a test waits for a child to get somewhere: generous, the machine is shared
@@ -459,6 +460,52 @@ def test_damaged_pages_give_one_line_and_are_never_written_to(qwen2, tmp_path, c
     assert "damaged" in out and "recovered" in out
     recovered = ChatStore(db.with_name("chat.recovered.db"))
     assert [s.id for s in recovered.list_sessions()] == [session_id]  # the session row survived
+
+
+def test_a_file_is_read_through_for_damage_only_where_damage_may_have_come_in(tmp_path, monkeypatch):
+    """Every page of an archive read on each open was the cost of its size: the whole file is checked
+    when it is new to us (a copy), changed by another program, or left by a crash, not when llama-chat
+    left it last, closed or not (the commands end with it open)."""
+    checks = []
+    quick_check = StoreConnection._quick_check
+    monkeypatch.setattr(StoreConnection, "_quick_check", lambda self: checks.append(1) or quick_check(self))
+    db = tmp_path / "chat.db"
+    store = ChatStore(db)
+    session = store.create_session("kept")
+    store.close()
+    ChatStore(db).close()
+    assert len(checks) == 1  # when it was made, not since
+    command = (
+        "import sys; from llama_chat.storage import ChatStore; "
+        "ChatStore(sys.argv[1]).rename_session(*sys.argv[2:])"
+    )
+    subprocess.run([sys.executable, "-c", command, str(db), session.id, "renamed"], check=True)
+    ChatStore(db).close()
+    assert len(checks) == 1
+    with sqlite3.connect(db) as conn:  # another program
+        conn.execute("UPDATE sessions SET title = 'changed'")
+    conn.close()
+    ChatStore(db).close()
+    ChatStore(db).close()
+    assert len(checks) == 2
+    shutil.copyfile(db, tmp_path / "copy.db")
+    ChatStore(tmp_path / "copy.db").close()
+    assert len(checks) == 3
+    crashed = ChatStore(db)
+    crashed.rename_session(session.id, "written by a process still running, or killed")
+    ChatStore(db).close()
+    assert len(checks) == 4
+
+
+def test_damage_with_the_file_times_put_back_is_found(qwen2, tmp_path, capsys):
+    db = tmp_path / "chat.db"
+    session_id = a_database(qwen2, db)
+    before = db.stat()
+    damage_table(db, "messages")
+    os.utime(db, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert db.stat().st_size == before.st_size
+    assert main(["--db", str(db), "sessions", "show", session_id]) == 2
+    assert "damaged" in one_line_error(capsys.readouterr().err)
 
 
 def test_text_that_is_not_utf8_gives_one_line(qwen2, tmp_path, capsys):

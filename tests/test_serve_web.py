@@ -573,6 +573,14 @@ def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_l
     assert "/srv/secret/chat.db" in capsys.readouterr().err
 
 
+def test_the_log_shows_what_a_client_sent_without_its_control_characters(served, capsys):
+    capsys.readouterr()
+    status, _, _ = served.raw("GET", "/v1/%1b]0;owned%07%1b[2Jx%0aGET%20/forged")  # a title, a clear, a line
+    assert status == 404
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "owned" in line]
+    assert line.startswith("llama-chat serve: GET /v1/\\x1b]0;owned\\x07\\x1b[2Jx\\x0aGET /forged 404")
+
+
 def test_what_is_cheap_to_refuse_is_refused_before_the_prompt_is_tokenized(served, monkeypatch):
     from llama_chat.app.chat import conversations
 

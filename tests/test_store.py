@@ -164,6 +164,18 @@ def test_sessions_come_in_pages_newest_first(store, capsys):
     assert exit.value.code == 2 and "--limit: must be 1 or more" in capsys.readouterr().err
 
 
+def test_sessions_listed_by_who_made_them_and_by_words_of_their_title(store):
+    mine = conversation(store, turns=1, title="Notes on 100% of the_plan")
+    api = store.create_session("API chat about the plan", origin="api")
+    other = conversation(store, turns=1, title="groceries")
+    assert [s.id for s in store.list_sessions(origin="api")] == [api.id]
+    assert [s.id for s in store.list_sessions(origin="api", other_origins=True)] == [other.id, mine.id]
+    assert [s.id for s in store.list_sessions(titled="PLAN")] == [api.id, mine.id]
+    assert [s.id for s in store.list_sessions(titled="plan notes")] == [mine.id]
+    assert [s.id for s in store.list_sessions(titled="100%")] == [mine.id]  # % and _ are letters here
+    assert store.list_sessions(titled="s_o") == store.list_sessions(titled="0%o") == []  # not wildcards
+
+
 def test_snapshot_bookkeeping_and_gc(store):
     s = conversation(store)
     blocks = [StoredBlock(bytes([i]) * 16, 64, "q8", b"x" * 1000, "c") for i in range(3)]

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from textual.widgets import Input, ProgressBar, TextArea
 
 from llama_chat.app.chat.titles import title_from_text
 from llama_chat.app.config import State
+from llama_chat.app.tui import sidebar
 from llama_chat.app.tui.dialogs import AlternativesScreen, ConfirmScreen, SettingsScreen, TextScreen
 from llama_chat.app.tui.sidebar import BRANCH_WORDS, SessionTree
 from llama_chat.app.tui.widgets import ChatInput, MessageView, fitting
 from llama_chat.storage import ChatStore, Message, Session
 from tui_pilot import (
     aio,
+    chat_app,
     idle,
     notices,
     ready,
+    released,
     roles_and_text,
     say,
     stored_path,
@@ -425,6 +430,48 @@ async def test_selecting_a_chat_in_the_sidebar_opens_it(open_chat):
 
 
 @aio
+async def test_the_sidebar_reads_the_newest_chats_and_more_as_it_nears_its_end(
+    open_chat, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sidebar, "PAGE", 40)  # (a page is more than the list shows at once)
+    store = ChatStore(tmp_path / "chat.db")
+    for i in range(100):
+        store.create_session(f"chat {i}")
+    store.close()
+    async with open_chat(size=(110, 20)) as pilot:
+        app = pilot.app
+        assert tree_labels(app)[:2] == [(0, "● chat 99"), (0, "chat 98")] and len(tree_labels(app)) == 40
+        app.chat.query_one(SessionTree).focus()
+        for shown in (80, 100):
+            await pilot.press("end")
+            await until(pilot, lambda n=shown: len(tree_labels(app)) == n, what=f"{shown} chats")
+        await idle(pilot)
+        newest_first = ["● chat 99", *(f"chat {i}" for i in range(98, -1, -1))]
+        assert [label for _, label in tree_labels(app)] == newest_first
+
+
+@aio
+async def test_titles_show_as_typed_not_as_markup(tmp_path, qwen2):
+    title = "[@click=app.quit]quit[/] [bold red]x[/]"
+    store = ChatStore(tmp_path / "chat.db")
+    session = store.create_session(title)
+    store.add_message(session.id, "user", "hi")
+    store.add_message(session.id, "assistant", "hello")
+    store.close()
+    app = chat_app(tmp_path, qwen2)
+    async with app.run_test(size=(110, 34), notifications=True) as pilot:  # (Pilot shows none by default)
+        await ready(pilot)
+        assert tree_labels(app) == [(0, f"● {title}")] and app.title == f"llama-chat · {title}"
+        await pilot.press("ctrl+o")  # a fork, whose notice names the chat
+        await until(pilot, lambda: list(app.screen.query("Toast")), what="the notice")
+        await idle(pilot)
+        shown = [toast.render().plain for toast in app.screen.query("Toast")]
+        assert shown == [f"Forked into “{title} (fork)”"]
+        assert tree_labels(app) == [(0, title), (1, "● (fork) · after msg 2")]
+    released(app)
+
+
+@aio
 async def test_rename(open_chat):
     async with open_chat() as pilot:
         app = pilot.app
@@ -649,3 +696,12 @@ async def test_keys_typed_while_a_reply_streams_reach_the_input(open_chat, slow_
         await idle(pilot)
         assert typed == app.chat.query_one(ChatInput).text == "abcdefghijkl"
         assert len(views(app)[1].content) > streamed  # the reply went on while we typed
+
+
+def test_the_window_needs_none_of_the_model_code_to_open():
+    """The chats are drawn before the model loads: the app's modules load none of numba's kernels, the
+    Redis client or llguidance (seconds of imports); the model's worker loads them."""
+    heavy = ("numba", "redis", "llguidance")
+    script = f"import sys, llama_chat.app.tui; print([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from llama_chat.inference import load_model
-from llama_chat.inference.activations import DEFAULT_ACTIVATIONS
+from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
 
 from ..chat.settings import CODEC
 from ..progress import ProgressBar

@@ -8,22 +8,23 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llama_chat.inference import Model, load_model
-from llama_chat.inference.activations import DEFAULT_ACTIVATIONS
+from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-from llama_chat.inference.products import compile_later_rows, compile_one_row_later
-from llama_chat.inference.warmup import compile_attention, compile_long_prompts
 from llama_chat.storage.codec import PLANNED_CODECS
-from llama_chat.storage.codec import compile_kernels as compile_codec
-from llama_chat.storage.kv_plan import model_plan
 
-from .compile_progress import CompileProgress
-from .engine import ChatEngine
-from .scheduler import DEFAULT_PARALLEL, DEFAULT_QUEUE, Scheduler
 from .sessions import Sessions
-from .settings import CACHE_RAM_MB, CODEC, N_CTX
+from .settings import CACHE_RAM_MB, CODEC, DEFAULT_PARALLEL, DEFAULT_QUEUE, N_CTX
+
+if TYPE_CHECKING:
+    from llama_chat.inference import Model
+
+    from .engine import ChatEngine
+
+# The model's code (numba's kernels, the tokenizers, the engine) loads where a model is built: the app
+# draws its window and chats first, and a command that needs no model never loads it.
 
 Progress = Callable[[str, int, int], None]
 IN_MEMORY = ":memory:"  # the database of an engine that keeps nothing (a one-off question)
@@ -55,6 +56,12 @@ def load_chat_model(
     """load_model (name, progress and its options: what numba compiles for it is shown as it compiles),
     then what no first reply waits on compiled on a thread of its own (compile_later). Under a planned
     `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
+    from llama_chat.inference import load_model
+    from llama_chat.inference.products import compile_one_row_later
+    from llama_chat.storage.kv_plan import model_plan
+
+    from .compile_progress import CompileProgress
+
     compile_one_row_later()
     if progress is None:
         model = load_model(name, **options)
@@ -77,6 +84,10 @@ def compile_later(model: Model) -> threading.Thread:
     for numba's compiler lock (or for the crossover's measurement) and runs what it made ready, so a
     reply is the same whichever came first. Not a daemon: a process that ends sooner (a short `ask`)
     waits for it, so what it compiles is cached whole for the next start."""
+
+    from llama_chat.inference.products import compile_later_rows
+    from llama_chat.inference.warmup import compile_attention, compile_long_prompts
+    from llama_chat.storage.codec import compile_kernels as compile_codec
 
     def compile_all() -> None:
         try:
@@ -123,6 +134,9 @@ def open_engine(
     opened; the conversations hear of it (their forks and deletes go through it). Whoever built it
     closes it (ChatEngine.close), and the conversations it brought in the options; those opened here
     (none brought: a database in memory, say) live as long as the engine."""
+    from .engine import ChatEngine
+    from .scheduler import Scheduler
+
     sessions = options.sessions or Sessions(options.db)
     try:
         model = model or open_model(options, progress)

@@ -21,14 +21,13 @@ from typing import Any
 from llama_chat.inference import KVSequence, Model, chat_prompt_ids
 from llama_chat.inference.tool_calls import ToolFormat
 from llama_chat.storage import ChatStore, Message, Session, StoreError
+from llama_chat.storage.records import API_ORIGIN
 
 from .jobs import Job
 from .replies import Plan, ReplyNotStored, fitting, make_session, reply_message, store_reply
 from .session_cache import SessionCache, kv_salt
 from .settings import template_variables
 from .titles import TITLE_CHARS, session_title
-
-API_ORIGIN = "api"  # sessions.origin of the conversations the server keeps
 
 
 @dataclass(frozen=True)

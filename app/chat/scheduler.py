@@ -24,9 +24,7 @@ from llama_chat.inference.generate import ReplyStream, draft_rooms, run_streams,
 from llama_chat.inference.kernels import KERNEL_ROWS, kernels_take
 
 from .jobs import Job, QueueFull, State
-
-DEFAULT_PARALLEL = 4  # replies decoded together; more wait in the queue
-DEFAULT_QUEUE = 64  # jobs waiting beyond those; more are refused (QueueFull)
+from .settings import DEFAULT_PARALLEL, DEFAULT_QUEUE
 
 
 @dataclass

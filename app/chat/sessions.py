@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llama_chat.storage.exchange import (
     HEADER_SIZE,
@@ -30,9 +31,10 @@ from llama_chat.storage.exchange import (
 from llama_chat.storage.store import ChatStore, Message, Session
 from llama_chat.storage.transcript import export_markdown, markdown_transcript
 
-from .engine import ChatEngine
-from .replies import fork_before
 from .titles import session_title
+
+if TYPE_CHECKING:  # (the engine loads with a model: listing and reading chats need neither)
+    from .engine import ChatEngine
 
 # what a front end checks of a file before it is read (the server, of an upload as it arrives)
 __all__ = [
@@ -100,10 +102,12 @@ class Sessions:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def list(self, tenant: str | None = None, limit: int | None = None, offset: int = 0) -> list[Session]:
+    def list(
+        self, tenant: str | None = None, limit: int | None = None, offset: int = 0, **which
+    ) -> list[Session]:
         """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
-        tenant's only."""
-        return self._store.list_sessions(tenant, limit, offset)
+        tenant's only; `which`: by whom they were made, by words of their title (ChatStore.list_sessions)."""
+        return self._store.list_sessions(tenant, limit, offset, **which)
 
     def get(self, id_or_prefix: str, tenant: str | None = None) -> Session:
         """A session by its id or a unique prefix of it (StoreError names one that is unknown)."""
@@ -159,6 +163,8 @@ class Sessions:
         if self.engine is not None:
             return self.engine.fork(session, at_message, title, before=before)
         if before is not None:
+            from .replies import fork_before
+
             return fork_before(self._store, session, self._store.message(before), title)
         return self._store.fork_session(session.id, at_message, title)
 

@@ -24,6 +24,8 @@ MAX_FACTOR = 100
 MAX_TOKENS = 512  # the longest reply, in tokens
 N_CTX = 4096  # the context window, in tokens (a model trained on fewer gets its own)
 CACHE_RAM_MB = DEFAULT_CACHE_RAM_MB  # RAM for the KV block pool: the pool's own default
+DEFAULT_PARALLEL = 4  # replies decoded together; more wait in the queue (scheduler.py)
+DEFAULT_QUEUE = 64  # jobs waiting beyond those; more are refused (QueueFull)
 CODEC = "q8"  # KV snapshots: the smallest codec whose resumed replies match live ones (docs/kv-cache.md)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Protocol
@@ -40,7 +39,7 @@ from .errors import (
 )
 from .openai_api import CompletionRequest, parse_completion
 from .openai_replies import Kept, Reply, finish_reason, token_logprobs
-from .state import ServerState
+from .state import ServerState, say
 from .transport import JobEvents, ended_or_gone, read_json, tenant_of
 
 RETRY_AFTER_S = 1
@@ -233,7 +232,7 @@ def _submit_turn(state: ServerState, session: Session, req: CompletionRequest, e
 
     def on_event(event: Event) -> None:
         if event.kind == "end" and isinstance(event.job.error, ReplyNotStored):  # the client still gets it
-            print(f"llama-chat serve: session {session.id}: {event.job.error}", file=sys.stderr)
+            say(f"session {session.id}: {event.job.error}")
         events(event)
 
     try:

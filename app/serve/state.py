@@ -26,6 +26,7 @@ from ..chat.engine import ChatEngine
 from ..chat.sessions import Sessions
 from ..chat.settings import CACHE_RAM_MB, CODEC, N_CTX
 from ..progress import ProgressBar
+from ..terminal import escaped
 from .errors import model_not_found, unavailable
 
 DEFAULT_HOST = "127.0.0.1"
@@ -100,7 +101,9 @@ class ServeOptions:
 
 
 def say(line: str) -> None:
-    print(f"llama-chat serve: {line}", file=sys.stderr, flush=True)
+    """A line of the server's log on stderr; what clients sent in it (a path, a session's title) cannot
+    move the operator's cursor or retitle their terminal: control characters as `\\xNN`."""
+    print(f"llama-chat serve: {escaped(line)}", file=sys.stderr, flush=True)
 
 
 class Notice:

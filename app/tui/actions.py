@@ -209,7 +209,7 @@ class ChatActions:
             self.chat.sessions.delete(session_id)  # (its KV too, when a model holds it)
             if self.chat.session is None or self.chat.session.id != session_id:
                 return None
-            left = self.chat.sessions.list()
+            left = self.chat.sessions.list(limit=1)
             return (left[0], self.chat.sessions.messages(left[0])) if left else (None, [])
 
         async def deleted(next_open: tuple[Session | None, list[Message]] | None) -> None:

@@ -76,6 +76,20 @@ class ChatApp(App, inherit_bindings=False):
                 f"{self.config.path}: unknown binding id(s) {', '.join(sorted(unknown))}", severity="warning"
             )
 
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity="information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Every notification as written, never as markup: they name chats, files and models, and errors
+        that quote them (Textual reads a message as markup by default, where a title such as
+        "[@click=app.quit]" would act). Screens' and widgets' notify() come here too."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
+
     def get_driver_class(self) -> type[Driver]:
         """Textual's driver for this terminal; on Linux and macOS one that reads the keys typed while
         the app started as they were meant (early_keys.py)."""

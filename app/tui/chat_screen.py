@@ -10,10 +10,12 @@ that hands its result back to the UI thread.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import ComposeResult, SystemCommand
@@ -24,10 +26,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, Tree
 from textual.worker import Worker, WorkerState
 
-from llama_chat.storage import Message, Session
+from llama_chat.storage import Message, Session, StoreError
 
 from ..chat.build import EngineOptions, open_engine
-from ..chat.engine import ChatEngine
 from ..chat.sessions import Sessions
 from ..config import UserConfig
 from .actions import ChatActions
@@ -39,6 +40,9 @@ from .other_windows import OtherWindows
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
 from .sidebar import WIDTH_STEP, SessionTree, Sidebar
 from .widgets import ChatInput, MessageView, Progress, StatusLine, model_label
+
+if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
+    from ..chat.engine import ChatEngine
 
 
 class ModelReady(UIMessage):
@@ -210,10 +214,13 @@ class ChatScreen(Screen):
 
     def last_session(self) -> tuple[Session | None, list[Message]]:
         """The chat to open first: the one asked for (or open last time), else the newest."""
-        sessions = self.model.sessions.list()
-        wanted = [s for s in sessions if s.id == self.wanted_session]
-        session = (wanted or sessions or [None])[0]
-        return session, self.model.sessions.messages(session) if session else []
+        chats = self.model.sessions
+        session = None
+        if self.wanted_session:
+            with contextlib.suppress(StoreError):  # deleted since, perhaps by another window
+                session = chats.get(self.wanted_session)
+        session = session or (chats.list(limit=1) or [None])[0]
+        return session, chats.messages(session) if session else []
 
     async def started(self, opened: tuple[Session | None, list[Message]]) -> None:
         """The last conversation is on screen: now load the model (and resume it on the model)."""

@@ -144,8 +144,9 @@ class SettingsScreen(Dialog):
                 f"Unset values are the model's defaults: {self.defaults_source}",
                 id="defaults",
                 classes="hint",
+                markup=False,
             )
-            yield Label("", id="error", classes="error")
+            yield Label("", id="error", classes="error", markup=False)  # it quotes what was typed
             yield Label("Ctrl+S saves, Esc cancels", classes="hint")
 
     def on_mount(self) -> None:

@@ -7,15 +7,18 @@ call was declined, and at most MAX_TOOL_ROUNDS replies in a row.
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 from llama_chat.inference.tool_calls import ToolCall
 from llama_chat.storage import Message, Session
 
-from ..chat.engine import ChatEngine
 from ..chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
 from .dialogs import ConfirmScreen
 from .replies import Reply, ReplyFlow
 from .widgets import MessageView
+
+if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
+    from ..chat.engine import ChatEngine
 
 
 class ToolCalls:

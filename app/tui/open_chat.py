@@ -10,18 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from textual.message import Message as UIMessage
 from textual.screen import Screen
 
 from llama_chat.storage import Message, Session
 
-from ..chat.engine import ChatEngine, ResumeInfo
 from ..chat.sessions import Sessions
 from .conversation import ConversationView
 from .sidebar import Sidebar
 from .widgets import StatusLine, resume_text, speed_text
+
+if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
+    from ..chat.engine import ChatEngine, ResumeInfo
 
 T = TypeVar("T")
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 from textual.timer import Timer
 
@@ -22,8 +23,6 @@ from llama_chat.inference import ModelError
 from llama_chat.storage import Message, Session, StoreError
 
 from ..chat.attachments import Attachment, with_attachments
-from ..chat.engine import ChatEngine, SavedReply
-from ..chat.jobs import Event, JobView
 from ..chat.sessions import Sessions
 from ..chat.titles import title_from_text
 from ..config import ConfigError, UserConfig
@@ -31,6 +30,10 @@ from .dialogs import AlternativesScreen
 from .open_chat import OpenChat
 from .sidebar import BRANCH_WORDS
 from .widgets import ChatInput, MessageView, speed_text
+
+if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
+    from ..chat.engine import ChatEngine, SavedReply
+    from ..chat.jobs import Event, JobView
 
 FLUSH_S = 0.05  # a streamed reply reaches the screen in batches this far apart
 

@@ -16,13 +16,13 @@ from textual.message import Message as UIMessage
 from textual.widgets import Input, Label, Tree
 
 from llama_chat.storage import Message, Session, StoreError
-from llama_chat.storage.records import unmarked_title
+from llama_chat.storage.records import API_ORIGIN, unmarked_title
 
-from ..chat.conversations import API_ORIGIN
 from ..chat.sessions import Sessions
 from ..chat.titles import session_title, title_from_text
 
 SEARCH_DELAY_S = 0.2  # wait for typing to pause before searching
+PAGE = 100  # chats read at a time, newest first: more than a screen holds; more as the list nears its end
 BRANCH_WORDS = 40  # a branch named by its first own message: that many characters of it at most
 PARENT_WORDS = 24  # a branch's parent, named after it
 MIN_WIDTH, CHAT_WIDTH = 16, 40  # the sidebar's narrowest, and the columns it always leaves the chat
@@ -105,6 +105,20 @@ def branch_label(session: Session, by_id: dict[str, Session], points: dict[str, 
     return label
 
 
+def with_parents(chats: Sessions, sessions: list[Session]) -> list[Session]:
+    """`sessions` and the sessions their branches came from, newest first: a page of the newest chats
+    holds a branch replied to today whose conversation is older (a branch goes under its conversation)."""
+    by_id = {s.id: s for s in sessions}
+    for session in sessions:
+        while session.forked_from and session.forked_from not in by_id:
+            try:
+                session = chats.get(session.forked_from)
+            except StoreError:  # deleted meanwhile
+                break
+            by_id[session.id] = session
+    return sorted(by_id.values(), key=lambda s: (s.updated, s.created), reverse=True)
+
+
 def conversations(sessions: list[Session]) -> list[tuple[Session, list[Session]]]:
     """The sessions as conversations, in the order given (newest first), each with the branches made
     from it or from its branches, in the order they were made."""
@@ -138,6 +152,9 @@ class SessionTree(Tree[ChatRef]):
             super().__init__()
             self.session_id = session_id
 
+    class NearEnd(UIMessage):
+        """The list was scrolled, or its cursor moved, to within a screen of its end."""
+
     def __init__(self, **kwargs):
         super().__init__("chats", **kwargs)
         self.show_root = False
@@ -149,16 +166,20 @@ class SessionTree(Tree[ChatRef]):
         current: str | None,
         points: dict[str, BranchPoint],
         hits: dict[str, list[SearchHit]] | None = None,
+        keep: bool = False,
     ) -> None:
         """Draw the sessions, each conversation with its branches under it; `points`: where each fork
         left the session it came from; `hits`: search results to list under their session (None: not
-        a search)."""
+        a search); `keep`: the cursor and the scroll where they were (more of the same list)."""
         by_id = {s.id: s for s in sessions}
+        # the cursor goes to the line it was on (more of the same list), else to the open chat
+        kept = self.cursor_node.data if keep and self.cursor_node is not None else None
+        cursor_at, scrolled = kept or ChatRef(current or ""), self.scroll_y
         self.clear()
-        current_node = None
+        cursor_node = None
 
         def add(parent, session: Session, branches: list[Session] = ()) -> None:
-            nonlocal current_node
+            nonlocal cursor_node
             label = branch_label(session, by_id, points)
             if session.id == current:
                 label = Text("● ", style="bold") + label
@@ -167,8 +188,8 @@ class SessionTree(Tree[ChatRef]):
             ref = ChatRef(session.id)
             node = parent.add(label, data=ref, expand=True) if branches or session_hits else None
             node = node or parent.add_leaf(label, data=ref)
-            if session.id == current:
-                current_node = node
+            if ref == cursor_at:
+                cursor_node = node
             for hit in session_hits:
                 node.add_leaf(Text(hit.snippet, style="dim"), data=ChatRef(session.id, hit.message_id))
             for branch in branches:
@@ -180,9 +201,26 @@ class SessionTree(Tree[ChatRef]):
             self.root.add_leaf(Text("nothing found", style="dim"))
         # search results from the first one, not from where the cursor was; else at the open chat
         first = self.root.children[0] if self.root.children else None
-        target = first if hits is not None else current_node
+        target = first if hits is not None else cursor_node
         if target is not None:  # once drawn: a node has no line before
             self.call_after_refresh(self.move_cursor, target)
+        if keep:
+            self.call_after_refresh(self.scroll_to, y=scrolled, animate=False)
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        self.tell_near_end()
+
+    def watch_cursor_line(self, previous_line: int, line: int) -> None:
+        super().watch_cursor_line(previous_line, line)
+        self.tell_near_end()
+
+    def tell_near_end(self) -> None:
+        height = self.size.height
+        if self.last_line >= 0 and (
+            self.max_scroll_y - self.scroll_y <= height or self.cursor_line >= self.last_line - height
+        ):
+            self.post_message(self.NearEnd())
 
     def action_delete(self) -> None:
         node = self.cursor_node
@@ -209,6 +247,8 @@ class Sidebar(Vertical):
         self.current: str | None = None  # the open chat's session, marked with "●"
         self.api_chats = False  # the chats clients of `llama-chat serve` made, instead of the user's own
         self._search_timer = None
+        self._wanted = PAGE  # the newest chats the list holds: a page more each time it nears its end
+        self._more = False  # whether there are more than it holds
         self._dragging, self._dragged_to = False, 0  # dragging its edge; to what width
         if width is not None:
             self.styles.width = width
@@ -267,7 +307,15 @@ class Sidebar(Vertical):
         if query:
             self.search_worker(query)
         else:
-            self.sessions_worker()
+            self.sessions_worker(self._wanted)
+
+    @on(SessionTree.NearEnd)
+    def more_chats(self) -> None:
+        """The next page of chats, as the list nears its end."""
+        if self._more and not self.search.value.strip():
+            self._more = False  # asked for once
+            self._wanted += PAGE
+            self.sessions_worker(self._wanted, keep=True)
 
     def leave_search(self) -> None:
         """Esc in the search field empties it (and the whole list comes back)."""
@@ -289,30 +337,31 @@ class Sidebar(Vertical):
         if self.search.has_focus:
             self.query_one(SessionTree).focus()
 
-    def listed(self) -> list[Session]:
-        """The chats the list shows (on a worker thread): the user's own, or serve's clients' (F6)."""
-        return [s for s in self.sessions.list() if (s.origin == API_ORIGIN) == self.api_chats]
+    def listed(self, limit: int, titled: str = "") -> list[Session]:
+        """The newest `limit` chats of the kind the list shows (on a worker thread): the user's own, or
+        serve's clients' (F6); `titled`: those whose title holds each of its words."""
+        api = {"origin": API_ORIGIN, "other_origins": not self.api_chats}
+        return self.sessions.list(limit=limit, titled=titled, **api)
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
-    def sessions_worker(self) -> None:
-        sessions = self.listed()
+    def sessions_worker(self, wanted: int, keep: bool = False) -> None:
+        """The newest `wanted` chats, drawn; `keep`: the cursor where it was (the list grew)."""
+        page = self.listed(wanted)
+        sessions = with_parents(self.sessions, page)
         points = branch_points(self.sessions, sessions)
-        self.app.call_from_thread(self.draw, sessions, points)
+        self.app.call_from_thread(self.draw, sessions, points, keep=keep, more=len(page) == wanted)
 
     @work(thread=True, exit_on_error=False, group="sidebar", exclusive=True)
     def search_worker(self, query: str) -> None:
         """Sessions whose title contains the words or whose messages match, with their branches; each
         matching message once, under the first session that had it."""
-        words = query.lower().split()
-        sessions = self.listed()
         try:
             found = self.sessions.search(query)
         except StoreError:
             found = []
         first: dict[int, tuple[Session, Message]] = {}  # a message forks share is one hit
-        listed = {s.id for s in sessions}
         for session, message in found:
-            if session.id not in listed:
+            if (session.origin == API_ORIGIN) != self.api_chats:
                 continue
             if message.id not in first or session.created < first[message.id][0].created:
                 first[message.id] = (session, message)
@@ -320,8 +369,10 @@ class Sidebar(Vertical):
         for session, message in first.values():
             snippet = f"{message.role}: {' '.join(message.content.split())[:60]}"
             hits.setdefault(session.id, []).append(SearchHit(message.id, snippet))
-        matching = [s for s in sessions if s.id in hits or all(w in s.title.lower() for w in words)]
-        points = branch_points(self.sessions, sessions)
+        by_id = {s.id: s for s in self.listed(PAGE, titled=query)}  # the newest chats named so
+        by_id.update({session.id: session for session, _ in first.values()})
+        matching = sorted(by_id.values(), key=lambda s: (s.updated, s.created), reverse=True)
+        points = branch_points(self.sessions, with_parents(self.sessions, matching))
         self.app.call_from_thread(self.draw, matching, points, hits)
 
     def draw(
@@ -329,5 +380,11 @@ class Sidebar(Vertical):
         sessions: list[Session],
         points: dict[str, BranchPoint],
         hits: dict[str, list[SearchHit]] | None = None,
+        keep: bool = False,
+        more: bool = False,
     ) -> None:
-        self.query_one(SessionTree).show_sessions(sessions, self.current, points, hits)
+        """Draw what a worker read; `more`: the list holds as many chats as it asked for (so there may
+        be more)."""
+        self.query_one(SessionTree).show_sessions(sessions, self.current, points, hits, keep)
+        if hits is None:
+            self.call_after_refresh(setattr, self, "_more", more)  # asked for once the list is laid out

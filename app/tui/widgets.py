@@ -66,7 +66,7 @@ class MessageView(Vertical, can_focus=True):
             if name is None:
                 yield Markdown(fenced(text), parser_factory=markdown_parser)
             else:
-                title = f"{name} · {size_text(text)}"
+                title = Text(f"{name} · {size_text(text)}")  # a file's name as it is written, not markup
                 yield Collapsible(Static(text, markup=False), title=title, classes="attachment")
 
     def _heading(self) -> str:
@@ -262,7 +262,7 @@ class StatusLine(Horizontal):
         self.fields: dict[str, str] = {}
 
     def compose(self) -> ComposeResult:
-        yield Static(id="status-text")
+        yield Static(id="status-text", markup=False)  # a model's file name, as it is written
         yield ProgressBar(id="progress", show_eta=False)
 
     def set(self, **fields: str | None) -> None:
