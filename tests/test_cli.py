@@ -106,13 +106,13 @@ def test_a_reply_while_the_load_makes_the_rest_ready_is_the_reply_once_all_is(qw
     from llama_chat.inference import (
         GenerationStats,
         SamplingParams,
+        blas_crossover,
         chat_prompt_ids,
         generate,
         kernels,
-        quants,
     )
 
-    monkeypatch.setattr(quants, "measured_blas_from", lambda: 33)  # BLAS from 33 rows, on any machine
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: 33)  # BLAS from 33 rows, on any machine
     monkeypatch.setattr(kernels, "blas_from", kernels.blas_from)  # (this machine's again after the test)
     model = load_chat_model(str(qwen2))
     ids = chat_prompt_ids(model, [{"role": "user", "content": "the sun and the water " * 12}])
