@@ -26,6 +26,7 @@ def default_db_path() -> Path:
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of every command. Before the command they have their defaults; after it (as users
     type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
+    from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
     from llama_chat.inference.kv_arena import CACHE_TYPES, DEFAULT_CACHE_TYPE
     from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 
@@ -65,9 +66,10 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         "--activations",
         choices=Later("llama_chat.inference.kernels", "ACTIVATIONS"),
         default=default(None),
-        help="what matrix products take their inputs as (default f32: exactly as computed; q8: bytes, "
-        "a scale per 32, as llama.cpp: faster prompts, logits within ~1%%, replies may differ; mixed: "
-        "bytes only for inputs that come from a norm, nearer the exact model than llama.cpp)",
+        help=f"what matrix products take their inputs as (default {DEFAULT_ACTIVATIONS}; mixed: bytes only "
+        "for inputs that come from a norm, faster prompts, logits nearer the exact model's than "
+        "llama.cpp's; f32: exactly as computed; q8: bytes, a scale per 32, as llama.cpp: faster still, "
+        "logits within ~1%%, replies may differ)",
     )
     group.add_argument(
         "--kv-codec",

@@ -2,7 +2,7 @@
 
     python benchmarks/compare_llamacpp.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--llamacpp ISA=PYTHON ...] [--decode-tokens 16] [--lookup-tokens 160] [--full]
-        [--prefill-long 512] [--turn-cached 1024] [--activations f32|q8]
+        [--prefill-long 512] [--turn-cached 1024] [--activations f32|q8|mixed]
 
 Per engine: warm load (to the first token: llama.cpp maps the file, llama-chat reads its prepared
 weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at
@@ -43,6 +43,7 @@ from isa import ISAS, cpu_name, our_env
 
 from llama_chat.app.bench.samples import sample_tokens
 from llama_chat.inference import resolve_model
+from llama_chat.inference.activation_modes import ACTIVATIONS, DEFAULT_ACTIVATIONS
 from llama_chat.inference.tokenizer import load_tokenizer
 
 PREFILL_SHORT, PREFILL_LONG, TURN_CACHED, TURN = 32, 512, 1024, 64
@@ -243,7 +244,7 @@ def make_spec(
     turn_cached: int = TURN_CACHED,
     decode_tokens: int = 16,
     lookup_tokens: int = 160,
-    activations: str = "f32",
+    activations: str = DEFAULT_ACTIVATIONS,
 ) -> dict:
     """What both children measure (JSON in their argv): the model, its sample tokens and the sizes."""
     return {
@@ -341,9 +342,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--activations",
-        choices=("f32", "q8"),
-        default="f32",
-        help="what llama-chat's products take their inputs as (q8: bytes, as llama.cpp's; its own logits)",
+        choices=ACTIVATIONS,
+        default=DEFAULT_ACTIVATIONS,
+        help="what llama-chat's products take their inputs as (default %(default)s; q8: bytes, as "
+        "llama.cpp's; f32: exactly)",
     )
 
 

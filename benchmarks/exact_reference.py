@@ -1,7 +1,7 @@
 """How far llama.cpp's logits, and ours, lie from the model computed exactly (not CI).
 
     .venv/bin/python benchmarks/exact_reference.py [--model NAME] [--cache-type f16|f32] \\
-        [--activations f32|q8]
+        [--activations f32|q8|mixed] [--write-fixture]
 
 "Exactly": the same forward pass with every matrix product in float64 on the GGUF's weights
 dequantized (as ggml dequantizes them) and a float32 KV cache, so no rounding of activations,
@@ -12,7 +12,9 @@ llama.cpp vs the exact logits, and ours vs the exact logits. Where ours is near 
 the distance to llama.cpp is llama.cpp's own rounding (8-bit activations before each product, float16 KV,
 scores and GELU), not a difference of the model. Then, for the default model, whether our greedy replies to
 the chat fixtures (chat_reference.json) are llama.cpp's, token for token (`--activations q8`: ours with inputs
-as bytes, as llama.cpp's).
+as bytes, as llama.cpp's). `--write-fixture` also writes the exact logits on llama.cpp's top 20 of every text
+to EXACT_FIXTURE, against which test_real_models.py holds the default mode (its logits no farther from them
+than llama.cpp's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from llama_chat.inference import kernels, load_model
 from llama_chat.inference.kv_arena import CACHE_TYPES, DEFAULT_CACHE_TYPE
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llamacpp"
+EXACT_FIXTURE = FIXTURES / "exact_top20.json"
 MODELS = ("qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
 
 
@@ -84,8 +87,12 @@ def main() -> int:
         "--cache-type", choices=CACHE_TYPES, default=DEFAULT_CACHE_TYPE, help="our live KV cache's type"
     )
     parser.add_argument(
-        "--activations", choices=kernels.ACTIVATIONS, default="f32", help="what our products take as inputs"
+        "--activations",
+        choices=kernels.ACTIVATIONS,
+        default=kernels.DEFAULT_ACTIVATIONS,
+        help="what our products take as inputs",
     )
+    parser.add_argument("--write-fixture", action="store_true", help=f"write {EXACT_FIXTURE.name}")
     args = parser.parse_args()
     names = [args.model] if args.model else list(MODELS)
     ours = {}
@@ -97,13 +104,19 @@ def main() -> int:
             print(f"{name}: greedy replies identical to llama.cpp's: {same}/{replies}", flush=True)
     exact_products()
     print(f"{'model':36} {'text':8} {'ours-llama.cpp':>14} {'llama.cpp-exact':>15} {'ours-exact':>10}")
+    fixture: dict = {"generated_with": "benchmarks/exact_reference.py --write-fixture", "models": {}}
     for name in names:
-        model = load_model(name, cache_type="f32")  # the exact pass keeps its KV as computed
+        # the exact pass keeps its KV as computed
+        model = load_model(name, cache_type="f32", activations="f32")
         for text, ref in cases(name):
             exact = model.logits(ref["ids"])
+            top20 = [[round(float(v), 5) for v in exact[i, ids]] for i, ids in enumerate(ref["top20_ids"])]
+            fixture["models"].setdefault(name, {})[text] = top20
             mine = ours[name][text]
             row = (worst_top20(mine, ref), worst_top20(exact, ref), worst_top20(mine, ref, exact))
             print(f"{name:36} {text:8} {row[0]:14.3f} {row[1]:15.3f} {row[2]:10.5f}", flush=True)
+    if args.write_fixture:
+        EXACT_FIXTURE.write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
     return 0
 
 

@@ -2,7 +2,7 @@
 against the peak rate of the instructions that multiply.
 
     python benchmarks/roofline.py [--model NAME|PATH] [--threads 2] [--rounds 3]
-        [--llamacpp ISA=PYTHON ...] [--prefill-long 512] [--decode-tokens 16] [--activations f32|q8]
+        [--llamacpp ISA=PYTHON ...] [--prefill-long 512] [--decode-tokens 16] [--activations f32|q8|mixed]
         [--from-compare FILE] [--limits FILE ...]
 
 A ratio to llama.cpp moves from machine to machine; the fraction of the machine's limits each engine
@@ -20,8 +20,8 @@ reaches is what carries over. Three parts:
   best of each; `--llamacpp native=PY --llamacpp avx2=PY` for both ISAs), or read from its JSON with
   --from-compare. Decode's fraction: tok/s × bytes a token / bandwidth. Prefill's (of --prefill-long
   tokens): tok/s × operations a token / the peak of what the engine multiplies with — float32
-  multiply-adds for llama-chat's default (`--activations f32`), 8-bit dot products for `q8` and for
-  llama.cpp, which always quantizes its inputs to bytes.
+  multiply-adds for `--activations f32`, 8-bit dot products for `q8`, for the default `mixed` (most
+  of whose operations take bytes) and for llama.cpp, which always quantizes its inputs to bytes.
 
 Prints a table per ISA, then one JSON object on the last line (the first ISA's fractions at the top,
 every ISA's under its name). `--limits FILE` takes the limits from an earlier run's JSON instead of

@@ -4,7 +4,9 @@
 as llama.cpp multiplies (its q8 inputs): the byte kernels (byte_vectors.py) then add up four products
 of bytes in one 32-bit lane of an instruction, within ~0.5 % of the exact products
 (docs/performance.md, "Inputs as bytes"). "mixed": bytes where a product's inputs come straight from
-a norm (NORMED_INPUTS), float32 for the others.
+a norm (NORMED_INPUTS), float32 for the others: the default, as its logits lie nearer the exact
+model's than llama.cpp's on every reference text and its greedy replies are llama.cpp's, where "q8"'s
+lie farther on three (docs/benchmarks.md, "Agreement with llama.cpp"); "f32" is the exact mode.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import numpy as np
 from .cpu import PROFILE
 from .jit import njit, prange
 
-ACTIVATIONS = ("f32", "q8", "mixed")
 F32 = np.float32
 # The matrices whose inputs come straight from an RMS norm, where no channel stands far above the rest:
 # bytes with a scale per 32 columns keep them well. The others' inputs (attention's mix of values, the
@@ -60,11 +61,12 @@ def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xq, np.stack([total, scale], axis=2)
 
 
-def compile_quantize() -> None:
-    """Both of quantize_rows' loops, compiled or loaded from the cache (a first start's, not a reply's)."""
+def compile_quantize(in_parallel: bool = False) -> None:
+    """quantize_rows' loop for a few rows (a first reply's), or `in_parallel` its loop over numba's
+    threads (a long prompt's), compiled or loaded from the cache."""
     x = np.zeros((1, 32), F32)
-    for quantize in (_quantize, _quantize_in_parallel):
-        quantize(x, np.empty((1, 32), np.int8), np.empty((1, 1, 2), F32))
+    quantize = _quantize_in_parallel if in_parallel else _quantize
+    quantize(x, np.empty((1, 32), np.int8), np.empty((1, 1, 2), F32))
 
 
 @njit(cache=True, inline="always")

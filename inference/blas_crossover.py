@@ -33,9 +33,10 @@ def crossover_key() -> str:
     return f"{PROFILE.key} {numba.config.NUMBA_NUM_THREADS} threads"
 
 
-def measured_blas_from(progress=None) -> int | None:
+def measured_blas_from() -> int | None:
     """kernels.blas_from for this machine profile and thread count: measured on its first start (under a
-    second), then read from a file beside the profile's compiled kernels."""
+    second, after the load: warmup.compile_long_prompts), then read from a file beside the profile's
+    compiled kernels."""
     machine = crossover_key()
     path = Path(numba.config.CACHE_DIR) / "blas_from.json"
     if machine not in _measured:
@@ -46,8 +47,6 @@ def measured_blas_from(progress=None) -> int | None:
         except (OSError, ValueError):
             pass
     if machine not in _measured:
-        if progress:
-            progress("timing the kernels against BLAS (first start only)", 0, 1)
         _measured[machine] = measure_blas_from()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,15 @@ measured it faster (blas_crossover.measured_blas_from, use_blas_from); inputs as
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import numba
 import numpy as np
 
 from . import threads
-from .activations import ACTIVATIONS, compile_quantize, quantize_rows
+from .activation_modes import ACTIVATIONS, DEFAULT_ACTIVATIONS
+from .activations import compile_quantize, quantize_rows
 from .attention import _exp_nonpositive, _one_token_attention, one_token_attention, tokens_attention
 from .cpu import PROFILE
 from .products import COMPILED as _PRODUCTS
@@ -28,9 +32,26 @@ from .products import LANES, PASS_LANES, ROWS, kernel_product, rows, takes_bytes
 from .threads import blas_on_one_thread, in_parallel
 
 KERNEL_ROWS = 32  # up to this many rows the kernels always run: a row's bits never depend on its batch
+
+
+class MeasuredLater:
+    """blas_from until it is measured: `measure` runs once, on the thread that first asks (a load's
+    compile-later thread, or a long prompt's step that comes sooner); a second caller waits for its
+    answer, so a product's way never depends on which came first."""
+
+    def __init__(self, measure: Callable[[], int | None]):
+        self.measure, self.lock, self.measured = measure, threading.Lock(), None
+
+    def value(self) -> int | None:
+        with self.lock:
+            if self.measure is not None:
+                self.measured, self.measure = self.measure(), None
+            return self.measured
+
+
 # From this many rows on BLAS on dequantized tiles multiplies faster than the kernels; None: the kernels
-# are faster at any size. Measured once per machine when the kernels are compiled (blas_crossover.py).
-blas_from: int | None = KERNEL_ROWS + 1
+# are faster at any size. Measured once per machine, where first needed (blas_crossover.py).
+blas_from: int | None | MeasuredLater = KERNEL_ROWS + 1
 # Query rows × cached positions from which a step of the kernels splits its attention by query rows over
 # the threads (the profile's). Each part is single-threaded BLAS, exp and sums, all of which let go of
 # the GIL; decode (one row) is never split.
@@ -38,15 +59,31 @@ PARALLEL_ATTENTION_FROM = PROFILE.parallel_attention_from
 COMPILED = (*_PRODUCTS, _one_token_attention)
 
 
-def use_blas_from(n: int | None) -> None:
-    """BLAS takes products from n rows on (None: never), as measured on this machine."""
+def use_blas_from(n: int | None | MeasuredLater) -> None:
+    """BLAS takes products from n rows on (None: never), as measured on this machine (MeasuredLater:
+    measured where first needed)."""
     global blas_from
     blas_from = n
 
 
+def known_blas_from() -> int | None:
+    """blas_from, measured first if it is not yet (waiting for a measurement under way)."""
+    global blas_from
+    pending = blas_from
+    if not isinstance(pending, MeasuredLater):
+        return pending
+    n = pending.value()
+    if blas_from is pending:
+        blas_from = n
+    return n
+
+
 def kernels_take(rows: int) -> bool:
     """Whether a product of `rows` input rows runs in the kernels (else BLAS on dequantized tiles)."""
-    return rows <= KERNEL_ROWS or blas_from is None or rows < blas_from
+    if rows <= KERNEL_ROWS:
+        return True
+    n = known_blas_from()
+    return n is None or rows < n
 
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
@@ -77,8 +114,10 @@ def attention_threads(rows: int, positions: int) -> int:
 __all__ = [
     "ACTIVATIONS",
     "COMPILED",
+    "DEFAULT_ACTIVATIONS",
     "KERNEL_ROWS",
     "LANES",
+    "MeasuredLater",
     "PASS_LANES",
     "ROWS",
     "_exp_nonpositive",
@@ -89,6 +128,7 @@ __all__ = [
     "in_parallel",
     "kernel_product",
     "kernels_take",
+    "known_blas_from",
     "matmul",
     "one_token_attention",
     "quantize_rows",

@@ -11,7 +11,7 @@ from . import forward
 from .catalog import Progress, resolve_model
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .kernels import KERNEL_ROWS
+from .kernels import DEFAULT_ACTIVATIONS, KERNEL_ROWS
 from .kv_arena import DEFAULT_CACHE_TYPE
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
 from .tokenizer import Tokenizer
@@ -192,7 +192,7 @@ def load_model(
     prefill_batch: int = DEFAULT_PREFILL_BATCH,
     source: BlockSource | None = None,
     cache_type: str = DEFAULT_CACHE_TYPE,
-    activations: str = "f32",
+    activations: str = DEFAULT_ACTIVATIONS,
     n_ctx: int | None = None,
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
@@ -203,9 +203,10 @@ def load_model(
     KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source);
     `cache_type` the live KV cache's element type (kv_cache.CACHE_TYPES: "f16" or "f32");
     `activations` what the matrix products take their inputs as (kernels.ACTIVATIONS: "f32" exactly,
-    or "q8" quantized to bytes, faster, as llama.cpp; its KV is kept apart, by the fingerprint);
-    `n_ctx` the context its sequences are given (--ctx): where a model's RoPE depends on it (phi3's
-    LongRoPE), as llama.cpp decides by its context (config.with_context); None: as the GGUF reads."""
+    "q8" quantized to bytes, faster, as llama.cpp, or "mixed", the default: bytes only where they come
+    from a norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
+    given (--ctx): where a model's RoPE depends on it (phi3's LongRoPE), as llama.cpp decides by its
+    context (config.with_context); None: as the GGUF reads."""
     path = resolve_model(name_or_path, progress)
     prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx)
     return Model(prepared, cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)

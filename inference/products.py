@@ -153,17 +153,11 @@ def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, s
 
 @njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
 def _group_product(values, scales, offsets, x, x_sums, out, g):
-    """Columns g·L … g·L + L - 1 of out = x @ w.T: one row alone across all LANES, else ROWS rows at a
-    time (x is padded to a multiple of ROWS) across PASS_LANES lanes at a time."""
+    """Columns g·L … g·L + L - 1 of out = x @ w.T, ROWS rows at a time (x is padded to a multiple of
+    ROWS) across PASS_LANES lanes at a time."""
     registers, runs = _registers(SUMS), _registers(SUMS)
     w = _registers(LANES)
     n = out.shape[0]
-    if n == 1:  # one token decoded alone: no padded rows to compute
-        _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
-        sums = carray(registers, LANES)
-        for r in range(LANES):
-            out[0, g * LANES + r] = sums[r]
-        return
     sums = carray(registers, (ROWS, PASS_LANES))
     for i0 in range(0, n, ROWS):
         for lane0 in range(0, LANES, PASS_LANES):
@@ -177,10 +171,23 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
 
 
 @njit(cache=True)
+def _one_row_group_product(values, scales, offsets, x, x_sums, out, g):
+    """_group_product of one row (a token decoded alone) across all LANES, no padded rows. A function of
+    its own, compiled after a first start's load (compile_later_rows): until then one row goes through
+    the passes, padded, which give it the same bits, so a first reply waits for neither."""
+    registers, runs = _registers(SUMS), _registers(SUMS)
+    w = _registers(LANES)
+    _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
+    sums = carray(registers, LANES)
+    for r in range(LANES):
+        out[0, g * LANES + r] = sums[r]
+
+
+@njit(cache=True)
 def _two_row_group_product(values, scales, offsets, x, x_sums, out, g):
     """_group_product of two rows (two replies decoded together, a draft of one token verified): both
     across all LANES, no padded rows. A function of its own, compiled after a first start's load (no
-    first reply waits on it: compile_two_rows)."""
+    first reply waits on it: compile_later_rows)."""
     registers, runs = _registers(SUMS), _registers(SUMS)
     w = _registers(LANES)
     _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES, True)
@@ -196,6 +203,12 @@ def _product(values, scales, offsets, x, x_sums, out):
         # (g as int64: numba types a parallel loop's index both signed and unsigned, and a uint64 g
         # would compile _group_product a second time, seconds of a first start)
         _group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+
+
+@njit(cache=True, parallel=True)
+def _one_row_product(values, scales, offsets, x, x_sums, out):
+    for g in prange(values.shape[0]):
+        _one_row_group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
 
 
 @njit(cache=True, parallel=True)
@@ -215,7 +228,9 @@ def _block_product(values, x, out):
         tile = np.empty((1, x.shape[1], LANES), F32)
         block_formats.decode_group(values, np.int64(g), tile[0])
         part = np.empty((n, LANES), F32)
-        if n == 2:
+        if n == 1:
+            _one_row_group_product(tile, None, None, x, None, part, np.int64(0))
+        elif n == 2:
             _two_row_group_product(tile, None, None, x, None, part, np.int64(0))
         else:
             _group_product(tile, None, None, x, None, part, np.int64(0))
@@ -270,9 +285,21 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     n = x.shape[0]
     n_groups, n_cols = w.values.shape[0], w.n_cols
     out = np.empty((n, n_groups * LANES), dtype=F32)
-    if n > 2 and n % ROWS:  # the kernel reads ROWS rows at a time past 2: zeros after the last
-        x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
-    product = _two_row_product if n == 2 else _product
+    if n == 1 and one_row_kernel_for(w):
+        product = _one_row_product
+    elif n == 2:
+        product = _two_row_product
+    else:
+        product = _product
+        if n % ROWS:  # the passes read ROWS rows at a time: zeros after the last
+            x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
+    _multiply(product, x, w, out)
+    return out[:, : w.n_rows]
+
+
+def _multiply(product, x: np.ndarray, w, out: np.ndarray) -> None:
+    """out = x @ w.T by one of the product kernels, its inputs as bytes where takes_bytes; a block
+    format's by its own kernel, which runs the passes' code (or the two-row kernel's)."""
     if w.values.ndim == 4:
         _block_product(w.values, x, out)
     elif takes_bytes(w):
@@ -281,20 +308,48 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     else:
         x_sums = k_quants.run_sums(x) if w.in_q4_k else None
         product(w.values, w.scales, w.offsets, x, x_sums, out)
-    return out[:, : w.n_rows]
 
 
-def compile_two_rows(matrices) -> None:
-    """The two-row products of these matrices' kinds (and input types), compiled or loaded from the cache:
-    what a first start leaves to a thread of its own, as no first reply multiplies two rows at once (a
-    call that comes first waits for numba's compiler lock and runs what it compiled)."""
-    done = set()
+# Whether this process leaves the one-row kernels to compile_later_rows (compile_one_row_later), and the
+# kinds of product (kind_of_product) whose one-row kernel it has made ready since.
+_one_row_later = False
+_one_row_ready: set[tuple] = set()
+
+
+def compile_one_row_later() -> None:
+    """From now on a first start's load leaves the one-row kernels (nearly half of what it compiles) to
+    compile_later_rows, on a thread after the load (app/chat/build.compile_later); until a kind's is
+    ready, one row goes through the passes, padded, which give it the same bits."""
+    global _one_row_later
+    _one_row_later = True
+
+
+def one_row_kernel_for(w) -> bool:
+    """Whether a product of one row with w takes the one-row kernel (else the passes). A block format's
+    kernel (_block_product) compiles its one-row path with it, at the load of a model with one."""
+    return w.values.ndim == 4 or not _one_row_later or kind_of_product(w) in _one_row_ready
+
+
+def kind_of_product(w) -> tuple:
+    """What a product with w is compiled for: its layout and whether it takes bytes."""
+    return w.values.dtype, w.scales is None, w.offsets is None, takes_bytes(w)
+
+
+def compile_later_rows(matrices) -> None:
+    """The one-row and two-row products of these matrices' kinds (and input types), compiled or loaded
+    from the cache: what a first start leaves to a thread of its own. Until a kind's one-row kernel is
+    ready a decoded token goes through the passes, padded, which give it the same bits; a product of two
+    rows that comes first waits for numba's compiler lock and runs what it compiled."""
+    kinds = {}
     for matrix in matrices:
         for w in getattr(matrix, "parts", [matrix]):
-            kind = (w.values.dtype, w.scales is None, w.offsets is None, takes_bytes(w))
-            if kind not in done:
-                done.add(kind)
-                kernel_product(np.zeros((2, w.n_cols), F32), w)
+            kinds.setdefault(kind_of_product(w), w)
+    for kind, w in kinds.items():  # one row first: a first reply's decode
+        out = np.empty((1, w.values.shape[0] * LANES), F32)
+        _multiply(_one_row_product, np.zeros((1, w.n_cols), F32), w, out)
+        _one_row_ready.add(kind)
+    for w in kinds.values():
+        kernel_product(np.zeros((2, w.n_cols), F32), w)
 
 
 _scratch = threading.local()

@@ -1,11 +1,11 @@
 """The kernels a model takes, made ready before its first reply: each signature compiled (a first start)
-or loaded from numba's cache, on a tiny example matrix, with progress told after each; then, where
-float inputs meet BLAS, the crossover measured (blas_crossover.py) and the tiles BLAS takes compiled."""
+or loaded from numba's cache, on a tiny example matrix, with progress told after each. What only a
+prompt past KERNEL_ROWS rows takes (where float inputs meet BLAS, the crossover measured by
+blas_crossover.py and the tiles BLAS takes; quantizing on the threads) is made ready after the load."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from functools import partial
 
 import gguf
@@ -20,14 +20,17 @@ F32 = np.float32
 Q = gguf.GGMLQuantizationType
 
 
-def compile_kernels(progress=None, matrices=None, activations: str = "f32", inputs=None) -> float:
+def compile_kernels(
+    progress=None, matrices=None, activations: str = kernels.DEFAULT_ACTIVATIONS, inputs=None
+) -> float:
     """Compile (first start) or load from the cache (later starts) the kernels that the model's
     `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
-    attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no reply waits
-    on the compiler: each signature once, on a tiny example, progress told after each. `inputs`: what
-    each of `matrices` takes as inputs, "f32" or "q8" (activations.inputs_of); None: `activations` for
-    all. A model's attention kernel is not among them: nothing before KERNEL_ATTENTION_FROM cached
-    positions calls it (compile_attention). Returns the seconds it took."""
+    attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no first reply
+    waits on the compiler: each signature once, on a tiny example, progress told after each. `inputs`:
+    what each of `matrices` takes as inputs, "f32" or "q8" (activations.inputs_of); None: `activations`
+    for all. What only a prompt past KERNEL_ROWS rows takes (the crossover to BLAS, quantizing on the
+    threads) is left to compile_long_prompts, and a model's attention kernel to compile_attention:
+    nothing before KERNEL_ATTENTION_FROM cached positions calls it. Returns the seconds it took."""
     t0 = time.perf_counter()
     steps, float_kinds = _compile_steps(matrices, activations, inputs)
     cached = all(in_cache(k) for k in kernels.COMPILED)
@@ -38,15 +41,28 @@ def compile_kernels(progress=None, matrices=None, activations: str = "f32", inpu
         compile_one()
     if progress:
         progress(label, len(steps), len(steps))
-    if not float_kinds:  # every product takes bytes: the kernels at any size, no crossover to BLAS
-        return time.perf_counter() - t0
-    kernels.use_blas_from(blas_crossover.measured_blas_from(progress))
-    if kernels.blas_from is not None:  # where BLAS takes long prefills: their tiles, of these kinds
-        for what, compile_one in _tile_steps(float_kinds):
-            if progress:
-                progress(f"{label}: {what}", len(steps), len(steps))
-            compile_one()
+    if float_kinds:  # (every product taking bytes: the kernels at any size, no crossover to BLAS)
+        kernels.use_blas_from(kernels.MeasuredLater(partial(_measured_with_tiles, float_kinds)))
     return time.perf_counter() - t0
+
+
+def compile_long_prompts(activations: str) -> None:
+    """What only a prompt past KERNEL_ROWS rows takes, made ready after a load on a thread of its own
+    (app/chat/build.compile_later), or by the first such prompt, which comes sooner: the crossover to
+    BLAS measured where some product takes float32 inputs (and the tiles compiled), quantize_rows'
+    loop over the threads where some takes bytes."""
+    kernels.known_blas_from()
+    if activations != "f32":
+        kernels.compile_quantize(in_parallel=True)
+
+
+def _measured_with_tiles(kinds: list[tuple[str, Q]]) -> int | None:
+    """measured_blas_from, and where BLAS takes long prompts the tiles of these kinds compiled."""
+    n = blas_crossover.measured_blas_from()
+    if n is not None:
+        for _, qtype in kinds:
+            _multiply_example(qtype, kernels.tile_product)
+    return n
 
 
 def _parts(formats) -> list[set]:
@@ -69,7 +85,7 @@ def _kinds(matrices) -> list[tuple[str, Q]]:
     return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 
-def _compile_steps(matrices, activations: str = "f32", inputs=None) -> tuple[list, list[tuple[str, Q]]]:
+def _compile_steps(matrices, activations: str, inputs=None) -> tuple[list, list[tuple[str, Q]]]:
     """The steps that compile what `matrices` take, and the kinds among them with float32 inputs. A kind
     whose matrices all take bytes needs no float32 kernel ("mixed" without `inputs`: either, for all).
     The unpacking loops are not among them: they compile where a model is packed, its first start."""
@@ -106,12 +122,7 @@ def compile_attention(dtype) -> None:
     kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
 
 
-def _tile_steps(kinds) -> list[tuple[str, Callable[[], object]]]:
-    return [
-        (f"{what}, tiles for BLAS", partial(_multiply_example, qtype, kernels.tile_product))
-        for what, qtype in kinds
-    ]
-
-
 def _multiply_example(qtype: Q, product=kernels.kernel_product, activations: str = "f32") -> None:
-    product(np.zeros((1, 256), F32), zero_matrix(qtype, activations=activations))
+    """One row (its own kernel, unless left to compile_later_rows) and a pass of ROWS rows."""
+    for rows in (1, kernels.ROWS):
+        product(np.zeros((rows, 256), F32), zero_matrix(qtype, activations=activations))

@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from . import kernels, packed_file, quants, warmup
+from .activation_modes import DEFAULT_ACTIVATIONS
 from .activations import inputs_of
 from .catalog import cache_dir
 from .config import ModelConfig, read_config, with_context
@@ -57,7 +58,7 @@ class Prepared:
     tensor_types: dict[str, list]  # name → [type name, shape] of the GGUF's tensors (for the fingerprint)
     tensors: dict[str, TensorEntry] = field(repr=False)
     weights: Weights | None = field(default=None, repr=False)  # filled by load_weights
-    activations: str = "f32"  # what the products take their inputs as (kernels.ACTIVATIONS)
+    activations: str = DEFAULT_ACTIVATIONS  # what the products take their inputs as (kernels.ACTIVATIONS)
 
     @property
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
@@ -128,7 +129,7 @@ def prepare(
     path: Path,
     progress: Progress | None = None,
     use_cache: bool = True,
-    activations: str = "f32",
+    activations: str = DEFAULT_ACTIVATIONS,
     n_ctx: int | None = None,
 ) -> Prepared:
     """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS), for a context of
@@ -159,6 +160,13 @@ def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
     return Prepared(path, meta, cfg, tensor_types, entries)
 
 
+def compile_kernels_for(info: Prepared, progress: Progress | None = None) -> float:
+    """warmup.compile_kernels for the model's kinds of matrix and what each takes as inputs: what its
+    first reply runs. Returns the seconds it took."""
+    kinds = info.matrix_kinds
+    return warmup.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+
+
 def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bool = True) -> Weights:
     """The weights as the kernels read them: matrices stay in their integer formats (Q4_K in its own
     bits, the others int8 with their scales), mapped from their packed file in the cache (packed into it
@@ -166,8 +174,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
     and one for gate/up."""
     path, cfg = info.path, info.config
-    kinds = info.matrix_kinds
-    warmup.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+    compile_kernels_for(info, progress)
     gguf_file = GGUFTensors(info)
     check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)

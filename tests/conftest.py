@@ -32,10 +32,11 @@ def pytest_configure(config):
         # Two workers compiling one kernel at once could each number a new cache file 1 and save an
         # index over the other's (numba's cache has no lock): compiled here, before any worker starts,
         # the workers only load them (compile_kernels compiles every signature the tests use).
-        from llama_chat.inference.warmup import compile_kernels
+        from llama_chat.inference.warmup import compile_kernels, compile_long_prompts
         from llama_chat.storage.codec import compile_kernels as compile_codec
 
         compile_kernels()
+        compile_long_prompts("mixed")  # (both: the crossover to BLAS, quantizing on the threads)
         compile_codec()
 
 
@@ -162,11 +163,13 @@ def gemma_model_path() -> Path:
 
 
 def _load_real(path: Path):
+    """A real model computed exactly (--activations f32), as the fixtures of llama.cpp were measured
+    against; test_real_models.py holds the default mode to its own checks."""
     from llama_chat.inference import Model
     from llama_chat.inference.weights import prepare
 
     with real_cache():
-        return Model(prepare(path))
+        return Model(prepare(path, activations="f32"))
 
 
 @pytest.fixture(scope="session")

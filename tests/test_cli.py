@@ -48,9 +48,14 @@ def test_activations_choose_what_the_products_of_the_model_a_command_opens_take(
 
     gemma = str(tiny_model_paths["gemma3"])  # (its output matrix is Q8_0: one that takes bytes)
     parser = build_parser()
-    for given, activations in (([], "f32"), (["--activations", "q8"], "q8")):
+    chosen = (
+        ([], "mixed", "q8"),
+        (["--activations", "f32"], "f32", "f32"),
+        (["--activations", "q8"], "q8", "q8"),
+    )
+    for given, activations, output_takes in chosen:  # mixed by default: bytes for the output matrix
         model = open_model(parser.parse_args(["--model", gemma, *given, "sessions", "list"]))
-        assert model.weights.activations == model.weights.output.activations == activations
+        assert model.weights.activations == activations and model.weights.output.activations == output_takes
     with pytest.raises(SystemExit) as exit:
         parser.parse_args(["--activations", "q4", "sessions", "list"])
     assert exit.value.code == 2
@@ -58,25 +63,27 @@ def test_activations_choose_what_the_products_of_the_model_a_command_opens_take(
 
 
 # In a fresh process: once a command's model is loaded and its compile-later thread is done, a long
-# reply's attention and a snapshot's codec compile nothing more, and the attention kernel was made
-# ready for the model's cache type only.
+# reply's attention, a long prompt's bytes and a snapshot's codec compile nothing more, the crossover to
+# BLAS is measured, and the attention kernel was made ready for the model's cache type only.
 AFTER_LOAD = """
 import sys, threading
 import numpy as np
 from llama_chat.app.chat.build import load_chat_model
-from llama_chat.inference import kernels
+from llama_chat.inference import activations, kernels
 from llama_chat.storage import codec_kernels
 from llama_chat.storage.codec import KVPlan, decode_kv, encode_kv
 model = load_chat_model(sys.argv[1], cache_type=sys.argv[2])
 (later,) = [t for t in threading.enumerate() if t.name == "compile-later"]
 later.join()
-count = lambda: [len(k.signatures) for k in (kernels._one_token_attention, *codec_kernels.COMPILED)]
+kinds = (kernels._one_token_attention, activations._quantize_in_parallel, *codec_kernels.COMPILED)
+count = lambda: [len(k.signatures) for k in kinds]
 ready = count()
 kv = np.zeros((1, 2, 64), model.new_sequence(8).gather(0, 0)[0].dtype)  # the live cache's type
 kernels.one_token_attention(np.zeros((1, 1, 64), np.float32), kv, kv, [(0, 2)])
+kernels.quantize_rows(np.zeros((128, 1024), np.float32))  # a long prompt's rows: on the threads
 x = np.random.default_rng(0).standard_normal((2, 2, 40, 64)).astype(np.float32)
 decode_kv(encode_kv(x, x, "q8", KVPlan(((8, 8), (8, 8)), ((8, 8), (8, 8)))))
-print(ready == count(), ready[0], count())
+print(ready == count(), ready[0], not isinstance(kernels.blas_from, kernels.MeasuredLater), count())
 """
 
 
@@ -86,7 +93,41 @@ def test_after_a_load_the_kernels_it_left_to_a_thread_are_ready(qwen2, cache_typ
     out = subprocess.run(
         [sys.executable, "-c", AFTER_LOAD, *args], capture_output=True, text=True, check=True
     )
-    assert out.stdout.startswith("True 1 "), out.stdout
+    assert out.stdout.startswith("True 1 True "), out.stdout
+
+
+def test_a_reply_while_the_load_makes_the_rest_ready_is_the_reply_once_all_is(qwen2, monkeypatch):
+    """The first reply may come while the load's compile-later thread still compiles, or measures where
+    BLAS takes long prompts from: a long prompt that comes first waits for that measurement, whoever
+    makes it, and takes the way measured. So a reply is the same during and after."""
+    import threading
+
+    from llama_chat.app.chat.build import load_chat_model
+    from llama_chat.inference import (
+        GenerationStats,
+        SamplingParams,
+        blas_crossover,
+        chat_prompt_ids,
+        generate,
+        kernels,
+    )
+
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: 33)  # BLAS from 33 rows, on any machine
+    monkeypatch.setattr(kernels, "blas_from", kernels.blas_from)  # (this machine's again after the test)
+    model = load_chat_model(str(qwen2))
+    ids = chat_prompt_ids(model, [{"role": "user", "content": "the sun and the water " * 12}])
+    assert len(ids) > 33
+
+    def greedy() -> list[int]:
+        stats = GenerationStats()
+        "".join(generate(model, ids, sampling=SamplingParams(temperature=0), max_tokens=12, stats=stats))
+        return stats.token_ids
+
+    during = greedy()
+    for thread in threading.enumerate():
+        if thread.name == "compile-later":
+            thread.join()
+    assert greedy() == during
 
 
 def test_an_option_before_the_command_is_kept_when_not_given_again(tmp_path):

@@ -100,7 +100,7 @@ def test_an_unknown_cache_type_is_refused_in_one_line(tiny_model_path):
 def test_inputs_as_bytes_answer_near_the_exact_model_with_kv_of_their_own(tiny_model_paths):
     """--activations q8: products on inputs quantized to bytes (the tiny Gemma's output matrix, its Q8_0
     embeddings) give logits near the exact ones, and KV computed so is kept apart (another fingerprint)."""
-    exact = load_model(tiny_model_paths["gemma3"], cache_ram_mb=4)
+    exact = load_model(tiny_model_paths["gemma3"], cache_ram_mb=4, activations="f32")
     as_bytes = load_model(tiny_model_paths["gemma3"], cache_ram_mb=4, activations="q8")
     assert as_bytes.fingerprint != exact.fingerprint
     assert as_bytes.weights.activations == "q8"
@@ -123,7 +123,7 @@ def test_mixed_inputs_go_as_bytes_only_where_they_come_from_a_norm(tiny_model_pa
     assert inputs == {"attn_qkv": {"q8"}, "ffn_gate_up": {"q8"}, "attn_output": {"f32"}, "ffn_down": {"f32"}}
     assert mixed.weights.output.activations == "q8"
     ids = list(range(1, 40))
-    want, got = load_model(path, cache_ram_mb=4).logits(ids), mixed.logits(ids)
+    want, got = load_model(path, cache_ram_mb=4, activations="f32").logits(ids), mixed.logits(ids)
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
 
 

@@ -83,6 +83,33 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
             assert np.array_equal(together[i], alone[i]), (n, i)
 
 
+@pytest.mark.parametrize(
+    "qtype, activations",
+    [(T.Q8_0, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32"), (T.F16, "f32"), (T.Q4_K, "q8"), (T.Q5_0, "q8")],
+)
+def test_a_token_decoded_before_its_one_row_kernel_is_ready_gets_the_bits_it_gets_after(
+    qtype, activations, monkeypatch
+):
+    """The app's first start leaves the one-row kernels to a thread after the load: a token decoded
+    meanwhile goes through the passes, padded, with the bits the one-row kernel gives it once ready."""
+    from llama_chat.inference import products
+
+    shape = (128, 256)
+    w = replace(quants.pack([(raw_tensor(qtype, shape), qtype, shape)]), activations=activations)
+    x = np.random.default_rng(3).standard_normal((5, shape[1])).astype(np.float32)
+    monkeypatch.setattr(products, "_one_row_later", True)
+    monkeypatch.setattr(products, "_one_row_ready", set())
+    one_row = []
+    kernel = products._one_row_product
+    monkeypatch.setattr(products, "_one_row_product", lambda *args: one_row.append(1) or kernel(*args))
+    before = [kernels.matmul(x[i : i + 1], w) for i in range(len(x))]
+    assert not one_row  # through the passes
+    products.compile_later_rows([w])
+    after = [kernels.matmul(x[i : i + 1], w) for i in range(len(x))]
+    assert len(one_row) == 1 + len(x)  # compiled, then taken by every row
+    assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+
+
 # Where a block keeps its quants: zeroed, each of its weights is its offset (formats with offsets).
 QUANT_BYTES = {T.Q4_K: slice(16, 144), T.Q4_1: slice(4, 20)}
 # Q4_K's bits; int8 with offsets, without; scales per 16
@@ -159,6 +186,53 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     assert np.array_equal(kernels.matmul(x[:63], w), alone[:63])
     assert np.allclose(kernels.matmul(x, w), alone, rtol=1e-5, atol=1e-5)
     assert by_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
+
+
+def test_a_long_product_waits_for_the_crossover_under_measurement_and_takes_its_way(monkeypatch):
+    """The crossover is measured once, by whoever asks first (the load's compile-later thread here); a
+    product past KERNEL_ROWS rows that comes meanwhile waits for that answer: never another way."""
+    import threading
+
+    measuring, release, runs = threading.Event(), threading.Event(), []
+
+    def measure():
+        runs.append(1)
+        measuring.set()
+        release.wait()
+        return 64
+
+    monkeypatch.setattr(kernels, "blas_from", kernels.MeasuredLater(measure))
+    later = threading.Thread(target=kernels.known_blas_from)
+    later.start()
+    measuring.wait()
+    ways = []
+    asking = threading.Thread(
+        target=lambda: ways.append((kernels.kernels_take(40), kernels.kernels_take(100)))
+    )
+    asking.start()
+    assert kernels.kernels_take(32)  # up to KERNEL_ROWS the kernels, without asking
+    asking.join(0.2)
+    assert asking.is_alive() and not ways  # waiting for the measurement
+    release.set()
+    later.join()
+    asking.join()
+    assert ways == [(True, False)] and runs == [1] and kernels.blas_from == 64
+
+
+def test_a_load_leaves_the_crossover_to_the_first_prompt_past_the_kernel_rows(tiny_model_paths, monkeypatch):
+    """A first start measures where BLAS takes long prompts from only when one needs it (or on the load's
+    compile-later thread): not while the first reply waits."""
+    from llama_chat.inference import load_model
+
+    runs = []
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: runs.append(1) or 33)
+    monkeypatch.setattr(kernels, "blas_from", kernels.blas_from)  # (this machine's again after the test)
+    model = load_model(tiny_model_paths["qwen2"], activations="f32")
+    ids = list(range(1, 41))
+    model.logits(ids[:32])
+    assert not runs
+    model.logits(ids)
+    assert runs == [1] and kernels.blas_from == 33
 
 
 def test_the_crossover_is_measured_once_per_machine_and_kept(monkeypatch, tmp_path):
@@ -410,10 +484,10 @@ def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkey
     integers without offsets), not the float, offset or GGUF-bits kernels nor the attention kernel
     (app/chat/build.compile_later's) nor the unpacking loops (packing's, where a model is packed), and
     its progress moves after each signature."""
-    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda progress=None: None)
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: None)
     seen = []
     matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]
-    warmup.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices)
+    warmup.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices, "f32")
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
     assert steps == ["integer weights"]
     assert [done for _, done, _ in seen] == [0, 1] and {total for _, _, total in seen} == {1}
@@ -424,7 +498,7 @@ def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkey
     compiled (or loaded), as steps of the progress, so no reply waits on the compiler; not the float32
     kernels, which none of its matrices takes. Under mixed, what each matrix takes: float32 for one
     (a Q4_K ffn_down), bytes for the other (a Q5_0 attn_qkv)."""
-    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda progress=None: None)
+    monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: None)
     seen = []
     warmup.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
     steps = [label.split(": ")[-1] for label in seen[:-1]]

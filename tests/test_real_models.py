@@ -132,24 +132,51 @@ def test_inputs_as_bytes_keep_the_greedy_chat_replies(qwen_bytes, case):
     assert stats.token_ids == ref["greedy_ids"]
 
 
-@pytest.mark.parametrize("case", sorted(CHAT_REFERENCE["greedy"]))
-def test_mixed_inputs_keep_the_greedy_chat_replies(qwen_model_path, case):
-    """--activations mixed (bytes only where the inputs come from a norm), whose logits lie nearer the
-    exact model's than llama.cpp's own on every reference text (benchmarks/exact_reference.py): the
-    default model's greedy replies are llama.cpp's."""
+@pytest.fixture(scope="module")
+def in_default_mode(qwen_model_path, gemma_model_path):
+    """Both real models as a user gets them: --activations mixed (bytes only where the inputs come from a
+    norm), by default."""
     from conftest import real_cache
     from llama_chat.inference import Model
     from llama_chat.inference.weights import prepare
 
     with real_cache():
-        mixed = Model(prepare(qwen_model_path, activations="mixed"))
+        return {QWEN: Model(prepare(qwen_model_path)), GEMMA: Model(prepare(gemma_model_path))}
+
+
+def test_the_default_mode_is_mixed_and_its_kv_its_own(in_default_mode, qwen_model):
+    assert in_default_mode[QWEN].weights.activations == "mixed"
+    assert in_default_mode[QWEN].fingerprint != qwen_model.fingerprint  # KV of f32 never resumed as mixed
+
+
+@pytest.mark.parametrize("case", sorted(CHAT_REFERENCE["greedy"]))
+def test_the_default_mode_keeps_the_greedy_chat_replies(in_default_mode, case):
+    """The default model's greedy replies in the default mode are llama.cpp's, token for token."""
     ref = CHAT_REFERENCE["greedy"][case]
     stats = GenerationStats()
     sampling = SamplingParams(temperature=0)
+    model = in_default_mode[QWEN]
     "".join(
-        generate(mixed, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats)
+        generate(model, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats)
     )
     assert stats.token_ids == ref["greedy_ids"]
+
+
+# The exact model's logits on llama.cpp's top 20 of every text: every matrix product in float64 on the
+# dequantized weights, a float32 KV cache (benchmarks/exact_reference.py --write-fixture).
+EXACT = json.loads((FIXTURES / "llamacpp" / "exact_top20.json").read_text())["models"]
+
+
+@pytest.mark.parametrize("name, text", [(name, text) for name in EXACT for text in EXACT[name]])
+def test_the_default_mode_lies_no_farther_from_the_exact_model_than_llamacpp(in_default_mode, name, text):
+    """On every reference text (the fixtures' and the extra ones), the worst top-20 logit of the default
+    mode is nearer the exact model's than llama.cpp's own is (llama.cpp multiplies bytes too)."""
+    ref = {**REFERENCE[name]["logits"], **EXTRA["models"][name]}[text]
+    logits = in_default_mode[name].logits(ref["ids"])
+    exact = [np.asarray(values) for values in EXACT[name][text]]
+    ours = max(np.abs(logits[i, ids] - exact[i]).max() for i, ids in enumerate(ref["top20_ids"]))
+    theirs = max(np.abs(np.asarray(values) - exact[i]).max() for i, values in enumerate(ref["top20_logits"]))
+    assert ours <= theirs
 
 
 def test_inputs_as_bytes_stay_near_llamacpp_and_keep_their_kv_apart(qwen_bytes, qwen_model):
@@ -178,13 +205,16 @@ def test_gemma_completion_continues_text(gemma_model):
     assert [int(t) for t in forced[len(ids) - 1 : -1].argmax(axis=1)] == stats.token_ids
 
 
-def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model):
-    """A reply that copies code from the prompt: lookup guesses most of it, and the text is unchanged."""
+@pytest.mark.parametrize("mode", ["f32", "default"])
+def test_prompt_lookup_on_a_code_edit_is_the_plain_reply(qwen_model, in_default_mode, mode):
+    """A reply that copies code from the prompt: lookup guesses most of it, and the tokens are the plain
+    decode's, computed exactly and in the default mode."""
     from llama_chat.app.bench.forward import measure_lookup
 
-    run = measure_lookup(qwen_model, 160)
-    assert run["same_text"]
-    assert "def describe(width, height):" in qwen_model.tokenizer.decode(run["token_ids"])  # copied code
+    model = qwen_model if mode == "f32" else in_default_mode[QWEN]
+    run = measure_lookup(model, 160)
+    assert run["same_text"] and run["same_tokens"]
+    assert "def describe(width, height):" in model.tokenizer.decode(run["token_ids"])  # copied code
     assert run["accepted"] >= len(run["token_ids"]) // 3
 
 

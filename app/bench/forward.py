@@ -33,6 +33,7 @@ def measure_lookup(model, max_tokens: int) -> dict:
         "drafted": stats.drafted_tokens,
         "accepted": stats.accepted_tokens,
         "same_text": looked == plain,
+        "same_tokens": stats.token_ids == plain_stats.token_ids,
         "token_ids": stats.token_ids,
     }
 

@@ -32,18 +32,19 @@ def measure_cold_load(model_arg) -> float:
     return float(child_line(code, str(resolve_model(model_arg))))
 
 
-def measure_compile(model_arg) -> float:
-    """Seconds a first start's load waits on compiling the kernels this model takes (an empty numba
-    cache, in a child process); the attention kernel and the KV codec compile after it, on a thread
-    of their own (app/chat/build.compile_later)."""
+def measure_compile(model_arg, activations: str) -> float:
+    """Seconds a first start's load waits on compiling the kernels this model takes with these
+    activations (an empty numba cache, in a child process); the rest compiles after it, on a thread of
+    its own (app/chat/build.compile_later, which takes the one-row kernels too)."""
     code = (
-        "import sys; from llama_chat.inference.warmup import compile_kernels; "
-        "from llama_chat.inference.weights import model_info; "
-        "print(compile_kernels(None, model_info(sys.argv[1]).matrix_formats))"
+        "import sys; from llama_chat.inference.weights import compile_kernels_for, model_info; "
+        "from llama_chat.inference.products import compile_one_row_later; compile_one_row_later(); "
+        "info = model_info(sys.argv[1]); info.activations = sys.argv[2]; "
+        "print(compile_kernels_for(info))"
     )
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "NUMBA_CACHE_DIR": folder}
-        return float(child_line(code, str(resolve_model(model_arg)), env=env))
+        return float(child_line(code, str(resolve_model(model_arg)), activations, env=env))
 
 
 ASK_CHILD = """

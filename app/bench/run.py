@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from llama_chat.inference import load_model
+from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
 
 from ..chat.settings import CODEC
 from ..progress import ProgressBar
@@ -44,18 +45,19 @@ def run_bench(args) -> int:
         results[key] = value
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    activations = getattr(args, "activations", None) or "f32"
+    activations = getattr(args, "activations", None) or DEFAULT_ACTIVATIONS
     results["activations"] = activations
     with ProgressBar() as bar:
         load_model(args.model, progress=bar, activations=activations)  # assembled, prepared, compiled
     from llama_chat.inference import kernels
     from llama_chat.inference.cpu import PROFILE
 
-    crossover = f"BLAS from {kernels.blas_from} rows" if kernels.blas_from else "the kernels at any size"
+    blas_from = kernels.known_blas_from()
+    crossover = f"BLAS from {blas_from} rows" if blas_from else "the kernels at any size"
     report("kernel_profile", PROFILE.key, f"kernels: {PROFILE.describe()}; {crossover}")
-    results["blas_from"] = kernels.blas_from
+    results["blas_from"] = blas_from
     if not quick:  # a first start's costs, each a minute of compiling or packing: not a smoke test's
-        compile_s = measure_compile(args.model)
+        compile_s = measure_compile(args.model, activations)
         report("compile_s", round(compile_s, 2), f"compile kernels (first start only): {compile_s:.2f} s")
         cold = measure_cold_load(args.model)
         report("load_s_cold", round(cold, 3), f"load, cold (GGUF read anew):  {cold:.2f} s")

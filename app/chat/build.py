@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
 from llama_chat.inference.kv_arena import DEFAULT_CACHE_TYPE, element_type
 from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
 from llama_chat.storage.codec import PLANNED_CODECS
@@ -40,7 +41,7 @@ class EngineOptions:
     cache_ram_mb: float = CACHE_RAM_MB  # --cache-ram
     block_size: int = DEFAULT_BLOCK_SIZE  # --block-size
     cache_type: str = DEFAULT_CACHE_TYPE  # --cache-type: the live KV cache's element type
-    activations: str = "f32"  # --activations: what matrix products take their inputs as
+    activations: str = DEFAULT_ACTIVATIONS  # --activations: what matrix products take their inputs as
     prompt_lookup: bool = True  # --no-lookup
     codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
     kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
@@ -56,10 +57,12 @@ def load_chat_model(
     then what no first reply waits on compiled on a thread of its own (compile_later). Under a planned
     `codec` (auto, auto-h), the model's KV plan too (measured at its first use)."""
     from llama_chat.inference import load_model
+    from llama_chat.inference.products import compile_one_row_later
     from llama_chat.storage.kv_plan import model_plan
 
     from .compile_progress import CompileProgress
 
+    compile_one_row_later()
     if progress is None:
         model = load_model(name, **options)
     else:
@@ -72,22 +75,26 @@ def load_chat_model(
 
 
 def compile_later(model: Model) -> threading.Thread:
-    """What a first reply does not wait on, compiled (first start: 5-15 s on 2 cores) or loaded from
-    numba's cache on a thread of its own while the user reads and types: the KV codec's loops (a reply's
-    snapshot, a resume), the attention kernel of the model's cache type (past KERNEL_ATTENTION_FROM
-    cached positions) and the products of two rows at once (two replies decoded together). A call that
-    comes first waits for numba's compiler lock and runs what it compiled. Not a daemon: a process that
-    ends sooner (a short `ask`) waits for it, so what it compiles is cached whole for the next start."""
+    """What a first reply does not wait on, compiled (first start: 5-20 s on 2 cores) or loaded from
+    numba's cache on a thread of its own while the user reads and types: the products of one row (until
+    then a decoded token goes through the passes, with the same bits) and of two rows at once (two
+    replies decoded together), the attention kernel of the model's cache type (past
+    KERNEL_ATTENTION_FROM cached positions), the KV codec's loops (a reply's snapshot, a resume) and
+    what only a prompt past KERNEL_ROWS rows takes (compile_long_prompts). A call that comes first waits
+    for numba's compiler lock (or for the crossover's measurement) and runs what it made ready, so a
+    reply is the same whichever came first. Not a daemon: a process that ends sooner (a short `ask`)
+    waits for it, so what it compiles is cached whole for the next start."""
 
-    from llama_chat.inference.products import compile_two_rows
-    from llama_chat.inference.warmup import compile_attention
+    from llama_chat.inference.products import compile_later_rows
+    from llama_chat.inference.warmup import compile_attention, compile_long_prompts
     from llama_chat.storage.codec import compile_kernels as compile_codec
 
     def compile_all() -> None:
         try:
-            compile_two_rows(model.weights.matrices())
+            compile_later_rows(model.weights.matrices())
             compile_attention(element_type(model.pool.cache_type))
             compile_codec()
+            compile_long_prompts(model.weights.activations)
         except Exception:  # (never seen) the first call compiles it again and says what fails, where
             pass  # it is made: no traceback from a thread no one waits on
 
