@@ -24,6 +24,7 @@ from llama_chat.app.cli import build_parser, main
 from llama_chat.app.serve.app import LOOPBACK_NAMES, HostCheck
 from llama_chat.app.serve.server import options_from
 from llama_chat.app.serve.state import MAX_CONNECTIONS
+from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
 from llama_chat.storage.exchange import HEADER_SIZE
 from llama_chat.storage.exchange.format import pack_header
 from served import MODEL, Served, error_of, upload, wait_for
@@ -628,7 +629,8 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
         tmp_path / "chat.db",
     )
     assert engine.activations == "q8"
-    assert options_from(build_parser().parse_args([*db, "serve"]))[0].engine.activations == "f32"
+    served_by_default = options_from(build_parser().parse_args([*db, "serve"]))[0].engine
+    assert served_by_default.activations == DEFAULT_ACTIVATIONS  # as chat and ask
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
     assert (
         options_from(build_parser().parse_args([*db, "serve", "--drain-seconds", "5"]))[0].drain_seconds == 5
