@@ -39,7 +39,7 @@ from .open_chat import LoadedModel, OpenChat
 from .other_windows import OtherWindows
 from .replies import USER_ERRORS, Reply, ReplyFlow, error_text
 from .sidebar import WIDTH_STEP, SessionTree, Sidebar
-from .widgets import ChatInput, MessageView, Progress, StatusLine, model_label
+from .widgets import ChatInput, MessageView, Progress, StatusLine, WorkDone, model_label
 
 if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
     from ..chat.engine import ChatEngine
@@ -263,7 +263,8 @@ class ChatScreen(Screen):
     def on_model_ready(self, event: ModelReady) -> None:
         """The model is loaded (or did not load): replies sent meanwhile start (or fail)."""
         self.model.loading = None
-        self.status.done()
+        # posted to the status line, behind the load's last Progress: done() here could come first
+        self.status.post_message(WorkDone())
         engine = self.model.engine
         if event.error:
             self.status.set(model=model_label(engine.model_info) if engine else f"no model: {event.error}")
