@@ -18,17 +18,22 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .attention_vectors import _add_four_rows, _four_dots, _largest
+from .cpu import PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
 from .vectors import _prefetch
 
 F32 = np.float32
+WIDTH = PROFILE.vector_floats  # the building blocks' vectors (a literal, as they want it)
 ATTENTION_CHUNK = 256  # positions per task: enough work per task, few enough for one chunk's scores
 LOG2E, LN2_HI, LN2_LO = F32(1.4426950408889634), F32(0.693359375), F32(-2.12194440e-4)
 # Multiply-adds may be fused, nothing else: the exp's polynomial is evaluated as written.
 EXACT = {"contract"}
 # Dot products may be reassociated (vectorized across head_dim), in the same order on every call.
 DOT = {"contract", "reassoc"}
+# The exps of a row of scores side by side in vectors, their sum reassociated (the scores are finite).
+SOFTMAX = {"contract", "reassoc", "nnan", "ninf", "nsz"}
 
 
 @intrinsic
@@ -62,16 +67,33 @@ def _exp_nonpositive(x):
     return p * _float_from_bits((np.int32(n) + 127) << 23)
 
 
+@njit(cache=True, fastmath=SOFTMAX)
+def _exp_in_place(scores, top):
+    """scores = exp(scores - top) (top their largest), and their sum, side by side in vectors: a
+    function of its own, handed a row of its own (LLVM left the loop scalar in the kernel's parallel
+    loop, or indexed from an offset)."""
+    total = F32(0)
+    for i in range(len(scores)):
+        e = _exp_nonpositive(scores[i] - top)
+        scores[i] = e
+        total += e
+    return total
+
+
 @njit(cache=True, inline="always")
 def _rows_as_f32(kv, h, where, i, n, rows):
     """Rows where[i : i + n] of head h of a layer of keys or values (float16 bits or float32) into
-    rows[:n] as float32, each asked for ahead as the products ask for weights."""
+    rows[:n] as float32, each asked for ahead as the products ask for weights; rows n… zeroed (the
+    last four of a chunk)."""
     hd = kv.shape[2]
     for j in range(n):
         row = where[i + j]
         _prefetch(kv, (h * kv.shape[1] + row) * hd, 0)
         for d in range(hd):
             rows[j, d] = to_f32(kv[h, row, d])
+    for j in range(n, 4):
+        for d in range(hd):
+            rows[j, d] = 0
 
 
 @njit(cache=True, parallel=True, fastmath=DOT)
@@ -79,12 +101,14 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
     """Attention of new tokens, each over its own positions, a chunk of positions per task, as
     flash-decoding does: token t (of q [n_tok, n_kv, group, hd], scaled) attends to the runs (first, n)
     runs[first_run[t] : first_run[t + 1]] of one layer of the cache k, v [n_kv, N, hd] (whole: their
-    last axis contiguous, which the vectorized loops rely on); its chunks are first_chunk[t] … of the
-    outputs' chunk axis. Per kv head h and chunk c: the scores' max m_out[h, c, g], the sum of
-    exp(score - max) l_out[h, c, g] and the sum of those weights times the values acc_out[h, c, g]
-    [hd]; tokens_attention merges each token's chunks. A task's sums depend on its chunk alone, not
-    on the other tokens or the threads."""
+    last axis contiguous); its chunks are first_chunk[t] … of the outputs' chunk axis. Per kv head h
+    and chunk c: the scores' max m_out[h, c, g], the sum of exp(score - max) l_out[h, c, g] and the
+    sum of those weights times the values acc_out[h, c, g] [hd]; tokens_attention merges each token's
+    chunks. A task's sums depend on its chunk alone, not on the other tokens or the threads."""
     n_tok, n_kv, group, hd = q.shape
+    width = WIDTH
+    padded = -(-hd // width) * width  # rows padded with zeros to whole vectors
+    stride = ATTENTION_CHUNK + width  # a head's scores, room to pad the last vector
     chunks = first_chunk[n_tok]
     for task in prange(n_kv * chunks):
         h, c = task // chunks, task % chunks
@@ -100,58 +124,35 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
                 where[size] = first + p - base
                 size += 1
             base += n
-        scores = np.empty((group, ATTENTION_CHUNK), F32)
-        rows = np.empty((4, hd), F32)  # 4 key or value rows as float32, converted once for the heads
-        acc = np.zeros((group, hd), F32)
+        heads = np.zeros((group, padded), F32)  # the query heads of kv head h
+        for g in range(group):
+            for d in range(hd):
+                heads[g, d] = q[t, h, g, d]
+        scores = np.empty(group * stride, F32)
+        rows = np.zeros((4, padded), F32)  # 4 key or value rows as float32, converted once for the heads
+        acc = np.zeros(group * padded, F32)
         for i in range(0, size, 4):
             n = min(4, size - i)
             _rows_as_f32(k, h, where, i, n, rows)
             for g in range(group):
-                if n == 4:  # four dot products in one loop: each as alone, the query read once for them
-                    dot0 = dot1 = dot2 = dot3 = F32(0)
-                    for d in range(hd):
-                        qd = q[t, h, g, d]
-                        dot0 += qd * rows[0, d]
-                        dot1 += qd * rows[1, d]
-                        dot2 += qd * rows[2, d]
-                        dot3 += qd * rows[3, d]
-                    scores[g, i], scores[g, i + 1] = dot0, dot1
-                    scores[g, i + 2], scores[g, i + 3] = dot2, dot3
-                else:
-                    for j in range(n):
-                        dot = F32(0)
-                        for d in range(hd):
-                            dot += q[t, h, g, d] * rows[j, d]
-                        scores[g, i + j] = dot
+                _four_dots(heads, g * padded, rows, padded, scores, g * stride + i, width)
+        tail = -(-size // width) * width
         for g in range(group):
-            top = scores[g, 0]
-            for i in range(1, size):
-                top = max(top, scores[g, i])
-            total = F32(0)
-            for i in range(size):
-                e = _exp_nonpositive(scores[g, i] - top)
-                scores[g, i] = e
-                total += e
+            for i in range(size, tail):
+                scores[g * stride + i] = -np.inf
+            top = _largest(scores, g * stride, tail, width)
+            total = _exp_in_place(scores[g * stride : g * stride + size], top)
+            for i in range(size, size + 4):  # the last four's rows past the chunk: zeros, weighed 0
+                scores[g * stride + i] = 0
             m_out[h, c, g], l_out[h, c, g] = top, total
         for i in range(0, size, 4):
             n = min(4, size - i)
             _rows_as_f32(v, h, where, i, n, rows)
             for g in range(group):
-                if n == 4:  # each sum in position order, as one row at a time; acc read once for four
-                    w0, w1, w2, w3 = scores[g, i], scores[g, i + 1], scores[g, i + 2], scores[g, i + 3]
-                    for d in range(hd):
-                        a = acc[g, d] + w0 * rows[0, d]
-                        a = a + w1 * rows[1, d]
-                        a = a + w2 * rows[2, d]
-                        acc[g, d] = a + w3 * rows[3, d]
-                else:
-                    for j in range(n):
-                        weight = scores[g, i + j]
-                        for d in range(hd):
-                            acc[g, d] += weight * rows[j, d]
+                _add_four_rows(acc, g * padded, rows, padded, scores, g * stride + i, width)
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiles its shape check's error
             for d in range(hd):  # message, seconds of a first start)
-                acc_out[h, c, g, d] = acc[g, d]
+                acc_out[h, c, g, d] = acc[g * padded + d]
 
 
 def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None) -> np.ndarray:

@@ -22,7 +22,7 @@ from .cpu import PROFILE  # noqa: E402
 # of vectors.py and byte_vectors.py and k_quants.py's loops), and cpu.py, whose profile they compile in.
 KERNEL_SOURCES = (
     "cpu.py", "vectors.py", "byte_vectors.py", "k_quants.py", "products.py", "activations.py",
-    "attention.py", "kernels.py", "quants.py",
+    "attention.py", "attention_vectors.py", "kernels.py", "quants.py",
 )
 
 

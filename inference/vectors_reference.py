@@ -1,12 +1,14 @@
-"""The kernels' building blocks (vectors.py, byte_vectors.py) in plain NumPy: what each intrinsic computes,
-over the same flat indices, float32 rounding for float32 rounding (a fused multiply-add as float64 maths
-rounded once to float32). tests/test_vectors.py holds each intrinsic to its twin here.
+"""The kernels' building blocks (vectors.py, byte_vectors.py, attention_vectors.py) in plain NumPy: what
+each intrinsic computes, over the same flat indices, float32 rounding for float32 rounding (a fused
+multiply-add as float64 maths rounded once to float32). tests/test_vectors.py holds each intrinsic to
+its twin here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .attention_vectors import lane_halves
 from .byte_vectors import transposed_lanes
 from .half import to_floats
 
@@ -127,3 +129,42 @@ def in_lane_order(sums, rows, width) -> None:
     for i in range(rows):
         part = sums[i * width : (i + 1) * width].copy()
         sums[i * width + np.asarray(order)] = part
+
+
+def sum_lanes(vectors: list) -> np.ndarray:
+    """attention_vectors._sum_lanes: the lane sums of 4 vectors, by the same tree of halves."""
+    segment = len(vectors[0])
+    while segment > 1:
+        paired = len(vectors) > 1
+        pairs = list(zip(vectors[::2], vectors[1::2])) if paired else [(vectors[0], vectors[0])]
+        merged = []
+        for a, b in pairs:
+            first, second = lane_halves(len(a), segment, paired)
+            both = np.concatenate([a, b])
+            merged.append(both[first] + both[second])
+        vectors, segment = merged, segment // 2
+    return vectors[0]
+
+
+def four_dots(q, q_at, rows, n, width) -> np.ndarray:
+    """attention_vectors._four_dots: [4] the dot products of q.flat[q_at:…] with rows[j, :n]."""
+    head = q.reshape(-1)[q_at : q_at + n].reshape(-1, width)
+    sums = []
+    for row in rows.reshape(4, n):
+        lanes = np.zeros(width, F32)
+        for qv, key in zip(head, row.reshape(-1, width), strict=True):
+            lanes = _fused(qv, key, lanes)
+        sums.append(lanes)
+    return sum_lanes(sums)
+
+
+def add_four_rows(acc, a_at, rows, n, weights, w_at) -> None:
+    """attention_vectors._add_four_rows: acc.flat[a_at:…] += weight · row, a row at a time, fused."""
+    part = acc.reshape(-1)[a_at : a_at + n]
+    for j, row in enumerate(rows.reshape(4, n)):
+        part[:] = _fused(row, weights.reshape(-1)[w_at + j], part)
+
+
+def largest(values, at, n) -> np.float32:
+    """attention_vectors._largest: the largest of values.flat[at:at + n], NaN ignored."""
+    return F32(np.nanmax(values.reshape(-1)[at : at + n]))

@@ -421,6 +421,7 @@ AVX2_CHECKS = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import gguf
+import numpy as np
 import test_kernels as t
 from llama_chat.inference import kernels
 from llama_chat.inference.cpu import PROFILE
@@ -435,6 +436,9 @@ for qtype in t.BYTE_FORMATS:
     for n in (1, 3, 40):
         t.test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n)
 t.test_inputs_as_bytes_give_a_row_the_same_bits_in_any_batch(T.Q5_0)
+t.test_one_token_attention_equals_softmax_attention(2, 7, 64, [(0, 4096)])
+t.test_one_token_attention_equals_softmax_attention(4, 2, 128, [(0, 64), (192, 700), (96, 1)])
+t.test_tokens_attended_together_get_the_bits_each_gets_alone(np.float16)
 print(PROFILE.isa, PROFILE.lanes, PROFILE.rows, PROFILE.pass_lanes)
 """
 

@@ -13,12 +13,13 @@ from dataclasses import replace
 import gguf
 import numpy as np
 import pytest
-from numba import carray
+from numba import carray, literally
 from numba import njit as plain_njit
 from test_kernels import raw_tensor
 
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
+from llama_chat.inference.attention_vectors import _add_four_rows, _four_dots, _largest
 from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
 from llama_chat.inference.vectors import (
     _bit_fields,
@@ -315,6 +316,50 @@ def test_products_are_the_references(qtype, inputs, n):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-6, product.__name__
 
 
+@plain_njit
+def four_dots(q, q_at, rows, n, out, width):
+    _four_dots(q, q_at, rows, n, out, 1, literally(width))
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_four_dot_products_are_summed_as_the_reference_says(width):
+    """The attention's scores: each lane's fused multiply-adds, then the lanes of four dot products
+    summed as one tree, for the vectors of each profile (NEON's and SSE's 4, AVX2's 8, AVX-512's 16)."""
+    n = 4 * width
+    q, rows = floats(n + 5, 1), floats(4 * n, 2).reshape(4, n)
+    out = np.zeros(6, F32)
+    four_dots(q, 5, rows, n, out, width)
+    assert np.array_equal(out[1:5], ref.four_dots(q, 5, rows, n, width))
+    assert out[0] == out[5] == 0  # nothing written beside the four
+
+
+@plain_njit
+def add_four_rows(acc, a_at, rows, n, weights, w_at, width):
+    _add_four_rows(acc, a_at, rows, n, weights, w_at, literally(width))
+
+
+@pytest.mark.parametrize("width", [4, 16])
+def test_four_weighted_rows_are_added_as_the_reference_says(width):
+    n = 3 * width
+    acc, rows, weights = floats(n + 7, 1), floats(4 * n, 2).reshape(4, n), floats(9, 3)
+    want = acc.copy()
+    ref.add_four_rows(want, 7, rows, n, weights, 5)
+    add_four_rows(acc, 7, rows, n, weights, 5, width)
+    assert np.array_equal(acc, want)
+
+
+@plain_njit
+def largest(values, at, n, width):
+    return _largest(values, at, n, literally(width))
+
+
+def test_the_largest_score_is_the_references():
+    values = floats(100, 4)
+    values[40], values[80] = np.nan, 100  # NaN ignored, as maxnum does; 80 past the run asked for
+    assert largest(values, 3, 64, 16) == ref.largest(values, 3, 64) < 100
+    assert largest(np.full(32, -np.inf, F32), 0, 32, 8) == -np.inf
+
+
 def test_one_tokens_attention_is_the_references():
     q = floats(2 * 7 * 64, 1).reshape(2, 7, 64) * 0.5
     k, v = (floats(2 * 900 * 64, s).reshape(2, 900, 64) for s in (2, 3))
@@ -330,6 +375,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
     checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
+    checks += " or four or largest or attention"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
