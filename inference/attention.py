@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .attention_vectors import _add_four_rows, _four_dots, _largest
+from .attention_vectors import _add_rows, _dots, _largest
 from .cpu import PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
@@ -26,6 +26,7 @@ from .vectors import _prefetch
 
 F32 = np.float32
 WIDTH = PROFILE.vector_floats  # the building blocks' vectors (a literal, as they want it)
+ROWS = min(8, WIDTH)  # keys or values read for the query heads at a time (their scores summed as one tree)
 ATTENTION_CHUNK = 256  # positions per task: enough work per task, few enough for one chunk's scores
 LOG2E, LN2_HI, LN2_LO = F32(1.4426950408889634), F32(0.693359375), F32(-2.12194440e-4)
 # Multiply-adds may be fused, nothing else: the exp's polynomial is evaluated as written.
@@ -84,14 +85,14 @@ def _exp_in_place(scores, top):
 def _rows_as_f32(kv, h, where, i, n, rows):
     """Rows where[i : i + n] of head h of a layer of keys or values (float16 bits or float32) into
     rows[:n] as float32, each asked for ahead as the products ask for weights; rows n… zeroed (the
-    last four of a chunk)."""
+    last of a chunk)."""
     hd = kv.shape[2]
     for j in range(n):
         row = where[i + j]
         _prefetch(kv, (h * kv.shape[1] + row) * hd, 0)
         for d in range(hd):
             rows[j, d] = to_f32(kv[h, row, d])
-    for j in range(n, 4):
+    for j in range(n, rows.shape[0]):
         for d in range(hd):
             rows[j, d] = 0
 
@@ -129,27 +130,27 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
             for d in range(hd):
                 heads[g, d] = q[t, h, g, d]
         scores = np.empty(group * stride, F32)
-        rows = np.zeros((4, padded), F32)  # 4 key or value rows as float32, converted once for the heads
+        rows = np.zeros((ROWS, padded), F32)  # key or value rows as float32, converted once for the heads
         acc = np.zeros(group * padded, F32)
-        for i in range(0, size, 4):
-            n = min(4, size - i)
+        for i in range(0, size, ROWS):
+            n = min(ROWS, size - i)
             _rows_as_f32(k, h, where, i, n, rows)
             for g in range(group):
-                _four_dots(heads, g * padded, rows, padded, scores, g * stride + i, width)
+                _dots(heads, g * padded, rows, padded, scores, g * stride + i, ROWS, width)
         tail = -(-size // width) * width
         for g in range(group):
             for i in range(size, tail):
                 scores[g * stride + i] = -np.inf
             top = _largest(scores, g * stride, tail, width)
             total = _exp_in_place(scores[g * stride : g * stride + size], top)
-            for i in range(size, size + 4):  # the last four's rows past the chunk: zeros, weighed 0
+            for i in range(size, size + ROWS):  # the last rows' past the chunk: zeros, weighed 0
                 scores[g * stride + i] = 0
             m_out[h, c, g], l_out[h, c, g] = top, total
-        for i in range(0, size, 4):
-            n = min(4, size - i)
+        for i in range(0, size, ROWS):
+            n = min(ROWS, size - i)
             _rows_as_f32(v, h, where, i, n, rows)
             for g in range(group):
-                _add_four_rows(acc, g * padded, rows, padded, scores, g * stride + i, width)
+                _add_rows(acc, g * padded, rows, padded, scores, g * stride + i, ROWS, width)
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiles its shape check's error
             for d in range(hd):  # message, seconds of a first start)
                 acc_out[h, c, g, d] = acc[g * padded + d]

@@ -37,7 +37,8 @@ def lane_halves(width: int, segment: int, paired: bool) -> tuple[list[int], list
 
 
 def _sum_lanes(builder, vectors: list) -> ir.Value:
-    """The lane sums of 4 vectors, side by side in a vector of 4 (see lane_halves)."""
+    """The lane sums of a power of two of vectors (no more than their lanes), side by side in one vector
+    (see lane_halves)."""
     i32 = ir.IntType(32)
     segment = vectors[0].type.count
     while segment > 1:
@@ -54,7 +55,7 @@ def _sum_lanes(builder, vectors: list) -> ir.Value:
 
 
 def _row_operands(context, builder, signature, args):
-    """(a, a_at, rows, n, b, b_at) of the two intrinsics over four rows: the arrays as data pointers,
+    """(a, a_at, rows, n, b, b_at) of the two intrinsics over several rows: the arrays as data pointers,
     the indices as int64."""
     def operand(t, a):
         if isinstance(t, types.Array):
@@ -73,60 +74,61 @@ def _each_vector(builder, size, w):
 
 
 def _row_vector(builder, rows, size, j, at, w):
-    """The vector of `w` floats at column `at` of row j of rows [4, size]."""
+    """The vector of `w` floats at column `at` of row j of rows [count, size]."""
     row_at = builder.add(builder.mul(size, ir.Constant(ir.IntType(64), j)), at)
     return builder.load(_vector_at(builder, rows, row_at, ir.FloatType(), w), align=4)
 
 
 @intrinsic
-def _four_dots(typingctx, q, q_at, rows, n, scores, s_at, width):
-    """scores.flat[s_at + j] = q.flat[q_at:q_at + n] · rows[j, :n] for j = 0…3 (rows [4, n], n a
-    multiple of width): per lane a fused multiply-add for each vector of the row in order, then the
-    lanes summed as a tree (lane_halves)."""
-    if not isinstance(width, types.IntegerLiteral):
+def _dots(typingctx, q, q_at, rows, n, scores, s_at, count, width):
+    """scores.flat[s_at + j] = q.flat[q_at:q_at + n] · rows[j, :n] for j < count (rows [count, n], n a
+    multiple of width; count a power of two, at most width): per lane a fused multiply-add for each
+    vector of the row in order, then the lanes summed as a tree (lane_halves)."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(count, types.IntegerLiteral):
         return None
-    w, f32 = width.literal_value, ir.FloatType()
+    w, m, f32 = width.literal_value, count.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         vector = ir.VectorType(f32, w)
         q_ptr, q_first, rows_ptr, size, scores_ptr, s_first = _row_operands(context, builder, signature, args)
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * w)) for _ in range(4)]
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * w)) for _ in range(m)]
         fma = _fma(builder, w)
         with _each_vector(builder, size, w) as at:
             qv = builder.load(_vector_at(builder, q_ptr, builder.add(q_first, at), f32, w), align=4)
             for j, total in enumerate(sums):
                 key = _row_vector(builder, rows_ptr, size, j, at, w)
                 builder.store(builder.call(fma, [qv, key, builder.load(total)]), total)
-        four = _sum_lanes(builder, [builder.load(total) for total in sums])
-        builder.store(four, _vector_at(builder, scores_ptr, s_first, f32, 4), align=4)
+        together = _sum_lanes(builder, [builder.load(total) for total in sums])
+        builder.store(together, _vector_at(builder, scores_ptr, s_first, f32, m), align=4)
         return context.get_dummy_value()
 
-    return types.void(q, q_at, rows, n, scores, s_at, width), codegen
+    return types.void(q, q_at, rows, n, scores, s_at, count, width), codegen
 
 
 @intrinsic
-def _add_four_rows(typingctx, acc, a_at, rows, n, weights, w_at, width):
-    """acc.flat[a_at:a_at + n] += weights.flat[w_at + j] · rows[j, :n] for j = 0…3 in order, each
-    fused (rows [4, n], n a multiple of width): a position's value at a time, as one row alone adds."""
-    if not isinstance(width, types.IntegerLiteral):
+def _add_rows(typingctx, acc, a_at, rows, n, weights, w_at, count, width):
+    """acc.flat[a_at:a_at + n] += weights.flat[w_at + j] · rows[j, :n] for j < count in order, each
+    fused (rows [count, n], n a multiple of width): a position's value at a time, as one row alone
+    adds."""
+    if not isinstance(width, types.IntegerLiteral) or not isinstance(count, types.IntegerLiteral):
         return None
-    w, f32 = width.literal_value, ir.FloatType()
+    w, m, f32 = width.literal_value, count.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         i64, vector = ir.IntType(64), ir.VectorType(f32, w)
         acc_ptr, a_first, rows_ptr, size, weights, w_first = _row_operands(context, builder, signature, args)
-        at = [builder.gep(weights, [builder.add(w_first, ir.Constant(i64, j))]) for j in range(4)]
+        at = [builder.gep(weights, [builder.add(w_first, ir.Constant(i64, j))]) for j in range(m)]
         weight = [_splat(builder, vector, builder.load(a)) for a in at]
         fma = _fma(builder, w)
         with _each_vector(builder, size, w) as at:
             acc_at = _vector_at(builder, acc_ptr, builder.add(a_first, at), f32, w)
             total = builder.load(acc_at, align=4)
-            for j in range(4):
+            for j in range(m):
                 total = builder.call(fma, [_row_vector(builder, rows_ptr, size, j, at, w), weight[j], total])
             builder.store(total, acc_at, align=4)
         return context.get_dummy_value()
 
-    return types.void(acc, a_at, rows, n, weights, w_at, width), codegen
+    return types.void(acc, a_at, rows, n, weights, w_at, count, width), codegen
 
 
 @intrinsic

@@ -132,7 +132,7 @@ def in_lane_order(sums, rows, width) -> None:
 
 
 def sum_lanes(vectors: list) -> np.ndarray:
-    """attention_vectors._sum_lanes: the lane sums of 4 vectors, by the same tree of halves."""
+    """attention_vectors._sum_lanes: the lane sums of the vectors, by the same tree of halves."""
     segment = len(vectors[0])
     while segment > 1:
         paired = len(vectors) > 1
@@ -146,11 +146,11 @@ def sum_lanes(vectors: list) -> np.ndarray:
     return vectors[0]
 
 
-def four_dots(q, q_at, rows, n, width) -> np.ndarray:
-    """attention_vectors._four_dots: [4] the dot products of q.flat[q_at:…] with rows[j, :n]."""
+def dots(q, q_at, rows, n, count, width) -> np.ndarray:
+    """attention_vectors._dots: [count] the dot products of q.flat[q_at:…] with rows[j, :n]."""
     head = q.reshape(-1)[q_at : q_at + n].reshape(-1, width)
     sums = []
-    for row in rows.reshape(4, n):
+    for row in rows.reshape(count, n):
         lanes = np.zeros(width, F32)
         for qv, key in zip(head, row.reshape(-1, width), strict=True):
             lanes = _fused(qv, key, lanes)
@@ -158,10 +158,10 @@ def four_dots(q, q_at, rows, n, width) -> np.ndarray:
     return sum_lanes(sums)
 
 
-def add_four_rows(acc, a_at, rows, n, weights, w_at) -> None:
-    """attention_vectors._add_four_rows: acc.flat[a_at:…] += weight · row, a row at a time, fused."""
+def add_rows(acc, a_at, rows, n, weights, w_at, count) -> None:
+    """attention_vectors._add_rows: acc.flat[a_at:…] += weight · row, a row at a time, fused."""
     part = acc.reshape(-1)[a_at : a_at + n]
-    for j, row in enumerate(rows.reshape(4, n)):
+    for j, row in enumerate(rows.reshape(count, n)):
         part[:] = _fused(row, weights.reshape(-1)[w_at + j], part)
 
 

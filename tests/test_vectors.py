@@ -19,7 +19,7 @@ from test_kernels import raw_tensor
 
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
-from llama_chat.inference.attention_vectors import _add_four_rows, _four_dots, _largest
+from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest
 from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
 from llama_chat.inference.vectors import (
     _bit_fields,
@@ -317,34 +317,34 @@ def test_products_are_the_references(qtype, inputs, n):
 
 
 @plain_njit
-def four_dots(q, q_at, rows, n, out, width):
-    _four_dots(q, q_at, rows, n, out, 1, literally(width))
+def dots(q, q_at, rows, n, out, count, width):
+    _dots(q, q_at, rows, n, out, 1, literally(count), literally(width))
 
 
-@pytest.mark.parametrize("width", [4, 8, 16])
-def test_four_dot_products_are_summed_as_the_reference_says(width):
-    """The attention's scores: each lane's fused multiply-adds, then the lanes of four dot products
+@pytest.mark.parametrize("count, width", [(4, 4), (4, 8), (8, 8), (4, 16), (8, 16)])
+def test_dot_products_are_summed_as_the_reference_says(count, width):
+    """The attention's scores: each lane's fused multiply-adds, then the lanes of several dot products
     summed as one tree, for the vectors of each profile (NEON's and SSE's 4, AVX2's 8, AVX-512's 16)."""
     n = 4 * width
-    q, rows = floats(n + 5, 1), floats(4 * n, 2).reshape(4, n)
-    out = np.zeros(6, F32)
-    four_dots(q, 5, rows, n, out, width)
-    assert np.array_equal(out[1:5], ref.four_dots(q, 5, rows, n, width))
-    assert out[0] == out[5] == 0  # nothing written beside the four
+    q, rows = floats(n + 5, 1), floats(count * n, 2).reshape(count, n)
+    out = np.zeros(count + 2, F32)
+    dots(q, 5, rows, n, out, count, width)
+    assert np.array_equal(out[1 : count + 1], ref.dots(q, 5, rows, n, count, width))
+    assert out[0] == out[count + 1] == 0  # nothing written beside them
 
 
 @plain_njit
-def add_four_rows(acc, a_at, rows, n, weights, w_at, width):
-    _add_four_rows(acc, a_at, rows, n, weights, w_at, literally(width))
+def add_rows(acc, a_at, rows, n, weights, w_at, count, width):
+    _add_rows(acc, a_at, rows, n, weights, w_at, literally(count), literally(width))
 
 
-@pytest.mark.parametrize("width", [4, 16])
-def test_four_weighted_rows_are_added_as_the_reference_says(width):
+@pytest.mark.parametrize("count, width", [(4, 4), (8, 16)])
+def test_weighted_rows_are_added_as_the_reference_says(count, width):
     n = 3 * width
-    acc, rows, weights = floats(n + 7, 1), floats(4 * n, 2).reshape(4, n), floats(9, 3)
+    acc, rows, weights = floats(n + 7, 1), floats(count * n, 2).reshape(count, n), floats(15, 3)
     want = acc.copy()
-    ref.add_four_rows(want, 7, rows, n, weights, 5)
-    add_four_rows(acc, 7, rows, n, weights, 5, width)
+    ref.add_rows(want, 7, rows, n, weights, 5, count)
+    add_rows(acc, 7, rows, n, weights, 5, count, width)
     assert np.array_equal(acc, want)
 
 
@@ -375,7 +375,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
     checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
-    checks += " or four or largest or attention"
+    checks += " or dot_products or weighted_rows or largest or attention"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
