@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from llama_chat.storage import ChatStore, StoreError
 
-from .chat.sessions import Sessions, export_file_name, read_session_file
+from .chat import sessions as chat_sessions  # (its file readers load on first use)
+from .chat.sessions import Sessions, export_file_name
 from .terminal import escaped, on_stdout, print_json, say
 
 if TYPE_CHECKING:
@@ -209,7 +210,8 @@ def cmd_import(args) -> int:
     from .progress import ProgressBar
 
     with ProgressBar() as bar:
-        exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
+        # checked whole before the database opens
+        exported = chat_sessions.read_session_file(args.file, progress=bar)
     fingerprint, why = model_here(args) if exported.has_kv else (None, None)
     sessions = Sessions(args.db)
     try:
