@@ -36,12 +36,16 @@ def cmd_models(args) -> int:
         return print_needs(args)
     if args.prune or args.dry_run:
         return prune_prepared(args.dry_run)
+    from llama_chat.inference.packed_file import holds_model, packed_path  # (numba: not for every command)
+
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
         statuses.append(
             model_status(model)
             | {
+                "packed": holds_model(model_path(model)),
+                "packed_path": str(packed_path(model_path(model))),
                 "sampling": defaults.values,
                 "sampling_from": defaults.source,
                 "system_prompt": model.system_prompt,
@@ -54,6 +58,8 @@ def cmd_models(args) -> int:
         state = "verified" if s["verified"] else "assembled" if s["assembled"] else "not assembled"
         if not s["packages_installed"] and not s["assembled"]:
             state = "packages not installed"
+        if s["packed"]:  # all a start reads is in its packed file
+            state, s["path"] = "packed", s["packed_path"]
         print(f"{s['name']:40} {state:22} {s['path']}")
         print(f"  {s['description']}")
         sampling = ", ".join(f"{key} {value}" for key, value in s["sampling"].items() if value is not None)
