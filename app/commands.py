@@ -70,8 +70,9 @@ def cmd_models(args) -> int:
 
 
 def prune_prepared(dry_run: bool) -> int:
-    """`models --prune`: the prepared files no start here reads again, a line each, removed (or only
-    listed); then the pip packages of assembled models, which only assemble them again."""
+    """`models --prune`: the prepared files no start here reads again (and the assembled files of models
+    packed here), a line each, removed (or only listed); then the pip packages of assembled models not
+    packed here, which only assemble them again."""
     from llama_chat.inference.prepared_files import remove, stale_files
 
     stale = stale_files()
@@ -87,7 +88,8 @@ def prune_prepared(dry_run: bool) -> int:
         print(f"removed {len(stale)} file(s), {total:,.1f} MB")
     for model in KNOWN_MODELS.values():
         status = model_status(model)
-        if status["verified"] and status["packages_installed"]:
+        packed = model_path(model) in {f.path for f in stale}  # the packages are its one source then
+        if status["verified"] and status["packages_installed"] and not packed:
             parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
             print(
                 f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: "

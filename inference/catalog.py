@@ -8,7 +8,8 @@ re-hashing half a gigabyte.
 
 Once a start by name has packed the model for this machine (packed_file.py), the packed file holds all a
 start reads, its GGUF's metadata aside (weights.py keeps it, keyed by the sha256), and the assembled file
-is removed (model.py): the model is on disk as its pip packages and its packed file, not a third time.
+is removed where its pip packages are there to assemble it again (model.py): the model is on disk as
+its pip packages and its packed file, not a third time (nor as its packed file alone).
 It is assembled again from the packages, and verified again, only where its bytes are read: to pack it
 for another machine profile or layout, in place of a packed file found damaged, or for whoever asks
 for the file itself (resolve_model: a benchmark, llama.cpp).
@@ -247,6 +248,15 @@ def ensure_model(model: KnownModel, progress: Progress | None = None) -> Path:
     return path
 
 
+def has_packages(model: KnownModel) -> bool:
+    """Whether its pip packages are installed, whole: it can be assembled again."""
+    try:
+        chunk_files(model)
+        return True
+    except ModelError:
+        return False
+
+
 def remove_assembled(model: KnownModel) -> None:
     """The assembled file and its record, no longer read once the model is packed for this machine."""
     path = model_path(model)
@@ -256,16 +266,11 @@ def remove_assembled(model: KnownModel) -> None:
 
 def model_status(model: KnownModel) -> dict:
     """What `llama-chat models` shows: are the packages installed, is the file assembled and verified."""
-    try:
-        chunk_files(model)
-        installed = True
-    except ModelError:
-        installed = False
     path = model_path(model)
     return {
         "name": model.name,
         "description": model.description,
-        "packages_installed": installed,
+        "packages_installed": has_packages(model),
         "path": str(path),
         "assembled": path.exists(),
         "verified": is_verified(model),

@@ -15,6 +15,7 @@ from .catalog import (
     KnownModel,
     Progress,
     assembled_model_at,
+    has_packages,
     model_path,
     remove_assembled,
     resolve_model,
@@ -224,7 +225,7 @@ def load_model(
     asked_for = known is not None and model_path(known).exists() and holds_model(model_path(known))
     path = locate_model(name_or_path, progress)
     prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx)
-    if known is not None and not asked_for and holds_model(path):
+    if known is not None and not asked_for and holds_model(path) and has_packages(known):
         remove_assembled(known)
     return Model(prepared, cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)
 

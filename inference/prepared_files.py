@@ -7,8 +7,9 @@ mtime, a catalog model's by its sha256; weights.py) and a packed file
 file is stale when it was packed for another machine profile or layout, when its GGUF is gone or changed
 since (a catalog model's: when the catalog names another sha256), or when it is not whole; a metadata
 entry when it belongs to no model still here — the catalog's models and the GGUFs the packed files name.
-A start rebuilds whatever it misses (a catalog model from its pip packages), so removing is only ever
-slower once, never wrong.
+A catalog model's assembled GGUF is not read either once its packed file holds all a start reads (one
+asked for itself, catalog.resolve_model, stays until then). A start rebuilds whatever it misses (a
+catalog model from its pip packages), so removing is only ever slower once, never wrong.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import packed_file
-from .catalog import KNOWN_MODELS, assembled_model_at, cache_dir, model_path
+from .catalog import KNOWN_MODELS, assembled_model_at, cache_dir, has_packages, model_path, remove_assembled
 from .cpu import PROFILE
 from .weights import _prepared_dir
 
@@ -31,11 +32,17 @@ class PreparedFile:
 
 
 def stale_files() -> list[PreparedFile]:
-    """The files and entries of `prepared/` that no start on this machine reads again, largest first."""
+    """The files and entries of `prepared/` that no start on this machine reads again, and the catalog's
+    assembled files, largest first."""
+    stale = [
+        PreparedFile(path, path.stat().st_size, "packed: assembled again from its pip packages where needed")
+        for path in (model_path(m) for m in KNOWN_MODELS.values())
+        if path.is_file() and packed_file.holds_model(path) and has_packages(assembled_model_at(path))
+    ]
     folder = cache_dir() / "prepared"
     if not folder.is_dir():
-        return []
-    stale, in_use = [], {model_path(m) for m in KNOWN_MODELS.values()}
+        return stale
+    in_use = {model_path(m) for m in KNOWN_MODELS.values()}
     for path in sorted(folder.glob("*.packed")):
         why, gguf = _stale_packed(path)
         if why:
@@ -51,7 +58,10 @@ def stale_files() -> list[PreparedFile]:
 
 def remove(files: list[PreparedFile]) -> None:
     for f in files:
-        if f.path.is_dir():
+        model = assembled_model_at(f.path)
+        if model is not None:
+            remove_assembled(model)  # with its record
+        elif f.path.is_dir():
             shutil.rmtree(f.path, ignore_errors=True)
         else:
             f.path.unlink(missing_ok=True)

@@ -167,3 +167,31 @@ def test_prune_keeps_what_a_packed_catalog_model_reads(shipped, capsys):
     assert main(["models", "--prune"]) == 0
     assert capsys.readouterr().out.startswith("nothing to remove")
     assert _cache_files() == files
+
+
+def test_prune_removes_an_assembled_gguf_asked_for_once_the_model_is_packed(shipped, capsys):
+    from llama_chat.inference.catalog import ensure_model
+
+    _start(shipped.model.name)
+    files = _cache_files()
+    path = ensure_model(shipped.model)
+    assert main(["models", "--prune", "--dry-run"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].endswith(f"MB  {path}  (packed: assembled again from its pip packages where needed)")
+    assert listed[1].startswith("would remove 1 file(s)") and len(listed) == 2  # no pip uninstall offered
+    assert main(["models", "--prune"]) == 0
+    assert _cache_files() == files
+    model, steps = _start(shipped.model.name)
+    assert not _did(steps, "assembling") and np.array_equal(_logits(model), shipped.expected)
+
+
+def test_without_its_packages_the_assembled_gguf_stays_its_source(shipped, tmp_path):
+    """A model whose packages were uninstalled (as `models --prune` once offered) keeps its GGUF: the packed
+    file alone could not be packed again for another profile or layout."""
+    from llama_chat.inference.catalog import ensure_model
+
+    path = ensure_model(shipped.model)
+    _uninstall(tmp_path / "site")
+    model, steps = _start(shipped.model.name)
+    assert _did(steps, "packing") and path.exists()
+    assert np.array_equal(_logits(model), shipped.expected)
