@@ -219,9 +219,10 @@ def load_model(
     from a norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
     given (--ctx): where a model's RoPE depends on it (phi3's LongRoPE), as llama.cpp decides by its
     context (config.with_context); None: as the GGUF reads."""
-    known = _catalog_model(name_or_path)
-    # An assembled file this start neither assembles nor packs from stays: it was asked for itself
-    # (catalog.resolve_model: a benchmark, llama.cpp); one it does is removed once its packed file is whole.
+    known = KNOWN_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))
+    # An assembled file a start by name neither assembles nor packs from stays, as does one loaded by its
+    # path: it was asked for itself (catalog.resolve_model: a benchmark, llama.cpp); one a start by name
+    # assembles or packs from is removed once its packed file is whole.
     asked_for = known is not None and model_path(known).exists() and holds_model(model_path(known))
     path = locate_model(name_or_path, progress)
     prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx)

@@ -195,3 +195,16 @@ def test_without_its_packages_the_assembled_gguf_stays_its_source(shipped, tmp_p
     model, steps = _start(shipped.model.name)
     assert _did(steps, "packing") and path.exists()
     assert np.array_equal(_logits(model), shipped.expected)
+
+
+def test_a_start_by_its_path_keeps_the_assembled_gguf(shipped):
+    """A GGUF loaded by its path was asked for itself: packing from it removes nothing, and a later
+    start by name, which packs nothing, neither."""
+    from llama_chat.inference.catalog import ensure_model
+
+    path = ensure_model(shipped.model)
+    model, steps = _start(str(path))
+    assert _did(steps, "packing") and path.exists()
+    again, steps = _start(shipped.model.name)
+    assert not _did(steps, "packing") and path.exists()
+    assert np.array_equal(_logits(again), shipped.expected)
