@@ -208,3 +208,13 @@ def test_a_start_by_its_path_keeps_the_assembled_gguf(shipped):
     again, steps = _start(shipped.model.name)
     assert not _did(steps, "packing") and path.exists()
     assert np.array_equal(_logits(again), shipped.expected)
+
+
+def test_an_import_finds_a_packed_models_fingerprint_without_assembling_it(shipped):
+    from argparse import Namespace
+
+    from llama_chat.app.commands_sessions import model_here
+
+    model, _ = _start(shipped.model.name)
+    assert model_here(Namespace(model=shipped.model.name)) == (model.fingerprint, None)
+    assert not model_path(shipped.model).exists()
