@@ -194,14 +194,14 @@ def cmd_export(args) -> int:
 def model_here(args) -> tuple[str | None, str | None]:
     """The fingerprint of the model this command line chats with (--model, or the default), read
     without building a model; (None, why) when there is no usable one."""
-    from llama_chat.inference import ModelError, resolve_model
+    from llama_chat.inference import ModelError, locate_model
     from llama_chat.inference.weights import model_info
 
     from .progress import ProgressBar
 
     try:
         with ProgressBar() as bar:  # draws only when the model must first be assembled or read
-            return model_info(resolve_model(args.model, bar), bar).fingerprint, None
+            return model_info(locate_model(args.model, bar), bar).fingerprint, None
     except ModelError as e:
         return None, str(e)
 
