@@ -156,7 +156,6 @@ class StoreConnection:
         return self.rows("PRAGMA data_version")[0]["data_version"]
 
     def insert(self, table: str, row: dict) -> None:
-        # plain SQL: sqlite-utils' writers commit on their own, which would end our transaction early
         names = ", ".join(row)
         self.db.conn.execute(
             f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})", list(row.values())

@@ -14,8 +14,6 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import sqlite_utils
-
 from . import fragments
 
 Progress = Callable[[str, int, int], None]  # progress(label, done, total) of a long step
@@ -104,7 +102,7 @@ def _v1(conn: sqlite3.Connection, progress: Progress | None) -> None:
             checksum TEXT NOT NULL,
             updated REAL NOT NULL
         );
-        -- full-text search over messages, laid out as sqlite-utils' enable_fts does, so table.search works
+        -- full-text search over messages (search.py), kept in step by triggers
         CREATE VIRTUAL TABLE messages_fts USING FTS5 (content, content="messages");
         CREATE TRIGGER messages_ai AFTER INSERT ON messages BEGIN
             INSERT INTO messages_fts (rowid, content) VALUES (new.rowid, new.content);
@@ -370,9 +368,17 @@ def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
     return sqlite3.connect(uri, uri=True, timeout=BUSY_S, check_same_thread=False, isolation_level=None)
 
 
+class Database:
+    """An open database file: its connection, `conn` (plain sqlite3: the store writes its own SQL, and
+    a library over it would only add its imports to every command's start and the app's)."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+
 def open_database(
     path: str | Path, read_only: bool | None = None, progress: Progress | None = None
-) -> sqlite_utils.Database:
+) -> Database:
     """Open (creating if needed) and upgrade the database, all or nothing, telling `progress` of a
     long upgrade; refuse one from a newer version, and one whose -wal file is damaged. A database we
     may not write, or cannot for a full disk, is opened read-only (and marked so: PRAGMA query_only)."""
@@ -429,7 +435,7 @@ def open_database(
                 raise
         if read_only:
             conn.execute("PRAGMA query_only = ON")  # the connection itself says so: see ChatStore.read_only
-        return sqlite_utils.Database(conn)
+        return Database(conn)
     except sqlite3.DatabaseError as e:
         conn.close()
         raise store_error(path, e, "it cannot be used") from None
