@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from llama_chat.storage import SCHEMA_VERSION, ChatStore, db, search
+from llama_chat.storage import SCHEMA_VERSION, ChatStore, db, repair, search
 
 
 @pytest.fixture
@@ -112,3 +112,18 @@ def test_an_upgrade_stopped_half_way_leaves_the_database_as_it_was(tmp_path, mon
     assert not conn.execute("SELECT 1 FROM sqlite_master WHERE name LIKE 'titles_fts%'").fetchall()
     conn.close()
     assert titled(ChatStore(path), "chat 3") == ["chat 3"]  # the next start upgrades it
+
+
+@pytest.mark.parametrize("sqlite3_command", [True, False], ids=["recover", "row by row"])
+def test_a_recovered_database_finds_its_titles(tmp_path, monkeypatch, sqlite3_command):
+    store = ChatStore(tmp_path / "chat.db")
+    for title in ("trip to Lisbon", "tax return", "Lisbon again"):
+        store.create_session(title)
+    store.close()
+    if not sqlite3_command:
+        monkeypatch.setattr(repair.shutil, "which", lambda name: None)
+    elif repair.shutil.which("sqlite3") is None:
+        pytest.skip("no sqlite3 command here")
+    repair.recover(tmp_path / "chat.db", tmp_path / "recovered.db")
+    recovered = ChatStore(tmp_path / "recovered.db")
+    assert titled(recovered, "lisbon") == ["Lisbon again", "trip to Lisbon"] and in_step(recovered)
