@@ -23,8 +23,22 @@ if TYPE_CHECKING:
 
 
 def open_sessions(args) -> Sessions:
-    """The conversations of --db, saying so while another process holds them."""
-    sessions = Sessions(args.db)
+    """The conversations of --db, saying so while another process holds them; a file an older
+    llama-chat wrote is upgraded, with a progress bar."""
+    bars = []  # made (Rich loaded) only where an upgrade tells its progress
+
+    def progress(label: str, done: int, total: int) -> None:
+        if not bars:
+            from .progress import ProgressBar
+
+            bars.append(ProgressBar())
+        bars[0](label, done, total)
+
+    try:
+        sessions = Sessions(args.db, progress)
+    finally:
+        for bar in bars:
+            bar.__exit__(None, None, None)
     sessions.on_wait = waiting_notice(sessions)
     return sessions
 

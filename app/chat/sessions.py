@@ -64,8 +64,8 @@ class Sessions:
     """The conversations of one database; `engine`, once one is built on them, hears of forks and
     deletes. Safe to call from worker threads, as the store is."""
 
-    def __init__(self, db: Path | str):
-        self._store = ChatStore(db)
+    def __init__(self, db: Path | str, progress: Progress | None = None):
+        self._store = ChatStore(db, progress)  # an older file upgraded, telling `progress`
         self.engine: ChatEngine | None = None  # set by build.open_engine
         self._seen_version = self._store.connection.data_version()  # what changed_elsewhere() compares with
 
