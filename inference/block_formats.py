@@ -1,19 +1,21 @@
-"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4, and the kernels' half of
-reading them.
+"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, the IQ1–IQ3 formats and
+TQ1_0, TQ2_0, and the kernels' half of reading them.
 
 Each block of these formats holds 32 or 256 weights of a row in a few bytes (ggml-quants.c's block_*
 structs). Packed, LANES rows are interleaved as in quants.py and every byte keeps its place in its
 block: values [groups, blocks per row, block bytes, LANES] uint8, byte k of block b of row g·L + lane
-at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The block
-size tells the kernels the format, so one compiled kernel reads them all.
+at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The packed
+block size tells the kernels the format, so one compiled kernel reads them all: where two formats'
+blocks are the same size (IQ3_S and Q3_K, TQ2_0 and IQ2_XXS), the later one's blocks end in a byte of
+padding (PACKED_BYTES).
 
 A kernel decodes each group of LANES rows into a float32 tile (decode_group), each weight exactly as
 gguf.quants dequantizes it (its float32 operations in its order; the IQ formats through their tables
-of values, gguf.quants' own), the bytes of LANES rows side by side so that each step runs across the
-lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a product
-is bit for bit the one of the same matrix dequantized to float32, at a seventh to a twelfth of its
+of values and grids, gguf.quants' own), the bytes of LANES rows side by side so that each step runs
+across the lanes. Then the float32 kernels multiply the tile (products._block_product), so a product
+is bit for bit the one of the same matrix dequantized to float32, at a fifth to a twentieth of its
 bytes. gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to
-it.
+it. The IQ1–IQ3 and ternary formats' decoders: grid_formats.py.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import gguf
 import numpy as np
 from numba import carray
 
+from . import grid_formats as grids
 from .cpu import PROFILE
-from .half import to_f32
+from .grid_formats import _half_at
 from .jit import njit
 from .vectors import _bit_fields, _q3_k_quants, _registers, _table_fields
 
@@ -31,32 +34,55 @@ Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
 RUN = 32  # columns decoded at a time: a sub-block of every format here
 F32 = np.float32
-BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
-_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
+BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4) + (
+    (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0)  # grid_formats.py
+)
+
+
+def _packed_bytes() -> dict[Q, int]:
+    """Each format's block size as packed: its GGUF block's, a byte more where an earlier format has it."""
+    sizes: dict[Q, int] = {}
+    for qtype in BLOCK_FORMATS:
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        sizes[qtype] = size + 1 if size in sizes.values() else size
+    return sizes
+
+
+PACKED_BYTES = _packed_bytes()
+_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS, _MXFP4 = (PACKED_BYTES[q] for q in BLOCK_FORMATS[:5])  # bytes a block
+_IQ2_XXS, _IQ2_XS, _IQ2_S, _IQ3_XXS, _IQ3_S, _IQ1_S, _IQ1_M, _TQ1_0, _TQ2_0 = (
+    PACKED_BYTES[q] for q in BLOCK_FORMATS[5:]
+)
 # the IQ formats' 16 values of a 4-bit index (int8 as floats, exact), gguf.quants' tables
 IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, F32)
 MXFP4_VALUES = np.array(gguf.quants.MXFP4.kvalues, F32)  # e2m1, doubled: the scale is halved to match
 
 
 def format_of(values: np.ndarray) -> Q:
-    """The format of a matrix packed here, by its block size."""
-    return next(q for q in BLOCK_FORMATS if gguf.GGML_QUANT_SIZES[q][1] == values.shape[2])
+    """The format of a matrix packed here, by its packed block size."""
+    return next(q for q in BLOCK_FORMATS if PACKED_BYTES[q] == values.shape[2])
 
 
 def n_cols_of(values: np.ndarray) -> int:
     return values.shape[1] * gguf.GGML_QUANT_SIZES[format_of(values)][0]
 
 
+def packed_rows(raw: np.ndarray, qtype: Q, n_rows: int) -> np.ndarray:
+    """A tensor's GGUF bytes as rows [n_rows, row bytes] of its packed blocks (padded where PACKED_BYTES
+    says: a copy then)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(n_rows, -1, block_bytes)
+    padding = PACKED_BYTES[qtype] - block_bytes
+    if padding:
+        blocks = np.pad(blocks, ((0, 0), (0, 0), (0, padding)))
+    return blocks.reshape(n_rows, -1)
+
+
 def gguf_rows(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a packed matrix as float32, dequantized by gguf.quants from their GGUF bytes."""
-    blocks = values[ids // LANES, :, :, ids % LANES]  # [n, blocks, block bytes]
-    return np.asarray(gguf.quants.dequantize(blocks.reshape(len(ids), -1), format_of(values)), F32)
-
-
-@njit(cache=True, inline="always")
-def _half_at(values, g, b, at, lane):
-    """The float16 at bytes at, at + 1 of a lane's block b, as float32 (exact)."""
-    return to_f32(np.uint16(np.uint16(values[g, b, at, lane]) | (np.uint16(values[g, b, at + 1, lane]) << 8)))
+    qtype = format_of(values)
+    blocks = values[ids // LANES, :, : gguf.GGML_QUANT_SIZES[qtype][1], ids % LANES]  # [n, blocks, bytes]
+    return np.asarray(gguf.quants.dequantize(blocks.reshape(len(ids), -1), qtype), F32)
 
 
 # The decoders write run k of block b of group g's LANES rows into columns c0… of tile [n_cols, LANES],
@@ -162,16 +188,35 @@ def decode_group(values, g, tile):
     dequantizes it, a run of 32 columns at a time."""
     block_bytes = values.shape[2]
     for r in range(tile.shape[0] // RUN):
+        b, k, c0 = r // 8, r % 8, RUN * r  # (run k of a 256-weight block b)
         if block_bytes == _Q2_K:
-            _q2_k_run(values, g, r // 8, r % 8, tile, RUN * r)
+            _q2_k_run(values, g, b, k, tile, c0)
         elif block_bytes == _Q3_K:
-            _q3_k_run(values, g, r // 8, r % 8, tile, RUN * r)
+            _q3_k_run(values, g, b, k, tile, c0)
         elif block_bytes == _IQ4_XS:
-            _iq4_xs_run(values, g, r // 8, r % 8, tile, RUN * r)
+            _iq4_xs_run(values, g, b, k, tile, c0)
         elif block_bytes == _IQ4_NL:
-            _iq4_nl_run(values, g, r, tile, RUN * r)
+            _iq4_nl_run(values, g, r, tile, c0)
+        elif block_bytes == _MXFP4:
+            _mxfp4_run(values, g, r, tile, c0)
+        elif block_bytes == _IQ2_XXS:  # the IQ1–IQ3 and ternary formats: grid_formats.py
+            grids._iq2_xxs_run(values, g, b, k, tile, c0)
+        elif block_bytes == _IQ2_XS:
+            grids._iq2_xs_run(values, g, b, k, tile, c0)
+        elif block_bytes == _IQ2_S:
+            grids._iq2_s_run(values, g, b, k, tile, c0)
+        elif block_bytes == _IQ3_XXS:
+            grids._iq3_xxs_run(values, g, b, k, tile, c0)
+        elif block_bytes == _IQ3_S:
+            grids._iq3_s_run(values, g, b, k, tile, c0)
+        elif block_bytes == _IQ1_S:
+            grids._iq1_s_run(values, g, b, k, tile, c0)
+        elif block_bytes == _IQ1_M:
+            grids._iq1_m_run(values, g, b, k, tile, c0)
+        elif block_bytes == _TQ1_0:
+            grids._tq1_0_run(values, g, b, k, tile, c0)
         else:
-            _mxfp4_run(values, g, r, tile, RUN * r)
+            grids._tq2_0_run(values, g, b, k, tile, c0)
 
 
 @njit(cache=True)

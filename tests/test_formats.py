@@ -15,7 +15,10 @@ from tiny_models import write_tiny_model
 T = gguf.GGMLQuantizationType
 DIMS = (256, 4, 2, 64, 256)  # n_embd, heads, KV heads, head_dim, n_ff: every matrix's columns 256s
 # Scales of the random blocks that keep their weights about 0.1 (a block's largest scale times value)
-SCALE = {T.Q2_K: 2e-3, T.Q3_K: 1e-3, T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5}
+SCALE = {
+    T.Q2_K: 2e-3, T.Q3_K: 1e-3, T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5, T.IQ2_XXS: 6e-4, T.IQ2_XS: 6e-4,
+    T.IQ2_S: 6e-4, T.IQ3_XXS: 2e-4, T.IQ3_S: 2e-4, T.IQ1_S: 6e-3, T.IQ1_M: 6e-3,
+}
 
 
 def tiny_model_in(path, qtype: T, as_float32: bool = False):
