@@ -72,6 +72,17 @@ def _signed(w, signs, j):
 
 
 @njit(cache=True, inline="always")
+def _signed_points(grid, db, points, signs, bit0, tile, c):
+    """Columns c… of tile: for each lane, db · the grid point points[lane] (4 or 8 values), value j signed
+    by bit bit0 + j of signs[lane]. Points and signs come as floats (exact: under 2^11), a register each,
+    so that the loop over the lanes runs in vectors."""
+    for j in range(grid.shape[1]):
+        for lane in range(LANES):
+            w = db[lane] * grid[np.int64(points[lane]), j]
+            tile[c + j, lane] = _signed(w, np.int64(signs[lane]), bit0 + j)
+
+
+@njit(cache=True, inline="always")
 def _iq2_scale(d, sc):
     """The IQ2 formats' scale of a 4-bit sc: d·(0.5 + sc)·0.25, rounded as gguf.quants rounds it."""
     return d * (F32(0.5) + F32(sc)) * F32(0.25)
@@ -91,16 +102,16 @@ def _iq2_xxs_run(values, g, b, k, tile, c0):
     """Run k of IQ2_XXS block b (66 bytes): d, then two uint32 a run (2 + 8k): four grid indices in the
     bytes of the first, four 7-bit sign indices and a 4-bit scale (bits 28-31) in the second.
     Weight = d·(0.5 + sc)·0.25·grid·sign."""
-    db = carray(_registers(LANES), LANES)
+    db, points = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    signs = carray(_registers(LANES), LANES)
     at = 2 + 8 * k
     for lane in range(LANES):
         db[lane] = _iq2_scale(_half_at(values, g, b, 0, lane), _byte_at(values, g, b, at + 7, lane) >> 4)
     for i in range(4):
         for lane in range(LANES):
-            signs = KSIGNS[(_u32_at(values, g, b, at + 4, lane) >> (7 * i)) & 127]
-            point = _byte_at(values, g, b, at + i, lane)
-            for j in range(8):
-                tile[c0 + 8 * i + j, lane] = _signed(db[lane] * IQ2_XXS_GRID[point, j], signs, j)
+            signs[lane] = KSIGNS[(_u32_at(values, g, b, at + 4, lane) >> (7 * i)) & 127]
+            points[lane] = _byte_at(values, g, b, at + i, lane)
+        _signed_points(IQ2_XXS_GRID, db, points, signs, 0, tile, c0 + 8 * i)
 
 
 @njit(cache=True)
@@ -108,15 +119,15 @@ def _iq2_xs_run(values, g, b, k, tile, c0):
     """Run k of IQ2_XS block b (74 bytes): d, 32 uint16 (2…: a 9-bit grid index and a 7-bit sign index
     each, four a run), then a 4-bit scale for each 16 weights (nibbles of 66-73).
     Weight = d·(0.5 + sc)·0.25·grid·sign."""
-    db = carray(_registers(LANES), LANES)
-    for h in range(2):
-        _iq2_nibble_scales(values, g, b, 66 + k, h, db)
-        for i in range(2 * h, 2 * h + 2):
-            for lane in range(LANES):
-                q = _u16_at(values, g, b, 2 + 8 * k + 2 * i, lane)
-                signs, point = KSIGNS[q >> 9], q & 511
-                for j in range(8):
-                    tile[c0 + 8 * i + j, lane] = _signed(db[lane] * IQ2_XS_GRID[point, j], signs, j)
+    db, points = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    signs = carray(_registers(LANES), LANES)
+    for i in range(4):
+        if i % 2 == 0:
+            _iq2_nibble_scales(values, g, b, 66 + k, i // 2, db)
+        for lane in range(LANES):
+            q = _u16_at(values, g, b, 2 + 8 * k + 2 * i, lane)
+            signs[lane], points[lane] = KSIGNS[q >> 9], q & 511
+        _signed_points(IQ2_XS_GRID, db, points, signs, 0, tile, c0 + 8 * i)
 
 
 @njit(cache=True)
@@ -124,16 +135,16 @@ def _iq2_s_run(values, g, b, k, tile, c0):
     """Run k of IQ2_S block b (82 bytes): d, the low 8 bits of 32 grid indices (2…), a byte of 8 signs
     for each (34…), their high 2 bits (pairs of 66-73), a 4-bit scale for each 16 weights (nibbles of
     74-81). Weight = d·(0.5 + sc)·0.25·grid·sign."""
-    db = carray(_registers(LANES), LANES)
-    for h in range(2):
-        _iq2_nibble_scales(values, g, b, 74 + k, h, db)
-        for i in range(2 * h, 2 * h + 2):
-            for lane in range(LANES):
-                high = (_byte_at(values, g, b, 66 + k, lane) >> (2 * i)) & 3
-                point = _byte_at(values, g, b, 2 + 4 * k + i, lane) | (high << 8)
-                signs = _byte_at(values, g, b, 34 + 4 * k + i, lane)
-                for j in range(8):
-                    tile[c0 + 8 * i + j, lane] = _signed(db[lane] * IQ2_S_GRID[point, j], signs, j)
+    db, points = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    signs = carray(_registers(LANES), LANES)
+    for i in range(4):
+        if i % 2 == 0:
+            _iq2_nibble_scales(values, g, b, 74 + k, i // 2, db)
+        for lane in range(LANES):
+            high = (_byte_at(values, g, b, 66 + k, lane) >> (2 * i)) & 3
+            points[lane] = _byte_at(values, g, b, 2 + 4 * k + i, lane) | (high << 8)
+            signs[lane] = _byte_at(values, g, b, 34 + 4 * k + i, lane)
+        _signed_points(IQ2_S_GRID, db, points, signs, 0, tile, c0 + 8 * i)
 
 
 @njit(cache=True)
@@ -141,18 +152,16 @@ def _iq3_xxs_run(values, g, b, k, tile, c0):
     """Run k of IQ3_XXS block b (98 bytes): d, 8 grid indices of 4 weights a run (2 + 8k…), then a
     uint32 a run (66 + 4k): four 7-bit sign indices and a 4-bit scale (bits 28-31).
     Weight = d·(0.5 + sc)·0.5·grid·sign."""
-    db = carray(_registers(LANES), LANES)
+    db, points = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    signs = carray(_registers(LANES), LANES)
     for lane in range(LANES):
         sc = F32(_byte_at(values, g, b, 69 + 4 * k, lane) >> 4)
         db[lane] = _half_at(values, g, b, 0, lane) * (F32(0.5) + sc) * F32(0.5)
-    for i in range(4):
+    for i in range(8):  # 4 weights each, 8 signs for two
         for lane in range(LANES):
-            signs = KSIGNS[(_u32_at(values, g, b, 66 + 4 * k, lane) >> (7 * i)) & 127]
-            for half in range(2):
-                point = _byte_at(values, g, b, 2 + 8 * k + 2 * i + half, lane)
-                for j in range(4):
-                    w = db[lane] * IQ3_XXS_GRID[point, j]
-                    tile[c0 + 8 * i + 4 * half + j, lane] = _signed(w, signs, 4 * half + j)
+            signs[lane] = KSIGNS[(_u32_at(values, g, b, 66 + 4 * k, lane) >> (7 * (i // 2))) & 127]
+            points[lane] = _byte_at(values, g, b, 2 + 8 * k + i, lane)
+        _signed_points(IQ3_XXS_GRID, db, points, signs, 4 * (i % 2), tile, c0 + 4 * i)
 
 
 @njit(cache=True)
@@ -160,17 +169,26 @@ def _iq3_s_run(values, g, b, k, tile, c0):
     """Run k of IQ3_S block b (110 bytes): d, the low 8 bits of 64 grid indices of 4 weights (2…), their
     high bits (bits of 66-73), a byte of 8 signs for each 8 weights (74…), a 4-bit scale a run (nibbles
     of 106-109). Weight = d·(1 + 2·sc)·grid·sign."""
-    db = carray(_registers(LANES), LANES)
+    db, points = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    signs = carray(_registers(LANES), LANES)
     for lane in range(LANES):
         sc = (_byte_at(values, g, b, 106 + k // 2, lane) >> (4 * (k % 2))) & 15
         db[lane] = _half_at(values, g, b, 0, lane) * F32(1 + 2 * sc)
     for i in range(8):
         for lane in range(LANES):
             high = (_byte_at(values, g, b, 66 + k, lane) >> i) & 1
-            point = _byte_at(values, g, b, 2 + 8 * k + i, lane) | (high << 8)
-            signs = _byte_at(values, g, b, 74 + 4 * k + i // 2, lane) >> (4 * (i % 2))
-            for j in range(4):
-                tile[c0 + 4 * i + j, lane] = _signed(db[lane] * IQ3_S_GRID[point, j], signs, j)
+            points[lane] = _byte_at(values, g, b, 2 + 8 * k + i, lane) | (high << 8)
+            signs[lane] = _byte_at(values, g, b, 74 + 4 * k + i // 2, lane)
+        _signed_points(IQ3_S_GRID, db, points, signs, 4 * (i % 2), tile, c0 + 4 * i)
+
+
+@njit(cache=True, inline="always")
+def _iq1_points(dl, points, delta, tile, c):
+    """Columns c… of tile: for each lane, dl · (the IQ1 grid point points[lane] + delta), as gguf.quants
+    rounds it (points as floats: _signed_points)."""
+    for j in range(8):
+        for lane in range(LANES):
+            tile[c + j, lane] = dl[lane] * (IQ1_GRID[np.int64(points[lane]), j] + delta[lane])
 
 
 @njit(cache=True)
@@ -178,14 +196,17 @@ def _iq1_s_run(values, g, b, k, tile, c0):
     """Run k of IQ1_S block b (50 bytes): d, the low 8 bits of 32 grid indices (2…), then a uint16 a run
     (34 + 2k): the high 3 bits of its four indices, a 3-bit scale (bits 12-14), the delta's sign (15).
     Weight = d·(2·sc + 1)·(grid ± 0.125)."""
+    dl, delta = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    points = carray(_registers(LANES), LANES)
     for lane in range(LANES):
         qh = _u16_at(values, g, b, 34 + 2 * k, lane)
-        dl = _half_at(values, g, b, 0, lane) * F32(2 * ((qh >> 12) & 7) + 1)
-        delta = -IQ1_DELTA if qh & 0x8000 else IQ1_DELTA
-        for i in range(4):
-            point = _byte_at(values, g, b, 2 + 4 * k + i, lane) | (((qh >> (3 * i)) & 7) << 8)
-            for j in range(8):
-                tile[c0 + 8 * i + j, lane] = dl * (IQ1_GRID[point, j] + delta)
+        dl[lane] = _half_at(values, g, b, 0, lane) * F32(2 * ((qh >> 12) & 7) + 1)
+        delta[lane] = -IQ1_DELTA if qh & 0x8000 else IQ1_DELTA
+    for i in range(4):
+        for lane in range(LANES):
+            high = (_u16_at(values, g, b, 34 + 2 * k, lane) >> (3 * i)) & 7
+            points[lane] = _byte_at(values, g, b, 2 + 4 * k + i, lane) | (high << 8)
+        _iq1_points(dl, points, delta, tile, c0 + 8 * i)
 
 
 @njit(cache=True)
@@ -193,20 +214,22 @@ def _iq1_m_run(values, g, b, k, tile, c0):
     """Run k of IQ1_M block b (56 bytes): the low 8 bits of 32 grid indices (0…), a nibble for each
     (32…: its high 3 bits and the delta's sign), four uint16 (48…) holding a 3-bit scale for each 16
     weights and, in their top nibbles, d. Weight = d·(2·sc + 1)·(grid ± 0.125)."""
+    d, dl = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
+    delta, points = carray(_registers(LANES), LANES), carray(_registers(LANES), LANES)
     for lane in range(LANES):
         d_bits = 0
         for m in range(4):
             d_bits |= ((_byte_at(values, g, b, 49 + 2 * m, lane) >> 4) & 15) << (4 * m)
-        d = to_f32(np.uint16(d_bits))
-        for i in range(4):
-            s = 2 * k + i // 2  # the scale of weights 16·s…
+        d[lane] = to_f32(np.uint16(d_bits))
+    for i in range(4):
+        s = 2 * k + i // 2  # the scale of weights 16·s…
+        for lane in range(LANES):
             sc = (_u16_at(values, g, b, 48 + 2 * (s // 4), lane) >> (3 * (s % 4))) & 7
-            dl = d * F32(2 * sc + 1)
-            qh = (_byte_at(values, g, b, 32 + 2 * k + i // 2, lane) >> (4 * (i % 2))) & 15
-            delta = -IQ1_DELTA if qh & 8 else IQ1_DELTA
-            point = _byte_at(values, g, b, 4 * k + i, lane) | ((qh & 7) << 8)
-            for j in range(8):
-                tile[c0 + 8 * i + j, lane] = dl * (IQ1_GRID[point, j] + delta)
+            dl[lane] = d[lane] * F32(2 * sc + 1)
+            qh = _byte_at(values, g, b, 32 + 2 * k + i // 2, lane) >> (4 * (i % 2))
+            delta[lane] = -IQ1_DELTA if qh & 8 else IQ1_DELTA
+            points[lane] = _byte_at(values, g, b, 4 * k + i, lane) | ((qh & 7) << 8)
+        _iq1_points(dl, points, delta, tile, c0 + 8 * i)
 
 
 @njit(cache=True)
