@@ -12,8 +12,10 @@ gguf.quants dequantizes it (its float32 operations in its order; the IQ formats 
 of values, gguf.quants' own), the bytes of LANES rows side by side so that each step runs across the
 lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a product
 is bit for bit the one of the same matrix dequantized to float32, at a seventh to a twelfth of its
-bytes. gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to
-it.
+bytes. One row (a decoded token) takes no tile of the group: one_row_group multiplies each weight in
+as it is decoded, in the same order, so with the same bits (MXFP4's in registers, the others' a run
+of 32 columns at a time). gguf.quants.dequantize is each format's plain reference (rows;
+one_row_reference for a row's product): the tests hold the kernels to it.
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ import gguf
 import numpy as np
 from numba import carray
 
+from .block_vectors import _column_multiply_add, _e8m0_halves, _scaled_multiply_add
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
-from .vectors import _bit_fields, _q3_k_quants, _registers, _table_fields
+from .vectors import _bit_fields, _prefetch, _q3_k_quants, _registers, _table_fields
 
 Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
 RUN = 32  # columns decoded at a time: a sub-block of every format here
+K_RUNS = 256 // RUN  # runs in a block of 256 weights (Q2_K, Q3_K, IQ4_XS)
+RUN_FLOATS = RUN * LANES  # a run's tile (a literal, as _registers wants it)
 F32 = np.float32
 BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
-_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
+_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS, _MXFP4 = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS)  # bytes a block
 # the IQ formats' 16 values of a 4-bit index (int8 as floats, exact), gguf.quants' tables
 IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, F32)
 MXFP4_VALUES = np.array(gguf.quants.MXFP4.kvalues, F32)  # e2m1, doubled: the scale is halved to match
@@ -157,21 +162,92 @@ def _mxfp4_run(values, g, b, tile, c0):
 
 
 @njit(cache=True)
+def _decode_run(values, g, r, tile, c0):
+    """Run r (32 columns) of group g's LANES rows into tile columns c0…, each weight as gguf.quants
+    dequantizes it."""
+    block_bytes = values.shape[2]
+    if block_bytes == _Q2_K:
+        _q2_k_run(values, g, r // 8, r % 8, tile, c0)
+    elif block_bytes == _Q3_K:
+        _q3_k_run(values, g, r // 8, r % 8, tile, c0)
+    elif block_bytes == _IQ4_XS:
+        _iq4_xs_run(values, g, r // 8, r % 8, tile, c0)
+    elif block_bytes == _IQ4_NL:
+        _iq4_nl_run(values, g, r, tile, c0)
+    else:
+        _mxfp4_run(values, g, r, tile, c0)
+
+
+@njit(cache=True)
 def decode_group(values, g, tile):
     """Group g's LANES rows as float32 into tile [n_cols, LANES], each weight as gguf.quants
     dequantizes it, a run of 32 columns at a time."""
-    block_bytes = values.shape[2]
     for r in range(tile.shape[0] // RUN):
-        if block_bytes == _Q2_K:
-            _q2_k_run(values, g, r // 8, r % 8, tile, RUN * r)
-        elif block_bytes == _Q3_K:
-            _q3_k_run(values, g, r // 8, r % 8, tile, RUN * r)
-        elif block_bytes == _IQ4_XS:
-            _iq4_xs_run(values, g, r // 8, r % 8, tile, RUN * r)
-        elif block_bytes == _IQ4_NL:
-            _iq4_nl_run(values, g, r, tile, RUN * r)
-        else:
-            _mxfp4_run(values, g, r, tile, RUN * r)
+        _decode_run(values, g, r, tile, RUN * r)
+
+
+@njit(cache=True)
+def one_row_group(values, x, out, g):
+    """out[0, g·L … g·L + L − 1] = x[0] times group g's LANES rows, each weight read once from its
+    block: MXFP4's decoded in registers (_mxfp4_one_row), the other formats' a run of 32 columns at a
+    time into a tile that stays in the core's first cache. Column by column, one fused multiply-add
+    each, as the float kernels multiply a tile of the whole group (products._block_product): the same
+    bits, without writing the group's tile (its columns times LANES floats) and reading it back."""
+    sums = _registers(LANES)
+    row = carray(sums, LANES)
+    for lane in range(LANES):
+        row[lane] = 0
+    block_bytes = values.shape[2]
+    if block_bytes == _MXFP4:
+        _mxfp4_one_row(values, x, g, sums)
+    else:
+        tile_at = _registers(RUN_FLOATS)
+        tile = carray(tile_at, (RUN, LANES))
+        runs_a_block = 1 if block_bytes == _IQ4_NL else K_RUNS
+        for r in range(x.shape[1] // RUN):
+            if r % runs_a_block == 0:
+                _ask_ahead(values, g, r // runs_a_block)
+            _decode_run(values, g, r, tile, 0)
+            for j in range(RUN):
+                _column_multiply_add(sums, tile_at, j * LANES, x[0, RUN * r + j], LANES)
+    for lane in range(LANES):
+        out[0, g * LANES + lane] = row[lane]
+
+
+@njit(cache=True, inline="always")
+def _ask_ahead(values, g, b):
+    """Asks for the weights the profile's distance past the start of group g's block b."""
+    block_bytes = values.shape[2]
+    at = (g * values.shape[1] + b) * block_bytes * LANES
+    for line in range(0, block_bytes * LANES, 64):
+        _prefetch(values, at, line)
+
+
+@njit(cache=True, inline="always")
+def _mxfp4_one_row(values, x, g, sums):
+    """sums[:LANES] += x[0] times group g's LANES rows of MXFP4 blocks, straight from their bits: each
+    block's E8M0 scale and its e2m1 nibbles (through MXFP4_VALUES) decoded in registers, each weight
+    scale · value as _mxfp4_run forms it, then multiplied in, in column order."""
+    scale, w = _registers(LANES), _registers(LANES)
+    for b in range(values.shape[1]):
+        _ask_ahead(values, g, b)
+        block = (g * values.shape[1] + b) * _MXFP4 * LANES
+        _e8m0_halves(values, block, scale, LANES)
+        for half in range(2):  # low nibbles: columns 0-15 of the block; high: 16-31
+            for j in range(16):
+                _table_fields(values, block + (1 + j) * LANES, 4 * half, MXFP4_VALUES, w, LANES)
+                _scaled_multiply_add(sums, w, scale, x[0, RUN * b + 16 * half + j], LANES)
+
+
+def one_row_reference(values: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """one_row_group of every group in plain NumPy: x [1, n_cols] times the rows gguf.quants dequantizes
+    from the blocks, [1, groups·LANES], one fused multiply-add a column in column order (float64
+    maths rounded once to float32)."""
+    w = gguf_rows(values, np.arange(values.shape[0] * LANES))
+    sums = np.zeros(len(w), F32)
+    for j in range(w.shape[1]):
+        sums = (np.float64(1) * w[:, j] * x[0, j] + sums).astype(F32)
+    return sums[None]
 
 
 @njit(cache=True)

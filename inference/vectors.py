@@ -157,7 +157,8 @@ def _q3_k_quants(typingctx, values, low_at, shift, high_at, bit, w, width):
 def _table_fields(typingctx, values, at, shift, table, w, width):
     """w[:width] = table[(values.flat[at:at + width] >> shift) & 15]: a nibble of the bytes of `width`
     lanes through a table of 16 floats (the IQ formats' values, MXFP4's e2m1), exact. AVX-512 picks
-    16 lanes' floats from a register of the table in one vpermps; elsewhere each lane is looked up."""
+    16 lanes' floats from a register of the table in one vpermps; AVX2 8 lanes' from each half of the
+    table (two vpermps) and keeps one by the index's bit 3; elsewhere each lane is looked up."""
     if not isinstance(width, types.IntegerLiteral):
         return None
     n = width.literal_value
@@ -180,6 +181,8 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
                 kind = ir.FunctionType(floats, [floats, words])
                 permute = cgutils.get_or_insert_function(builder.module, kind, _PERMUTE_16)
                 picked = builder.call(permute, [table, column])
+            elif PROFILE.isa == "AVX2" and m % 8 == 0:
+                picked = _halves_permuted(builder, table, column, m)
             else:
                 column = builder.and_(column, ir.Constant(words, [15] * m))
                 picked = ir.Constant(ir.VectorType(f32, m), ir.Undefined)
@@ -194,6 +197,31 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
     return types.void(values, at, shift, table, w, width), codegen
 
 
+def _halves_permuted(builder, table, column, m):
+    """table[column & 15] of m lanes (a multiple of 8) on AVX2: 8 lanes at a time, each lane's float
+    from both halves of the table (vpermps reads the low 3 bits of the index), kept by bit 3."""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    floats, words = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+    kind = ir.FunctionType(floats, [floats, words])
+    permute = cgutils.get_or_insert_function(builder.module, kind, _PERMUTE_8)
+    undefined = ir.Constant(ir.VectorType(f32, 16), ir.Undefined)
+    low, high = (
+        builder.shuffle_vector(table, undefined, ir.Constant(words, [*range(h, h + 8)])) for h in (0, 8)
+    )
+    parts = []
+    for k in range(0, m, 8):
+        index = builder.shuffle_vector(column, column, ir.Constant(words, list(range(k, k + 8))))
+        bit_3 = builder.and_(index, ir.Constant(words, [8] * 8))
+        upper = builder.icmp_unsigned("!=", bit_3, ir.Constant(words, [0] * 8))
+        picked = (builder.call(permute, [half, index]) for half in (high, low))
+        parts.append(builder.select(upper, *picked))
+    while len(parts) > 1:  # the 8-lane parts joined back into one vector of m
+        wide = 2 * parts[0].type.count
+        joined = ir.Constant(ir.VectorType(i32, wide), list(range(wide)))
+        parts = [builder.shuffle_vector(a, b, joined) for a, b in zip(parts[::2], parts[1::2], strict=True)]
+    return parts[0]
+
+
 @intrinsic
 def _multiply_add(typingctx, sums, i, w, xj, width):
     """sums[i·width:(i + 1)·width] += w[:width] · xj, fused (one rounding), on a vector of `width` (a
@@ -204,16 +232,22 @@ def _multiply_add(typingctx, sums, i, w, xj, width):
 
     def codegen(context, builder, signature, args):
         sums_ptr, i_arg, w_ptr, x, _ = args
-        i64, vector = ir.IntType(64), ir.VectorType(f32, n)
+        i64 = ir.IntType(64)
         row = context.cast(builder, i_arg, signature.args[1], types.int64)
         at = _vector_at(builder, sums_ptr, builder.mul(row, ir.Constant(i64, n)), f32, n)
         weights = builder.load(_vector_at(builder, w_ptr, ir.Constant(i64, 0), f32, n), align=4)
-        broadcast = _splat(builder, vector, x)
-        total = builder.call(_fma(builder, n), [weights, broadcast, builder.load(at, align=4)])
-        builder.store(total, at, align=4)
+        _fused_into(builder, at, weights, x)
         return context.get_dummy_value()
 
     return types.void(sums, i, w, xj, width), codegen
+
+
+def _fused_into(builder, at, weights, x):
+    """*at += weights · x (a vector, a float broadcast), fused: one rounding."""
+    n = weights.type.count
+    broadcast = _splat(builder, ir.VectorType(ir.FloatType(), n), x)
+    total = builder.call(_fma(builder, n), [weights, broadcast, builder.load(at, align=4)])
+    builder.store(total, at, align=4)
 
 
 @intrinsic
@@ -284,6 +318,7 @@ def _bit(context, builder, signature, args, shift):
 # ignores the rest: a nibble shifted down becomes its float in one instruction, where masking and
 # converting take two (and AVX2's 8-float vpermps cannot hold 16 values).
 _PERMUTE_16 = "llvm.x86.avx512.permvar.sf.512"
+_PERMUTE_8 = "llvm.x86.avx2.permps"  # AVX2's: 8 floats by the low 3 bits of each index
 
 
 def _unpack_nibbles(builder, values_ptr, at, bit, n, w_ptr, scale_ptr=None, offset_ptr=None):
