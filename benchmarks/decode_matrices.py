@@ -4,11 +4,13 @@ rate it reads its bytes at, against the machine's read bandwidth.
     python benchmarks/decode_matrices.py [--model PATH] [--tokens 12] [--activations f32|q8] [--context N]
         [--json]
 
-Every product of a decode (kernels.matmul) is timed by the wall clock and by the process's CPU time
-(all threads): on a machine shared with other work the CPU time says what the product costs when it
-has the cores. Each kind's figure is its best token of --tokens (a busy machine only makes one
-slower). `GB/s` is the kind's bytes over its wall time, `cpu GB/s` over its CPU time divided by the
-threads. The rest of the token (norms, attention, sampling) is `other`.
+Every product of a decode (kernels.matmul, and a mixture's experts all in one call:
+expert_products.grouped_product) is timed by the wall clock and by the process's CPU time (all
+threads): on a machine shared with other work the CPU time says what the product costs when it has
+the cores. Each kind's figure is its best token of --tokens (a busy machine only makes one slower).
+A mixture's experts count the bytes of the k a token chooses. `GB/s` is the kind's bytes over its
+wall time, `cpu GB/s` over its CPU time divided by the threads. The rest of the token (norms,
+attention, sampling) is `other`; --context N decodes after a prompt of N tokens (attention's share).
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ def _q3_k_quants(typingctx, values, low_at, shift, high_at, bit, w, width):
 def _table_fields(typingctx, values, at, shift, table, w, width):
     """w[:width] = table[(values.flat[at:at + width] >> shift) & 15]: a nibble of the bytes of `width`
     lanes through a table of 16 floats (the IQ formats' values, MXFP4's e2m1), exact. AVX-512 picks
-    16 lanes' floats from a register of the table in one vpermps; AVX2 8 lanes' from each half of the
-    table (two vpermps) and keeps one by the index's bit 3; elsewhere each lane is looked up."""
+    16 lanes' floats from a register of the table in one vpermps; AVX2 16 lanes' bytes from the table
+    as bytes in one vpshufb (the tables' values are integers of 8 bits), then widens them; elsewhere
+    each lane is looked up."""
     if not isinstance(width, types.IntegerLiteral):
         return None
     n = width.literal_value
@@ -174,6 +175,10 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
             words, where = ir.VectorType(i32, m), ir.Constant(i64, k)
             start = builder.add(at, where)
             column = builder.load(_vector_at(builder, values_ptr, start, ir.IntType(8), m), align=1)
+            if PROFILE.isa == "AVX2" and m == 16:
+                picked = _bytes_looked_up(builder, table, column, builder.trunc(shift, ir.IntType(8)))
+                builder.store(picked, _vector_at(builder, args[4], where, f32, m), align=4)
+                continue
             column = builder.zext(column, words)
             column = builder.lshr(column, _splat(builder, words, builder.trunc(shift, i32)))
             if PROFILE.isa == "AVX-512" and m == 16:  # (the permute reads only the low 4 bits)
@@ -181,8 +186,6 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
                 kind = ir.FunctionType(floats, [floats, words])
                 permute = cgutils.get_or_insert_function(builder.module, kind, _PERMUTE_16)
                 picked = builder.call(permute, [table, column])
-            elif PROFILE.isa == "AVX2" and m % 8 == 0:
-                picked = _halves_permuted(builder, table, column, m)
             else:
                 column = builder.and_(column, ir.Constant(words, [15] * m))
                 picked = ir.Constant(ir.VectorType(f32, m), ir.Undefined)
@@ -197,29 +200,17 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
     return types.void(values, at, shift, table, w, width), codegen
 
 
-def _halves_permuted(builder, table, column, m):
-    """table[column & 15] of m lanes (a multiple of 8) on AVX2: 8 lanes at a time, each lane's float
-    from both halves of the table (vpermps reads the low 3 bits of the index), kept by bit 3."""
-    i32, f32 = ir.IntType(32), ir.FloatType()
-    floats, words = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
-    kind = ir.FunctionType(floats, [floats, words])
-    permute = cgutils.get_or_insert_function(builder.module, kind, _PERMUTE_8)
-    undefined = ir.Constant(ir.VectorType(f32, 16), ir.Undefined)
-    low, high = (
-        builder.shuffle_vector(table, undefined, ir.Constant(words, [*range(h, h + 8)])) for h in (0, 8)
-    )
-    parts = []
-    for k in range(0, m, 8):
-        index = builder.shuffle_vector(column, column, ir.Constant(words, list(range(k, k + 8))))
-        bit_3 = builder.and_(index, ir.Constant(words, [8] * 8))
-        upper = builder.icmp_unsigned("!=", bit_3, ir.Constant(words, [0] * 8))
-        picked = (builder.call(permute, [half, index]) for half in (high, low))
-        parts.append(builder.select(upper, *picked))
-    while len(parts) > 1:  # the 8-lane parts joined back into one vector of m
-        wide = 2 * parts[0].type.count
-        joined = ir.Constant(ir.VectorType(i32, wide), list(range(wide)))
-        parts = [builder.shuffle_vector(a, b, joined) for a, b in zip(parts[::2], parts[1::2], strict=True)]
-    return parts[0]
+def _bytes_looked_up(builder, table, column, shift):
+    """table[(column >> shift) & 15] of 16 bytes as 16 floats: vpshufb looks the bytes up in the table
+    as bytes (its values converted, exact: integers of 8 bits), then they are widened to floats."""
+    i8, f32 = ir.IntType(8), ir.FloatType()
+    index_t, floats = ir.VectorType(i8, 16), ir.VectorType(f32, 16)
+    small = builder.trunc(builder.fptosi(table, ir.VectorType(ir.IntType(32), 16)), index_t)
+    shifted = builder.lshr(column, _splat(builder, index_t, shift))
+    index = builder.and_(shifted, ir.Constant(index_t, [15] * 16))
+    kind = ir.FunctionType(index_t, [index_t, index_t])
+    lookup = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.ssse3.pshuf.b.128")
+    return builder.sitofp(builder.call(lookup, [small, index]), floats)
 
 
 @intrinsic
@@ -318,7 +309,6 @@ def _bit(context, builder, signature, args, shift):
 # ignores the rest: a nibble shifted down becomes its float in one instruction, where masking and
 # converting take two (and AVX2's 8-float vpermps cannot hold 16 values).
 _PERMUTE_16 = "llvm.x86.avx512.permvar.sf.512"
-_PERMUTE_8 = "llvm.x86.avx2.permps"  # AVX2's: 8 floats by the low 3 bits of each index
 
 
 def _unpack_nibbles(builder, values_ptr, at, bit, n, w_ptr, scale_ptr=None, offset_ptr=None):
