@@ -170,12 +170,13 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
         table_ptr = _data(context, builder, signature.args[3], args[3])
         at, shift = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:3], signature.args[1:3]))
         table = builder.load(_vector_at(builder, table_ptr, ir.Constant(i64, 0), f32, 16), align=4)
-        for k in range(0, n, min(n, 16)):
-            m = min(n - k, 16)
+        step = 32 if PROFILE.isa == "AVX2" and n % 32 == 0 else min(n, 16)  # (vpshufb: 32 bytes)
+        for k in range(0, n, step):
+            m = min(n - k, step)
             words, where = ir.VectorType(i32, m), ir.Constant(i64, k)
             start = builder.add(at, where)
             column = builder.load(_vector_at(builder, values_ptr, start, ir.IntType(8), m), align=1)
-            if PROFILE.isa == "AVX2" and m == 16:
+            if PROFILE.isa == "AVX2" and m in (16, 32):
                 picked = _bytes_looked_up(builder, table, column, builder.trunc(shift, ir.IntType(8)))
                 builder.store(picked, _vector_at(builder, args[4], where, f32, m), align=4)
                 continue
@@ -201,16 +202,20 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
 
 
 def _bytes_looked_up(builder, table, column, shift):
-    """table[(column >> shift) & 15] of 16 bytes as 16 floats: vpshufb looks the bytes up in the table
-    as bytes (its values converted, exact: integers of 8 bits), then they are widened to floats."""
-    i8, f32 = ir.IntType(8), ir.FloatType()
-    index_t, floats = ir.VectorType(i8, 16), ir.VectorType(f32, 16)
-    small = builder.trunc(builder.fptosi(table, ir.VectorType(ir.IntType(32), 16)), index_t)
+    """table[(column >> shift) & 15] of 16 or 32 bytes as floats: vpshufb looks the bytes up in the
+    table as bytes (its values converted, exact: integers of 8 bits; 32 bytes look up in each 16-byte
+    half of a copy of it twice over), then they are widened to floats."""
+    i8, i32, m = ir.IntType(8), ir.IntType(32), column.type.count
+    index_t = ir.VectorType(i8, m)
+    small = builder.trunc(builder.fptosi(table, ir.VectorType(i32, 16)), ir.VectorType(i8, 16))
+    twice = ir.Constant(ir.VectorType(i32, m), [c % 16 for c in range(m)])
+    small = builder.shuffle_vector(small, small, twice)
     shifted = builder.lshr(column, _splat(builder, index_t, shift))
-    index = builder.and_(shifted, ir.Constant(index_t, [15] * 16))
+    index = builder.and_(shifted, ir.Constant(index_t, [15] * m))
     kind = ir.FunctionType(index_t, [index_t, index_t])
-    lookup = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.ssse3.pshuf.b.128")
-    return builder.sitofp(builder.call(lookup, [small, index]), floats)
+    name = "llvm.x86.avx2.pshuf.b" if m == 32 else "llvm.x86.ssse3.pshuf.b.128"
+    lookup = cgutils.get_or_insert_function(builder.module, kind, name)
+    return builder.sitofp(builder.call(lookup, [small, index]), ir.VectorType(ir.FloatType(), m))
 
 
 @intrinsic
