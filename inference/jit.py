@@ -24,6 +24,7 @@ from .cpu import PROFILE  # noqa: E402
 KERNEL_SOURCES = (
     "cpu.py", "vectors.py", "byte_vectors.py", "k_quants.py", "products.py", "activations.py",
     "attention.py", "kernels.py", "quants.py", "block_formats.py", "grid_formats.py", "half.py",
+    "block_vectors.py",
 )
 
 

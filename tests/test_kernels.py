@@ -446,6 +446,8 @@ for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # ints,
     for n in (1, 3, kernels.KERNEL_ROWS):
         t.test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, kernels.kernel_product)
 t.test_matmul_equals_float_matmul_of_the_dequantized_weights(T.Q4_K, 40, kernels.tile_product)
+for qtype in (T.Q3_K, T.IQ4_XS, T.MXFP4):  # a decoded token straight from the blocks, others by tiles
+    t.test_a_format_in_its_own_bits_multiplies_as_its_weights_in_float32_bit_for_bit(qtype)
 for qtype in t.BYTE_FORMATS:
     for n in (1, 3, 40):
         t.test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n)
