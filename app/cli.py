@@ -25,12 +25,9 @@ def default_db_path() -> Path:
 
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of every command. Before the command they have their defaults; after it (as users
-    type them: `llama-chat ask --model X …`) one not given leaves what came before the command."""
-    from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
-    from llama_chat.inference.kv_arena import CACHE_TYPES, DEFAULT_CACHE_TYPE
-    from llama_chat.inference.kv_cache import DEFAULT_BLOCK_SIZE
-
-    from .chat.settings import CACHE_RAM_MB, CODEC
+    type them: `llama-chat ask --model X …`) one not given leaves what came before the command. Their
+    choices and the defaults their help names are read from the modules that own them only when the
+    flag is given or help is shown (`Later`, `Help`)."""
 
     def default(value):
         return argparse.SUPPRESS if after_command else value
@@ -44,38 +41,40 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
     group.add_argument(
         "--cache-ram",
         type=int,
-        default=default(CACHE_RAM_MB),
+        default=default(None),
         metavar="MB",
-        help=f"RAM for the KV block pool (default {CACHE_RAM_MB})",
+        help="RAM for the KV block pool (default {settings.CACHE_RAM_MB})",
     )
     group.add_argument(
         "--block-size",
         type=positive,
         default=default(None),
         metavar="N",
-        help=f"tokens per KV block, the unit KV is shared and stored in (default {DEFAULT_BLOCK_SIZE})",
+        help="tokens per KV block, the unit KV is shared and stored in "
+        "(default {kv_cache.DEFAULT_BLOCK_SIZE})",
     )
     group.add_argument(
         "--cache-type",
-        choices=tuple(CACHE_TYPES),
+        choices=Later("llama_chat.inference.kv_arena", "CACHE_TYPES"),
         default=default(None),
-        help=f"element type of the live KV cache in RAM (default {DEFAULT_CACHE_TYPE}, as llama.cpp's; "
-        "f32 keeps the KV exactly as computed, in twice the RAM)",
+        help="element type of the live KV cache in RAM (default {kv_arena.DEFAULT_CACHE_TYPE}, as "
+        "llama.cpp's; f32 keeps the KV exactly as computed, in twice the RAM)",
     )
     group.add_argument(
         "--activations",
         choices=Later("llama_chat.inference.kernels", "ACTIVATIONS"),
         default=default(None),
-        help=f"what matrix products take their inputs as (default {DEFAULT_ACTIVATIONS}; mixed: bytes only "
-        "for inputs that come from a norm, faster prompts, logits nearer the exact model's than "
-        "llama.cpp's; f32: exactly as computed; q8: bytes, a scale per 32, as llama.cpp: faster still, "
-        "logits within ~1%%, replies may differ)",
+        help="what matrix products take their inputs as (default {activation_modes.DEFAULT_ACTIVATIONS}; "
+        "mixed: bytes only for inputs that come from a norm, faster prompts, logits nearer the exact "
+        "model's than llama.cpp's; f32: exactly as computed; q8: bytes, a scale per 32, as llama.cpp: "
+        "faster still, logits within ~1%%, replies may differ)",
     )
     group.add_argument(
         "--kv-codec",
-        choices=codecs(),
+        choices=Later("llama_chat.storage.codec", "CODECS", "PLANNED_CODECS"),
         default=default(None),
-        help=f"what new KV snapshots are stored in (default {CODEC}: its resumed replies match live ones)",
+        help="what new KV snapshots are stored in (default {settings.CODEC}: its resumed replies match "
+        "live ones)",
     )
     group.add_argument(
         "--no-lookup",
@@ -99,19 +98,39 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
 
 class Later(Sequence):
     """A flag's choices, read from the module that owns them only when the flag is given or help is
-    shown: that module loads numba (a second or more), which most commands never need."""
+    shown: the modules load NumPy or numba (a second or more), which most commands never need."""
 
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
+    def __init__(self, module: str, *names: str):
+        self.module, self.names = module, names
 
     def values(self) -> tuple[str, ...]:
-        return tuple(getattr(importlib.import_module(self.module), self.name))
+        owner = importlib.import_module(self.module)
+        return tuple(value for name in self.names for value in getattr(owner, name))
 
     def __getitem__(self, i):
         return self.values()[i]
 
     def __len__(self) -> int:
         return len(self.values())
+
+
+class Help(argparse.HelpFormatter):
+    """Help whose texts name the defaults of the modules that own them, as `{kv_cache.DEFAULT_BLOCK_SIZE}`:
+    those modules load only when help is shown."""
+
+    OWNERS = {
+        "settings": "llama_chat.app.chat.settings",
+        "kv_cache": "llama_chat.inference.kv_cache",
+        "kv_arena": "llama_chat.inference.kv_arena",
+        "activation_modes": "llama_chat.inference.activation_modes",
+    }
+
+    class _Owners(dict):
+        def __missing__(self, name: str):
+            return importlib.import_module(Help.OWNERS[name])
+
+    def _get_help_string(self, action) -> str:
+        return action.help.format_map(self._Owners())
 
 
 def positive(text: str, least: int = 1) -> int:
@@ -128,12 +147,6 @@ def positive(text: str, least: int = 1) -> int:
 def natural(text: str) -> int:
     """argparse's `type` for a count that may be 0."""
     return positive(text, 0)
-
-
-def codecs() -> tuple[str, ...]:
-    from llama_chat.storage.codec import CODECS, PLANNED_CODECS
-
-    return (*CODECS, *PLANNED_CODECS)
 
 
 def add_threads_option(parser, default=None) -> None:
@@ -199,7 +212,9 @@ def lazy(module: str, function: str):
 
 def build_parser() -> argparse.ArgumentParser:
     c, s = partial(lazy, "commands"), partial(lazy, "commands_sessions")
-    parser = argparse.ArgumentParser(prog="llama-chat", description="Chat with local LLMs in the terminal.")
+    parser = argparse.ArgumentParser(
+        prog="llama-chat", description="Chat with local LLMs in the terminal.", formatter_class=Help
+    )
     parser.add_argument("--version", action="version", version=f"llama-chat {__version__}")
     add_global_options(parser)
     parser.set_defaults(handler=None)
@@ -208,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, handler, help: str, parent=sub) -> argparse.ArgumentParser:
-        p = parent.add_parser(name, help=help, parents=[after])
+        p = parent.add_parser(name, help=help, parents=[after], formatter_class=Help)
         p.set_defaults(handler=handler)
         return p
 
@@ -247,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sessions",
         help="stored conversations: list, show, fork, rename, rm, search, gc, check",
         parents=[after],
+        formatter_class=Help,
     )
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = command("list", s("list_sessions"), "newest first", actions)

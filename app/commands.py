@@ -36,12 +36,16 @@ def cmd_models(args) -> int:
         return print_needs(args)
     if args.prune or args.dry_run:
         return prune_prepared(args.dry_run)
+    from llama_chat.inference.packed_file import holds_model, packed_path  # (numba: not for every command)
+
     statuses = []
     for model in KNOWN_MODELS.values():
         defaults = sampling_defaults(*recommended_sampling(model_path(model), {}))
         statuses.append(
             model_status(model)
             | {
+                "packed": holds_model(model_path(model)),
+                "packed_path": str(packed_path(model_path(model))),
                 "sampling": defaults.values,
                 "sampling_from": defaults.source,
                 "system_prompt": model.system_prompt,
@@ -54,6 +58,8 @@ def cmd_models(args) -> int:
         state = "verified" if s["verified"] else "assembled" if s["assembled"] else "not assembled"
         if not s["packages_installed"] and not s["assembled"]:
             state = "packages not installed"
+        if s["packed"]:  # all a start reads is in its packed file
+            state, s["path"] = "packed", s["packed_path"]
         print(f"{s['name']:40} {state:22} {s['path']}")
         print(f"  {s['description']}")
         sampling = ", ".join(f"{key} {value}" for key, value in s["sampling"].items() if value is not None)
@@ -64,8 +70,9 @@ def cmd_models(args) -> int:
 
 
 def prune_prepared(dry_run: bool) -> int:
-    """`models --prune`: the prepared files no start here reads again, a line each, removed (or only
-    listed); then the pip packages of assembled models, which only assemble them again."""
+    """`models --prune`: the prepared files no start here reads again (and the assembled files of models
+    packed here), a line each, removed (or only listed); then the pip packages of assembled models not
+    packed here, which only assemble them again."""
     from llama_chat.inference.prepared_files import remove, stale_files
 
     stale = stale_files()
@@ -81,7 +88,8 @@ def prune_prepared(dry_run: bool) -> int:
         print(f"removed {len(stale)} file(s), {total:,.1f} MB")
     for model in KNOWN_MODELS.values():
         status = model_status(model)
-        if status["verified"] and status["packages_installed"]:
+        packed = model_path(model) in {f.path for f in stale}  # the packages are its one source then
+        if status["verified"] and status["packages_installed"] and not packed:
             parts = sum(p.stat().st_size for p in chunk_files(model)) / 1e6
             print(
                 f"{model.name}: its pip packages ({parts:,.1f} MB) only assemble it again: "

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from llama_chat.storage import ChatStore, StoreError
 
-from .chat.sessions import Sessions, export_file_name, read_session_file
+from .chat import sessions as chat_sessions  # (its file readers load on first use)
+from .chat.sessions import Sessions, export_file_name
 from .terminal import escaped, on_stdout, print_json, say
 
 if TYPE_CHECKING:
@@ -22,8 +23,22 @@ if TYPE_CHECKING:
 
 
 def open_sessions(args) -> Sessions:
-    """The conversations of --db, saying so while another process holds them."""
-    sessions = Sessions(args.db)
+    """The conversations of --db, saying so while another process holds them; a file an older
+    llama-chat wrote is upgraded, with a progress bar."""
+    bars = []  # made (Rich loaded) only where an upgrade tells its progress
+
+    def progress(label: str, done: int, total: int) -> None:
+        if not bars:
+            from .progress import ProgressBar
+
+            bars.append(ProgressBar())
+        bars[0](label, done, total)
+
+    try:
+        sessions = Sessions(args.db, progress)
+    finally:
+        for bar in bars:
+            bar.__exit__(None, None, None)
     sessions.on_wait = waiting_notice(sessions)
     return sessions
 
@@ -193,14 +208,14 @@ def cmd_export(args) -> int:
 def model_here(args) -> tuple[str | None, str | None]:
     """The fingerprint of the model this command line chats with (--model, or the default), read
     without building a model; (None, why) when there is no usable one."""
-    from llama_chat.inference import ModelError, resolve_model
+    from llama_chat.inference import ModelError, locate_model
     from llama_chat.inference.weights import model_info
 
     from .progress import ProgressBar
 
     try:
         with ProgressBar() as bar:  # draws only when the model must first be assembled or read
-            return model_info(resolve_model(args.model, bar), bar).fingerprint, None
+            return model_info(locate_model(args.model, bar), bar).fingerprint, None
     except ModelError as e:
         return None, str(e)
 
@@ -209,7 +224,8 @@ def cmd_import(args) -> int:
     from .progress import ProgressBar
 
     with ProgressBar() as bar:
-        exported = read_session_file(args.file, progress=bar)  # checked whole before the database opens
+        # checked whole before the database opens
+        exported = chat_sessions.read_session_file(args.file, progress=bar)
     fingerprint, why = model_here(args) if exported.has_kv else (None, None)
     sessions = Sessions(args.db)
     try:

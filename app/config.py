@@ -9,8 +9,6 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import tomlkit
-import tomlkit.exceptions
 from textual.keys import KEY_ALIASES, REPLACED_KEYS, Keys, key_to_character
 from textual.theme import Theme
 
@@ -136,6 +134,9 @@ class UserConfig:
 
     def save_setting(self, key: str, value: str) -> None:
         """Set one top-level key in the file; tomlkit keeps everything else as the user wrote it."""
+        import tomlkit  # (only where a setting is saved: not before the app's window)
+        import tomlkit.exceptions
+
         setattr(self, key, value)
         text = self.path.read_text(encoding="utf-8") if self.path.exists() else EXAMPLE
         try:

@@ -1,13 +1,16 @@
 """Where a decoded token's time goes, matrix by matrix: each kind of matrix's share of a token, and the
 rate it reads its bytes at, against the machine's read bandwidth.
 
-    python benchmarks/decode_matrices.py [--model PATH] [--tokens 12] [--activations f32|q8] [--json]
+    python benchmarks/decode_matrices.py [--model PATH] [--tokens 12] [--activations f32|q8] [--context N]
+        [--json]
 
-Every product of a decode (kernels.matmul) is timed by the wall clock and by the process's CPU time
-(all threads): on a machine shared with other work the CPU time says what the product costs when it
-has the cores. Each kind's figure is its best token of --tokens (a busy machine only makes one
-slower). `GB/s` is the kind's bytes over its wall time, `cpu GB/s` over its CPU time divided by the
-threads. The rest of the token (norms, attention, sampling) is `other`.
+Every product of a decode (kernels.matmul, and a mixture's experts all in one call:
+expert_products.grouped_product) is timed by the wall clock and by the process's CPU time (all
+threads): on a machine shared with other work the CPU time says what the product costs when it has
+the cores. Each kind's figure is its best token of --tokens (a busy machine only makes one slower).
+A mixture's experts count the bytes of the k a token chooses. `GB/s` is the kind's bytes over its
+wall time, `cpu GB/s` over its CPU time divided by the threads. The rest of the token (norms,
+attention, sampling) is `other`; --context N decodes after a prompt of N tokens (attention's share).
 """
 
 from __future__ import annotations
@@ -22,32 +25,47 @@ import numpy as np
 KINDS = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down", "output")
 
 
-def matrix_kinds(weights) -> dict[int, tuple[str, int]]:
-    """id of each matrix the forward pass multiplies → (its kind, its bytes)."""
+def matrix_kinds(weights, n_expert_used: int) -> dict[int, tuple[str, int]]:
+    """id of each matrix the forward pass multiplies → (its kind, the bytes a token reads of it): of a
+    mixture's experts, each expert's share of the k a token chooses."""
     kinds = {id(weights.output): ("output", weights.output.nbytes)}
     for layer in weights.layers:
         for kind in KINDS[:-1]:
             w = getattr(layer, kind)
-            kinds[id(w)] = (kind, w.nbytes)
+            if w is not None:
+                kinds[id(w)] = (kind, w.nbytes)
+        experts = layer.experts
+        if experts is not None:
+            kinds[id(experts.router)] = ("ffn_gate_inp", experts.router.nbytes)
+            grouped = experts.grouped or (None, None)  # (all experts in one call: expert_products.py)
+            for kind, matrices, together in (
+                ("expert_gate_up", experts.gate_up, grouped[0]), ("expert_down", experts.down, grouped[1])
+            ):
+                for w in matrices:
+                    kinds[id(w)] = (kind, w.nbytes * n_expert_used // len(matrices))
+                if together is not None:
+                    kinds[id(together)] = (kind, 0)  # (its bytes counted above)
     return kinds
 
 
-def measure(path: str, tokens: int, activations: str) -> dict:
-    from llama_chat.inference import kernels, load_model
+def measure(path: str, tokens: int, activations: str, context: int = 0) -> dict:
+    from llama_chat.inference import expert_products, kernels, load_model
 
     model = load_model(path, activations=activations)
-    kinds = matrix_kinds(model.weights)
+    kinds = matrix_kinds(model.weights, model.config.n_expert_used)
     token_totals: dict[str, list[float]] = {}
     depth = [0]
     multiply = kernels.matmul
 
-    def timed_matmul(x, w):
+    grouped_product = expert_products.grouped_product
+
+    def timed_matmul(x, w, *plan, product=multiply):
         if depth[0]:  # a StackedMatrix's parts: timed with the whole
-            return multiply(x, w)
+            return product(x, *plan, w)
         depth[0] += 1
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            return multiply(x, w)
+            return product(x, *plan, w)
         finally:
             depth[0] -= 1
             kind = kinds.get(id(w), ("unnamed", 0))[0]
@@ -56,9 +74,11 @@ def measure(path: str, tokens: int, activations: str) -> dict:
             spent[1] += time.process_time() - cpu
 
     ids = model.tokenizer.encode("The history of the printing press begins in")
+    ids = (ids * (context // len(ids) + 1))[: max(context, len(ids))]
     seq = model.new_sequence(len(ids) + tokens + 2)
     logits = model.forward(ids, seq)[-1]
     kernels.matmul = timed_matmul
+    expert_products.grouped_product = lambda x, plan, w: timed_matmul(x, w, plan, product=grouped_product)
     best: dict[str, list[float]] = {}
     token_walls = []
     try:
@@ -72,7 +92,7 @@ def measure(path: str, tokens: int, activations: str) -> dict:
                 kept = best.setdefault(kind, [float("inf"), float("inf")])
                 kept[0], kept[1] = min(kept[0], w), min(kept[1], c)
     finally:
-        kernels.matmul = multiply
+        kernels.matmul, expert_products.grouped_product = multiply, grouped_product
     threads = numba.config.NUMBA_NUM_THREADS
     per_kind_bytes: dict[str, int] = {}
     for kind, nbytes in kinds.values():
@@ -103,9 +123,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF path (default: the default model)")
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--activations", choices=("f32", "q8", "mixed"), default="f32")
+    parser.add_argument("--context", type=int, default=0, help="tokens before the decoded ones (as a prompt)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = measure(args.model, args.tokens, args.activations)
+    result = measure(args.model, args.tokens, args.activations, args.context)
     if args.json:
         print(json.dumps(result))
         return

@@ -8,8 +8,10 @@ Runs, in this order (each in a process of its own, its JSON taken from its last 
 compare_llamacpp.py on the default model (`compare`), roofline.py from that run (`roofline`: the
 machine's limits and each engine's fraction of them), compare_llamacpp.py on the synthetic 7B
 (`compare_7b`: no turn, no code edit; benchmarks/synthetic_model.py writes it, ~10 GB of RAM while it
-runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`), `llama-chat bench
---json` (`bench`) and cluster.py (`cluster`: two servers behind HAProxy sharing KV through a Redis
+runs), roofline.py from that with the limits `roofline` measured (`roofline_7b`), compare_llamacpp.py
+on the synthetic mixtures of experts (`compare_moe`: Qwen3-30B-A3B's first 8 layers; `compare_gptoss`:
+gpt-oss-20b's first 4; SYNTHETIC says how each is written), `llama-chat bench --json` (`bench`) and
+cluster.py (`cluster`: two servers behind HAProxy sharing KV through a Redis
 Cluster; it needs `haproxy` and `redis-server`). `--from-json NAME=FILE` reads a source's output (a
 saved run, or the whole stdout of the script) instead of running it; `--skip NAME` leaves a source
 out, and its rows with it. `--save-json DIR` keeps every source's JSON, so the page can be written
@@ -37,8 +39,23 @@ from roofline import last_json
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-SOURCES = ("compare", "roofline", "compare_7b", "roofline_7b", "bench", "cluster")
-SYNTHETIC_7B = Path.home() / ".cache" / "llama-chat-bench" / "synthetic-qwen2-7b-q4_k_m.gguf"
+SOURCES = (
+    "compare", "roofline", "compare_7b", "roofline_7b", "compare_moe", "compare_gptoss", "bench", "cluster"
+)
+SYNTHETIC_FILES = Path.home() / ".cache" / "llama-chat-bench"
+SYNTHETIC_7B = SYNTHETIC_FILES / "synthetic-qwen2-7b-q4_k_m.gguf"
+# the mixtures of experts, real shapes, the first layers only (per-token ratios hold, files fit in RAM):
+# source → (the file, the command that writes it)
+SYNTHETIC = {
+    "compare_moe": (
+        SYNTHETIC_FILES / "synthetic-qwen3-30b-a3b-8layers-q4_k_m.gguf",
+        "benchmarks/synthetic_model.py qwen3-30b-a3b --layers 8",
+    ),
+    "compare_gptoss": (
+        SYNTHETIC_FILES / "synthetic-gpt-oss-20b-4layers-mxfp4.gguf",
+        "benchmarks/synthetic_model.py gpt-oss-20b --layers 4",
+    ),
+}
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 # The /proc/cpuinfo flags that decide which kernels run, on either engine.
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
@@ -71,7 +88,8 @@ def commands(args, saved: dict[str, Path]) -> dict[str, list[str]]:
     isas = [f"--llamacpp={item}" for item in args.llamacpp]
     threads = ["--threads", str(args.threads)]
     model_7b = ["--model", str(args.model_7b)]
-    compare_7b = [*model_7b, "--lookup-tokens", "0", "--turn-cached", "0", "--rounds", str(args.rounds_7b)]
+    big = ["--lookup-tokens", "0", "--turn-cached", "0", "--rounds", str(args.rounds_7b)]
+    compare = [py, str(HERE / "compare_llamacpp.py"), *isas, *threads]
 
     def roofline(compare: str, *more: str) -> list[str]:
         source = ["--from-compare", str(saved[compare])] if compare in saved else [*isas, *threads]
@@ -79,10 +97,11 @@ def commands(args, saved: dict[str, Path]) -> dict[str, list[str]]:
 
     limits = ["--limits", str(saved["roofline"])] if "roofline" in saved else []
     return {
-        "compare": [py, str(HERE / "compare_llamacpp.py"), *isas, *threads, "--rounds", str(args.rounds)],
+        "compare": [*compare, "--rounds", str(args.rounds)],
         "roofline": roofline("compare", "--rounds", str(args.rounds)),
-        "compare_7b": [py, str(HERE / "compare_llamacpp.py"), *isas, *threads, *compare_7b],
+        "compare_7b": [*compare, *model_7b, *big],
         "roofline_7b": roofline("compare_7b", *model_7b, *limits, "--rounds", str(args.rounds_7b)),
+        **{name: [*compare, "--model", str(file), *big] for name, (file, _) in SYNTHETIC.items()},
         "bench": [py, "-m", "llama_chat", *threads, "bench", "--json"],
         "cluster": [py, str(HERE / "cluster.py"), "--rounds", str(args.rounds)],
     }
@@ -153,9 +172,13 @@ def main() -> int:
             parser.error(
                 f"--from-json {item}: wants NAME=FILE, NAME one of {', '.join(SOURCES)}, FILE a file"
             )
-    needs_7b = {"compare_7b", "roofline_7b"} - set(args.skip) - {i.split("=")[0] for i in args.from_json}
+    given = {item.split("=")[0] for item in args.from_json}
+    needs_7b = {"compare_7b", "roofline_7b"} - set(args.skip) - given
     if needs_7b and not args.model_7b.is_file():
         parser.error(f"{args.model_7b}: no such file (benchmarks/synthetic_model.py qwen2-7b writes it)")
+    for name, (file, writer) in SYNTHETIC.items():
+        if name not in args.skip and name not in given and not file.is_file():
+            parser.error(f"{file}: no such file ({writer} writes it; or --skip {name})")
     info = machine()  # before anything is written: the commit measured
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.save_json or Path(scratch)

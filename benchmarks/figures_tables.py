@@ -4,7 +4,8 @@ Every figure in docs/figures.md and in the README's figures block comes from her
 written by one function from one measurement and never typed by hand. Inputs, by name (any may be
 missing; its rows are then left out):
 
-- `compare`, `compare_7b`: compare_llamacpp.py's JSON (the default model; the synthetic 7B);
+- `compare`, `compare_7b`, `compare_moe`, `compare_gptoss`: compare_llamacpp.py's JSON (the default
+  model; the synthetic 7B; the synthetic Qwen3-30B-A3B and gpt-oss-20b, their first layers);
 - `roofline`, `roofline_7b`: roofline.py's JSON for the same two models;
 - `bench`: `llama-chat bench --json`;
 - `cluster`: benchmarks/cluster.py's JSON (two servers behind HAProxy, KV in a Redis Cluster);
@@ -18,7 +19,12 @@ from pathlib import Path
 from limits import on_threads
 
 ISA_NAMES = {"native": "native", "avx2": "AVX2"}
-MODEL_NAMES = {"compare": "0.5B", "compare_7b": "7B"}
+MODEL_NAMES = {
+    "compare": "0.5B",
+    "compare_7b": "7B",
+    "compare_moe": "Qwen3-30B-A3B",
+    "compare_gptoss": "gpt-oss-20b",
+}
 
 # compare_llamacpp.py's measures: (label, our key, llama.cpp's key, unit, ratio key). {n}: its long prefill.
 COMPARE_ROWS = (
@@ -84,6 +90,8 @@ HEADLINE = (
     ("compare", "compare", "turn_ms"),
     ("compare_7b", "compare", "decode"),
     ("compare_7b", "compare", "prefill_long"),
+    ("compare_moe", "compare", "decode"),
+    ("compare_gptoss", "compare", "decode"),
     ("roofline", "roofline", "decode"),
     ("roofline_7b", "roofline", "decode"),
     ("roofline_7b", "roofline", "prefill"),
@@ -366,6 +374,8 @@ def figures_page(inputs: dict, command: str) -> str:
     for name, title in (
         ("compare", "The default model against llama.cpp"),
         ("compare_7b", "A 7B against llama.cpp"),
+        ("compare_moe", "Qwen3-30B-A3B (its first 8 of 48 layers) against llama.cpp"),
+        ("compare_gptoss", "gpt-oss-20b (its first 4 of 24 layers) against llama.cpp"),
     ):
         if name in inputs:
             parts += [f"## {title}", compare_section(name, inputs[name], machine)]

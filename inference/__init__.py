@@ -27,6 +27,7 @@ _HOMES = {  # each name the package offers, and its module
     "DEFAULT_PREFILL_BATCH": "model",
     "Model": "model",
     "load_model": "model",
+    "locate_model": "model",
     "ModelError": "errors",
     "Sampler": "sampling",
     "SamplingParams": "sampling",

@@ -1,19 +1,24 @@
-"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4, and the kernels' half of
-reading them.
+"""Formats kept as the GGUF's own blocks: Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, the IQ1–IQ3 formats and
+TQ1_0, TQ2_0, and the kernels' half of reading them.
 
 Each block of these formats holds 32 or 256 weights of a row in a few bytes (ggml-quants.c's block_*
 structs). Packed, LANES rows are interleaved as in quants.py and every byte keeps its place in its
 block: values [groups, blocks per row, block bytes, LANES] uint8, byte k of block b of row g·L + lane
-at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The block
-size tells the kernels the format, so one compiled kernel reads them all.
+at values[g, b, k, lane]: exactly the GGUF's bytes (rows padded to a multiple of LANES). The packed
+block size tells the kernels the format, so one compiled kernel reads them all: where two formats'
+blocks are the same size (IQ3_S and Q3_K, TQ2_0 and IQ2_XXS), the later one's blocks end in a byte of
+padding (PACKED_BYTES).
 
 A kernel decodes each group of LANES rows into a float32 tile (decode_group), each weight exactly as
 gguf.quants dequantizes it (its float32 operations in its order; the IQ formats through their tables
-of values, gguf.quants' own), the bytes of LANES rows side by side so that each step runs across the
-lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a product
-is bit for bit the one of the same matrix dequantized to float32, at a seventh to a twelfth of its
-bytes. gguf.quants.dequantize is each format's plain reference (rows): the tests hold the kernels to
-it.
+of values and grids, gguf.quants' own), the bytes of LANES rows side by side so that each step runs
+across the lanes in vectors. Then the float32 kernels multiply the tile (products._block_product), so a
+product is bit for bit the one of the same matrix dequantized to float32, at a fifth to a twentieth of
+its bytes. One row (a decoded token) takes no tile of the group: one_row_group multiplies each weight in
+as it is decoded, in the same order, so with the same bits (the formats of indices into a table in
+registers, the others a run of 32 columns at a time). gguf.quants.dequantize is each format's plain
+reference (rows; one_row_reference for a row's product): the tests hold the kernels to it. The IQ1–IQ3
+and ternary formats' decoders: grid_formats.py.
 """
 
 from __future__ import annotations
@@ -22,41 +27,68 @@ import gguf
 import numpy as np
 from numba import carray
 
+from . import grid_formats as grids
+from .block_vectors import _column_multiply_add, _e8m0_halves, _scaled_multiply_add
 from .cpu import PROFILE
-from .half import to_f32
+from .grid_formats import _half_at
 from .jit import njit
-from .vectors import _bit_fields, _q3_k_quants, _registers, _table_fields
+from .vectors import _bit_fields, _prefetch, _q3_k_quants, _registers, _table_fields
 
 Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
 RUN = 32  # columns decoded at a time: a sub-block of every format here
+K_RUNS = 256 // RUN  # runs in a block of 256 weights (Q2_K, Q3_K, IQ4_XS)
+RUN_FLOATS = RUN * LANES  # a run's tile (a literal, as _registers wants it)
 F32 = np.float32
-BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
-_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS = (gguf.GGML_QUANT_SIZES[q][1] for q in BLOCK_FORMATS[:4])  # bytes a block
+BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4) + (
+    (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0)  # grid_formats.py
+)
+
+
+def _packed_bytes() -> dict[Q, int]:
+    """Each format's block size as packed: its GGUF block's, a byte more where an earlier format has it."""
+    sizes: dict[Q, int] = {}
+    for qtype in BLOCK_FORMATS:
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        sizes[qtype] = size + 1 if size in sizes.values() else size
+    return sizes
+
+
+PACKED_BYTES = _packed_bytes()
+_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS, _MXFP4 = (PACKED_BYTES[q] for q in BLOCK_FORMATS[:5])  # bytes a block
+_IQ2_XXS, _IQ2_XS, _IQ2_S, _IQ3_XXS, _IQ3_S, _IQ1_S, _IQ1_M, _TQ1_0, _TQ2_0 = (
+    PACKED_BYTES[q] for q in BLOCK_FORMATS[5:]
+)
 # the IQ formats' 16 values of a 4-bit index (int8 as floats, exact), gguf.quants' tables
 IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, F32)
 MXFP4_VALUES = np.array(gguf.quants.MXFP4.kvalues, F32)  # e2m1, doubled: the scale is halved to match
 
 
 def format_of(values: np.ndarray) -> Q:
-    """The format of a matrix packed here, by its block size."""
-    return next(q for q in BLOCK_FORMATS if gguf.GGML_QUANT_SIZES[q][1] == values.shape[2])
+    """The format of a matrix packed here, by its packed block size."""
+    return next(q for q in BLOCK_FORMATS if PACKED_BYTES[q] == values.shape[2])
 
 
 def n_cols_of(values: np.ndarray) -> int:
     return values.shape[1] * gguf.GGML_QUANT_SIZES[format_of(values)][0]
 
 
+def packed_rows(raw: np.ndarray, qtype: Q, n_rows: int) -> np.ndarray:
+    """A tensor's GGUF bytes as rows [n_rows, row bytes] of its packed blocks (padded where PACKED_BYTES
+    says: a copy then)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(n_rows, -1, block_bytes)
+    padding = PACKED_BYTES[qtype] - block_bytes
+    if padding:
+        blocks = np.pad(blocks, ((0, 0), (0, 0), (0, padding)))
+    return blocks.reshape(n_rows, -1)
+
+
 def gguf_rows(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a packed matrix as float32, dequantized by gguf.quants from their GGUF bytes."""
-    blocks = values[ids // LANES, :, :, ids % LANES]  # [n, blocks, block bytes]
-    return np.asarray(gguf.quants.dequantize(blocks.reshape(len(ids), -1), format_of(values)), F32)
-
-
-@njit(cache=True, inline="always")
-def _half_at(values, g, b, at, lane):
-    """The float16 at bytes at, at + 1 of a lane's block b, as float32 (exact)."""
-    return to_f32(np.uint16(np.uint16(values[g, b, at, lane]) | (np.uint16(values[g, b, at + 1, lane]) << 8)))
+    qtype = format_of(values)
+    blocks = values[ids // LANES, :, : gguf.GGML_QUANT_SIZES[qtype][1], ids % LANES]  # [n, blocks, bytes]
+    return np.asarray(gguf.quants.dequantize(blocks.reshape(len(ids), -1), qtype), F32)
 
 
 # The decoders write run k of block b of group g's LANES rows into columns c0… of tile [n_cols, LANES],
@@ -123,55 +155,146 @@ def _table_nibbles(values, g, b, at, scale, table, tile, c0):
                 tile[c0 + 16 * half + j, lane] = scale[lane] * value[lane]
 
 
-@njit(cache=True)
-def _iq4_nl_run(values, g, b, tile, c0):
-    """IQ4_NL block b (18 bytes, one run): d, then 16 bytes of 4-bit indices into IQ4_VALUES."""
-    d = carray(_registers(LANES), LANES)
-    for lane in range(LANES):
-        d[lane] = _half_at(values, g, b, 0, lane)
-    _table_nibbles(values, g, b, 2, d, IQ4_VALUES, tile, c0)
-
-
-@njit(cache=True)
-def _iq4_xs_run(values, g, b, k, tile, c0):
-    """Run k of IQ4_XS block b (136 bytes): d, the high 2 bits of 8 scales (a uint16 at 2), their low 4
-    (nibbles of 4-7), then 16 bytes of indices into IQ4_VALUES per run (8…).
-    Weight = d·(sc − 32)·value."""
-    dl = carray(_registers(LANES), LANES)
+@njit(cache=True, inline="always")
+def _table_run_scale(values, g, b, k, scale):
+    """The scale of run k of block b of a format of 4-bit indices into a table, for LANES lanes, and
+    where the run's 16 bytes of indices lie in the block (their low nibbles are weights 0-15, the high
+    ones 16-31; weight = scale · table[index]) and its table. IQ4_NL (18 bytes, one run): d, then the
+    indices into IQ4_VALUES. IQ4_XS (136 bytes): d, the high 2 bits of 8 scales (a uint16 at 2), their
+    low 4 (nibbles of 4-7), then the runs' indices into IQ4_VALUES (8…); scale = d·(sc − 32). MXFP4 (17
+    bytes, one run): a power of two e (E8M0), then e2m1 indices into MXFP4_VALUES; the scale is half
+    of 2^(e − 127), as ggml_e8m0_to_fp32_half."""
+    d = carray(scale, LANES)
+    block_bytes = values.shape[2]
+    if block_bytes == _MXFP4:
+        _e8m0_halves(values, (g * values.shape[1] + b) * block_bytes * LANES, scale, LANES)
+        return 1, MXFP4_VALUES
+    if block_bytes == _IQ4_NL:
+        for lane in range(LANES):
+            d[lane] = _half_at(values, g, b, 0, lane)
+        return 2, IQ4_VALUES
     for lane in range(LANES):
         low = (values[g, b, 4 + k // 2, lane] >> (4 * (k % 2))) & 15
         high = (values[g, b, 2 + k // 4, lane] >> (2 * (k % 4))) & 3
-        dl[lane] = _half_at(values, g, b, 0, lane) * F32((low | (high << 4)) - 32)
-    _table_nibbles(values, g, b, 8 + 16 * k, dl, IQ4_VALUES, tile, c0)
+        d[lane] = _half_at(values, g, b, 0, lane) * F32((low | (high << 4)) - 32)
+    return 8 + 16 * k, IQ4_VALUES
 
 
 @njit(cache=True)
-def _mxfp4_run(values, g, b, tile, c0):
-    """MXFP4 block b (17 bytes, one run): a power of two e (E8M0), then 16 bytes of e2m1 indices into
-    MXFP4_VALUES; the scale is half of 2^(e − 127), as ggml_e8m0_to_fp32_half."""
-    d = carray(_registers(LANES), LANES)
-    for lane in range(LANES):
-        e = np.int64(values[g, b, 0, lane])
-        d[lane] = np.uint32(0x00200000 << e if e < 2 else (e - 1) << 23).view(F32)
-    _table_nibbles(values, g, b, 1, d, MXFP4_VALUES, tile, c0)
+def _table_run(values, g, b, k, tile, c0):
+    """Run k of block b of IQ4_NL, IQ4_XS or MXFP4 (_table_run_scale)."""
+    scale = _registers(LANES)
+    at, table = _table_run_scale(values, g, b, k, scale)
+    _table_nibbles(values, g, b, at, carray(scale, LANES), table, tile, c0)
+
+
+@njit(cache=True)
+def _decode_run(values, g, r, tile, c0):
+    """Run r (32 columns) of group g's LANES rows into tile columns c0…, each weight as gguf.quants
+    dequantizes it."""
+    block_bytes = values.shape[2]
+    b, k = r // K_RUNS, r % K_RUNS  # (run k of a 256-weight block b)
+    if block_bytes == _Q2_K:
+        _q2_k_run(values, g, b, k, tile, c0)
+    elif block_bytes == _Q3_K:
+        _q3_k_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ4_XS:
+        _table_run(values, g, b, k, tile, c0)
+    elif block_bytes in (_IQ4_NL, _MXFP4):  # a run a block
+        _table_run(values, g, r, 0, tile, c0)
+    elif block_bytes == _IQ2_XXS:  # the IQ1–IQ3 and ternary formats: grid_formats.py
+        grids._iq2_xxs_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ2_XS:
+        grids._iq2_xs_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ2_S:
+        grids._iq2_s_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ3_XXS:
+        grids._iq3_xxs_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ3_S:
+        grids._iq3_s_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ1_S:
+        grids._iq1_s_run(values, g, b, k, tile, c0)
+    elif block_bytes == _IQ1_M:
+        grids._iq1_m_run(values, g, b, k, tile, c0)
+    elif block_bytes == _TQ1_0:
+        grids._tq1_0_run(values, g, b, k, tile, c0)
+    else:
+        grids._tq2_0_run(values, g, b, k, tile, c0)
 
 
 @njit(cache=True)
 def decode_group(values, g, tile):
     """Group g's LANES rows as float32 into tile [n_cols, LANES], each weight as gguf.quants
     dequantizes it, a run of 32 columns at a time."""
-    block_bytes = values.shape[2]
     for r in range(tile.shape[0] // RUN):
-        if block_bytes == _Q2_K:
-            _q2_k_run(values, g, r // 8, r % 8, tile, RUN * r)
-        elif block_bytes == _Q3_K:
-            _q3_k_run(values, g, r // 8, r % 8, tile, RUN * r)
-        elif block_bytes == _IQ4_XS:
-            _iq4_xs_run(values, g, r // 8, r % 8, tile, RUN * r)
-        elif block_bytes == _IQ4_NL:
-            _iq4_nl_run(values, g, r, tile, RUN * r)
-        else:
-            _mxfp4_run(values, g, r, tile, RUN * r)
+        _decode_run(values, g, r, tile, RUN * r)
+
+
+@njit(cache=True)
+def one_row_group(values, x, out, g):
+    """out[0, g·L … g·L + L − 1] = x[0] times group g's LANES rows, each weight read once from its
+    block: the formats of indices into a table (MXFP4, IQ4_NL, IQ4_XS) decoded in registers
+    (_table_one_row), Q2_K's and Q3_K's a run of 32 columns at a time into a tile that stays in the
+    core's first cache. Column by column, one fused multiply-add
+    each, as the float kernels multiply a tile of the whole group (products._block_product): the same
+    bits, without writing the group's tile (its columns times LANES floats) and reading it back."""
+    sums = _registers(LANES)
+    row = carray(sums, LANES)
+    for lane in range(LANES):
+        row[lane] = 0
+    block_bytes = values.shape[2]
+    if block_bytes in (_MXFP4, _IQ4_NL, _IQ4_XS):
+        _table_one_row(values, x, g, sums)
+    else:
+        tile_at = _registers(RUN_FLOATS)
+        tile = carray(tile_at, (RUN, LANES))
+        for r in range(x.shape[1] // RUN):
+            if r % K_RUNS == 0:
+                _ask_ahead(values, g, r // K_RUNS)
+            _decode_run(values, g, r, tile, 0)
+            for j in range(RUN):
+                _column_multiply_add(sums, tile_at, j * LANES, x[0, RUN * r + j], LANES)
+    for lane in range(LANES):
+        out[0, g * LANES + lane] = row[lane]
+
+
+@njit(cache=True, inline="always")
+def _ask_ahead(values, g, b):
+    """Asks for the weights the profile's distance past the start of group g's block b."""
+    block_bytes = values.shape[2]
+    at = (g * values.shape[1] + b) * block_bytes * LANES
+    for line in range(0, block_bytes * LANES, 64):
+        _prefetch(values, at, line)
+
+
+@njit(cache=True, inline="always")
+def _table_one_row(values, x, g, sums):
+    """sums[:LANES] += x[0] times group g's LANES rows of MXFP4, IQ4_NL or IQ4_XS blocks, straight from
+    their bits: each run's scale and its nibbles (through the format's table) decoded in registers,
+    each weight scale · value as _table_nibbles forms it, then multiplied in, in column order."""
+    scale, w = _registers(LANES), _registers(LANES)
+    runs_a_block = K_RUNS if values.shape[2] == _IQ4_XS else 1
+    for r in range(x.shape[1] // RUN):
+        b, k = r // runs_a_block, r % runs_a_block
+        if k == 0:
+            _ask_ahead(values, g, b)
+        at, table = _table_run_scale(values, g, b, k, scale)
+        block = (g * values.shape[1] + b) * values.shape[2]
+        for half in range(2):  # low nibbles: columns 0-15 of the run; high: 16-31
+            for j in range(16):
+                _table_fields(values, (block + at + j) * LANES, 4 * half, table, w, LANES)
+                _scaled_multiply_add(sums, w, scale, x[0, RUN * r + 16 * half + j], LANES)
+
+
+def one_row_reference(values: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """one_row_group of every group in plain NumPy: x [1, n_cols] times the rows gguf.quants dequantizes
+    from the blocks, [1, groups·LANES], one fused multiply-add a column in column order (float64
+    maths rounded once to float32)."""
+    w = gguf_rows(values, np.arange(values.shape[0] * LANES))
+    sums = np.zeros(len(w), F32)
+    for j in range(w.shape[1]):
+        sums = (np.float64(1) * w[:, j] * x[0, j] + sums).astype(F32)
+    return sums[None]
 
 
 @njit(cache=True)

@@ -5,6 +5,14 @@ model's chunks are found through package metadata (the packages are never import
 into `$XDG_CACHE_HOME/llama-chat/models/<name>.gguf` through a temporary file and a rename, and checked
 against a pinned sha256. A small record of size, mtime and hash beside the file lets later starts skip
 re-hashing half a gigabyte.
+
+Once a start by name has packed the model for this machine (packed_file.py), the packed file holds all a
+start reads, its GGUF's metadata aside (weights.py keeps it, keyed by the sha256), and the assembled file
+is removed where its pip packages are there to assemble it again (model.py): the model is on disk as
+its pip packages and its packed file, not a third time (nor as its packed file alone).
+It is assembled again from the packages, and verified again, only where its bytes are read: to pack it
+for another machine profile or layout, in place of a packed file found damaged, or for whoever asks
+for the file itself (resolve_model: a benchmark, llama.cpp).
 """
 
 from __future__ import annotations
@@ -133,6 +141,12 @@ def recommended_sampling(path: str | os.PathLike, metadata: Mapping) -> tuple[di
     return (dict(model.sampling), model.sampling_source) if model else ({}, "")
 
 
+def assembled_model_at(path: str | os.PathLike) -> KnownModel | None:
+    """The catalog's model whose assembled file is at `path` (whether it is there or not), if any."""
+    where = Path(path).expanduser().resolve()
+    return next((m for m in KNOWN_MODELS.values() if model_path(m).resolve() == where), None)
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "llama-chat"
@@ -145,8 +159,9 @@ def model_path(model: KnownModel) -> Path:
 def resolve_model(name_or_path: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
     """The path of a usable GGUF file for a short name or a path (None: the default model)."""
     name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
-    if name in KNOWN_MODELS:
-        return ensure_model(KNOWN_MODELS[name], progress)
+    model = KNOWN_MODELS.get(name) or assembled_model_at(name)
+    if model is not None:
+        return ensure_model(model, progress)
     path = Path(name).expanduser()
     if path.exists() or name.endswith(".gguf") or os.sep in name:
         from .gguf_file import check_gguf_path  # (gguf and NumPy: only where a file is given)
@@ -233,18 +248,29 @@ def ensure_model(model: KnownModel, progress: Progress | None = None) -> Path:
     return path
 
 
-def model_status(model: KnownModel) -> dict:
-    """What `llama-chat models` shows: are the packages installed, is the file assembled and verified."""
+def has_packages(model: KnownModel) -> bool:
+    """Whether its pip packages are installed, whole: it can be assembled again."""
     try:
         chunk_files(model)
-        installed = True
+        return True
     except ModelError:
-        installed = False
+        return False
+
+
+def remove_assembled(model: KnownModel) -> None:
+    """The assembled file and its record, no longer read once the model is packed for this machine."""
+    path = model_path(model)
+    path.unlink(missing_ok=True)
+    _record_path(path).unlink(missing_ok=True)
+
+
+def model_status(model: KnownModel) -> dict:
+    """What `llama-chat models` shows: are the packages installed, is the file assembled and verified."""
     path = model_path(model)
     return {
         "name": model.name,
         "description": model.description,
-        "packages_installed": installed,
+        "packages_installed": has_packages(model),
         "path": str(path),
         "assembled": path.exists(),
         "verified": is_verified(model),

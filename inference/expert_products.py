@@ -16,7 +16,7 @@ from numba.extending import intrinsic, overload
 from . import k_quants
 from .activations import quantize_rows
 from .jit import njit, prange
-from .products import LANES, ROWS, _group_product, _two_row_group_product, takes_bytes
+from .products import LANES, ROWS, _group_product, _two_row_group_product, block_group_product, takes_bytes
 
 F32 = np.float32
 
@@ -45,9 +45,8 @@ def _layout(m) -> tuple:
 
 def matrices_of(matrices) -> ExpertMatrices | None:
     """The experts' matrices as one ExpertMatrices, or None where they are not all packed alike in one
-    PackedMatrix each, or in a block format (a StackedMatrix, MXFP4…: then each expert is multiplied
-    on its own)."""
-    if any(hasattr(m, "parts") or m.values.ndim != 3 for m in matrices):
+    PackedMatrix each (a StackedMatrix…: then each expert is multiplied on its own)."""
+    if any(hasattr(m, "parts") for m in matrices):
         return None
     kind = _layout(matrices[0])
     alike = all(_layout(m) == kind for m in matrices) and all(a is None or a[2] for a in kind)
@@ -176,8 +175,25 @@ def _grouped(
         v = _expert(values_at, e, values)
         s, o = _expert(scales_at, e, scales), _expert(offsets_at, e, offsets)
         xs, sums, part = x[start : start + span], _rows(x_sums, start, span), out[start : start + n]
-        if n == 2:
-            _two_row_group_product(v, s, o, xs, sums, part, np.int64(g))
-        else:
-            _group_product(v, s, o, xs, sums, part, np.int64(g))
+        _segment_product(v, s, o, xs, sums, part, np.int64(g))
         out[start + n : start + span, g * LANES : (g + 1) * LANES] = 0
+
+
+def _segment_product(values, scales, offsets, x, x_sums, out, g):
+    """Columns g·L … of a segment's rows out = x @ w.T (x padded as grouped_product lays it out), by the
+    kernels that kernel_product takes for the matrix's layout: a block format's (values [groups,
+    blocks, block bytes, LANES]) by block_group_product."""
+
+
+@overload(_segment_product, inline="always")
+def _segment_product_by_layout(values, scales, offsets, x, x_sums, out, g):
+    if values.ndim == 4:
+        return lambda values, scales, offsets, x, x_sums, out, g: block_group_product(values, x, out, g)
+
+    def in_kernels(values, scales, offsets, x, x_sums, out, g):
+        if out.shape[0] == 2:
+            _two_row_group_product(values, scales, offsets, x, x_sums, out, g)
+        else:
+            _group_product(values, scales, offsets, x, x_sums, out, g)
+
+    return in_kernels

@@ -45,6 +45,13 @@ class Experts:
             return {}
         return {"gate_up_bias": self.gate_up_bias[expert], "down_bias": self.down_bias[expert]}
 
+    def grouped_for(self, rows: int) -> tuple[ExpertMatrices, ExpertMatrices] | None:
+        """`grouped` for a step of `rows` rows; a block format's experts (MXFP4) only where the kernels
+        take the step's products (kernels.kernels_take): past that, each expert's product of many
+        rows goes to BLAS on its own."""
+        in_blocks = self.grouped is not None and self.grouped[0].values.ndim == 4
+        return None if in_blocks and not kernels.kernels_take(rows) else self.grouped
+
     @cached_property
     def grouped(self) -> tuple[ExpertMatrices, ExpertMatrices] | None:
         """The experts' gate_up and down matrices as one compiled call multiplies them all (None where
@@ -87,7 +94,7 @@ def mixture(
     if experts.router_bias is not None:
         logits += experts.router_bias
     chosen, weights = route(logits, k, normalize, gating)
-    if experts.grouped is not None:
+    if experts.grouped_for(len(x)) is not None:
         return grouped(x, experts, chosen, weights, unit)
     out = np.zeros_like(x)
     for e in np.unique(chosen):  # in order of the experts' numbers

@@ -3,8 +3,8 @@
 The integer formats of ggml with a scale per 16 or 32 weights (Q4_0 … Q8_0, Q5_K, Q6_K) unpack to
 int8 with float32 scales (quants.py) and join each other in one matrix. Formats kept in their own bits
 never join another format: Q4_K (k_quants.py), float16 and bfloat16 (their 16 bits, which the kernels
-widen), and the block formats (block_formats.py: Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, the GGUF's blocks
-as they are). A matrix whose parts differ there (q/k in Q3_K beside a Q5_K v) is a StackedMatrix of
+widen), and the block formats (block_formats.py: Q2_K, Q3_K, the IQ and TQ formats, MXFP4, the GGUF's
+blocks as they are). A matrix whose parts differ there (q/k in Q3_K beside a Q5_K v) is a StackedMatrix of
 runs, each packed on its own. Any other format (F32, the formats read only by gguf.quants) makes the
 whole matrix float32.
 """
@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 from . import k_quants
-from .block_formats import BLOCK_FORMATS
+from .block_formats import BLOCK_FORMATS, PACKED_BYTES
 from .cpu import PROFILE
 from .half import NATIVE
 
@@ -86,8 +86,8 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
     if qtype in HALF_TYPES:
         return [((groups, n_cols, LANES), HALF_TYPES[qtype]), None, None]
     if qtype in BLOCK_FORMATS:
-        block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        return [((groups, n_cols // block_len, block_bytes, LANES), np.uint8), None, None]
+        block_len = gguf.GGML_QUANT_SIZES[qtype][0]
+        return [((groups, n_cols // block_len, PACKED_BYTES[qtype], LANES), np.uint8), None, None]
     scales = ((groups, n_cols // min(GROUP.get(q, 32) for q in formats), LANES), F32)
     offsets = scales if kind == "integer weights with offsets" else None
     return [((groups, n_cols, LANES), np.int8), scales, offsets]

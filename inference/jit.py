@@ -19,10 +19,12 @@ from .catalog import cache_dir  # noqa: E402
 from .cpu import PROFILE  # noqa: E402
 
 # The modules whose numba code the kernels inline from one another (products.py inlines the intrinsics
-# of vectors.py and byte_vectors.py and k_quants.py's loops), and cpu.py, whose profile they compile in.
+# of vectors.py and byte_vectors.py, k_quants.py's loops and the block formats' decoders), and cpu.py, whose
+# profile they compile in.
 KERNEL_SOURCES = (
     "cpu.py", "vectors.py", "byte_vectors.py", "k_quants.py", "products.py", "activations.py",
-    "attention.py", "attention_vectors.py", "kernels.py", "quants.py",
+    "attention.py", "attention_vectors.py", "kernels.py", "quants.py", "block_formats.py", "grid_formats.py",
+    "half.py", "block_vectors.py",
 )
 
 

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from . import forward
-from .catalog import Progress, resolve_model
+from .catalog import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    KnownModel,
+    Progress,
+    assembled_model_at,
+    has_packages,
+    model_path,
+    remove_assembled,
+    resolve_model,
+)
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .kernels import DEFAULT_ACTIVATIONS, KERNEL_ROWS
 from .kv_arena import DEFAULT_CACHE_TYPE
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_RAM_MB, BlockPool, BlockSource, KVSequence
+from .packed_file import holds_model
 from .tokenizer import Tokenizer
 from .weights import prepare
 
@@ -207,6 +219,28 @@ def load_model(
     from a norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
     given (--ctx): where a model's RoPE depends on it (phi3's LongRoPE), as llama.cpp decides by its
     context (config.with_context); None: as the GGUF reads."""
-    path = resolve_model(name_or_path, progress)
+    known = KNOWN_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))
+    # An assembled file a start by name neither assembles nor packs from stays, as does one loaded by its
+    # path: it was asked for itself (catalog.resolve_model: a benchmark, llama.cpp); one a start by name
+    # assembles or packs from is removed once its packed file is whole.
+    asked_for = known is not None and model_path(known).exists() and holds_model(model_path(known))
+    path = locate_model(name_or_path, progress)
     prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx)
+    if known is not None and not asked_for and holds_model(path) and has_packages(known):
+        remove_assembled(known)
     return Model(prepared, cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)
+
+
+def locate_model(name_or_path: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
+    """The path of the GGUF a start loads (catalog.resolve_model); for a catalog model whose packed file
+    holds all a start reads (packed_file.holds_model), without assembling it: the path then names no file."""
+    known = _catalog_model(name_or_path)
+    if known is not None and holds_model(model_path(known)):
+        return model_path(known)
+    return resolve_model(name_or_path, progress)
+
+
+def _catalog_model(name_or_path: str | os.PathLike | None) -> KnownModel | None:
+    """The catalog's model a name or its assembled file's path names, if any."""
+    name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
+    return KNOWN_MODELS.get(name) or assembled_model_at(name)

@@ -5,9 +5,12 @@ that a start takes what the page cache takes to hand the pages over instead of u
 One file per GGUF path and profile,
 `$XDG_CACHE_HOME/llama-chat/prepared/<digest of the path>-<profile>.packed`: the arrays, each at a multiple of
 the page size; then a JSON header (where each array lies and the CRC-32 of its bytes, the layout version, the
-profile, the GGUF's identity); then a trailer (the header's length and SHA-256, a magic string). A file is
-trusted only whole: another layout, profile or GGUF (path, size, mtime, digest of its first MiB) or other
-arrays than the GGUF's matrices pack into, and it is packed again over the old one; a file cut short or
+profile, the GGUF's identity); then a trailer (the header's length and SHA-256, a magic string). Beside the
+matrices it holds the small tensors a start reads (norms, biases: float32), and for a model of the catalog
+the embedding table too, so that a start of a catalog model reads nothing of its GGUF, which is then not
+kept (catalog.py). A file is trusted only whole: another layout, profile or GGUF (path, size, mtime, digest
+of its first MiB; for a catalog model the sha256 its assembly verified) or other arrays than the GGUF's
+tensors pack into, and it is packed again over the old one; a file cut short or
 overwritten (its trailer, header or an array's bytes not what they say), and it is packed again with one line
 saying so. Every array is checked as the file is mapped, on all cores at once: a start reads every page anyway
 (the first token does), and a damaged array would give garbage replies, not an error. A file is written under
@@ -36,11 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from .bus_error import stop_cleanly_on_bus_error
-from .catalog import cache_dir
+from .catalog import assembled_model_at, cache_dir
 from .cpu import PROFILE
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 5  # raise when formats.py (or a module it names) lays a matrix out differently, or this
+LAYOUT_VERSION = 7  # raise when formats.py (or a module it names) lays a matrix out differently, or this
 # file's header
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
@@ -50,8 +53,9 @@ SPARE_BYTES = 1 << 30  # left free on the disk after packing: the chat's databas
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
-Matrices = dict[str, PackedMatrix]
+Matrices = dict[str, PackedMatrix | np.ndarray]  # the matrices, and the plain arrays kept beside them
 Layout = tuple[int, list]  # a matrix's rows, and its arrays' (shape, dtype) or None: quants.layout
+Arrays = dict[str, tuple[tuple[int, ...], np.dtype]]  # a plain array's shape and dtype, by name
 
 
 class DamagedFile(ValueError):
@@ -65,7 +69,11 @@ def packed_path(gguf_path: Path) -> Path:
 
 def gguf_identity(gguf_path: Path) -> dict:
     """What says the GGUF is the one a file was packed from: where it is, its size, mtime and a digest of
-    its first MiB."""
+    its first MiB; for a model of the catalog, where it is assembled and the sha256 its assembly checks
+    (its bytes are read only once verified: catalog.ensure_model), so the file need not be there."""
+    model = assembled_model_at(gguf_path)
+    if model is not None:
+        return {"path": str(Path(gguf_path).resolve()), "size": model.size, "sha256": model.sha256}
     with open(gguf_path, "rb") as f:
         st = os.fstat(f.fileno())
         head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
@@ -79,25 +87,29 @@ def gguf_identity(gguf_path: Path) -> dict:
 
 def load_or_pack(
     gguf_path: Path,
-    pack_all: Callable[[], Iterator[tuple[str, PackedMatrix]]],
+    pack_all: Callable[[], Iterator[tuple[str, PackedMatrix | np.ndarray]]],
     expected: dict[str, Layout],
     progress: Progress | None = None,
+    arrays: Arrays | None = None,
 ) -> Matrices:
-    """The model's packed matrices mapped from their file, packed into it first where it is missing,
-    stale or damaged (`expected`: what pack_all() gives, matrix by matrix); packed in memory (pack_all()
-    again) where it cannot be written. From then on, a mapped file cut short by another program ends
-    the process with one line (bus_error.py), not silently."""
+    """The model's packed matrices and plain arrays mapped from their file, packed into it first where it
+    is missing, stale or damaged (`expected`, `arrays`: what pack_all() gives, matrix by matrix and
+    array by array); packed in memory (pack_all() again) where it cannot be written. From then on, a
+    mapped file cut short by another program ends the process with one line (bus_error.py), not
+    silently."""
     stop_cleanly_on_bus_error()
+    arrays = arrays or {}
     target, identity = packed_path(gguf_path), gguf_identity(gguf_path)
-    matrices = open_packed(target, identity, expected)
+    matrices = open_packed(target, identity, expected, arrays)
     if matrices is not None:
         return matrices
     try:
-        nbytes = sum(-(-_nbytes(a) // ALIGN) * ALIGN for _, arrays in expected.values() for a in arrays if a)
+        specs = [a for _, matrix in expected.values() for a in matrix if a] + list(arrays.values())
+        nbytes = sum(-(-_nbytes(a) // ALIGN) * ALIGN for a in specs)
         write_packed(
             target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}")
         )
-        matrices = open_packed(target, identity, expected)
+        matrices = open_packed(target, identity, expected, arrays)
     except OSError as e:
         reason = e.strerror or str(e)
         log.warning(
@@ -111,11 +123,13 @@ def _nbytes(spec) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
-def open_packed(path: Path, identity: dict, expected: dict[str, Layout]) -> Matrices | None:
-    """The matrices of a whole, current packed file, mapped copy-on-write (writable arrays, as the
-    kernels are compiled for, whose writes never reach the file), each with the rows and arrays
-    expected and the bytes its digests say; None where there is none such, with one line where the
-    file is there but damaged."""
+def open_packed(
+    path: Path, identity: dict, expected: dict[str, Layout], arrays: Arrays | None = None
+) -> Matrices | None:
+    """The matrices and plain arrays of a whole, current packed file, mapped copy-on-write (writable
+    arrays, as the kernels are compiled for, whose writes never reach the file), each with the rows,
+    shapes and dtypes expected and the bytes its digests say; None where there is none such, with one
+    line where the file is there but damaged."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -129,10 +143,11 @@ def open_packed(path: Path, identity: dict, expected: dict[str, Layout]) -> Matr
         # instead of one fault at a time in the first token (free where they are all there).
         mapped.madvise(mmap.MADV_WILLNEED)
         matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
-        if _layouts(matrices) != _layouts_of(expected):
+        plain = {name: _array(mapped, spec, header["end"]) for name, spec in header["arrays"].items()}
+        if _layouts(matrices) != _layouts_of(expected) or _shapes(plain) != _shapes_of(arrays or {}):
             return None
-        _check_digests(mapped, header["matrices"])
-        return matrices
+        _check_digests(mapped, header["matrices"] | {n: {"arrays": [s]} for n, s in header["arrays"].items()})
+        return matrices | plain
     except DamagedFile as e:
         log.warning(f"{path}: damaged ({e}); packing {Path(identity['path']).name} again")
         return None
@@ -152,6 +167,40 @@ def _layouts_of(expected: dict[str, Layout]) -> dict:
         name: (n_rows, [None if a is None else (tuple(a[0]), np.dtype(a[1])) for a in arrays])
         for name, (n_rows, arrays) in expected.items()
     }
+
+
+def _shapes(arrays: dict[str, np.ndarray]) -> dict:
+    return {name: (a.shape, a.dtype) for name, a in arrays.items()}
+
+
+def _shapes_of(arrays: Arrays) -> dict:
+    return {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in arrays.items()}
+
+
+def holds_model(gguf_path: Path) -> bool:
+    """Whether this machine's packed file of a GGUF is whole (its header: its arrays are checked as it
+    is mapped), current and holds its tensors with the small ones beside them: all a start reads."""
+    try:
+        identity = gguf_identity(gguf_path)
+    except OSError:
+        return False
+    header = header_of(packed_path(gguf_path))
+    return (
+        header is not None
+        and (header.get("layout"), header.get("profile")) == (LAYOUT_VERSION, PROFILE.key)
+        and header.get("gguf") == identity
+        and bool(header.get("arrays"))
+    )
+
+
+def source_gone(identity: dict) -> bool:
+    """Whether the GGUF a packed file was packed from is no longer where it was: a file removed, or a
+    catalog model packed from a sha256 the catalog no longer names."""
+    path = Path(identity["path"])
+    if "sha256" in identity:
+        model = assembled_model_at(path)
+        return model is None or model.sha256 != identity["sha256"]
+    return not path.exists()
 
 
 def header_of(path: Path) -> dict | None:
@@ -185,17 +234,16 @@ def _header(f, size: int) -> dict:
 
 
 def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
-    arrays = []
-    for spec in entry["arrays"]:
-        if spec is None:
-            arrays.append(None)
-            continue
-        dtype, shape, offset = np.dtype(spec[0]), tuple(spec[1]), spec[2]
-        count = int(np.prod(shape))
-        if offset % ALIGN or offset + count * dtype.itemsize > end:
-            raise DamagedFile("an array outside the file's data")
-        arrays.append(np.frombuffer(mapped, dtype, count, offset).reshape(shape))
+    arrays = [None if spec is None else _array(mapped, spec, end) for spec in entry["arrays"]]
     return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]))
+
+
+def _array(mapped: mmap.mmap, spec: list, end: int) -> np.ndarray:
+    dtype, shape, offset = np.dtype(spec[0]), tuple(spec[1]), spec[2]
+    count = int(np.prod(shape))
+    if offset % ALIGN or offset + count * dtype.itemsize > end:
+        raise DamagedFile("an array outside the file's data")
+    return np.frombuffer(mapped, dtype, count, offset).reshape(shape)
 
 
 def _check_digests(mapped: mmap.mmap, entries: dict) -> None:
@@ -222,13 +270,14 @@ def _spec_nbytes(spec: list) -> int:
 def write_packed(
     path: Path,
     identity: dict,
-    matrices: Iterator[tuple[str, PackedMatrix]],
+    matrices: Iterator[tuple[str, PackedMatrix | np.ndarray]],
     nbytes: int,
     syncing: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Write the matrices (`nbytes` of arrays), one at a time as they come (only one is in memory), under a
-    temporary name; sync and rename it to `path` once whole. Their room is taken before the first is
-    packed, so a disk without it fails at once. Raises OSError (no space, no permission), leaving nothing."""
+    """Write the matrices and plain arrays (`nbytes` of arrays), one at a time as they come (only one is in
+    memory), under a temporary name; sync and rename it to `path` once whole. Their room is taken before
+    the first is packed, so a disk without it fails at once. Raises OSError (no space, no permission),
+    leaving nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(path)
     free = shutil.disk_usage(path.parent).free
@@ -241,8 +290,11 @@ def write_packed(
         with open(tmp, "wb") as f:
             if nbytes and hasattr(os, "posix_fallocate"):  # (macOS has none: a full disk fails a write)
                 os.posix_fallocate(f.fileno(), 0, nbytes)
-            entries = {}
+            entries, plain = {}, {}
             for name, m in matrices:
+                if isinstance(m, np.ndarray):
+                    plain[name] = _write_array(f, m)
+                    continue
                 specs = []
                 for a in (m.values, m.scales, m.offsets):
                     specs.append(None if a is None else _write_array(f, a))
@@ -254,6 +306,7 @@ def write_packed(
                 "gguf": identity,
                 "end": end,
                 "matrices": entries,
+                "arrays": plain,
             }
             blob = json.dumps(header).encode()
             f.write(blob)
@@ -283,7 +336,7 @@ def _remove_abandoned(path: Path) -> None:
         try:
             with open(other, "rb") as f:
                 header = _header(f, os.fstat(f.fileno()).st_size)
-            if not Path(header["gguf"]["path"]).exists():
+            if source_gone(header["gguf"]):
                 other.unlink()
         except (OSError, ValueError, KeyError, TypeError):
             pass

@@ -2,11 +2,14 @@
 `llama-chat models --prune` lists those, with their sizes, and removes them.
 
 A start reads, for its GGUF, a metadata entry (`prepared/<key>/`, keyed by the file's path, size and
-mtime; weights.py) and a packed file (`prepared/<path digest>-<profile>.packed`, one per GGUF and
-machine profile; packed_file.py). A packed file is stale when it was packed for another machine
-profile or layout, when its GGUF is gone or changed since, or when it is not whole; a metadata entry
-when it belongs to no GGUF still here — the catalog's assembled models and the GGUFs the packed files
-name. A start rebuilds whatever it misses, so removing is only ever slower once, never wrong.
+mtime, a catalog model's by its sha256; weights.py) and a packed file
+(`prepared/<path digest>-<profile>.packed`, one per GGUF and machine profile; packed_file.py). A packed
+file is stale when it was packed for another machine profile or layout, when its GGUF is gone or changed
+since (a catalog model's: when the catalog names another sha256), or when it is not whole; a metadata
+entry when it belongs to no model still here — the catalog's models and the GGUFs the packed files name.
+A catalog model's assembled GGUF is not read either once its packed file holds all a start reads (one
+asked for itself, catalog.resolve_model, stays until then). A start rebuilds whatever it misses (a
+catalog model from its pip packages), so removing is only ever slower once, never wrong.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import packed_file
-from .catalog import KNOWN_MODELS, cache_dir, model_path
+from .catalog import KNOWN_MODELS, assembled_model_at, cache_dir, has_packages, model_path, remove_assembled
 from .cpu import PROFILE
 from .weights import _prepared_dir
 
@@ -29,18 +32,24 @@ class PreparedFile:
 
 
 def stale_files() -> list[PreparedFile]:
-    """The files and entries of `prepared/` that no start on this machine reads again, largest first."""
+    """The files and entries of `prepared/` that no start on this machine reads again, and the catalog's
+    assembled files, largest first."""
+    stale = [
+        PreparedFile(path, path.stat().st_size, "packed: assembled again from its pip packages where needed")
+        for path in (model_path(m) for m in KNOWN_MODELS.values())
+        if path.is_file() and packed_file.holds_model(path) and has_packages(assembled_model_at(path))
+    ]
     folder = cache_dir() / "prepared"
     if not folder.is_dir():
-        return []
-    stale, in_use = [], {model_path(m) for m in KNOWN_MODELS.values()}
+        return stale
+    in_use = {model_path(m) for m in KNOWN_MODELS.values()}
     for path in sorted(folder.glob("*.packed")):
         why, gguf = _stale_packed(path)
         if why:
             stale.append(PreparedFile(path, path.stat().st_size, why))
         if gguf is not None:  # its metadata serves every profile
             in_use.add(gguf)
-    wanted = {_prepared_dir(p) for p in in_use if p.is_file()}
+    wanted = {_prepared_dir(p) for p in in_use if p.is_file() or assembled_model_at(p)}
     for entry in sorted(p for p in folder.iterdir() if p.is_dir() and p not in wanted):
         why = "left half-written" if entry.name.startswith(".") else "metadata of a model no longer here"
         stale.append(PreparedFile(entry, _size(entry), why))
@@ -49,7 +58,10 @@ def stale_files() -> list[PreparedFile]:
 
 def remove(files: list[PreparedFile]) -> None:
     for f in files:
-        if f.path.is_dir():
+        model = assembled_model_at(f.path)
+        if model is not None:
+            remove_assembled(model)  # with its record
+        elif f.path.is_dir():
             shutil.rmtree(f.path, ignore_errors=True)
         else:
             f.path.unlink(missing_ok=True)
@@ -66,12 +78,10 @@ def _stale_packed(path: Path) -> tuple[str, Path | None]:
         return f"packed for another machine profile ({header.get('profile')})", gguf
     if header.get("layout") != packed_file.LAYOUT_VERSION:
         return "packed in another layout (by another version of llama-chat)", gguf
-    try:
-        st = gguf.stat()
-    except OSError:
-        return f"its model is gone ({gguf})", None
     identity = header["gguf"]
-    if (st.st_size, st.st_mtime_ns) != (identity.get("size"), identity.get("mtime_ns")):
+    if packed_file.source_gone(identity):
+        return f"its model is gone ({gguf})", None
+    if identity != packed_file.gguf_identity(gguf):
         return f"its model changed since ({gguf})", gguf
     return "", gguf
 

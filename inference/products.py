@@ -219,24 +219,33 @@ def _two_row_product(values, scales, offsets, x, x_sums, out):
 
 @njit(cache=True, parallel=True)
 def _block_product(values, x, out):
-    """_product of a block format's matrix (block_formats.py): each group decoded into a float32 tile,
-    then multiplied by the float32 kernels' own code, so that its products are those of the matrix in
-    float32, bit for bit. The tile of a group (its columns times LANES floats) stays in the core's
-    cache for the passes over it."""
-    n = out.shape[0]
+    """_product of a block format's matrix (block_formats.py), a group of rows at a time
+    (block_group_product)."""
     for g in prange(values.shape[0]):
-        tile = np.empty((1, x.shape[1], LANES), F32)
-        block_formats.decode_group(values, np.int64(g), tile[0])
-        part = np.empty((n, LANES), F32)
-        if n == 1:
-            _one_row_group_product(tile, None, None, x, None, part, np.int64(0))
-        elif n == 2:
-            _two_row_group_product(tile, None, None, x, None, part, np.int64(0))
-        else:
-            _group_product(tile, None, None, x, None, part, np.int64(0))
-        for i in range(n):
-            for r in range(LANES):
-                out[i, g * LANES + r] = part[i, r]
+        block_group_product(values, x, out, np.int64(g))
+
+
+@njit(cache=True)
+def block_group_product(values, x, out, g):
+    """Columns g·L … g·L + L - 1 of out = x @ w.T for a block format's w: one row straight from the
+    blocks (block_formats.one_row_group); more, the group decoded into a float32 tile, then multiplied
+    by the float32 kernels' own code. Either way a product is the one of the matrix in float32, bit for
+    bit. The tile of a group (its columns times LANES floats) stays in the core's cache for the passes
+    over it."""
+    n = out.shape[0]
+    if n == 1:
+        block_formats.one_row_group(values, x, out, g)
+        return
+    tile = np.empty((1, x.shape[1], LANES), F32)
+    block_formats.decode_group(values, g, tile[0])
+    part = np.empty((n, LANES), F32)
+    if n == 2:
+        _two_row_group_product(tile, None, None, x, None, part, np.int64(0))
+    else:
+        _group_product(tile, None, None, x, None, part, np.int64(0))
+    for i in range(n):
+        for r in range(LANES):
+            out[i, g * LANES + r] = part[i, r]
 
 
 @njit(cache=True)

@@ -14,7 +14,7 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds. So do Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 (block_formats.py). Which formats
+and which RAM holds. So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4 (block_formats.py). Which formats
 join in one matrix, and the arrays each kind packs into: formats.py.
 """
 
@@ -256,7 +256,8 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
         elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits
             _interleave_rows(raw.view(HALF_TYPES[qtype]).reshape(shape), row0, values)
         elif values.ndim == 4:  # the GGUF's blocks, byte for byte (block_formats.py)
-            _interleave_rows(raw.reshape(shape[0], -1), row0, values.reshape(values.shape[0], -1, LANES))
+            blocks = block_formats.packed_rows(raw, qtype, shape[0])
+            _interleave_rows(blocks, row0, values.reshape(values.shape[0], -1, LANES))
         else:
             repeat = GROUP.get(qtype, 32) // (n_cols // scales.shape[1])
             _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)

@@ -11,8 +11,9 @@ from .config import ARCHITECTURES
 from .errors import ModelError
 from .formats import OWN_BITS
 from .gguf_file import open_gguf, read_metadata
+from .gguf_tensors import UNREADABLE, GGUFTensors, readable_format
 from .tokenizer import Tokenizer
-from .weights import UNREADABLE, GGUFTensors, check_tensors, model_info, readable_format
+from .weights import check_tensors, model_info
 
 # How the kernels keep a matrix of each kind of format (quants.kind_of)
 KEPT = {

@@ -25,11 +25,13 @@ import json
 import secrets
 import string
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import regex
 
-from .chat_template import ChatTemplate
-from .tokenizer import ATTR_CONTROL, Tokenizer
+if TYPE_CHECKING:  # (they load gguf and Jinja2: the app parses calls, and draws its window, before a model)
+    from .chat_template import ChatTemplate
+    from .tokenizer import Tokenizer
 
 # Arguments written as the template's tojson writes them back (json.dumps): the round trip renders the
 # tokens the model wrote, so the next request reuses their KV.
@@ -287,6 +289,8 @@ def _literal(text: str, control: str, tokenizer: Tokenizer | None) -> str:
     if not text:
         return ""
     if control and tokenizer is not None and text.startswith(control):
+        from .tokenizer import ATTR_CONTROL  # (loaded with the model, as the tokenizer is)
+
         ids = tokenizer.encode(control, special=True)
         if len(ids) == 1 and tokenizer.attrs(ids[0]) & ATTR_CONTROL:
             rest = text[len(control) :]

@@ -157,7 +157,9 @@ def _q3_k_quants(typingctx, values, low_at, shift, high_at, bit, w, width):
 def _table_fields(typingctx, values, at, shift, table, w, width):
     """w[:width] = table[(values.flat[at:at + width] >> shift) & 15]: a nibble of the bytes of `width`
     lanes through a table of 16 floats (the IQ formats' values, MXFP4's e2m1), exact. AVX-512 picks
-    16 lanes' floats from a register of the table in one vpermps; elsewhere each lane is looked up."""
+    16 lanes' floats from a register of the table in one vpermps; AVX2 16 lanes' bytes from the table
+    as bytes in one vpshufb (the tables' values are integers of 8 bits), then widens them; elsewhere
+    each lane is looked up."""
     if not isinstance(width, types.IntegerLiteral):
         return None
     n = width.literal_value
@@ -168,11 +170,16 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
         table_ptr = _data(context, builder, signature.args[3], args[3])
         at, shift = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:3], signature.args[1:3]))
         table = builder.load(_vector_at(builder, table_ptr, ir.Constant(i64, 0), f32, 16), align=4)
-        for k in range(0, n, min(n, 16)):
-            m = min(n - k, 16)
+        step = 32 if PROFILE.isa == "AVX2" and n % 32 == 0 else min(n, 16)  # (vpshufb: 32 bytes)
+        for k in range(0, n, step):
+            m = min(n - k, step)
             words, where = ir.VectorType(i32, m), ir.Constant(i64, k)
             start = builder.add(at, where)
             column = builder.load(_vector_at(builder, values_ptr, start, ir.IntType(8), m), align=1)
+            if PROFILE.isa == "AVX2" and m in (16, 32):
+                picked = _bytes_looked_up(builder, table, column, builder.trunc(shift, ir.IntType(8)))
+                builder.store(picked, _vector_at(builder, args[4], where, f32, m), align=4)
+                continue
             column = builder.zext(column, words)
             column = builder.lshr(column, _splat(builder, words, builder.trunc(shift, i32)))
             if PROFILE.isa == "AVX-512" and m == 16:  # (the permute reads only the low 4 bits)
@@ -194,6 +201,23 @@ def _table_fields(typingctx, values, at, shift, table, w, width):
     return types.void(values, at, shift, table, w, width), codegen
 
 
+def _bytes_looked_up(builder, table, column, shift):
+    """table[(column >> shift) & 15] of 16 or 32 bytes as floats: vpshufb looks the bytes up in the
+    table as bytes (its values converted, exact: integers of 8 bits; 32 bytes look up in each 16-byte
+    half of a copy of it twice over), then they are widened to floats."""
+    i8, i32, m = ir.IntType(8), ir.IntType(32), column.type.count
+    index_t = ir.VectorType(i8, m)
+    small = builder.trunc(builder.fptosi(table, ir.VectorType(i32, 16)), ir.VectorType(i8, 16))
+    twice = ir.Constant(ir.VectorType(i32, m), [c % 16 for c in range(m)])
+    small = builder.shuffle_vector(small, small, twice)
+    shifted = builder.lshr(column, _splat(builder, index_t, shift))
+    index = builder.and_(shifted, ir.Constant(index_t, [15] * m))
+    kind = ir.FunctionType(index_t, [index_t, index_t])
+    name = "llvm.x86.avx2.pshuf.b" if m == 32 else "llvm.x86.ssse3.pshuf.b.128"
+    lookup = cgutils.get_or_insert_function(builder.module, kind, name)
+    return builder.sitofp(builder.call(lookup, [small, index]), ir.VectorType(ir.FloatType(), m))
+
+
 @intrinsic
 def _multiply_add(typingctx, sums, i, w, xj, width):
     """sums[i·width:(i + 1)·width] += w[:width] · xj, fused (one rounding), on a vector of `width` (a
@@ -204,16 +228,22 @@ def _multiply_add(typingctx, sums, i, w, xj, width):
 
     def codegen(context, builder, signature, args):
         sums_ptr, i_arg, w_ptr, x, _ = args
-        i64, vector = ir.IntType(64), ir.VectorType(f32, n)
+        i64 = ir.IntType(64)
         row = context.cast(builder, i_arg, signature.args[1], types.int64)
         at = _vector_at(builder, sums_ptr, builder.mul(row, ir.Constant(i64, n)), f32, n)
         weights = builder.load(_vector_at(builder, w_ptr, ir.Constant(i64, 0), f32, n), align=4)
-        broadcast = _splat(builder, vector, x)
-        total = builder.call(_fma(builder, n), [weights, broadcast, builder.load(at, align=4)])
-        builder.store(total, at, align=4)
+        _fused_into(builder, at, weights, x)
         return context.get_dummy_value()
 
     return types.void(sums, i, w, xj, width), codegen
+
+
+def _fused_into(builder, at, weights, x):
+    """*at += weights · x (a vector, a float broadcast), fused: one rounding."""
+    n = weights.type.count
+    broadcast = _splat(builder, ir.VectorType(ir.FloatType(), n), x)
+    total = builder.call(_fma(builder, n), [weights, broadcast, builder.load(at, align=4)])
+    builder.store(total, at, align=4)
 
 
 @intrinsic

@@ -1,7 +1,7 @@
-"""The kernels' building blocks (vectors.py, byte_vectors.py, attention_vectors.py) in plain NumPy: what
-each intrinsic computes, over the same flat indices, float32 rounding for float32 rounding (a fused
-multiply-add as float64 maths rounded once to float32). tests/test_vectors.py holds each intrinsic to
-its twin here.
+"""The kernels' building blocks (vectors.py, byte_vectors.py, block_vectors.py, attention_vectors.py) in
+plain NumPy: what each intrinsic computes, over the same flat indices, float32 rounding for float32
+rounding (a fused multiply-add as float64 maths rounded once to float32). tests/test_vectors.py holds
+each intrinsic to its twin here.
 """
 
 from __future__ import annotations
@@ -44,6 +44,24 @@ def q3_k_quants(values, low_at, shift, high_at, bit, width) -> np.ndarray:
 def table_fields(values, at, shift, table, width) -> np.ndarray:
     """vectors._table_fields: table[(byte >> shift) & 15] of `width` bytes."""
     return table[(values.reshape(-1)[at : at + width].astype(np.int64) >> shift) & 15]
+
+
+def e8m0_halves(values, at, width) -> np.ndarray:
+    """block_vectors._e8m0_halves: half of 2^(e − 127) for `width` bytes e, as float32 (exact: from 2^-128,
+    a subnormal, to 2^127)."""
+    e = values.reshape(-1)[at : at + width].astype(np.int64)
+    return np.ldexp(np.float64(1), e - 128).astype(F32)
+
+
+def scaled_multiply_add(sums, w, scale, xj, width) -> None:
+    """block_vectors._scaled_multiply_add: sums[:width] += (w · scale) · xj, the weight rounded, then
+    fused."""
+    sums[:width] = _fused((w[:width] * scale[:width]).astype(F32), F32(xj), sums[:width])
+
+
+def column_multiply_add(sums, tile, at, xj, width) -> None:
+    """block_vectors._column_multiply_add: sums[:width] += tile[at:at + width] · xj, fused."""
+    sums[:width] = _fused(tile[at : at + width], F32(xj), sums[:width])
 
 
 def multiply_add(sums, i, w, xj, width) -> None:

@@ -4,15 +4,17 @@ Reading a GGUF's metadata with gguf.GGUFReader costs seconds for a 150k-token vo
 load writes it, with the table of tensors (type, shape, where the bytes lie), as JSON into
 `$XDG_CACHE_HOME/llama-chat/prepared/<key>/` (keyed by the file's path, size and mtime; a few MB).
 The weights are packed for the kernels (quants.py) once per GGUF and machine profile into a file
-there too, which later loads map (packed_file.py); norms, biases and the embedding table are read from
-the GGUF itself at every load.
+there too, which later loads map (packed_file.py), with the norms and biases beside them as float32; the
+embedding table is read from the GGUF itself at every load, except for a model of the catalog, whose
+packed file holds its table's bytes too: a start of one reads nothing of its GGUF (catalog.py), and its
+metadata entry is keyed by the sha256 its assembly verified, not by the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -25,27 +27,18 @@ import numpy as np
 from . import kernels, packed_file, quants, warmup
 from .activation_modes import DEFAULT_ACTIVATIONS
 from .activations import inputs_of
-from .catalog import cache_dir
+from .catalog import assembled_model_at, cache_dir, ensure_model
 from .config import ModelConfig, read_config, with_context
-from .errors import ModelError
 from .experts import Experts
 from .forward import LayerWeights, Weights
 from .gguf_file import open_gguf, read_metadata, read_tensors
+from .gguf_tensors import GGUFTensors, TensorEntry
 from .tensor_plan import Plan, expert_biases, expert_matrix, layer_tensors, matrix_plan, stacked, tensor_of
 
 PREPARED_FORMAT = 2  # format 1 held 2.4 GB of float32 weights per model: removed when seen
 
 Progress = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where a tensor's bytes lie in the GGUF file."""
-
-    type_name: str
-    shape: tuple[int, ...]  # rows first
-    offset: int  # from the start of the file
-    nbytes: int
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,6 +85,7 @@ class Prepared:
 
 
 OPTIONAL_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+TABLE = "token_embd.weight"
 
 
 class TokenEmbeddings:
@@ -117,8 +111,10 @@ def model_info(path: Path, progress: Progress | None = None, use_cache: bool = T
         if (target / "complete").exists():
             try:
                 return _load_prepared(path, target)
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning(f"{target}: damaged ({e}); reading {path.name} again")
                 shutil.rmtree(target, ignore_errors=True)  # a damaged cache entry is rebuilt from the GGUF
+    ensure_gguf(path, progress)
     info = _read_gguf(path, progress)
     if target is not None:
         _save_prepared(info, target)
@@ -141,6 +137,14 @@ def prepare(
     info.activations = activations
     info.weights = load_weights(info, progress, use_cache)
     return info
+
+
+def ensure_gguf(path: Path, progress: Progress | None = None) -> None:
+    """Before a GGUF's bytes are read: a catalog model's file assembled and verified (catalog.py), as it
+    is not kept once packed."""
+    model = assembled_model_at(path)
+    if model is not None:
+        ensure_model(model, progress)
 
 
 def _read_gguf(path: Path, progress: Progress | None) -> Prepared:
@@ -178,24 +182,32 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     gguf_file = GGUFTensors(info)
     check_tensors(gguf_file)  # before any is packed
     plan = matrix_plan(cfg, info.tensors)
-    output_norm = gguf_file.vector("output_norm.weight", (cfg.n_embd,))
-    rope_freqs = None
-    for name in rope_factors(cfg):
-        if name in info.tensors:
-            rope_freqs = gguf_file.vector(name, ((cfg.rope_dim or cfg.head_dim) // 2,))
-            break
-    vectors = [_layer_vectors(gguf_file, cfg, i) for i in range(cfg.n_layer)]
-    biases = [_expert_biases(gguf_file, cfg, i) for i in range(cfg.n_layer)]
+    small = small_tensors(info)
     tied = "output.weight" not in info.tensors
-    table = None if tied else gguf_file.table("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
+    table_shape = (cfg.n_vocab, cfg.n_embd)
+    kept = {name: (shape, np.float32) for name, shape in small.items()}
+    if not tied and assembled_model_at(path) is not None:  # its GGUF is not kept once packed
+        kept[TABLE] = (gguf_file.table_bytes(TABLE, table_shape), np.uint8)
 
     def pack_all():
-        return _pack(gguf_file, plan, progress)
+        ensure_gguf(path, progress)
+        yield from _pack(gguf_file, plan, progress)
+        yield from ((name, gguf_file.vector(name, shape)) for name, shape in small.items())
+        if TABLE in kept:
+            yield TABLE, gguf_file.table(TABLE, table_shape)
 
     if use_cache:
-        matrices = packed_file.load_or_pack(path, pack_all, _packed_layout(info, plan), progress)
+        stored = packed_file.load_or_pack(path, pack_all, _packed_layout(info, plan), progress, kept)
     else:
-        matrices = dict(pack_all())
+        stored = dict(pack_all())
+    matrices = {name: m for name, m in stored.items() if name not in kept}
+    output_norm = stored["output_norm.weight"]
+    rope_freqs = next((stored[name] for name in rope_factors(cfg) if name in stored), None)
+    vectors = [_layer_vectors(stored, cfg, i, info.tensors) for i in range(cfg.n_layer)]
+    biases = [_expert_biases(stored, cfg, i) for i in range(cfg.n_layer)]
+    table = None if tied else stored.get(TABLE)
+    if not tied and table is None:
+        table = gguf_file.table(TABLE, table_shape)
     if info.activations != "f32":
         matrices = {
             name: replace(m, activations=inputs_of(info.activations, name)) for name, m in matrices.items()
@@ -223,17 +235,33 @@ def check_tensors(gguf_file: GGUFTensors) -> None:
     """Every tensor the model reads is in the GGUF, of its shape and in a format read here; else
     ModelError, one line naming the first that is not (nothing but their table is read)."""
     info, cfg = gguf_file.info, gguf_file.info.config
-    needed = [("output_norm.weight", (cfg.n_embd,))]
-    for i in range(cfg.n_layer):
-        needed += [
-            (name, shape) for name, shape in layer_tensors(cfg, i, info.tensors).items() if len(shape) == 1
-        ]
-        needed += expert_biases(cfg, i).items()
+    needed = list(small_tensors(info).items())
     for _, parts, shapes in matrix_plan(cfg, info.tensors):
         needed += zip(parts, shapes, strict=True)
     for name, shape in needed:
         gguf_file.need(name, shape)
         gguf_file.qtype(name)
+
+
+def small_tensors(info: Prepared) -> dict[str, tuple[int, ...]]:
+    """The GGUF's small tensors the model reads, as float32, and their shapes: norms, biases (q/k/v's all
+    three where it has any), RoPE factors."""
+    cfg, tensors = info.config, info.tensors
+    shapes = {"output_norm.weight": (cfg.n_embd,)}
+    factors = [name for name in rope_factors(cfg) if name in tensors][:1]
+    shapes |= {name: ((cfg.rope_dim or cfg.head_dim) // 2,) for name in factors}
+    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        shapes |= {name: shape for name, shape in layer_tensors(cfg, i, tensors).items() if len(shape) == 1}
+        if p + "attn_output.bias" in tensors:
+            shapes[p + "attn_output.bias"] = (cfg.n_embd,)
+        if p + "attn_qkv.bias" in tensors:
+            shapes[p + "attn_qkv.bias"] = (q_dim + 2 * kv_dim,)
+        elif any(p + b in tensors for b in OPTIONAL_BIASES):
+            shapes |= {p + b: (d,) for b, d in zip(OPTIONAL_BIASES, (q_dim, kv_dim, kv_dim), strict=True)}
+        shapes |= expert_biases(cfg, i)
+    return shapes
 
 
 def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int, biases: dict) -> dict:
@@ -252,10 +280,10 @@ def _layer_matrices(matrices: dict, cfg: ModelConfig, i: int, biases: dict) -> d
     return layer
 
 
-def _expert_biases(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
-    """A layer's router and expert biases as Experts takes them (gate's and up's side by side)."""
-    shapes = expert_biases(cfg, i)
-    read = {name.split(".")[2]: gguf_file.vector(name, shape) for name, shape in shapes.items()}
+def _expert_biases(small: dict[str, np.ndarray], cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
+    """A layer's router and expert biases as Experts takes them (gate's and up's side by side), from the
+    small tensors read (small_tensors)."""
+    read = {name.split(".")[2]: small[name] for name in expert_biases(cfg, i)}
     if not read:
         return {}
     gate_up = np.concatenate([read["ffn_gate_exps"], read["ffn_up_exps"]], axis=1)
@@ -283,119 +311,36 @@ def _pack(gguf_file: GGUFTensors, plan, progress: Progress | None):
         progress(label, len(plan), len(plan))
 
 
-def _layer_vectors(gguf_file: GGUFTensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
-    """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32."""
-    p, tensors = f"blk.{i}.", gguf_file.info.tensors
+def _layer_vectors(small: dict[str, np.ndarray], cfg: ModelConfig, i: int, tensors) -> dict[str, np.ndarray]:
+    """A layer's norms (attn_norm, ffn_norm, attn_q_norm, post_ffw_norm...) and q/k/v biases as float32,
+    from the small tensors read (small_tensors)."""
+    p = f"blk.{i}."
     vectors = {"attn_norm": None, "ffn_norm": None}  # (olmo2 has no norms before attention and the FFN)
     vectors |= {
-        name[len(p) :].removesuffix(".weight"): gguf_file.vector(name, shape)
+        name[len(p) :].removesuffix(".weight"): small[name]
         for name, shape in layer_tensors(cfg, i, tensors).items()
         if len(shape) == 1
     }
     if cfg.ffn_norm_tensor != "ffn_norm":
         vectors["ffn_norm"] = vectors.pop(cfg.ffn_norm_tensor)
-    if p + "attn_output.bias" in tensors:
-        vectors["attn_output_bias"] = gguf_file.vector(p + "attn_output.bias", (cfg.n_embd,))
-    biases = [p + b for b in OPTIONAL_BIASES]
-    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    if p + "attn_qkv.bias" in tensors:
-        vectors["attn_qkv_bias"] = gguf_file.vector(p + "attn_qkv.bias", (q_dim + 2 * kv_dim,))
-    elif any(b in tensors for b in biases):
-        vectors["attn_qkv_bias"] = np.concatenate(
-            [gguf_file.vector(b, (d,)) for b, d in zip(biases, (q_dim, kv_dim, kv_dim), strict=True)]
-        )
+    if p + "attn_output.bias" in small:
+        vectors["attn_output_bias"] = small[p + "attn_output.bias"]
+    if p + "attn_qkv.bias" in small:
+        vectors["attn_qkv_bias"] = small[p + "attn_qkv.bias"]
+    elif p + OPTIONAL_BIASES[0] in small:
+        vectors["attn_qkv_bias"] = np.concatenate([small[p + b] for b in OPTIONAL_BIASES])
     return vectors
 
 
-UNREADABLE = (NotImplementedError, KeyError, ValueError)  # what readable_format raises
-
-
-def readable_format(type_name: str) -> gguf.GGMLQuantizationType:
-    """The GGUF format of that name, where gguf.quants reads it (one block of zeros tried); else one of
-    UNREADABLE."""
-    qtype = gguf.GGMLQuantizationType[type_name]
-    gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
-    return qtype
-
-
-class GGUFTensors:
-    """A GGUF's tensors, read through a memory map: packing unpacks straight from the page cache, with
-    no copy of the file's bytes in between (np.fromfile took a tenth of a warm load). Copy-on-write
-    keeps the arrays writable (the kernels' compiled signatures) without any write reaching the file;
-    the pages of each tensor leave this process once it is packed (peak RSS)."""
-
-    def __init__(self, info: Prepared):
-        self.info, self.path = info, info.path
-        with open(self.path, "rb") as f:
-            self.mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-
-    def need(self, part: str, shape: tuple[int, ...]) -> TensorEntry:
-        """The tensor a part is (or is an expert of: then `shape` is one expert's), checked."""
-        name, expert = tensor_of(part)
-        t = self.info.tensors.get(name)
-        if t is None:
-            raise ModelError(f"{self.path}: missing tensor {name}")
-        if expert is not None:
-            shape = (self.info.config.n_expert, *shape)
-        if tuple(t.shape) != shape:
-            raise ModelError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
-        return t
-
-    def _span(self, part: str, t: TensorEntry) -> tuple[int, int]:
-        """Where a part's bytes lie in the file: (offset, length); an expert's, of a 3-D tensor."""
-        expert = tensor_of(part)[1]
-        if expert is None:
-            return t.offset, t.nbytes
-        each = t.nbytes // t.shape[0]
-        return t.offset + expert * each, each
-
-    def qtype(self, part: str) -> gguf.GGMLQuantizationType:
-        name = tensor_of(part)[0]
-        t = self.info.tensors[name]
-        try:
-            return readable_format(t.type_name)
-        except UNREADABLE as e:
-            raise ModelError(
-                f"{self.path}: tensor {name} has unsupported quantization type {t.type_name} ({e})"
-            ) from None
-
-    def raw(self, part: str, shape: tuple[int, ...]) -> np.ndarray:
-        t = self.need(part, shape)
-        if t.offset + t.nbytes > len(self.mapped):
-            raise ModelError(f"{self.path}: truncated GGUF file (tensor {tensor_of(part)[0]} is cut short)")
-        offset, nbytes = self._span(part, t)
-        data = np.frombuffer(self.mapped, dtype=np.uint8, count=nbytes, offset=offset)
-        return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
-
-    def release(self, *parts: str) -> None:
-        for part in parts:
-            offset, nbytes = self._span(part, self.info.tensors[tensor_of(part)[0]])
-            start = offset - offset % mmap.PAGESIZE
-            self.mapped.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
-
-    def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        raw = self.raw(name, shape)
-        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(
-            shape
-        )
-
-    def matrix(self, names: list[str], shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
-        packed = quants.pack([(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)])
-        self.release(*names)
-        return packed
-
-    def table(self, name: str, shape: tuple[int, int]) -> np.ndarray:
-        """The embedding table's rows as bytes, mapped read-only: only the rows used are paged in."""
-        t = self.need(name, shape)
-        self.qtype(name)
-        return np.memmap(
-            self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(shape[0], t.nbytes // shape[0])
-        )
-
-
 def _prepared_dir(path: Path) -> Path:
-    st = path.stat()
-    key = f"{PREPARED_FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    """A GGUF's metadata entry: keyed by its path, size and mtime; a catalog model's by its sha256 (the
+    file is not kept once packed: catalog.py)."""
+    model = assembled_model_at(path)
+    if model is not None:
+        key = f"{PREPARED_FORMAT}:{path.resolve()}:sha256:{model.sha256}"
+    else:
+        st = path.stat()
+        key = f"{PREPARED_FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     return cache_dir() / "prepared" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -425,18 +370,34 @@ def _save_prepared(info: Prepared, target: Path) -> None:
             "tensor_types": info.tensor_types,
             "tensors": {name: asdict(t) for name, t in info.tensors.items()},
         }
-        (tmp / "metadata.json").write_text(json.dumps(info.metadata, ensure_ascii=False))
-        (tmp / "info.json").write_text(json.dumps(table))
-        (tmp / "complete").write_text("ok")
+        files = {
+            "metadata.json": json.dumps(info.metadata, ensure_ascii=False).encode(),
+            "info.json": json.dumps(table).encode(),
+        }
+        for name, blob in files.items():
+            (tmp / name).write_bytes(blob)
+        (tmp / "complete").write_text(_digest(files.values()))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # no cache is only slower, never wrong
 
 
+def _digest(blobs) -> str:
+    """What an entry's `complete` holds: the SHA-256 of its files, so that one changed is not trusted (a
+    catalog model's metadata is kept only here once its GGUF is removed)."""
+    digest = hashlib.sha256()
+    for blob in blobs:
+        digest.update(hashlib.sha256(blob).digest())
+    return digest.hexdigest()
+
+
 def _load_prepared(path: Path, target: Path) -> Prepared:
-    table = json.loads((target / "info.json").read_text())
-    meta = json.loads((target / "metadata.json").read_text())
+    """Raises ValueError where its files are not those written."""
+    blobs = [(target / name).read_bytes() for name in ("metadata.json", "info.json")]
+    if (target / "complete").read_text() != _digest(blobs):
+        raise ValueError("its files are not those written")
+    meta, table = (json.loads(blob) for blob in blobs)
     tensors = {
         name: TensorEntry(t["type_name"], tuple(t["shape"]), t["offset"], t["nbytes"])
         for name, t in table["tensors"].items()

@@ -15,6 +15,7 @@ from . import checked
 from .db import (
     BUSY_S,
     DISK_FULL,
+    Progress,
     StoreError,
     begin_immediate,
     disk_full,
@@ -29,9 +30,9 @@ BULK_TABLES = {"kv_blocks", "session_tails"}  # KV: checked block by block on us
 class StoreConnection:
     """An open database file: ChatStore and its KV tables (kv_tables.py) share one."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, progress: Progress | None = None):
         self.db_path = Path(path)
-        self.db = open_database(self.db_path)
+        self.db = open_database(self.db_path, progress=progress)  # upgraded if older, telling progress
         self.lock = threading.RLock()  # one connection, used from the UI's workers one at a time
         # open_database() opens a file we may not write read-only, and marks the connection so
         self.read_only = bool(self.db.conn.execute("PRAGMA query_only").fetchone()[0])
@@ -155,7 +156,6 @@ class StoreConnection:
         return self.rows("PRAGMA data_version")[0]["data_version"]
 
     def insert(self, table: str, row: dict) -> None:
-        # plain SQL: sqlite-utils' writers commit on their own, which would end our transaction early
         names = ", ".join(row)
         self.db.conn.execute(
             f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})", list(row.values())

@@ -14,9 +14,9 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import sqlite_utils
-
 from . import fragments
+
+Progress = Callable[[str, int, int], None]  # progress(label, done, total) of a long step
 
 
 class StoreError(Exception):
@@ -42,7 +42,7 @@ def _run_script(conn: sqlite3.Connection, script: str) -> None:
             statement = ""
 
 
-def _v1(conn: sqlite3.Connection) -> None:
+def _v1(conn: sqlite3.Connection, progress: Progress | None) -> None:
     _run_script(
         conn,
         """
@@ -102,7 +102,7 @@ def _v1(conn: sqlite3.Connection) -> None:
             checksum TEXT NOT NULL,
             updated REAL NOT NULL
         );
-        -- full-text search over messages, laid out as sqlite-utils' enable_fts does, so table.search works
+        -- full-text search over messages (search.py), kept in step by triggers
         CREATE VIRTUAL TABLE messages_fts USING FTS5 (content, content="messages");
         CREATE TRIGGER messages_ai AFTER INSERT ON messages BEGIN
             INSERT INTO messages_fts (rowid, content) VALUES (new.rowid, new.content);
@@ -118,7 +118,7 @@ def _v1(conn: sqlite3.Connection) -> None:
     )
 
 
-def _v2(conn: sqlite3.Connection) -> None:
+def _v2(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """KV blocks carry their token ids, checked on every hit, and a namespace: '' for blocks computed
     (or verified) here, which every session shares; an import's own for the blocks it brought, which
     only its sessions and their forks (sessions.kv_namespace) read until `sessions verify`. Blocks
@@ -145,25 +145,25 @@ def _v2(conn: sqlite3.Connection) -> None:
     )
 
 
-def _v3(conn: sqlite3.Connection) -> None:
+def _v3(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """Sessions say who made them: NULL for a person (the TUI, the CLI), 'api' for a conversation a
     client of `llama-chat serve` sent without naming a session."""
     conn.execute("ALTER TABLE sessions ADD COLUMN origin TEXT")
 
 
-def _v4(conn: sqlite3.Connection) -> None:
+def _v4(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """Sessions say whose they are: NULL for the machine's owner (the TUI, the CLI, a server with one API
     key), else the name of the tenant of `llama-chat serve` whose key made them; no other tenant sees them."""
     conn.execute("ALTER TABLE sessions ADD COLUMN tenant TEXT")
 
 
-def _v5(conn: sqlite3.Connection) -> None:
+def _v5(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """Attached files: their texts stored once, by content hash, and referred to by messages
     (storage/fragments.py)."""
     _run_script(conn, fragments.SCHEMA)
 
 
-def _v6(conn: sqlite3.Connection) -> None:
+def _v6(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """Each session keeps the token ids of its conversation, sealed with the digest of what they were made
     from (app/chat/resume.py) and of themselves: a resume need not tokenize it again. Only a cache: ids
     under another seal are ignored and made again; none are kept yet (the next reply's snapshot keeps
@@ -180,7 +180,7 @@ def _v6(conn: sqlite3.Connection) -> None:
     )
 
 
-def _v7(conn: sqlite3.Connection) -> None:
+def _v7(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """Indexes that keep an archive's cost that of the question, not of the archive's size: the sessions
     whose head a message is (search finds a hit's sessions from the hit down to their heads), and the
     sessions newest first (a page of them)."""
@@ -193,14 +193,49 @@ def _v7(conn: sqlite3.Connection) -> None:
     )
 
 
-def _v8(conn: sqlite3.Connection) -> None:
+def _v8(conn: sqlite3.Connection, progress: Progress | None) -> None:
     """A reply keeps its thinking (a reasoning model's `<think>`, harmony's analysis channel) apart
     from its answer: NULL where it has none."""
     conn.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
 
 
-MIGRATIONS = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]  # step i brings user_version from i to i + 1
+def _v9(conn: sqlite3.Connection, progress: Progress | None) -> None:
+    """An index of the sessions' titles (FTS5, by trigrams: any run of three or more characters of a
+    title is found without reading every title; storage/search.py), kept in step by triggers, as the
+    messages' is. It follows the sessions' rowids, which VACUUM keeps. The titles stored so far are
+    indexed in batches, told to `progress`: a large archive takes seconds."""
+    _run_script(
+        conn,
+        """
+        CREATE VIRTUAL TABLE IF NOT EXISTS titles_fts
+            USING FTS5 (title, content="sessions", tokenize="trigram");
+        CREATE TRIGGER IF NOT EXISTS sessions_ai AFTER INSERT ON sessions BEGIN
+            INSERT INTO titles_fts (rowid, title) VALUES (new.rowid, new.title);
+        END;
+        CREATE TRIGGER IF NOT EXISTS sessions_ad AFTER DELETE ON sessions BEGIN
+            INSERT INTO titles_fts (titles_fts, rowid, title) VALUES ('delete', old.rowid, old.title);
+        END;
+        CREATE TRIGGER IF NOT EXISTS sessions_au AFTER UPDATE OF title ON sessions BEGIN
+            INSERT INTO titles_fts (titles_fts, rowid, title) VALUES ('delete', old.rowid, old.title);
+            INSERT INTO titles_fts (rowid, title) VALUES (new.rowid, new.title);
+        END;
+        INSERT INTO titles_fts (titles_fts) VALUES ('delete-all');
+        """,
+    )
+    total = conn.execute("SELECT count(*) FROM sessions").fetchone()[0]
+    done, after = 0, -(2**63)
+    while batch := conn.execute(
+        "SELECT rowid, title FROM sessions WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, INDEX_BATCH)
+    ).fetchall():
+        conn.executemany("INSERT INTO titles_fts (rowid, title) VALUES (?, ?)", batch)
+        after, done = batch[-1][0], done + len(batch)
+        if progress:
+            progress("indexing the chats' titles", done, total)
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]  # step i brings user_version from i to i + 1
 SCHEMA_VERSION = len(MIGRATIONS)
+INDEX_BATCH = 10_000  # rows indexed between two reports of a step's progress
 
 DISK_FULL = "the disk is full"
 BUSY_S = 1.0  # SQLite's own wait for a lock, per try; ChatStore.transaction() keeps trying, and says so
@@ -333,10 +368,20 @@ def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
     return sqlite3.connect(uri, uri=True, timeout=BUSY_S, check_same_thread=False, isolation_level=None)
 
 
-def open_database(path: str | Path, read_only: bool | None = None) -> sqlite_utils.Database:
-    """Open (creating if needed) and upgrade the database; refuse one from a newer version, and one
-    whose -wal file is damaged. A database we may not write, or cannot for a full disk, is opened
-    read-only (and marked so: PRAGMA query_only)."""
+class Database:
+    """An open database file: its connection, `conn` (plain sqlite3: the store writes its own SQL, and
+    a library over it would only add its imports to every command's start and the app's)."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+
+def open_database(
+    path: str | Path, read_only: bool | None = None, progress: Progress | None = None
+) -> Database:
+    """Open (creating if needed) and upgrade the database, all or nothing, telling `progress` of a
+    long upgrade; refuse one from a newer version, and one whose -wal file is damaged. A database we
+    may not write, or cannot for a full disk, is opened read-only (and marked so: PRAGMA query_only)."""
     path = Path(path)
     if path.is_dir():
         raise StoreError(f"{path}: is a directory, not a database")
@@ -382,7 +427,7 @@ def open_database(path: str | Path, read_only: bool | None = None) -> sqlite_uti
                 # another process may have upgraded while we waited for the lock
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
                 for step in range(version, SCHEMA_VERSION):
-                    MIGRATIONS[step](conn)
+                    MIGRATIONS[step](conn, progress)
                     conn.execute(f"PRAGMA user_version = {step + 1}")
                 conn.execute("COMMIT")
             except BaseException:
@@ -390,7 +435,7 @@ def open_database(path: str | Path, read_only: bool | None = None) -> sqlite_uti
                 raise
         if read_only:
             conn.execute("PRAGMA query_only = ON")  # the connection itself says so: see ChatStore.read_only
-        return sqlite_utils.Database(conn)
+        return Database(conn)
     except sqlite3.DatabaseError as e:
         conn.close()
         raise store_error(path, e, "it cannot be used") from None

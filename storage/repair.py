@@ -99,10 +99,10 @@ def _copy_readable_rows(damaged: Path, out: Path) -> None:
     dst = open_database(out).conn  # today's schema: a damaged file of an older one comes back upgraded
     dst.execute("PRAGMA foreign_keys = OFF")  # a message's parent may be among what was lost
     try:
-        # Every table but the full-text index, which its triggers fill as messages come in.
+        # Every table but the full-text indexes, which their triggers fill as messages and sessions come in.
         tables = dst.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'messages_fts%' "
-            "AND name NOT LIKE 'sqlite_%'"
+            "AND name NOT LIKE 'titles_fts%' AND name NOT LIKE 'sqlite_%'"
         ).fetchall()
         for (table,) in tables:
             try:
@@ -150,7 +150,7 @@ def _readable_rows(conn: sqlite3.Connection, table: str, names: list[str]):
 def _mend(out: Path) -> None:
     """References to what was lost point nowhere instead: a message whose parent is gone starts its
     tree, a session whose head is gone is empty, and a session's blocks are recomputed as needed.
-    The full-text index is built again from the messages that came back."""
+    The full-text indexes are built again from the messages and titles that came back."""
     conn = sqlite3.connect(out)
     with conn:
         conn.execute("UPDATE messages SET parent_id = NULL WHERE parent_id NOT IN (SELECT id FROM messages)")
@@ -161,6 +161,8 @@ def _mend(out: Path) -> None:
         conn.execute("DELETE FROM session_blocks WHERE session_id NOT IN (SELECT id FROM sessions)")
         conn.execute("DELETE FROM session_tails WHERE session_id NOT IN (SELECT id FROM sessions)")
         conn.execute("INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')")
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'titles_fts'").fetchone():
+            conn.execute("INSERT INTO titles_fts (titles_fts) VALUES ('rebuild')")  # (an older file has none)
     conn.close()
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import fragments, search
 from .connection import StoreConnection
-from .db import StoreError
+from .db import Progress, StoreError
 from .kv_tables import KVTables
 from .records import Message, Session, StoredBlock, StoredTail, marked_title
 
@@ -29,8 +29,9 @@ _OF_TENANT = "AND (? IS NULL OR tenant = ?)"  # a tenant's sessions; NULL: every
 class ChatStore:
     """Models, sessions and the message tree; the KV tables are `kv`."""
 
-    def __init__(self, path: str | Path):
-        self.connection = StoreConnection(path)  # raises StoreError for a damaged file
+    def __init__(self, path: str | Path, progress: Progress | None = None):
+        """The database at `path`, upgraded if it is older (telling `progress` of a long upgrade)."""
+        self.connection = StoreConnection(path, progress)  # raises StoreError for a damaged file
         self.db_path = self.connection.db_path
         self.db = self.connection.db
         self.kv = KVTables(self.connection)  # KV blocks, each session's block list and tail
@@ -144,15 +145,10 @@ class ChatStore:
     ) -> list[Session]:
         """The sessions, newest first (a page: `limit` of them from `offset` on); with a `tenant`, that
         tenant's only; with an `origin`, only those it made (`other_origins`: all but those); `titled`:
-        only those whose title holds each of its words (ASCII letters in any case)."""
-        words = [w.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") for w in titled.split()]
-        rows = self.connection.rows(
-            f"SELECT * FROM sessions WHERE 1 {_OF_TENANT} AND (? IS NULL OR (origin IS ?) != ?) "
-            + "".join("AND title LIKE ? ESCAPE '\\' " for _ in words)
-            + "ORDER BY updated DESC, created DESC LIMIT ? OFFSET ?",
-            (tenant, tenant, origin, origin, other_origins, *(f"%{w}%" for w in words),
-             -1 if limit is None else limit, offset),  # fmt: skip
-        )
+        only those whose title holds each of its words (ASCII letters in any case; search.titled)."""
+        which = f"1 {_OF_TENANT} AND (? IS NULL OR (origin IS ?) != ?)"
+        params = (tenant, tenant, origin, origin, other_origins)
+        rows = search.titled(self.connection, (which, params), titled, -1 if limit is None else limit, offset)
         return [Session.from_row(r) for r in rows]
 
     def session_ending_with(

@@ -8,7 +8,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .exchange.writer import write_whole
 from .store import ChatStore
 
 
@@ -71,4 +70,6 @@ def close_fences(text: str) -> str:
 
 def export_markdown(store: ChatStore, session_id: str, path: str | Path) -> int:
     """Write markdown_transcript() to `path`, whole or not at all; returns its size in bytes."""
+    from .exchange.writer import write_whole  # (the exchange loads the KV codecs: only when writing)
+
     return write_whole(Path(path), [markdown_transcript(store, session_id).encode()])

@@ -341,13 +341,15 @@ def test_a_one_token_reply_reports_no_made_up_speed(qwen2, tmp_path, capsys):
 
 
 def test_reading_chats_loads_neither_the_model_code_nor_the_app(tmp_path):
-    """`sessions list`, `show` and `search` cost what they read: numba's kernels, Textual, Rich and the
-    server's libraries (seconds of imports) load only with the commands that use them."""
+    """`sessions list`, `show` and `search` cost what they read: numba's kernels, Textual, Rich, the
+    server's libraries and the KV files' codecs (seconds of imports) load only with the commands that
+    use them."""
     store = ChatStore(tmp_path / "chat.db")
     session = store.create_session("kept")
     store.add_message(session.id, "user", "hello there")
     store.close()
     heavy = ("numba", "textual", "rich", "redis", "jinja2", "gguf", "llguidance", "mcp", "starlette")
+    heavy += ("zstandard", "llama_chat.storage.exchange", "llama_chat.storage.codec")
     script = (
         "import sys; from llama_chat.app.cli import main; main(sys.argv[1:]); "
         f"print([m for m in {heavy} if m in sys.modules])"

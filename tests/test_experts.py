@@ -152,3 +152,20 @@ def test_a_broken_mixture_of_experts_gives_one_clear_line(tmp_path, capsys, chan
     assert main(["--model", str(path), "tokenize", "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0] and str(path) in err[0]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_a_gpt_oss_step_multiplies_its_mxfp4_experts_in_one_call_with_the_bits_of_one_at_a_time(
+    tiny_model_paths, rows
+):
+    """MXFP4 experts (gpt-oss) go through the grouped products too (a decoded token's k experts in one
+    compiled call, straight from their blocks), with the bits of each expert multiplied on its own."""
+    model = load_model(tiny_model_paths["gpt-oss"])
+    cfg, layer = model.config, model.weights.layers[0].experts
+    assert layer.grouped is not None and layer.grouped_for(rows) is not None
+    alone = dataclasses.replace(layer)
+    alone.__dict__["grouped"] = None
+    x = np.random.default_rng(rows).standard_normal((rows, cfg.n_embd)).astype(np.float32)
+    ffn, unit = partial(gated_ffn, act=cfg.ffn_act), partial(gated_unit, act=cfg.ffn_act)
+    args = (cfg.n_expert_used, cfg.expert_gating, cfg.expert_weights_norm, ffn, unit)
+    assert np.array_equal(mixture(x, layer, *args), mixture(x, alone, *args))

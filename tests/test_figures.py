@@ -129,6 +129,15 @@ def test_the_roofline_rows_give_each_engines_fraction_and_a_missing_one_as_a_das
     assert "| native (AVX-512): float32 multiply-add, 1 / 2 threads | 95.0 / 180 GFLOP/s |" in page
 
 
+def test_a_mixture_of_experts_has_its_section_and_its_decode_in_the_readme():
+    moe = {**COMPARE, "model": "/x/synthetic-qwen3-30b-a3b-8layers-q4_k_m.gguf"}
+    inputs = {**INPUTS, "compare_moe": moe}
+    page = figures_tables.figures_page(inputs, "")
+    assert "## Qwen3-30B-A3B (its first 8 of 48 layers) against llama.cpp" in page
+    row = "| Qwen3-30B-A3B: decode at context 512 | 22.0 / 21.1 tok/s | 16.1 / 15.7 tok/s | 1.37× / 1.34× |"
+    assert row in page and row in figures_tables.readme_block(inputs)
+
+
 def test_a_missing_source_leaves_its_section_out():
     page = figures_tables.figures_page({"bench": BENCH}, "")
     assert "## The default model" not in page and "## The machine" not in page
@@ -185,6 +194,10 @@ def test_figures_writes_the_page_and_the_readme_from_saved_json_without_running_
             "compare_7b",
             "--skip",
             "roofline_7b",
+            "--skip",
+            "compare_moe",
+            "--skip",
+            "compare_gptoss",
             *(f"--from-json={name}={file}" for name, file in files.items()),
             "--out",
             str(out),

@@ -1,5 +1,6 @@
 """A model in each format kept in its own bits (formats.OWN_BITS): held in about its GGUF's bytes, and
-its logits those of the same model with its matrices dequantized to float32."""
+its logits those of the same model with its matrices dequantized to float32; a decoded token's
+products in the block formats exactly those of gguf.quants' weights."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import numpy as np
 import pytest
 from test_kernels import OWN_BITS, SCALE_BYTES, raw_tensor
 
-from llama_chat.inference import load_model
+from llama_chat.inference import block_formats, kernels, load_model, quants
+from llama_chat.inference.block_formats import BLOCK_FORMATS
 from llama_chat.inference.support import gguf_needs
 from tiny_models import write_tiny_model
 
 T = gguf.GGMLQuantizationType
 DIMS = (256, 4, 2, 64, 256)  # n_embd, heads, KV heads, head_dim, n_ff: every matrix's columns 256s
 # Scales of the random blocks that keep their weights about 0.1 (a block's largest scale times value)
-SCALE = {T.Q2_K: 2e-3, T.Q3_K: 1e-3, T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5}
+SCALE = {
+    T.Q2_K: 2e-3, T.Q3_K: 1e-3, T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5, T.IQ2_XXS: 6e-4, T.IQ2_XS: 6e-4,
+    T.IQ2_S: 6e-4, T.IQ3_XXS: 2e-4, T.IQ3_S: 2e-4, T.IQ1_S: 6e-3, T.IQ1_M: 6e-3,
+}
 
 
 def tiny_model_in(path, qtype: T, as_float32: bool = False):
@@ -70,3 +75,21 @@ def test_mxfp4_experts_are_kept_in_their_bits_and_compute_as_float32(tmp_path):
     assert sum(m.nbytes for e in experts for m in e.gate_up + e.down) <= 1.15 * in_gguf
     ids = model.tokenizer.encode("Experts in four bits.")
     assert np.array_equal(model.logits(ids), float32.logits(ids))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda t: t.name)
+def test_a_decoded_tokens_product_in_a_block_format_is_exactly_its_gguf_weights(qtype):
+    """One row (a decoded token) multiplies straight from the blocks (block_formats.one_row_group): its
+    products are, bit for bit, a fused multiply-add a column over the weights gguf.quants dequantizes
+    (one_row_reference). MXFP4 also from random blocks, their scales spread over 2^-20 … 2^4."""
+    shape = (130, 512)
+    raws = [raw_tensor(qtype, shape)]
+    if qtype == T.MXFP4:
+        blocks = np.random.default_rng(7).integers(0, 256, (shape[0] * shape[1] // 32, 17), dtype=np.uint8)
+        blocks[:, 0] = np.random.default_rng(8).integers(107, 132, len(blocks))
+        raws.append(blocks.reshape(shape[0], -1))
+    x = np.random.default_rng(9).standard_normal((1, shape[1])).astype(np.float32)
+    for raw in raws:
+        w = quants.pack([(raw, qtype, shape)])
+        want = block_formats.one_row_reference(w.values, x)[:, : shape[0]]
+        assert np.array_equal(kernels.kernel_product(x, w), want)

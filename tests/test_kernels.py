@@ -17,13 +17,18 @@ from llama_chat.inference import blas_crossover, cpu, kernels, quants, warmup
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
-OWN_BITS = [T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+OWN_BITS = [
+    T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4,
+    T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0,
+]
 FORMATS = [T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *OWN_BITS]
 # Where the float16 scales of a format that gguf.quants does not quantize lie in its block: its blocks are
 # random bytes (every bit pattern is a valid block) with small, finite scales there.
 SCALE_BYTES = {
     T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210), T.Q2_K: slice(80, 84),
     T.Q3_K: slice(108, 110), T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2),
+    **dict.fromkeys((T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S), slice(0, 2)),
+    T.IQ1_M: slice(48, 56),  # d in the top nibbles of its four uint16 (_iq1_m_scale)
 }
 
 
@@ -38,9 +43,19 @@ def raw_tensor(qtype: T, shape: tuple[int, int], seed: int = 0, scale: float = 0
     raw = rng.integers(0, 256, size=(shape[0], shape[1] // block_len * block_bytes), dtype=np.uint8)
     blocks = raw.reshape(-1, block_bytes)
     at = SCALE_BYTES[qtype]
-    scales = (rng.random((blocks.shape[0], 2)) * scale).astype(np.float16).view(np.uint8)
-    blocks[:, at] = scales[:, : at.stop - at.start]
+    scales = (rng.random((blocks.shape[0], 2)) * scale).astype(np.float16)
+    if qtype == T.IQ1_M:
+        _iq1_m_scale(blocks, scales[:, 0].view(np.uint16))
+    else:
+        blocks[:, at] = scales.view(np.uint8)[:, : at.stop - at.start]
     return raw
+
+
+def _iq1_m_scale(blocks: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M's float16 d, four bits in the top nibble of each of the uint16 at bytes 48, 50, 52, 54."""
+    for m in range(4):
+        top = ((d >> (4 * m)) & 15).astype(np.uint8) << 4
+        blocks[:, 49 + 2 * m] = (blocks[:, 49 + 2 * m] & 15) | top
 
 
 def reference(qtype: T, raw: np.ndarray, shape) -> np.ndarray:
@@ -432,6 +447,8 @@ for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # ints,
     for n in (1, 3, kernels.KERNEL_ROWS):
         t.test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, kernels.kernel_product)
 t.test_matmul_equals_float_matmul_of_the_dequantized_weights(T.Q4_K, 40, kernels.tile_product)
+for qtype in (T.Q3_K, T.IQ4_XS, T.MXFP4):  # a decoded token straight from the blocks, others by tiles
+    t.test_a_format_in_its_own_bits_multiplies_as_its_weights_in_float32_bit_for_bit(qtype)
 for qtype in t.BYTE_FORMATS:
     for n in (1, 3, 40):
         t.test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n)

@@ -169,8 +169,8 @@ def test_a_full_disk_stores_the_whole_turn_or_nothing_and_says_so(qwen2, tmp_pat
     with sqlite3.connect(db) as conn:
         conn.execute("VACUUM")  # no free pages left to reuse: the next new page grows the file
 
-    def cramped(path):  # the file may not grow by one page: SQLite's own "database or disk is full"
-        database = open_database(path)
+    def cramped(path, **options):  # the file may not grow by one page: SQLite's "database or disk is full"
+        database = open_database(path, **options)
         pages = database.conn.execute("PRAGMA page_count").fetchone()[0]
         database.conn.execute(f"PRAGMA max_page_count = {pages}")
         return database

@@ -637,3 +637,26 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
     )
     assert main([*db, "serve", "--max-connections", "0"]) == 2
     assert capsys.readouterr().err.strip() == "llama-chat: error: --max-connections must be 1 or more"
+
+
+def test_log_lines_of_requests_at_once_are_never_cut_or_joined(capfd):
+    """Each access line is written whole with its newline: lines of several requests finishing at once
+    (threads) come out one per line, as a log reader (or a test reading the log as it grows) needs."""
+    from llama_chat.app.serve.state import say
+
+    def many(n: int) -> None:
+        for i in range(400):
+            say(f"POST /v1/chat/completions 200 {n}-{i} ms")
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often, as on a busy server
+    try:
+        threads = [threading.Thread(target=many, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 8 * 400 and all(line.startswith("llama-chat serve: POST ") for line in lines)

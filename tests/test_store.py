@@ -31,7 +31,8 @@ def test_a_new_database_has_the_schema_and_pragmas(tmp_path):
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-    assert {"models", "messages", "sessions", "kv_blocks", "session_tails"} <= set(store.db.table_names())
+    tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"models", "messages", "sessions", "kv_blocks", "session_tails", "titles_fts"} <= tables
 
 
 def test_a_database_from_a_newer_version_is_refused_and_left_untouched(tmp_path, capsys):

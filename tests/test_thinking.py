@@ -32,7 +32,7 @@ from llama_chat.inference.thinking import (
     split_thinking,
     thinking_format,
 )
-from llama_chat.storage import SCHEMA_VERSION, ChatStore, Message
+from llama_chat.storage import ChatStore, Message
 from served import Served
 from tiny_models import TEMPLATES
 from tui_pilot import aio, idle, say, views
@@ -390,7 +390,7 @@ def test_a_database_of_the_version_before_opens_with_its_messages_and_no_thinkin
     store.close()
     old = sqlite3.connect(path)  # as the version before wrote it: no thinking column
     old.execute("ALTER TABLE messages DROP COLUMN reasoning")
-    old.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    old.execute("PRAGMA user_version = 7")  # (step 8 made it)
     old.commit()
     old.close()
     store = ChatStore(path)

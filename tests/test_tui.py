@@ -700,8 +700,9 @@ async def test_keys_typed_while_a_reply_streams_reach_the_input(open_chat, slow_
 
 def test_the_window_needs_none_of_the_model_code_to_open():
     """The chats are drawn before the model loads: the app's modules load none of numba's kernels, the
-    Redis client or llguidance (seconds of imports); the model's worker loads them."""
-    heavy = ("numba", "redis", "llguidance")
+    Redis client or llguidance (seconds of imports), nor what reads a model's file and renders its chat
+    template (gguf, PyYAML, Jinja2); the model's worker loads them."""
+    heavy = ("numba", "redis", "llguidance", "gguf", "yaml", "jinja2")
     script = f"import sys, llama_chat.app.tui; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"

@@ -20,6 +20,7 @@ from test_kernels import raw_tensor
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
 from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest
+from llama_chat.inference.block_vectors import _column_multiply_add, _e8m0_halves, _scaled_multiply_add
 from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
 from llama_chat.inference.vectors import (
     _bit_fields,
@@ -158,6 +159,61 @@ def test_a_nibble_through_a_table_is_read_as_the_reference_says(shift, table):
     out = np.empty(W, F32)
     table_fields(values, 37, shift, table, out)
     assert np.array_equal(out, ref.table_fields(values, 37, shift, table, W))
+
+
+@plain_njit
+def e8m0_halves(values, at, out):
+    w = _registers(W)
+    _e8m0_halves(values, at, w, W)
+    copy_out(w, out)
+
+
+def test_every_e8m0_scale_is_read_as_the_reference_says():
+    """MXFP4's block scales (block_formats.py): all 256 exponents, the two subnormal halves included."""
+    values = np.arange(256, dtype=np.uint8)
+    for at in range(0, 256, W):
+        out = np.empty(W, F32)
+        e8m0_halves(values, at, out)
+        assert np.array_equal(out.view(np.uint32), ref.e8m0_halves(values, at, W).view(np.uint32)), at
+
+
+@plain_njit
+def scaled_multiply_add(sums, w, scale, xj):
+    registers, weights, scales = _registers(W), _registers(W), _registers(W)
+    s, wv, sc = carray(registers, W), carray(weights, W), carray(scales, W)
+    for k in range(W):
+        s[k], wv[k], sc[k] = sums[k], w[k], scale[k]
+    _scaled_multiply_add(registers, weights, scales, xj, W)
+    copy_out(registers, sums)
+
+
+@plain_njit
+def column_multiply_add(sums, tile, at, xj):
+    registers, cells = _registers(W), _registers(W3)
+    s, t = carray(registers, W), carray(cells, W3)
+    for k in range(W):
+        s[k] = sums[k]
+    for k in range(W3):
+        t[k] = tile[k]
+    _column_multiply_add(registers, cells, at, xj, W)
+    copy_out(registers, sums)
+
+
+def test_a_scaled_weight_and_a_tiles_column_are_fused_as_the_reference_says():
+    """The block formats' one-row products (block_formats.one_row_group): a weight formed as the
+    decoded tile would hold it, then one rounding for its product and sum."""
+    sums, w, tile = floats(W, 1), floats(W, 2), floats(W3, 3)
+    scale = np.ldexp(F32(1), rng(4).integers(-20, 4, W)).astype(F32)  # MXFP4's: powers of two
+    want = sums.copy()
+    ref.scaled_multiply_add(want, w, scale, F32(0.37), W)
+    got = sums.copy()
+    scaled_multiply_add(got, w, scale, F32(0.37))
+    assert np.array_equal(got, want)
+    want = sums.copy()
+    ref.column_multiply_add(want, tile, W, F32(-1.3), W)
+    got = sums.copy()
+    column_multiply_add(got, tile, W, F32(-1.3))
+    assert np.array_equal(got, want)
 
 
 @plain_njit
@@ -375,7 +431,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
     checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
-    checks += " or dot_products or weighted_rows or largest or attention"
+    checks += " or e8m0 or dot_products or weighted_rows or largest or attention"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,

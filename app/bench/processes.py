@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llama_chat.inference import resolve_model
+from llama_chat.inference import locate_model, resolve_model
 
 
 def child_line(code: str, *args: str, env: dict | None = None) -> str:
@@ -44,7 +44,7 @@ def measure_compile(model_arg, activations: str) -> float:
     )
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "NUMBA_CACHE_DIR": folder}
-        return float(child_line(code, str(resolve_model(model_arg)), activations, env=env))
+        return float(child_line(code, str(locate_model(model_arg)), activations, env=env))
 
 
 ASK_CHILD = """
@@ -57,7 +57,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 def measure_ask_rss(model_arg, folder) -> float:
     """Peak RSS (MB) of `llama-chat ask` answering a short question, in a process of its own."""
-    path = str(resolve_model(model_arg))
+    path = str(locate_model(model_arg))
     args = ["--model", path, "--db", str(folder / "rss.db"), "ask", "Say hello.", "--max-tokens", "16"]
     return float(child_line(ASK_CHILD, *args))
 

@@ -28,10 +28,12 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
-from llama_chat.inference.tool_calls import HERMES, ToolCall, split_offered_calls
+if TYPE_CHECKING:  # (the call parser loads where servers start, not with the config that names them)
+    from llama_chat.inference.tool_calls import ToolCall
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TOOL_ROUNDS = 8  # replies in a row that call tools, after one message: a model in a loop stops here
@@ -107,6 +109,8 @@ class MCPTools:
         self.servers = {c.name: _Server(c) for c in configs}
         self.tools: list[dict] = []
         self.server_of: dict[str, str] = {}  # tool name → its server's name
+        from llama_chat.inference.tool_calls import HERMES
+
         self.format = HERMES  # the format the model's chat template asks for calls in
 
     def connect(self) -> list[str]:
@@ -146,6 +150,8 @@ class MCPTools:
 
     def calls_in(self, reply: str) -> list[ToolCall]:
         """The calls a reply makes of the servers' tools (a stopped server's too: calling one says so)."""
+        from llama_chat.inference.tool_calls import split_offered_calls
+
         parsed = split_offered_calls(reply, set(self.server_of), self.format)
         return parsed[1] if parsed else []
 

@@ -13,57 +13,59 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llama_chat.storage.exchange import (
-    HEADER_SIZE,
-    MAX_DATA_BYTES,
-    MAX_MANIFEST_BYTES,
-    SUFFIX,
-    ExchangeError,
-    ExportSummary,
-    ImportResult,
-    SessionFile,
-    declared_size,
-    default_file_name,
-    export_session,
-    import_session,
-    read_session_file,
-)
 from llama_chat.storage.store import ChatStore, Message, Session
 from llama_chat.storage.transcript import export_markdown, markdown_transcript
 
 from .titles import session_title
 
 if TYPE_CHECKING:  # (the engine loads with a model: listing and reading chats need neither)
+    from llama_chat.storage.exchange import ExportSummary, ImportResult, SessionFile
+
     from .engine import ChatEngine
 
-# what a front end checks of a file before it is read (the server, of an upload as it arrives)
-__all__ = [
+# what a front end checks of a file before it is read (the server, of an upload as it arrives): the
+# exchange's names, loaded when first named, as the exchange loads the KV codecs, which listing and
+# reading chats never need
+FROM_EXCHANGE = (
     "HEADER_SIZE",
     "MAX_DATA_BYTES",
     "MAX_MANIFEST_BYTES",
     "SUFFIX",
     "ExchangeError",
     "ImportResult",
-    "Sessions",
     "declared_size",
-    "export_file_name",
     "read_session_file",
-]
+)
+__all__ = [*FROM_EXCHANGE, "Sessions", "export_file_name"]
+
+
+def __getattr__(name: str):
+    if name not in FROM_EXCHANGE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(exchange(), name)
+
+
+def exchange():
+    """storage.exchange, imported on first use."""
+    from llama_chat.storage import exchange
+
+    return exchange
+
 
 Progress = Callable[[str, int, int], None]
 
 
 def export_file_name(session: Session, markdown: bool = False) -> str:
     """The name an export of `session` gets where none is given: its title and id."""
-    return default_file_name(session, ".md" if markdown else SUFFIX)
+    return exchange().default_file_name(session, ".md" if markdown else exchange().SUFFIX)
 
 
 class Sessions:
     """The conversations of one database; `engine`, once one is built on them, hears of forks and
     deletes. Safe to call from worker threads, as the store is."""
 
-    def __init__(self, db: Path | str):
-        self._store = ChatStore(db)
+    def __init__(self, db: Path | str, progress: Progress | None = None):
+        self._store = ChatStore(db, progress)  # an older file upgraded, telling `progress`
         self.engine: ChatEngine | None = None  # set by build.open_engine
         self._seen_version = self._store.connection.data_version()  # what changed_elsewhere() compares with
 
@@ -185,7 +187,7 @@ class Sessions:
         progress: Progress | None = None,
     ) -> ExportSummary:
         """Write a session (with `tree`, every session of its tree) to a .llamachat file."""
-        return export_session(
+        return exchange().export_session(
             self._store, session_id, path, with_kv=with_kv, codec=codec, tree=tree, progress=progress
         )
 
@@ -210,7 +212,7 @@ class Sessions:
         `model_fingerprint` is given (default: the engine's)."""
         if model_fingerprint is None and self.engine is not None:
             model_fingerprint = self.engine.model_info.fingerprint
-        return import_session(
+        return exchange().import_session(
             self._store,
             source,
             model_fingerprint=model_fingerprint,

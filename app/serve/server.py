@@ -213,6 +213,7 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
     ):
         raise BindRefused("--queue and --drain-seconds must be 0 or more, --port from 0 to 65535")
     for flag, option in (
+        ("cache_ram", "cache_ram_mb"),
         ("block_size", "block_size"),
         ("cache_type", "cache_type"),
         ("activations", "activations"),
@@ -221,7 +222,7 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
         if getattr(args, flag, None) is not None:
             given[option] = getattr(args, flag)
     options = ServeOptions(
-        db=args.db, model=args.model, cache_ram_mb=args.cache_ram,
+        db=args.db, model=args.model,
         prompt_lookup=not args.no_lookup,
         kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),
         allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()), **given,

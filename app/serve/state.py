@@ -102,8 +102,10 @@ class ServeOptions:
 
 def say(line: str) -> None:
     """A line of the server's log on stderr; what clients sent in it (a path, a session's title) cannot
-    move the operator's cursor or retitle their terminal: control characters as `\\xNN`."""
-    print(f"llama-chat serve: {escaped(line)}", file=sys.stderr, flush=True)
+    move the operator's cursor or retitle their terminal: control characters as `\\xNN`. One write with
+    its newline (print's two would let another thread's line in between)."""
+    sys.stderr.write(f"llama-chat serve: {escaped(line)}\n")
+    sys.stderr.flush()
 
 
 class Notice:

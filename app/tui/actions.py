@@ -14,7 +14,7 @@ from pathlib import Path
 from textual.actions import SkipAction
 
 from llama_chat.inference import KNOWN_MODELS
-from llama_chat.inference.catalog import model_status
+from llama_chat.inference.catalog import model_path, model_status
 from llama_chat.storage import Message, Session
 
 from ..chat.attachments import AttachmentError, named_in, read_attachment
@@ -54,11 +54,14 @@ class ChatActions:
     def choose_model(self) -> None:
         if not self.flow.can_start("change the model"):
             return
+        from llama_chat.inference.packed_file import holds_model  # (numba: only once a model is chosen)
+
         models = []
         for known in KNOWN_MODELS.values():
             status = model_status(known)
-            state = "ready" if status["assembled"] else "assembled on first use"
-            installed = status["packages_installed"] or status["assembled"]
+            ready = status["assembled"] or holds_model(model_path(known))  # (packed: its GGUF not kept)
+            state = "ready" if ready else "assembled on first use"
+            installed = status["packages_installed"] or ready
             models.append((known.name, state if installed else "not installed"))
         current = model_label(self.model.engine.model_info) if self.model.engine else None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from textual.app import App
@@ -40,10 +41,12 @@ class ChatApp(App, inherit_bindings=False):
         session_id: str | None = None,
         config: UserConfig | None = None,
         engine: EngineOptions | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
     ):
+        """`progress` hears how far an upgrade of a database an older llama-chat wrote has come."""
         super().__init__()
         self.config = config or UserConfig.load()
-        self.sessions = Sessions(db)  # the chats, shown before the model has loaded
+        self.sessions = Sessions(db, progress)  # the chats, shown before the model has loaded
         self.state = State()  # the chat open last time, per database
         # an unknown --session fails here, before the screen opens (one line, exit 2)
         if session_id:
@@ -162,6 +165,8 @@ class ChatApp(App, inherit_bindings=False):
 
 def cmd_tui(args) -> int:
     """`llama-chat` (no command): the full-screen chat."""
+    from ..progress import ProgressBar  # (a bar before the screen opens: an older database upgraded)
+
     try:
         config = UserConfig.load()
     except ConfigError as e:
@@ -170,7 +175,8 @@ def cmd_tui(args) -> int:
     model = args.model or config.model
     if model is not None and model not in KNOWN_MODELS:
         resolve_model(model)  # a missing or foreign file: one line and exit 2, before the screen opens
-    app = ChatApp(args.db, model, args.session, config, engine_options(args))
+    with ProgressBar() as bar:  # (before the screen opens: drawn on stderr, as the commands draw it)
+        app = ChatApp(args.db, model, args.session, config, engine_options(args), bar)
     app.run()
     if app.chat.loading_model:  # a worker thread cannot be stopped; the process ends when it does
         print(f"llama-chat: {app.chat.loading_model}; exiting when it ends", file=sys.stderr)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from llama_chat.inference.tool_calls import ToolCall
 from llama_chat.storage import Message, Session
 
 from ..chat.mcp_tools import MAX_TOOL_ROUNDS, MCPTools, shown, start_tools
@@ -17,7 +16,9 @@ from .dialogs import ConfirmScreen
 from .replies import Reply, ReplyFlow
 from .widgets import MessageView
 
-if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn)
+if TYPE_CHECKING:  # (the engine loads with the model, after the window is drawn; the call parser with it)
+    from llama_chat.inference.tool_calls import ToolCall
+
     from ..chat.engine import ChatEngine
 
 
