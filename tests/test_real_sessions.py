@@ -31,16 +31,28 @@ def fresh_model(path) -> Model:
         return Model(prepare(path))
 
 
+@pytest.fixture
+def closing():
+    """Engines a test opens, closed after it: each holds its model and KV pool (~1 GB) until then, and
+    the real-model tests run one after another on one worker."""
+    engines = []
+    yield engines.append
+    for engine in engines:
+        engine.close()
+
+
 @pytest.mark.parametrize("system, turns", CONVERSATIONS)
-def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_path, system, turns):
+def test_resumed_session_replies_exactly_as_the_live_one(qwen_model_path, tmp_path, system, turns, closing):
     greedy = SamplingParams(temperature=0)
     db = tmp_path / "chat.db"
     live = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
+    closing(live)
     session = live.new_session("t", system_prompt=system)
     "".join(stream_text(live.reply(session, turns[0], sampling=greedy, max_tokens=48)))
     session = live._store.get_session(session.id)
 
     resumed = ChatEngine(fresh_model(qwen_model_path), ChatStore(db), codec=CODEC)
+    closing(resumed)
     info = resumed.resume(session)
     assert info.restored == info.tokens  # all of it from the store, nothing recomputed
 

@@ -81,9 +81,11 @@ def digest(*paths: Path) -> list[str | None]:
 # The model made slow (each forward pass says so on stderr, then waits), so that a test can act while a
 # reply is being read or written; the prefill batch made small, so that a short prompt has several.
 # Every pass, whichever Model method the scheduler calls, ends in forward.step or forward.read_and_verify
-# (tests/conftest.py's forward_passes does the same in-process).
+# (tests/conftest.py's forward_passes does the same in-process). Ctrl+C as a shell leaves it to a program
+# it starts: a test runner's worker may ignore SIGINT, and a child inherits an ignored signal.
 CHILD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from llama_chat.inference import forward, model as llm
 slow = float(sys.argv[2])
 def slowed(real):
