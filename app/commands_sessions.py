@@ -3,6 +3,7 @@ check; verify, which needs the model, is in commands.py), and export and import 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import asdict
 from datetime import datetime
@@ -26,19 +27,16 @@ def open_sessions(args) -> Sessions:
     """The conversations of --db, saying so while another process holds them; a file an older
     llama-chat wrote is upgraded, with a progress bar."""
     bars = []  # made (Rich loaded) only where an upgrade tells its progress
+    with contextlib.ExitStack() as done:
 
-    def progress(label: str, done: int, total: int) -> None:
-        if not bars:
-            from .progress import ProgressBar
+        def progress(label: str, step: int, total: int) -> None:
+            if not bars:
+                from .progress import ProgressBar
 
-            bars.append(ProgressBar())
-        bars[0](label, done, total)
+                bars.append(done.enter_context(ProgressBar()))
+            bars[0](label, step, total)
 
-    try:
         sessions = Sessions(args.db, progress)
-    finally:
-        for bar in bars:
-            bar.__exit__(None, None, None)
     sessions.on_wait = waiting_notice(sessions)
     return sessions
 
