@@ -373,7 +373,7 @@ def test_a_client_leaving_mid_body_is_one_line_in_the_log(served, capfd):
         sock.close()
         wait_for(lambda path=path: said(f"POST {path} 499 "))
     assert served.ask("hi").choices[0].message.content is not None
-    said("")
+    wait_for(lambda: said("POST /v1/chat/completions 200 "))  # a request's line comes once it is answered
     assert len(lines) == 3 and "Traceback" not in "\n".join(lines), lines  # and the request after
 
 
@@ -578,7 +578,10 @@ def test_the_log_shows_what_a_client_sent_without_its_control_characters(served,
     capsys.readouterr()
     status, _, _ = served.raw("GET", "/v1/%1b]0;owned%07%1b[2Jx%0aGET%20/forged")  # a title, a clear, a line
     assert status == 404
-    (line,) = [line for line in capsys.readouterr().err.splitlines() if "owned" in line]
+    lines = []
+    # the request's line is written once its answer is sent: the client may read the answer first
+    wait_for(lambda: lines.extend(capsys.readouterr().err.splitlines()) or any("owned" in x for x in lines))
+    (line,) = [line for line in lines if "owned" in line]
     assert line.startswith("llama-chat serve: GET /v1/\\x1b]0;owned\\x07\\x1b[2Jx\\x0aGET /forged 404")
 
 
