@@ -106,6 +106,28 @@ def isolated_user_dirs(tmp_path, monkeypatch):
     monkeypatch.delenv("LLAMA_CHAT_DB", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def engines_closed(monkeypatch):
+    """Every chat engine a test makes (itself, or through `main()`, the app or a server) is closed after
+    it, as a program ends: an engine's scheduler thread keeps it, its model and its KV pool alive until
+    then (tens of MB on a tiny model, a GB on a real one), and a worker runs hundreds of tests."""
+    from llama_chat.app.chat.engine import ChatEngine
+
+    made = []
+    init = ChatEngine.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(ChatEngine, "__init__", tracked)
+    yield
+    for engine in made:
+        engine.close()
+    if made:
+        gc.collect()  # a model's arrays are in reference cycles: free them now, not at some later collection
+
+
 @functools.cache
 def vocab_metadata(name: str) -> dict:
     """The metadata of one of llama.cpp's vocab-only test files, read once per process: GGUFReader takes
