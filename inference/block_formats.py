@@ -14,9 +14,9 @@ gguf.quants dequantizes it (its float32 operations in its order; the IQ formats 
 values and grids, NVFP4's scales through its 256, gguf.quants' own), the bytes of LANES rows side by
 side so that each step runs across the lanes in vectors. Then the float32 kernels multiply the tile
 (products._block_product), so a product is bit for bit the one of the same matrix dequantized to
-float32, at a fifth to a twentieth of its bytes. One row (a decoded token) takes no tile of the group:
+float32, at a fifth to a twenty-seventh of its bytes. One row (a decoded token) takes no tile of the group:
 one_row_group multiplies each weight in as it is decoded, in the same order, so with the same bits (the
-formats of indices into a table in registers, the others a run of 32 columns at a time).
+formats of indices into a table and Q1_0's bits in registers, the others a run of 32 columns at a time).
 gguf.quants.dequantize is each format's plain reference (ggml_quants.dequantize: Q1_0's ported from
 ggml-quants.c; rows, and one_row_reference for a row's product): the tests hold the kernels to it. The
 IQ1–IQ3, ternary and binary formats' decoders: grid_formats.py.
@@ -30,7 +30,7 @@ from numba import carray
 
 from . import ggml_quants
 from . import grid_formats as grids
-from .block_vectors import _column_multiply_add, _e8m0_halves, _scaled_multiply_add
+from .block_vectors import _column_multiply_add, _e8m0_halves, _scaled_multiply_add, _sign_bit_scales
 from .cpu import PROFILE
 from .grid_formats import _half_at
 from .jit import njit
@@ -40,6 +40,7 @@ Q = gguf.GGMLQuantizationType
 LANES = PROFILE.lanes
 RUN = 32  # columns decoded at a time: a sub-block of every format here
 K_RUNS = 256 // RUN  # runs in a block of 256 weights (Q2_K, Q3_K, IQ4_XS)
+Q1_0_WEIGHTS = gguf.GGML_QUANT_SIZES[Q.Q1_0][0]  # a block's
 RUN_FLOATS = RUN * LANES  # a run's tile (a literal, as _registers wants it)
 F32 = np.float32
 BLOCK_FORMATS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4) + (
@@ -264,12 +265,12 @@ def decode_group(values, g, tile):
 
 @njit(cache=True)
 def one_row_group(values, x, out, g):
-    """out[0, g·L … g·L + L − 1] = x[0] times group g's LANES rows, each weight read once from its
-    block: the formats of indices into a table (MXFP4, NVFP4, IQ4_NL, IQ4_XS) decoded in registers
-    (_table_one_row), the others' a run of 32 columns at a time into a tile that stays in the core's
-    first cache. Column by column, one fused multiply-add each, as the float kernels multiply a tile of
-    the whole group (products._block_product): the same bits, without writing the group's tile (its
-    columns times LANES floats) and reading it back."""
+    """out[0, g·L … g·L + L − 1] = x[0] times group g's LANES rows, each weight read once from its block: the
+    formats of indices into a table (MXFP4, NVFP4, IQ4_NL, IQ4_XS) decoded in registers (_table_one_row),
+    Q1_0's from its sign bits in registers (_q1_0_one_row), the others' a run of 32 columns at a time into
+    a tile that stays in the core's first cache. Column by column, one fused multiply-add each, as the
+    float kernels multiply a tile of the whole group (products._block_product): the same bits, without
+    writing the group's tile (its columns times LANES floats) and reading it back."""
     sums = _registers(LANES)
     row = carray(sums, LANES)
     for lane in range(LANES):
@@ -277,6 +278,8 @@ def one_row_group(values, x, out, g):
     block_bytes = values.shape[2]
     if block_bytes in (_MXFP4, _NVFP4, _IQ4_NL, _IQ4_XS):
         _table_one_row(values, x, g, sums)
+    elif block_bytes == _Q1_0:
+        _q1_0_one_row(values, x, g, sums)
     else:
         tile_at = _registers(RUN_FLOATS)
         tile = carray(tile_at, (RUN, LANES))
@@ -320,6 +323,22 @@ def _table_one_row(values, x, g, sums):
                 for j in range(n):
                     _table_fields(values, (block + at + j) * LANES, 4 * half, table, w, LANES)
                     _scaled_multiply_add(sums, w, scale, x[0, c + n * half + j], LANES)
+
+
+@njit(cache=True, inline="always")
+def _q1_0_one_row(values, x, g, sums):
+    """sums[:LANES] += x[0] times group g's LANES rows of Q1_0 blocks, straight from their bits: each
+    weight d or −d by its bit (as grid_formats._q1_0_run forms it), multiplied in, in column order."""
+    d, w = _registers(LANES), _registers(LANES)
+    scale = carray(d, LANES)
+    for b in range(values.shape[1]):
+        _ask_ahead(values, g, b)
+        block = (g * values.shape[1] + b) * values.shape[2]
+        for lane in range(LANES):
+            scale[lane] = _half_at(values, g, b, 0, lane)
+        for j in range(Q1_0_WEIGHTS):
+            _sign_bit_scales(values, (block + 2 + j // 8) * LANES, j % 8, d, w, LANES)
+            _column_multiply_add(sums, w, 0, x[0, Q1_0_WEIGHTS * b + j], LANES)
 
 
 def one_row_reference(values: np.ndarray, x: np.ndarray) -> np.ndarray:

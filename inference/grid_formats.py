@@ -17,10 +17,11 @@ import gguf
 import numpy as np
 from numba import carray
 
+from .block_vectors import _sign_bit_scales
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
-from .vectors import _bit_fields, _registers
+from .vectors import _registers
 
 LANES = PROFILE.lanes
 F32 = np.float32
@@ -270,14 +271,13 @@ def _tq2_0_run(values, g, b, k, tile, c0):
 @njit(cache=True)
 def _q1_0_run(values, g, b, k, tile, c0):
     """Run k of Q1_0 block b (18 bytes, padded to 19): d, then a bit a weight (weight j of run k at bit
-    j % 8 of byte 2 + 4k + j // 8). Weight = d where the bit is set, else −d (d · ±1, the same bits)."""
-    d = carray(_registers(LANES), LANES)
-    q = _registers(LANES)
-    bits = carray(q, LANES)
+    j % 8 of byte 2 + 4k + j // 8). Weight = d where the bit is set, else −d."""
+    d, w = _registers(LANES), _registers(LANES)
+    scale, weights = carray(d, LANES), carray(w, LANES)
     block = (g * values.shape[1] + b) * values.shape[2]
     for lane in range(LANES):
-        d[lane] = _half_at(values, g, b, 0, lane)
+        scale[lane] = _half_at(values, g, b, 0, lane)
     for j in range(32):
-        _bit_fields(values, (block + 2 + 4 * k + j // 8) * LANES, j % 8, 1, q, LANES)
+        _sign_bit_scales(values, (block + 2 + 4 * k + j // 8) * LANES, j % 8, d, w, LANES)
         for lane in range(LANES):
-            tile[c0 + j, lane] = d[lane] * (F32(2) * bits[lane] - F32(1))
+            tile[c0 + j, lane] = weights[lane]
