@@ -1,7 +1,7 @@
-"""The building blocks of a block format's product of one row (block_formats.one_row_group), in LLVM's
-own vector types as vectors.py's: MXFP4's block scales, a weight scaled and multiplied in, a column of
-a run's small tile multiplied in. Each has its plain NumPy twin in vectors_reference.py, which
-tests/test_vectors.py holds it to.
+"""The building blocks of a block format's product of one row (block_formats.one_row_group), in LLVM's own
+vector types as vectors.py's: MXFP4's block scales, Q1_0's weights from their sign bits, a weight scaled
+and multiplied in, a column of a run's small tile multiplied in. Each has its plain NumPy twin in
+vectors_reference.py, which tests/test_vectors.py holds it to.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .vectors import _data, _fused_into, _vector_at
+from .vectors import _data, _fused_into, _splat, _vector_at
 
 
 @intrinsic
@@ -37,6 +37,31 @@ def _e8m0_halves(typingctx, values, at, w, width):
         return context.get_dummy_value()
 
     return types.void(values, at, w, width), codegen
+
+
+@intrinsic
+def _sign_bit_scales(typingctx, values, at, bit, scale, w, width):
+    """w[:width] = scale[:width] where bit `bit` of the bytes at values.flat[at:at + width] is set, else
+    −scale[:width] (Q1_0's weights, exact): a test of the bit in the bytes themselves and a select,
+    without widening them to numbers first."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32, i8 = width.literal_value, ir.FloatType(), ir.IntType(8)
+
+    def codegen(context, builder, signature, args):
+        at, bit = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:3], signature.args[1:3]))
+        bytes_t, zero = ir.VectorType(i8, n), ir.Constant(ir.IntType(64), 0)
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        column = builder.load(_vector_at(builder, values_ptr, at, i8, n), align=1)
+        mask = builder.shl(ir.Constant(i8, 1), builder.trunc(bit, i8))
+        tested = builder.and_(column, _splat(builder, bytes_t, mask))
+        is_set = builder.icmp_unsigned("!=", tested, ir.Constant(bytes_t, [0] * n))
+        scale = builder.load(_vector_at(builder, args[3], zero, f32, n), align=4)
+        signed = builder.select(is_set, scale, builder.fneg(scale))
+        builder.store(signed, _vector_at(builder, args[4], zero, f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, bit, scale, w, width), codegen
 
 
 @intrinsic

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from . import quants
+from . import ggml_quants, quants
 from .errors import ModelError
 from .tensor_plan import tensor_of
 
@@ -29,10 +29,10 @@ UNREADABLE = (NotImplementedError, KeyError, ValueError)  # what readable_format
 
 
 def readable_format(type_name: str) -> gguf.GGMLQuantizationType:
-    """The GGUF format of that name, where gguf.quants reads it (one block of zeros tried); else one of
+    """The GGUF format of that name, where ggml_quants reads it (one block of zeros tried); else one of
     UNREADABLE."""
     qtype = gguf.GGMLQuantizationType[type_name]
-    gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    ggml_quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
     return qtype
 
 
@@ -97,7 +97,7 @@ class GGUFTensors:
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         raw = self.raw(name, shape)
-        return np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(
+        return np.ascontiguousarray(ggml_quants.dequantize(raw, self.qtype(name)), dtype=np.float32).reshape(
             shape
         )
 

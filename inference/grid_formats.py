@@ -1,5 +1,6 @@
-"""The kernels' half of reading the IQ1–IQ3 formats and the ternary ones (TQ1_0, TQ2_0) from their GGUF
-blocks (block_formats.py's layout: byte k of block b of row g·L + lane at values[g, b, k, lane]).
+"""The kernels' half of reading the IQ1–IQ3 formats, the ternary ones (TQ1_0, TQ2_0) and the binary one
+(Q1_0) from their GGUF blocks (block_formats.py's layout: byte k of block b of row g·L + lane at
+values[g, b, k, lane]).
 
 The IQ formats keep each 4 or 8 weights of a row as an index into a grid of points (ggml-common.h's
 iq2xxs_grid … iq1s_grid), a sign bit per weight (or an index into ksigns, the 128 bytes of 8 signs
@@ -7,7 +8,7 @@ with an even count of minus signs) and a scale per 16 or 32 weights. The grids a
 gguf.quants' own (its IQ classes' init_grid), so each weight is the one it dequantizes: its float32
 operations in its order. Every decoder writes run k (32 weights) of block b of group g's LANES rows
 into columns c0… of tile [n_cols, LANES], as block_formats.decode_group asks; ggml-quants.c's
-dequantize_row_iq2_xxs … dequantize_row_tq2_0 are what each follows.
+dequantize_row_iq2_xxs … dequantize_row_tq2_0 and dequantize_row_q1_0 are what each follows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gguf
 import numpy as np
 from numba import carray
 
+from .block_vectors import _sign_bit_scales
 from .cpu import PROFILE
 from .half import to_f32
 from .jit import njit
@@ -264,3 +266,18 @@ def _tq2_0_run(values, g, b, k, tile, c0):
         for lane in range(LANES):
             q = (_byte_at(values, g, b, 32 * (k // 4) + j, lane) >> (2 * (k % 4))) & 3
             tile[c0 + j, lane] = d[lane] * F32(q - 1)
+
+
+@njit(cache=True)
+def _q1_0_run(values, g, b, k, tile, c0):
+    """Run k of Q1_0 block b (18 bytes, padded to 19): d, then a bit a weight (weight j of run k at bit
+    j % 8 of byte 2 + 4k + j // 8). Weight = d where the bit is set, else −d."""
+    d, w = _registers(LANES), _registers(LANES)
+    scale, weights = carray(d, LANES), carray(w, LANES)
+    block = (g * values.shape[1] + b) * values.shape[2]
+    for lane in range(LANES):
+        scale[lane] = _half_at(values, g, b, 0, lane)
+    for j in range(32):
+        _sign_bit_scales(values, (block + 2 + 4 * k + j // 8) * LANES, j % 8, d, w, LANES)
+        for lane in range(LANES):
+            tile[c0 + j, lane] = weights[lane]

@@ -43,7 +43,7 @@ from .catalog import assembled_model_at, cache_dir
 from .cpu import PROFILE
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 7  # raise when formats.py (or a module it names) lays a matrix out differently, or this
+LAYOUT_VERSION = 8  # raise when formats.py (or a module it names) lays a matrix out differently, or this
 # file's header
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC

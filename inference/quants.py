@@ -27,7 +27,7 @@ import gguf
 import numba
 import numpy as np
 
-from . import block_formats, k_quants, kernels
+from . import block_formats, ggml_quants, k_quants, kernels
 from .formats import GROUP, HALF_TYPES, OWN_BITS, kind_of, kinds_of, layout, runs_of
 from .jit import njit, prange
 from .k_quants import StackedMatrix, _scale_min_k4, _store
@@ -250,7 +250,7 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
     row0 = 0
     for raw, qtype, shape in parts:
         if kind == "float weights":
-            _interleave_rows(np.asarray(gguf.quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
+            _interleave_rows(np.asarray(ggml_quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
         elif kind == "Q4_K weights":  # kept in its bits (k_quants.py)
             _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
         elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits

@@ -53,6 +53,12 @@ def e8m0_halves(values, at, width) -> np.ndarray:
     return np.ldexp(np.float64(1), e - 128).astype(F32)
 
 
+def sign_bit_scales(values, at, bit, scale, width) -> np.ndarray:
+    """block_vectors._sign_bit_scales: scale where bit `bit` of `width` bytes is set, else −scale."""
+    is_set = (values.reshape(-1)[at : at + width] >> bit) & 1 == 1
+    return np.where(is_set, scale[:width], -scale[:width]).astype(F32)
+
+
 def scaled_multiply_add(sums, w, scale, xj, width) -> None:
     """block_vectors._scaled_multiply_add: sums[:width] += (w · scale) · xj, the weight rounded, then
     fused."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import kernels, packed_file, quants, warmup
+from . import ggml_quants, kernels, packed_file, quants, warmup
 from .activation_modes import DEFAULT_ACTIVATIONS
 from .activations import inputs_of
 from .catalog import assembled_model_at, cache_dir, ensure_model
@@ -99,7 +99,7 @@ class TokenEmbeddings:
         """float32 [len(ids), n_embd]"""
         if self.tied is not None:
             return kernels.rows(self.tied, ids)
-        return np.asarray(gguf.quants.dequantize(self.raw[ids], self.qtype), dtype=np.float32)
+        return np.asarray(ggml_quants.dequantize(self.raw[ids], self.qtype), dtype=np.float32)
 
 
 def model_info(path: Path, progress: Progress | None = None, use_cache: bool = True) -> Prepared:

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from test_kernels import OWN_BITS, SCALE_BYTES, raw_tensor
 
-from llama_chat.inference import block_formats, kernels, load_model, quants
-from llama_chat.inference.block_formats import BLOCK_FORMATS
+from llama_chat.inference import block_formats, ggml_quants, kernels, load_model, quants
 from llama_chat.inference.support import gguf_needs
 from tiny_models import write_tiny_model
 
@@ -28,12 +27,12 @@ def tiny_model_in(path, qtype: T, as_float32: bool = False):
     dequantized to float32)."""
 
     def matrix_bytes(name, data):
-        if qtype not in SCALE_BYTES:  # formats gguf.quants writes: the random weights quantized
-            raw = gguf.quants.quantize(data, qtype).view(np.uint8)
+        if qtype not in SCALE_BYTES:  # formats gguf.quants (or ggml_quants) writes: the weights quantized
+            raw = ggml_quants.quantize(data, qtype).view(np.uint8)
         else:
             raw = raw_tensor(qtype, data.shape, seed=sum(name.encode()), scale=SCALE[qtype])
         if as_float32:
-            return np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(data.shape), T.F32
+            return np.asarray(ggml_quants.dequantize(raw, qtype), np.float32).reshape(data.shape), T.F32
         return raw, qtype
 
     return write_tiny_model(path, "llama", dims=DIMS, matrix_bytes=matrix_bytes)
@@ -77,19 +76,52 @@ def test_mxfp4_experts_are_kept_in_their_bits_and_compute_as_float32(tmp_path):
     assert np.array_equal(model.logits(ids), float32.logits(ids))
 
 
-@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", OWN_BITS[2:], ids=lambda t: t.name)  # the block formats
 def test_a_decoded_tokens_product_in_a_block_format_is_exactly_its_gguf_weights(qtype):
     """One row (a decoded token) multiplies straight from the blocks (block_formats.one_row_group): its
     products are, bit for bit, a fused multiply-add a column over the weights gguf.quants dequantizes
-    (one_row_reference). MXFP4 also from random blocks, their scales spread over 2^-20 … 2^4."""
+    (one_row_reference). MXFP4 also from random blocks, their scales spread over 2^-20 … 2^4; NVFP4
+    from random blocks with every byte of UE4M3 as a scale (its subnormals, 0x7F read as 0)."""
     shape = (130, 512)
     raws = [raw_tensor(qtype, shape)]
     if qtype == T.MXFP4:
         blocks = np.random.default_rng(7).integers(0, 256, (shape[0] * shape[1] // 32, 17), dtype=np.uint8)
         blocks[:, 0] = np.random.default_rng(8).integers(107, 132, len(blocks))
         raws.append(blocks.reshape(shape[0], -1))
+    if qtype == T.NVFP4:
+        blocks = np.random.default_rng(7).integers(0, 256, (shape[0] * shape[1] // 64, 36), dtype=np.uint8)
+        blocks[:, :4] = np.arange(blocks[:, :4].size).reshape(-1, 4) % 256
+        raws.append(blocks.reshape(shape[0], -1))
     x = np.random.default_rng(9).standard_normal((1, shape[1])).astype(np.float32)
     for raw in raws:
         w = quants.pack([(raw, qtype, shape)])
         want = block_formats.one_row_reference(w.values, x)[:, : shape[0]]
         assert np.array_equal(kernels.kernel_product(x, w), want)
+
+
+def test_q1_0_is_read_and_written_as_ggml_quants_c_does():
+    """gguf.quants has no Q1_0: ggml_quants' port of quantize_row_q1_0_ref and dequantize_row_q1_0. A block
+    is d = the mean |x| as float16, then a bit a weight (set where x ≥ 0, bit j % 8 of byte j / 8);
+    a weight is d or −d."""
+    x = np.where(np.arange(128) % 3 == 0, 0.75, -0.75).astype(np.float32)[None]
+    block = ggml_quants.quantize(x, T.Q1_0)
+    assert block.shape == (1, 18) and block[0, :2].view(np.float16)[0] == 0.75
+    assert block[0, 2] == 0b01001001 and block[0, 3] == 0b10010010  # weights 0, 3, 6; then 9, 12, 15
+    assert np.array_equal(ggml_quants.dequantize(block, T.Q1_0), x)
+    ramp = (np.arange(128, dtype=np.float32) / 128)[None]  # all ≥ 0: every weight the mean, 127/256
+    block = ggml_quants.quantize(ramp, T.Q1_0)
+    assert np.array_equal(ggml_quants.dequantize(block, T.Q1_0), np.full((1, 128), 127 / 256))
+
+
+def test_nvfp4_is_written_as_ggml_quants_c_does():
+    """gguf.quants reads NVFP4 but does not write it: ggml_quants' port of quantize_row_nvfp4_ref. Each
+    16 weights' scale is the UE4M3 of their largest |x| / 6 (halved when read, as the e2m1 values are
+    doubled), each weight the nearest e2m1 value (the first of two equally near), weight j of a
+    sub-block in the low nibble of its byte j, weight 8 + j in the high one."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    sub = np.concatenate([e2m1, -e2m1])  # indices 0…15, −0 read as the first 0
+    x = np.concatenate([sub, sub / 8, sub * 2, sub[::-1]])[None]
+    block = ggml_quants.quantize(x, T.NVFP4)
+    assert block.shape == (1, 36) and list(block[0, :4]) == [0x38, 0x20, 0x40, 0x38]  # 1, 1/8, 2, 1
+    assert list(block[0, 4:12]) == [0x00, 0x91, 0xA2, 0xB3, 0xC4, 0xD5, 0xE6, 0xF7]
+    assert np.array_equal(ggml_quants.dequantize(block, T.NVFP4), x)

@@ -13,13 +13,13 @@ import numba
 import numpy as np
 import pytest
 
-from llama_chat.inference import blas_crossover, cpu, kernels, quants, warmup
+from llama_chat.inference import blas_crossover, cpu, ggml_quants, kernels, quants, warmup
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
 OWN_BITS = [
     T.F16, T.BF16, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4,
-    T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0,
+    T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0, T.NVFP4, T.Q1_0,
 ]
 FORMATS = [T.F32, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *OWN_BITS]
 # Where the float16 scales of a format that gguf.quants does not quantize lie in its block: its blocks are
@@ -33,11 +33,11 @@ SCALE_BYTES = {
 
 
 def raw_tensor(qtype: T, shape: tuple[int, int], seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    """A tensor's GGUF bytes: quantized by gguf.quants where it can, else random blocks with small,
-    finite scales (below `scale`)."""
+    """A tensor's GGUF bytes: quantized by gguf.quants (or ggml_quants' port of ggml-quants.c) where it
+    can, else random blocks with small, finite scales (below `scale`)."""
     rng = np.random.default_rng(seed)
     if qtype not in SCALE_BYTES:
-        data = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+        data = ggml_quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
         return data.view(np.uint8).reshape(shape[0], -1)
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(shape[0], shape[1] // block_len * block_bytes), dtype=np.uint8)
@@ -59,7 +59,7 @@ def _iq1_m_scale(blocks: np.ndarray, d: np.ndarray) -> None:
 
 
 def reference(qtype: T, raw: np.ndarray, shape) -> np.ndarray:
-    return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+    return np.asarray(ggml_quants.dequantize(raw, qtype), dtype=np.float32).reshape(shape)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
@@ -447,7 +447,7 @@ for qtype in (T.Q5_0, T.Q4_1, T.Q4_K, T.F16, T.BF16, T.Q3_K, T.IQ4_XS):  # ints,
     for n in (1, 3, kernels.KERNEL_ROWS):
         t.test_matmul_equals_float_matmul_of_the_dequantized_weights(qtype, n, kernels.kernel_product)
 t.test_matmul_equals_float_matmul_of_the_dequantized_weights(T.Q4_K, 40, kernels.tile_product)
-for qtype in (T.Q3_K, T.IQ4_XS, T.MXFP4):  # a decoded token straight from the blocks, others by tiles
+for qtype in (T.Q3_K, T.IQ4_XS, T.MXFP4, T.NVFP4, T.Q1_0):  # a decoded token straight from the blocks
     t.test_a_format_in_its_own_bits_multiplies_as_its_weights_in_float32_bit_for_bit(qtype)
 for qtype in t.BYTE_FORMATS:
     for n in (1, 3, 40):

@@ -20,7 +20,12 @@ from test_kernels import raw_tensor
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
 from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest
-from llama_chat.inference.block_vectors import _column_multiply_add, _e8m0_halves, _scaled_multiply_add
+from llama_chat.inference.block_vectors import (
+    _column_multiply_add,
+    _e8m0_halves,
+    _scaled_multiply_add,
+    _sign_bit_scales,
+)
 from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
 from llama_chat.inference.vectors import (
     _bit_fields,
@@ -175,6 +180,27 @@ def test_every_e8m0_scale_is_read_as_the_reference_says():
         out = np.empty(W, F32)
         e8m0_halves(values, at, out)
         assert np.array_equal(out.view(np.uint32), ref.e8m0_halves(values, at, W).view(np.uint32)), at
+
+
+@plain_njit
+def sign_bit_scales(values, at, bit, scale, out):
+    w, scales = _registers(W), _registers(W)
+    s = carray(scales, W)
+    for k in range(W):
+        s[k] = scale[k]
+    _sign_bit_scales(values, at, bit, scales, w, W)
+    copy_out(w, out)
+
+
+@pytest.mark.parametrize("bit", range(8))
+def test_a_sign_bit_gives_the_scale_or_its_negation_as_the_reference_says(bit):
+    """Q1_0's weights (block_formats.py): d where a weight's bit is set, else −d, the zeros' signs too."""
+    values = rng().integers(0, 256, (2, 3, LANES), dtype=np.uint8)
+    scale = floats(W, 5)
+    scale[:2] = 0.0, -0.0
+    out = np.empty(W, F32)
+    sign_bit_scales(values, 37, bit, scale, out)
+    assert np.array_equal(out.view(np.uint32), ref.sign_bit_scales(values, 37, bit, scale, W).view(np.uint32))
 
 
 @plain_njit
@@ -431,7 +457,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
     checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
-    checks += " or e8m0 or dot_products or weighted_rows or largest or attention"
+    checks += " or e8m0 or sign_bit or dot_products or weighted_rows or largest or attention"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
