@@ -184,26 +184,6 @@ def gemma_model_path() -> Path:
     return _real_model_path("gemma-3-270m-q4_k_m")
 
 
-def _load_real(path: Path):
-    """A real model computed exactly (--activations f32), as the fixtures of llama.cpp were measured
-    against; test_real_models.py holds the default mode to its own checks."""
-    from llama_chat.inference import Model
-    from llama_chat.inference.weights import prepare
-
-    with real_cache():
-        return Model(prepare(path, activations="f32"))
-
-
-@pytest.fixture(scope="session")
-def qwen_model(qwen_model_path):
-    return _load_real(qwen_model_path)
-
-
-@pytest.fixture(scope="session")
-def gemma_model(gemma_model_path):
-    return _load_real(gemma_model_path)
-
-
 class ForwardPasses(list):
     """The rows of every forward pass the model made, in order; each pass also waits `delay` seconds."""
 
