@@ -18,13 +18,14 @@ from .records import Message, Session
 def find(
     connection: StoreConnection, messages: Callable[[str, tuple], list[Message]], text: str, limit: int
 ) -> list[tuple[Session, Message]]:
-    """(session, message) for each of the newest `limit` messages that hold every word of `text`, once
-    for each session that reaches it (forks share messages), the newest session first. `messages`
-    reads the messages an SQL query selects, their attached files put back (ChatStore._messages)."""
+    """(session, message) for each of the newest `limit` messages that hold every word of `text` (or a
+    word it begins: "rai" finds "rain"), once for each session that reaches it (forks share messages),
+    the newest session first. `messages` reads the messages an SQL query selects, their attached files
+    put back (ChatStore._messages)."""
     words = [w for w in text.replace('"', " ").split() if w]
     if not words:
         return []
-    query = " ".join(f'"{w}"' for w in words)
+    query = " ".join(f'"{w}"*' for w in words)  # words that begin so: the sidebar searches as one types
     try:
         hits = messages(
             "SELECT messages.* FROM messages_fts JOIN messages ON messages.id = messages_fts.rowid "

@@ -118,6 +118,16 @@ def test_search_finds_the_session_of_a_message(store):
     assert store.search('"unbalanced') == []  # quotes in the query are not an error
 
 
+def test_search_finds_words_as_they_are_typed(store):
+    """The sidebar searches at each key: the words so far find the messages whose words begin so."""
+    conversation(store, title="first")
+    other = store.create_session("second")
+    store.add_message(other.id, "user", "rain tomorrow, then sailing")
+    for typed in ("ra", "rai", "rain", "rain to", "sail rain"):
+        assert [h[0].id for h in store.search(typed)] == [other.id], typed
+    assert store.search("ain") == []  # the start of a word, not anywhere in it
+
+
 def test_search_finds_each_session_that_reaches_a_hit_newest_first(store):
     s = conversation(store, title="first")
     asked = store.path(s.head_id)[0]  # "question 0"
