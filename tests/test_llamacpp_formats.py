@@ -6,8 +6,9 @@ Its token embeddings in the format and every matrix float32, llama.cpp dequantiz
 (ggml's dequantize_row_*): our logits are its own to float rounding (measured: 4e-5 to 1.4e-4), so each
 format's weights are ggml's. Every matrix in the format, llama.cpp multiplies by its inputs rounded to 8
 bits (Q8_0, Q8_1 or Q8_K blocks; to 16 bits for F16 and BF16), which moves its logits 2 to 5 % of their
-spread from the exact ones ours give under `--activations f32` (rounding our inputs as it does, in
-NumPy, gives its logits to 2e-6 on the formats tried, Q3_K's attention aside). Our "q8" rounds them as
+spread from the exact ones ours give under `--activations f32`: rounding our inputs as it does, in
+NumPy, gives its logits to 2e-6 on the formats tried, or as near as one rounding flipped by a last-bit
+difference leaves them (Q3_K 7.5e-3: noise of 1e-7 on our inputs moves it to 1e-6). Our "q8" rounds them as
 Q8_0 and Q8_1 do but for their float16 scales, which brings the formats of 32-weight blocks twice as near
 llama.cpp's; the K formats' Q8_K has a scale a block of 256. Our logits are compared with llama.cpp's
 within each format's measured difference times about 1.5 (TOLERANCE, Q8_TOLERANCE), and the greedy
