@@ -20,7 +20,7 @@ FORMATS = (
     T.IQ4_NL, T.IQ4_XS,
     T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
     T.TQ1_0, T.TQ2_0,
-    T.MXFP4,
+    T.MXFP4, T.NVFP4, T.Q1_0,
     T.F16, T.BF16,
 )  # fmt: skip
 # The weights gguf.quants quantizes, a tenth of test_formats' (a standard deviation of 0.02, as in its
