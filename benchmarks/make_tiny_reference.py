@@ -81,6 +81,22 @@ def reference(
     name = name or arch
     path = write_tiny_model(folder / f"tiny-{arch}.gguf", arch, quantized=False)
     model = load_model(path, cache_type="f32", n_ctx=n_ctx)
+    result, logits = run_llamacpp(path, model, folder / f"{name}.npy", python)
+    np.save(OUT / f"tiny.{name}.npy", logits)
+    ours = model.logits(result["text_ids"])
+    same = model.tokenizer.encode(TEXT, add_bos=model.tokenizer.add_bos) == result["text_ids"]
+    print(
+        f"{name}: text {len(result['text_ids'])} ids (ours the same: {same}), worst |logit difference|"
+        f" {np.abs(ours - logits).max():.1e}, prompt {len(result['prompt_ids'])} ids,"
+        f" smallest greedy margin {min(result['margins']):.3f}"
+    )
+    return result
+
+
+def run_llamacpp(path: Path, model, logits_path: Path, python: str) -> tuple[dict, np.ndarray]:
+    """llama.cpp on the GGUF at `path` (`model`, ours, loaded from it, renders the chat prompt) in its
+    float32 configuration: its ids of TEXT and of the chat prompt, its greedy reply and margins, and
+    its logits at every position of TEXT (float32, kept at `logits_path`)."""
     tok = model.tokenizer
     prompt = prompt_text(model, MESSAGES, True, None)
     bos_text = "" if tok.bos_id is None else tok.token_bytes(tok.bos_id).decode()
@@ -93,7 +109,6 @@ def reference(
         "options": FLOAT32,
         "n_ctx": model.config.n_ctx_train,
     }
-    logits_path = folder / f"{name}.npy"
     done = subprocess.run(
         [python, "-c", CHILD, str(path), json.dumps(jobs), str(logits_path)],
         check=True,
@@ -101,16 +116,7 @@ def reference(
         text=True,
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    logits = np.load(logits_path)
-    np.save(OUT / f"tiny.{name}.npy", logits)
-    ours = model.logits(result["text_ids"])
-    same = tok.encode(TEXT, add_bos=tok.add_bos) == result["text_ids"]
-    print(
-        f"{name}: text {len(result['text_ids'])} ids (ours the same: {same}), worst |logit difference|"
-        f" {np.abs(ours - logits).max():.1e}, prompt {len(result['prompt_ids'])} ids,"
-        f" smallest greedy margin {min(result['margins']):.3f}"
-    )
-    return {"prompt": prompt, **result}
+    return {"prompt": prompt, **result}, np.load(logits_path)
 
 
 def main() -> int:

@@ -5,8 +5,9 @@ as llama.cpp multiplies (its q8 inputs): the byte kernels (byte_vectors.py) then
 of bytes in one 32-bit lane of an instruction, within ~0.5 % of the exact products
 (docs/performance.md, "Inputs as bytes"). "mixed": bytes where a product's inputs come straight from
 a norm (NORMED_INPUTS), float32 for the others: the default, as its logits lie nearer the exact
-model's than llama.cpp's on every reference text and its greedy replies are llama.cpp's, where "q8"'s
-lie farther on three (docs/benchmarks.md, "Agreement with llama.cpp"); "f32" is the exact mode.
+model's than llama.cpp's on every reference text and its greedy replies are llama.cpp's ("q8"'s lie
+nearer too, and farther than mixed's on eight texts of fourteen: docs/benchmarks.md, "Agreement with
+llama.cpp"); "f32" is the exact mode.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ def inputs_of(activations: str, matrix: str) -> str:
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [n, n_cols] float32 as bytes: xq [n, n_cols] int8 and, for each run of 32 columns, [n, n_cols /
-    32, 2] its Σ x (in column order, as k_quants.run_sums) and its scale, max |x| / 127, with xq =
-    round(x / scale). Row by row: a row's bytes do not depend on its batch."""
+    32, 2] its Σ x̂ = scale·Σ xq and its scale, max |x| / 127, with xq = round(x / scale). A product adds
+    offset·Σ x̂, as llama.cpp adds the sums of its Q8_1 and Q8_K blocks, so that it is the one of the
+    exact weights with the inputs x̂: with the exact Σ x, the bytes' rounding errors would meet the
+    weights less their offset, as large as a run's range, instead of the weights. Row by row: a row's
+    bytes do not depend on its batch."""
     n, n_cols = x.shape
     xq = np.empty((n, n_cols), np.int8)
     x_runs = np.empty((n, n_cols // 32, 2), F32)
@@ -51,14 +55,12 @@ def quantize_rows_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """quantize_rows in plain NumPy, bit for bit: the same float32 operations, in the same order."""
     n, n_cols = x.shape
     runs = x.reshape(n, n_cols // 32, 32)
-    total = np.zeros((n, n_cols // 32), F32)
-    for t in range(32):  # column order, as the kernel adds
-        total += runs[:, :, t]
     scale = np.abs(runs).max(axis=2) / F32(127)
     with np.errstate(divide="ignore"):
         inverse = np.where(scale > 0, F32(1) / scale, F32(0)).astype(F32)
-    xq = np.rint(runs * inverse[:, :, None]).astype(np.int8).reshape(n, n_cols)
-    return xq, np.stack([total, scale], axis=2)
+    xq = np.rint(runs * inverse[:, :, None]).astype(np.int8)
+    total = xq.sum(axis=2, dtype=np.int32).astype(F32) * scale
+    return xq.reshape(n, n_cols), np.stack([total, scale], axis=2)
 
 
 def compile_quantize(in_parallel: bool = False) -> None:
@@ -72,15 +74,16 @@ def compile_quantize(in_parallel: bool = False) -> None:
 @njit(cache=True, inline="always")
 def _quantize_row(x, i, xq, x_runs):
     for r in range(x.shape[1] // 32):
-        total, top = F32(0), F32(0)
+        top = F32(0)
         for t in range(32 * r, 32 * r + 32):
-            total += x[i, t]
             top = max(top, abs(x[i, t]))
         scale = top / F32(127)
         inverse = F32(1) / scale if scale > 0 else F32(0)
+        total = 0
         for t in range(32 * r, 32 * r + 32):
             xq[i, t] = np.int8(np.rint(x[i, t] * inverse))
-        x_runs[i, r, 0], x_runs[i, r, 1] = total, scale
+            total += np.int32(xq[i, t])
+        x_runs[i, r, 0], x_runs[i, r, 1] = F32(total) * scale, scale
 
 
 @njit(cache=True)

@@ -173,8 +173,8 @@ def _run_sums_q8(
     ahead,
 ):
     """_run_sums for activations in bytes (activations.quantize_rows): the run's Σ q·x̂ in integers,
-    times the bytes' scale, then as there d·sc times that and −dmin·m times the run's Σ x (of the
-    float32 x)."""
+    times the bytes' scale, then as there d·sc times that and −dmin·m times the run's Σ x̂ (its bytes'
+    sum times their scale: quantize_rows)."""
     lanes = values.shape[2]
     d_at, sc_at, at = _run(values, g, r, lane0)
     if ahead and shift == 0:

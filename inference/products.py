@@ -18,7 +18,6 @@ takes a product is kernels.py's choice.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -125,7 +124,7 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
 @njit(cache=True, inline="always")
 def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
     """_accumulate_values for inputs as bytes (quantize_rows): a block's Σ w·x̂ in integers, times the
-    bytes' scale and the block's, plus its offset times Σ x (blocks of 32 columns where there are
+    bytes' scale and the block's, plus its offset times Σ x̂ (blocks of 32 columns where there are
     offsets: takes_bytes), by byte_vectors._byte_column_dots."""
     _, n_cols, lanes = values.shape
     n_blocks, n_words, n_runs = scales.shape[1], xq.shape[1], x_runs.shape[1]
@@ -431,15 +430,14 @@ def rows(w, ids: np.ndarray) -> np.ndarray:
 
 def product_reference(x: np.ndarray, w) -> np.ndarray:
     """What kernel_product and tile_product compute, as the maths reads, in float64: x @ w.T over the
-    GGUF's own weights; where the inputs go as bytes (takes_bytes), Σ (w − offset)·x̂ over the bytes
-    x̂ = xq · scale plus offset · Σ x of the float32 inputs, as llama.cpp's products of bytes."""
+    GGUF's own weights; where the inputs go as bytes (takes_bytes), over the bytes x̂ = xq · scale
+    instead (offsets included: offset · Σ x̂), as llama.cpp's products of bytes."""
     if hasattr(w, "parts"):
         return np.concatenate([product_reference(x, part) for part in w.parts], axis=1)
     weights = rows(w, np.arange(w.n_rows)).astype(np.float64)  # [n_rows, n_cols]
     if not takes_bytes(w):
         return x.astype(np.float64) @ weights.T
-    offsets = rows(replace(w, values=np.zeros_like(w.values)), np.arange(w.n_rows)).astype(np.float64)
     xq, x_runs = quantize_rows_reference(x)
     n, n_cols = x.shape
     x_hat = (xq.reshape(n, -1, 32) * x_runs[:, :, 1:].astype(np.float64)).reshape(n, n_cols)
-    return x_hat @ (weights - offsets).T + x.astype(np.float64) @ offsets.T
+    return x_hat @ weights.T

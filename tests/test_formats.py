@@ -19,22 +19,26 @@ DIMS = (256, 4, 2, 64, 256)  # n_embd, heads, KV heads, head_dim, n_ff: every ma
 SCALE = {
     T.Q2_K: 2e-3, T.Q3_K: 1e-3, T.IQ4_NL: 1e-3, T.IQ4_XS: 3e-5, T.IQ2_XXS: 6e-4, T.IQ2_XS: 6e-4,
     T.IQ2_S: 6e-4, T.IQ3_XXS: 2e-4, T.IQ3_S: 2e-4, T.IQ1_S: 6e-3, T.IQ1_M: 6e-3,
+    T.Q4_K: 1e-4, T.Q5_K: 5e-5, T.Q6_K: 3e-5,
 }
 
 
-def tiny_model_in(path, qtype: T, as_float32: bool = False):
+def tiny_model_in(path, qtype: T, as_float32: bool = False, gain: float = 1.0, embeddings: bool = False):
     """A tiny llama whose layer matrices and output are in `qtype` (or, as_float32, the same weights
-    dequantized to float32)."""
+    dequantized to float32), their weights `gain` times the usual ones; `embeddings`: its token
+    embeddings in `qtype` instead, and every matrix in float32."""
 
     def matrix_bytes(name, data):
         if qtype not in SCALE_BYTES:  # formats gguf.quants (or ggml_quants) writes: the weights quantized
-            raw = ggml_quants.quantize(data, qtype).view(np.uint8)
+            raw = ggml_quants.quantize(data * np.float32(gain), qtype).view(np.uint8)
         else:
-            raw = raw_tensor(qtype, data.shape, seed=sum(name.encode()), scale=SCALE[qtype])
+            raw = raw_tensor(qtype, data.shape, seed=sum(name.encode()), scale=SCALE[qtype] * gain)
         if as_float32:
             return np.asarray(ggml_quants.dequantize(raw, qtype), np.float32).reshape(data.shape), T.F32
         return raw, qtype
 
+    if embeddings:
+        return write_tiny_model(path, "llama", dims=DIMS, quantized=False, embedding_bytes=matrix_bytes)
     return write_tiny_model(path, "llama", dims=DIMS, matrix_bytes=matrix_bytes)
 
 

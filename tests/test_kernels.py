@@ -125,8 +125,6 @@ def test_a_token_decoded_before_its_one_row_kernel_is_ready_gets_the_bits_it_get
     assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
 
 
-# Where a block keeps its quants: zeroed, each of its weights is its offset (formats with offsets).
-QUANT_BYTES = {T.Q4_K: slice(16, 144), T.Q4_1: slice(4, 20)}
 # Q4_K's bits; int8 with offsets, without; scales per 16
 BYTE_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]
 
@@ -141,9 +139,9 @@ def as_bytes(w):
 @pytest.mark.parametrize("qtype", BYTE_FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2, 3, 8, kernels.KERNEL_ROWS + 1, 200])
 def test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n):
-    """Under activations q8 a product is, as llama.cpp's, Σ (w - offset)·x̂ over the inputs as bytes, x̂ =
-    xq·scale a scale for each 32 (kernels.quantize_rows), plus offset·Σ x: exact up to float32 rounding,
-    whatever the size (the integer sums exact), and within 2 % of the exact product."""
+    """Under activations q8 a product is, as llama.cpp's, Σ w·x̂ over the inputs as bytes, x̂ = xq·scale a
+    scale for each 32 (kernels.quantize_rows), offsets included (offset·Σ x̂): exact up to float32
+    rounding, whatever the size (the integer sums exact), and within 2 % of the exact product."""
     shape = (130, 512)
     raw = raw_tensor(qtype, shape)
     w = as_bytes(quants.pack([(raw, qtype, shape)]))
@@ -152,12 +150,7 @@ def test_inputs_as_bytes_multiply_exactly_as_their_bytes_say(qtype, n):
     assert np.abs(xq).max() <= 127
     x_hat = (xq.reshape(n, -1, 32) * x_runs[:, :, 1:]).reshape(n, -1).astype(np.float64)
     weights = reference(qtype, raw, shape).astype(np.float64)
-    offsets = np.zeros_like(weights)
-    if qtype in QUANT_BYTES:
-        zeroed = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
-        zeroed[:, QUANT_BYTES[qtype]] = 0
-        offsets = reference(qtype, zeroed.reshape(raw.shape), shape).astype(np.float64)
-    expected = x_hat @ (weights - offsets).T + x.astype(np.float64) @ offsets.T
+    expected = x_hat @ weights.T
     got = kernels.matmul(x, w)
     assert got.shape == (n, shape[0]) and got.dtype == np.float32
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max() + 1e-6

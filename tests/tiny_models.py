@@ -156,6 +156,7 @@ def write_tiny_model(
     quantized: bool = True,
     dims: tuple[int, int, int, int, int] | None = None,
     matrix_bytes=None,
+    embedding_bytes=None,
 ) -> Path:
     """Write a tiny model; `drop`, `shapes`, `arch_name`, `raw_types` (name → GGML type, data left
     unreadable) and `chat_template` make broken or hostile variants for the error tests; `metadata`
@@ -166,7 +167,8 @@ def write_tiny_model(
     real one for the later architectures. `quantized=False`: every matrix in float32 (the models
     checked against llama.cpp's float32 logits). `dims`: (n_embd, n_head, n_head_kv, head_dim, n_ff)
     for wider models; `matrix_bytes(name, data)` → (array, GGML type): each layer matrix (and 3-D expert
-    tensor) and the output written in another format (test_formats.py)."""
+    tensor) and the output written in another format (test_formats.py); `embedding_bytes` the same for
+    the token embeddings (tiny_formats.py)."""
     # gpt-oss draws from seed + 1: from seed 0 its greedy reply to test_generate's prompt ends after 9
     # tokens, before prompt lookup has a run to guess
     rng = np.random.default_rng(seed + (arch == "gpt-oss"))
@@ -249,6 +251,9 @@ def write_tiny_model(
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
         elif matrix_bytes is not None and len(shape) > 1 and name != "token_embd.weight":
             raw, qtype = matrix_bytes(name, data)
+            w.add_tensor(name, raw, raw_dtype=qtype)
+        elif embedding_bytes is not None and name == "token_embd.weight":
+            raw, qtype = embedding_bytes(name, data)
             w.add_tensor(name, raw, raw_dtype=qtype)
         elif quant is not None and quantized:
             w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
