@@ -29,6 +29,12 @@ NORMED_INPUTS = ("attn_qkv", "ffn_gate_up", "output")
 QUANTIZE_IN_PARALLEL_FROM = PROFILE.quantize_in_parallel_from
 
 
+# Raised when the arithmetic of products over bytes changes (2: offsets times the sum of the bytes, not
+# of the float32 inputs): KV computed from bytes names it (Weights.fingerprint), so KV stored by an
+# earlier one is recomputed, not resumed with replies a fresh start would not give.
+BYTES_REVISION = 2
+
+
 def inputs_of(activations: str, matrix: str) -> str:
     """What one matrix's products take as inputs, "f32" or "q8", under a model's `activations`; `matrix`
     is its name in the packed file ("output", "blk.3.ffn_down", "blk.0.attn_qkv#1")."""

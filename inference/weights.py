@@ -26,7 +26,7 @@ import numpy as np
 
 from . import ggml_quants, kernels, packed_file, quants, warmup
 from .activation_modes import DEFAULT_ACTIVATIONS
-from .activations import inputs_of
+from .activations import BYTES_REVISION, inputs_of
 from .catalog import assembled_model_at, cache_dir, ensure_model
 from .config import ModelConfig, read_config, with_context
 from .experts import Experts
@@ -79,7 +79,7 @@ class Prepared:
         for exact KV, nor the other way)."""
         described = [self.config.description(), sorted(self.tensor_types.items())]
         if self.activations != "f32":
-            described.append(self.activations)
+            described += [self.activations, BYTES_REVISION]
         blob = json.dumps(described, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

@@ -146,3 +146,15 @@ def test_the_models_that_ran_before_keep_their_fingerprints(tiny_model_paths):
         described = load_model(tiny_model_paths[arch]).config.description()
         assert not set(described) & ADDED
     assert "n_expert" in load_model(tiny_model_paths["qwen3moe"]).config.description()
+
+
+def test_kv_computed_from_bytes_is_keyed_by_their_arithmetic(tiny_model_paths, monkeypatch):
+    """The products over bytes changed (offsets times the sum of the bytes): KV stored by the earlier
+    arithmetic has another key, so it is recomputed rather than resumed; exact (f32) KV keeps its key."""
+    from llama_chat.inference import weights
+
+    path = tiny_model_paths["qwen2"]
+    now = {mode: load_model(path, activations=mode).fingerprint for mode in ("f32", "q8", "mixed")}
+    monkeypatch.setattr(weights, "BYTES_REVISION", weights.BYTES_REVISION - 1)
+    before = {mode: load_model(path, activations=mode).fingerprint for mode in now}
+    assert before["f32"] == now["f32"] and before["q8"] != now["q8"] and before["mixed"] != now["mixed"]
