@@ -16,7 +16,15 @@ from numba.extending import intrinsic, overload
 from . import k_quants
 from .activations import quantize_rows
 from .jit import njit, prange
-from .products import LANES, ROWS, _group_product, _two_row_group_product, block_group_product, takes_bytes
+from .products import (
+    LANES,
+    ROWS,
+    _group_product,
+    _one_row_group_product,
+    _two_row_group_product,
+    block_group_product,
+    takes_bytes,
+)
 
 F32 = np.float32
 
@@ -181,8 +189,11 @@ def _grouped(
 
 def _segment_product(values, scales, offsets, x, x_sums, out, g):
     """Columns g·L … of a segment's rows out = x @ w.T (x padded as grouped_product lays it out), by the
-    kernels that kernel_product takes for the matrix's layout: a block format's (values [groups,
-    blocks, block bytes, LANES]) by block_group_product."""
+    kernels that kernel_product takes for the matrix's layout and the segment's rows: one row (each
+    of a decoded token's experts) across all lanes at once, not in the passes of ROWS rows, which
+    would multiply three rows past the segment for nothing (on AVX2 in two passes of half the lanes,
+    without asking for the weights ahead); a block format's (values [groups, blocks, block bytes,
+    LANES]) by block_group_product."""
 
 
 @overload(_segment_product, inline="always")
@@ -191,7 +202,9 @@ def _segment_product_by_layout(values, scales, offsets, x, x_sums, out, g):
         return lambda values, scales, offsets, x, x_sums, out, g: block_group_product(values, x, out, g)
 
     def in_kernels(values, scales, offsets, x, x_sums, out, g):
-        if out.shape[0] == 2:
+        if out.shape[0] == 1:
+            _one_row_group_product(values, scales, offsets, x, x_sums, out, g)
+        elif out.shape[0] == 2:
             _two_row_group_product(values, scales, offsets, x, x_sums, out, g)
         else:
             _group_product(values, scales, offsets, x, x_sums, out, g)

@@ -12,9 +12,10 @@ from functools import partial
 import gguf
 import numpy as np
 import pytest
+from test_kernels import raw_tensor
 
 from llama_chat.app.cli import main
-from llama_chat.inference import expert_products, kernels, load_model
+from llama_chat.inference import expert_products, kernels, load_model, quants
 from llama_chat.inference.experts import mixture, route
 from llama_chat.inference.forward import gated_ffn, gated_unit
 from tiny_later_archs import N_EXPERT, N_EXPERT_USED
@@ -108,6 +109,28 @@ def test_all_experts_in_one_call_give_the_bits_of_one_expert_at_a_time(tiny_mode
     args = (N_EXPERT_USED, "softmax", True, ffn, unit)
     assert layer.grouped is not None
     assert np.array_equal(mixture(x, layer, *args), mixture(x, alone, *args))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K])
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+@pytest.mark.parametrize("rows", [1, 2, 12])
+def test_grouped_k_quant_experts_give_each_row_the_bits_of_its_expert_alone(qtype, activations, rows):
+    """Q4_K and Q6_K experts (a Q4_K_M model's), grouped: a decoded token's k experts (one row each,
+    the one-row kernel), and a prompt's segments of one, two and more rows, each with the bits of its
+    expert's own product."""
+    shape = (96, 512)  # rows a group and a part of one, columns two Q4_K blocks
+    packed = [quants.pack([(raw_tensor(qtype, shape, seed=e), qtype, shape)]) for e in range(N_EXPERT)]
+    experts = [dataclasses.replace(w, activations=activations) for w in packed]
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+    chosen = np.stack([rng.permutation(N_EXPERT)[:N_EXPERT_USED] for _ in range(rows)])
+    plan = expert_products.Layout(chosen, N_EXPERT)
+    xs = expert_products.gather_rows(x, plan.rows, plan.at, plan.n_rows)
+    out = expert_products.grouped_product(xs, plan, expert_products.matrices_of(experts))
+    for p in range(len(plan.rows)):
+        row, expert = plan.rows[p], chosen[plan.rows[p], plan.slots[p]]
+        alone = kernels.kernel_product(x[row : row + 1], experts[expert])[0]
+        assert np.array_equal(out[plan.at[p]], alone)
 
 
 def test_each_experts_matrices_are_its_slices_of_the_gguf(moe, tiny_model_paths):
