@@ -12,7 +12,8 @@ ggml keeps `*_generic` beside `arch/x86`), which the tests hold it to:
 Up to KERNEL_ROWS input rows the kernels always take a product, so a row's bits never depend on its
 batch. Past it, BLAS on dequantized tiles takes products from `blas_from` rows on, where this machine
 measured it faster (blas_crossover.measured_blas_from, use_blas_from), with matrices of at most
-BLAS_WIDEST columns; inputs as bytes stay in the kernels.
+BLAS_WIDEST columns of a model whose every product takes float32 (use_blas_threads_for); inputs as bytes
+stay in the kernels.
 """
 
 from __future__ import annotations
@@ -93,10 +94,17 @@ def kernels_take(rows: int) -> bool:
     return n is None or rows < n
 
 
-def tiles_take(rows: int, w) -> bool:
-    """Whether a product of `rows` input rows with the PackedMatrix w runs as BLAS on dequantized tiles
-    (else in the kernels)."""
+def tiles_fit(rows: int, w) -> bool:
+    """Whether a product of `rows` input rows with the PackedMatrix w suits BLAS on dequantized tiles:
+    float32 inputs past the crossover, a matrix of at most BLAS_WIDEST columns."""
     return not takes_bytes(w) and w.n_cols <= BLAS_WIDEST and not kernels_take(rows)
+
+
+def tiles_take(rows: int, w) -> bool:
+    """Whether that product runs as BLAS on tiles (else in the kernels): where it suits them and BLAS
+    has all its threads (use_blas_threads_for). On one thread, its tiles would have one core where the
+    kernels have all."""
+    return tiles_fit(rows, w) and not threads.blas_is_on_one_thread()
 
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
@@ -110,13 +118,16 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
 def use_blas_threads_for(rows: int, activations: str = "f32", matrices: Callable[[], list] = list) -> None:
     """Before a forward step of `rows` rows of a model with these activations and `matrices` (a callable,
     called only where a product of so many rows may go to BLAS): BLAS on all the threads it started with
-    where one of them goes to BLAS (in a long prefill through the kernels too, BLAS's spinning threads
-    would take the cores from them), else on one thread."""
-    if activations == "q8" or kernels_take(rows):
+    where the model's every product takes float32 and one of them suits BLAS's tiles (tiles_fit), else on
+    one thread, and then the kernels take every product. Beside the kernels, BLAS's spinning threads
+    take the cores from them: a "mixed" step's products of bytes (most of its work) ran slower beside
+    BLAS on all threads than its float32 products gained (docs/performance.md, "Long prompts on wide
+    matrices")."""
+    if activations != "f32" or kernels_take(rows):
         blas_on_one_thread(True)
         return
     parts = [part for w in matrices() for part in getattr(w, "parts", [w])]
-    blas_on_one_thread(not any(tiles_take(rows, w) for w in parts))
+    blas_on_one_thread(not any(tiles_fit(rows, w) for w in parts))
 
 
 def attention_threads(rows: int, positions: int) -> int:
@@ -152,6 +163,7 @@ __all__ = [
     "rows",
     "takes_bytes",
     "tile_product",
+    "tiles_fit",
     "tiles_take",
     "tokens_attention",
     "use_blas_from",
