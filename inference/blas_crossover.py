@@ -24,7 +24,7 @@ Q = gguf.GGMLQuantizationType
 # default model's larger ones. Not 64: there the kernels run at ~92 % of sgemm on float weights; BLAS won
 # this test by a hair on an idle Xeon, then lost the default model's 64-token turn by 1.5x.
 CROSSOVER_ROWS = (128, 256, 512)
-CROSSOVER_SHAPE = (4096, 1024)
+CROSSOVER_SHAPE = (4096, kernels.BLAS_WIDEST)
 _measured: dict[str, int | None] = {}  # this process's, by machine
 
 

@@ -371,7 +371,7 @@ def run_parts(
         row += len(tokens)
     tokens = np.concatenate([seg.tokens for seg in segments])
     positions = np.concatenate([s.positions for s in segments])
-    kernels.use_blas_threads_for(len(tokens), w.activations)
+    kernels.use_blas_threads_for(len(tokens), w.activations, w.matrices)
     x = w.token_embd.rows(tokens)  # [T, d]
     if cfg.embed_scale != 1.0:
         x = x * F32(cfg.embed_scale)

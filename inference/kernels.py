@@ -11,7 +11,9 @@ ggml keeps `*_generic` beside `arch/x86`), which the tests hold it to:
 
 Up to KERNEL_ROWS input rows the kernels always take a product, so a row's bits never depend on its
 batch. Past it, BLAS on dequantized tiles takes products from `blas_from` rows on, where this machine
-measured it faster (blas_crossover.measured_blas_from, use_blas_from); inputs as bytes stay in the kernels.
+measured it faster (blas_crossover.measured_blas_from, use_blas_from), with matrices of at most
+BLAS_WIDEST columns of a model whose every product takes float32 (use_blas_threads_for); inputs as bytes
+stay in the kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ from .products import LANES, PASS_LANES, ROWS, kernel_product, rows, takes_bytes
 from .threads import blas_on_one_thread, in_parallel
 
 KERNEL_ROWS = 32  # up to this many rows the kernels always run: a row's bits never depend on its batch
+# The most columns of a matrix that BLAS on dequantized tiles takes, the crossover's matrix's
+# (blas_crossover.py). Each sgemm call reads every input row for its tile's outputs, and a tile holds
+# fewer groups of rows the more columns a matrix has (one group of LANES at 3584 and past): on a 7B's
+# matrices (3584 and 18944 columns) and the 0.5B's ffn_down (4864) the kernels ran 1.4-3x faster at
+# 512 rows (docs/performance.md, "Long prompts on wide matrices").
+BLAS_WIDEST = 1024
 
 
 class MeasuredLater:
@@ -86,21 +94,40 @@ def kernels_take(rows: int) -> bool:
     return n is None or rows < n
 
 
+def tiles_fit(rows: int, w) -> bool:
+    """Whether a product of `rows` input rows with the PackedMatrix w suits BLAS on dequantized tiles:
+    float32 inputs past the crossover, a matrix of at most BLAS_WIDEST columns."""
+    return not takes_bytes(w) and w.n_cols <= BLAS_WIDEST and not kernels_take(rows)
+
+
+def tiles_take(rows: int, w) -> bool:
+    """Whether that product runs as BLAS on tiles (else in the kernels): where it suits them and BLAS
+    has all its threads (use_blas_threads_for). On one thread, its tiles would have one core where the
+    kernels have all."""
+    return tiles_fit(rows, w) and not threads.blas_is_on_one_thread()
+
+
 def matmul(x: np.ndarray, w) -> np.ndarray:
     """x [n, n_cols] float32 @ w.T → [n, n_rows] for a PackedMatrix (or StackedMatrix) w."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if hasattr(w, "parts"):
         return np.concatenate([matmul(x, part) for part in w.parts], axis=1)
-    if takes_bytes(w) or kernels_take(x.shape[0]):
-        return kernel_product(x, w)
-    return tile_product(x, w)
+    return tile_product(x, w) if tiles_take(x.shape[0], w) else kernel_product(x, w)
 
 
-def use_blas_threads_for(rows: int, activations: str = "f32") -> None:
-    """Before a forward step of `rows` rows of a model with these activations: BLAS on one thread for a
-    step of the kernels (any step where all inputs go as bytes), else on all it started with (in a long
-    prefill through the kernels too, BLAS's spinning threads would take the cores from them)."""
-    blas_on_one_thread(activations == "q8" or kernels_take(rows))
+def use_blas_threads_for(rows: int, activations: str = "f32", matrices: Callable[[], list] = list) -> None:
+    """Before a forward step of `rows` rows of a model with these activations and `matrices` (a callable,
+    called only where a product of so many rows may go to BLAS): BLAS on all the threads it started with
+    where the model's every product takes float32 and one of them suits BLAS's tiles (tiles_fit), else on
+    one thread, and then the kernels take every product. Beside the kernels, BLAS's spinning threads
+    take the cores from them: a "mixed" step's products of bytes (most of its work) ran slower beside
+    BLAS on all threads than its float32 products gained (docs/performance.md, "Long prompts on wide
+    matrices")."""
+    if activations != "f32" or kernels_take(rows):
+        blas_on_one_thread(True)
+        return
+    parts = [part for w in matrices() for part in getattr(w, "parts", [w])]
+    blas_on_one_thread(not any(tiles_fit(rows, w) for w in parts))
 
 
 def attention_threads(rows: int, positions: int) -> int:
@@ -113,6 +140,7 @@ def attention_threads(rows: int, positions: int) -> int:
 
 __all__ = [
     "ACTIVATIONS",
+    "BLAS_WIDEST",
     "COMPILED",
     "DEFAULT_ACTIVATIONS",
     "KERNEL_ROWS",
@@ -135,6 +163,8 @@ __all__ = [
     "rows",
     "takes_bytes",
     "tile_product",
+    "tiles_fit",
+    "tiles_take",
     "tokens_attention",
     "use_blas_from",
     "use_blas_threads_for",

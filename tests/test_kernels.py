@@ -185,6 +185,7 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     w = quants.pack([(raw_tensor(T.Q8_0, shape), T.Q8_0, shape)])
     x = np.random.default_rng(4).standard_normal((100, shape[1])).astype(np.float32)
     alone = np.concatenate([kernels.matmul(x[i : i + 1], w) for i in range(len(x))])
+    kernels.blas_on_one_thread(False)  # (as in a step of float32 inputs past the crossover)
     monkeypatch.setattr(kernels, "blas_from", None)  # the kernels win at any size: the same bits
     assert np.array_equal(kernels.matmul(x, w), alone)
     monkeypatch.setattr(kernels, "blas_from", 64)
@@ -194,6 +195,48 @@ def test_past_the_kernel_rows_the_measured_crossover_picks_the_product(monkeypat
     assert np.array_equal(kernels.matmul(x[:63], w), alone[:63])
     assert np.allclose(kernels.matmul(x, w), alone, rtol=1e-5, atol=1e-5)
     assert by_blas == [100]  # 63 rows stay in the kernels, 100 go to BLAS
+
+
+def test_past_the_crossover_matrices_wider_than_blas_takes_stay_in_the_kernels(monkeypatch):
+    """A 7B's matrices (3584 columns and more) ran 1.4-3x faster in the kernels than as BLAS on tiles of
+    one group of rows each: a long prompt's rows keep the kernels' bits there, and BLAS its one thread."""
+    narrow = quants.pack([(raw_tensor(T.Q8_0, (128, 256)), T.Q8_0, (128, 256))])
+    wide_shape = (128, kernels.BLAS_WIDEST + 256)
+    wide = quants.pack([(raw_tensor(T.Q4_K, wide_shape), T.Q4_K, wide_shape)])
+    x = np.random.default_rng(4).standard_normal((100, wide_shape[1])).astype(np.float32)
+    alone = np.concatenate([kernels.matmul(x[i : i + 1], wide) for i in range(len(x))])
+    monkeypatch.setattr(kernels, "blas_from", 64)
+    by_blas = []
+    tile_product = kernels.tile_product
+    monkeypatch.setattr(kernels, "tile_product", lambda x, w: by_blas.append(w.n_cols) or tile_product(x, w))
+    try:
+        kernels.use_blas_threads_for(100, "f32", lambda: [wide])
+        assert kernels.threads.blas_is_on_one_thread()
+        kernels.use_blas_threads_for(100, "f32", lambda: [wide, narrow])
+        assert not kernels.threads.blas_is_on_one_thread()
+        assert np.array_equal(kernels.matmul(x, wide), alone)
+        kernels.matmul(x[:, :256], narrow)
+        assert by_blas == [256]
+    finally:
+        kernels.blas_on_one_thread(False)
+
+
+def test_a_long_prompt_of_a_model_with_bytes_for_inputs_runs_all_in_the_kernels(monkeypatch):
+    """Under "mixed" (and "q8") most of a step's work is products of bytes in the kernels, which ran
+    slower beside BLAS on all its threads than the float32 products gained: BLAS keeps one thread, and
+    a float32 product that BLAS's tiles would suit runs in the kernels, with their bits."""
+    narrow = quants.pack([(raw_tensor(T.Q8_0, (128, 256)), T.Q8_0, (128, 256))])
+    x = np.random.default_rng(4).standard_normal((100, 256)).astype(np.float32)
+    alone = np.concatenate([kernels.matmul(x[i : i + 1], narrow) for i in range(len(x))])
+    monkeypatch.setattr(kernels, "blas_from", 64)
+    monkeypatch.setattr(kernels, "tile_product", lambda x, w: pytest.fail("BLAS took a product"))
+    try:
+        for activations in ("mixed", "q8"):
+            kernels.use_blas_threads_for(100, activations, lambda: [narrow])
+            assert kernels.threads.blas_is_on_one_thread()
+            assert np.array_equal(kernels.matmul(x, narrow), alone)
+    finally:
+        kernels.blas_on_one_thread(False)
 
 
 def test_a_long_product_waits_for_the_crossover_under_measurement_and_takes_its_way(monkeypatch):
