@@ -8,6 +8,8 @@ import contextlib
 import functools
 import gc
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,14 +32,20 @@ def pytest_configure(config):
     os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
     if _starts_workers(config):
         # Two workers compiling one kernel at once could each number a new cache file 1 and save an
-        # index over the other's (numba's cache has no lock): compiled here, before any worker starts,
-        # the workers only load them (compile_kernels compiles every signature the tests use).
-        from llama_chat.inference.warmup import compile_kernels, compile_long_prompts
-        from llama_chat.storage.codec import compile_kernels as compile_codec
+        # index over the other's (numba's cache has no lock): compiled before any worker starts, the
+        # workers only load them (compile_kernels compiles every signature the tests use). In a child
+        # process: the compiled code would stay in this one, which does nothing with it, for the run.
+        subprocess.run([sys.executable, "-c", COMPILE_KERNELS], check=True)
 
-        compile_kernels()
-        compile_long_prompts("mixed")  # (both: the crossover to BLAS, quantizing on the threads)
-        compile_codec()
+
+COMPILE_KERNELS = """
+from llama_chat.inference.warmup import compile_kernels, compile_long_prompts
+from llama_chat.storage.codec import compile_kernels as compile_codec
+
+compile_kernels()
+compile_long_prompts("mixed")  # (both: the crossover to BLAS, quantizing on the threads)
+compile_codec()
+"""
 
 
 # `-n auto`: a worker's peak memory with the processes its tests start (the real-model tests' worker holds
