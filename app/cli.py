@@ -65,9 +65,9 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         choices=Later("llama_chat.inference.kernels", "ACTIVATIONS"),
         default=default(None),
         help="what matrix products take their inputs as (default {activation_modes.DEFAULT_ACTIVATIONS}; "
-        "mixed: bytes only for inputs that come from a norm, faster prompts, logits nearer the exact "
-        "model's than llama.cpp's; f32: exactly as computed; q8: bytes, a scale per 32, as llama.cpp: "
-        "faster still, logits within ~1%%, replies may differ)",
+        "q8: bytes, a scale per 32, as llama.cpp: the fastest, logits nearer the exact model's than "
+        "llama.cpp's; mixed: bytes only for inputs that come from a norm, prompts slower; f32: exactly as "
+        "computed, prompts slowest)",
     )
     group.add_argument(
         "--kv-codec",

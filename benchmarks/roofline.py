@@ -20,7 +20,7 @@ reaches is what carries over. Three parts:
   best of each; `--llamacpp native=PY --llamacpp avx2=PY` for both ISAs), or read from its JSON with
   --from-compare. Decode's fraction: tok/s × bytes a token / bandwidth. Prefill's (of --prefill-long
   tokens): tok/s × operations a token / the peak of what the engine multiplies with — float32
-  multiply-adds for `--activations f32`, 8-bit dot products for `q8`, for the default `mixed` (most
+  multiply-adds for `--activations f32`, 8-bit dot products for the default `q8`, for `mixed` (most
   of whose operations take bytes) and for llama.cpp, which always quantizes its inputs to bytes.
 
 Prints a table per ISA, then one JSON object on the last line (the first ISA's fractions at the top,

@@ -1,13 +1,13 @@
 """What a model's products take their inputs as, and the rows of inputs as bytes.
 
-"f32": as computed, exactly. "q8": each row quantized to bytes with a scale for each run of 32 columns,
-as llama.cpp multiplies (its q8 inputs): the byte kernels (byte_vectors.py) then add up four products
-of bytes in one 32-bit lane of an instruction, within ~0.5 % of the exact products
-(docs/performance.md, "Inputs as bytes"). "mixed": bytes where a product's inputs come straight from
-a norm (NORMED_INPUTS), float32 for the others: the default, as its logits lie nearer the exact
-model's than llama.cpp's on every reference text and its greedy replies are llama.cpp's ("q8"'s lie
-nearer too, and farther than mixed's on eight texts of fourteen: docs/benchmarks.md, "Agreement with
-llama.cpp"); "f32" is the exact mode.
+"f32": as computed, exactly. "q8", the default: each row quantized to bytes with a scale for each run of
+32 columns, as llama.cpp multiplies (its q8 inputs): the byte kernels (byte_vectors.py) then add up four
+products of bytes in one 32-bit lane of an instruction, within ~0.5 % of the exact products
+(docs/performance.md, "Inputs as bytes"); its logits lie nearer the exact model's than llama.cpp's on
+every reference text and its greedy replies are llama.cpp's. "mixed": bytes where a product's inputs come
+straight from a norm (NORMED_INPUTS), float32 for the others: nearer the exact logits than "q8" on eight
+texts of fourteen, slower to prefill (docs/benchmarks.md, "Agreement with llama.cpp"). "f32" is the
+exact mode.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ F32 = np.float32
 # bytes with a scale per 32 columns keep them well. The others' inputs (attention's mix of values, the
 # FFN's gated product) carry a few channels far above the rest, and a run's scale set by one of those
 # rounds its small neighbours away: under "mixed" they stay float32, which keeps the logits nearer the
-# exact model's than llama.cpp's on every reference text (docs/benchmarks.md).
+# exact model's than "q8" on most reference texts (docs/benchmarks.md).
 NORMED_INPUTS = ("attn_qkv", "ffn_gate_up", "output")
 # Input numbers from which quantize_rows runs on numba's threads: below it, waking them costs more than
 # the rows take.

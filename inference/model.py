@@ -215,8 +215,8 @@ def load_model(
     KV blocks it does not hold (see kv_cache.BlockSource; or attach one later: model.pool.attach_source);
     `cache_type` the live KV cache's element type (kv_cache.CACHE_TYPES: "f16" or "f32");
     `activations` what the matrix products take their inputs as (kernels.ACTIVATIONS: "f32" exactly,
-    "q8" quantized to bytes, faster, as llama.cpp, or "mixed", the default: bytes only where they come
-    from a norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
+    "q8", the default, quantized to bytes as llama.cpp, or "mixed": bytes only where they come from a
+    norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
     given (--ctx): where a model's RoPE depends on it (phi3's LongRoPE), as llama.cpp decides by its
     context (config.with_context); None: as the GGUF reads."""
     known = KNOWN_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))

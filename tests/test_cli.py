@@ -49,11 +49,11 @@ def test_activations_choose_what_the_products_of_the_model_a_command_opens_take(
     gemma = str(tiny_model_paths["gemma3"])  # (its output matrix is Q8_0: one that takes bytes)
     parser = build_parser()
     chosen = (
-        ([], "mixed", "q8"),
+        ([], "q8", "q8"),
         (["--activations", "f32"], "f32", "f32"),
-        (["--activations", "q8"], "q8", "q8"),
+        (["--activations", "mixed"], "mixed", "q8"),  # bytes only for the output matrix
     )
-    for given, activations, output_takes in chosen:  # mixed by default: bytes for the output matrix
+    for given, activations, output_takes in chosen:
         model = open_model(parser.parse_args(["--model", gemma, *given, "sessions", "list"]))
         assert model.weights.activations == activations and model.weights.output.activations == output_takes
     with pytest.raises(SystemExit) as exit:

@@ -141,20 +141,21 @@ def test_greedy_chat_reply_equals_llamacpp(qwen_model, case):
 
 
 @pytest.fixture(scope="module")
-def qwen_bytes(qwen_model_path):
-    """The default model with its products taking their inputs as bytes (--activations q8)."""
-    return load(qwen_model_path, "q8")
+def qwen_mixed(qwen_model_path):
+    """The default model with bytes only for the inputs that come from a norm (--activations mixed)."""
+    return load(qwen_model_path, "mixed")
 
 
 @pytest.mark.parametrize("case", sorted(CHAT_REFERENCE["greedy"]))
-def test_inputs_as_bytes_keep_the_greedy_chat_replies(qwen_bytes, case):
-    """With inputs as bytes, as llama.cpp multiplies, the default model's greedy replies are llama.cpp's."""
+def test_mixed_inputs_keep_the_greedy_chat_replies(qwen_mixed, case):
+    """With bytes only where the inputs come from a norm, the default model's greedy replies are llama.cpp's
+    too."""
     ref = CHAT_REFERENCE["greedy"][case]
     stats = GenerationStats()
     sampling = SamplingParams(temperature=0)
     "".join(
         generate(
-            qwen_bytes, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats
+            qwen_mixed, ref["prompt_ids"], sampling=sampling, max_tokens=len(ref["greedy_ids"]), stats=stats
         )
     )
     assert stats.token_ids == ref["greedy_ids"]
@@ -162,14 +163,16 @@ def test_inputs_as_bytes_keep_the_greedy_chat_replies(qwen_bytes, case):
 
 @pytest.fixture(scope="module")
 def in_default_mode(qwen_model_path, gemma_model_path):
-    """Both real models as a user gets them: --activations mixed (bytes only where the inputs come from a
-    norm), by default."""
+    """Both real models as a user gets them: --activations q8 (every product's inputs as bytes, as
+    llama.cpp's), by default."""
     return {QWEN: load(qwen_model_path), GEMMA: load(gemma_model_path)}
 
 
-def test_the_default_mode_is_mixed_and_its_kv_its_own(in_default_mode, qwen_model):
-    assert in_default_mode[QWEN].weights.activations == "mixed"
-    assert in_default_mode[QWEN].fingerprint != qwen_model.fingerprint  # KV of f32 never resumed as mixed
+def test_the_default_mode_is_bytes_and_its_kv_its_own(in_default_mode, qwen_model, qwen_mixed):
+    assert in_default_mode[QWEN].weights.activations == "q8"
+    # KV computed in one mode is never resumed in another
+    fingerprints = {in_default_mode[QWEN].fingerprint, qwen_model.fingerprint, qwen_mixed.fingerprint}
+    assert len(fingerprints) == 3
 
 
 @pytest.mark.parametrize("case", sorted(CHAT_REFERENCE["greedy"]))
@@ -190,27 +193,29 @@ def test_the_default_mode_keeps_the_greedy_chat_replies(in_default_mode, case):
 EXACT = json.loads((FIXTURES / "llamacpp" / "exact_top20.json").read_text())["models"]
 
 
-@pytest.mark.parametrize("name, text", [(name, text) for name in EXACT for text in EXACT[name]])
-def test_the_default_mode_lies_no_farther_from_the_exact_model_than_llamacpp(in_default_mode, name, text):
-    """On every reference text (the fixtures' and the extra ones), the worst top-20 logit of the default
-    mode is nearer the exact model's than llama.cpp's own is (llama.cpp multiplies bytes too)."""
+def from_exact(model, name: str, text: str) -> tuple[float, float]:
+    """The worst top-20 logit's distance from the exact model's on one reference text: the model's, and
+    llama.cpp's own (it multiplies bytes too)."""
     ref = {**REFERENCE[name]["logits"], **EXTRA["models"][name]}[text]
-    logits = in_default_mode[name].logits(ref["ids"])
+    logits = model.logits(ref["ids"])
     exact = [np.asarray(values) for values in EXACT[name][text]]
     ours = max(np.abs(logits[i, ids] - exact[i]).max() for i, ids in enumerate(ref["top20_ids"]))
     theirs = max(np.abs(np.asarray(values) - exact[i]).max() for i, values in enumerate(ref["top20_logits"]))
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name, text", [(name, text) for name in EXACT for text in EXACT[name]])
+def test_the_default_mode_lies_no_farther_from_the_exact_model_than_llamacpp(in_default_mode, name, text):
+    """On every reference text (the fixtures' and the extra ones), the worst top-20 logit of the default
+    mode is nearer the exact model's than llama.cpp's own is."""
+    ours, theirs = from_exact(in_default_mode[name], name, text)
     assert ours <= theirs
 
 
-def test_inputs_as_bytes_stay_near_llamacpp_and_keep_their_kv_apart(qwen_bytes, qwen_model):
-    """Logits within 1.0 of llama.cpp's top 20 (benchmarks/exact_reference.py: 0.30-0.57; as far from the
-    exact model as llama.cpp's own, 0.25-0.47 against 0.30-0.55); KV computed so is not taken as exact KV."""
-    assert qwen_bytes.fingerprint != qwen_model.fingerprint
-    for text in TEXTS:
-        logits = qwen_bytes.logits(REFERENCE[QWEN]["logits"][text]["ids"])
-        ref_logits = REFERENCE[QWEN]["logits"][text]
-        for i, (ids, values) in enumerate(zip(ref_logits["top20_ids"], ref_logits["top20_logits"])):
-            assert np.abs(logits[i, ids] - np.asarray(values)).max() <= 1.0, (text, i)
+@pytest.mark.parametrize("text", sorted(EXACT[QWEN]))
+def test_mixed_inputs_lie_no_farther_from_the_exact_model_than_llamacpp(qwen_mixed, text):
+    ours, theirs = from_exact(qwen_mixed, QWEN, text)
+    assert ours <= theirs
 
 
 def test_gemma_completion_continues_text(gemma_model):
