@@ -54,8 +54,12 @@ def test_a_packed_file_is_held_in_huge_pages_whatever_its_arrays_sizes(tmp_path)
     sizes = [3 * block // 2 + 1, 2 * block + 12345, block // 3, 3 * block + 7]  # ends inside blocks
     arrays = [(f"a{k}", np.full(n, k + 1, np.uint8)) for k, n in enumerate(sizes)]
     path = tmp_path / "model.packed"
-    packed_file.write_packed(path, {}, iter(arrays), 0)
-    assert huge_mapped(path) == os.path.getsize(path) // block * block
+    for _ in range(3):  # (a machine short of free 2 MB pages at that moment gives small folios instead)
+        packed_file.write_packed(path, {}, iter(arrays), 0)
+        if huge_mapped(path) == os.path.getsize(path) // block * block:
+            break
+    else:
+        pytest.fail(f"{huge_mapped(path)} of {os.path.getsize(path)} bytes on huge pages")
     header = packed_file.header_of(path)
     with open(path, "rb") as f:
         for name, a in arrays:
