@@ -23,14 +23,16 @@ def huge_page_bytes() -> int:
         return HUGE_PAGE
 
 
-def advise_huge(mapped: mmap.mmap) -> None:
-    """Ask the kernel to map `mapped` with huge-page entries, and to read what it reads of the file back
-    into huge-page folios (no effect where it has no transparent huge pages)."""
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapped.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without them
-            pass
+def advise_huge(mapped: mmap.mmap) -> bool:
+    """Ask the kernel to map `mapped` with huge-page entries, and to read what a fault reads of the file
+    into huge-page folios; whether it took the advice (not where it has no transparent huge pages)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without them
+        return False
+    return True
 
 
 class BlockWriter:
@@ -64,7 +66,11 @@ class BlockWriter:
         self.pending = bytearray()
 
     def _write_out(self, data) -> None:
+        """One write a block: a write the kernel finds short of its source's pages (memory pressure) goes on
+        in smaller folios to its end, so that a long one would leave the rest of an array in them."""
         view = memoryview(data)
-        while view:
-            view = view[self.raw.write(view) :]
+        for at in range(0, len(view), self.block):
+            block = view[at : at + self.block]
+            while block:
+                block = block[self.raw.write(block) :]
         self.written += len(data)
