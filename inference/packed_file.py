@@ -15,9 +15,10 @@ overwritten (its trailer, header or an array's bytes not what they say), and it 
 saying so. Every array is checked as the file is mapped, on all cores at once: a start reads every page anyway
 (the first token does), and a damaged array would give garbage replies, not an error. A file is written under
 a temporary name, synced, then renamed, never written in place: a crash or a full disk leaves no file a
-later start trusts, and a process that maps the old file keeps it whole. Packing also removes the files
-of GGUFs no longer where they were. Where it cannot be written, the weights are packed in memory as
-before, with one line saying so.
+later start trusts, and a process that maps the old file keeps it whole. It is written in whole blocks of a
+huge page and mapped asking for huge pages, so that decode reads it on 2 MB pages (huge_pages.py).
+Packing also removes the files of GGUFs no longer where they were. Where it cannot be written, the
+weights are packed in memory as before, with one line saying so.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 from .bus_error import stop_cleanly_on_bus_error
 from .catalog import assembled_model_at, cache_dir
 from .cpu import PROFILE
+from .huge_pages import BlockWriter, advise_huge
 from .quants import PackedMatrix
 
 LAYOUT_VERSION = 8  # raise when formats.py (or a module it names) lays a matrix out differently, or this
@@ -139,9 +141,11 @@ def open_packed(
             if header.get("gguf") != identity:
                 return None
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        # Pages the page cache lost are read from the disk now, while the rest of the load goes on,
-        # instead of one fault at a time in the first token (free where they are all there).
-        mapped.madvise(mmap.MADV_WILLNEED)
+        # Pages the page cache lost are read from the disk as the digests are checked (now, not one fault
+        # at a time in the first token): on a mapping advised huge, each fault reads 2 MB folios ahead;
+        # elsewhere MADV_WILLNEED reads them all at once (in 4 KB folios, so not where huge ones come).
+        if not advise_huge(mapped):
+            mapped.madvise(mmap.MADV_WILLNEED)
         matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
         plain = {name: _array(mapped, spec, header["end"]) for name, spec in header["arrays"].items()}
         if _layouts(matrices) != _layouts_of(expected) or _shapes(plain) != _shapes_of(arrays or {}):
@@ -287,9 +291,10 @@ def write_packed(
         )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=0) as raw:
             if nbytes and hasattr(os, "posix_fallocate"):  # (macOS has none: a full disk fails a write)
-                os.posix_fallocate(f.fileno(), 0, nbytes)
+                os.posix_fallocate(raw.fileno(), 0, nbytes)
+            f = BlockWriter(raw)  # the page cache keeps it in huge-page folios (huge_pages.py)
             entries, plain = {}, {}
             for name, m in matrices:
                 if isinstance(m, np.ndarray):
@@ -311,11 +316,11 @@ def write_packed(
             blob = json.dumps(header).encode()
             f.write(blob)
             f.write(TRAILER.pack(len(blob), hashlib.sha256(blob).digest(), MAGIC))
-            f.truncate()  # the trailer ends the file, whatever room was taken
             f.flush()
+            raw.truncate()  # the trailer ends the file, whatever room was taken
             if syncing:
                 syncing(0, 0)  # (of unknown length: the disk takes what the page cache still holds)
-            os.fsync(f.fileno())  # the data on disk before the name that says it is whole
+            os.fsync(raw.fileno())  # the data on disk before the name that says it is whole
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
