@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .attention_vectors import _add_rows, _dots, _largest
+from .attention_vectors import _add_rows, _dots, _largest, _widen
 from .cpu import PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
@@ -27,6 +27,10 @@ from .vectors import _prefetch
 F32 = np.float32
 WIDTH = PROFILE.vector_floats  # the building blocks' vectors (a literal, as they want it)
 ROWS = min(8, WIDTH)  # keys or values read for the query heads at a time (their scores summed as one tree)
+# Query heads whose scores one call of _dots makes: as many as their sums (ROWS vectors a head), their
+# queries and a key leave registers for (AVX-512 3, AVX2 1).
+KEY_HEADS = max(1, (PROFILE.vector_registers - 1) // (ROWS + 1))
+VALUE_HEADS = 4  # heads whose weighted sums one call of _add_rows adds to: a vector each, side by side
 ATTENTION_CHUNK = 256  # positions per task: enough work per task, few enough for one chunk's scores
 LOG2E, LN2_HI, LN2_LO = F32(1.4426950408889634), F32(0.693359375), F32(-2.12194440e-4)
 # Multiply-adds may be fused, nothing else: the exp's polynomial is evaluated as written.
@@ -86,15 +90,47 @@ def _rows_as_f32(kv, h, where, i, n, rows):
     """Rows where[i : i + n] of head h of a layer of keys or values (float16 bits or float32) into
     rows[:n] as float32, each asked for ahead as the products ask for weights; rows n… zeroed (the
     last of a chunk)."""
-    hd = kv.shape[2]
+    hd, padded = kv.shape[2], rows.shape[1]
+    whole = hd - hd % WIDTH  # in vectors; the rest (a head_dim not a multiple of them) one at a time
     for j in range(n):
         row = where[i + j]
-        _prefetch(kv, (h * kv.shape[1] + row) * hd, 0)
-        for d in range(hd):
+        at = (h * kv.shape[1] + row) * hd
+        _prefetch(kv, at, 0)
+        _widen(kv, at, rows, j * padded, whole, WIDTH)
+        for d in range(whole, hd):
             rows[j, d] = to_f32(kv[h, row, d])
     for j in range(n, rows.shape[0]):
         for d in range(hd):
             rows[j, d] = 0
+
+
+@njit(cache=True, inline="always")
+def _scores(heads, rows, padded, scores, at, stride):
+    """scores[g·stride + at + j] = heads[g] · rows[j] for every query head g and row j (_dots, KEY_HEADS
+    heads a call)."""
+    group, g = heads.shape[0], 0
+    while g + KEY_HEADS <= group:
+        first = g * stride + at
+        _dots(heads, g * padded, padded, rows, padded, scores, first, stride, ROWS, KEY_HEADS, WIDTH)
+        g += KEY_HEADS
+    for one in range(g, group):
+        _dots(heads, one * padded, padded, rows, padded, scores, one * stride + at, stride, ROWS, 1, WIDTH)
+
+
+@njit(cache=True, inline="always")
+def _weighted_sums(acc, rows, padded, scores, at, stride):
+    """acc[g·padded : (g + 1)·padded] += scores[g·stride + at + j] · rows[j] for every query head g, the
+    rows j in order (_add_rows, VALUE_HEADS heads a call, then two, then one)."""
+    group, g = acc.shape[0] // padded, 0
+    while g + VALUE_HEADS <= group:
+        first = g * stride + at
+        _add_rows(acc, g * padded, padded, rows, padded, scores, first, stride, ROWS, VALUE_HEADS, WIDTH)
+        g += VALUE_HEADS
+    if g + 2 <= group:
+        _add_rows(acc, g * padded, padded, rows, padded, scores, g * stride + at, stride, ROWS, 2, WIDTH)
+        g += 2
+    if g < group:
+        _add_rows(acc, g * padded, padded, rows, padded, scores, g * stride + at, stride, ROWS, 1, WIDTH)
 
 
 @njit(cache=True, parallel=True, fastmath=DOT)
@@ -135,8 +171,7 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
         for i in range(0, size, ROWS):
             n = min(ROWS, size - i)
             _rows_as_f32(k, h, where, i, n, rows)
-            for g in range(group):
-                _dots(heads, g * padded, rows, padded, scores, g * stride + i, ROWS, width)
+            _scores(heads, rows, padded, scores, i, stride)
         tail = -(-size // width) * width
         for g in range(group):
             for i in range(size, tail):
@@ -149,8 +184,7 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
         for i in range(0, size, ROWS):
             n = min(ROWS, size - i)
             _rows_as_f32(v, h, where, i, n, rows)
-            for g in range(group):
-                _add_rows(acc, g * padded, rows, padded, scores, g * stride + i, ROWS, width)
+            _weighted_sums(acc, rows, padded, scores, i, stride)
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiles its shape check's error
             for d in range(hd):  # message, seconds of a first start)
                 acc_out[h, c, g, d] = acc[g * padded + d]

@@ -1,14 +1,19 @@
-"""The attention kernel's building blocks in LLVM's own vector types (numba intrinsics): four dot
-products of a query head with four keys, their lanes summed as a tree of shuffles; four values added
-into a head's weighted sum; the largest of a run of scores. `width` (a literal: the profile's floats
-per register) is the vectors' length; the rows' length is a multiple of it (attention.py pads them).
-Each has its plain NumPy twin in vectors_reference.py, which tests/test_vectors.py holds it to, bit
-for bit.
+"""The attention kernel's building blocks in LLVM's own vector types (numba intrinsics): the dot products
+of several query heads with several keys, each head's lanes summed as a tree of shuffles; values added
+into several heads' weighted sums; the largest of a run of scores; a row of the cache as float32.
+`width` (a literal: the profile's floats per register) is the vectors' length; the rows' length is a
+multiple of it (attention.py pads them). Each has its plain NumPy twin in vectors_reference.py, which
+tests/test_vectors.py holds it to, bit for bit.
 
 Why a tree: a dot product across the lanes of a vector ends in a horizontal sum, several shuffles for
 one number. Summing four such vectors together halves them pairwise (the low halves of two vectors
 beside each other, plus their high halves), so the shuffles are shared: about two a dot product
 instead of four, and the four sums come out side by side, stored at once.
+
+Why several heads a call: the query heads that share a kv head read the same rows. Their
+multiply-adds side by side read each row once for all of them, and give the processor chains of
+multiply-adds that do not wait on one another (one head's alone is a chain as long as the rows, each
+step waiting on the last).
 """
 
 from __future__ import annotations
@@ -54,17 +59,6 @@ def _sum_lanes(builder, vectors: list) -> ir.Value:
     return vectors[0]
 
 
-def _row_operands(context, builder, signature, args):
-    """(a, a_at, rows, n, b, b_at) of the two intrinsics over several rows: the arrays as data pointers,
-    the indices as int64."""
-    def operand(t, a):
-        if isinstance(t, types.Array):
-            return _data(context, builder, t, a)
-        return context.cast(builder, a, t, types.int64)
-
-    return [operand(t, a) for t, a in zip(signature.args[:6], args[:6], strict=True)]
-
-
 @contextmanager
 def _each_vector(builder, size, w):
     """A loop over the vectors of `w` floats of a row of `size` floats: yields each one's column."""
@@ -79,56 +73,115 @@ def _row_vector(builder, rows, size, j, at, w):
     return builder.load(_vector_at(builder, rows, row_at, ir.FloatType(), w), align=4)
 
 
+def _literals(*values) -> bool:
+    return all(isinstance(v, types.IntegerLiteral) for v in values)
+
+
+def _operands(context, builder, signature, args):
+    """The intrinsics' arguments as LLVM values: arrays as their data pointers, indices as int64."""
+    def operand(t, a):
+        if isinstance(t, types.Array):
+            return _data(context, builder, t, a)
+        return context.cast(builder, a, t, types.int64)
+
+    return [operand(t, a) for t, a in zip(signature.args, args, strict=True)]
+
+
+def _at(builder, first, stride, g):
+    """first + g·stride (int64 values, g a Python int)."""
+    return builder.add(first, builder.mul(stride, ir.Constant(ir.IntType(64), g)))
+
+
 @intrinsic
-def _dots(typingctx, q, q_at, rows, n, scores, s_at, count, width):
-    """scores.flat[s_at + j] = q.flat[q_at:q_at + n] · rows[j, :n] for j < count (rows [count, n], n a
-    multiple of width; count a power of two, at most width): per lane a fused multiply-add for each
-    vector of the row in order, then the lanes summed as a tree (lane_halves)."""
-    if not isinstance(width, types.IntegerLiteral) or not isinstance(count, types.IntegerLiteral):
+def _dots(typingctx, q, q_at, q_stride, rows, n, scores, s_at, s_stride, count, heads, width):
+    """scores.flat[s_at + g·s_stride + j] = q.flat[q_at + g·q_stride : … + n] · rows[j, :n] for j < count
+    and each of `heads` query heads g (rows [count, n], n a multiple of width; count a power of two, at
+    most width): per lane a fused multiply-add for each vector of the row in order, then each head's
+    lanes summed as a tree (lane_halves). A row's vector is read once for every head."""
+    if not _literals(width, count, heads):
         return None
-    w, m, f32 = width.literal_value, count.literal_value, ir.FloatType()
+    w, m, nh, f32 = width.literal_value, count.literal_value, heads.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
         vector = ir.VectorType(f32, w)
-        q_ptr, q_first, rows_ptr, size, scores_ptr, s_first = _row_operands(context, builder, signature, args)
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * w)) for _ in range(m)]
+        q_ptr, q_first, q_step, rows_ptr, size, scores_ptr, s_first, s_step, *_ = _operands(
+            context, builder, signature, args
+        )
+        zero = ir.Constant(vector, [0.0] * w)
+        sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(m)] for _ in range(nh)]
         fma = _fma(builder, w)
         with _each_vector(builder, size, w) as at:
-            qv = builder.load(_vector_at(builder, q_ptr, builder.add(q_first, at), f32, w), align=4)
-            for j, total in enumerate(sums):
+            q_at = [builder.add(_at(builder, q_first, q_step, g), at) for g in range(nh)]
+            heads_q = [builder.load(_vector_at(builder, q_ptr, a, f32, w), align=4) for a in q_at]
+            for j in range(m):
                 key = _row_vector(builder, rows_ptr, size, j, at, w)
-                builder.store(builder.call(fma, [qv, key, builder.load(total)]), total)
-        together = _sum_lanes(builder, [builder.load(total) for total in sums])
-        builder.store(together, _vector_at(builder, scores_ptr, s_first, f32, m), align=4)
+                for qv, head_sums in zip(heads_q, sums, strict=True):
+                    builder.store(builder.call(fma, [qv, key, builder.load(head_sums[j])]), head_sums[j])
+        for g, head_sums in enumerate(sums):
+            together = _sum_lanes(builder, [builder.load(total) for total in head_sums])
+            where = _vector_at(builder, scores_ptr, _at(builder, s_first, s_step, g), f32, m)
+            builder.store(together, where, align=4)
         return context.get_dummy_value()
 
-    return types.void(q, q_at, rows, n, scores, s_at, count, width), codegen
+    return types.void(q, q_at, q_stride, rows, n, scores, s_at, s_stride, count, heads, width), codegen
 
 
 @intrinsic
-def _add_rows(typingctx, acc, a_at, rows, n, weights, w_at, count, width):
-    """acc.flat[a_at:a_at + n] += weights.flat[w_at + j] · rows[j, :n] for j < count in order, each
-    fused (rows [count, n], n a multiple of width): a position's value at a time, as one row alone
-    adds."""
-    if not isinstance(width, types.IntegerLiteral) or not isinstance(count, types.IntegerLiteral):
+def _add_rows(typingctx, acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width):
+    """acc.flat[a_at + g·a_stride : … + n] += weights.flat[w_at + g·w_stride + j] · rows[j, :n] for j <
+    count in order, each fused (rows [count, n], n a multiple of width), for each of `heads` heads g: a
+    position's value at a time, as one row alone adds, the heads' sums side by side."""
+    if not _literals(width, count, heads):
         return None
-    w, m, f32 = width.literal_value, count.literal_value, ir.FloatType()
+    w, m, nh, f32 = width.literal_value, count.literal_value, heads.literal_value, ir.FloatType()
 
     def codegen(context, builder, signature, args):
-        i64, vector = ir.IntType(64), ir.VectorType(f32, w)
-        acc_ptr, a_first, rows_ptr, size, weights, w_first = _row_operands(context, builder, signature, args)
-        at = [builder.gep(weights, [builder.add(w_first, ir.Constant(i64, j))]) for j in range(m)]
-        weight = [_splat(builder, vector, builder.load(a)) for a in at]
+        vector = ir.VectorType(f32, w)
+        acc_ptr, a_first, a_step, rows_ptr, size, weights, w_first, w_step, *_ = _operands(
+            context, builder, signature, args
+        )
         fma = _fma(builder, w)
         with _each_vector(builder, size, w) as at:
-            acc_at = _vector_at(builder, acc_ptr, builder.add(a_first, at), f32, w)
-            total = builder.load(acc_at, align=4)
+            acc_at = [
+                _vector_at(builder, acc_ptr, builder.add(_at(builder, a_first, a_step, g), at), f32, w)
+                for g in range(nh)
+            ]
+            totals = [builder.load(where, align=4) for where in acc_at]
             for j in range(m):
-                total = builder.call(fma, [_row_vector(builder, rows_ptr, size, j, at, w), weight[j], total])
-            builder.store(total, acc_at, align=4)
+                row = _row_vector(builder, rows_ptr, size, j, at, w)
+                for g in range(nh):
+                    at_weight = builder.add(_at(builder, w_first, w_step, g), ir.Constant(ir.IntType(64), j))
+                    weight = _splat(builder, vector, builder.load(builder.gep(weights, [at_weight])))
+                    totals[g] = builder.call(fma, [row, weight, totals[g]])
+            for total, where in zip(totals, acc_at, strict=True):
+                builder.store(total, where, align=4)
         return context.get_dummy_value()
 
-    return types.void(acc, a_at, rows, n, weights, w_at, count, width), codegen
+    signature = types.void(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width)
+    return signature, codegen
+
+
+@intrinsic
+def _widen(typingctx, values, at, out, out_at, n, width):
+    """out.flat[out_at : out_at + n] = values.flat[at : at + n] as float32 (float16 bits widened, or
+    float32 copied), a vector at a time (n a multiple of width)."""
+    if not _literals(width):
+        return None
+    w, f32 = width.literal_value, ir.FloatType()
+    half = values.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        values_ptr, first, out_ptr, out_first, size, _ = _operands(context, builder, signature, args)
+        with _each_vector(builder, size, w) as col:
+            element = ir.IntType(16) if half else f32
+            source = _vector_at(builder, values_ptr, builder.add(first, col), element, w)
+            x = builder.load(source, align=2 if half else 4)
+            if half:
+                x = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), w)), ir.VectorType(f32, w))
+            builder.store(x, _vector_at(builder, out_ptr, builder.add(out_first, col), f32, w), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, at, out, out_at, n, width), codegen
 
 
 @intrinsic

@@ -170,23 +170,36 @@ def sum_lanes(vectors: list) -> np.ndarray:
     return vectors[0]
 
 
-def dots(q, q_at, rows, n, count, width) -> np.ndarray:
-    """attention_vectors._dots: [count] the dot products of q.flat[q_at:…] with rows[j, :n]."""
-    head = q.reshape(-1)[q_at : q_at + n].reshape(-1, width)
-    sums = []
-    for row in rows.reshape(count, n):
-        lanes = np.zeros(width, F32)
-        for qv, key in zip(head, row.reshape(-1, width), strict=True):
-            lanes = _fused(qv, key, lanes)
-        sums.append(lanes)
-    return sum_lanes(sums)
+def dots(q, q_at, q_stride, rows, n, count, heads, width) -> np.ndarray:
+    """attention_vectors._dots: [heads, count] the dot products of each head's q.flat[q_at + g·q_stride:…]
+    with rows[j, :n]."""
+    out = []
+    for g in range(heads):
+        first = q_at + g * q_stride
+        head = q.reshape(-1)[first : first + n].reshape(-1, width)
+        sums = []
+        for row in rows.reshape(count, n):
+            lanes = np.zeros(width, F32)
+            for qv, key in zip(head, row.reshape(-1, width), strict=True):
+                lanes = _fused(qv, key, lanes)
+            sums.append(lanes)
+        out.append(sum_lanes(sums))
+    return np.array(out)
 
 
-def add_rows(acc, a_at, rows, n, weights, w_at, count) -> None:
-    """attention_vectors._add_rows: acc.flat[a_at:…] += weight · row, a row at a time, fused."""
-    part = acc.reshape(-1)[a_at : a_at + n]
-    for j, row in enumerate(rows.reshape(count, n)):
-        part[:] = _fused(row, weights.reshape(-1)[w_at + j], part)
+def add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads) -> None:
+    """attention_vectors._add_rows: each head's acc.flat[a_at + g·a_stride:…] += weight · row, a row at a
+    time, fused."""
+    for g in range(heads):
+        part = acc.reshape(-1)[a_at + g * a_stride : a_at + g * a_stride + n]
+        for j, row in enumerate(rows.reshape(count, n)):
+            part[:] = _fused(row, weights.reshape(-1)[w_at + g * w_stride + j], part)
+
+
+def widen(values, at, n) -> np.ndarray:
+    """attention_vectors._widen: values.flat[at:at + n] as float32 (float16 as their bits say)."""
+    part = values.reshape(-1)[at : at + n]
+    return part.view(np.float16).astype(F32) if part.dtype == np.uint16 else part.astype(F32)
 
 
 def largest(values, at, n) -> np.float32:

@@ -19,7 +19,7 @@ from test_kernels import raw_tensor
 
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
-from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest
+from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest, _widen
 from llama_chat.inference.block_vectors import (
     _column_multiply_add,
     _e8m0_halves,
@@ -399,35 +399,61 @@ def test_products_are_the_references(qtype, inputs, n):
 
 
 @plain_njit
-def dots(q, q_at, rows, n, out, count, width):
-    _dots(q, q_at, rows, n, out, 1, literally(count), literally(width))
+def dots(q, q_at, q_stride, rows, n, out, out_stride, count, heads, width):
+    count, heads, width = literally(count), literally(heads), literally(width)
+    _dots(q, q_at, q_stride, rows, n, out, 1, out_stride, count, heads, width)
 
 
-@pytest.mark.parametrize("count, width", [(4, 4), (4, 8), (8, 8), (4, 16), (8, 16)])
-def test_dot_products_are_summed_as_the_reference_says(count, width):
+@pytest.mark.parametrize(
+    "count, heads, width", [(4, 1, 4), (4, 1, 8), (8, 1, 8), (4, 1, 16), (8, 1, 16), (8, 3, 16)]
+)
+def test_dot_products_are_summed_as_the_reference_says(count, heads, width):
     """The attention's scores: each lane's fused multiply-adds, then the lanes of several dot products
-    summed as one tree, for the vectors of each profile (NEON's and SSE's 4, AVX2's 8, AVX-512's 16)."""
-    n = 4 * width
-    q, rows = floats(n + 5, 1), floats(count * n, 2).reshape(count, n)
-    out = np.zeros(count + 2, F32)
-    dots(q, 5, rows, n, out, count, width)
-    assert np.array_equal(out[1 : count + 1], ref.dots(q, 5, rows, n, count, width))
-    assert out[0] == out[count + 1] == 0  # nothing written beside them
+    summed as one tree, for the vectors of each profile (NEON's and SSE's 4, AVX2's 8, AVX-512's 16),
+    one query head a call or several side by side."""
+    n, stride = 4 * width, count + 3
+    q, rows = floats(heads * (n + 5), 1), floats(count * n, 2).reshape(count, n)
+    out = np.zeros(heads * stride + 2, F32)
+    dots(q, 5, n + 5, rows, n, out, stride, count, heads, width)
+    want = ref.dots(q, 5, n + 5, rows, n, count, heads, width)
+    for g in range(heads):
+        assert np.array_equal(out[1 + g * stride : 1 + g * stride + count], want[g])
+        assert out[g * stride] == out[g * stride + count + 1] == 0  # nothing written beside them
 
 
 @plain_njit
-def add_rows(acc, a_at, rows, n, weights, w_at, count, width):
-    _add_rows(acc, a_at, rows, n, weights, w_at, literally(count), literally(width))
+def add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width):
+    count, heads, width = literally(count), literally(heads), literally(width)
+    _add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width)
 
 
-@pytest.mark.parametrize("count, width", [(4, 4), (8, 16)])
-def test_weighted_rows_are_added_as_the_reference_says(count, width):
+@pytest.mark.parametrize("count, heads, width", [(4, 1, 4), (8, 1, 16), (8, 4, 16), (8, 2, 8)])
+def test_weighted_rows_are_added_as_the_reference_says(count, heads, width):
     n = 3 * width
-    acc, rows, weights = floats(n + 7, 1), floats(count * n, 2).reshape(count, n), floats(15, 3)
+    acc, rows = floats(heads * (n + 7), 1), floats(count * n, 2).reshape(count, n)
+    weights = floats(15 * heads, 3)
     want = acc.copy()
-    ref.add_rows(want, 7, rows, n, weights, 5, count)
-    add_rows(acc, 7, rows, n, weights, 5, count, width)
+    ref.add_rows(want, 7, n + 7, rows, n, weights, 5, 15, count, heads)
+    add_rows(acc, 7, n + 7, rows, n, weights, 5, 15, count, heads, width)
     assert np.array_equal(acc, want)
+
+
+@plain_njit
+def widen(values, at, out, out_at, n, width):
+    _widen(values, at, out, out_at, n, literally(width))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_cache_row_is_widened_as_the_reference_says(dtype):
+    """A row of the float16 (or float32) cache as float32, exactly, nothing written beside it."""
+    values = (floats(70, 5) * 1000).astype(dtype)
+    values[9], values[10] = np.float16(6e-8), -np.inf  # a float16 subnormal, an infinity
+    out = np.zeros(40, F32)
+    as_kernels_see = values.view(np.uint16) if dtype == np.float16 else values
+    widen(as_kernels_see, 7, out, 3, 32, 16)
+    assert np.array_equal(out[3:35], ref.widen(as_kernels_see, 7, 32))
+    assert np.array_equal(out[3:35], values[7:39].astype(F32))
+    assert not out[:3].any() and not out[35:].any()
 
 
 @plain_njit
