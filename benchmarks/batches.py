@@ -24,17 +24,22 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
+
 
 def figures(model, rounds: int) -> dict[str, list[float]]:
-    """Each round: the two ratios as `bench` measures them (same functions, same sizes)."""
+    """Each round: the two ratios as `bench` measures them (same functions, same sizes), and the decode
+    speeds of the second."""
     from llama_chat.app.bench.forward import measure_decode_contexts, measure_jobs_at_once
 
-    out: dict[str, list[float]] = {"eight_jobs_aggregate_decode": [], "decode_ctx4096_vs_512": []}
+    out: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(rounds):
         at_once = measure_jobs_at_once(model, 512, 32, counts=(8,))
         out["eight_jobs_aggregate_decode"].append(round(8 / at_once[8], 3))
         short, long = measure_decode_contexts(model, (512, 4096), 24)
         out["decode_ctx4096_vs_512"].append(round(long / short, 3))
+        out["decode_tok_s_ctx512"].append(round(short, 2))
+        out["decode_tok_s_ctx4096"].append(round(long, 2))
     return out
 
 
@@ -122,7 +127,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", action="store_true", help="time the parts of a decode step")
     parser.add_argument("--against", type=Path, help="another checkout, run in turn with this one")
-    parser.add_argument("--activations", default="f32")
+    parser.add_argument("--activations", default=DEFAULT_ACTIVATIONS)
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout")
     args = parser.parse_args()
     if args.against:

@@ -140,7 +140,7 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
     runs[first_run[t] : first_run[t + 1]] of one layer of the cache k, v [n_kv, N, hd] (whole: their
     last axis contiguous); its chunks are first_chunk[t] … of the outputs' chunk axis. Per kv head h
     and chunk c: the scores' max m_out[h, c, g], the sum of exp(score - max) l_out[h, c, g] and the
-    sum of those weights times the values acc_out[h, c, g] [hd]; tokens_attention merges each token's
+    sum of those weights times the values acc_out[h, c, g] [hd]; _merge_chunks joins each token's
     chunks. A task's sums depend on its chunk alone, not on the other tokens or the threads."""
     n_tok, n_kv, group, hd = q.shape
     width = WIDTH
@@ -202,35 +202,48 @@ def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list, si
     """one_token_attention of several new tokens (several sequences' next tokens) in one call: q [n_tok,
     n_kv, group, hd], runs[t] the runs of token t → [n_tok, n_kv, group, hd]. One call for all: each call
     wakes numba's threads. Each token's result has the bits it gets alone: its chunks are computed
-    alone, and merged in one order, the chunks past its own (of a longer token's) adding zeros."""
+    alone and merged alone."""
     n_tok, n_kv, group, hd = q.shape
     runs = [np.asarray(r, dtype=np.int64).reshape(-1, 2) for r in runs]  # (as from KVViews.runs: no copy)
     first_run = np.cumsum([0] + [len(r) for r in runs])
-    n_chunks = [-(-int(r[:, 1].sum()) // ATTENTION_CHUNK) for r in runs]
-    first_chunk = np.cumsum([0, *n_chunks])
-    total, most = int(first_chunk[-1]), max(n_chunks)
+    first_chunk = np.cumsum([0] + [-(-int(r[:, 1].sum()) // ATTENTION_CHUNK) for r in runs])
+    total = int(first_chunk[-1])
     m = np.empty((n_kv, total, group), F32)
     l = np.empty((n_kv, total, group), F32)
     acc = np.empty((n_kv, total, group, hd), F32)
     joined = runs[0] if n_tok == 1 else np.concatenate(runs)
     _one_token_attention(q, bits_view(k), bits_view(v), joined, first_run, first_chunk, m, l, acc)
-    if min(n_chunks) < most:  # a shorter token's chunks padded to the most: max -inf, sums 0
-        pad = np.concatenate([np.arange(most) >= n for n in n_chunks])  # [n_tok·most]
-        at = np.where(pad, 0, np.concatenate([first_chunk[t] + np.arange(most) for t in range(n_tok)]))
-        m, l, acc = m[:, at], l[:, at], acc[:, at]
-        m[:, pad], l[:, pad], acc[:, pad] = -np.inf, 0, 0
-    m = m.reshape(n_kv, n_tok, most, group)
-    l = l.reshape(n_kv, n_tok, most, group)
-    acc = acc.reshape(n_kv, n_tok, most, group, hd)
-    top = m.max(axis=2, keepdims=True)  # [n_kv, n_tok, 1, group]
-    if sinks is not None:
-        top = np.maximum(top, sinks[:, None, None, :])
-    scale = np.exp(m - top)  # each chunk's weights against the largest max
-    total_weight = (l * scale).sum(axis=2)  # [n_kv, n_tok, group]
-    if sinks is not None:
-        total_weight += np.exp(sinks[:, None, :] - top[:, :, 0])
-    out = (acc * scale[..., None]).sum(axis=2) / total_weight[..., None]
-    return out.transpose(1, 0, 2, 3)
+    out = np.empty((n_tok, n_kv, group, hd), F32)
+    no_sinks = sinks is None
+    sinks = np.zeros((n_kv, group), F32) if no_sinks else np.asarray(sinks, F32)
+    _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out)
+    return out
+
+
+@njit(cache=True)
+def _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out):
+    """Each token's chunks of _one_token_attention joined, in chunk order: out[t, h, g] = Σ_c w_c ·
+    acc[h, c, g] / Σ_c w_c · l[h, c, g], w_c = exp(m[h, c, g] - the largest m), a sink (unless
+    no_sinks) a weight more with no value. Compiled: a handful of NumPy calls here cost more than the
+    attention of a few hundred positions."""
+    n_tok, n_kv, group, hd = out.shape
+    for t in range(n_tok):
+        lo, hi = first_chunk[t], first_chunk[t + 1]
+        for h in range(n_kv):
+            for g in range(group):
+                top = -np.inf if no_sinks else sinks[h, g]
+                for c in range(lo, hi):
+                    top = max(top, m[h, c, g])
+                weight = F32(0) if no_sinks else _exp_nonpositive(sinks[h, g] - top)
+                for d in range(hd):
+                    out[t, h, g, d] = 0
+                for c in range(lo, hi):
+                    scale = _exp_nonpositive(m[h, c, g] - top)
+                    weight += l[h, c, g] * scale
+                    for d in range(hd):
+                        out[t, h, g, d] += acc[h, c, g, d] * scale
+                for d in range(hd):
+                    out[t, h, g, d] /= weight
 
 
 def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None):

@@ -27,7 +27,13 @@ import numpy as np
 from . import threads
 from .activation_modes import ACTIVATIONS, DEFAULT_ACTIVATIONS
 from .activations import compile_quantize, quantize_rows
-from .attention import _exp_nonpositive, _one_token_attention, one_token_attention, tokens_attention
+from .attention import (
+    _exp_nonpositive,
+    _merge_chunks,
+    _one_token_attention,
+    one_token_attention,
+    tokens_attention,
+)
 from .cpu import PROFILE
 from .products import COMPILED as _PRODUCTS
 from .products import LANES, PASS_LANES, ROWS, kernel_product, rows, takes_bytes, tile_product
@@ -64,7 +70,7 @@ blas_from: int | None | MeasuredLater = KERNEL_ROWS + 1
 # the threads (the profile's). Each part is single-threaded BLAS, exp and sums, all of which let go of
 # the GIL; decode (one row) is never split.
 PARALLEL_ATTENTION_FROM = PROFILE.parallel_attention_from
-COMPILED = (*_PRODUCTS, _one_token_attention)
+COMPILED = (*_PRODUCTS, _one_token_attention, _merge_chunks)
 
 
 def use_blas_from(n: int | None | MeasuredLater) -> None:
