@@ -53,49 +53,82 @@ def _nibble_dots(
     if (literals := _literal_values(shift, rows, width)) is None:
         return None
     bit, n_rows, n = literals
-    how, chunk = PROFILE.byte_dot, _chunk(n)
 
     def codegen(context, builder, signature, args):
-        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        words_t = ir.VectorType(i32, chunk)
-        values_ptr, xq_ptr, xs_ptr = (_data(context, builder, signature.args[k], args[k]) for k in (0, 4, 7))
-        at, lanes, xq_at, xq_stride, xs_at, xs_stride = _casts(
-            context, builder, signature, args, (1, 2, 5, 6, 8, 9)
-        )
-        words_ptr = builder.bitcast(builder.gep(values_ptr, [at]), i32.as_pointer())
-        low_nibbles = ir.Constant(words_t, [0x0F0F0F0F] * chunk)
-        shift_t = _splat(builder, words_t, ir.Constant(i32, bit))
-        sums = [[ir.Constant(words_t, [0] * chunk) for _ in range(n // chunk)] for _ in range(n_rows)]
-        for c in range(8):
-            xs = [
-                _splat(builder, words_t, _word_at(builder, xq_ptr, xq_at, xq_stride, i, c))
-                for i in range(n_rows)
-            ]
-            first = builder.mul(lanes, ir.Constant(i64, c))
-            for k in range(n // chunk):
-                where = builder.add(first, ir.Constant(i64, k * chunk))
-                word = builder.load(_vector_at(builder, words_ptr, where, i32, chunk), align=1)
-                q = builder.and_(builder.lshr(word, shift_t), low_nibbles)
-                for i in range(n_rows):
-                    if how in ("bw", "avx2"):  # 16-bit pairs added over the run: ≤ 8·2·15·127, no saturation
-                        pairs = _byte_pairs(builder, how, q, xs[i])
-                        sums[i][k] = builder.add(sums[i][k], pairs) if c else pairs
-                    else:
-                        sums[i][k] = _byte_dot(builder, how, sums[i][k], q, xs[i])
-        if how in ("bw", "avx2"):
-            sums = [[_pairs_to_words(builder, how, pairs) for pairs in row] for row in sums]
-        floats_t = ir.VectorType(f32, chunk)
-        for i in range(n_rows):
-            where = builder.add(xs_at, builder.mul(xs_stride, ir.Constant(i64, i)))
-            scale = _splat(builder, floats_t, builder.load(builder.gep(xs_ptr, [where]), align=4))
-            for k in range(n // chunk):
-                run = builder.fmul(builder.sitofp(sums[i][k], floats_t), scale)
-                run_at = _vector_at(builder, args[10], ir.Constant(i64, i * n + k * chunk), f32, chunk)
-                builder.store(run, run_at, align=4)
+        pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 4, 7)]
+        offsets = _casts(context, builder, signature, args, (1, 2, 5, 6, 8, 9))
+        _nibble_runs(builder, pointers, offsets, [(bit, args[10])], n_rows, n)
         return context.get_dummy_value()
 
     sig_args = (values, at, lanes, shift, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, runs, rows, width)
     return types.void(*sig_args), codegen
+
+
+@intrinsic
+def _nibble_pair_dots(
+    typingctx, values, at, lanes, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, low, high, rows, width
+):
+    """_nibble_dots of a pair of runs from one read of their bytes: the run in the low nibbles into
+    `low`, the next run (its activations the next 8 words, its scale at xs_at + 2) in the high ones
+    into `high`. Twice the sums in registers: for one row (k_quants.accumulate_q8)."""
+    if (literals := _literal_values(rows, width)) is None:
+        return None
+    n_rows, n = literals
+
+    def codegen(context, builder, signature, args):
+        pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 3, 6)]
+        offsets = _casts(context, builder, signature, args, (1, 2, 4, 5, 7, 8))
+        _nibble_runs(builder, pointers, offsets, [(0, args[9]), (4, args[10])], n_rows, n)
+        return context.get_dummy_value()
+
+    sig_args = (values, at, lanes, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, low, high, rows, width)
+    return types.void(*sig_args), codegen
+
+
+def _nibble_runs(builder, pointers, offsets, runs, n_rows, n):
+    """The code of _nibble_dots for consecutive runs read from the same words: runs of (bit, out), the
+    k-th with its activations 8·k words and its scale 2·k further on (quantize_rows' x_runs holds
+    each run's Σ x beside its scale)."""
+    how, chunk = PROFILE.byte_dot, _chunk(n)
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    words_t, floats_t = ir.VectorType(i32, chunk), ir.VectorType(f32, chunk)
+    values_ptr, xq_ptr, xs_ptr = pointers
+    at, lanes, xq_at, xq_stride, xs_at, xs_stride = offsets
+    words_ptr = builder.bitcast(builder.gep(values_ptr, [at]), i32.as_pointer())
+    low_nibbles = ir.Constant(words_t, [0x0F0F0F0F] * chunk)
+    shifts = [_splat(builder, words_t, ir.Constant(i32, bit)) for bit, _ in runs]
+    zeros = ir.Constant(words_t, [0] * chunk)
+    sums = [[[zeros] * (n // chunk) for _ in range(n_rows)] for _ in runs]
+
+    def activations(i, word):  # row i's activation bytes of a word of 4 columns, in every lane
+        return _splat(builder, words_t, _word_at(builder, xq_ptr, xq_at, xq_stride, i, word))
+
+    for c in range(8):
+        xs = [[activations(i, 8 * k + c) for i in range(n_rows)] for k in range(len(runs))]
+        first = builder.mul(lanes, ir.Constant(i64, c))
+        for j in range(n // chunk):
+            where = builder.add(first, ir.Constant(i64, j * chunk))
+            word = builder.load(_vector_at(builder, words_ptr, where, i32, chunk), align=1)
+            for k in range(len(runs)):
+                q = builder.and_(builder.lshr(word, shifts[k]), low_nibbles)
+                for i in range(n_rows):
+                    if how in ("bw", "avx2"):  # 16-bit pairs added over the run: ≤ 8·2·15·127, no saturation
+                        pairs = _byte_pairs(builder, how, q, xs[k][i])
+                        sums[k][i][j] = builder.add(sums[k][i][j], pairs) if c else pairs
+                    else:
+                        sums[k][i][j] = _byte_dot(builder, how, sums[k][i][j], q, xs[k][i])
+    for k, (_, out) in enumerate(runs):
+        run_sums = sums[k]
+        if how in ("bw", "avx2"):
+            run_sums = [[_pairs_to_words(builder, how, pairs) for pairs in row] for row in run_sums]
+        for i in range(n_rows):
+            where = builder.add(xs_at, builder.mul(xs_stride, ir.Constant(i64, i)))
+            scale_at = builder.gep(xs_ptr, [builder.add(where, ir.Constant(i64, 2 * k))])
+            scale = _splat(builder, floats_t, builder.load(scale_at, align=4))
+            for j in range(n // chunk):
+                run = builder.fmul(builder.sitofp(run_sums[i][j], floats_t), scale)
+                run_at = _vector_at(builder, out, ir.Constant(i64, i * n + j * chunk), f32, chunk)
+                builder.store(run, run_at, align=4)
 
 
 _PAIRS = {  # (bytes → 16-bit sums of pairs, 16-bit pairs → 32-bit sums) by cpu.byte_dot

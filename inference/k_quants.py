@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import carray
+from numba import carray, types
+from numba.extending import overload
 
-from .byte_vectors import _nibble_dots
+from .byte_vectors import _nibble_dots, _nibble_pair_dots
 from .cpu import PROFILE
 from .jit import njit
 from .vectors import (
@@ -189,22 +190,69 @@ def _run_sums_q8(
         _scale_run(sums, runs, i, scale, offset, x_runs[i0 + i, r, 0], width)
 
 
-@njit(cache=True, inline="always")
 def accumulate_q8(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
     """accumulate for activations in bytes: xq [n, n_cols / 4] the rows' bytes four to a word, x_runs
-    [n, n_cols / 32, 2] each run's Σ x and its bytes' scale (activations.quantize_rows)."""
-    scale, offset = _registers(width), _registers(width)
-    for k in range(rows * width):
-        sums[k] = 0
-    for r in range(0, x_runs.shape[1], 2):  # a run in low nibbles, then the run in their high ones
-        _run_sums_q8(
-            values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g,
-            r, lane0, 0, rows, width, ahead,
-        )
-        _run_sums_q8(
-            values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g,
-            r + 1, lane0, 4, rows, width, ahead,
-        )
+    [n, n_cols / 32, 2] each run's Σ x and its bytes' scale (activations.quantize_rows). For one row a
+    pair of runs is read once (_pair_sums_q8: their sums fit the registers twice), for more a run at
+    a time. Compiled code only: the overload below picks by `rows` (a literal), so that each kernel
+    compiles one of the two."""
+    raise NotImplementedError
+
+
+@overload(accumulate_q8, inline="always", prefer_literal=True)
+def _accumulate_q8_by_rows(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
+    if not isinstance(rows, types.IntegerLiteral):
+        return None
+    if rows.literal_value == 1:
+
+        def by_pairs(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
+            scale, offset, high = _registers(width), _registers(width), _registers(width)
+            for k in range(width):
+                sums[k] = 0
+            for r in range(0, x_runs.shape[1], 2):
+                _pair_sums_q8(
+                    values, scales, offsets, xq, x_runs, i0, sums, runs, high, scale, offset, g, r, lane0,
+                    width, ahead,
+                )
+
+        return by_pairs
+
+    def by_runs(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
+        scale, offset = _registers(width), _registers(width)
+        for k in range(rows * width):
+            sums[k] = 0
+        for r in range(0, x_runs.shape[1], 2):  # a run in low nibbles, then the run in their high ones
+            _run_sums_q8(
+                values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g,
+                r, lane0, 0, rows, width, ahead,
+            )
+            _run_sums_q8(
+                values, scales, offsets, xq, x_runs, i0, sums, runs, scale, offset, g,
+                r + 1, lane0, 4, rows, width, ahead,
+            )
+
+    return by_runs
+
+
+@njit(cache=True, inline="always")
+def _pair_sums_q8(
+    values, scales, offsets, xq, x_runs, i0, sums, low, high, scale, offset, g, r, lane0, width, ahead
+):
+    """_run_sums_q8 of one row's runs r (low nibbles) and r + 1 (high ones) from one read of their
+    bytes, each run's sums added as _run_sums_q8 adds them."""
+    lanes = values.shape[2]
+    d_at, sc_at, at = _run(values, g, r, lane0)
+    if ahead:
+        for c in range(8):
+            for line in range(0, 4 * lanes, 64):
+                _prefetch(values, at + 4 * c * lanes, line)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    xq_at, xs_at = i0 * n_words + 8 * r, 2 * (i0 * n_runs + r) + 1
+    _nibble_pair_dots(values, at, lanes, xq, xq_at, n_words, x_runs, xs_at, 2 * n_runs, low, high, 1, width)
+    _q4_k_scales(scales, offsets, d_at, sc_at, lanes, scale, offset, width)
+    _scale_run(sums, low, 0, scale, offset, x_runs[i0, r, 0], width)
+    _q4_k_scales(scales, offsets, d_at, sc_at + lanes, lanes, scale, offset, width)  # (run r + 1's)
+    _scale_run(sums, high, 0, scale, offset, x_runs[i0, r + 1, 0], width)
 
 
 @njit(cache=True)

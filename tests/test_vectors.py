@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 
 import gguf
 import numpy as np
@@ -26,7 +27,12 @@ from llama_chat.inference.block_vectors import (
     _scaled_multiply_add,
     _sign_bit_scales,
 )
-from llama_chat.inference.byte_vectors import _byte_column_dots, _nibble_dots, in_lane_order
+from llama_chat.inference.byte_vectors import (
+    _byte_column_dots,
+    _nibble_dots,
+    _nibble_pair_dots,
+    in_lane_order,
+)
 from llama_chat.inference.vectors import (
     _bit_fields,
     _dequantize_column,
@@ -327,6 +333,29 @@ def test_a_q4_k_runs_byte_dots_are_the_references_integers(shift):
     n_words, n_runs = xq.shape[1], x_runs.shape[1]
     want = ref.nibble_dots(w.values, at, LANES, shift, xq, 8, n_words, x_runs, 3, 2 * n_runs, 3, W)
     assert np.array_equal(out, want)
+
+
+@plain_njit
+def nibble_pair_dots(values, at, lanes, xq, x_runs, low_out, high_out):
+    low, high = _registers(W), _registers(W)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    _nibble_pair_dots(values, at, lanes, xq, 8, n_words, x_runs, 2 * 1 + 1, 2 * n_runs, low, high, 1, W)
+    copy_out(low, low_out)
+    copy_out(high, high_out)
+
+
+def test_a_pair_of_q4_k_runs_read_once_are_each_runs_integers():
+    """The one-row kernel reads a word's bytes once for the run in its low nibbles and the next run in
+    its high ones: each run as _nibble_dots makes it alone, with its own activations and scale."""
+    w = q4_k(7)
+    xq, x_runs = bytes_of(1, 512)
+    low, high = np.empty(W, F32), np.empty(W, F32)
+    at = 4 * 8 * LANES + 4 * 8  # the second run pair's words, from lane 8
+    nibble_pair_dots(w.values, at, LANES, xq, x_runs, low, high)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    run = partial(ref.nibble_dots, w.values, at, LANES)
+    assert np.array_equal(low, run(0, xq, 8, n_words, x_runs, 3, 2 * n_runs, 1, W))
+    assert np.array_equal(high, run(4, xq, 16, n_words, x_runs, 5, 2 * n_runs, 1, W))
 
 
 @plain_njit
