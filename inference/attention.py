@@ -231,7 +231,7 @@ def _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out):
         lo, hi = first_chunk[t], first_chunk[t + 1]
         for h in range(n_kv):
             for g in range(group):
-                top = -np.inf if no_sinks else sinks[h, g]
+                top = F32(-np.inf) if no_sinks else sinks[h, g]  # (all float32, as the kernel's sums)
                 for c in range(lo, hi):
                     top = max(top, m[h, c, g])
                 weight = F32(0) if no_sinks else _exp_nonpositive(sinks[h, g] - top)
