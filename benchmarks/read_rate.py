@@ -56,6 +56,7 @@ def measure(formats: list[str], activations: str, rounds: int) -> dict:
     for name in formats:
         qtype = gguf.GGMLQuantizationType[name]
         block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        # packed, not quants.zero_matrix: pages never written would all read the kernel's one zero page
         raw = np.zeros((n_rows, n_cols // block_len * block_bytes), np.uint8)
         first = replace(quants.pack([(raw, qtype, (n_rows, n_cols))]), activations=activations)
         copies = max(2, -(-2 * last_cache // first.nbytes))  # twice the cache, at least
