@@ -342,3 +342,190 @@ def in_lane_order(typingctx, sums, rows, width):
         return context.get_dummy_value()
 
     return types.void(sums, rows, width), codegen
+
+
+# Q6_K in its bits (k_quants.py): a sub-block's 16 columns are 4 words of ql bytes (their 4 low bits, at
+# bit 4·(k // 2) for run k of the half block) and 4 of qh bytes (2 high bits at bit 2·k). Put together in
+# registers, the weights are 6-bit values q, unsigned, so vpdpbusd multiplies them with the input bytes
+# as they are: the sub-block's Σ (q − 32)·x̂ is Σ q·x̂ less 32·Σ x̂, the integer _byte_column_dots finds
+# for int8 values q − 32. The float steps after it are that kernel's, in the same order: the same bits.
+
+
+@intrinsic
+def _q6_k_half_dots(
+    typingctx, values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width
+):
+    """One row's share of half a Q6_K block (its 16 words of ql bytes from values.flat[ql_at…] and 8 of
+    qh bytes from values.flat[qh_at…], LANES words apart): for each of its 8 sub-blocks s of 16 columns
+    in turn, sums[:width] += d·sc · ((Σ (q − 32)·x̂) · x_scale), fused. Each word is read once for the 4
+    sub-blocks it holds bits of, their sums side by side in registers. d the float32 at d.flat[d_at…],
+    sc the int8 at sc.flat[sc_at + s·lanes…]; the row's bytes the 32-bit words from xq.flat[xq_at],
+    the scale of run k at x_scales.flat[xs_at + 2·k] (quantize_rows' x_runs)."""
+    if (literals := _literal_values(width)) is None:
+        return None
+    (n,) = literals
+
+    def codegen(context, builder, signature, args):
+        pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 4, 6, 8, 9)]
+        ql_at, qh_at, lanes, xq_at, xs_at, d_at, sc_at = _casts(
+            context, builder, signature, args, (1, 2, 3, 5, 7, 10, 11)
+        )
+        q6 = _Q6K(builder, pointers, args[12], lanes, xq_at, None, xs_at, None, d_at, n)
+        ql_ptr, qh_ptr = q6.words_at(ql_at), q6.words_at(qh_at)
+        biases = [q6.bias(0, 8 * (s // 2) + 4 * (s % 2)) for s in range(8)]
+        paired = q6.how in ("bw", "avx2")  # two words' 16-bit pairs added before widening: ≤ 2·2·63·127
+        b = builder
+        for j in range(n // q6.chunk):
+            acc, pending = [q6.zeros] * 8, [None] * 8
+            for c in range(8):  # words of ql (both nibbles' runs), ql 8 further and qh: 4 runs' columns
+                ql = [q6.word(ql_ptr, c, j), q6.word(ql_ptr, 8 + c, j)]
+                qh = q6.word(qh_ptr, c, j)
+                for k in range(4):
+                    s, q, x = 2 * k + c // 4, q6.quants(ql[k % 2], qh, k), q6.x_word(0, 8 * k + c)
+                    if not paired:
+                        acc[s] = _byte_dot(b, q6.how, acc[s], q, x)
+                    elif c % 2 == 0:
+                        pending[s] = _byte_pairs(b, q6.how, q, x)
+                    else:
+                        pairs = b.add(pending[s], _byte_pairs(b, q6.how, q, x))
+                        acc[s] = b.add(acc[s], _pairs_to_words(b, q6.how, pairs))
+            at_sums = q6.sums_at(0, j)
+            total = b.load(at_sums, align=4)
+            for s in range(8):
+                sc_s = b.add(sc_at, b.mul(lanes, ir.Constant(ir.IntType(64), s)))
+                total = q6.add_sub_block(sc_s, 2 * (s // 2), 0, j, acc[s], biases[s], total)
+            b.store(total, at_sums, align=4)
+        return context.get_dummy_value()
+
+    sig_args = (values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width)
+    return types.void(*sig_args), codegen
+
+
+@intrinsic
+def _q6_k_sub_block_dots(
+    typingctx, values, ql_at, qh_at, lanes, k, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, d, sc, d_at,
+    sc_at, sums, rows, width,
+):
+    """A Q6_K sub-block's share of a pass of `rows` rows: its 4 words of ql bytes from values.flat[ql_at…]
+    and of qh bytes from values.flat[qh_at…] (run k of its half block, a variable), sums[i·width:…] +=
+    d·sc · ((Σ (q − 32)·x̂) · x_scale[i]), fused; row i's bytes from xq.flat[xq_at + i·xq_stride], its
+    run's scale at x_scales.flat[xs_at + i·xs_stride], d at d.flat[d_at…], sc at sc.flat[sc_at…]. A
+    sub-block a call: the code of a half block for several rows would take seconds longer to compile."""
+    if (literals := _literal_values(rows, width)) is None:
+        return None
+    n_rows, n = literals
+
+    def codegen(context, builder, signature, args):
+        pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 5, 8, 11, 12)]
+        ql_at, qh_at, lanes, k, xq_at, xq_stride, xs_at, xs_stride, d_at, sc_at = _casts(
+            context, builder, signature, args, (1, 2, 3, 4, 6, 7, 9, 10, 13, 14)
+        )
+        q6 = _Q6K(builder, pointers, args[15], lanes, xq_at, xq_stride, xs_at, xs_stride, d_at, n)
+        ql_ptr, qh_ptr = q6.words_at(ql_at), q6.words_at(qh_at)
+        i32 = ir.IntType(32)
+        k32 = builder.trunc(k, i32)
+        # ql's nibbles from bit 4·(k // 2), qh's pair from bit 2·k
+        low_bit = q6.splat(builder.mul(builder.lshr(k32, ir.Constant(i32, 1)), ir.Constant(i32, 4)))
+        high_bit = q6.splat(builder.mul(k32, ir.Constant(i32, 2)))
+        chunks = range(n // q6.chunk)
+        acc = [[q6.zeros] * len(chunks) for _ in range(n_rows)]
+        for c in range(4):
+            xs = [q6.x_word(i, c) for i in range(n_rows)]
+            for j in chunks:
+                low = builder.and_(builder.lshr(q6.word(ql_ptr, c, j), low_bit), q6.constant(0x0F0F0F0F))
+                high = builder.shl(builder.lshr(q6.word(qh_ptr, c, j), high_bit), q6.constant(4))
+                q = builder.or_(low, builder.and_(high, q6.constant(0x30303030)))
+                for i in range(n_rows):
+                    acc[i][j] = _byte_dot(builder, q6.how, acc[i][j], q, xs[i])
+        for i in range(n_rows):
+            bias = q6.bias(i, 0)
+            for j in chunks:
+                at_sums = q6.sums_at(i, j)
+                total = q6.add_sub_block(sc_at, 0, i, j, acc[i][j], bias, builder.load(at_sums, align=4))
+                builder.store(total, at_sums, align=4)
+        return context.get_dummy_value()
+
+    sig_args = (
+        values, ql_at, qh_at, lanes, k, xq, xq_at, xq_stride, x_scales, xs_at, xs_stride, d, sc, d_at, sc_at,
+        sums, rows, width,
+    )
+    return types.void(*sig_args), codegen
+
+
+class _Q6K:
+    """What both Q6_K intrinsics' code shares: where things are, and the steps of a sub-block."""
+
+    def __init__(self, builder, pointers, sums_ptr, lanes, xq_at, xq_stride, xs_at, xs_stride, d_at, n):
+        self.b, self.n, self.lanes = builder, n, lanes
+        self.how, self.chunk = PROFILE.byte_dot, _chunk(n)
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        self.words_t = ir.VectorType(i32, self.chunk)
+        self.floats_t = ir.VectorType(ir.FloatType(), self.chunk)
+        self.values_ptr, self.xq_ptr, self.xs_ptr, d_ptr, self.sc_ptr = pointers
+        self.sums_ptr = sums_ptr
+        self.xq_at, self.xs_at = xq_at, xs_at
+        self.xq_stride = xq_stride if xq_stride is not None else ir.Constant(i64, 0)
+        self.xs_stride = xs_stride if xs_stride is not None else ir.Constant(i64, 0)
+        self.zeros = self.constant(0)
+        self.fma = _fma(builder, self.chunk)
+        self.d = [
+            self.load(d_ptr, self.at(d_at, j * self.chunk), ir.FloatType(), 4) for j in range(n // self.chunk)
+        ]
+
+    def constant(self, value):
+        return ir.Constant(self.words_t, [value] * self.chunk)
+
+    def splat(self, value):
+        return _splat(self.b, self.words_t, value)
+
+    def at(self, base, offset):
+        return self.b.add(base, ir.Constant(ir.IntType(64), offset))
+
+    def load(self, pointer, where, element, align):
+        return self.b.load(_vector_at(self.b, pointer, where, element, self.chunk), align=align)
+
+    def words_at(self, at):
+        return self.b.bitcast(self.b.gep(self.values_ptr, [at]), ir.IntType(32).as_pointer())
+
+    def word(self, pointer, w, j):
+        """Word w from pointer, lanes j·chunk…"""
+        where = self.at(self.b.mul(self.lanes, ir.Constant(ir.IntType(64), w)), j * self.chunk)
+        return self.load(pointer, where, ir.IntType(32), 1)
+
+    def x_word(self, i, w):
+        """Row i's input bytes of column word w (4 columns), in every lane."""
+        return self.splat(_word_at(self.b, self.xq_ptr, self.xq_at, self.xq_stride, i, w))
+
+    def quants(self, ql, qh, k):
+        """Run k's 6-bit values: ql's nibbles from bit 4·(k // 2), qh's pair from bit 2·k moved to bit 4."""
+        b = self.b
+        low = b.and_(b.lshr(ql, self.constant(4)) if k >= 2 else ql, self.constant(0x0F0F0F0F))
+        shift = 4 - 2 * k
+        if shift > 0:
+            qh = b.shl(qh, self.constant(shift))
+        elif shift < 0:
+            qh = b.lshr(qh, self.constant(-shift))
+        return b.or_(low, b.and_(qh, self.constant(0x30303030)))
+
+    def bias(self, i, first):
+        """32·Σ x̂ over the 16 columns of row i from column word `first`, in every lane."""
+        total = self.zeros
+        for c in range(4):
+            total = _byte_dot(self.b, self.how, total, self.constant(0x20202020), self.x_word(i, first + c))
+        return total
+
+    def sums_at(self, i, j):
+        """Where row i's sums for lanes j·chunk… are."""
+        where = ir.Constant(ir.IntType(64), i * self.n + j * self.chunk)
+        return _vector_at(self.b, self.sums_ptr, where, ir.FloatType(), self.chunk)
+
+    def add_sub_block(self, sc_at, run, i, j, acc, bias, total):
+        """total + d·sc · ((acc − bias) · x_scale), fused: how _byte_column_dots adds a block to row i's
+        sums (lanes j·chunk…), sc at sc_at, the row's input scale `run` numbers past its first."""
+        b, i64 = self.b, ir.IntType(64)
+        small = self.load(self.sc_ptr, self.at(sc_at, j * self.chunk), ir.IntType(8), 1)
+        scale = b.fmul(self.d[j], b.sitofp(small, self.floats_t))
+        run_at = b.add(self.xs_at, b.mul(self.xs_stride, ir.Constant(i64, i)))
+        x_scale = _splat(b, self.floats_t, b.load(b.gep(self.xs_ptr, [self.at(run_at, run)]), align=4))
+        run_sum = b.fmul(b.sitofp(b.sub(acc, bias), self.floats_t), x_scale)
+        return b.call(self.fma, [scale, run_sum, total])

@@ -2,8 +2,8 @@
 
 The integer formats of ggml with a scale per 16 or 32 weights (Q4_0 … Q8_0, Q5_K, Q6_K) unpack to
 int8 with float32 scales (quants.py) and join each other in one matrix. Formats kept in their own bits
-never join another format: Q4_K (k_quants.py), float16 and bfloat16 (their 16 bits, which the kernels
-widen), and the block formats (block_formats.py: Q2_K, Q3_K, the IQ and TQ formats, MXFP4, NVFP4, Q1_0,
+never join another format: Q4_K and, on a processor with VNNI, Q6_K (k_quants.py), float16 and
+bfloat16 (their 16 bits, which the kernels widen), and the block formats (block_formats.py: Q2_K, Q3_K, the IQ and TQ formats, MXFP4, NVFP4, Q1_0,
 the GGUF's blocks as they are). A matrix whose parts differ there (q/k in Q3_K beside a Q5_K v) is a
 StackedMatrix of runs, each packed on its own. Any other format (F32, the formats read only by
 gguf.quants) makes the whole matrix float32.
@@ -30,9 +30,15 @@ HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 # neither type: the dtype tells the kernels which they are). Without F16C (the "SSE" profile) a kernel
 # cannot widen float16 in one instruction: there float16 matrices stay float32.
 HALF_TYPES = {Q.F16: np.uint16, Q.BF16: np.int16} if NATIVE else {Q.BF16: np.int16}
+# Q6_K keeps its bits (k_quants.py) where the processor adds products of bytes in one instruction (AVX-512
+# VNNI's vpdpbusd): there its kernel waits on memory, and reads 212 bytes per 256 weights where int8
+# reads 320 (a 7B's decoded token 0.80-0.85 of the time). With vpmaddubsw (AVX2) putting its bits
+# together costs about what the bytes save (a 7B token 1.02x): int8 there (docs/performance.md).
+Q6_K_IN_BITS = PROFILE.byte_dot == "vnni"
 # The formats kept in their own bits, each the kind of packed matrix it makes
 OWN_BITS = {
     Q.Q4_K: "Q4_K weights",
+    **({Q.Q6_K: "Q6_K weights"} if Q6_K_IN_BITS else {}),
     **{qtype: f"{qtype.name} weights" for qtype in HALF_TYPES},
     **{qtype: f"{qtype.name} blocks" for qtype in BLOCK_FORMATS},
 }
@@ -61,6 +67,14 @@ def kind_of(formats: set) -> str:
     return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
 
 
+def kind_taken(formats: set, inputs: str) -> str:
+    """The kind of packed matrix that products with these inputs ("f32" or "q8") read for parts of these
+    formats joined in one: kind_of's, but Q6_K, packed in its own bits, taken as int8 by float32 inputs
+    (quants.for_inputs)."""
+    kind = kind_of(formats)
+    return "integer weights" if kind == "Q6_K weights" and inputs == "f32" else kind
+
+
 def runs_of(parts: list) -> list[list]:
     """Tensors to be stacked ((…, type, shape), as quants.pack's parts) in runs of consecutive parts of one
     format kept in its own bits, and of the others: a StackedMatrix's parts."""
@@ -82,6 +96,8 @@ def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...]
         return [((groups, n_cols, LANES), F32), None, None]
     if kind == "Q4_K weights":
         return k_quants.layout(groups, n_cols)
+    if kind == "Q6_K weights":
+        return k_quants.q6_k_layout(groups, n_cols)
     (qtype,) = formats if len(formats) == 1 else (None,)
     if qtype in HALF_TYPES:
         return [((groups, n_cols, LANES), HALF_TYPES[qtype]), None, None]

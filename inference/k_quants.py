@@ -1,4 +1,5 @@
-"""Q4_K weights kept in their GGUF bits: the packed layout, and the kernels' half of reading it.
+"""Q4_K and Q6_K weights kept in their GGUF bits: the packed layouts, and the kernels' half of reading
+them.
 
 ggml's Q4_K block holds 256 weights of a row in 144 bytes: d and dmin (float16), 12 bytes of 6-bit
 scales and mins (8 of each, one per run of 32 weights), and 128 bytes of 4-bit values whose byte
@@ -20,10 +21,9 @@ order whatever else is in the batch. Dequantizing each weight first (q·d·sc �
 more operations per weight, making the kernels compute-bound, and its long sums of w·x round further
 from the exact product (test_kernels).
 
-Q6_K (the output matrix and some ffn_down of a Q4_K_M model) could be kept the same way (ql and qh
-bytes, 210 bytes per 256 as the GGUF), but its kernel, six bits from two bytes, costs more CPU time per
-product than int8's and much more to compile: it unpacks to int8 as the other formats
-(docs/performance.md, "Decode reads every weight once per token").
+Q6_K (the output matrix and some ffn_down and attn_v of a Q4_K_M model) keeps its ql and qh bytes the
+same way where the processor has VNNI (formats.Q6_K_IN_BITS; its layout further down), for products of
+inputs as bytes; float32 inputs take it as int8 (quants.for_inputs).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import numpy as np
 from numba import carray, types
 from numba.extending import overload
 
-from .byte_vectors import _nibble_dots, _nibble_pair_dots
+from .byte_vectors import _nibble_dots, _nibble_pair_dots, _q6_k_half_dots, _q6_k_sub_block_dots
 from .cpu import PROFILE
+from .half import to_f32
 from .jit import njit
 from .vectors import (
     _dequantize_nibbles,
@@ -43,6 +44,8 @@ from .vectors import (
     _nibbles,
     _prefetch,
     _q4_k_scales,
+    _q6_k_column,
+    _q6_k_scales,
     _registers,
     _scale_run,
 )
@@ -311,6 +314,188 @@ def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids
     d_dmin = scales[g, :, :, lane].view(np.uint8)  # [n, blocks, 4]
     words = values.reshape(values.shape[0], -1, LANES, 4)[g, :, lane]  # [n, n_cols / 8, 4]: the row's bytes
     return np.concatenate([d_dmin, *packed, words.reshape(n, -1, 128)], axis=2).reshape(n, -1)
+
+
+# Q6_K: 256 weights of a row in 210 bytes: 128 of ql (the 4 low bits: byte 64·h + 32·(k % 2) + l holds
+# weight 128·h + 32·k + l of half h, run k, in its low nibble for k < 2, else its high one), 64 of qh (the
+# 2 high bits: byte 128 + 32·h + l holds run k's at bit 2·k), 16 int8 scales (one per 16 weights) and d
+# (float16). Weight = d·sc·(q − 32) (ggml's dequantize_row_q6_K).
+# Packed, the 192 bytes of ql and qh keep their places in words of four bytes of a row, as Q4_K's
+# nibbles (values [groups, 3·n_cols / 4, LANES] uint8), d as float32 [groups, n_cols / 256, LANES] and the
+# scales as int8 [groups, n_cols / 16, LANES]: 212 bytes per 256 weights where int8 values with a float32
+# scale per 16 take 320. A sub-block's weights come out of two words with shifts and masks, and the
+# kernels then do what they do for int8 values q − 32 with the scale d·sc, in the same order, so a
+# product's bits are the same as from int8.
+Q6_K_BLOCK_BYTES = 192  # ql and qh, a row's, per 256 weights
+
+
+@njit(cache=True, nogil=True)
+def pack_q6_k_blocks(blocks, row0, per_row, values, d, sc, g0, g1):
+    """Groups g0…g1 - 1 of Q6_K rows in this layout: each block's ql and qh bytes in their order (a tile
+    of the group's rows, then in words), its d as float32 (exact) and its scales as they are."""
+    n_rows = blocks.shape[0] // per_row
+    for g in range(g0, g1):
+        lane0, lane1 = max(row0 - g * LANES, 0), min(row0 + n_rows - g * LANES, LANES)
+        tile = np.empty((LANES, values.shape[1]), np.uint8)
+        for lane in range(lane0, lane1):
+            first = (g * LANES + lane - row0) * per_row
+            for cb in range(per_row):
+                block = blocks[first + cb]
+                d[g, cb, lane] = to_f32(np.uint16(np.uint32(block[208]) | (np.uint32(block[209]) << 8)))
+                for sub in range(16):
+                    sc[g, 16 * cb + sub, lane] = np.int8(block[192 + sub])
+                for k in range(Q6_K_BLOCK_BYTES):
+                    tile[lane, Q6_K_BLOCK_BYTES * cb + k] = block[k]
+        _store_words(tile, values, g, lane0, lane1)
+
+
+@njit(cache=True)
+def _q6_k_half(values, d, g, b, h, lane0):
+    """Where half h of block b of group g lies, from lane lane0 on: the flat indices of its first word of
+    ql bytes and of qh bytes (16 and 8 words follow, LANES words apart), of its d and of its first
+    sub-block's scale (the next ones LANES further each)."""
+    n_bytes, lanes, n_blocks = values.shape[1], values.shape[2], d.shape[1]
+    block = g * n_bytes * lanes + 4 * (lanes * (Q6_K_BLOCK_BYTES // 4) * b + lane0)
+    d_at = (g * n_blocks + b) * lanes + lane0
+    sc_at = ((g * n_blocks + b) * 16 + 8 * h) * lanes + lane0
+    return block + 4 * lanes * 16 * h, block + 4 * lanes * (32 + 8 * h), d_at, sc_at
+
+
+@njit(cache=True)
+def _ask_ahead_q6_k(values, ql_at, qh_at):
+    """Asks ahead for a half block's ql and qh bytes of every lane."""
+    lanes = values.shape[2]
+    for line in range(0, 64 * lanes, 64):
+        _prefetch(values, ql_at, line)
+    for line in range(0, 32 * lanes, 64):
+        _prefetch(values, qh_at, line)
+
+
+@njit(cache=True, inline="always")
+def accumulate_q6_k(values, d, sc, x, i0, g, lane0, sums, w, scale, rows, width, ahead):
+    """products._accumulate for Q6_K: sums[i, r] = Σ_j w[g·L + lane0 + r, j] · x[i0 + i, j], each column
+    of weights (q − 32)·d·sc in turn, as _accumulate_values multiplies int8 weights (the same bits)."""
+    lanes = values.shape[2]
+    for k in range(rows * width):
+        sums[k] = 0
+    for b in range(d.shape[1]):
+        for h in range(2):
+            ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, lane0)
+            if ahead:
+                _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0)
+            for s in range(8):  # columns 16·s… of the half: run k, its second 16 where s is odd
+                k, second = s // 2, s % 2
+                _q6_k_scales(d, sc, d_at, sc_at + s * lanes, scale, width)
+                for c in range(4):
+                    word = 4 * lanes * (4 * second + c)
+                    for byte in range(4):
+                        ql = ql_at + 4 * lanes * 8 * (k % 2) + word
+                        _q6_k_column(values, ql, qh_at + word, byte, k, scale, w, width)
+                        j = 256 * b + 128 * h + 32 * k + 16 * second + 4 * c + byte
+                        for i in range(rows):
+                            _multiply_add(sums, i, w, x[i0 + i, j], width)
+
+
+def accumulate_q6_k_q8(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+    """accumulate_q6_k for inputs as bytes (quantize_rows), as products._accumulate_value_bytes multiplies
+    int8 weights (the same bits): one row half a block at a time (byte_vectors._q6_k_half_dots, each
+    word read once), more rows a sub-block at a time (_q6_k_sub_block_dots). Compiled code only: the
+    overload below picks by `rows` (a literal)."""
+    raise NotImplementedError
+
+
+@overload(accumulate_q6_k_q8, inline="always", prefer_literal=True)
+def _accumulate_q6_k_q8_by_rows(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+    if not isinstance(rows, types.IntegerLiteral):
+        return None
+    if rows.literal_value == 1:
+
+        def by_halves(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+            lanes, n_words, n_runs = values.shape[2], xq.shape[1], x_runs.shape[1]
+            for k in range(width):
+                sums[k] = 0
+            for b in range(d.shape[1]):
+                for h in range(2):
+                    ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, lane0)
+                    if ahead:
+                        _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0)
+                    first = 256 * b + 128 * h  # the half's first column
+                    xq_at, xs_at = i0 * n_words + first // 4, 2 * (i0 * n_runs + first // 32) + 1
+                    _q6_k_half_dots(
+                        values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, sums, width
+                    )
+
+        return by_halves
+
+    # Passes of more rows do not ask ahead (their kernels wait on computing more than on memory): the
+    # loops that ask took a second of a first start to compile.
+    asks_ahead = rows.literal_value <= 2
+
+    def by_sub_blocks(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+        lanes, n_words, n_runs = values.shape[2], xq.shape[1], x_runs.shape[1]
+        for k in range(rows * width):
+            sums[k] = 0
+        for b in range(d.shape[1]):
+            for h in range(2):
+                ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, lane0)
+                if asks_ahead and ahead:
+                    _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0)
+                first = 256 * b + 128 * h
+                for s in range(8):  # columns first + 16·s…: run k of the half, its second 16 where s is odd
+                    k, second = s // 2, s % 2
+                    _q6_k_sub_block_dots(
+                        values, ql_at + 4 * lanes * (8 * (k % 2) + 4 * second), qh_at + 16 * lanes * second,
+                        lanes, k, xq, i0 * n_words + first // 4 + 8 * k + 4 * second, n_words,
+                        x_runs, 2 * (i0 * n_runs + first // 32 + k) + 1, 2 * n_runs,
+                        d, sc, d_at, sc_at + s * lanes, sums, rows, width,
+                    )
+
+    return by_sub_blocks
+
+
+@njit(cache=True)
+def dequantize_q6_k_tile(values, d, sc, g0, g1, out):
+    """Groups g0..g1-1 of a Q6_K matrix as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile
+    BLAS multiplies (products.tile_product), through the kernels' own column code."""
+    scale, column = _registers(LANES), _registers(LANES)
+    weights = carray(column, LANES)
+    for g in range(g0, g1):
+        c0 = (g - g0) * LANES
+        for b in range(d.shape[1]):
+            for h in range(2):
+                ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, 0)
+                for s in range(8):
+                    k, second = s // 2, s % 2
+                    _q6_k_scales(d, sc, d_at, sc_at + s * LANES, scale, LANES)
+                    for c in range(4):
+                        word = 4 * LANES * (4 * second + c)
+                        for byte in range(4):
+                            ql = ql_at + 4 * LANES * 8 * (k % 2) + word
+                            _q6_k_column(values, ql, qh_at + word, byte, k, scale, column, LANES)
+                            row = out[256 * b + 128 * h + 32 * k + 16 * second + 4 * c + byte]
+                            for lane in range(LANES):
+                                row[c0 + lane] = weights[lane]
+
+
+def q6_k_gguf_blocks(values: np.ndarray, d: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a packed Q6_K matrix as the GGUF's blocks again [len(ids), bytes per row]."""
+    g, lane = ids // LANES, ids % LANES
+    n = len(ids)
+    words = values.reshape(values.shape[0], -1, LANES, 4)[g, :, lane]  # [n, 3·n_cols / 16, 4]: a row's bytes
+    ql_qh = words.reshape(n, -1, Q6_K_BLOCK_BYTES)
+    scales = sc[g, :, lane].view(np.uint8).reshape(n, -1, 16)
+    halves = d[g, :, lane].astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # (exact: d was a float16)
+    return np.concatenate([ql_qh, scales, halves], axis=2).reshape(n, -1)
+
+
+def q6_k_layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:
+    """The arrays of a Q6_K matrix (quants.layout): its ql and qh bytes, d as float32 and the scales as
+    int8, for each group of LANES rows: 212 bytes per 256 weights where int8 takes 320."""
+    return [
+        ((groups, 3 * n_cols // 4, LANES), np.uint8),
+        ((groups, n_cols // 256, LANES), F32),
+        ((groups, n_cols // 16, LANES), np.int8),
+    ]
 
 
 def layout(groups: int, n_cols: int) -> list[tuple[tuple[int, ...], type]]:

@@ -59,6 +59,24 @@ def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w,
 def _accumulate_by_layout(
     values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
 ):
+    if values.dtype == types.uint8 and isinstance(offsets, types.Array) and offsets.dtype == types.int8:
+        if x.dtype == types.int32:  # Q6_K's bits, inputs as bytes
+
+            def in_q6_k_bytes(
+                values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+            ):
+                k_quants.accumulate_q6_k_q8(
+                    values, scales, offsets, x, x_sums, i0, g, lane0, sums, rows, width, ahead
+                )
+
+            return in_q6_k_bytes
+
+        def in_q6_k(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+            k_quants.accumulate_q6_k(
+                values, scales, offsets, x, i0, g, lane0, sums, w, runs, rows, width, ahead
+            )
+
+        return in_q6_k
     if x.dtype == types.int32 and values.dtype == types.uint8:  # inputs as bytes (quantize_rows)
 
         def in_q4_k_bytes(
@@ -279,7 +297,7 @@ def takes_bytes(w) -> bool:
     integers with a scale for each 16 or 32 columns (and an offset only for 32)."""
     if w.activations != "q8":
         return False
-    if w.in_q4_k:
+    if w.in_q4_k or w.in_q6_k:
         return True
     if w.values.dtype != np.int8 or w.scales is None:
         return False
@@ -396,6 +414,8 @@ def _dequantize_into(w, g0: int, g1: int, out: np.ndarray) -> None:
         out[:] = to_floats(w.values[g0:g1].transpose(1, 0, 2)).reshape(out.shape)
     elif w.in_q4_k:
         k_quants.dequantize_tile(w.values, w.scales, w.offsets, g0, g1, out)
+    elif w.in_q6_k:
+        k_quants.dequantize_q6_k_tile(w.values, w.scales, w.offsets, g0, g1, out)
     else:
         _dequantize_int8(w.values, w.scales, w.offsets, g0, g1, out)
 
@@ -414,6 +434,9 @@ def rows(w, ids: np.ndarray) -> np.ndarray:
     if w.in_q4_k:
         blocks = k_quants.gguf_blocks(w.values, w.scales, w.offsets, ids)
         return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), F32)
+    if w.in_q6_k:
+        blocks = k_quants.q6_k_gguf_blocks(w.values, w.scales, w.offsets, ids)
+        return np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K), F32)
     if w.values.ndim == 4:
         return block_formats.gguf_rows(w.values, ids)
     g, lane = ids // LANES, ids % LANES

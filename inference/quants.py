@@ -14,13 +14,13 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds. So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4 (block_formats.py). Which formats
+and which RAM holds; so does Q6_K on a processor with VNNI (formats.Q6_K_IN_BITS), 1.5x. So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4 (block_formats.py). Which formats
 join in one matrix, and the arrays each kind packs into: formats.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import gguf
@@ -53,13 +53,20 @@ class PackedMatrix:
 
     @property
     def in_q4_k(self) -> bool:
-        """Q4_K in its own bits: values, scales and offsets in k_quants.py's layout."""
-        return self.values.dtype == np.uint8 and self.values.ndim == 3
+        """Q4_K in its own bits: values, scales (d, dmin) and offsets (sc, m) in k_quants.py's layout."""
+        return self.values.dtype == np.uint8 and self.values.ndim == 3 and self.scales.dtype == np.uint16
+
+    @property
+    def in_q6_k(self) -> bool:
+        """Q6_K in its own bits: values (ql, qh), scales (d) and offsets (the int8 sc) in k_quants.py's."""
+        return self.values.dtype == np.uint8 and self.values.ndim == 3 and self.offsets.dtype == np.int8
 
     @property
     def n_cols(self) -> int:
         if self.values.ndim == 4:  # a block format's blocks (block_formats.py)
             return block_formats.n_cols_of(self.values)
+        if self.in_q6_k:  # six bits a weight: 3 bytes for 4
+            return self.values.shape[1] * 4 // 3
         return self.values.shape[1] * (2 if self.in_q4_k else 1)  # Q4_K: two weights a byte
 
     @property
@@ -253,6 +260,10 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
             _interleave_rows(np.asarray(ggml_quants.dequantize(raw, qtype), F32).reshape(shape), row0, values)
         elif kind == "Q4_K weights":  # kept in its bits (k_quants.py)
             _in_parallel_over_groups(k_quants.pack_blocks, raw, qtype, shape, row0, (values, scales, offsets))
+        elif kind == "Q6_K weights":  # (k_quants.py)
+            _in_parallel_over_groups(
+                k_quants.pack_q6_k_blocks, raw, qtype, shape, row0, (values, scales, offsets)
+            )
         elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits
             _interleave_rows(raw.view(HALF_TYPES[qtype]).reshape(shape), row0, values)
         elif values.ndim == 4:  # the GGUF's blocks, byte for byte (block_formats.py)
@@ -282,6 +293,23 @@ def _in_parallel_over_groups(unpack, raw, qtype: Q, shape, row0: int, arrays) ->
     parts = np.linspace(first, last, min(numba.config.NUMBA_NUM_THREADS, last - first) + 1).astype(int)
     args = (blocks, row0, shape[1] // block_len, *arrays)
     kernels.in_parallel([partial(unpack, *args, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
+
+
+def for_inputs(w: PackedMatrix, inputs: str) -> PackedMatrix:
+    """w as products with these inputs ("f32" or "q8") read it: Q6_K in its own bits, for float32 inputs,
+    as int8 values with a float32 scale per 16 (the same weights; formats.kind_taken). With inputs as
+    bytes a sub-block's weights come out of their words for all its columns at once, but float32
+    inputs take each weight out on its own: 9 vector operations per 16 weights where int8 takes 4, so
+    a 7B's decode took 1.2x the time (docs/performance.md)."""
+    if not (w.in_q6_k and inputs == "f32"):
+        return replace(w, activations=inputs)
+    n_cols = w.n_cols
+    groups = w.values.shape[0]
+    values = np.zeros((groups, n_cols, LANES), np.int8)
+    scales = np.zeros((groups, n_cols // 16, LANES), F32)
+    raw = k_quants.q6_k_gguf_blocks(w.values, w.scales, w.offsets, np.arange(w.n_rows))
+    _unpack(raw, Q.Q6_K, (w.n_rows, n_cols), 0, values, scales, None, 1)
+    return PackedMatrix(values, scales, None, w.n_rows, inputs)
 
 
 def zero_matrix(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:

@@ -411,3 +411,66 @@ def _prefetch(typingctx, values, at, offset):
         return context.get_dummy_value()
 
     return types.void(values, at, offset), codegen
+
+
+@intrinsic
+def _q6_k_scales(typingctx, d, sc, d_at, sc_at, scale, width):
+    """A Q6_K sub-block's scale for `width` lanes (k_quants.py's layout): scale[:width] = d · sc, d the
+    float32 at d.flat[d_at…], sc the int8 at sc.flat[sc_at…]: the product gguf.quants forms, exact."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32 = width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        d_ptr, sc_ptr = (_data(context, builder, signature.args[k], args[k]) for k in (0, 1))
+        d_at, sc_at = (
+            context.cast(builder, a, t, types.int64) for a, t in zip(args[2:4], signature.args[2:4])
+        )
+        floats = ir.VectorType(f32, n)
+        d_n = builder.load(_vector_at(builder, d_ptr, d_at, f32, n), align=4)
+        small = builder.load(_vector_at(builder, sc_ptr, sc_at, ir.IntType(8), n), align=1)
+        product = builder.fmul(d_n, builder.sitofp(small, floats))
+        builder.store(product, _vector_at(builder, args[4], ir.Constant(ir.IntType(64), 0), f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(d, sc, d_at, sc_at, scale, width), codegen
+
+
+@intrinsic
+def _q6_k_column(typingctx, values, ql_at, qh_at, byte, k, scale, w, width):
+    """w[:width] = (q − 32) · scale[:width] for a column of Q6_K weights (k_quants.py's layout): q the
+    4 bits at bit 8·byte + 4·(k // 2) of the `width` 32-bit words at values.flat[ql_at…], and above them
+    the 2 bits at bit 8·byte + 2·k of those at values.flat[qh_at…] (k: the run of 32 of a half block);
+    one multiply as gguf.quants, so each weight is the GGUF's. byte and k are variables of loops LLVM
+    unrolls (as _nibbles' byte)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        values_ptr = _data(context, builder, signature.args[0], args[0])
+        ql_at, qh_at, byte, k = (
+            context.cast(builder, a, t, types.int64) for a, t in zip(args[1:5], signature.args[1:5])
+        )
+        words, floats = ir.VectorType(i32, n), ir.VectorType(f32, n)
+        byte, k = builder.trunc(byte, i32), builder.trunc(k, i32)
+        at_byte = builder.mul(byte, ir.Constant(i32, 8))
+        low_bit = builder.add(at_byte, builder.mul(builder.lshr(k, ir.Constant(i32, 1)), ir.Constant(i32, 4)))
+        high_bit = builder.add(at_byte, builder.mul(k, ir.Constant(i32, 2)))
+
+        def field(at, bit, mask):
+            pointer = builder.bitcast(builder.gep(values_ptr, [at]), i32.as_pointer())
+            packed = builder.load(_vector_at(builder, pointer, ir.Constant(i64, 0), i32, n), align=1)
+            shifted = builder.lshr(packed, _splat(builder, words, bit))
+            return builder.and_(shifted, ir.Constant(words, [mask] * n))
+
+        high = builder.shl(field(qh_at, high_bit, 3), ir.Constant(words, [4] * n))
+        q = builder.sub(builder.or_(field(ql_at, low_bit, 15), high), ir.Constant(words, [32] * n))
+        zero = ir.Constant(i64, 0)
+        scale_n = builder.load(_vector_at(builder, args[5], zero, f32, n), align=4)
+        column = builder.fmul(builder.sitofp(q, floats), scale_n)
+        builder.store(column, _vector_at(builder, args[6], zero, f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, ql_at, qh_at, byte, k, scale, w, width), codegen

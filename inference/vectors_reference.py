@@ -147,6 +147,46 @@ def byte_column_dots(
             sums[part] = _fused(offset, runs[xr_at + i * xr_stride], sums[part])
 
 
+def q6_k_scales(d, sc, d_at, sc_at, width) -> np.ndarray:
+    """vectors._q6_k_scales: d · sc, one rounding (exact)."""
+    return d.reshape(-1)[d_at : d_at + width] * sc.reshape(-1)[sc_at : sc_at + width].astype(F32)
+
+
+def _q6_k_quants(values, ql_at, qh_at, byte, k, width) -> np.ndarray:
+    """The 6-bit values of a column: 4 bits at bit 8·byte + 4·(k // 2) of the words at ql_at, and above
+    them 2 at bit 8·byte + 2·k of those at qh_at."""
+    low = (_words(values, ql_at, width) >> (8 * byte + 4 * (k // 2))) & 15
+    high = (_words(values, qh_at, width) >> (8 * byte + 2 * k)) & 3
+    return (low | high << 4).astype(np.int64)
+
+
+def q6_k_column(values, ql_at, qh_at, byte, k, scale, width) -> np.ndarray:
+    """vectors._q6_k_column: (q − 32) · scale, one rounding."""
+    return (_q6_k_quants(values, ql_at, qh_at, byte, k, width) - 32).astype(F32) * scale[:width]
+
+
+def q6_k_dots(
+    values, ql_at, qh_at, lanes, xq, xq_at, xq_stride, x_runs, xs_at, xs_stride, d, sc, d_at, sc_at, sums,
+    rows, width,
+) -> None:
+    """byte_vectors._q6_k_dots: for each sub-block s of half a block in turn, sums[i] += d·sc ·
+    (Σ (q − 32)·x̂ · x_scale), fused."""
+    for s in range(8):
+        k, second = s // 2, s % 2
+        words = [(8 * (k % 2) + 4 * second + c, 4 * second + c) for c in range(4)]  # (ql's, qh's)
+        q = np.stack([
+            _q6_k_quants(values, ql_at + 4 * lanes * low, qh_at + 4 * lanes * high, byte, k, width)
+            for low, high in words
+            for byte in range(4)
+        ])  # [16 columns, width]
+        scale = q6_k_scales(d, sc, d_at, sc_at + s * lanes, width)
+        for i in range(rows):
+            x = _bytes_of(xq, xq_at + i * xq_stride + 8 * k + 4 * second, 4)
+            run = ((x @ (q - 32)).astype(F32) * x_runs.reshape(-1)[xs_at + i * xs_stride + 2 * k]).astype(F32)
+            part = slice(i * width, (i + 1) * width)
+            sums[part] = _fused(scale, run, sums[part])
+
+
 def in_lane_order(sums, rows, width) -> None:
     """byte_vectors.in_lane_order: each row's sums from transposed_lanes' order to the lanes' own."""
     order = transposed_lanes(width)

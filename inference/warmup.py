@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 
 from . import blas_crossover, kernels
-from .formats import KINDS, OWN_BITS, kind_of, kinds_of
+from .formats import KINDS, OWN_BITS, kind_taken, kinds_of
 from .jit import in_cache
 from .quants import zero_matrix
 
@@ -94,12 +94,11 @@ def _compile_steps(matrices, activations: str, inputs=None) -> tuple[list, list[
     float_kinds, byte_kinds = set(), set()
     for formats, taken in zip(entries, takes, strict=True):
         for part in _parts(formats):
-            kind = kind_of(part)
             bytes_too = taken != "f32" and kernels.takes_bytes(zero_matrix(part, activations="q8"))
             if bytes_too:
-                byte_kinds.add(kind)
+                byte_kinds.add(kind_taken(part, "q8"))
             if not bytes_too or taken == "mixed" or matrices is None:
-                float_kinds.add(kind)
+                float_kinds.add(kind_taken(part, "f32"))
     floats = [(what, qtype) for what, qtype in _kinds(None) if what in float_kinds]
     steps = [(what, partial(_multiply_example, qtype)) for what, qtype in floats]
     if byte_kinds:

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import gguf
@@ -208,10 +208,7 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
     table = None if tied else stored.get(TABLE)
     if not tied and table is None:
         table = gguf_file.table(TABLE, table_shape)
-    if info.activations != "f32":
-        matrices = {
-            name: replace(m, activations=inputs_of(info.activations, name)) for name, m in matrices.items()
-        }
+    matrices = {name: quants.for_inputs(m, inputs_of(info.activations, name)) for name, m in matrices.items()}
     if progress:
         progress(f"loading {path.name}", 1, 1)
     layers = tuple(

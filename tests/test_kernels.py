@@ -13,7 +13,7 @@ import numba
 import numpy as np
 import pytest
 
-from llama_chat.inference import blas_crossover, cpu, ggml_quants, kernels, quants, warmup
+from llama_chat.inference import blas_crossover, cpu, formats, ggml_quants, k_quants, kernels, quants, warmup
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
@@ -332,8 +332,9 @@ def test_q4_k_stays_in_its_gguf_bytes_and_multiplies_at_least_as_exactly_as_unpa
 
 
 def test_joined_matrices_of_different_formats_multiply_as_each_alone():
-    """q/k/v or gate/up are fused into one matrix even when their formats differ (Q5_0 beside Q6_K)."""
-    parts = [(T.Q5_0, (64, 256)), (T.Q6_K, (32, 256)), (T.Q4_K, (40, 256))]
+    """q/k/v or gate/up of different formats: Q5_0 and Q8_0 fused into one matrix of integers, Q6_K and
+    Q4_K in their own bits beside it."""
+    parts = [(T.Q5_0, (64, 256)), (T.Q8_0, (16, 256)), (T.Q6_K, (32, 256)), (T.Q4_K, (40, 256))]
     raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
     joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)])
     x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
@@ -354,6 +355,35 @@ def test_q4_k_joined_with_another_format_keeps_its_bytes_and_products():
     for n in (1, 2, 3, kernels.KERNEL_ROWS):
         expected = np.concatenate([kernels.matmul(x[:n], w) for w in alone], axis=1)
         assert np.array_equal(kernels.matmul(x[:n], joined), expected), n
+
+
+def q6_k_in_bits(raw: np.ndarray, shape: tuple[int, int]) -> quants.PackedMatrix:
+    """A Q6_K tensor packed in its own bits on every profile (pack keeps them where formats.Q6_K_IN_BITS),
+    so that its kernels are held to the reference on each."""
+    groups = -(-shape[0] // quants.LANES)
+    arrays = [np.zeros(*a) for a in k_quants.q6_k_layout(groups, shape[1])]
+    quants._in_parallel_over_groups(k_quants.pack_q6_k_blocks, raw, T.Q6_K, shape, 0, arrays)
+    return quants.PackedMatrix(*arrays, n_rows=shape[0])
+
+
+def test_q6_k_in_its_bits_and_as_int8_give_the_same_weights_and_products():
+    """Q6_K in its own bits, which float32 inputs take as int8 (quants.for_inputs): the same weights,
+    and bit for bit the same products either way, with inputs as floats or bytes."""
+    shape = (130, 512)
+    raw = raw_tensor(T.Q6_K, shape, seed=8)
+    bits = q6_k_in_bits(raw, shape)
+    assert quants.pack([(raw, T.Q6_K, shape)]).in_q6_k == formats.Q6_K_IN_BITS
+    as_int8 = quants.for_inputs(bits, "f32")
+    assert bits.in_q6_k and as_int8.values.dtype == np.int8 and bits.nbytes < 0.7 * as_int8.nbytes
+    weights = reference(T.Q6_K, raw, shape)
+    for w in (bits, as_int8):
+        assert np.array_equal(kernels.rows(w, np.arange(shape[0])), weights)
+    x = np.random.default_rng(5).standard_normal((kernels.KERNEL_ROWS, 512)).astype(np.float32)
+    for inputs in ("f32", "q8"):
+        for n in (1, 2, 3, kernels.KERNEL_ROWS):
+            got = kernels.matmul(x[:n], replace(bits, activations=inputs))
+            want = kernels.matmul(x[:n], replace(as_int8, activations=inputs))
+            assert np.array_equal(got, want), (inputs, n)
 
 
 def test_every_float16_scale_is_read_exactly():
@@ -537,10 +567,10 @@ def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folde
 
 
 def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkeypatch):
-    """A first start compiles what the model's matrices take (a Q8_0 one, and Q5_0 joined with Q6_K:
-    integers without offsets), not the float, offset or GGUF-bits kernels nor the attention kernel
-    (app/chat/build.compile_later's) nor the unpacking loops (packing's, where a model is packed), and
-    its progress moves after each signature."""
+    """A first start compiles what the model's matrices take (a Q8_0 one, and Q5_0 beside a Q6_K part,
+    which float32 inputs take as int8: integers without offsets), not the float, offset or GGUF-bits
+    kernels nor the attention kernel (app/chat/build.compile_later's) nor the unpacking loops (packing's,
+    where a model is packed), and its progress moves after each signature."""
     monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: None)
     seen = []
     matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_synthetic_model import TINY, synthetic
 
-from llama_chat.inference import load_model, packed_file, quants
+from llama_chat.inference import formats, load_model, packed_file, quants
 from llama_chat.inference.model import Model
 from llama_chat.inference.weights import _prepared_dir, prepare
 from tiny_models import write_tiny_model
@@ -45,8 +45,9 @@ def packed_files(path) -> list:
 
 @pytest.fixture
 def q4_k_m(tmp_path, qwen2):
-    """A tiny model in llama.cpp's Q4_K_M types: Q4_K kept in its bits, Q6_K in int8, Q4_K beside Q6_K
-    (layer 0's q/k/v) as a StackedMatrix of both."""
+    """A tiny model in llama.cpp's Q4_K_M types: Q4_K kept in its bits, Q6_K too where the profile keeps
+    it so (formats.Q6_K_IN_BITS; else int8), Q4_K beside Q6_K (layer 0's q/k/v) as a StackedMatrix of
+    both."""
     return synthetic.write_synthetic(tmp_path / "synthetic.gguf", "tiny", TINY["qwen2"], qwen2)
 
 
@@ -73,8 +74,19 @@ def test_q4_k_m_weights_map_bit_for_bit(q4_k_m):
     assert not packed
     assert model.weights.layers[1].ffn_gate_up.in_q4_k  # kept in its GGUF bits, mapped
     q_k, v = model.weights.layers[0].attn_qkv.parts  # q/k in Q4_K, v in Q6_K: two runs, each mapped
-    assert q_k.in_q4_k and not v.in_q4_k
+    assert q_k.in_q4_k and v.in_q6_k == formats.Q6_K_IN_BITS
     assert np.array_equal(logits(model), unpacked_logits(q4_k_m))
+
+
+def test_q6_k_is_taken_as_int8_by_float32_inputs(q4_k_m):
+    """The exact mode reads the same packed file, its Q6_K matrices turned into int8 at the load (float32
+    inputs multiply int8 faster: quants.for_inputs), and gives the logits it gives unpacked."""
+    load_model(q4_k_m)
+    model = load_model(q4_k_m, activations="f32")
+    _, v = model.weights.layers[0].attn_qkv.parts
+    assert v.values.dtype == np.int8 and model.weights.layers[1].ffn_gate_up.in_q4_k
+    unpacked = Model(prepare(q4_k_m, use_cache=False, activations="f32"))
+    assert np.array_equal(logits(model), unpacked.logits(unpacked.tokenizer.encode(TEXT)))
 
 
 def test_a_changed_gguf_is_packed_again(tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from numba import carray, literally
 from numba import njit as plain_njit
-from test_kernels import raw_tensor
+from test_kernels import q6_k_in_bits, raw_tensor
 
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
@@ -31,6 +31,8 @@ from llama_chat.inference.byte_vectors import (
     _byte_column_dots,
     _nibble_dots,
     _nibble_pair_dots,
+    _q6_k_half_dots,
+    _q6_k_sub_block_dots,
     in_lane_order,
 )
 from llama_chat.inference.vectors import (
@@ -41,6 +43,8 @@ from llama_chat.inference.vectors import (
     _nibbles,
     _q3_k_quants,
     _q4_k_scales,
+    _q6_k_column,
+    _q6_k_scales,
     _registers,
     _scale_run,
     _table_fields,
@@ -390,7 +394,7 @@ def test_an_int8_blocks_byte_dots_are_the_references(qtype, size):
     blocks = raw.reshape(-1, block_bytes)
     d = np.full((len(blocks), (halves.stop - halves.start) // 2), 0.01, np.float16)
     blocks[:, halves] = d.view(np.uint8)
-    w = quants.pack([(raw, qtype, shape)])
+    w = quants.for_inputs(quants.pack([(raw, qtype, shape)]), "f32")  # (Q6_K: as int8)
     xq, x_runs = bytes_of(3, 256)
     sums = np.zeros(6 * W, F32)
     sums[: 3 * W] = floats(3 * W, 1)
@@ -404,6 +408,83 @@ def test_an_int8_blocks_byte_dots_are_the_references(qtype, size):
     assert np.array_equal(sums[: 3 * W], want)
     ref.in_lane_order(want, 3, W)
     assert np.array_equal(sums[3 * W :], want)
+
+
+def q6_k(seed: int = 0):
+    """A Q6_K matrix of LANES rows packed in k_quants' layout (its ql, qh and scales random, d small)."""
+    shape = (LANES, 512)
+    raw = rng(seed).integers(0, 256, (shape[0], 2 * 210), dtype=np.uint8)
+    d = (rng(seed + 1).random((shape[0] * 2, 1)) * 0.02).astype(np.float16)
+    raw.reshape(-1, 210)[:, 208:210] = d.view(np.uint8)
+    return q6_k_in_bits(raw, shape)
+
+
+@plain_njit
+def q6_k_column(values, d, sc, ql_at, qh_at, byte, k, column_out, scale_out):
+    w, scale = _registers(W), _registers(W)
+    _q6_k_scales(d, sc, 8, 3 * LANES + 8, scale, W)
+    _q6_k_column(values, ql_at, qh_at, byte, k, scale, w, W)
+    copy_out(w, column_out)
+    copy_out(scale, scale_out)
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_a_q6_k_column_is_dequantized_as_the_reference_says(k):
+    """Every run's columns of the second block, from lane 8: its 4 low bits and 2 high ones put together,
+    less 32, times the sub-block's d·sc."""
+    w = q6_k(11)
+    block = 4 * (LANES * 48 + 8)  # block 1's first word, from lane 8
+    column, scale = np.empty(W, F32), np.empty(W, F32)
+    for c, byte in [(0, 0), (3, 2), (7, 3)]:
+        ql_at, qh_at = block + 4 * LANES * (8 * (k % 2) + c), block + 4 * LANES * (32 + c)
+        q6_k_column(w.values, w.scales, w.offsets, ql_at, qh_at, byte, k, column, scale)
+        want_scale = ref.q6_k_scales(w.scales, w.offsets, 8, 3 * LANES + 8, W)
+        assert np.array_equal(scale, want_scale)
+        assert np.array_equal(column, ref.q6_k_column(w.values, ql_at, qh_at, byte, k, want_scale, W))
+
+
+@plain_njit
+def q6_k_dots(values, d, sc, xq, x_runs, sums, rows):
+    registers = _registers(W3)
+    view = carray(registers, 3 * W)
+    for k in range(3 * W):
+        view[k] = sums[k]
+    lanes, n_words, n_runs = values.shape[2], xq.shape[1], x_runs.shape[1]
+    block = 4 * (lanes * 48 + 8)  # half 1 of block 1, from lane 8
+    ql_at, qh_at = block + 4 * lanes * 16, block + 4 * lanes * 40
+    d_at, sc_at = lanes + 8, 24 * lanes + 8
+    xq_at, xs_at = 64 + 32, 2 * (8 + 4) + 1
+    if rows == 1:
+        _q6_k_half_dots(
+            values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, registers, W
+        )
+    else:
+        for s in range(8):  # as k_quants.accumulate_q6_k_q8 calls it
+            k, second = s // 2, s % 2
+            _q6_k_sub_block_dots(
+                values, ql_at + 4 * lanes * (8 * (k % 2) + 4 * second), qh_at + 16 * lanes * second, lanes, k,
+                xq, xq_at + 8 * k + 4 * second, n_words, x_runs, xs_at + 2 * k, 2 * n_runs, d, sc, d_at,
+                sc_at + s * lanes, registers, 3, W,
+            )
+    copy_out(registers, sums)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_q6_k_half_blocks_byte_dots_are_the_references(rows):
+    """One row (_q6_k_half_dots: each word read once for its four sub-blocks) and several
+    (_q6_k_sub_block_dots: a sub-block at a time), each as the reference adds up half a block."""
+    w = q6_k(12)
+    xq, x_runs = bytes_of(3, 512)
+    sums = floats(3 * W, 2)
+    want = sums.copy()
+    q6_k_dots(w.values, w.scales, w.offsets, xq, x_runs, sums, rows)
+    block = 4 * (LANES * 48 + 8)
+    n_words, n_runs = xq.shape[1], x_runs.shape[1]
+    ref.q6_k_dots(
+        w.values, block + 4 * LANES * 16, block + 4 * LANES * 40, LANES, xq, 96, n_words, x_runs, 25,
+        2 * n_runs, w.scales, w.offsets, LANES + 8, 24 * LANES + 8, want, rows, W,
+    )
+    assert np.array_equal(sums, want)
 
 
 def test_quantizing_rows_is_bit_for_bit_the_references():
