@@ -14,8 +14,9 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds; so does Q6_K on a processor with VNNI (formats.Q6_K_IN_BITS), 1.5x. So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4 (block_formats.py). Which formats
-join in one matrix, and the arrays each kind packs into: formats.py.
+and which RAM holds; so does Q6_K on a processor with VNNI (formats.Q6_K_IN_BITS: int8 is 1.5x its
+bytes). So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4 (block_formats.py). Which formats join in
+one matrix, and the arrays each kind packs into: formats.py.
 """
 
 from __future__ import annotations
