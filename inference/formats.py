@@ -4,9 +4,9 @@ The integer formats of ggml with a scale per 16 or 32 weights (Q4_0 … Q8_0, Q5
 int8 with float32 scales (quants.py) and join each other in one matrix. Formats kept in their own bits
 never join another format: Q4_K and, on a processor with VNNI, Q6_K (k_quants.py), float16 and
 bfloat16 (their 16 bits, which the kernels widen), and the block formats (block_formats.py: Q2_K,
-Q3_K, the IQ and TQ formats, MXFP4, NVFP4, Q1_0, the GGUF's blocks as they are). A matrix whose parts differ there (q/k in Q3_K beside a Q5_K v) is a
-StackedMatrix of runs, each packed on its own. Any other format (F32, the formats read only by
-gguf.quants) makes the whole matrix float32.
+Q3_K, the IQ and TQ formats, MXFP4, NVFP4, Q1_0, the GGUF's blocks as they are). A matrix whose parts
+differ there (q/k in Q3_K beside a Q5_K v) is a StackedMatrix of runs, each packed on its own. Any
+other format (F32, the formats read only by gguf.quants) makes the whole matrix float32.
 """
 
 from __future__ import annotations

@@ -477,6 +477,30 @@ def dequantize_q6_k_tile(values, d, sc, g0, g1, out):
                                 row[c0 + lane] = weights[lane]
 
 
+@njit(cache=True, nogil=True)
+def q6_k_as_int8(values, d, sc, out, scales, g0, g1):
+    """Groups g0…g1 - 1 of a Q6_K matrix in this layout as int8 values q − 32 in out [groups, n_cols,
+    LANES] and the float32 scale d·sc of each 16 in scales [groups, n_cols / 16, LANES]: the int8
+    layout (quants.py), the same weights."""
+    lanes = values.shape[2]
+    for g in range(g0, g1):
+        flat = values[g].reshape(-1)
+        for b in range(d.shape[1]):
+            for s in range(16):
+                for lane in range(lanes):
+                    scales[g, 16 * b + s, lane] = d[g, b, lane] * F32(sc[g, 16 * b + s, lane])
+            for h in range(2):
+                for k in range(4):
+                    for col in range(32):  # ql byte 64·h + 32·(k % 2) + col, qh byte 128 + 32·h + col
+                        low, high = 192 * b + 64 * h + 32 * (k % 2) + col, 192 * b + 128 + 32 * h + col
+                        low_at, high_at = 4 * lanes * (low // 4) + low % 4, 4 * lanes * (high // 4) + high % 4
+                        j = 256 * b + 128 * h + 32 * k + col
+                        for lane in range(lanes):
+                            q = (flat[low_at + 4 * lane] >> (4 * (k // 2))) & 15
+                            q |= ((flat[high_at + 4 * lane] >> (2 * k)) & 3) << 4
+                            out[g, j, lane] = np.int8(np.int32(q) - 32)
+
+
 def q6_k_gguf_blocks(values: np.ndarray, d: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a packed Q6_K matrix as the GGUF's blocks again [len(ids), bytes per row]."""
     g, lane = ids // LANES, ids % LANES

@@ -304,12 +304,12 @@ def for_inputs(w: PackedMatrix, inputs: str) -> PackedMatrix:
     a 7B's decode took 1.2x the time (docs/performance.md)."""
     if not (w.in_q6_k and inputs == "f32"):
         return replace(w, activations=inputs)
-    n_cols = w.n_cols
-    groups = w.values.shape[0]
-    values = np.zeros((groups, n_cols, LANES), np.int8)
-    scales = np.zeros((groups, n_cols // 16, LANES), F32)
-    raw = k_quants.q6_k_gguf_blocks(w.values, w.scales, w.offsets, np.arange(w.n_rows))
-    _unpack(raw, Q.Q6_K, (w.n_rows, n_cols), 0, values, scales, None, 1)
+    groups, n_cols = w.values.shape[0], w.n_cols
+    values = np.empty((groups, n_cols, LANES), np.int8)
+    scales = np.empty((groups, n_cols // 16, LANES), F32)
+    parts = np.linspace(0, groups, min(numba.config.NUMBA_NUM_THREADS, groups) + 1).astype(int)
+    convert = partial(k_quants.q6_k_as_int8, w.values, w.scales, w.offsets, values, scales)
+    kernels.in_parallel([partial(convert, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
     return PackedMatrix(values, scales, None, w.n_rows, inputs)
 
 
