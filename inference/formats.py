@@ -32,7 +32,7 @@ HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 HALF_TYPES = {Q.F16: np.uint16, Q.BF16: np.int16} if NATIVE else {Q.BF16: np.int16}
 # Q6_K keeps its bits (k_quants.py) where the processor adds products of bytes in one instruction (AVX-512
 # VNNI's vpdpbusd): there its kernel waits on memory, and reads 212 bytes per 256 weights where int8
-# reads 320 (a 7B's decoded token 0.80-0.85 of the time). With vpmaddubsw (AVX2) putting its bits
+# reads 320 (a 7B's decoded token 0.87-0.91 of the time). With vpmaddubsw (AVX2) putting its bits
 # together costs about what the bytes save (a 7B token 1.02x): int8 there (docs/performance.md).
 Q6_K_IN_BITS = PROFILE.byte_dot == "vnni"
 # The formats kept in their own bits, each the kind of packed matrix it makes

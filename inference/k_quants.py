@@ -127,16 +127,6 @@ def _run(values, g, r, lane0):
     return d_at, sc_at, g * n_bytes * lanes + 4 * (8 * (r // 2) * lanes + lane0)
 
 
-@njit(cache=True)
-def _ask_ahead_run(values, at):
-    """Asks ahead for a run's 8 words of every lane, a cache line at a time. A plain call, not inlined by
-    numba: inlined, its loops took seconds of a first start to compile at each of their call sites."""
-    lanes = values.shape[2]
-    for c in range(8):
-        for line in range(0, 4 * lanes, 64):
-            _prefetch(values, at + 4 * c * lanes, line)
-
-
 @njit(cache=True, inline="always")
 def _run_sums(
     values, scales, offsets, x, x_sums, i0, sums, runs, w, scale, offset, g, r, lane0, shift, rows, width,
@@ -149,9 +139,10 @@ def _run_sums(
     d_at, sc_at, at = _run(values, g, r, lane0)
     for k in range(rows * width):
         runs[k] = 0
-    if ahead and shift == 0:  # (the run in the high nibbles reads the same bytes)
-        _ask_ahead_run(values, at)
     for c in range(8):  # a word of 4 columns at a time
+        if ahead and shift == 0:  # (the run in the high nibbles reads the same bytes)
+            for line in range(0, 4 * lanes, 64):  # the word's bytes of every lane, a line at a time
+                _prefetch(values, at + 4 * c * lanes, line)
         for byte in range(4):
             _nibbles(values, at + 4 * c * lanes, shift, byte, w, width)
             for i in range(rows):
@@ -191,7 +182,9 @@ def _run_sums_q8(
     lanes = values.shape[2]
     d_at, sc_at, at = _run(values, g, r, lane0)
     if ahead and shift == 0:
-        _ask_ahead_run(values, at)
+        for c in range(8):
+            for line in range(0, 4 * lanes, 64):
+                _prefetch(values, at + 4 * c * lanes, line)
     n_words, n_runs = xq.shape[1], x_runs.shape[1]
     xq_at, xs_at = i0 * n_words + 8 * r, 2 * (i0 * n_runs + r) + 1
     _nibble_dots(values, at, lanes, shift, xq, xq_at, n_words, x_runs, xs_at, 2 * n_runs, runs, rows, width)
@@ -253,7 +246,9 @@ def _pair_sums_q8(
     lanes = values.shape[2]
     d_at, sc_at, at = _run(values, g, r, lane0)
     if ahead:
-        _ask_ahead_run(values, at)
+        for c in range(8):
+            for line in range(0, 4 * lanes, 64):
+                _prefetch(values, at + 4 * c * lanes, line)
     n_words, n_runs = xq.shape[1], x_runs.shape[1]
     xq_at, xs_at = i0 * n_words + 8 * r, 2 * (i0 * n_runs + r) + 1
     _nibble_pair_dots(values, at, lanes, xq, xq_at, n_words, x_runs, xs_at, 2 * n_runs, low, high, 1, width)
@@ -361,7 +356,7 @@ def _q6_k_half(values, d, g, b, h, lane0):
     return block + 4 * lanes * 16 * h, block + 4 * lanes * (32 + 8 * h), d_at, sc_at
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _ask_ahead_q6_k(values, ql_at, qh_at):
     """Asks ahead for a half block's ql and qh bytes of every lane."""
     lanes = values.shape[2]
@@ -428,7 +423,7 @@ def _accumulate_q6_k_q8_by_rows(values, d, sc, xq, x_runs, i0, g, lane0, sums, r
         return by_halves
 
     # Passes of more rows do not ask ahead (their kernels wait on computing more than on memory): the
-    # loops that ask took a second of a first start to compile.
+    # loops that ask took a second of a first start to compile (one and two rows compile after a load).
     asks_ahead = rows.literal_value <= 2
 
     def by_sub_blocks(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
