@@ -2,8 +2,8 @@
 
 The integer formats of ggml with a scale per 16 or 32 weights (Q4_0 … Q8_0, Q5_K, Q6_K) unpack to
 int8 with float32 scales (quants.py) and join each other in one matrix. Formats kept in their own bits
-never join another format: Q4_K and, on a processor with VNNI, Q6_K (k_quants.py), float16 and
-bfloat16 (their 16 bits, which the kernels widen), and the block formats (block_formats.py: Q2_K,
+never join another format: Q4_K and, on a processor with VNNI, Q6_K (k_quants.py; own_bits), float16
+and bfloat16 (their 16 bits, which the kernels widen), and the block formats (block_formats.py: Q2_K,
 Q3_K, the IQ and TQ formats, MXFP4, NVFP4, Q1_0, the GGUF's blocks as they are). A matrix whose parts
 differ there (q/k in Q3_K beside a Q5_K v) is a StackedMatrix of runs, each packed on its own. Any
 other format (F32, the formats read only by gguf.quants) makes the whole matrix float32.
@@ -33,7 +33,8 @@ HALF_TYPES = {Q.F16: np.uint16, Q.BF16: np.int16} if NATIVE else {Q.BF16: np.int
 # Q6_K keeps its bits (k_quants.py) where the processor adds products of bytes in one instruction (AVX-512
 # VNNI's vpdpbusd): there its kernel waits on memory, and reads 212 bytes per 256 weights where int8
 # reads 320 (a 7B's decoded token 0.87-0.91 of the time). With vpmaddubsw (AVX2) putting its bits
-# together costs about what the bytes save (a 7B token 1.02x): int8 there (docs/performance.md).
+# together costs about what the bytes save (a 7B token 1.02x): int8 there (docs/performance.md). A model
+# with int8 matrices anyway keeps its Q6_K in int8 too (own_bits).
 Q6_K_IN_BITS = PROFILE.byte_dot == "vnni"
 # The formats kept in their own bits, each the kind of packed matrix it makes
 OWN_BITS = {
@@ -49,49 +50,63 @@ KINDS = {
 }
 
 
-def kinds_of(formats: set) -> set[str]:
-    """The kinds of packed matrix that parts of these formats make, one per part pack makes."""
-    if formats - set(INTEGER_FORMATS) - set(OWN_BITS):
+def own_bits(type_names) -> dict:
+    """The formats a model kept in their own bits, from its tensors' type names: OWN_BITS, less Q6_K where
+    the model has matrices in int8 anyway (Q5_0, Q8_0…, as small models whose widths are not multiples
+    of 256 have): there Q6_K is a small share of the bytes, and in its bits a kind of kernel more for a
+    first start to compile (3 s of the default model's, which decoded no faster: docs/performance.md)."""
+    formats = {Q[name] for name in type_names if name in Q.__members__}
+    if Q.Q6_K in OWN_BITS and formats & (set(INTEGER_FORMATS) - set(OWN_BITS)):
+        return {qtype: kind for qtype, kind in OWN_BITS.items() if qtype != Q.Q6_K}
+    return OWN_BITS
+
+
+def kinds_of(formats: set, own: dict = OWN_BITS) -> set[str]:
+    """The kinds of packed matrix that parts of these formats make, one per part pack makes (`own`: the
+    formats kept in their own bits, own_bits)."""
+    if formats - set(INTEGER_FORMATS) - set(own):
         return {"float weights"}
-    own, rest = formats & set(OWN_BITS), formats - set(OWN_BITS)
-    return {OWN_BITS[qtype] for qtype in own} | ({kind_of(rest)} if rest else set())
+    kept, rest = formats & set(own), formats - set(own)
+    return {own[qtype] for qtype in kept} | ({kind_of(rest, own)} if rest else set())
 
 
-def kind_of(formats: set) -> str:
+def kind_of(formats: set, own: dict = OWN_BITS) -> str:
     """The kind of packed matrix that parts of these formats make, joined in one (pack_one decides by it):
     a format of its own bits alone keeps them; joined with others, only integer formats stay integers."""
-    if len(formats) == 1 and next(iter(formats)) in OWN_BITS:
-        return OWN_BITS[next(iter(formats))]
+    if len(formats) == 1 and next(iter(formats)) in own:
+        return own[next(iter(formats))]
     if formats - set(INTEGER_FORMATS):
         return "float weights"
     return "integer weights with offsets" if formats & set(HAS_OFFSETS) else "integer weights"
 
 
-def kind_taken(formats: set, inputs: str) -> str:
+def kind_taken(formats: set, inputs: str, own: dict = OWN_BITS) -> str:
     """The kind of packed matrix that products with these inputs ("f32" or "q8") read for parts of these
     formats joined in one: kind_of's, but Q6_K, packed in its own bits, taken as int8 by float32 inputs
     (quants.for_inputs)."""
-    kind = kind_of(formats)
+    kind = kind_of(formats, own)
     return "integer weights" if kind == "Q6_K weights" and inputs == "f32" else kind
 
 
-def runs_of(parts: list) -> list[list]:
+def runs_of(parts: list, own: dict = OWN_BITS) -> list[list]:
     """Tensors to be stacked ((…, type, shape), as quants.pack's parts) in runs of consecutive parts of one
     format kept in its own bits, and of the others: a StackedMatrix's parts."""
     runs = [[parts[0]]]
     for part in parts[1:]:
-        if OWN_BITS.get(part[1]) == OWN_BITS.get(runs[-1][-1][1]):
+        if own.get(part[1]) == own.get(runs[-1][-1][1]):
             runs[-1].append(part)
         else:
             runs.append([part])
     return runs
 
 
-def layout(formats: set, n_rows: int, n_cols: int) -> list[tuple[tuple[int, ...], type] | None]:
+def layout(
+    formats: set, n_rows: int, n_cols: int, own: dict = OWN_BITS
+) -> list[tuple[tuple[int, ...], type] | None]:
     """The arrays (shape, dtype) that a matrix of parts in these formats packs into: values, scales and
     offsets, None where it has none (pack allocates them; packed_file.py reserves their room)."""
     groups = -(-n_rows // LANES)
-    kind = kind_of(formats)
+    kind = kind_of(formats, own)
     if kind == "float weights":
         return [((groups, n_cols, LANES), F32), None, None]
     if kind == "Q4_K weights":

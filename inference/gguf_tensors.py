@@ -102,7 +102,8 @@ class GGUFTensors:
         )
 
     def matrix(self, names: list[str], shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
-        packed = quants.pack([(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)])
+        parts = [(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)]
+        packed = quants.pack(parts, self.info.own_bits)
         self.release(*names)
         return packed
 

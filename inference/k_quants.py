@@ -22,8 +22,9 @@ more operations per weight, making the kernels compute-bound, and its long sums 
 from the exact product (test_kernels).
 
 Q6_K (the output matrix and some ffn_down and attn_v of a Q4_K_M model) keeps its ql and qh bytes the
-same way where the processor has VNNI (formats.Q6_K_IN_BITS; its layout further down), for products of
-inputs as bytes; float32 inputs take it as int8 (quants.for_inputs).
+same way where the processor has VNNI and the model no other int8 matrices (formats.own_bits; its
+layout further down), for products of inputs as bytes; float32 inputs take it as int8
+(quants.for_inputs).
 """
 
 from __future__ import annotations

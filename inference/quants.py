@@ -14,9 +14,9 @@ product keeps a compiler from vectorizing it).
 
 A matrix all in Q4_K (most of a Q4_K_M model's bytes) keeps the GGUF's own bits instead, interleaved
 the same way (k_quants.py): int8 with float32 scales is 2.2x its bytes, which decode reads every token
-and which RAM holds; so does Q6_K on a processor with VNNI (formats.Q6_K_IN_BITS: int8 is 1.5x its
-bytes). So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4 (block_formats.py). Which formats join in
-one matrix, and the arrays each kind packs into: formats.py.
+and which RAM holds; so does Q6_K on a processor with VNNI, in a model with no other int8 matrices
+(formats.own_bits: int8 is 1.5x its bytes). So do Q2_K, Q3_K, the IQ and TQ formats and MXFP4
+(block_formats.py). Which formats join in one matrix, and the arrays each kind packs into: formats.py.
 """
 
 from __future__ import annotations
@@ -238,23 +238,26 @@ def _interleave_rows(a, row0, out):
             out[g, j, lane] = a[i, j]
 
 
-def pack(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix | StackedMatrix:
+def pack(
+    parts: list[tuple[np.ndarray, Q, tuple[int, int]]], own: dict = OWN_BITS
+) -> PackedMatrix | StackedMatrix:
     """GGUF tensors (bytes [n_rows, row_bytes], type, shape) with the same columns → their rows in one
-    PackedMatrix (q/k/v, gate/up: one kernel call), or where a format kept in its own bits meets
-    others, a StackedMatrix (formats.py)."""
-    if len(kinds_of({qtype for _, qtype, _ in parts})) == 1:
-        return pack_one(parts)
-    return StackedMatrix([pack_one(run) for run in runs_of(parts)])
+    PackedMatrix (q/k/v, gate/up: one kernel call), or where a format kept in its own bits (`own`: the
+    model's, formats.own_bits) meets others, a StackedMatrix (formats.py)."""
+    if len(kinds_of({qtype for _, qtype, _ in parts}, own)) == 1:
+        return pack_one(parts, own)
+    return StackedMatrix([pack_one(run, own) for run in runs_of(parts, own)])
 
 
-def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix:
+def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]], own: dict = OWN_BITS) -> PackedMatrix:
     """pack into one PackedMatrix. Parts of different formats meet on the finest group size and zero
     offsets, which changes no weight; a float part makes it all float32."""
     n_cols = parts[0][2][1]
     n_rows = sum(shape[0] for _, _, shape in parts)
     formats = {qtype for _, qtype, _ in parts}
-    values, scales, offsets = (None if a is None else np.zeros(*a) for a in layout(formats, n_rows, n_cols))
-    kind = kind_of(formats)
+    arrays = layout(formats, n_rows, n_cols, own)
+    values, scales, offsets = (None if a is None else np.zeros(*a) for a in arrays)
+    kind = kind_of(formats, own)
     row0 = 0
     for raw, qtype, shape in parts:
         if kind == "float weights":
@@ -265,7 +268,7 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]]) -> PackedMatrix
             _in_parallel_over_groups(
                 k_quants.pack_q6_k_blocks, raw, qtype, shape, row0, (values, scales, offsets)
             )
-        elif qtype in HALF_TYPES and kind == OWN_BITS[qtype]:  # their 16 bits
+        elif qtype in HALF_TYPES and kind == own.get(qtype):  # their 16 bits
             _interleave_rows(raw.view(HALF_TYPES[qtype]).reshape(shape), row0, values)
         elif values.ndim == 4:  # the GGUF's blocks, byte for byte (block_formats.py)
             blocks = block_formats.packed_rows(raw, qtype, shape[0])
@@ -313,9 +316,11 @@ def for_inputs(w: PackedMatrix, inputs: str) -> PackedMatrix:
     return PackedMatrix(values, scales, None, w.n_rows, inputs)
 
 
-def zero_matrix(formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32") -> PackedMatrix:
+def zero_matrix(
+    formats, shape: tuple[int, int] = (LANES, 256), activations: str = "f32", own: dict = OWN_BITS
+) -> PackedMatrix:
     """A matrix of a format (or of formats joined in one), all zeros, laid out as pack lays it out but
     not packed (the unpacking loops compile only where a model is packed)."""
     formats = {formats} if isinstance(formats, Q) else set(formats)
-    arrays = (None if a is None else np.zeros(*a) for a in layout(formats, *shape))
+    arrays = (None if a is None else np.zeros(*a) for a in layout(formats, *shape, own))
     return PackedMatrix(*arrays, n_rows=shape[0], activations=activations)

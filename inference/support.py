@@ -9,7 +9,7 @@ from pathlib import Path
 from . import quants
 from .config import ARCHITECTURES
 from .errors import ModelError
-from .formats import OWN_BITS
+from .formats import OWN_BITS, own_bits
 from .gguf_file import open_gguf, read_metadata
 from .gguf_tensors import UNREADABLE, GGUFTensors, readable_format
 from .tokenizer import Tokenizer
@@ -32,6 +32,7 @@ def gguf_needs(path: Path) -> dict:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    own = own_bits(t.tensor_type.name for t in reader.tensors)
     arch = meta.get("general.architecture")
     tokenizer = meta.get("tokenizer.ggml.model")
     pre = meta.get("tokenizer.ggml.pre")
@@ -40,14 +41,14 @@ def gguf_needs(path: Path) -> dict:
         "architecture": arch,
         "architecture_supported": arch in ARCHITECTURES,
         "tokenizer": f"{tokenizer} ({pre})" if pre else tokenizer,
-        "formats": {name: {"tensors": n, "kept": _kept(name)} for name, n in sorted(counts.items())},
+        "formats": {name: {"tensors": n, "kept": _kept(name, own)} for name, n in sorted(counts.items())},
         "problem": _problem(path, meta),
     }
 
 
-def _kept(type_name: str) -> str:
+def _kept(type_name: str, own: dict) -> str:
     try:
-        kind = quants.kind_of({readable_format(type_name)})
+        kind = quants.kind_of({readable_format(type_name)}, own)
     except UNREADABLE:
         return "not read here"
     return KEPT.get(kind, kind)

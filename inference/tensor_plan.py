@@ -108,14 +108,15 @@ def matrix_plan(cfg: ModelConfig, tensors: dict) -> Plan:
     an entry with its type_name)."""
     output = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     plan = [("output", [output], [(cfg.n_vocab, cfg.n_embd)])]
+    own = formats.own_bits(t.type_name for t in tensors.values())
     for i in range(cfg.n_layer):
         shapes = layer_tensors(cfg, i, tensors)
         for name, parts in layer_matrices(cfg, i, tensors):
-            plan += _runs(tensors, name, parts, [part_shape(shapes, n) for n in parts])
+            plan += _runs(tensors, name, parts, [part_shape(shapes, n) for n in parts], own)
     return plan
 
 
-def _runs(tensors: dict, name: str, parts: list[str], shapes: list[tuple[int, int]]) -> Plan:
+def _runs(tensors: dict, name: str, parts: list[str], shapes: list[tuple[int, int]], own: dict) -> Plan:
     """A matrix of the plan; or where a format kept in its own bits meets others (q/k in Q4_K beside a
     Q6_K v: formats.py), its runs, each packed (and kept in the packed file) on its own as name#0,
     name#1…, multiplied as one StackedMatrix."""
@@ -123,9 +124,9 @@ def _runs(tensors: dict, name: str, parts: list[str], shapes: list[tuple[int, in
     if None in types or not all(t in gguf.GGMLQuantizationType.__members__ for t in types):
         return [(name, parts, shapes)]  # load_weights' check names the missing tensor or its type
     typed = [(n, gguf.GGMLQuantizationType[t], s) for n, t, s in zip(parts, types, shapes, strict=True)]
-    if len(quants.kinds_of({qtype for _, qtype, _ in typed})) == 1:
+    if len(quants.kinds_of({qtype for _, qtype, _ in typed}, own)) == 1:
         return [(name, parts, shapes)]
-    runs = formats.runs_of(typed)
+    runs = formats.runs_of(typed, own)
     return [(f"{name}#{j}", [n for n, _, _ in run], [s for _, _, s in run]) for j, run in enumerate(runs)]
 
 

@@ -21,18 +21,19 @@ Q = gguf.GGMLQuantizationType
 
 
 def compile_kernels(
-    progress=None, matrices=None, activations: str = kernels.DEFAULT_ACTIVATIONS, inputs=None
+    progress=None, matrices=None, activations: str = kernels.DEFAULT_ACTIVATIONS, inputs=None, own=OWN_BITS
 ) -> float:
     """Compile (first start) or load from the cache (later starts) the kernels that the model's
     `matrices` take (each a format, or the set of formats joined in one; None: every kind, and the
     attention of every cache type) with its `activations` (kernels.ACTIVATIONS), so that no first reply
     waits on the compiler: each signature once, on a tiny example, progress told after each. `inputs`:
     what each of `matrices` takes as inputs, "f32" or "q8" (activations.inputs_of); None: `activations`
-    for all. What only a prompt past KERNEL_ROWS rows takes (the crossover to BLAS, quantizing on the
+    for all; `own`: the formats the model keeps in their own bits (formats.own_bits). What only a prompt
+    past KERNEL_ROWS rows takes (the crossover to BLAS, quantizing on the
     threads) is left to compile_long_prompts, and a model's attention kernel to compile_attention:
     nothing before KERNEL_ATTENTION_FROM cached positions calls it. Returns the seconds it took."""
     t0 = time.perf_counter()
-    steps, float_kinds = _compile_steps(matrices, activations, inputs)
+    steps, float_kinds = _compile_steps(matrices, activations, inputs, own)
     cached = all(in_cache(k) for k in kernels.COMPILED)
     label = "loading compiled kernels" if cached else "compiling kernels (first start only)"
     for i, (what, compile_one) in enumerate(steps):
@@ -65,14 +66,14 @@ def _measured_with_tiles(kinds: list[tuple[str, Q]]) -> int | None:
     return n
 
 
-def _parts(formats) -> list[set]:
+def _parts(formats, own=OWN_BITS) -> list[set]:
     """The formats of each part that pack makes of a matrix of these formats (None: one of each kind)."""
     if formats is None:
         return [{qtype} for qtype in KINDS]
     formats = {formats} if isinstance(formats, Q) else set(formats)
-    own = formats & set(OWN_BITS)
-    if own and len(kinds_of(formats)) > 1:  # the rows of each format in its own bits a part of their own
-        return [{qtype} for qtype in own] + ([formats - own] if formats - own else [])
+    kept = formats & set(own)
+    if kept and len(kinds_of(formats, own)) > 1:  # each format in its own bits a part of its own
+        return [{qtype} for qtype in kept] + ([formats - kept] if formats - kept else [])
     return [formats]
 
 
@@ -85,7 +86,7 @@ def _kinds(matrices) -> list[tuple[str, Q]]:
     return [(kind, qtype) for qtype, kind in KINDS.items() if kind in found]
 
 
-def _compile_steps(matrices, activations: str, inputs=None) -> tuple[list, list[tuple[str, Q]]]:
+def _compile_steps(matrices, activations: str, inputs=None, own=OWN_BITS) -> tuple[list, list[tuple[str, Q]]]:
     """The steps that compile what `matrices` take, and the kinds among them with float32 inputs. A kind
     whose matrices all take bytes needs no float32 kernel ("mixed" without `inputs`: either, for all).
     The unpacking loops are not among them: they compile where a model is packed, its first start."""
@@ -93,12 +94,12 @@ def _compile_steps(matrices, activations: str, inputs=None) -> tuple[list, list[
     takes = [activations] * len(entries) if inputs is None else inputs
     float_kinds, byte_kinds = set(), set()
     for formats, taken in zip(entries, takes, strict=True):
-        for part in _parts(formats):
-            bytes_too = taken != "f32" and kernels.takes_bytes(zero_matrix(part, activations="q8"))
+        for part in _parts(formats, own):
+            bytes_too = taken != "f32" and kernels.takes_bytes(zero_matrix(part, activations="q8", own=own))
             if bytes_too:
-                byte_kinds.add(kind_taken(part, "q8"))
+                byte_kinds.add(kind_taken(part, "q8", own))
             if not bytes_too or taken == "mixed" or matrices is None:
-                float_kinds.add(kind_taken(part, "f32"))
+                float_kinds.add(kind_taken(part, "f32", own))
     floats = [(what, qtype) for what, qtype in _kinds(None) if what in float_kinds]
     steps = [(what, partial(_multiply_example, qtype)) for what, qtype in floats]
     if byte_kinds:

@@ -24,7 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from . import ggml_quants, kernels, packed_file, quants, warmup
+from . import formats, ggml_quants, kernels, packed_file, quants, warmup
 from .activation_modes import DEFAULT_ACTIVATIONS
 from .activations import BYTES_REVISION, inputs_of
 from .catalog import assembled_model_at, cache_dir, ensure_model
@@ -57,7 +57,12 @@ class Prepared:
     def matrix_formats(self) -> list[tuple[gguf.GGMLQuantizationType, ...]]:
         """The GGUF types of each matrix the kernels multiply (q/k/v and gate/up each one matrix of
         their parts' types): what the kernels must be compiled for."""
-        return sorted({formats for formats, _ in self.matrix_kinds})
+        return sorted({types for types, _ in self.matrix_kinds})
+
+    @property
+    def own_bits(self) -> dict:
+        """The formats this model keeps in their own bits (formats.own_bits)."""
+        return formats.own_bits(t.type_name for t in self.tensors.values())
 
     @property
     def matrix_kinds(self) -> list[tuple[tuple[gguf.GGMLQuantizationType, ...], str]]:
@@ -68,8 +73,8 @@ class Prepared:
             names = {self.tensors[n].type_name for n in (tensor_of(p)[0] for p in parts) if n in self.tensors}
             known = sorted(n for n in names if n in gguf.GGMLQuantizationType.__members__)
             if known:
-                formats = tuple(gguf.GGMLQuantizationType[n] for n in known)
-                kinds.add((formats, inputs_of(self.activations, name)))
+                types = tuple(gguf.GGMLQuantizationType[n] for n in known)
+                kinds.add((types, inputs_of(self.activations, name)))
         return sorted(kinds)
 
     @property
@@ -168,7 +173,8 @@ def compile_kernels_for(info: Prepared, progress: Progress | None = None) -> flo
     """warmup.compile_kernels for the model's kinds of matrix and what each takes as inputs: what its
     first reply runs. Returns the seconds it took."""
     kinds = info.matrix_kinds
-    return warmup.compile_kernels(progress, [f for f, _ in kinds], info.activations, [i for _, i in kinds])
+    matrices, inputs = [f for f, _ in kinds], [i for _, i in kinds]
+    return warmup.compile_kernels(progress, matrices, info.activations, inputs, info.own_bits)
 
 
 def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bool = True) -> Weights:
@@ -289,11 +295,11 @@ def _expert_biases(small: dict[str, np.ndarray], cfg: ModelConfig, i: int) -> di
 
 def _packed_layout(info: Prepared, plan: Plan) -> dict[str, packed_file.Layout]:
     """Each matrix of the plan: its rows, and the arrays (shape, dtype) it packs into."""
-    expected = {}
+    expected, own = {}, info.own_bits
     for name, parts, shapes in plan:
-        formats = {gguf.GGMLQuantizationType[info.tensors[tensor_of(n)[0]].type_name] for n in parts}
+        types = {gguf.GGMLQuantizationType[info.tensors[tensor_of(n)[0]].type_name] for n in parts}
         n_rows = sum(s[0] for s in shapes)
-        expected[name] = (n_rows, quants.layout(formats, n_rows, shapes[0][1]))
+        expected[name] = (n_rows, quants.layout(types, n_rows, shapes[0][1], own))
     return expected
 
 

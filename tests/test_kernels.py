@@ -386,6 +386,22 @@ def test_q6_k_in_its_bits_and_as_int8_give_the_same_weights_and_products():
             assert np.array_equal(got, want), (inputs, n)
 
 
+def test_a_model_with_int8_matrices_keeps_its_q6_k_in_int8():
+    """Where the processor keeps Q6_K in its bits (formats.Q6_K_IN_BITS), a model whose other matrices are
+    int8 anyway (Q5_0, Q8_0: the default model) keeps its Q6_K in int8 too, one kind of kernel fewer to
+    compile; a Q4_K_M model of 256-wide matrices keeps its bits. q/k in Q5_0 with a Q6_K v then join in
+    one matrix, as before there was a Q6_K in bits."""
+    q4_k_m = formats.own_bits(["Q4_K", "Q6_K", "F32"])
+    small = formats.own_bits(["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+    assert (T.Q6_K in q4_k_m) == formats.Q6_K_IN_BITS and T.Q6_K not in small and T.Q4_K in small
+    parts = [(T.Q5_0, (64, 256)), (T.Q6_K, (32, 256))]
+    raws = [raw_tensor(t, s, seed=i) for i, (t, s) in enumerate(parts)]
+    joined = quants.pack([(r, t, s) for r, (t, s) in zip(raws, parts)], small)
+    assert not hasattr(joined, "parts") and joined.values.dtype == np.int8
+    expected = np.concatenate([reference(t, r, s) for r, (t, s) in zip(raws, parts)])
+    assert np.array_equal(kernels.rows(joined, np.arange(96)), expected)
+
+
 def test_every_float16_scale_is_read_exactly():
     """All 65,536 float16 bit patterns as Q8_0 block scales (subnormals, infinities, NaN included)."""
     shape = (2048, 1024)  # 65,536 blocks of 32
