@@ -174,11 +174,11 @@ def test_a_whole_file_without_the_models_matrices_is_packed_again(qwen2):
 def test_a_crash_while_packing_leaves_no_file_a_later_load_trusts(qwen2, monkeypatch):
     pack, calls = quants.pack, []
 
-    def crashing(parts):
+    def crashing(parts, own):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt  # as a Ctrl-C halfway through
-        return pack(parts)
+        return pack(parts, own)
 
     monkeypatch.setattr(quants, "pack", crashing)
     with pytest.raises(KeyboardInterrupt):
