@@ -44,6 +44,7 @@ class GGUFTensors:
 
     def __init__(self, info):  # a weights.Prepared: its path, config and table of tensors
         self.info, self.path = info, info.path
+        self.own_bits = info.own_bits  # (formats.own_bits: once, not for each matrix packed)
 
     @functools.cached_property
     def mapped(self) -> mmap.mmap:
@@ -103,7 +104,7 @@ class GGUFTensors:
 
     def matrix(self, names: list[str], shapes: list[tuple[int, int]]) -> quants.PackedMatrix:
         parts = [(self.raw(n, s), self.qtype(n), s) for n, s in zip(names, shapes, strict=True)]
-        packed = quants.pack(parts, self.info.own_bits)
+        packed = quants.pack(parts, self.own_bits)
         self.release(*names)
         return packed
 
