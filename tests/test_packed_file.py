@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import mmap
 import os
 import resource
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from test_synthetic_model import TINY, synthetic
 
-from llama_chat.inference import formats, load_model, packed_file, quants
+from llama_chat.inference import formats, gguf_tensors, load_model, packed_file, quants
 from llama_chat.inference.model import Model
 from llama_chat.inference.weights import _prepared_dir, prepare
 from tiny_models import write_tiny_model
@@ -87,6 +90,41 @@ def test_q6_k_is_taken_as_int8_by_float32_inputs(q4_k_m):
     assert v.values.dtype == np.int8 and model.weights.layers[1].ffn_gate_up.in_q4_k
     unpacked = Model(prepare(q4_k_m, use_cache=False, activations="f32"))
     assert np.array_equal(logits(model), unpacked.logits(unpacked.tokenizer.encode(TEXT)))
+
+
+def in_page_cache(path, offset: int, length: int) -> bool:
+    """Whether the page cache holds those bytes of a file: mincore(2) over a mapping of them, which reads
+    nothing (a read that may not wait would itself start reading ahead)."""
+    page = mmap.PAGESIZE
+    first, n = offset // page, (offset + length - 1) // page - offset // page + 1
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    where = ctypes.c_char.from_buffer(mapped, first * page)
+    address, pages = ctypes.c_void_p(ctypes.addressof(where)), (ctypes.c_ubyte * n)()
+    done = ctypes.CDLL(None).mincore(address, ctypes.c_size_t(n * page), pages)
+    del where
+    mapped.close()
+    assert done == 0
+    return all(p & 1 for p in pages)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no advice to the page cache (macOS, Windows)")
+def test_an_embedding_table_is_read_into_the_page_cache_in_the_background_whatever_its_size(tmp_path):
+    # (a 7B's table is 300 MB; one request to read ahead reads no more than the disk's readahead window)
+    path, mb = tmp_path / "model.gguf", 1 << 20
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 48 * mb, np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # as after a restart of the machine
+    os.close(fd)
+    if in_page_cache(path, 0, mb):
+        pytest.skip("this file system keeps the file in the page cache whatever it is told")
+    gguf_tensors.read_ahead(path, 3 * mb + 100, 40 * mb).join()  # the table: 40 MB from 3 MB on
+    for _ in range(600):  # the reads were asked for; they end soon after, busy disk or not
+        if in_page_cache(path, 3 * mb + 100, 40 * mb):
+            break
+        time.sleep(0.05)
+    assert in_page_cache(path, 3 * mb + 100, 40 * mb)
 
 
 def test_a_changed_gguf_is_packed_again(tmp_path):
