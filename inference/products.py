@@ -24,10 +24,10 @@ import numpy as np
 from numba import carray, types
 from numba.extending import overload
 
-from . import block_formats, k_quants
+from . import block_formats, k_quants, threads
 from .activations import quantize_rows, quantize_rows_reference
 from .byte_vectors import _byte_column_dots, in_lane_order
-from .cpu import PROFILE
+from .cpu import PARALLEL_PRODUCT_FROM, PROFILE
 from .half import to_floats
 from .jit import njit, prange
 from .vectors import _dequantize_column, _multiply_add, _prefetch, _registers
@@ -319,7 +319,11 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
         product = _product
         if n % ROWS:  # the passes read ROWS rows at a time: zeros after the last
             x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
-    _multiply(product, x, w, out)
+    if n == 1 and w.nbytes < PARALLEL_PRODUCT_FROM:
+        with threads.kernels_on_this_thread():
+            _multiply(product, x, w, out)
+    else:
+        _multiply(product, x, w, out)
     return out[:, : w.n_rows]
 
 

@@ -9,8 +9,9 @@ every BLAS thread it started with (`--threads`). Figures: docs/performance.md, "
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numba
 import numpy as np
@@ -35,6 +36,18 @@ def blas_on_one_thread(one: bool) -> None:
 
 def blas_is_on_one_thread() -> bool:
     return _blas_on_one
+
+
+@contextmanager
+def kernels_on_this_thread() -> Iterator[None]:
+    """numba's parallel kernels run on the calling thread alone while in the block: they wake no other
+    thread (numba's count is the calling thread's own, so other threads' kernels keep theirs)."""
+    n = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(n)
 
 
 def in_parallel(tasks: list[Callable[[], np.ndarray]]) -> list[np.ndarray]:

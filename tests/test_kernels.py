@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from llama_chat.inference import blas_crossover, cpu, formats, ggml_quants, k_quants, kernels, quants, warmup
+from llama_chat.inference.threads import kernels_on_this_thread
 
 T = gguf.GGMLQuantizationType
 # Kept in their own bits: the 16-bit floats and the block formats (formats.OWN_BITS)
@@ -96,6 +97,23 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(qtype):
         together = kernels.matmul(x[:n], w)
         for i in range(n):
             assert np.array_equal(together[i], alone[i]), (n, i)
+
+
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_a_row_gets_the_same_bits_on_the_calling_thread_alone_as_over_all_threads(activations):
+    """A one-row product of a small matrix runs on the calling thread alone (cpu.PARALLEL_PRODUCT_FROM),
+    of a larger one over the threads: a row's result is the same either way."""
+    shape = (1024, 2304)
+    w = replace(quants.pack([(raw_tensor(T.Q8_0, shape), T.Q8_0, shape)]), activations=activations)
+    assert w.nbytes >= cpu.PARALLEL_PRODUCT_FROM  # (this one splits over the threads)
+    x = np.random.default_rng(3).standard_normal((1, shape[1])).astype(np.float32)
+    before = numba.get_num_threads()
+    over_all = kernels.matmul(x, w)
+    with kernels_on_this_thread():
+        assert numba.get_num_threads() == 1
+        alone = kernels.matmul(x, w)
+    assert numba.get_num_threads() == before
+    assert np.array_equal(over_all, alone)
 
 
 @pytest.mark.parametrize(
