@@ -1,5 +1,5 @@
-"""The threads the kernels run on besides numba's own: how many BLAS uses, and a pool for work split by
-hand (a prompt's attention by query rows, unpacking a matrix by groups of rows).
+"""The threads the kernels run on: how many BLAS uses, numba's own left asleep for a small product, and a
+pool for work split by hand (a prompt's attention by query rows, unpacking a matrix by groups of rows).
 
 OpenBLAS's threads spin for a while after each call before they sleep. In a step of the kernels BLAS only
 multiplies the attention's small matrices, and its spinning threads would take the cores from the
