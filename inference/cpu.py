@@ -47,8 +47,9 @@ KERNEL_ATTENTION_FROM = 256
 PARALLEL_ATTENTION_FROM = 8192
 # From this many bytes of weights a product of one row splits over numba's threads. Those sleep between
 # kernels (docs/performance.md, "Threads"), and waking one takes ~0.1 ms on a virtual machine's vCPU,
-# longer than the calling thread alone takes to read a smaller matrix (a 0.5B's attention matrices).
-PARALLEL_PRODUCT_FROM = 2 << 20
+# longer than the calling thread alone takes to read a smaller matrix (a 0.5B's attention matrices,
+# 0.9 MB; a 7B's keys, 1.06 MB, were slower alone).
+PARALLEL_PRODUCT_FROM = 1 << 20
 # From this many input numbers quantize_rows runs on numba's threads: waking them costs more than
 # quantizing a few rows takes.
 QUANTIZE_IN_PARALLEL_FROM = 1 << 16
