@@ -129,9 +129,10 @@ class GGUFTensors:
 
 def read_ahead(path, offset: int, length: int) -> threading.Thread | None:
     """Have the kernel read bytes offset… of a file into the page cache, on a thread of its own: a prompt's
-    rows of a table the disk has not read yet would each wait on a read of their own (for a 32-token
-    prompt to Qwen3-30B-A3B, a third of the prefill's time: docs/performance.md, "A start maps the packed
-    weights"). The thread, where one was started: it ends once the requests are made, before the reads."""
+    rows of a table the disk has not read yet would each wait on a read of their own (a 32-token prompt
+    to the synthetic 7B 14-20 % slower: benchmarks/cold_prompt.py, docs/performance.md, "A start maps the
+    packed weights"). The thread, where one was started: it ends once the requests are made, before the
+    reads."""
     if not hasattr(os, "posix_fadvise"):  # (not on macOS or Windows)
         return None
 
