@@ -71,6 +71,11 @@ def llama_cpp_cmake_args(isa: str) -> list[str]:
     ]
 
 
+def compiles_for(isa: str) -> bool:
+    """Whether this process's kernels are compiled for `isa` (as our_env runs them)."""
+    return (os.environ.get("NUMBA_CPU_NAME") == "haswell") == (isa == "avx2")
+
+
 def our_env(isa: str, base: dict | None = None) -> dict:
     """The environment that runs llama-chat's kernels compiled for `isa` (native: unchanged). A named
     processor alone brings its own features (inference/cpu.py), and each profile compiles into its own

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
+
+from isa import compiles_for, our_env
 
 # The default model's (Qwen2.5-Coder-0.5B Q4_K_M) matrices as the forward pass multiplies them (fused
 # q/k/v and gate/up), each in the format most of its layers have: rows, columns, GGUF type.
@@ -33,14 +34,6 @@ MATRICES = {
 }
 DEFAULT_MATRICES = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down", "output")
 ROWS = (1, 2, 4, 8, 32, 64)
-# numba's AVX2 target: haswell, and the features of an AVX2 machine (no AVX-512), on any x86 host.
-AVX2_ENV = {
-    "NUMBA_CPU_NAME": "haswell",
-    "NUMBA_CPU_FEATURES": "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+lzcnt,"
-    "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt",
-}
-
-
 def time_product(product, x, w, clock=time.perf_counter, budget_s: float = 0.4, most: int = 30) -> float:
     """The fastest of repeated runs (a busy machine only ever makes a run slower), in seconds."""
     product(x, w)  # compiled, pages touched
@@ -109,16 +102,16 @@ def main() -> None:
     args = parser.parse_args()
     rows = tuple(int(n) for n in args.rows.split(","))
     names = args.matrices.split(",")
-    if args.profile != "both":
+    if args.profile != "both" and compiles_for(args.profile):
         clock = time.process_time if args.cpu_time else time.perf_counter
         results = measure(rows, names, clock, args.activations)
         print(json.dumps(results) if args.json else print_table(results) or "", flush=True)
         return
-    for profile, extra in (("native", {}), ("avx2", AVX2_ENV)):
+    for profile in ("native", "avx2") if args.profile == "both" else (args.profile,):
         argv = [sys.executable, __file__, "--profile", profile, "--rows", args.rows]
         argv += ["--matrices", args.matrices, "--activations", args.activations]
         argv += ["--cpu-time"] if args.cpu_time else []
-        subprocess.run([*argv, *(["--json"] if args.json else [])], env={**os.environ, **extra}, check=True)
+        subprocess.run([*argv, *(["--json"] if args.json else [])], env=our_env(profile), check=True)
 
 
 if __name__ == "__main__":
