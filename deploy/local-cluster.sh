@@ -160,10 +160,20 @@ start_server() {  # start_server NAME PORT
 }
 
 wait_ready() {  # every server in DIR/servers answers /health with 200
-    local name port deadline=$((SECONDS + WAIT_S))
+    local name port tries deadline=$((SECONDS + WAIT_S))
     while read -r name port; do
+        tries=0
         until [[ $(health "$port") == 200 ]]; do
-            alive "$DIR/pids/$name.pid" serve || die "$name stopped while starting: $(tail -3 "$DIR/logs/$name.log")"
+            if ! alive "$DIR/pids/$name.pid" serve; then
+                # Another process took its port after free_ports found it free: start it on another.
+                grep -q "Address already in use" <(tail -3 "$DIR/logs/$name.log") && ((++tries <= 3)) ||
+                    die "$name stopped while starting: $(tail -3 "$DIR/logs/$name.log")"
+                port=$(free_ports 1)
+                say "$name lost its port to another process: starting it on $port"
+                write_start "$name" "$port"
+                "$DIR/$name.start"
+                sed -i "s/^$name .*/$name $port/" "$DIR/servers"
+            fi
             ((SECONDS < deadline)) || die "$name is not ready after ${WAIT_S} s: $DIR/logs/$name.log"
             sleep 0.5
         done
@@ -208,7 +218,7 @@ start() {
     rm -f "$DIR/servers"
     trap 'status=$?; if ((status)); then say "failed: stopping what was started"; stop; fi' EXIT
     local ports
-    read -r -a ports <<<"$(free_ports $((6 + SERVERS + 3)))"
+    read -r -a ports <<<"$(free_ports $((6 + SERVERS)))"
     start_redis "${ports[@]:0:6}"
     (
         umask 077  # the secret that signs the KV blocks: readable by this user only
@@ -225,8 +235,8 @@ start() {
     for ((i = 1; i <= SERVERS; i++)); do
         start_server "s$i" "${ports[5 + i]}"
     done
-    echo "${ports[6 + SERVERS]} ${ports[7 + SERVERS]} ${ports[8 + SERVERS]}" >"$DIR/balancer"
     wait_ready
+    free_ports 3 >"$DIR/balancer"  # chosen as late as can be: until HAProxy binds, another may take one
     write_balancer
     say "Redis Cluster on 127.0.0.1:$(paste -sd, "$DIR/redis-ports"); servers: $(paste -sd, "$DIR/servers")"
     balancer
@@ -240,6 +250,7 @@ add_server() {
     port=$(free_ports 1)
     start_server "s$n" "$port"
     wait_ready
+    read -r _ port < <(grep "^s$n " "$DIR/servers")  # (wait_ready moves a server whose port was taken)
     write_balancer  # the file says what runs, for HAProxy's next start
     # Into the running HAProxy through its runtime API, not by a reload: its table of which server
     # holds which conversation stays whole. (A server added so takes no default-server line.)
