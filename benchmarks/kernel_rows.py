@@ -34,6 +34,8 @@ MATRICES = {
 }
 DEFAULT_MATRICES = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down", "output")
 ROWS = (1, 2, 4, 8, 32, 64)
+
+
 def time_product(product, x, w, clock=time.perf_counter, budget_s: float = 0.4, most: int = 30) -> float:
     """The fastest of repeated runs (a busy machine only ever makes a run slower), in seconds."""
     product(x, w)  # compiled, pages touched
