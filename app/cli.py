@@ -83,6 +83,14 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         help="decode one token at a time (no prompt lookup: the replies are the same, only slower or faster)",
     )
     group.add_argument(
+        "--no-mmap",
+        action="store_true",
+        default=default(False),
+        help="read the weights into memory instead of mapping them from their packed file, as llama.cpp's "
+        "--no-mmap: a longer start and memory no other process shares; decode faster where the page "
+        "cache reads slower than a process's own memory (some virtual machines)",
+    )
+    group.add_argument(
         "--kv-remote",
         metavar="URL",
         default=default(os.environ.get("LLAMA_CHAT_KV_REMOTE")),

@@ -20,4 +20,6 @@ def engine_options(args, **given) -> EngineOptions:
             options[field.name] = value
     if getattr(args, "no_lookup", False):
         options["prompt_lookup"] = False
+    if getattr(args, "no_mmap", False):
+        options["use_mmap"] = False
     return EngineOptions(**{**options, **given})

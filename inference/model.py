@@ -206,6 +206,7 @@ def load_model(
     cache_type: str = DEFAULT_CACHE_TYPE,
     activations: str = DEFAULT_ACTIVATIONS,
     n_ctx: int | None = None,
+    use_mmap: bool = True,
 ) -> Model:
     """Load a model by short name (None: the default model) or by the path of a GGUF file.
 
@@ -218,14 +219,16 @@ def load_model(
     "q8", the default, quantized to bytes as llama.cpp, or "mixed": bytes only where they come from a
     norm; KV of each is kept apart, by the fingerprint); `n_ctx` the context its sequences are
     given (--ctx): where a model's RoPE depends on it (phi3's LongRoPE), as llama.cpp decides by its
-    context (config.with_context); None: as the GGUF reads."""
+    context (config.with_context); None: as the GGUF reads; `use_mmap` False (--no-mmap, as llama.cpp's)
+    reads the packed matrices into the process's own memory instead of mapping them: a longer start,
+    memory no other process shares, a faster decode where the page cache reads slower (packed_file.py)."""
     known = KNOWN_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))
     # An assembled file a start by name neither assembles nor packs from stays, as does one loaded by its
     # path: it was asked for itself (catalog.resolve_model: a benchmark, llama.cpp); one a start by name
     # assembles or packs from is removed once its packed file is whole.
     asked_for = known is not None and model_path(known).exists() and holds_model(model_path(known))
     path = locate_model(name_or_path, progress)
-    prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx)
+    prepared = prepare(path, progress, activations=activations, n_ctx=n_ctx, use_mmap=use_mmap)
     if known is not None and not asked_for and holds_model(path) and has_packages(known):
         remove_assembled(known)
     return Model(prepared, cache_ram_mb, block_size, prompt_lookup, prefill_batch, source, cache_type)

@@ -52,6 +52,8 @@ TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
 ALIGN = mmap.PAGESIZE
 HEAD_BYTES = 1 << 20  # of the GGUF, digested: its metadata and tensor table (or all of a small one)
 SPARE_BYTES = 1 << 30  # left free on the disk after packing: the chat's database still has to grow
+SPARE_MEMORY = 1 << 30  # left available after reading the weights into memory (--no-mmap)
+READ_PIECE = 1 << 20  # of an array read into memory, its digest taken while the piece is in the cache
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
@@ -93,16 +95,20 @@ def load_or_pack(
     expected: dict[str, Layout],
     progress: Progress | None = None,
     arrays: Arrays | None = None,
+    use_mmap: bool = True,
 ) -> Matrices:
     """The model's packed matrices and plain arrays mapped from their file, packed into it first where it
     is missing, stale or damaged (`expected`, `arrays`: what pack_all() gives, matrix by matrix and
-    array by array); packed in memory (pack_all() again) where it cannot be written. From then on, a
+    array by array); packed in memory (pack_all() again) where it cannot be written. Without `use_mmap`
+    the matrices are read from the file into the process's own memory (open_packed). From then on, a
     mapped file cut short by another program ends the process with one line (bus_error.py), not
     silently."""
     stop_cleanly_on_bus_error()
     arrays = arrays or {}
     target, identity = packed_path(gguf_path), gguf_identity(gguf_path)
-    matrices = open_packed(target, identity, expected, arrays)
+    reading = progress and partial(progress, f"reading {gguf_path.name} into memory")
+    open_it = partial(open_packed, target, identity, expected, arrays, use_mmap, reading)
+    matrices = open_it()
     if matrices is not None:
         return matrices
     try:
@@ -111,7 +117,7 @@ def load_or_pack(
         write_packed(
             target, identity, pack_all(), nbytes, progress and partial(progress, f"saving {gguf_path.name}")
         )
-        matrices = open_packed(target, identity, expected, arrays)
+        matrices = open_it()
     except OSError as e:
         reason = e.strerror or str(e)
         log.warning(
@@ -126,12 +132,21 @@ def _nbytes(spec) -> int:
 
 
 def open_packed(
-    path: Path, identity: dict, expected: dict[str, Layout], arrays: Arrays | None = None
+    path: Path,
+    identity: dict,
+    expected: dict[str, Layout],
+    arrays: Arrays | None = None,
+    use_mmap: bool = True,
+    reading: Progress | None = None,
 ) -> Matrices | None:
     """The matrices and plain arrays of a whole, current packed file, mapped copy-on-write (writable
     arrays, as the kernels are compiled for, whose writes never reach the file), each with the rows,
     shapes and dtypes expected and the bytes its digests say; None where there is none such, with one
-    line where the file is there but damaged."""
+    line where the file is there but damaged. Without `use_mmap` the matrices are read into memory of
+    the process's own instead, as their digests are checked (`reading` told as each is), where the
+    memory available holds them (else they are mapped, with one line): a decode reads that memory
+    faster on a virtual machine whose page cache reads slower (docs/performance.md, "Weights on 2 MB
+    pages"), a start takes longer and no other process shares it."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -141,16 +156,24 @@ def open_packed(
             if header.get("gguf") != identity:
                 return None
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        # Pages the page cache lost are read from the disk as the digests are checked (now, not one fault
-        # at a time in the first token): on a mapping advised huge, each fault reads 2 MB folios ahead;
-        # elsewhere MADV_WILLNEED reads them all at once (in 4 KB folios, so not where huge ones come).
-        if not advise_huge(mapped):
-            mapped.madvise(mmap.MADV_WILLNEED)
-        matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
-        plain = {name: _array(mapped, spec, header["end"]) for name, spec in header["arrays"].items()}
-        if _layouts(matrices) != _layouts_of(expected) or _shapes(plain) != _shapes_of(arrays or {}):
-            return None
-        _check_digests(mapped, header["matrices"] | {n: {"arrays": [s]} for n, s in header["arrays"].items()})
+            # Pages the page cache lost are read from the disk as the digests are checked (now, not one
+            # fault at a time in the first token): on a mapping advised huge, each fault reads 2 MB folios
+            # ahead; elsewhere MADV_WILLNEED reads them all at once (in 4 KB folios, so not where huge
+            # ones come).
+            if not advise_huge(mapped):
+                mapped.madvise(mmap.MADV_WILLNEED)
+            matrices = {name: _matrix(mapped, m, header["end"]) for name, m in header["matrices"].items()}
+            plain = {name: _array(mapped, spec, header["end"]) for name, spec in header["arrays"].items()}
+            if _layouts(matrices) != _layouts_of(expected) or _shapes(plain) != _shapes_of(arrays or {}):
+                return None
+            read = not use_mmap and _room_for(path, sum(m.nbytes for m in matrices.values()))
+            entries = header["matrices"] | {n: {"arrays": [s]} for n, s in header["arrays"].items()}
+            copies = _check_digests(
+                mapped, entries, f.fileno() if read else None, set(header["matrices"]), reading
+            )
+        for name, m in matrices.items():
+            kept = [copies.get((name, k), a) for k, a in enumerate((m.values, m.scales, m.offsets))]
+            matrices[name] = PackedMatrix(*kept, n_rows=m.n_rows)
         return matrices | plain
     except DamagedFile as e:
         log.warning(f"{path}: damaged ({e}); packing {Path(identity['path']).name} again")
@@ -250,20 +273,74 @@ def _array(mapped: mmap.mmap, spec: list, end: int) -> np.ndarray:
     return np.frombuffer(mapped, dtype, count, offset).reshape(shape)
 
 
-def _check_digests(mapped: mmap.mmap, entries: dict) -> None:
-    """Every array's bytes against the CRC-32 packing wrote, on all cores (zlib lets go of the GIL),
-    the largest first. Raises DamagedFile naming a matrix whose bytes differ."""
-    arrays = [(name, spec) for name, entry in entries.items() for spec in entry["arrays"] if spec]
-    arrays.sort(key=lambda array: -_spec_nbytes(array[1]))
+def available_memory() -> int | None:
+    """The bytes of memory the kernel says are available (the page cache it can drop counts), or None
+    where it does not say (no /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _room_for(path: Path, nbytes: int) -> bool:
+    """Whether `nbytes` of weights fit in the memory available with a GiB to spare (for the KV cache and
+    the rest); if not, one line saying they are mapped instead."""
+    available = available_memory()
+    if available is None or nbytes + SPARE_MEMORY <= available:
+        return True
+    log.warning(
+        f"{path.name}: {nbytes / 1e9:.1f} GB of weights do not fit in the {available / 1e9:.1f} GB of memory "
+        "available; mapping them from the file instead"
+    )
+    return False
+
+
+def _check_digests(
+    mapped: mmap.mmap,
+    entries: dict,
+    fd: int | None = None,
+    read: set = frozenset(),
+    reading: Progress | None = None,
+) -> dict:
+    """Every array's bytes against the CRC-32 packing wrote, on all cores (zlib and reads let go of the
+    GIL), the largest first. Given the file `fd`, the arrays of the matrices named in `read` are read
+    from it into arrays of their own a piece at a time, each piece's digest taken while it is in the
+    cache, and returned by (matrix, index of the array), `reading` told as each is done. Raises
+    DamagedFile naming a matrix whose bytes differ."""
+    arrays = [
+        (name, k, spec) for name, entry in entries.items() for k, spec in enumerate(entry["arrays"]) if spec
+    ]
+    arrays.sort(key=lambda array: -_spec_nbytes(array[2]))
+    copies, total, done = {}, sum(_spec_nbytes(spec) for _, _, spec in arrays), 0
     with memoryview(mapped) as data, ThreadPoolExecutor() as pool:
 
         def intact(array) -> bool:
-            offset, crc = array[1][2:]
-            return zlib.crc32(data[offset : offset + _spec_nbytes(array[1])]) == crc
+            name, k, spec = array
+            offset, crc = spec[2:]
+            nbytes = _spec_nbytes(spec)
+            if fd is None or name not in read:
+                return zlib.crc32(data[offset : offset + nbytes]) == crc
+            copy = np.empty(spec[1], np.dtype(spec[0]))
+            into, digest = memoryview(copy.reshape(-1).view(np.uint8)), 0
+            for at in range(0, nbytes, READ_PIECE):
+                piece = into[at : at + READ_PIECE]
+                if os.preadv(fd, [piece], offset + at) != len(piece):
+                    return False
+                digest = zlib.crc32(piece, digest)
+            copies[name, k] = copy
+            return digest == crc
 
-        damaged = [name for (name, _), ok in zip(arrays, pool.map(intact, arrays), strict=True) if not ok]
+        damaged = []
+        for (name, _, spec), ok in zip(arrays, pool.map(intact, arrays), strict=True):
+            if not ok:
+                damaged.append(name)
+            done += _spec_nbytes(spec)
+            if fd is not None and reading is not None:
+                reading(done, total)
     if damaged:
         raise DamagedFile(f"the bytes of {damaged[0]} are not those packed")
+    return copies
 
 
 def _spec_nbytes(spec: list) -> int:

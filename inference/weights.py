@@ -132,15 +132,17 @@ def prepare(
     use_cache: bool = True,
     activations: str = DEFAULT_ACTIVATIONS,
     n_ctx: int | None = None,
+    use_mmap: bool = True,
 ) -> Prepared:
     """Metadata and weights, their products taking `activations` (kernels.ACTIVATIONS), for a context of
-    n_ctx tokens per sequence (config.with_context; None: the model's own): everything a Model needs."""
+    n_ctx tokens per sequence (config.with_context; None: the model's own), the matrices mapped from
+    their packed file or (not `use_mmap`) read into memory: everything a Model needs."""
     if activations not in kernels.ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, not {activations!r}")
     info = model_info(path, progress, use_cache)
     info.config = with_context(info.config, info.metadata, n_ctx)
     info.activations = activations
-    info.weights = load_weights(info, progress, use_cache)
+    info.weights = load_weights(info, progress, use_cache, use_mmap)
     return info
 
 
@@ -177,10 +179,13 @@ def compile_kernels_for(info: Prepared, progress: Progress | None = None) -> flo
     return warmup.compile_kernels(progress, matrices, info.activations, inputs, info.own_bits)
 
 
-def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bool = True) -> Weights:
+def load_weights(
+    info: Prepared, progress: Progress | None = None, use_cache: bool = True, use_mmap: bool = True
+) -> Weights:
     """The weights as the kernels read them: matrices stay in their integer formats (Q4_K in its own
     bits, the others int8 with their scales), mapped from their packed file in the cache (packed into it
-    on a first start: packed_file.py; in memory without the cache); small tensors (norms, biases) become
+    on a first start: packed_file.py; read from it into memory without `use_mmap`; packed in memory
+    without the cache); small tensors (norms, biases) become
     float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
     and one for gate/up."""
     path, cfg = info.path, info.config
@@ -203,7 +208,8 @@ def load_weights(info: Prepared, progress: Progress | None = None, use_cache: bo
             yield TABLE, gguf_file.table(TABLE, table_shape)
 
     if use_cache:
-        stored = packed_file.load_or_pack(path, pack_all, _packed_layout(info, plan), progress, kept)
+        layout = _packed_layout(info, plan)
+        stored = packed_file.load_or_pack(path, pack_all, layout, progress, kept, use_mmap)
     else:
         stored = dict(pack_all())
     matrices = {name: m for name, m in stored.items() if name not in kept}

@@ -43,6 +43,18 @@ def test_cache_type_chooses_the_live_kv_cache_of_the_model_a_command_opens(qwen2
         assert k.dtype == v.dtype == dtype and model.pool.cache_type == cache_type
 
 
+def test_no_mmap_reads_the_weights_of_the_model_a_command_opens_into_memory(qwen2):
+    from test_packed_file import from_the_file
+
+    from llama_chat.app.commands import open_model
+
+    parser = build_parser()
+    for given, mapped in (([], True), (["--no-mmap"], False), (["sessions", "list", "--no-mmap"], False)):
+        words = ["--model", str(qwen2), *given] + ([] if "sessions" in given else ["sessions", "list"])
+        matrices = open_model(parser.parse_args(words)).weights.matrices()
+        assert {from_the_file(m.values) for m in matrices} == {mapped}
+
+
 def test_activations_choose_what_the_products_of_the_model_a_command_opens_take(tiny_model_paths, capsys):
     from llama_chat.app.commands import open_model
 

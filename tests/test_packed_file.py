@@ -63,6 +63,52 @@ def test_a_second_load_maps_the_packed_file_and_gives_the_same_logits(tiny_model
     assert len(packed_files(tiny_model_path)) == 1
 
 
+def from_the_file(a: np.ndarray) -> bool:
+    """Whether an array's memory is the packed file's mapping."""
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = a.obj if isinstance(a, memoryview) else a.base
+    return a is not None
+
+
+def test_no_mmap_reads_the_weights_into_memory_of_their_own_with_progress_and_the_same_logits(qwen2):
+    mapped = loaded(qwen2)[0]
+    steps = []
+    own = load_model(qwen2, progress=lambda *step: steps.append(step), use_mmap=False)
+    reading = [(done, total) for label, done, total in steps if label == f"reading {qwen2.name} into memory"]
+    assert len(reading) > 3 and reading == sorted(reading) and reading[-1][0] == reading[-1][1]
+    matrices = own.weights.matrices()
+    assert matrices and not any(from_the_file(m.values) for m in matrices)
+    assert all(from_the_file(m.values) for m in mapped.weights.matrices())
+    before = logits(own)
+    assert np.array_equal(before, logits(mapped))
+    # The file overwritten in place, as no llama-chat ever writes it: the mapped weights read the new
+    # bytes, the model's own memory keeps those it checked.
+    _overwrite_middle(packed_file.packed_path(qwen2))
+    assert np.array_equal(logits(own), before)
+    with np.errstate(all="ignore"):  # (random bytes as weights)
+        assert not np.array_equal(logits(mapped), before)
+
+
+def test_no_mmap_finds_a_damaged_file_as_it_reads_it(qwen2, caplog):
+    before = logits(loaded(qwen2)[0])
+    _overwrite_middle(packed_file.packed_path(qwen2))
+    steps = []
+    model = load_model(qwen2, progress=lambda label, *_: steps.append(label), use_mmap=False)
+    assert any(s.startswith("packing") for s in steps)
+    assert np.array_equal(logits(model), before)
+    assert _one_line(caplog).startswith(f"{packed_file.packed_path(qwen2)}: damaged (")
+
+
+def test_weights_that_do_not_fit_in_the_memory_available_are_mapped_with_one_line(qwen2, caplog, monkeypatch):
+    before = logits(loaded(qwen2)[0])
+    monkeypatch.setattr(packed_file, "available_memory", lambda: 1 << 30)  # less than a GiB to spare
+    model = load_model(qwen2, use_mmap=False)
+    line = _one_line(caplog)
+    assert line.startswith(f"{packed_file.packed_path(qwen2).name}: ") and "mapping them" in line
+    assert all(from_the_file(m.values) for m in model.weights.matrices())
+    assert np.array_equal(logits(model), before)
+
+
 def test_packing_shows_progress_that_moves(qwen2):
     steps = []
     load_model(qwen2, progress=lambda *step: steps.append(step))

@@ -634,6 +634,8 @@ def test_the_flags_reach_the_server_options(tmp_path, capsys):
     assert engine.activations == "q8"
     served_by_default = options_from(build_parser().parse_args([*db, "serve"]))[0].engine
     assert served_by_default.activations == DEFAULT_ACTIVATIONS  # as chat and ask
+    assert served_by_default.use_mmap
+    assert not options_from(build_parser().parse_args([*db, "serve", "--no-mmap"]))[0].engine.use_mmap
     assert options_from(build_parser().parse_args([*db, "serve"]))[0].max_connections == MAX_CONNECTIONS
     assert (
         options_from(build_parser().parse_args([*db, "serve", "--drain-seconds", "5"]))[0].drain_seconds == 5

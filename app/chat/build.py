@@ -43,6 +43,7 @@ class EngineOptions:
     cache_type: str = DEFAULT_CACHE_TYPE  # --cache-type: the live KV cache's element type
     activations: str = DEFAULT_ACTIVATIONS  # --activations: what matrix products take their inputs as
     prompt_lookup: bool = True  # --no-lookup
+    use_mmap: bool = True  # --no-mmap: the weights read into memory, not mapped from their packed file
     codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
     kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
     kv_secret: str | None = None  # --kv-secret: what signs them there
@@ -114,6 +115,7 @@ def open_model(options: EngineOptions, progress: Progress | None = None) -> Mode
         activations=options.activations,
         prompt_lookup=options.prompt_lookup,
         n_ctx=options.n_ctx,
+        use_mmap=options.use_mmap,
     )
 
 

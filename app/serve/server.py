@@ -223,7 +223,7 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
             given[option] = getattr(args, flag)
     options = ServeOptions(
         db=args.db, model=args.model,
-        prompt_lookup=not args.no_lookup,
+        prompt_lookup=not args.no_lookup, use_mmap=not getattr(args, "no_mmap", False),
         kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),
         allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()), **given,
     )

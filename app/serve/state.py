@@ -60,6 +60,7 @@ class ServeOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     codec: str = CODEC
     prompt_lookup: bool = True
+    use_mmap: bool = True  # --no-mmap: the weights read into memory
     max_body: int = MAX_BODY
     kv_remote: str | None = None  # a Redis/Valkey URL: KV blocks shared with other servers
     kv_secret: str | None = None  # what signs them there
@@ -86,6 +87,7 @@ class ServeOptions:
             cache_type=self.cache_type,
             activations=self.activations,
             prompt_lookup=self.prompt_lookup,
+            use_mmap=self.use_mmap,
             codec=self.codec,
             kv_remote=self.kv_remote,
             kv_secret=self.kv_secret,
