@@ -2,7 +2,7 @@
 
     python benchmarks/compare_llamacpp.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--llamacpp ISA=PYTHON ...] [--decode-tokens 16] [--lookup-tokens 160] [--full]
-        [--prefill-long 512] [--turn-cached 1024] [--activations f32|q8|mixed]
+        [--prefill-long 512] [--turn-cached 1024] [--activations f32|q8|mixed] [--no-mmap]
 
 Per engine: warm load (to the first token: llama.cpp maps the file, llama-chat reads its prepared
 weights; then one token each, which touches every weight page), prefill of 32 and of 512 tokens, decode at
@@ -59,7 +59,7 @@ t = time.perf_counter()
 from llama_chat.inference import load_model
 import_s = time.perf_counter() - t
 t = time.perf_counter()
-model = load_model(spec["path"], activations=spec["activations"])
+model = load_model(spec["path"], activations=spec["activations"], use_mmap=spec["use_mmap"])
 warm_up = model.new_sequence(2)
 model.forward(spec["ids"][:1], warm_up)  # on a first start, compiles the kernels
 warm_up.free()
@@ -120,7 +120,10 @@ import llama_cpp
 from llama_cpp import Llama
 import_s = time.perf_counter() - t
 t = time.perf_counter()
-llm = Llama(model_path=spec["path"], n_ctx=4096, n_batch=512, n_threads=spec["threads"], verbose=False)
+llm = Llama(
+    model_path=spec["path"], n_ctx=4096, n_batch=512, n_threads=spec["threads"], use_mmap=spec["use_mmap"],
+    verbose=False,
+)
 llm.eval(spec["ids"][:1])  # touches every mapped weight page, as llama-server's warm-up does
 llm.reset()
 out = {"load_s": time.perf_counter() - t, "import_s": import_s}
@@ -245,8 +248,10 @@ def make_spec(
     decode_tokens: int = 16,
     lookup_tokens: int = 160,
     activations: str = DEFAULT_ACTIVATIONS,
+    use_mmap: bool = True,
 ) -> dict:
-    """What both children measure (JSON in their argv): the model, its sample tokens and the sizes."""
+    """What both children measure (JSON in their argv): the model, its sample tokens and the sizes, and
+    whether both map the weights (else read into memory: llama-chat's --no-mmap, llama.cpp's)."""
     return {
         "path": path,
         "threads": threads,
@@ -259,6 +264,7 @@ def make_spec(
         "decode_tokens": decode_tokens,
         "lookup_tokens": lookup_tokens,
         "activations": activations,
+        "use_mmap": use_mmap,
         "warm_up_only": False,
     }
 
@@ -347,6 +353,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="what llama-chat's products take their inputs as (default %(default)s; q8: bytes, as "
         "llama.cpp's; f32: exactly)",
     )
+    parser.add_argument(
+        "--no-mmap",
+        action="store_true",
+        help="both engines read the weights into memory instead of mapping them (llama-chat's --no-mmap, "
+        "llama.cpp's use_mmap=False)",
+    )
 
 
 def engine_profiles(parser: argparse.ArgumentParser, args) -> dict[str, str]:
@@ -381,6 +393,7 @@ def main() -> int:
         "cpu": cpu_name(),
         "threads": args.threads,
         "activations": args.activations,
+        "use_mmap": not args.no_mmap,
     }
     if args.full:
         cmd = [
@@ -398,7 +411,7 @@ def main() -> int:
         result["llama_chat_bench"] = json.loads(out.strip().splitlines()[-1])
     spec = make_spec(
         path, args.threads, args.prefill_long, args.turn_cached, args.decode_tokens, args.lookup_tokens,
-        args.activations,
+        args.activations, not args.no_mmap,
     )
     result |= {"prefill_long": args.prefill_long, "decode_tokens": args.decode_tokens}
     result |= compare(spec, profiles, args.rounds)

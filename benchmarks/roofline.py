@@ -3,7 +3,7 @@ against the peak rate of the instructions that multiply.
 
     python benchmarks/roofline.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--llamacpp ISA=PYTHON ...] [--prefill-long 512] [--decode-tokens 16] [--activations f32|q8|mixed]
-        [--from-compare FILE] [--limits FILE ...]
+        [--no-mmap] [--from-compare FILE] [--limits FILE ...]
 
 A ratio to llama.cpp moves from machine to machine; the fraction of the machine's limits each engine
 reaches is what carries over. Three parts:
@@ -178,7 +178,8 @@ def print_report(result: dict, isas: list[str]) -> None:
         f"model: {Path(result['model']).name}: a decoded token reads {gb:.3f} GB (weights "
         f"{result['weight_bytes'] / 1e9:.3f} GB, KV at {result['decode_context']} "
         f"{result['kv_bytes_per_token'] / 1e6:.1f} MB); a prefill token does "
-        f"{result['prefill_ops_per_token'] / 1e9:.2f} GOP ({result['prefill_tokens']} tokens)"
+        f"{result['prefill_ops_per_token'] / 1e9:.2f} GOP ({result['prefill_tokens']} tokens); the weights "
+        + ("mapped from their files" if result["use_mmap"] else "read into each engine's memory (--no-mmap)")
     )
     for isa in isas:
         limits, row = result["limits"][isa], result[isa]
@@ -202,11 +203,14 @@ def print_report(result: dict, isas: list[str]) -> None:
 
 def engines(args, path: str, profiles: dict) -> dict:
     """compare_llamacpp.py's result: measured now (no turn, no code edit) unless read from --from-compare."""
-    spec = make_spec(path, args.threads, args.prefill_long, 0, args.decode_tokens, 0, args.activations)
+    spec = make_spec(
+        path, args.threads, args.prefill_long, 0, args.decode_tokens, 0, args.activations, not args.no_mmap
+    )
     return {
         "model": path,
         "threads": args.threads,
         "activations": args.activations,
+        "use_mmap": not args.no_mmap,
         "prefill_long": args.prefill_long,
         "decode_tokens": args.decode_tokens,
         **compare(spec, profiles, args.rounds),
@@ -245,6 +249,7 @@ def main() -> int:
         "cpu": cpu_name(),
         "threads": threads,
         "activations": measured["activations"],
+        "use_mmap": measured.get("use_mmap", True),
         **{key: value for key, value in first.items() if key.startswith("bandwidth_gb_s")},
         **model_needs(info, measured["prefill_long"], measured["decode_tokens"]),
         "limits": limits,
