@@ -166,7 +166,12 @@ def open_packed(
             plain = {name: _array(mapped, spec, header["end"]) for name, spec in header["arrays"].items()}
             if _layouts(matrices) != _layouts_of(expected) or _shapes(plain) != _shapes_of(arrays or {}):
                 return None
-            read = not use_mmap and _room_for(path, sum(m.nbytes for m in matrices.values()))
+            # (os.preadv: Linux and the BSDs; elsewhere the matrices stay mapped)
+            read = (
+                not use_mmap
+                and hasattr(os, "preadv")
+                and _room_for(path, sum(m.nbytes for m in matrices.values()))
+            )
             entries = header["matrices"] | {n: {"arrays": [s]} for n, s in header["arrays"].items()}
             copies = _check_digests(
                 mapped, entries, f.fileno() if read else None, set(header["matrices"]), reading
