@@ -4,6 +4,7 @@ with the real `openai` client — and what the serve tests share."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import threading
 import time
@@ -123,6 +124,24 @@ def error_of(response) -> tuple[int, dict]:
 def post(s: Served, body, **headers):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return s.raw("POST", "/v1/chat/completions", data, {"Content-Type": "application/json", **headers})
+
+
+class StderrLines(io.TextIOBase):
+    """What is written to sys.stderr while it is redirected here (contextlib.redirect_stderr), a write a
+    line (the server's log writes each line in one). Waiting on it loses nothing: polling capfd or
+    capsys does, as their readouterr() empties what it read, and a line the server writes between the
+    read and the emptying is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append(text.rstrip("\n"))
+        return len(text)
+
+    def said(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
 
 
 def wait_for(condition, timeout_s: float = 20) -> None:

@@ -6,6 +6,7 @@ refusals: sampling values that overflow, server paths in errors, imports checked
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -27,7 +28,7 @@ from llama_chat.app.serve.state import MAX_CONNECTIONS
 from llama_chat.inference.activation_modes import DEFAULT_ACTIVATIONS
 from llama_chat.storage.exchange import HEADER_SIZE
 from llama_chat.storage.exchange.format import pack_header
-from served import MODEL, Served, error_of, upload, wait_for
+from served import MODEL, Served, StderrLines, error_of, upload, wait_for
 
 PAGE = "http://app.example"  # the one web page the shared server lets in
 
@@ -357,24 +358,21 @@ def test_a_body_sent_at_a_fair_rate_may_take_longer_than_the_deadline(tmp_path, 
 
 
 def test_a_client_leaving_mid_body_is_one_line_in_the_log(served, capfd):
-    lines = []
-
-    def said(text: str) -> bool:
-        lines.extend(capfd.readouterr().err.splitlines())
-        return any(text in line for line in lines)
-
-    for path, kind in (
-        ("/v1/chat/completions", "application/json"),
-        ("/v1/sessions/import", "application/octet-stream"),
-    ):
-        sock = socket.create_connection(address(served), timeout=20)
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {kind}\r\n"
-                     f"Content-Length: 1000\r\n\r\n{{".encode())
-        sock.close()
-        wait_for(lambda path=path: said(f"POST {path} 499 "))
-    assert served.ask("hi").choices[0].message.content is not None
-    wait_for(lambda: said("POST /v1/chat/completions 200 "))  # a request's line comes once it is answered
-    assert len(lines) == 3 and "Traceback" not in "\n".join(lines), lines  # and the request after
+    log = StderrLines()
+    with contextlib.redirect_stderr(log):
+        for path, kind in (
+            ("/v1/chat/completions", "application/json"),
+            ("/v1/sessions/import", "application/octet-stream"),
+        ):
+            sock = socket.create_connection(address(served), timeout=20)
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {kind}\r\n"
+                         f"Content-Length: 1000\r\n\r\n{{".encode())
+            sock.close()
+            wait_for(lambda path=path: log.said(f"POST {path} 499 "))
+        assert served.ask("hi").choices[0].message.content is not None
+        wait_for(lambda: log.said("POST /v1/chat/completions 200 "))  # a line comes once it is answered
+    assert len(log.lines) == 3, log.lines  # and the request after
+    assert "Traceback" not in "\n".join(log.lines) + capfd.readouterr().err
 
 
 def test_past_max_connections_a_request_gets_503_and_its_connection_is_closed(tmp_path, qwen2):
@@ -574,14 +572,15 @@ def test_an_unforeseen_failure_says_its_kind_to_the_client_and_the_rest_to_the_l
     assert "/srv/secret/chat.db" in capsys.readouterr().err
 
 
-def test_the_log_shows_what_a_client_sent_without_its_control_characters(served, capsys):
-    capsys.readouterr()
-    status, _, _ = served.raw("GET", "/v1/%1b]0;owned%07%1b[2Jx%0aGET%20/forged")  # a title, a clear, a line
-    assert status == 404
-    lines = []
-    # the request's line is written once its answer is sent: the client may read the answer first
-    wait_for(lambda: lines.extend(capsys.readouterr().err.splitlines()) or any("owned" in x for x in lines))
-    (line,) = [line for line in lines if "owned" in line]
+def test_the_log_shows_what_a_client_sent_without_its_control_characters(served):
+    log = StderrLines()
+    with contextlib.redirect_stderr(log):
+        # a title, a clear, a line
+        status, _, _ = served.raw("GET", "/v1/%1b]0;owned%07%1b[2Jx%0aGET%20/forged")
+        assert status == 404
+        # the request's line is written once its answer is sent: the client may read the answer first
+        wait_for(lambda: log.said("owned"))
+    (line,) = [line for line in log.lines if "owned" in line]
     assert line.startswith("llama-chat serve: GET /v1/\\x1b]0;owned\\x07\\x1b[2Jx\\x0aGET /forged 404")
 
 
