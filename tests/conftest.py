@@ -63,11 +63,12 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def _free_gib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
-    except (OSError, StopIteration):  # no /proc (macOS): half of the memory
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**31
+    from llama_chat.inference.packed_file import available_memory
+
+    available = available_memory()
+    if available is None:  # no /proc (macOS): half of the memory
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    return available / 2**30
 
 
 def _starts_workers(config) -> bool:
