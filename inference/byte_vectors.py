@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu import PROFILE
-from .vectors import _data, _fma, _splat, _vector_at
+from .vectors import _data, _fma, _splat, _vector_at, ask_for
 
 
 def _chunk(n: int) -> int:
@@ -353,24 +353,26 @@ def in_lane_order(typingctx, sums, rows, width):
 
 @intrinsic
 def _q6_k_half_dots(
-    typingctx, values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width
+    typingctx, values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width, ahead
 ):
     """One row's share of half a Q6_K block (its 16 words of ql bytes from values.flat[ql_at…] and 8 of
     qh bytes from values.flat[qh_at…], LANES words apart): for each of its 8 sub-blocks s of 16 columns
     in turn, sums[:width] += d·sc · ((Σ (q − 32)·x̂) · x_scale), fused. Each word is read once for the 4
     sub-blocks it holds bits of, their sums side by side in registers. d the float32 at d.flat[d_at…],
     sc the int8 at sc.flat[sc_at + s·lanes…]; the row's bytes the 32-bit words from xq.flat[xq_at],
-    the scale of run k at x_scales.flat[xs_at + 2·k] (quantize_rows' x_runs)."""
-    if (literals := _literal_values(width)) is None:
+    the scale of run k at x_scales.flat[xs_at + 2·k] (quantize_rows' x_runs). With each read of weights
+    it asks for the line `ahead` bytes further (a literal; 0: none), so that the asks go out spread among
+    the reads: a burst of them ahead of a half block held up the reads themselves."""
+    if (literals := _literal_values(width, ahead)) is None:
         return None
-    (n,) = literals
+    n, ahead_bytes = literals
 
     def codegen(context, builder, signature, args):
         pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 4, 6, 8, 9)]
         ql_at, qh_at, lanes, xq_at, xs_at, d_at, sc_at = _casts(
             context, builder, signature, args, (1, 2, 3, 5, 7, 10, 11)
         )
-        q6 = _Q6K(builder, pointers, args[12], lanes, xq_at, None, xs_at, None, d_at, n)
+        q6 = _Q6K(builder, pointers, args[12], lanes, xq_at, None, xs_at, None, d_at, n, ahead_bytes)
         ql_ptr, qh_ptr = q6.words_at(ql_at), q6.words_at(qh_at)
         biases = [q6.bias(0, 8 * (s // 2) + 4 * (s % 2)) for s in range(8)]
         paired = q6.how in ("bw", "avx2")  # two words' 16-bit pairs added before widening: ≤ 2·2·63·127
@@ -397,7 +399,9 @@ def _q6_k_half_dots(
             b.store(total, at_sums, align=4)
         return context.get_dummy_value()
 
-    sig_args = (values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width)
+    sig_args = (
+        values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width, ahead,
+    )
     return types.void(*sig_args), codegen
 
 
@@ -455,8 +459,10 @@ def _q6_k_sub_block_dots(
 class _Q6K:
     """What both Q6_K intrinsics' code shares: where things are, and the steps of a sub-block."""
 
-    def __init__(self, builder, pointers, sums_ptr, lanes, xq_at, xq_stride, xs_at, xs_stride, d_at, n):
-        self.b, self.n, self.lanes = builder, n, lanes
+    def __init__(
+        self, builder, pointers, sums_ptr, lanes, xq_at, xq_stride, xs_at, xs_stride, d_at, n, ahead=0
+    ):
+        self.b, self.n, self.lanes, self.ahead = builder, n, lanes, ahead
         self.how, self.chunk = PROFILE.byte_dot, _chunk(n)
         i32, i64 = ir.IntType(32), ir.IntType(64)
         self.words_t = ir.VectorType(i32, self.chunk)
@@ -488,8 +494,10 @@ class _Q6K:
         return self.b.bitcast(self.b.gep(self.values_ptr, [at]), ir.IntType(32).as_pointer())
 
     def word(self, pointer, w, j):
-        """Word w from pointer, lanes j·chunk…"""
+        """Word w from pointer, lanes j·chunk… (asking for the line `ahead` bytes on)."""
         where = self.at(self.b.mul(self.lanes, ir.Constant(ir.IntType(64), w)), j * self.chunk)
+        if self.ahead:
+            ask_for(self.b, self.b.gep(pointer, [self.at(where, self.ahead // 4)]))
         return self.load(pointer, where, ir.IntType(32), 1)
 
     def x_word(self, i, w):

@@ -57,6 +57,12 @@ QUANTIZE_IN_PARALLEL_FROM = 1 << 16
 # prefetcher follows a stream only within a 4 KB page and starts over at the next one; half a page
 # ahead covers the memory's latency at the rate a kernel reads (nearer and farther measured no better).
 PREFETCH_BYTES = 2048
+# Into which caches the kernels ask for weights (llvm.prefetch's locality: 3 every level, prefetcht0; 1
+# the L2 and beyond, prefetcht2), by the processor's maker. On an AMD EPYC (Zen 4) asks into L1 took the
+# load buffers a kernel's own reads wait on: Q6_K's one-row product read 7–9 GB/s from RAM on one thread
+# with them, 20 asking into L2 (Q4_K, int8 alike either way); the Intel Xeons were tuned asking into L1
+# (docs/performance.md, "Weights asked for ahead").
+ASK_INTO = {"AuthenticAMD": 1}
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class Profile:
     byte_dot: str = "generic"  # how 8-bit inputs meet weights (byte_dot(); byte_vectors.py)
     quantize_in_parallel_from: int = QUANTIZE_IN_PARALLEL_FROM
     prefetch_bytes: int = PREFETCH_BYTES  # how far ahead the kernels ask for weights
+    ask_into: int = 3  # the caches they ask into (ASK_INTO)
 
     @property
     def ahead_in_passes(self) -> bool:
@@ -158,6 +165,16 @@ def byte_dot(isa: str, features: str) -> str:
     return "avx2" if isa == "AVX2" else "generic"
 
 
+def vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The processor's maker as the kernel names it ("GenuineIntel", "AuthenticAMD"; "" where unknown)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    return found.group(1) if found else ""
+
+
 def l2_bytes() -> int:
     try:
         size = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
@@ -173,6 +190,7 @@ def read_profile() -> Profile:
     return Profile(
         name, features, isa, floats, registers, lanes, rows, pass_lanes, l2_bytes() // 2,
         KERNEL_ATTENTION_FROM, PARALLEL_ATTENTION_FROM, byte_dot(isa, features),
+        ask_into=ASK_INTO.get(vendor(), 3),
     )
 
 

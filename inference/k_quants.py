@@ -323,6 +323,12 @@ def gguf_blocks(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, ids
 # kernels then do what they do for int8 values q − 32 with the scale d·sc, in the same order, so a
 # product's bits are the same as from int8.
 Q6_K_BLOCK_BYTES = 192  # ql and qh, a row's, per 256 weights
+# One row's product asks, with each word it reads, for the same word Q6_K_ASK_BLOCKS blocks on (every line
+# of a group asked for once, as far ahead). On an AMD EPYC (Zen 4) a 7B's ffn_gate_up shape read from RAM
+# at 29–30 GB/s on 2 threads asking 1 to 8 blocks ahead alike (20 on one), against 14 (7 on one) with
+# the asks of a half block all at once before it, as passes ask (benchmarks/read_rate.py).
+Q6_K_ASK_BLOCKS = 4
+Q6_K_ASK_AHEAD = Q6_K_ASK_BLOCKS * Q6_K_BLOCK_BYTES * LANES
 
 
 @njit(cache=True, nogil=True)
@@ -413,12 +419,11 @@ def _accumulate_q6_k_q8_by_rows(values, d, sc, xq, x_runs, i0, g, lane0, sums, r
             for b in range(d.shape[1]):
                 for h in range(2):
                     ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, lane0)
-                    if ahead:
-                        _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0)
                     first = 256 * b + 128 * h  # the half's first column
                     xq_at, xs_at = i0 * n_words + first // 4, 2 * (i0 * n_runs + first // 32) + 1
                     _q6_k_half_dots(
-                        values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, sums, width
+                        values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, sums,
+                        width, Q6_K_ASK_AHEAD,
                     )
 
         return by_halves

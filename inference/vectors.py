@@ -399,18 +399,24 @@ def _prefetch(typingctx, values, at, offset):
     waits there unless it asks ahead (cpu.py, Profile.prefetch_bytes)."""
 
     def codegen(context, builder, signature, args):
-        i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+        i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
         at, offset = (context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], signature.args[1:]))
         element = builder.gep(_data(context, builder, signature.args[0], args[0]), [at])
         ahead = builder.add(offset, ir.Constant(i64, PROFILE.prefetch_bytes))
-        line = builder.gep(builder.bitcast(element, i8p), [ahead])
-        kind = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0i8")
-        read, keep, data = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)
-        builder.call(fn, [line, read, keep, data])
+        ask_for(builder, builder.gep(builder.bitcast(element, i8p), [ahead]))
         return context.get_dummy_value()
 
     return types.void(values, at, offset), codegen
+
+
+def ask_for(builder, address):
+    """Code that asks for the cache line at `address` into the caches the profile asks into
+    (llvm.prefetch, a read of data: a hint, never a fault)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    kind = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0i8")
+    read, data = ir.Constant(i32, 0), ir.Constant(i32, 1)
+    builder.call(fn, [builder.bitcast(address, i8p), read, ir.Constant(i32, PROFILE.ask_into), data])
 
 
 @intrinsic

@@ -585,6 +585,20 @@ def test_the_kernel_shape_fits_the_register_file(isa, floats, registers):
         assert n * width // floats + width // floats + 1 <= registers, isa
 
 
+def test_the_kernels_ask_for_weights_into_the_caches_chosen_for_the_processors_maker(tmp_path):
+    """An AMD processor's kernels ask into L2 (llvm.prefetch locality 1), others' into every level (3);
+    the maker is /proc/cpuinfo's vendor_id, unknown where that file says nothing or is missing."""
+    amd, other, silent = tmp_path / "amd", tmp_path / "intel", tmp_path / "silent"
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    other.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
+    silent.write_text("processor\t: 0\n")
+    assert [cpu.vendor(p) for p in (amd, other, silent, tmp_path / "none")] == [
+        "AuthenticAMD", "GenuineIntel", "", "",
+    ]
+    assert cpu.ASK_INTO.get(cpu.vendor(amd), 3) == 1 and cpu.ASK_INTO.get(cpu.vendor(other), 3) == 3
+    assert cpu.PROFILE.ask_into == cpu.ASK_INTO.get(cpu.vendor(), 3)
+
+
 def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folder():
     """numba keys its cache by processor and features but not by LANES and ROWS, which change the
     code and the packed layout: each profile (its key names them) has a folder of its own."""
