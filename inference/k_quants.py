@@ -329,6 +329,7 @@ Q6_K_BLOCK_BYTES = 192  # ql and qh, a row's, per 256 weights
 # the asks of a half block all at once before it, as passes ask (benchmarks/read_rate.py).
 Q6_K_ASK_BLOCKS = 4
 Q6_K_ASK_AHEAD = Q6_K_ASK_BLOCKS * Q6_K_BLOCK_BYTES * LANES
+_Q6_K_ASK_OFFSET = Q6_K_ASK_AHEAD - PROFILE.prefetch_bytes  # _prefetch adds the profile's distance
 
 
 @njit(cache=True, nogil=True)
@@ -364,13 +365,17 @@ def _q6_k_half(values, d, g, b, h, lane0):
 
 
 @njit(cache=True, inline="always")
-def _ask_ahead_q6_k(values, ql_at, qh_at):
-    """Asks ahead for a half block's ql and qh bytes of every lane."""
+def _ask_ahead_q6_k(values, ql_at, qh_at, s):
+    """Asks, Q6_K_ASK_BLOCKS blocks on, for the words of every lane that sub-block s of a half block is
+    the first to read: ql words 4·s… of the first four, qh words 4·s… of the first two. A half block's
+    asks go out spread over its sub-blocks, each of its lines asked for once."""
     lanes = values.shape[2]
-    for line in range(0, 64 * lanes, 64):
-        _prefetch(values, ql_at, line)
-    for line in range(0, 32 * lanes, 64):
-        _prefetch(values, qh_at, line)
+    if s < 4:
+        for line in range(0, 16 * lanes, 64):
+            _prefetch(values, ql_at + 16 * lanes * s, _Q6_K_ASK_OFFSET + line)
+    if s < 2:
+        for line in range(0, 16 * lanes, 64):
+            _prefetch(values, qh_at + 16 * lanes * s, _Q6_K_ASK_OFFSET + line)
 
 
 @njit(cache=True, inline="always")
@@ -383,9 +388,9 @@ def accumulate_q6_k(values, d, sc, x, i0, g, lane0, sums, w, scale, rows, width,
     for b in range(d.shape[1]):
         for h in range(2):
             ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, lane0)
-            if ahead:
-                _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0)
             for s in range(8):  # columns 16·s… of the half: run k, its second 16 where s is odd
+                if ahead:
+                    _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0, s)
                 k, second = s // 2, s % 2
                 _q6_k_scales(d, sc, d_at, sc_at + s * lanes, scale, width)
                 for c in range(4):
@@ -439,10 +444,10 @@ def _accumulate_q6_k_q8_by_rows(values, d, sc, xq, x_runs, i0, g, lane0, sums, r
         for b in range(d.shape[1]):
             for h in range(2):
                 ql_at, qh_at, d_at, sc_at = _q6_k_half(values, d, g, b, h, lane0)
-                if asks_ahead and ahead:
-                    _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0)
                 first = 256 * b + 128 * h
                 for s in range(8):  # columns first + 16·s…: run k of the half, its second 16 where s is odd
+                    if asks_ahead and ahead:
+                        _ask_ahead_q6_k(values, ql_at - 4 * lane0, qh_at - 4 * lane0, s)
                     k, second = s // 2, s % 2
                     _q6_k_sub_block_dots(
                         values, ql_at + 4 * lanes * (8 * (k % 2) + 4 * second), qh_at + 16 * lanes * second,
