@@ -197,17 +197,25 @@ def _run_sums_q8(
 def accumulate_q8(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
     """accumulate for activations in bytes: xq [n, n_cols / 4] the rows' bytes four to a word, x_runs
     [n, n_cols / 32, 2] each run's Σ x and its bytes' scale (activations.quantize_rows). For one row a
-    pair of runs is read once (_pair_sums_q8: their sums fit the registers twice), for more a run at
-    a time. Compiled code only: the overload below picks by `rows` (a literal), so that each kernel
-    compiles one of the two."""
+    pair of runs is read once (_pair_sums_q8) where their sums fit the registers twice (PAIRS_OF_RUNS),
+    for more a run at a time. Compiled code only: the overload below picks by `rows` (a literal), so
+    that each kernel compiles one of the two."""
     raise NotImplementedError
+
+
+# Whether one row's product reads a pair of runs at once: with 32 vector registers. With AVX2's 16, LLVM
+# kept the pair's sums in them and stored each word it read to the stack for the second run. On an AMD
+# EPYC (Zen 4), the AVX2 profile, a 7B's ffn_gate_up shape alone read 27 GB/s from RAM on 2 threads so
+# and 38 a run at a time (the second run's words read again from L1); in a 7B's decode 28–29 and 31–32
+# (benchmarks/decode_matrices.py). AVX-512 alone reads 48–52 in pairs, 32–40 a run at a time.
+PAIRS_OF_RUNS = PROFILE.vector_registers >= 32
 
 
 @overload(accumulate_q8, inline="always", prefer_literal=True)
 def _accumulate_q8_by_rows(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
     if not isinstance(rows, types.IntegerLiteral):
         return None
-    if rows.literal_value == 1:
+    if rows.literal_value == 1 and PAIRS_OF_RUNS:
 
         def by_pairs(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, runs, rows, width, ahead):
             scale, offset, high = _registers(width), _registers(width), _registers(width)
