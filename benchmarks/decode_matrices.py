@@ -2,7 +2,7 @@
 rate it reads its bytes at, against the machine's read bandwidth.
 
     python benchmarks/decode_matrices.py [--model PATH] [--tokens 12] [--activations f32|q8] [--context N]
-        [--json]
+        [--no-mmap] [--json]
 
 Every product of a decode (kernels.matmul, and a mixture's experts all in one call:
 expert_products.grouped_product) is timed by the wall clock and by the process's CPU time (all
@@ -48,10 +48,10 @@ def matrix_kinds(weights, n_expert_used: int) -> dict[int, tuple[str, int]]:
     return kinds
 
 
-def measure(path: str, tokens: int, activations: str, context: int = 0) -> dict:
+def measure(path: str, tokens: int, activations: str, context: int = 0, use_mmap: bool = True) -> dict:
     from llama_chat.inference import expert_products, kernels, load_model
 
-    model = load_model(path, activations=activations)
+    model = load_model(path, activations=activations, use_mmap=use_mmap)
     kinds = matrix_kinds(model.weights, model.config.n_expert_used)
     token_totals: dict[str, list[float]] = {}
     depth = [0]
@@ -124,9 +124,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--activations", choices=("f32", "q8", "mixed"), default="f32")
     parser.add_argument("--context", type=int, default=0, help="tokens before the decoded ones (as a prompt)")
+    parser.add_argument("--no-mmap", action="store_true", help="the weights read into memory")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = measure(args.model, args.tokens, args.activations, args.context)
+    result = measure(args.model, args.tokens, args.activations, args.context, not args.no_mmap)
     if args.json:
         print(json.dumps(result))
         return
