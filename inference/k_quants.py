@@ -334,7 +334,8 @@ Q6_K_BLOCK_BYTES = 192  # ql and qh, a row's, per 256 weights
 # One row's product asks, with each word it reads, for the same word Q6_K_ASK_BLOCKS blocks on (every line
 # of a group asked for once, as far ahead). On an AMD EPYC (Zen 4) a 7B's ffn_gate_up shape read from RAM
 # at 29–30 GB/s on 2 threads asking 1 to 8 blocks ahead alike (20 on one), against 14 (7 on one) with
-# the asks of a half block all at once before it, as passes ask (benchmarks/read_rate.py).
+# the asks of a half block all at once before it, as passes ask (the product timed alone, as
+# benchmarks/read_rate.py times it).
 Q6_K_ASK_BLOCKS = 4
 Q6_K_ASK_AHEAD = Q6_K_ASK_BLOCKS * Q6_K_BLOCK_BYTES * LANES
 _Q6_K_ASK_OFFSET = Q6_K_ASK_AHEAD - PROFILE.prefetch_bytes  # _prefetch adds the profile's distance
