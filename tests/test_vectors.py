@@ -35,6 +35,7 @@ from llama_chat.inference.byte_vectors import (
     _q6_k_sub_block_dots,
     in_lane_order,
 )
+from llama_chat.inference.k_quants import Q6_K_ASK_AHEAD
 from llama_chat.inference.vectors import (
     _bit_fields,
     _dequantize_column,
@@ -456,7 +457,8 @@ def q6_k_dots(values, d, sc, xq, x_runs, sums, rows):
     xq_at, xs_at = 64 + 32, 2 * (8 + 4) + 1
     if rows == 1:
         _q6_k_half_dots(
-            values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, registers, W
+            values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, registers, W,
+            Q6_K_ASK_AHEAD,
         )
     else:
         for s in range(8):  # as k_quants.accumulate_q6_k_q8 calls it
