@@ -185,9 +185,8 @@ def load_weights(
     """The weights as the kernels read them: matrices stay in their integer formats (Q4_K in its own
     bits, the others int8 with their scales), mapped from their packed file in the cache (packed into it
     on a first start: packed_file.py; read from it into memory without `use_mmap`; packed in memory
-    without the cache); small tensors (norms, biases) become
-    float32, the embedding table stays in the GGUF. Fused matrices (FUSED): one kernel call for q/k/v
-    and one for gate/up."""
+    without the cache); small tensors (norms, biases) become float32, the embedding table stays in the
+    GGUF. Fused matrices (FUSED): one kernel call for q/k/v and one for gate/up."""
     path, cfg = info.path, info.config
     compile_kernels_for(info, progress)
     gguf_file = GGUFTensors(info)
