@@ -32,7 +32,6 @@ from .attention import (
     _merge_chunks,
     _one_token_attention,
     one_token_attention,
-    rows_attention,
     tokens_attention,
 )
 from .cpu import PROFILE
@@ -172,7 +171,6 @@ __all__ = [
     "tile_product",
     "tiles_fit",
     "tiles_take",
-    "rows_attention",
     "tokens_attention",
     "use_blas_from",
     "use_blas_threads_for",
