@@ -9,6 +9,12 @@ and are merged in one order afterwards, so a token's result does not depend on t
 on what else is in the batch (every reply of a scheduler's step goes in one call: tokens_attention).
 From how many cached positions it takes over from BLAS is the profile's (cpu.py); figures in
 docs/performance.md, "Decode over a long history".
+
+Several new rows of one sequence (a turn, a prompt's piece) go to rows_attention instead: a query in
+each lane of a vector, so that its scores and weighted sums are each lane's own fused multiply-adds with
+no lanes summed across, each key and value widened once for a vector of queries, the softmax online
+over blocks of positions. BLAS took 3-4 times as long (scores written out and read back by NumPy's
+passes, the cache copied into float32 first). A query's result is the same beside any others.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .attention_vectors import _add_rows, _dots, _largest, _widen
+from .attention_vectors import _add_rows, _dots, _largest, _tile_add, _tile_scores, _widen
 from .cpu import PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
@@ -32,6 +38,10 @@ ROWS = min(8, WIDTH)  # keys or values read for the query heads at a time (their
 KEY_HEADS = max(1, (PROFILE.vector_registers - 1) // (ROWS + 1))
 VALUE_HEADS = 4  # heads whose weighted sums one call of _add_rows adds to: a vector each, side by side
 ATTENTION_CHUNK = 256  # positions per task: enough work per task, few enough for one chunk's scores
+# rows_attention: positions widened and scored at a time (a block's keys and values stay in L1), keys
+# scored per _tile_scores call and columns of the weighted sums per _tile_add call (sums in registers)
+TILE_BLOCK, TILE_KEYS, TILE_DIMS = 32, 8, 8
+UNSEEN = F32(-3e38)  # its masked scores: finite, as fast-math wants (exp of it less a score: 0)
 LOG2E, LN2_HI, LN2_LO = F32(1.4426950408889634), F32(0.693359375), F32(-2.12194440e-4)
 # Multiply-adds may be fused, nothing else: the exp's polynomial is evaluated as written.
 EXACT = {"contract"}
@@ -244,6 +254,134 @@ def _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out):
                         out[t, h, g, d] += acc[h, c, g, d] * scale
                 for d in range(hd):
                     out[t, h, g, d] /= weight
+
+
+@njit(cache=True, fastmath=SOFTMAX)
+def _online_softmax(scores, n, b, masked, lo, hi, top, total, acc, shift, scale):
+    """A block's scores [n, lanes] (positions b…) made its weights, lane by lane: masked outside each
+    lane's [lo, hi), the running max `top` raised to the block's, the running sum `total` and weighted
+    sums `acc` [hd, lanes] scaled to it, exp(score - top) added to total (shift, scale: room for a
+    number per lane). A function of its own, as
+    _exp_in_place is: in the kernel's parallel loop LLVM left these loops scalar. No infinities
+    (fast-math assumes none): UNSEEN stands for a masked score and a max not yet had."""
+    width = scores.shape[1]
+    if masked:
+        for j in range(n):
+            for lane in range(width):
+                if b + j < lo[lane] or b + j >= hi[lane]:
+                    scores[j, lane] = UNSEEN
+    for lane in range(width):
+        shift[lane], scale[lane] = top[lane], 1
+    for j in range(n):
+        for lane in range(width):
+            shift[lane] = max(shift[lane], scores[j, lane])
+    for lane in range(width):
+        if shift[lane] == UNSEEN:  # nothing seen yet: nothing to scale
+            shift[lane] = 0
+        else:
+            scale[lane] = _exp_nonpositive(top[lane] - shift[lane])
+            top[lane] = shift[lane]
+        total[lane] *= scale[lane]
+    for d in range(acc.shape[0]):
+        for lane in range(width):
+            acc[d, lane] *= scale[lane]
+    for j in range(n):
+        for lane in range(width):
+            scores[j, lane] = _exp_nonpositive(scores[j, lane] - shift[lane])
+    if masked:
+        for j in range(n):
+            for lane in range(width):
+                if b + j < lo[lane] or b + j >= hi[lane]:
+                    scores[j, lane] = 0
+    for j in range(n):
+        for lane in range(width):
+            total[lane] += scores[j, lane]
+
+
+@njit(cache=True)
+def _gather_rows(kv, where, out):
+    """out[h, i] = row where[i] of head h of a layer of keys or values, as float32: the positions a call of
+    rows_attention reads, widened once for all its tasks (each would otherwise widen them again)."""
+    n_kv, _, hd = kv.shape
+    n = len(where)
+    blocks = -(-n // TILE_BLOCK)
+    whole = hd - hd % WIDTH
+    for task in range(n_kv * blocks):
+        h, b = task // blocks, task % blocks
+        for i in range(b * TILE_BLOCK, min(n, (b + 1) * TILE_BLOCK)):
+            row = where[i]
+            _widen(kv, (h * kv.shape[1] + row) * hd, out, (h * n + i) * hd, whole, WIDTH)
+            for d in range(whole, hd):
+                out[h, i, d] = to_f32(kv[h, row, d])
+
+
+@njit(cache=True, parallel=True, fastmath=DOT)
+def _rows_attention(q, k, v, seen_from, seen_to, sinks, no_sinks, out):
+    """rows_attention's kernel: a task per kv head h and tile of WIDTH query vectors (q [n_tok, n_kv,
+    group, hd] flattened to its n_tok·group queries of h; the last tile padded with the last query,
+    its sums unused) over k, v [n_kv, S, hd] (float32, the positions in order). Lane by lane: positions
+    b … b + TILE_BLOCK scored, the ones outside the query's own [seen_from, seen_to) masked, the
+    running max, sum of exps and weighted sums rescaled to the block's max and added to. Blocks start
+    at multiples of TILE_BLOCK, so a query's sums are the same in any tile: a block it sees none of
+    leaves them as they were (a scale of exactly 1, weights of exactly 0)."""
+    n_tok, n_kv, group, hd = q.shape
+    S = k.shape[1]
+    width = WIDTH
+    n_vec = n_tok * group
+    tiles = -(-n_vec // width)
+    for task in prange(n_kv * tiles):
+        h, tile = task // tiles, task % tiles
+        queries = np.zeros((hd, width), F32)  # transposed: a query in each lane
+        lo, hi = np.empty(width, np.int64), np.empty(width, np.int64)
+        top, total = np.empty(width, F32), np.empty(width, F32)
+        for lane in range(width):
+            f = min(tile * width + lane, n_vec - 1)
+            t, g = f // group, f % group
+            lo[lane], hi[lane] = seen_from[t], seen_to[t]
+            top[lane] = UNSEEN if no_sinks else sinks[h, g]  # a sink: a score more, with no value
+            total[lane] = 0 if no_sinks else 1
+            for d in range(hd):
+                queries[d, lane] = q[t, h, g, d]
+        acc = np.zeros((hd, width), F32)
+        scores = np.empty((TILE_BLOCK, width), F32)
+        shift, scale = np.empty(width, F32), np.empty(width, F32)
+        first, last, latest_from, earliest_to = lo.min(), hi.max(), lo.max(), hi.min()
+        for b in range(first - first % TILE_BLOCK, last, TILE_BLOCK):
+            n = min(TILE_BLOCK, last - b)
+            at = (h * S + b) * hd
+            for j in range(0, n - n % TILE_KEYS, TILE_KEYS):
+                _tile_scores(queries, k, at + j * hd, hd, scores, j * width, TILE_KEYS, width)
+            for j in range(n - n % TILE_KEYS, n):  # (the last keys past the layer's: one at a time)
+                _tile_scores(queries, k, at + j * hd, hd, scores, j * width, 1, width)
+            masked = b < latest_from or b + n > earliest_to
+            _online_softmax(scores, n, b, masked, lo, hi, top, total, acc, shift, scale)
+            for d in range(0, hd, TILE_DIMS):
+                _tile_add(acc, d, scores, v, at, n, hd, TILE_DIMS, width)
+        for lane in range(min(width, n_vec - tile * width)):
+            f = tile * width + lane
+            t, g = f // group, f % group
+            for d in range(hd):
+                out[t, h, g, d] = acc[d, lane] / total[lane]
+
+
+def rows_attention(q: np.ndarray, k, v, runs, seen_from, seen_to, sinks=None) -> np.ndarray:
+    """softmax(q · keys) · values for several new rows of one sequence: q [n_tok, n_kv, group, hd]
+    (scaled), k, v one layer of the cache [n_kv, N, hd], the runs (first, n) of it in position order, and
+    per row the part of those positions it sees, [seen_from[t], seen_to[t]) counted along the runs (a
+    causal mask, a sliding window) → [n_tok, n_kv, group, hd]. `sinks` as one_token_attention's. The
+    heads' size a multiple of TILE_DIMS (every model's; attend() asks BLAS otherwise)."""
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    where = np.concatenate([np.arange(first, first + n) for first, n in runs])
+    n_tok, n_kv, group, hd = q.shape
+    out = np.empty((n_tok, n_kv, group, hd), F32)
+    no_sinks = sinks is None
+    sinks = np.zeros((n_kv, group), F32) if no_sinks else np.asarray(sinks, F32).reshape(n_kv, group)
+    seen_from, seen_to = (np.asarray(a, dtype=np.int64) for a in (seen_from, seen_to))
+    keys, values = (np.empty((n_kv, len(where), hd), F32) for _ in range(2))
+    _gather_rows(bits_view(k), where, keys)
+    _gather_rows(bits_view(v), where, values)
+    _rows_attention(q, keys, values, seen_from, seen_to, sinks, no_sinks, out)
+    return out
 
 
 def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None):

@@ -2,8 +2,9 @@
 of several query heads with several keys, each head's lanes summed as a tree of shuffles; values added
 into several heads' weighted sums; the largest of a run of scores; a row of the cache as float32.
 `width` (a literal: the profile's floats per register) is the vectors' length; the rows' length is a
-multiple of it (attention.py pads them). Each has its plain NumPy twin in vectors_reference.py, which
-tests/test_vectors.py holds it to, bit for bit.
+multiple of it (attention.py pads them). Several query rows at once take two more (_tile_scores,
+_tile_add): a query in each lane, so that no lanes are summed at all. Each has its plain NumPy twin in
+vectors_reference.py, which tests/test_vectors.py holds it to, bit for bit.
 
 Why a tree: a dot product across the lanes of a vector ends in a horizontal sum, several shuffles for
 one number. Summing four such vectors together halves them pairwise (the low halves of two vectors
@@ -207,3 +208,68 @@ def _largest(typingctx, values, at, n, width):
         return builder.call(reduce, [builder.load(top)])
 
     return types.float32(values, at, n, width), codegen
+
+
+@intrinsic
+def _tile_scores(typingctx, queries, rows, rows_at, n, scores, s_at, keys, width):
+    """scores.flat[s_at + j·width : … + width] = Σ_d queries[d, :width] · rows.flat[rows_at + j·n + d] for
+    the `keys` rows j (queries [n, width]: a query in each lane, transposed): for each d in order, a fused
+    multiply-add of the queries' vector by the row's element in every lane. Each lane is a dot product
+    of its own, summed in d's order: no lanes summed across, and a query's score is the same in any
+    lane beside any others."""
+    if not _literals(keys, width):
+        return None
+    m, w, f32 = keys.literal_value, width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        vector, i64 = ir.VectorType(f32, w), ir.IntType(64)
+        q_ptr, rows_ptr, first, size, scores_ptr, s_first, *_ = _operands(context, builder, signature, args)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * w)) for _ in range(m)]
+        fma = _fma(builder, w)
+        with cgutils.for_range(builder, size) as loop:
+            d = loop.index
+            at_queries = _vector_at(builder, q_ptr, builder.mul(d, ir.Constant(i64, w)), f32, w)
+            qv = builder.load(at_queries, align=4)
+            for j in range(m):
+                at = builder.add(_at(builder, first, size, j), d)
+                x = _splat(builder, vector, builder.load(builder.gep(rows_ptr, [at])))
+                builder.store(builder.call(fma, [qv, x, builder.load(sums[j])]), sums[j])
+        for j in range(m):
+            where = _vector_at(builder, scores_ptr, builder.add(s_first, ir.Constant(i64, j * w)), f32, w)
+            builder.store(builder.load(sums[j]), where, align=4)
+        return context.get_dummy_value()
+
+    return types.void(queries, rows, rows_at, n, scores, s_at, keys, width), codegen
+
+
+@intrinsic
+def _tile_add(typingctx, acc, d_at, weights, rows, rows_at, count, n, dims, width):
+    """acc[d_at + i, :width] += weights[j, :width] · rows.flat[rows_at + j·n + d_at + i] for the `dims`
+    columns i, the rows j < count in order, each fused (acc [n, width] and weights [count…, width]: a
+    query's in each lane). The columns' sums stay in registers over all the rows."""
+    if not _literals(dims, width):
+        return None
+    m, w, f32 = dims.literal_value, width.literal_value, ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        vector, i64 = ir.VectorType(f32, w), ir.IntType(64)
+        acc_ptr, first, w_ptr, rows_ptr, rows_first, count_v, size, *_ = _operands(
+            context, builder, signature, args
+        )
+        columns = [builder.add(first, ir.Constant(i64, i)) for i in range(m)]
+        where = [_vector_at(builder, acc_ptr, builder.mul(c, ir.Constant(i64, w)), f32, w) for c in columns]
+        sums = [cgutils.alloca_once_value(builder, builder.load(at, align=4)) for at in where]
+        fma = _fma(builder, w)
+        with cgutils.for_range(builder, count_v) as loop:
+            j = loop.index
+            at_weights = _vector_at(builder, w_ptr, builder.mul(j, ir.Constant(i64, w)), f32, w)
+            weight = builder.load(at_weights, align=4)
+            row_at = builder.add(rows_first, builder.mul(j, size))
+            for c, total in zip(columns, sums, strict=True):
+                x = _splat(builder, vector, builder.load(builder.gep(rows_ptr, [builder.add(row_at, c)])))
+                builder.store(builder.call(fma, [weight, x, builder.load(total)]), total)
+        for total, at in zip(sums, where, strict=True):
+            builder.store(builder.load(total), at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(acc, d_at, weights, rows, rows_at, count, n, dims, width), codegen

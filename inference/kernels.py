@@ -32,6 +32,7 @@ from .attention import (
     _merge_chunks,
     _one_token_attention,
     one_token_attention,
+    rows_attention,
     tokens_attention,
 )
 from .cpu import PROFILE
@@ -171,6 +172,7 @@ __all__ = [
     "tile_product",
     "tiles_fit",
     "tiles_take",
+    "rows_attention",
     "tokens_attention",
     "use_blas_from",
     "use_blas_threads_for",

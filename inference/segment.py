@@ -48,3 +48,11 @@ class Segment:
             mask = np.where(hidden, F32(-np.inf), F32(0.0)) if hidden.any() else None
             self._views[window, lo, hi] = (views, mask)
         return self._views[window, lo, hi]
+
+    def seen(self, window: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """What each of rows lo..hi-1 attends to as view()'s mask says, as spans of the view's positions:
+        row r sees [seen_from[r], seen_to[r]) (for attention.rows_attention)."""
+        positions = self.positions[lo:hi]
+        first = max(int(positions[0]) - window + 1, 0) if window else 0
+        seen_from = np.maximum(positions - window + 1 - first, 0) if window else np.zeros_like(positions)
+        return seen_from, positions - first + 1

@@ -236,6 +236,25 @@ def add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads
             part[:] = _fused(row, weights.reshape(-1)[w_at + g * w_stride + j], part)
 
 
+def tile_scores(queries, rows, rows_at, n, keys, width) -> np.ndarray:
+    """attention_vectors._tile_scores: [keys, width] each lane's Σ_d queries[d, lane] · row[d], fused in
+    d's order."""
+    out = np.zeros((keys, width), F32)
+    for j in range(keys):
+        row = rows.reshape(-1)[rows_at + j * n : rows_at + (j + 1) * n]
+        for d in range(n):
+            out[j] = _fused(queries[d, :width], row[d], out[j])
+    return out
+
+
+def tile_add(acc, d_at, weights, rows, rows_at, count, n, dims) -> None:
+    """attention_vectors._tile_add: acc[d_at + i] += weights[j] · rows.flat[rows_at + j·n + d_at + i],
+    the rows in order, fused."""
+    for j in range(count):
+        for i in range(d_at, d_at + dims):
+            acc[i] = _fused(weights[j], rows.reshape(-1)[rows_at + j * n + i], acc[i])
+
+
 def widen(values, at, n) -> np.ndarray:
     """attention_vectors._widen: values.flat[at:at + n] as float32 (float16 as their bits say)."""
     part = values.reshape(-1)[at : at + n]

@@ -109,17 +109,29 @@ def _compile_steps(matrices, activations: str, inputs=None, own=OWN_BITS) -> tup
             for what, qtype in _kinds(None)
             if what in byte_kinds
         ]
+    # every prompt's rows attend at once (a float16 cache, the default's: a float32 one's a reply's first
+    # prompt compiles, unless compile_attention on its thread has by then)
+    steps += [("attention of several rows", partial(compile_rows_attention, np.float16))]
     if matrices is None:
         steps += [("attention", partial(compile_attention, dtype)) for dtype in (np.float16, F32)]
     return steps, floats
 
 
 def compile_attention(dtype) -> None:
-    """One token's attention over a cache of this element type (kv_arena.CACHE_TYPES), compiled or
-    loaded from the cache: 2-6 s of a first start, so a model's load leaves it to a thread of its own
-    (app/chat/build.py), or to the first reply past KERNEL_ATTENTION_FROM cached positions."""
+    """One token's attention over a cache of this element type (kv_arena.CACHE_TYPES), and several
+    rows', compiled or loaded from the cache: 2-6 s of a first start, so a model's load leaves it to a
+    thread of its own (app/chat/build.py), or to the first reply past KERNEL_ATTENTION_FROM cached
+    positions."""
     kv = np.zeros((1, 2, 64), dtype)
     kernels.one_token_attention(np.zeros((1, 1, 64), F32), kv, kv, [(0, 2)])
+    compile_rows_attention(dtype)
+
+
+def compile_rows_attention(dtype) -> None:
+    """Several rows' attention (a prompt's, a turn's) over a cache of this element type: every first
+    reply's prompt takes it."""
+    kv = np.zeros((1, 2, 64), dtype)
+    kernels.rows_attention(np.zeros((2, 1, 1, 64), F32), kv, kv, [(0, 2)], [0, 0], [1, 2])
 
 
 def _multiply_example(qtype: Q, product=kernels.kernel_product, activations: str = "f32") -> None:

@@ -20,7 +20,7 @@ from test_kernels import q6_k_in_bits, raw_tensor
 
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
-from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest, _widen
+from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest, _tile_add, _tile_scores, _widen
 from llama_chat.inference.block_vectors import (
     _column_multiply_add,
     _e8m0_halves,
@@ -551,6 +551,42 @@ def test_weighted_rows_are_added_as_the_reference_says(count, heads, width):
 
 
 @plain_njit
+def tile_scores(queries, rows, rows_at, n, scores, s_at, keys, width):
+    _tile_scores(queries, rows, rows_at, n, scores, s_at, literally(keys), literally(width))
+
+
+@pytest.mark.parametrize("keys, width", [(8, 8), (8, 16), (1, 16), (3, 4)])
+def test_a_tiles_scores_are_each_lanes_own_dot_products(keys, width):
+    """Several query rows' scores: a query in each lane, each lane's fused multiply-adds in order of the
+    head's columns, nothing written past the keys' scores."""
+    n = 40  # (a head's size need not be a multiple of the lanes)
+    queries = floats(n * width, 1).reshape(n, width)
+    rows = floats(3 + keys * n, 2)
+    scores = np.zeros((keys + 2) * width, F32)
+    tile_scores(queries, rows, 3, n, scores, width, keys, width)
+    want = ref.tile_scores(queries, rows, 3, n, keys, width)
+    assert np.array_equal(scores[width : (keys + 1) * width].reshape(keys, width), want)
+    assert not scores[:width].any() and not scores[(keys + 1) * width :].any()
+
+
+@plain_njit
+def tile_add(acc, d_at, weights, rows, rows_at, count, n, dims, width):
+    _tile_add(acc, d_at, weights, rows, rows_at, count, n, literally(dims), literally(width))
+
+
+@pytest.mark.parametrize("dims, width", [(8, 8), (8, 16), (4, 4)])
+def test_a_tiles_weighted_sums_are_added_as_the_reference_says(dims, width):
+    n, count = 24, 11
+    acc = floats(n * width, 1).reshape(n, width)
+    weights = floats(count * width, 2).reshape(count, width)
+    rows = floats(5 + count * n, 3)
+    want = acc.copy()
+    ref.tile_add(want, 8, weights, rows, 5, count, n, dims)
+    tile_add(acc, 8, weights, rows, 5, count, n, dims, width)
+    assert np.array_equal(acc, want)  # the columns past d_at + dims as they were
+
+
+@plain_njit
 def widen(values, at, out, out_at, n, width):
     _widen(values, at, out, out_at, n, literally(width))
 
@@ -589,13 +625,40 @@ def test_one_tokens_attention_is_the_references():
     assert np.abs(got - want).max() <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "window, sinks, hd", [(0, False, 64), (70, False, 128), (0, True, 80), (5, True, 64)]
+)
+def test_several_rows_attention_is_the_references(window, sinks, hd):
+    """A turn's rows at once (rows_attention): each row over the positions its causal mask (and sliding
+    window) lets it see, along the runs where the cache holds them, with gpt-oss's sinks; and a row's
+    result the same, bit for bit, computed alone as beside the others."""
+    n_kv, group, T = 2, 7, 37
+    k, v = (floats(n_kv * 900 * hd, s).reshape(n_kv, 900, hd).astype(np.float16) for s in (2, 3))
+    q = floats(T * n_kv * group * hd, 1).reshape(T, n_kv, group, hd) * F32(0.3)
+    runs = [(7, 250), (600, 40), (800, T)]
+    own = sum(n for _, n in runs) - T + np.arange(T)  # each row's own position along the runs
+    seen_from = np.maximum(own - window + 1, 0) if window else np.zeros(T, np.int64)
+    seen_to = own + 1
+    heads_sinks = floats(n_kv * group, 4).reshape(n_kv, group) * F32(2) if sinks else None
+    got = attention.rows_attention(q, k, v, runs, seen_from, seen_to, heads_sinks)
+    where = np.concatenate([np.arange(first, first + n) for first, n in runs])
+    for t in range(T):
+        seen = [(int(p), 1) for p in where[seen_from[t] : seen_to[t]]]
+        want = attention.one_token_attention_reference(q[t], k, v, seen, heads_sinks)
+        assert np.abs(got[t] - want).max() <= 1e-5
+    t = T // 2
+    one = slice(t, t + 1)
+    alone = attention.rows_attention(q[one], k, v, runs, seen_from[one], seen_to[one], heads_sinks)
+    assert np.array_equal(alone[0], got[t])
+
+
 def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     """The byte kernels' AVX2 instructions (vpmaddubsw, vpsignb) and its 8-float vectors, on any x86
     machine: these checks again in a process compiled for a Haswell (its own kernel cache folder)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
     checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
-    checks += " or e8m0 or sign_bit or dot_products or weighted_rows or largest or attention"
+    checks += " or e8m0 or sign_bit or dot_products or weighted_rows or largest or attention or tile"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
