@@ -257,14 +257,19 @@ def _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out):
 
 
 @njit(cache=True, fastmath=SOFTMAX)
-def _online_softmax(scores, n, b, masked, lo, hi, top, total, acc, shift, scale):
-    """A block's scores [n, lanes] (positions b…) made its weights, lane by lane: masked outside each
-    lane's [lo, hi), the running max `top` raised to the block's, the running sum `total` and weighted
+def _online_softmax(scores, n, b, masked, lo, hi, softcap, top, total, acc, shift, scale):
+    """A block's scores [n, lanes] (positions b…) made its weights, lane by lane: soft-capped (gemma2's
+    tanh(score / softcap) · softcap, where softcap is not 0), masked outside each lane's [lo, hi), the
+    running max `top` raised to the block's, the running sum `total` and weighted
     sums `acc` [hd, lanes] scaled to it, exp(score - top) added to total (shift, scale: room for a
     number per lane). A function of its own, as
     _exp_in_place is: in the kernel's parallel loop LLVM left these loops scalar. No infinities
     (fast-math assumes none): UNSEEN stands for a masked score and a max not yet had."""
     width = scores.shape[1]
+    if softcap:
+        for j in range(n):
+            for lane in range(width):
+                scores[j, lane] = np.tanh(scores[j, lane] / softcap) * softcap
     if masked:
         for j in range(n):
             for lane in range(width):
@@ -316,14 +321,15 @@ def _gather_rows(kv, where, out):
 
 
 @njit(cache=True, parallel=True, fastmath=DOT)
-def _rows_attention(q, k, v, seen_from, seen_to, sinks, no_sinks, out):
+def _rows_attention(q, k, v, seen_from, seen_to, origin, softcap, sinks, no_sinks, out):
     """rows_attention's kernel: a task per kv head h and tile of WIDTH query vectors (q [n_tok, n_kv,
     group, hd] flattened to its n_tok·group queries of h; the last tile padded with the last query,
     its sums unused) over k, v [n_kv, S, hd] (float32, the positions in order). Lane by lane: positions
     b … b + TILE_BLOCK scored, the ones outside the query's own [seen_from, seen_to) masked, the
     running max, sum of exps and weighted sums rescaled to the block's max and added to. Blocks start
-    at multiples of TILE_BLOCK, so a query's sums are the same in any tile: a block it sees none of
-    leaves them as they were (a scale of exactly 1, weights of exactly 0)."""
+    where the sequence's position (origin + b) is a multiple of TILE_BLOCK, so a query's sums are the
+    same in any tile and any view that holds its positions: positions it does not see add exactly 0
+    and a block of none of them scales its sums by exactly 1."""
     n_tok, n_kv, group, hd = q.shape
     S = k.shape[1]
     width = WIDTH
@@ -346,15 +352,16 @@ def _rows_attention(q, k, v, seen_from, seen_to, sinks, no_sinks, out):
         scores = np.empty((TILE_BLOCK, width), F32)
         shift, scale = np.empty(width, F32), np.empty(width, F32)
         first, last, latest_from, earliest_to = lo.min(), hi.max(), lo.max(), hi.min()
-        for b in range(first - first % TILE_BLOCK, last, TILE_BLOCK):
-            n = min(TILE_BLOCK, last - b)
+        for edge in range(first - (origin + first) % TILE_BLOCK, last, TILE_BLOCK):
+            b = max(edge, 0)  # (a view may start inside a block)
+            n = min(edge + TILE_BLOCK, last) - b
             at = (h * S + b) * hd
             for j in range(0, n - n % TILE_KEYS, TILE_KEYS):
                 _tile_scores(queries, k, at + j * hd, hd, scores, j * width, TILE_KEYS, width)
             for j in range(n - n % TILE_KEYS, n):  # (the last keys past the layer's: one at a time)
                 _tile_scores(queries, k, at + j * hd, hd, scores, j * width, 1, width)
             masked = b < latest_from or b + n > earliest_to
-            _online_softmax(scores, n, b, masked, lo, hi, top, total, acc, shift, scale)
+            _online_softmax(scores, n, b, masked, lo, hi, softcap, top, total, acc, shift, scale)
             for d in range(0, hd, TILE_DIMS):
                 _tile_add(acc, d, scores, v, at, n, hd, TILE_DIMS, width)
         for lane in range(min(width, n_vec - tile * width)):
@@ -364,12 +371,17 @@ def _rows_attention(q, k, v, seen_from, seen_to, sinks, no_sinks, out):
                 out[t, h, g, d] = acc[d, lane] / total[lane]
 
 
-def rows_attention(q: np.ndarray, k, v, runs, seen_from, seen_to, sinks=None) -> np.ndarray:
+def rows_attention(
+    q: np.ndarray, k, v, runs, seen_from, seen_to, origin=0, softcap=0.0, sinks=None
+) -> np.ndarray:
     """softmax(q · keys) · values for several new rows of one sequence: q [n_tok, n_kv, group, hd]
     (scaled), k, v one layer of the cache [n_kv, N, hd], the runs (first, n) of it in position order, and
     per row the part of those positions it sees, [seen_from[t], seen_to[t]) counted along the runs (a
-    causal mask, a sliding window) → [n_tok, n_kv, group, hd]. `sinks` as one_token_attention's. The
-    heads' size a multiple of TILE_DIMS (every model's; attend() asks BLAS otherwise)."""
+    causal mask, a sliding window) → [n_tok, n_kv, group, hd]; `origin`: the first of those positions'
+    place in the sequence; `softcap` as forward.attention's (0: none); `sinks` as one_token_attention's.
+    The heads' size a multiple of TILE_DIMS (every model's; attend() asks BLAS otherwise). A row's result
+    depends on its query and the positions it sees alone: the same beside any other rows, in any view
+    (a prompt read in pieces or whole, a token decoded before KERNEL_ATTENTION_FROM positions)."""
     runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
     where = np.concatenate([np.arange(first, first + n) for first, n in runs])
     n_tok, n_kv, group, hd = q.shape
@@ -380,16 +392,18 @@ def rows_attention(q: np.ndarray, k, v, runs, seen_from, seen_to, sinks=None) ->
     keys, values = (np.empty((n_kv, len(where), hd), F32) for _ in range(2))
     _gather_rows(bits_view(k), where, keys)
     _gather_rows(bits_view(v), where, values)
-    _rows_attention(q, keys, values, seen_from, seen_to, sinks, no_sinks, out)
+    _rows_attention(q, keys, values, seen_from, seen_to, origin, F32(softcap), sinks, no_sinks, out)
     return out
 
 
-def one_token_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None):
+def one_token_attention_reference(q, k, v, runs, sinks=None, softcap=0.0) -> np.ndarray:
     """one_token_attention as the maths reads, in float64: softmax over the runs' positions (and the
-    sinks) at once."""
+    sinks) at once, the scores soft-capped where softcap is not 0."""
     where = np.concatenate([np.arange(first, first + n) for first, n in runs])
     keys, values = k[:, where].astype(np.float64), v[:, where].astype(np.float64)  # [n_kv, S, hd]
     scores = q.astype(np.float64) @ keys.transpose(0, 2, 1)  # [n_kv, group, S]
+    if softcap:
+        scores = np.tanh(scores / softcap) * softcap
     if sinks is not None:  # a last score whose value is zero
         scores = np.concatenate([scores, sinks[..., None].astype(np.float64)], axis=-1)
         values = np.concatenate([values, np.zeros_like(values[:, :1])], axis=1)

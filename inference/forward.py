@@ -248,21 +248,22 @@ def attend(
         q_rows = q[:, at : at + hi - lo]
         if hi - lo == 1 and mask is None and not softcap and views.n_positions >= KERNEL_ATTENTION_FROM:
             by_kernel.append((out[at : at + 1], q_rows, views.runs(layer)))
-        elif hi - lo > 1 and not softcap and q.shape[2] % TILE_DIMS == 0:
+        elif q.shape[2] % TILE_DIMS == 0:
             seen = seg.seen(window, lo, hi)
-            out[at : at + hi - lo] = rows_attention(q_rows, views, layer, seen, scale, sinks)
+            out[at : at + hi - lo] = rows_attention(q_rows, views, layer, seen, scale, softcap, sinks)
         else:
             out[at : at + hi - lo] = attention_in_threads(q_rows, views, layer, mask, scale, softcap, sinks)
 
 
-def rows_attention(q, views: KVViews, layer: int, seen, scale: float, sinks=None) -> np.ndarray:
+def rows_attention(q, views: KVViews, layer: int, seen, scale: float, softcap: float, sinks=None):
     """attention() of several rows of one sequence by the compiled kernel: q [n_head, T, hd], what each
     row sees as Segment.seen gives it → [T, n_head·hd]."""
     n_head, T, hd = q.shape
     k, v, runs = views.runs(layer)
     n_kv = k.shape[0]
     qg = np.ascontiguousarray(q.transpose(1, 0, 2)).reshape(T, n_kv, n_head // n_kv, hd) * F32(scale)
-    return kernels.rows_attention(qg, k, v, runs, *seen, sinks).reshape(T, n_head * hd)
+    found = kernels.rows_attention(qg, k, v, runs, *seen, softcap=softcap, sinks=sinks)
+    return found.reshape(T, n_head * hd)
 
 
 def attention_in_threads(q, views: KVViews, layer: int, mask, scale: float, softcap: float, sinks=None):

@@ -38,7 +38,7 @@ class Segment:
         last row's own, and their mask (made once per window, read by every layer)."""
         if (window, lo, hi) not in self._views:
             positions = self.positions[lo:hi]
-            first = max(int(positions[0]) - window + 1, 0) if window else 0
+            first = _first_seen(positions, window)
             end = int(positions[-1]) + 1
             views = self.seq.views(first, end)
             dist = positions[:, None] - np.arange(first, end)[None, :]  # [rows, S]
@@ -49,10 +49,16 @@ class Segment:
             self._views[window, lo, hi] = (views, mask)
         return self._views[window, lo, hi]
 
-    def seen(self, window: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    def seen(self, window: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, int]:
         """What each of rows lo..hi-1 attends to as view()'s mask says, as spans of the view's positions:
-        row r sees [seen_from[r], seen_to[r]) (for attention.rows_attention)."""
+        row r sees [seen_from[r], seen_to[r]), the view starting at position `first` (for
+        attention.rows_attention)."""
         positions = self.positions[lo:hi]
-        first = max(int(positions[0]) - window + 1, 0) if window else 0
+        first = _first_seen(positions, window)
         seen_from = np.maximum(positions - window + 1 - first, 0) if window else np.zeros_like(positions)
-        return seen_from, positions - first + 1
+        return seen_from, positions - first + 1, first
+
+
+def _first_seen(positions: np.ndarray, window: int) -> int:
+    """The first position that any of these rows (in order) attends to."""
+    return max(int(positions[0]) - window + 1, 0) if window else 0

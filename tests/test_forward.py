@@ -182,6 +182,7 @@ def test_a_prompts_attention_split_over_threads_equals_it_whole(tiny_model_path,
     its logits agree with the attention computed whole (gemma3's sliding windows included)."""
     monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda progress=None: None)  # the kernels take
     monkeypatch.setattr(kernels, "blas_from", None)  # every step, whatever this machine measured
+    monkeypatch.setattr(forward, "TILE_DIMS", 10**9)  # BLAS's attention: heads rows_attention does not take
     model = load_model(tiny_model_path)
     ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 6)[:200]
     splits = []
@@ -200,6 +201,17 @@ def test_a_prompts_attention_split_over_threads_equals_it_whole(tiny_model_path,
     split = prefilled(1)
     assert splits and set(splits) == {3}
     assert np.abs(split - whole).max() <= 1e-4
+
+
+def test_a_prompts_attention_by_the_rows_kernel_equals_blas(tiny_model_path, monkeypatch):
+    """A prompt's rows attend in one compiled call (attention.rows_attention): the logits of every row
+    agree with BLAS's attention (gemma3's sliding windows, gemma2's soft cap and gpt-oss's sinks
+    included)."""
+    model = load_model(tiny_model_path, cache_type="f32", activations="f32")
+    ids = model.tokenizer.encode("the hello world is in the air, then the water and the sun " * 3)
+    by_kernel = model.logits(ids)
+    monkeypatch.setattr(forward, "TILE_DIMS", 10**9)  # heads rows_attention does not take: BLAS's
+    assert np.abs(by_kernel - model.logits(ids)).max() <= 1e-4
 
 
 @CACHE_TYPES

@@ -616,16 +616,17 @@ def test_this_process_compiles_for_its_profile_into_the_profiles_own_cache_folde
 
 def test_compiling_for_a_model_takes_only_its_kinds_of_matrix_a_step_each(monkeypatch):
     """A first start compiles what the model's matrices take (a Q8_0 one, and Q5_0 beside a Q6_K part,
-    which float32 inputs take as int8: integers without offsets), not the float, offset or GGUF-bits
-    kernels nor the attention kernel (app/chat/build.compile_later's) nor the unpacking loops (packing's,
-    where a model is packed), and its progress moves after each signature."""
+    which float32 inputs take as int8: integers without offsets) and the attention of several rows
+    (every prompt's), not the float, offset or GGUF-bits kernels nor one token's attention kernel
+    (app/chat/build.compile_later's) nor the unpacking loops (packing's, where a model is packed), and
+    its progress moves after each signature."""
     monkeypatch.setattr(blas_crossover, "measured_blas_from", lambda: None)
     seen = []
     matrices = [(T.Q8_0,), (T.Q5_0, T.Q6_K)]
     warmup.compile_kernels(lambda label, done, total: seen.append((label, done, total)), matrices, "f32")
     steps = [label.split(": ")[-1] for label, done, total in seen[:-1]]
-    assert steps == ["integer weights"]
-    assert [done for _, done, _ in seen] == [0, 1] and {total for _, _, total in seen} == {1}
+    assert steps == ["integer weights", "attention of several rows"]
+    assert [done for _, done, _ in seen] == [0, 1, 2] and {total for _, _, total in seen} == {2}
 
 
 def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkeypatch):
@@ -638,10 +639,11 @@ def test_a_model_with_inputs_as_bytes_compiles_their_kernels_at_its_start(monkey
     warmup.compile_kernels(lambda label, done, total: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "q8")
     steps = [label.split(": ")[-1] for label in seen[:-1]]
     kinds = ["integer weights", "Q4_K weights"]
-    assert steps == ["inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds)]
+    rows = "attention of several rows"
+    assert steps == ["inputs as bytes", *(f"{kind}, inputs as bytes" for kind in kinds), rows]
     seen.clear()
     warmup.compile_kernels(
         lambda label, *_: seen.append(label), [(T.Q4_K,), (T.Q5_0,)], "mixed", ["f32", "q8"]
     )
     steps = [label.split(": ")[-1] for label in seen[:-1]]
-    assert steps == ["Q4_K weights", "inputs as bytes", "integer weights, inputs as bytes"]
+    assert steps == ["Q4_K weights", "inputs as bytes", "integer weights, inputs as bytes", rows]

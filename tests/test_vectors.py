@@ -626,12 +626,15 @@ def test_one_tokens_attention_is_the_references():
 
 
 @pytest.mark.parametrize(
-    "window, sinks, hd", [(0, False, 64), (70, False, 128), (0, True, 80), (5, True, 64)]
+    "window, sinks, hd, softcap",
+    [(0, False, 64, 0.0), (70, False, 128, 0.0), (0, True, 80, 0.0), (5, True, 64, 0.0), (9, False, 64, 2.0)],
 )
-def test_several_rows_attention_is_the_references(window, sinks, hd):
+def test_several_rows_attention_is_the_references(window, sinks, hd, softcap):
     """A turn's rows at once (rows_attention): each row over the positions its causal mask (and sliding
-    window) lets it see, along the runs where the cache holds them, with gpt-oss's sinks; and a row's
-    result the same, bit for bit, computed alone as beside the others."""
+    window) lets it see, along the runs where the cache holds them, with gpt-oss's sinks and gemma2's
+    soft cap; and a row's
+    result the same, bit for bit, computed alone as beside the others, and in a view of the cache that
+    starts at its own first position."""
     n_kv, group, T = 2, 7, 37
     k, v = (floats(n_kv * 900 * hd, s).reshape(n_kv, 900, hd).astype(np.float16) for s in (2, 3))
     q = floats(T * n_kv * group * hd, 1).reshape(T, n_kv, group, hd) * F32(0.3)
@@ -640,16 +643,24 @@ def test_several_rows_attention_is_the_references(window, sinks, hd):
     seen_from = np.maximum(own - window + 1, 0) if window else np.zeros(T, np.int64)
     seen_to = own + 1
     heads_sinks = floats(n_kv * group, 4).reshape(n_kv, group) * F32(2) if sinks else None
-    got = attention.rows_attention(q, k, v, runs, seen_from, seen_to, heads_sinks)
+    got = attention.rows_attention(q, k, v, runs, seen_from, seen_to, softcap=softcap, sinks=heads_sinks)
     where = np.concatenate([np.arange(first, first + n) for first, n in runs])
     for t in range(T):
         seen = [(int(p), 1) for p in where[seen_from[t] : seen_to[t]]]
-        want = attention.one_token_attention_reference(q[t], k, v, seen, heads_sinks)
+        want = attention.one_token_attention_reference(q[t], k, v, seen, heads_sinks, softcap)
         assert np.abs(got[t] - want).max() <= 1e-5
     t = T // 2
     one = slice(t, t + 1)
-    alone = attention.rows_attention(q[one], k, v, runs, seen_from[one], seen_to[one], heads_sinks)
+    same = {"softcap": softcap, "sinks": heads_sinks}
+    alone = attention.rows_attention(q[one], k, v, runs, seen_from[one], seen_to[one], **same)
     assert np.array_equal(alone[0], got[t])
+    # and in a view that starts where the row's first seen position is (a sliding window's own view)
+    start = int(seen_from[t])
+    view = [(int(p), 1) for p in where[start:]]
+    own_view = attention.rows_attention(
+        q[one], k, v, view, [0], seen_to[one] - start, origin=start, **same
+    )
+    assert np.array_equal(own_view[0], got[t])
 
 
 def test_the_building_blocks_are_the_references_under_the_avx2_profile():
