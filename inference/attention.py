@@ -12,9 +12,10 @@ docs/performance.md, "Decode over a long history".
 
 Several new rows of one sequence (a turn, a prompt's piece) go to rows_attention instead: a query in
 each lane of a vector, so that its scores and weighted sums are each lane's own fused multiply-adds with
-no lanes summed across, each key and value widened once for a vector of queries, the softmax online
-over blocks of positions. BLAS took 3-4 times as long (scores written out and read back by NumPy's
-passes, the cache copied into float32 first). A query's result is the same beside any others.
+no lanes summed across, each key and value widened once a call, the softmax online over blocks of
+positions: BLAS took 1.2-2 times as long in a turn (scores written out and read back by NumPy's passes,
+the cache copied into float32 first). A row's result is the same beside any others, and the same
+decoded alone before KERNEL_ATTENTION_FROM positions (where single rows take it too).
 """
 
 from __future__ import annotations
@@ -260,11 +261,10 @@ def _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out):
 def _online_softmax(scores, n, b, masked, lo, hi, softcap, top, total, acc, shift, scale):
     """A block's scores [n, lanes] (positions b…) made its weights, lane by lane: soft-capped (gemma2's
     tanh(score / softcap) · softcap, where softcap is not 0), masked outside each lane's [lo, hi), the
-    running max `top` raised to the block's, the running sum `total` and weighted
-    sums `acc` [hd, lanes] scaled to it, exp(score - top) added to total (shift, scale: room for a
-    number per lane). A function of its own, as
-    _exp_in_place is: in the kernel's parallel loop LLVM left these loops scalar. No infinities
-    (fast-math assumes none): UNSEEN stands for a masked score and a max not yet had."""
+    running max `top` raised to the block's, the running sum `total` and weighted sums `acc` [hd, lanes]
+    scaled to it, exp(score - top) added to total (shift, scale: room for a number per lane). A function
+    of its own, as _exp_in_place is: in the kernel's parallel loop LLVM left these loops scalar. No
+    infinities (fast-math assumes none): UNSEEN stands for a masked score and a max not yet had."""
     width = scores.shape[1]
     if softcap:
         for j in range(n):
@@ -309,11 +309,9 @@ def _gather_rows(kv, where, out):
     rows_attention reads, widened once for all its tasks (each would otherwise widen them again)."""
     n_kv, _, hd = kv.shape
     n = len(where)
-    blocks = -(-n // TILE_BLOCK)
     whole = hd - hd % WIDTH
-    for task in range(n_kv * blocks):
-        h, b = task // blocks, task % blocks
-        for i in range(b * TILE_BLOCK, min(n, (b + 1) * TILE_BLOCK)):
+    for h in range(n_kv):
+        for i in range(n):
             row = where[i]
             _widen(kv, (h * kv.shape[1] + row) * hd, out, (h * n + i) * hd, whole, WIDTH)
             for d in range(whole, hd):
