@@ -428,7 +428,8 @@ class RemoteTier:
             **counts,
             "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
             "mb_per_s": None if rate is None else round(rate / 1e6, 1),
-            "queued_writes": self._queue.qsize(),
+            # blocks queued or being written: a batch the writer took is not written until it says so
+            "queued_writes": self._queue.unfinished_tasks,
         }
 
 

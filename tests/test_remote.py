@@ -169,6 +169,24 @@ def test_a_stalled_server_times_out_and_writes_never_wait(redis_server):
         proxy.close()
 
 
+def test_a_write_under_way_is_still_counted_as_queued(redis_server):
+    """queued_writes is what an operator (and the cluster's tests) wait on before stopping a server: a
+    batch the writer has taken off the queue but not yet written is still to be written. (It read the
+    queue's length: 0 while the last batch crossed the network, and a server killed then lost it.)"""
+    proxy = SlowProxy(redis_server.port, delay_s=0.5)
+    try:
+        remote = tier(proxy.url)
+        assert remote.put(make_block(1))
+        wait_for(lambda: remote._queue.qsize() == 0)  # taken: connecting, then writing, for seconds
+        stats = remote.stats()
+        assert stats["written"] == 0 and stats["queued_writes"] == 1
+        assert remote.flush(30)
+        stats = remote.stats()
+        assert stats["written"] == 1 and stats["queued_writes"] == 0
+    finally:
+        proxy.close()
+
+
 def test_a_slow_link_that_keeps_pace_is_read_to_the_end(redis_server):
     """The timeout bounds an answer's first byte and each 64 KiB after it, not the whole answer: 1.4 MB
     at 0.5 MB/s takes 2.8 s, well past a 1 s timeout, and is read. (The timeout leaves a busy machine's
