@@ -20,13 +20,16 @@ decoded alone before KERNEL_ATTENTION_FROM positions (where single rows take it 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from . import threads
 from .attention_vectors import _add_rows, _dots, _largest, _tile_add, _tile_scores, _widen
-from .cpu import PROFILE
+from .cpu import PARALLEL_TOKEN_ATTENTION_FROM, PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
 from .vectors import _prefetch
@@ -212,8 +215,9 @@ def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks
 def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list, sinks=None) -> np.ndarray:
     """one_token_attention of several new tokens (several sequences' next tokens) in one call: q [n_tok,
     n_kv, group, hd], runs[t] the runs of token t → [n_tok, n_kv, group, hd]. One call for all: each call
-    wakes numba's threads. Each token's result has the bits it gets alone: its chunks are computed
-    alone and merged alone."""
+    wakes numba's threads (none under PARALLEL_TOKEN_ATTENTION_FROM multiply-adds of scores: the calling
+    thread alone is sooner). Each token's result has the bits it gets alone: its chunks are computed alone and
+    merged alone, on any number of threads."""
     n_tok, n_kv, group, hd = q.shape
     runs = [np.asarray(r, dtype=np.int64).reshape(-1, 2) for r in runs]  # (as from KVViews.runs: no copy)
     first_run = np.cumsum([0] + [len(r) for r in runs])
@@ -223,7 +227,9 @@ def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list, si
     l = np.empty((n_kv, total, group), F32)
     acc = np.empty((n_kv, total, group, hd), F32)
     joined = runs[0] if n_tok == 1 else np.concatenate(runs)
-    _one_token_attention(q, bits_view(k), bits_view(v), joined, first_run, first_chunk, m, l, acc)
+    few = int(joined[:, 1].sum()) * n_kv * group * hd < PARALLEL_TOKEN_ATTENTION_FROM
+    with threads.kernels_on_this_thread() if few else nullcontext():
+        _one_token_attention(q, bits_view(k), bits_view(v), joined, first_run, first_chunk, m, l, acc)
     out = np.empty((n_tok, n_kv, group, hd), F32)
     no_sinks = sinks is None
     sinks = np.zeros((n_kv, group), F32) if no_sinks else np.asarray(sinks, F32)

@@ -50,6 +50,11 @@ PARALLEL_ATTENTION_FROM = 8192
 # longer than the calling thread alone takes to read a smaller matrix (a 0.5B's attention matrices,
 # 0.9 MB; a 7B's keys, 1.06 MB, were slower alone).
 PARALLEL_PRODUCT_FROM = 1 << 20
+# From this many multiply-adds of scores (query heads × head size × cached positions, all of a step's
+# new tokens together) their attention splits over numba's threads, for the same reason: with fewer the
+# calling thread alone is done sooner (the default model's 2,048 positions, a 7B's 512: docs/
+# performance.md, "Threads").
+PARALLEL_TOKEN_ATTENTION_FROM = 1 << 21
 # From this many input numbers quantize_rows runs on numba's threads: waking them costs more than
 # quantizing a few rows takes.
 QUANTIZE_IN_PARALLEL_FROM = 1 << 16

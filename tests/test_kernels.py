@@ -520,6 +520,31 @@ def test_tokens_attended_together_get_the_bits_each_gets_alone(cache_type):
         assert np.array_equal(together[t], kernels.one_token_attention(q[t], k, v, token_runs))
 
 
+def test_a_short_history_is_attended_on_the_calling_thread_with_the_bits_of_all_threads(monkeypatch):
+    """Under cpu.PARALLEL_TOKEN_ATTENTION_FROM positions in all, a step's attention wakes no thread of
+    numba's (each costs more than the work): its tokens get the bits they get over all the threads."""
+    from llama_chat.inference import attention
+
+    rng = np.random.default_rng(6)
+    k, v = (rng.standard_normal((2, 1200, 64), dtype=np.float32).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((2, 2, 7, 64), dtype=np.float32) * 0.5
+    runs = [[(0, 700)], [(0, 512), (900, 3)]]
+    threads_seen = []
+    kernel = attention._one_token_attention
+
+    def watched(*args):
+        threads_seen.append(numba.get_num_threads())
+        kernel(*args)
+
+    monkeypatch.setattr(attention, "_one_token_attention", watched)
+    before = numba.get_num_threads()
+    alone = kernels.tokens_attention(q, k, v, runs)
+    monkeypatch.setattr(attention, "PARALLEL_TOKEN_ATTENTION_FROM", 0)
+    over_all = kernels.tokens_attention(q, k, v, runs)
+    assert threads_seen == [1, before] and numba.get_num_threads() == before
+    assert np.array_equal(alone, over_all)
+
+
 def test_the_kernels_exp_is_within_two_float32_ulps():
     x = -np.concatenate([np.linspace(0, 87, 4001), [1e-8, 0.5, 20.25]]).astype(np.float32)
     got = np.array([kernels._exp_nonpositive(v) for v in x], dtype=np.float64)
