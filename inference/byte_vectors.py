@@ -233,7 +233,7 @@ def _slice(builder, vector, start, count):
 @intrinsic
 def _byte_column_dots(
     typingctx, values, at, lanes, size, xq, xq_at, xq_stride, x_runs, xr_at, xr_stride,
-    scales, offsets, scale_at, sums, rows, width,
+    scales, offsets, scale_at, sums, rows, width, paired,
 ):
     """A block's share of a pass over int8 weights in columns (quants.py's layout: values.flat[at +
     j·lanes + lane] the weight of column j, lane `lane`) for inputs as bytes: for i < rows, with acc the
@@ -243,11 +243,15 @@ def _byte_column_dots(
     32-bit words of the row's bytes from xq.flat[xq_at + i·xq_stride], x_runs.flat[xr_at +
     i·xr_stride…] its run's Σ x and bytes' scale. Four columns of a lane are put side by side in a word
     in registers (the processor's unpacks), so the sums run over the lanes in transposed_lanes' order
-    (in_lane_order puts them back)."""
-    if (literals := _literal_values(size, rows, width)) is None:
+    (in_lane_order puts them back). `paired` (a literal): the weights are within ±32, so that where
+    bytes meet in 16-bit sums of pairs (vpmaddubsw) four words' sums add up before they are widened to
+    32 bits (4 · 2 · 32 · 127 = 32,512: no saturation), one vpmaddwd for four."""
+    literals = _literal_values(size, rows, width)
+    if literals is None or not isinstance(paired, types.BooleanLiteral):
         return None
     n_cols, n_rows, n = literals
     how, chunk = PROFILE.byte_dot, _chunk(n)
+    words_a_sum = 4 if paired.literal_value and how in ("bw", "avx2") else 1  # words whose pairs add up
     order = transposed_lanes(n)
     has_offsets = not isinstance(offsets, (types.NoneType, types.Omitted))
 
@@ -262,6 +266,7 @@ def _byte_column_dots(
             context, builder, signature, args, (1, 2, 5, 6, 8, 9, 12)
         )
         acc = [[ir.Constant(words_t, [0] * chunk) for _ in range(n // chunk)] for _ in range(n_rows)]
+        pairs = [[None] * (n // chunk) for _ in range(n_rows)]  # 16-bit sums not yet widened (paired)
         bias = [ir.Constant(words_t, [0] * chunk) for _ in range(n // chunk)]  # 128 · Σ w (vnni)
         flip = ir.Constant(i32, 0x80808080 - (1 << 32))
         for c in range(n_cols // 4):
@@ -292,7 +297,14 @@ def _byte_column_dots(
                         signed = _call(builder, "llvm.x86.avx2.psign.b", bytes_t, x, w_bytes)
                     else:
                         signed = builder.select(negative, builder.neg(x), x)
-                    acc[i][k] = _byte_dot(builder, how, acc[i][k], size_w, builder.bitcast(signed, words_t))
+                    signed = builder.bitcast(signed, words_t)
+                    if words_a_sum == 1:
+                        acc[i][k] = _byte_dot(builder, how, acc[i][k], size_w, signed)
+                        continue
+                    these = _byte_pairs(builder, how, size_w, signed)
+                    pairs[i][k] = these if c % words_a_sum == 0 else builder.add(pairs[i][k], these)
+                    if c % words_a_sum == words_a_sum - 1:
+                        acc[i][k] = builder.add(acc[i][k], _pairs_to_words(builder, how, pairs[i][k]))
         fma = _fma(builder, chunk)
 
         def in_order(ptr):  # the block's n scales (offsets), in the sums' lane order, by chunk
@@ -319,7 +331,7 @@ def _byte_column_dots(
 
     sig_args = (
         values, at, lanes, size, xq, xq_at, xq_stride, x_runs, xr_at, xr_stride,
-        scales, offsets, scale_at, sums, rows, width,
+        scales, offsets, scale_at, sums, rows, width, paired,
     )
     return types.void(*sig_args), codegen
 

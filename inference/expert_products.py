@@ -37,7 +37,7 @@ class ExpertMatrices:
         self.matrices = matrices  # (keeps the arrays at those addresses)
         first = matrices[0]
         self.n_rows, self.n_groups = first.n_rows, first.values.shape[0]
-        self.in_q4_k, self.takes_bytes = first.in_q4_k, takes_bytes(first)
+        self.in_q4_k, self.takes_bytes, self.small = first.in_q4_k, takes_bytes(first), first.small
         self.values, self.scales, self.offsets = first.values, first.scales, first.offsets
         self.at = tuple(
             None if a is None else np.array([getattr(m, name).ctypes.data for m in matrices], np.int64)
@@ -46,9 +46,10 @@ class ExpertMatrices:
 
 
 def _layout(m) -> tuple:
-    """What the compiled loop takes alike from every expert: each array's type, shape and contiguity."""
+    """What the compiled loop takes alike from every expert: each array's type, shape and contiguity, and
+    whether its weights are small."""
     arrays = (m.values, m.scales, m.offsets)
-    return tuple(None if a is None else (a.dtype, a.shape, a.flags.c_contiguous) for a in arrays)
+    return (*(None if a is None else (a.dtype, a.shape, a.flags.c_contiguous) for a in arrays), m.small)
 
 
 def matrices_of(matrices) -> ExpertMatrices | None:
@@ -57,7 +58,7 @@ def matrices_of(matrices) -> ExpertMatrices | None:
     if any(hasattr(m, "parts") for m in matrices):
         return None
     kind = _layout(matrices[0])
-    alike = all(_layout(m) == kind for m in matrices) and all(a is None or a[2] for a in kind)
+    alike = all(_layout(m) == kind for m in matrices) and all(a is None or a[2] for a in kind[:3])
     return ExpertMatrices(matrices) if alike else None
 
 
@@ -129,10 +130,10 @@ def grouped_product(x: np.ndarray, plan: Layout, w: ExpertMatrices) -> np.ndarra
     segments = (plan.starts, plan.counts, plan.experts)
     if w.takes_bytes:
         xq, x_runs = quantize_rows(x)
-        _grouped(w.values, w.scales, w.offsets, *w.at, xq.view(np.int32), x_runs, out, *segments)
+        _grouped(w.values, w.scales, w.offsets, *w.at, xq.view(np.int32), x_runs, w.small, out, *segments)
     else:
         x_sums = k_quants.run_sums(x) if w.in_q4_k else None
-        _grouped(w.values, w.scales, w.offsets, *w.at, x, x_sums, out, *segments)
+        _grouped(w.values, w.scales, w.offsets, *w.at, x, x_sums, w.small, out, *segments)
     return out[:, : w.n_rows]
 
 
@@ -171,7 +172,7 @@ def _rows_by_type(x, start, n):
 
 @njit(cache=True, parallel=True)
 def _grouped(
-    values, scales, offsets, values_at, scales_at, offsets_at, x, x_sums, out, starts, counts, experts
+    values, scales, offsets, values_at, scales_at, offsets_at, x, x_sums, small, out, starts, counts, experts
 ):
     """Each segment's rows times its expert's matrix: expert e's arrays lie at values_at[e] (…), of the
     type and shape of values (…); segment j has counts[j] rows from starts[j], for expert experts[j]."""
@@ -183,11 +184,11 @@ def _grouped(
         v = _expert(values_at, e, values)
         s, o = _expert(scales_at, e, scales), _expert(offsets_at, e, offsets)
         xs, sums, part = x[start : start + span], _rows(x_sums, start, span), out[start : start + n]
-        _segment_product(v, s, o, xs, sums, part, np.int64(g))
+        _segment_product(v, s, o, xs, sums, small, part, np.int64(g))
         out[start + n : start + span, g * LANES : (g + 1) * LANES] = 0
 
 
-def _segment_product(values, scales, offsets, x, x_sums, out, g):
+def _segment_product(values, scales, offsets, x, x_sums, small, out, g):
     """Columns g·L … of a segment's rows out = x @ w.T (x padded as grouped_product lays it out), by the
     kernels that kernel_product takes for the matrix's layout and the segment's rows: one row (each
     of a decoded token's experts) across all lanes at once, not in the passes of ROWS rows, which
@@ -197,16 +198,19 @@ def _segment_product(values, scales, offsets, x, x_sums, out, g):
 
 
 @overload(_segment_product, inline="always")
-def _segment_product_by_layout(values, scales, offsets, x, x_sums, out, g):
+def _segment_product_by_layout(values, scales, offsets, x, x_sums, small, out, g):
     if values.ndim == 4:
-        return lambda values, scales, offsets, x, x_sums, out, g: block_group_product(values, x, out, g)
+        def in_blocks(values, scales, offsets, x, x_sums, small, out, g):
+            block_group_product(values, x, out, g)
 
-    def in_kernels(values, scales, offsets, x, x_sums, out, g):
+        return in_blocks
+
+    def in_kernels(values, scales, offsets, x, x_sums, small, out, g):
         if out.shape[0] == 1:
-            _one_row_group_product(values, scales, offsets, x, x_sums, out, g)
+            _one_row_group_product(values, scales, offsets, x, x_sums, small, out, g)
         elif out.shape[0] == 2:
-            _two_row_group_product(values, scales, offsets, x, x_sums, out, g)
+            _two_row_group_product(values, scales, offsets, x, x_sums, small, out, g)
         else:
-            _group_product(values, scales, offsets, x, x_sums, out, g)
+            _group_product(values, scales, offsets, x, x_sums, small, out, g)
 
     return in_kernels

@@ -26,6 +26,9 @@ F32 = np.float32
 INTEGER_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 GROUP = {Q.Q6_K: 16}  # weights per scale; 32 for every other integer format
 HAS_OFFSETS = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
+# The integer formats whose weights as int8 (quants.py) lie within ±32 — all but Q8_0, whose bytes are its
+# weights: a product of bytes without VNNI adds their 16-bit sums over several words (PackedMatrix.small)
+SMALL = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # The 16-bit floats as the kernels read them: float16 as uint16 bits, bfloat16 as int16 bits (numba has
 # neither type: the dtype tells the kernels which they are). Without F16C (the "SSE" profile) a kernel
 # cannot widen float16 in one instruction: there float16 matrices stay float32.

@@ -178,7 +178,7 @@ def open_packed(
             )
         for name, m in matrices.items():
             kept = [copies.get((name, k), a) for k, a in enumerate((m.values, m.scales, m.offsets))]
-            matrices[name] = PackedMatrix(*kept, n_rows=m.n_rows)
+            matrices[name] = PackedMatrix(*kept, n_rows=m.n_rows, small=m.small)
         return matrices | plain
     except DamagedFile as e:
         log.warning(f"{path}: damaged ({e}); packing {Path(identity['path']).name} again")
@@ -267,7 +267,8 @@ def _header(f, size: int) -> dict:
 
 def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
     arrays = [None if spec is None else _array(mapped, spec, end) for spec in entry["arrays"]]
-    return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]))
+    # (a file written before "small" was kept: not small, the sums widened at each word, as then)
+    return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]), small=bool(entry.get("small", False)))
 
 
 def _array(mapped: mmap.mmap, spec: list, end: int) -> np.ndarray:
@@ -385,7 +386,7 @@ def write_packed(
                 specs = []
                 for a in (m.values, m.scales, m.offsets):
                     specs.append(None if a is None else _write_array(f, a))
-                entries[name] = {"n_rows": m.n_rows, "arrays": specs}
+                entries[name] = {"n_rows": m.n_rows, "arrays": specs, "small": m.small}
             end = f.tell()
             header = {
                 "layout": LAYOUT_VERSION,

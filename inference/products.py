@@ -38,6 +38,9 @@ ROWS = PROFILE.rows  # input rows a pass multiplies at once past two, their part
 PASS_LANES = PROFILE.pass_lanes  # across this many lanes at a time
 SUMS = max(ROWS * PASS_LANES, 2 * LANES)  # (a literal, as _registers wants it)
 TILE_BYTES = PROFILE.tile_bytes  # float32 tile of a matrix dequantized for BLAS
+# Whether the byte products' 16-bit sums of pairs (vpmaddubsw) may add up over several words before
+# widening, where a matrix's weights are small (AVX2, AVX-512 BW; VNNI's vpdpbusd adds into 32 bits)
+SUMS_IN_16_BITS = PROFILE.byte_dot in ("avx2", "bw")
 AHEAD_IN_PASSES = PROFILE.ahead_in_passes  # whether passes past two rows ask for their weights ahead
 F32 = np.float32
 
@@ -49,7 +52,7 @@ def _n_blocks(scales):
     return 1 if scales is None else scales.shape[1]
 
 
-def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+def _accumulate(values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead):
     """The partial sums of a pass over a group's weights, by the matrix's layout (numba picks one when
     it compiles): int8 or float values (_accumulate_values), or Q4_K's own bits (k_quants.py); `ahead`:
     whether the pass asks for its weights ahead of reading them (Profile.ahead_in_passes)."""
@@ -57,13 +60,13 @@ def _accumulate(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w,
 
 @overload(_accumulate, inline="always", prefer_literal=True)
 def _accumulate_by_layout(
-    values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+    values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
 ):
     if values.dtype == types.uint8 and isinstance(offsets, types.Array) and offsets.dtype == types.int8:
         if x.dtype == types.int32:  # Q6_K's bits, inputs as bytes
 
             def in_q6_k_bytes(
-                values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+                values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
             ):
                 k_quants.accumulate_q6_k_q8(
                     values, scales, offsets, x, x_sums, i0, g, lane0, sums, rows, width, ahead
@@ -71,7 +74,9 @@ def _accumulate_by_layout(
 
             return in_q6_k_bytes
 
-        def in_q6_k(values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead):
+        def in_q6_k(
+            values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
+        ):
             k_quants.accumulate_q6_k(
                 values, scales, offsets, x, i0, g, lane0, sums, w, runs, rows, width, ahead
             )
@@ -80,7 +85,7 @@ def _accumulate_by_layout(
     if x.dtype == types.int32 and values.dtype == types.uint8:  # inputs as bytes (quantize_rows)
 
         def in_q4_k_bytes(
-            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+            values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
         ):
             k_quants.accumulate_q8(
                 values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, rows, width, ahead
@@ -90,24 +95,24 @@ def _accumulate_by_layout(
     if x.dtype == types.int32:
 
         def in_value_bytes(
-            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+            values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
         ):
             _accumulate_value_bytes(
-                values, scales, offsets, x, x_sums, i0, g, lane0, sums, rows, width, ahead
+                values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, rows, width, ahead
             )
 
         return in_value_bytes
     if values.dtype != types.uint8:
 
         def in_values(
-            values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+            values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
         ):
             _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, width, ahead)
 
         return in_values
 
     def in_q4_k(
-        values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
+        values, scales, offsets, x, x_sums, small, i0, g, lane0, sums, runs, w, rows, width, ahead
     ):
         k_quants.accumulate(
             values, scales, offsets, x, x_sums, i0, g, lane0, sums, runs, w, rows, width, ahead
@@ -140,10 +145,13 @@ def _accumulate_values(values, scales, offsets, x, i0, g, lane0, sums, w, rows, 
 
 
 @njit(cache=True, inline="always")
-def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
+def _accumulate_value_bytes(
+    values, scales, offsets, xq, x_runs, small, i0, g, lane0, sums, rows, width, ahead
+):
     """_accumulate_values for inputs as bytes (quantize_rows): a block's Σ w·x̂ in integers, times the
     bytes' scale and the block's, plus its offset times Σ x̂ (blocks of 32 columns where there are
-    offsets: takes_bytes), by byte_vectors._byte_column_dots."""
+    offsets: takes_bytes), by byte_vectors._byte_column_dots; `small`: the matrix's weights are within
+    ±32 (PackedMatrix.small), so that without VNNI four words' 16-bit sums add up before widening."""
     _, n_cols, lanes = values.shape
     n_blocks, n_words, n_runs = scales.shape[1], xq.shape[1], x_runs.shape[1]
     size = n_cols // n_blocks
@@ -155,21 +163,31 @@ def _accumulate_value_bytes(values, scales, offsets, xq, x_runs, i0, g, lane0, s
             for line in range(0, size * lanes, 64):
                 _prefetch(values, at, line)
         xq_at, xr_at = i0 * n_words + b * size // 4, 2 * (i0 * n_runs + b * size // 32)
-        if size == 16:
+        if size == 16 and SUMS_IN_16_BITS and small:
             _byte_column_dots(
                 values, at, lanes, 16, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs,
-                scales, offsets, scale_at, sums, rows, width,
+                scales, offsets, scale_at, sums, rows, width, True,
+            )
+        elif size == 16:
+            _byte_column_dots(
+                values, at, lanes, 16, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs,
+                scales, offsets, scale_at, sums, rows, width, False,
+            )
+        elif SUMS_IN_16_BITS and small:
+            _byte_column_dots(
+                values, at, lanes, 32, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs,
+                scales, offsets, scale_at, sums, rows, width, True,
             )
         else:
             _byte_column_dots(
                 values, at, lanes, 32, xq, xq_at, n_words, x_runs, xr_at, 2 * n_runs,
-                scales, offsets, scale_at, sums, rows, width,
+                scales, offsets, scale_at, sums, rows, width, False,
             )
     in_lane_order(sums, rows, width)
 
 
 @njit(cache=True)  # no fastmath: numba would mark the intrinsics' multiply and add as fusable too
-def _group_product(values, scales, offsets, x, x_sums, out, g):
+def _group_product(values, scales, offsets, x, x_sums, small, out, g):
     """Columns g·L … g·L + L - 1 of out = x @ w.T, ROWS rows at a time (x is padded to a multiple of
     ROWS) across PASS_LANES lanes at a time."""
     registers, runs = _registers(SUMS), _registers(SUMS)
@@ -180,7 +198,8 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
         for lane0 in range(0, LANES, PASS_LANES):
             ahead = AHEAD_IN_PASSES and i0 == 0  # the pass that reads the group from memory
             _accumulate(
-                values, scales, offsets, x, x_sums, i0, g, lane0, registers, runs, w, ROWS, PASS_LANES, ahead
+                values, scales, offsets, x, x_sums, small, i0, g, lane0, registers, runs, w, ROWS, PASS_LANES,
+                ahead,
             )
             for i in range(min(ROWS, n - i0)):
                 for r in range(PASS_LANES):
@@ -188,26 +207,26 @@ def _group_product(values, scales, offsets, x, x_sums, out, g):
 
 
 @njit(cache=True)
-def _one_row_group_product(values, scales, offsets, x, x_sums, out, g):
+def _one_row_group_product(values, scales, offsets, x, x_sums, small, out, g):
     """_group_product of one row (a token decoded alone) across all LANES, no padded rows. A function of
     its own, compiled after a first start's load (compile_later_rows): until then one row goes through
     the passes, padded, which give it the same bits, so a first reply waits for neither."""
     registers, runs = _registers(SUMS), _registers(SUMS)
     w = _registers(LANES)
-    _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 1, LANES, True)
+    _accumulate(values, scales, offsets, x, x_sums, small, 0, g, 0, registers, runs, w, 1, LANES, True)
     sums = carray(registers, LANES)
     for r in range(LANES):
         out[0, g * LANES + r] = sums[r]
 
 
 @njit(cache=True)
-def _two_row_group_product(values, scales, offsets, x, x_sums, out, g):
+def _two_row_group_product(values, scales, offsets, x, x_sums, small, out, g):
     """_group_product of two rows (two replies decoded together, a draft of one token verified): both
     across all LANES, no padded rows. A function of its own, compiled after a first start's load (no
     first reply waits on it: compile_later_rows)."""
     registers, runs = _registers(SUMS), _registers(SUMS)
     w = _registers(LANES)
-    _accumulate(values, scales, offsets, x, x_sums, 0, g, 0, registers, runs, w, 2, LANES, True)
+    _accumulate(values, scales, offsets, x, x_sums, small, 0, g, 0, registers, runs, w, 2, LANES, True)
     sums = carray(registers, (2, LANES))
     for i in range(2):
         for r in range(LANES):
@@ -215,23 +234,23 @@ def _two_row_group_product(values, scales, offsets, x, x_sums, out, g):
 
 
 @njit(cache=True, parallel=True)
-def _product(values, scales, offsets, x, x_sums, out):
+def _product(values, scales, offsets, x, x_sums, small, out):
     for g in prange(values.shape[0]):  # a group's call is its own function: its registers its own
         # (g as int64: numba types a parallel loop's index both signed and unsigned, and a uint64 g
         # would compile _group_product a second time, seconds of a first start)
-        _group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+        _group_product(values, scales, offsets, x, x_sums, small, out, np.int64(g))
 
 
 @njit(cache=True, parallel=True)
-def _one_row_product(values, scales, offsets, x, x_sums, out):
+def _one_row_product(values, scales, offsets, x, x_sums, small, out):
     for g in prange(values.shape[0]):
-        _one_row_group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+        _one_row_group_product(values, scales, offsets, x, x_sums, small, out, np.int64(g))
 
 
 @njit(cache=True, parallel=True)
-def _two_row_product(values, scales, offsets, x, x_sums, out):
+def _two_row_product(values, scales, offsets, x, x_sums, small, out):
     for g in prange(values.shape[0]):
-        _two_row_group_product(values, scales, offsets, x, x_sums, out, np.int64(g))
+        _two_row_group_product(values, scales, offsets, x, x_sums, small, out, np.int64(g))
 
 
 @njit(cache=True, parallel=True)
@@ -257,9 +276,9 @@ def block_group_product(values, x, out, g):
     block_formats.decode_group(values, g, tile[0])
     part = np.empty((n, LANES), F32)
     if n == 2:
-        _two_row_group_product(tile, None, None, x, None, part, np.int64(0))
+        _two_row_group_product(tile, None, None, x, None, False, part, np.int64(0))
     else:
-        _group_product(tile, None, None, x, None, part, np.int64(0))
+        _group_product(tile, None, None, x, None, False, part, np.int64(0))
     for i in range(n):
         for r in range(LANES):
             out[i, g * LANES + r] = part[i, r]
@@ -334,10 +353,10 @@ def _multiply(product, x: np.ndarray, w, out: np.ndarray) -> None:
         _block_product(w.values, x, out)
     elif takes_bytes(w):
         xq, x_runs = quantize_rows(x)
-        product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, out)
+        product(w.values, w.scales, w.offsets, xq.view(np.int32), x_runs, w.small, out)
     else:
         x_sums = k_quants.run_sums(x) if w.in_q4_k else None
-        product(w.values, w.scales, w.offsets, x, x_sums, out)
+        product(w.values, w.scales, w.offsets, x, x_sums, w.small, out)
 
 
 # Whether this process leaves the one-row kernels to compile_later_rows (compile_one_row_later), and the

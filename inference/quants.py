@@ -29,7 +29,7 @@ import numba
 import numpy as np
 
 from . import block_formats, ggml_quants, k_quants, kernels
-from .formats import GROUP, HALF_TYPES, OWN_BITS, kind_of, kinds_of, layout, runs_of
+from .formats import GROUP, HALF_TYPES, OWN_BITS, SMALL, kind_of, kinds_of, layout, runs_of
 from .jit import njit, prange
 from .k_quants import StackedMatrix, _scale_min_k4, _store
 from .kernels import LANES
@@ -51,6 +51,7 @@ class PackedMatrix:
     offsets: np.ndarray | None  # same shape as scales, for formats with a minimum (Q4_1, Q5_1, Q5_K)
     n_rows: int
     activations: str = "f32"  # "q8": its products take their inputs as bytes where they can (kernels.py)
+    small: bool = False  # int8 weights all within ±32 (formats.SMALL): byte_vectors' sums add up in 16 bits
 
     @property
     def in_q4_k(self) -> bool:
@@ -277,7 +278,7 @@ def pack_one(parts: list[tuple[np.ndarray, Q, tuple[int, int]]], own: dict = OWN
             repeat = GROUP.get(qtype, 32) // (n_cols // scales.shape[1])
             _unpack(raw, qtype, shape, row0, values, scales, offsets, repeat)
         row0 += shape[0]
-    return PackedMatrix(values, scales, offsets, n_rows)
+    return PackedMatrix(values, scales, offsets, n_rows, small=formats <= set(SMALL))
 
 
 def _unpack(raw, qtype: Q, shape, row0: int, values, scales, offsets, repeat: int) -> None:
@@ -313,7 +314,7 @@ def for_inputs(w: PackedMatrix, inputs: str) -> PackedMatrix:
     parts = np.linspace(0, groups, min(numba.config.NUMBA_NUM_THREADS, groups) + 1).astype(int)
     convert = partial(k_quants.q6_k_as_int8, w.values, w.scales, w.offsets, values, scales)
     kernels.in_parallel([partial(convert, g0, g1) for g0, g1 in zip(parts[:-1], parts[1:])])
-    return PackedMatrix(values, scales, None, w.n_rows, inputs)
+    return PackedMatrix(values, scales, None, w.n_rows, inputs, small=True)  # (q − 32: within ±32)
 
 
 def zero_matrix(
@@ -323,4 +324,4 @@ def zero_matrix(
     not packed (the unpacking loops compile only where a model is packed)."""
     formats = {formats} if isinstance(formats, Q) else set(formats)
     arrays = (None if a is None else np.zeros(*a) for a in layout(formats, *shape, own))
-    return PackedMatrix(*arrays, n_rows=shape[0], activations=activations)
+    return PackedMatrix(*arrays, n_rows=shape[0], activations=activations, small=formats <= set(SMALL))

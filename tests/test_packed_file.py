@@ -124,6 +124,7 @@ def test_q4_k_m_weights_map_bit_for_bit(q4_k_m):
     assert model.weights.layers[1].ffn_gate_up.in_q4_k  # kept in its GGUF bits, mapped
     q_k, v = model.weights.layers[0].attn_qkv.parts  # q/k in Q4_K, v in Q6_K: two runs, each mapped
     assert q_k.in_q4_k and v.in_q6_k == formats.Q6_K_IN_BITS
+    assert q_k.small and v.small  # kept with them: their weights' sums may add up in 16 bits
     assert np.array_equal(logits(model), unpacked_logits(q4_k_m))
 
 

@@ -364,30 +364,47 @@ def test_a_pair_of_q4_k_runs_read_once_are_each_runs_integers():
 
 
 @plain_njit
-def byte_column_dots(values, xq, x_runs, scales, offsets, sums, size):
+def byte_column_dots(values, xq, x_runs, scales, offsets, sums, size, paired):
     registers = _registers(W3)
     view = carray(registers, 3 * W)
     for k in range(3 * W):
         view[k] = sums[k]
     lanes, n_words, n_runs = values.shape[2], xq.shape[1], x_runs.shape[1]
     at, xr_at, scale_at = 32 * lanes + 8, 2, 32 // size * lanes + 8  # columns 32… from lane 8
-    if size == 16:
+    if size == 16 and paired:
         _byte_column_dots(
             values, at, lanes, 16, xq, 8, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at,
-            registers, 3, W,
+            registers, 3, W, True,
+        )
+    elif size == 16:
+        _byte_column_dots(
+            values, at, lanes, 16, xq, 8, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at,
+            registers, 3, W, False,
+        )
+    elif paired:
+        _byte_column_dots(
+            values, at, lanes, 32, xq, 8, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at,
+            registers, 3, W, True,
         )
     else:
         _byte_column_dots(
             values, at, lanes, 32, xq, 8, n_words, x_runs, xr_at, 2 * n_runs, scales, offsets, scale_at,
-            registers, 3, W,
+            registers, 3, W, False,
         )
     copy_out(registers, sums)
     in_lane_order(registers, 3, W)
     copy_out(registers, sums[3 * W :])
 
 
-@pytest.mark.parametrize("qtype, size", [(T.Q4_1, 32), (T.Q8_0, 32), (T.Q6_K, 16)], ids=lambda v: str(v))
-def test_an_int8_blocks_byte_dots_are_the_references(qtype, size):
+@pytest.mark.parametrize(
+    "qtype, size, paired",
+    [(T.Q4_1, 32, False), (T.Q4_1, 32, True), (T.Q5_0, 32, True), (T.Q8_0, 32, False), (T.Q6_K, 16, False),
+     (T.Q6_K, 16, True)],
+    ids=lambda v: str(v),
+)  # fmt: skip
+def test_an_int8_blocks_byte_dots_are_the_references(qtype, size, paired):
+    """A block's integer sums, in 32 bits at each word or (`paired`, the small formats' weights) in 16
+    bits over four words first: exactly the reference's, the largest inputs and weights included."""
     shape = (LANES, 256)
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng(9).integers(0, 256, (shape[0], shape[1] // block_len * block_bytes), dtype=np.uint8)
@@ -396,19 +413,27 @@ def test_an_int8_blocks_byte_dots_are_the_references(qtype, size):
     d = np.full((len(blocks), (halves.stop - halves.start) // 2), 0.01, np.float16)
     blocks[:, halves] = d.view(np.uint8)
     w = quants.for_inputs(quants.pack([(raw, qtype, shape)]), "f32")  # (Q6_K: as int8)
-    xq, x_runs = bytes_of(3, 256)
-    sums = np.zeros(6 * W, F32)
-    sums[: 3 * W] = floats(3 * W, 1)
-    want = sums[: 3 * W].copy()
-    byte_column_dots(w.values, xq, x_runs, w.scales, w.offsets, sums, size)
-    at, scale_at = 32 * LANES + 8, LANES * (32 // size) + 8
-    ref.byte_column_dots(
-        w.values, at, LANES, size, xq, 8, xq.shape[1], x_runs, 2, 2 * x_runs.shape[1],
-        w.scales, w.offsets, scale_at, want, 3, W,
-    )
-    assert np.array_equal(sums[: 3 * W], want)
-    ref.in_lane_order(want, 3, W)
-    assert np.array_equal(sums[3 * W :], want)
+    assert w.small == (qtype != T.Q8_0)
+    # random weights and inputs, then the sums' worst case: every weight at the format's largest size,
+    # every input byte 127 (a 16-bit sum of four words' pairs then holds 8 · 32 · 127 for Q6_K)
+    largest = {T.Q4_1: 15, T.Q5_0: -16, T.Q6_K: -32, T.Q8_0: -128}[qtype]
+    for extreme in (False, True):
+        if extreme:
+            w.values[:] = largest
+        xq, x_runs = bytes_of(3, 256) if not extreme else activations.quantize_rows(np.ones((3, 256), F32))
+        xq = xq.view(np.int32)
+        sums = np.zeros(6 * W, F32)
+        sums[: 3 * W] = floats(3 * W, 1)
+        want = sums[: 3 * W].copy()
+        byte_column_dots(w.values, xq, x_runs, w.scales, w.offsets, sums, size, paired)
+        at, scale_at = 32 * LANES + 8, LANES * (32 // size) + 8
+        ref.byte_column_dots(
+            w.values, at, LANES, size, xq, 8, xq.shape[1], x_runs, 2, 2 * x_runs.shape[1],
+            w.scales, w.offsets, scale_at, want, 3, W,
+        )
+        assert np.array_equal(sums[: 3 * W], want), extreme
+        ref.in_lane_order(want, 3, W)
+        assert np.array_equal(sums[3 * W :], want), extreme
 
 
 def q6_k(seed: int = 0):
