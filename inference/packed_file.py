@@ -45,7 +45,7 @@ from .cpu import PROFILE
 from .huge_pages import BlockWriter, advise_huge
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 9  # raise when formats.py (or a module it names) lays a matrix out differently, or this
+LAYOUT_VERSION = 10  # raise when formats.py (or a module it names) lays a matrix out differently, or this
 # file's header
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC
@@ -267,8 +267,7 @@ def _header(f, size: int) -> dict:
 
 def _matrix(mapped: mmap.mmap, entry: dict, end: int) -> PackedMatrix:
     arrays = [None if spec is None else _array(mapped, spec, end) for spec in entry["arrays"]]
-    # (a file written before "small" was kept: not small, the sums widened at each word, as then)
-    return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]), small=bool(entry.get("small", False)))
+    return PackedMatrix(*arrays, n_rows=int(entry["n_rows"]), small=bool(entry["small"]))
 
 
 def _array(mapped: mmap.mmap, spec: list, end: int) -> np.ndarray:
