@@ -497,23 +497,32 @@ def q6_k_as_int8(values, d, sc, out, scales, g0, g1):
     """Groups g0…g1 - 1 of a Q6_K matrix in this layout as int8 values q − 32 in out [groups, n_cols,
     LANES] and the float32 scale d·sc of each 16 in scales [groups, n_cols / 16, LANES]: the int8
     layout (quants.py), the same weights."""
-    lanes = values.shape[2]
     for g in range(g0, g1):
-        flat = values[g].reshape(-1)
-        for b in range(d.shape[1]):
-            for s in range(16):
-                for lane in range(lanes):
-                    scales[g, 16 * b + s, lane] = d[g, b, lane] * F32(sc[g, 16 * b + s, lane])
-            for h in range(2):
-                for k in range(4):
-                    for col in range(32):  # ql byte 64·h + 32·(k % 2) + col, qh byte 128 + 32·h + col
-                        low, high = 192 * b + 64 * h + 32 * (k % 2) + col, 192 * b + 128 + 32 * h + col
-                        low_at, high_at = 4 * lanes * (low // 4) + low % 4, 4 * lanes * (high // 4) + high % 4
-                        j = 256 * b + 128 * h + 32 * k + col
-                        for lane in range(lanes):
-                            q = (flat[low_at + 4 * lane] >> (4 * (k // 2))) & 15
-                            q |= ((flat[high_at + 4 * lane] >> (2 * k)) & 3) << 4
-                            out[g, j, lane] = np.int8(np.int32(q) - 32)
+        q6_k_group_as_int8(values, d, sc, g, out[g], scales[g])
+
+
+@njit(cache=True, nogil=True)
+def q6_k_group_as_int8(values, d, sc, g, out, scales):
+    """Group g of a Q6_K matrix as int8 into out [n_cols, LANES] and its scales [n_cols / 16, LANES]
+    (q6_k_as_int8's), each column's bits taken from the 32-bit words of all lanes side by side, so that
+    the loop over lanes vectorizes."""
+    lanes = values.shape[2]
+    words = values[g].reshape(-1).view(np.uint32)  # word w of lane `lane` at w·lanes + lane
+    for b in range(d.shape[1]):
+        for s in range(16):
+            for lane in range(lanes):
+                scales[16 * b + s, lane] = d[g, b, lane] * F32(sc[g, 16 * b + s, lane])
+        for h in range(2):
+            for k in range(4):
+                for col in range(32):  # ql byte 64·h + 32·(k % 2) + col, qh byte 128 + 32·h + col
+                    low, high = 192 * b + 64 * h + 32 * (k % 2) + col, 192 * b + 128 + 32 * h + col
+                    low_at, high_at = (low // 4) * lanes, (high // 4) * lanes
+                    low_shift, high_shift = 8 * (low % 4) + 4 * (k // 2), 8 * (high % 4) + 2 * k
+                    j = 256 * b + 128 * h + 32 * k + col
+                    for lane in range(lanes):
+                        q = (words[low_at + lane] >> low_shift) & 15
+                        q |= ((words[high_at + lane] >> high_shift) & 3) << 4
+                        out[j, lane] = np.int8(np.int32(q) - 32)
 
 
 def q6_k_gguf_blocks(values: np.ndarray, d: np.ndarray, sc: np.ndarray, ids: np.ndarray) -> np.ndarray:

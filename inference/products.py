@@ -41,7 +41,13 @@ TILE_BYTES = PROFILE.tile_bytes  # float32 tile of a matrix dequantized for BLAS
 # Whether the byte products' 16-bit sums of pairs (vpmaddubsw) may add up over several words before
 # widening, where a matrix's weights are small (AVX2, AVX-512 BW; VNNI's vpdpbusd adds into 32 bits)
 SUMS_IN_16_BITS = PROFILE.byte_dot in ("avx2", "bw")
-AHEAD_IN_PASSES = PROFILE.ahead_in_passes  # whether passes past two rows ask for their weights ahead
+AHEAD_IN_PASSES = PROFILE.ahead_in_passes
+# From this many input rows a product with a Q6_K matrix in its bits makes each group int8 first
+# (_q6_k_tile_product): a 7B's ffn_down on the Zen 4 (AVX-512) at 256 rows took 137 ms by the bits' own
+# kernel and 113 through int8 tiles (kernel_rows.py, alternating: 197–237 against 125–142), at 64 about
+# the same (35.0 / 33.9); at 32 int8 alone took 15.1 against 22.1, but making the matrix int8 8.4 more.
+# A prompt is read 512 rows a pass (model.DEFAULT_PREFILL_BATCH).
+Q6_K_TILES_FROM = 128  # whether passes past two rows ask for their weights ahead
 F32 = np.float32
 
 
@@ -284,6 +290,24 @@ def block_group_product(values, x, out, g):
             out[i, g * LANES + r] = part[i, r]
 
 
+@njit(cache=True, parallel=True)
+def _q6_k_tile_product(values, d, sc, xq, x_runs, small, out):
+    """_product of many rows (as bytes) with a Q6_K matrix in its bits: each group made int8 in a tile of
+    its task's own (k_quants.q6_k_group_as_int8), then multiplied by the int8 kernels' passes (paired
+    where the processor sums in 16 bits). The same integers and float steps as the bits' own kernel,
+    so the same bits; its several-row kernel takes each weight's bits apart for every pass."""
+    n_cols, n = values.shape[1] * 4 // 3, out.shape[0]
+    for g in prange(values.shape[0]):
+        tile = np.empty((1, n_cols, LANES), np.int8)
+        scales = np.empty((1, n_cols // 16, LANES), F32)
+        k_quants.q6_k_group_as_int8(values, d, sc, g, tile[0], scales[0])
+        part = np.empty((n, LANES), F32)
+        _group_product(tile, scales, None, xq, x_runs, True, part, np.int64(0))
+        for i in range(n):
+            for r in range(LANES):
+                out[i, g * LANES + r] = part[i, r]
+
+
 @njit(cache=True)
 def _dequantize_int8(values, scales, offsets, g0, g1, out):
     """Groups g0..g1-1 as float32 into out [n_cols, (g1 - g0)·L]: the transposed tile BLAS multiplies.
@@ -335,7 +359,7 @@ def kernel_product(x: np.ndarray, w) -> np.ndarray:
     elif n == 2:
         product = _two_row_product
     else:
-        product = _product
+        product = _q6_k_tile_product if n >= Q6_K_TILES_FROM and w.in_q6_k and takes_bytes(w) else _product
         if n % ROWS:  # the passes read ROWS rows at a time: zeros after the last
             x = np.concatenate([x, np.zeros((ROWS - n % ROWS, n_cols), F32)])
     if n == 1 and w.nbytes < PARALLEL_PRODUCT_FROM:
@@ -385,8 +409,9 @@ def kind_of_product(w) -> tuple:
 
 
 def compile_later_rows(matrices) -> None:
-    """The one-row and two-row products of these matrices' kinds (and input types), compiled or loaded
-    from the cache: what a first start leaves to a thread of its own. Until a kind's one-row kernel is
+    """The one-row and two-row products of these matrices' kinds (and input types), and a long prompt's
+    int8 tiles of a Q6_K matrix in its bits, compiled or loaded from the cache: what a first start
+    leaves to a thread of its own. Until a kind's one-row kernel is
     ready a decoded token goes through the passes, padded, which give it the same bits; a product of two
     rows that comes first waits for numba's compiler lock and runs what it compiled."""
     kinds = {}
@@ -399,6 +424,8 @@ def compile_later_rows(matrices) -> None:
         _one_row_ready.add(kind)
     for w in kinds.values():
         kernel_product(np.zeros((2, w.n_cols), F32), w)
+        if w.in_q6_k and takes_bytes(w):  # a long prompt's: its groups made int8 (_q6_k_tile_product)
+            kernel_product(np.zeros((Q6_K_TILES_FROM, w.n_cols), F32), w)
 
 
 _scratch = threading.local()

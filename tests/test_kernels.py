@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from llama_chat.inference import blas_crossover, cpu, formats, ggml_quants, k_quants, kernels, quants, warmup
+from llama_chat.inference.products import Q6_K_TILES_FROM
 from llama_chat.inference.threads import kernels_on_this_thread
 
 T = gguf.GGMLQuantizationType
@@ -386,7 +387,8 @@ def q6_k_in_bits(raw: np.ndarray, shape: tuple[int, int]) -> quants.PackedMatrix
 
 def test_q6_k_in_its_bits_and_as_int8_give_the_same_weights_and_products():
     """Q6_K in its own bits, which float32 inputs take as int8 (quants.for_inputs): the same weights,
-    and bit for bit the same products either way, with inputs as floats or bytes."""
+    and bit for bit the same products either way, with inputs as floats or bytes — a long prompt's rows
+    as bytes too, for which the bits are made int8 a group at a time (Q6_K_TILES_FROM)."""
     shape = (130, 512)
     raw = raw_tensor(T.Q6_K, shape, seed=8)
     bits = q6_k_in_bits(raw, shape)
@@ -396,12 +398,15 @@ def test_q6_k_in_its_bits_and_as_int8_give_the_same_weights_and_products():
     weights = reference(T.Q6_K, raw, shape)
     for w in (bits, as_int8):
         assert np.array_equal(kernels.rows(w, np.arange(shape[0])), weights)
-    x = np.random.default_rng(5).standard_normal((kernels.KERNEL_ROWS, 512)).astype(np.float32)
+    long = Q6_K_TILES_FROM + 3
+    x = np.random.default_rng(5).standard_normal((long, 512)).astype(np.float32)
     for inputs in ("f32", "q8"):
-        for n in (1, 2, 3, kernels.KERNEL_ROWS):
+        for n in (1, 2, 3, kernels.KERNEL_ROWS, long):
             got = kernels.matmul(x[:n], replace(bits, activations=inputs))
             want = kernels.matmul(x[:n], replace(as_int8, activations=inputs))
             assert np.array_equal(got, want), (inputs, n)
+    alone = kernels.matmul(x[:1], replace(bits, activations="q8"))
+    assert np.array_equal(kernels.matmul(x, replace(bits, activations="q8"))[:1], alone)  # any batch
 
 
 def test_a_model_with_int8_matrices_keeps_its_q6_k_in_int8():
@@ -581,6 +586,7 @@ t.test_inputs_as_bytes_give_a_row_the_same_bits_in_any_batch(T.Q5_0)
 t.test_one_token_attention_equals_softmax_attention(2, 7, 64, [(0, 4096)])
 t.test_one_token_attention_equals_softmax_attention(4, 2, 128, [(0, 64), (192, 700), (96, 1)])
 t.test_tokens_attended_together_get_the_bits_each_gets_alone(np.float16)
+t.test_q6_k_in_its_bits_and_as_int8_give_the_same_weights_and_products()
 print(PROFILE.isa, PROFILE.lanes, PROFILE.rows, PROFILE.pass_lanes)
 """
 
