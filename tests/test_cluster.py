@@ -107,10 +107,13 @@ def test_a_server_killed_between_turns_its_conversations_go_on_elsewhere_with_th
     moved = [c for c in conversations if c.turns[-1].server == victim]
     assert moved
     cluster.wait_written(victim)  # between turns: its blocks are in Redis
+    tier = cluster.health(victim)[1]["kv_remote"]
     cluster.kill(victim, signal.SIGKILL)
     turns(conversations, cluster.url, 2)
     for c in moved:
-        assert c.turns[2].server != victim and c.turns[2].cached >= 0.90, c.turns[2]
+        assert c.turns[2].server != victim and c.turns[2].cached >= 0.90, (
+            c.turns[2], tier, cluster.log_tail(victim, 20)  # (its KV's writes, as the victim saw them)
+        )
         assert c.turns[3].server == c.turns[2].server and c.turns[3].cached >= 0.95
     assert_stored_exactly(cluster, conversations)  # the killed server's database holds its turns
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -358,17 +359,23 @@ def test_health_says_loading_ready_or_draining_and_never_waits_on_the_engine(tmp
                 "messages": [{"role": "user", "content": LONG}]}
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
-        began = up_to_its_first_text(response)
-        with s.scheduler.lock:  # as through a step of a long prefill: the engine's lock is taken
-            status, health = health_of(s)
-            assert status == 200 and health["status"] == "ready" and health["active"] == 1
-            s.server.handle_exit(signal.SIGTERM, None)  # (a signal, as the server's thread cannot get one)
-            assert health_of(s) == (503, {"status": "draining", "model": MODEL})
-            status, error = error_of(
-                post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-            )
-            assert status == 503 and error["code"] == "draining"
-        text, events = sse_texts(began + response.read())  # the stream under way finishes whole
+        taken, deadline = False, time.monotonic() + 30
+        while not taken:  # the engine's lock taken while the reply is under way, as through a step of a
+            assert time.monotonic() < deadline, "the reply never ran"  # long prefill: between two of its
+            time.sleep(0.001)  # steps (taken after its first text, a fast reply could end first)
+            with s.scheduler.lock:
+                if s.scheduler.load()["active"] != 1:
+                    continue
+                taken = True
+                status, health = health_of(s)
+                assert status == 200 and health["status"] == "ready" and health["active"] == 1
+                s.server.handle_exit(signal.SIGTERM, None)  # (a signal: the server's thread cannot get one)
+                assert health_of(s) == (503, {"status": "draining", "model": MODEL})
+                status, error = error_of(
+                    post(s, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+                )
+                assert status == 503 and error["code"] == "draining"
+        text, events = sse_texts(response.read())  # the stream under way finishes whole
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         assert events[-2]["stored"] and len(text) > 0
         s.thread.join(30)  # then the server stops by itself
