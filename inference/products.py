@@ -41,13 +41,13 @@ TILE_BYTES = PROFILE.tile_bytes  # float32 tile of a matrix dequantized for BLAS
 # Whether the byte products' 16-bit sums of pairs (vpmaddubsw) may add up over several words before
 # widening, where a matrix's weights are small (AVX2, AVX-512 BW; VNNI's vpdpbusd adds into 32 bits)
 SUMS_IN_16_BITS = PROFILE.byte_dot in ("avx2", "bw")
-AHEAD_IN_PASSES = PROFILE.ahead_in_passes
+AHEAD_IN_PASSES = PROFILE.ahead_in_passes  # whether passes past two rows ask for their weights ahead
 # From this many input rows a product with a Q6_K matrix in its bits makes each group int8 first
 # (_q6_k_tile_product): a 7B's ffn_down on the Zen 4 (AVX-512) at 256 rows took 137 ms by the bits' own
 # kernel and 113 through int8 tiles (kernel_rows.py, alternating: 197–237 against 125–142), at 64 about
 # the same (35.0 / 33.9); at 32 int8 alone took 15.1 against 22.1, but making the matrix int8 8.4 more.
 # A prompt is read 512 rows a pass (model.DEFAULT_PREFILL_BATCH).
-Q6_K_TILES_FROM = 128  # whether passes past two rows ask for their weights ahead
+Q6_K_TILES_FROM = 128
 F32 = np.float32
 
 

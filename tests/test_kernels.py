@@ -526,7 +526,7 @@ def test_tokens_attended_together_get_the_bits_each_gets_alone(cache_type):
 
 
 def test_a_short_history_is_attended_on_the_calling_thread_with_the_bits_of_all_threads(monkeypatch):
-    """Under cpu.PARALLEL_TOKEN_ATTENTION_FROM positions in all, a step's attention wakes no thread of
+    """Under cpu.PARALLEL_TOKEN_ATTENTION_FROM multiply-adds of scores, a step's attention wakes no thread of
     numba's (each costs more than the work): its tokens get the bits they get over all the threads."""
     from llama_chat.inference import attention
 
