@@ -365,56 +365,69 @@ def in_lane_order(typingctx, sums, rows, width):
 
 @intrinsic
 def _q6_k_half_dots(
-    typingctx, values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width, ahead
+    typingctx, values, ql_at, qh_at, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width, ahead
 ):
     """One row's share of half a Q6_K block (its 16 words of ql bytes from values.flat[ql_at…] and 8 of
     qh bytes from values.flat[qh_at…], LANES words apart): for each of its 8 sub-blocks s of 16 columns
-    in turn, sums[:width] += d·sc · ((Σ (q − 32)·x̂) · x_scale), fused. Each word is read once for the 4
-    sub-blocks it holds bits of, their sums side by side in registers. d the float32 at d.flat[d_at…],
-    sc the int8 at sc.flat[sc_at + s·lanes…]; the row's bytes the 32-bit words from xq.flat[xq_at],
-    the scale of run k at x_scales.flat[xs_at + 2·k] (quantize_rows' x_runs). With each read of weights
-    it asks for the line `ahead` bytes further (a literal; 0: none), so that the asks go out spread among
-    the reads: a burst of them ahead of a half block held up the reads themselves."""
+    in turn, sums[:width] += d·sc · ((Σ (q − 32)·x̂) · x_scale), fused. d the float32 at d.flat[d_at…],
+    sc the int8 at sc.flat[sc_at + s·LANES…]; the row's bytes the 32-bit words from xq.flat[xq_at], the
+    scale of run k at x_scales.flat[xs_at + 2·k] (quantize_rows' x_runs). A sub-block's words are read
+    for it, all lanes' side by side, and read again (from L1) by the next sub-block holding bits of
+    them: with each word read once and the 8 sub-blocks' sums side by side, LLVM hoisted the reads and
+    spilled registers (a quarter of the code on AVX2; the compute-bound rate 1.4-1.5x lower,
+    docs/performance.md). The first read of a word asks for the line `ahead` bytes further (a literal;
+    0: none), so that the asks go out spread among the reads."""
     if (literals := _literal_values(width, ahead)) is None:
         return None
     n, ahead_bytes = literals
 
     def codegen(context, builder, signature, args):
-        pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 4, 6, 8, 9)]
-        ql_at, qh_at, lanes, xq_at, xs_at, d_at, sc_at = _casts(
-            context, builder, signature, args, (1, 2, 3, 5, 7, 10, 11)
+        pointers = [_data(context, builder, signature.args[k], args[k]) for k in (0, 3, 5, 7, 8)]
+        ql_at, qh_at, xq_at, xs_at, d_at, sc_at = _casts(
+            context, builder, signature, args, (1, 2, 4, 6, 9, 10)
         )
-        q6 = _Q6K(builder, pointers, args[12], lanes, xq_at, None, xs_at, None, d_at, n, ahead_bytes)
+        lanes = ir.Constant(ir.IntType(64), PROFILE.lanes)  # a constant: addresses as displacements
+        q6 = _Q6K(builder, pointers, args[11], lanes, xq_at, None, xs_at, None, d_at, n, ahead_bytes)
         ql_ptr, qh_ptr = q6.words_at(ql_at), q6.words_at(qh_at)
-        biases = [q6.bias(0, 8 * (s // 2) + 4 * (s % 2)) for s in range(8)]
         paired = q6.how in ("bw", "avx2")  # two words' 16-bit pairs added before widening: ≤ 2·2·63·127
-        b = builder
-        for j in range(n // q6.chunk):
-            acc, pending = [q6.zeros] * 8, [None] * 8
-            for c in range(8):  # words of ql (both nibbles' runs), ql 8 further and qh: 4 runs' columns
-                ql = [q6.word(ql_ptr, c, j), q6.word(ql_ptr, 8 + c, j)]
-                qh = q6.word(qh_ptr, c, j)
-                for k in range(4):
-                    s, q, x = 2 * k + c // 4, q6.quants(ql[k % 2], qh, k), q6.x_word(0, 8 * k + c)
+        b, chunks = builder, range(n // q6.chunk)
+        totals = [b.load(q6.sums_at(0, j), align=4) for j in chunks]
+        for s in range(8):  # columns 16·s… of the half: run k, its second 16 where s is odd
+            k, second = s // 2, s % 2
+            acc, pending = [q6.zeros] * len(chunks), [None] * len(chunks)
+            for c in range(4 * second, 4 * second + 4):  # its words: of ql (8 further for odd k) and qh
+                x = q6.x_word(0, 8 * k + c)
+                for j in chunks:
+                    ql = q6.word(ql_ptr, 8 * (k % 2) + c, j, asks=s < 4)  # each word's first read asks
+                    qh = q6.word(qh_ptr, c, j, asks=s < 2)
+                    q = q6.quants(ql, qh, k)
                     if not paired:
-                        acc[s] = _byte_dot(b, q6.how, acc[s], q, x)
+                        acc[j] = _byte_dot(b, q6.how, acc[j], q, x)
                     elif c % 2 == 0:
-                        pending[s] = _byte_pairs(b, q6.how, q, x)
+                        pending[j] = _byte_pairs(b, q6.how, q, x)
                     else:
-                        pairs = b.add(pending[s], _byte_pairs(b, q6.how, q, x))
-                        acc[s] = b.add(acc[s], _pairs_to_words(b, q6.how, pairs))
-            at_sums = q6.sums_at(0, j)
-            total = b.load(at_sums, align=4)
-            for s in range(8):
-                sc_s = b.add(sc_at, b.mul(lanes, ir.Constant(ir.IntType(64), s)))
-                total = q6.add_sub_block(sc_s, 2 * (s // 2), 0, j, acc[s], biases[s], total)
-            b.store(total, at_sums, align=4)
+                        pairs = b.add(pending[j], _byte_pairs(b, q6.how, q, x))
+                        acc[j] = b.add(acc[j], _pairs_to_words(b, q6.how, pairs))
+            bias = q6.bias(0, 8 * k + 4 * second)
+            sc_s = b.add(sc_at, ir.Constant(ir.IntType(64), s * PROFILE.lanes))
+            for j in chunks:
+                totals[j] = _in_register(b, q6.add_sub_block(sc_s, 2 * k, 0, j, acc[j], bias, totals[j]))
+        for j in chunks:
+            b.store(totals[j], q6.sums_at(0, j), align=4)
         return context.get_dummy_value()
 
-    sig_args = (
-        values, ql_at, qh_at, lanes, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width, ahead,
-    )
+    sig_args = (values, ql_at, qh_at, xq, xq_at, x_scales, xs_at, d, sc, d_at, sc_at, sums, width, ahead)
     return types.void(*sig_args), codegen
+
+
+def _in_register(builder, value):
+    """`value` as it is, through an empty piece of assembly that takes it in a register and may touch any
+    memory: what makes it is computed before, and no read after it moves up past it. A sub-block's reads
+    and sums stay together, in the registers they fit in."""
+    register = "v" if value.type.count * 32 > 256 else "x"
+    kind = ir.FunctionType(value.type, [value.type])
+    code = ir.InlineAsm(kind, "", f"={register},0,~{{memory}}", side_effect=True)
+    return builder.call(code, [value])
 
 
 @intrinsic
@@ -505,10 +518,10 @@ class _Q6K:
     def words_at(self, at):
         return self.b.bitcast(self.b.gep(self.values_ptr, [at]), ir.IntType(32).as_pointer())
 
-    def word(self, pointer, w, j):
-        """Word w from pointer, lanes j·chunk… (asking for the line `ahead` bytes on)."""
+    def word(self, pointer, w, j, asks=True):
+        """Word w from pointer, lanes j·chunk… (where it `asks`, asking for the line `ahead` bytes on)."""
         where = self.at(self.b.mul(self.lanes, ir.Constant(ir.IntType(64), w)), j * self.chunk)
-        if self.ahead:
+        if self.ahead and asks:
             ask_for(self.b, self.b.gep(pointer, [self.at(where, self.ahead // 4)]))
         return self.load(pointer, where, ir.IntType(32), 1)
 
@@ -528,11 +541,14 @@ class _Q6K:
         return b.or_(low, b.and_(qh, self.constant(0x30303030)))
 
     def bias(self, i, first):
-        """32·Σ x̂ over the 16 columns of row i from column word `first`, in every lane."""
-        total = self.zeros
-        for c in range(4):
-            total = _byte_dot(self.b, self.how, total, self.constant(0x20202020), self.x_word(i, first + c))
-        return total
+        """32·Σ x̂ over the 16 columns of row i from column word `first`, in every lane (summed as one
+        number: as a product of bytes in every lane it took 4 of them)."""
+        b, i64, i32 = self.b, ir.IntType(64), ir.IntType(32)
+        where = b.add(self.xq_at, b.add(b.mul(self.xq_stride, ir.Constant(i64, i)), ir.Constant(i64, first)))
+        column_bytes = ir.VectorType(ir.IntType(8), 16)
+        x = b.load(b.bitcast(b.gep(self.xq_ptr, [where]), column_bytes.as_pointer()), align=1)
+        total = _call(b, "llvm.vector.reduce.add.v16i32", i32, b.sext(x, ir.VectorType(i32, 16)))
+        return self.splat(b.mul(total, ir.Constant(i32, 32)))
 
     def sums_at(self, i, j):
         """Where row i's sums for lanes j·chunk… are."""

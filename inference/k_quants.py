@@ -414,9 +414,9 @@ def accumulate_q6_k(values, d, sc, x, i0, g, lane0, sums, w, scale, rows, width,
 
 def accumulate_q6_k_q8(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
     """accumulate_q6_k for inputs as bytes (quantize_rows), as products._accumulate_value_bytes multiplies
-    int8 weights (the same bits): one row half a block at a time (byte_vectors._q6_k_half_dots, each
-    word read once), more rows a sub-block at a time (_q6_k_sub_block_dots). Compiled code only: the
-    overload below picks by `rows` (a literal)."""
+    int8 weights (the same bits): one row half a block at a time (byte_vectors._q6_k_half_dots, its
+    sub-blocks in turn across all lanes), more rows a sub-block at a time (_q6_k_sub_block_dots).
+    Compiled code only: the overload below picks by `rows` (a literal)."""
     raise NotImplementedError
 
 
@@ -427,7 +427,7 @@ def _accumulate_q6_k_q8_by_rows(values, d, sc, xq, x_runs, i0, g, lane0, sums, r
     if rows.literal_value == 1:
 
         def by_halves(values, d, sc, xq, x_runs, i0, g, lane0, sums, rows, width, ahead):
-            lanes, n_words, n_runs = values.shape[2], xq.shape[1], x_runs.shape[1]
+            n_words, n_runs = xq.shape[1], x_runs.shape[1]
             for k in range(width):
                 sums[k] = 0
             for b in range(d.shape[1]):
@@ -436,8 +436,8 @@ def _accumulate_q6_k_q8_by_rows(values, d, sc, xq, x_runs, i0, g, lane0, sums, r
                     first = 256 * b + 128 * h  # the half's first column
                     xq_at, xs_at = i0 * n_words + first // 4, 2 * (i0 * n_runs + first // 32) + 1
                     _q6_k_half_dots(
-                        values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, sums,
-                        width, Q6_K_ASK_AHEAD,
+                        values, ql_at, qh_at, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, sums, width,
+                        Q6_K_ASK_AHEAD,
                     )
 
         return by_halves

@@ -482,8 +482,7 @@ def q6_k_dots(values, d, sc, xq, x_runs, sums, rows):
     xq_at, xs_at = 64 + 32, 2 * (8 + 4) + 1
     if rows == 1:
         _q6_k_half_dots(
-            values, ql_at, qh_at, lanes, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, registers, W,
-            Q6_K_ASK_AHEAD,
+            values, ql_at, qh_at, xq, xq_at, x_runs, xs_at, d, sc, d_at, sc_at, registers, W, Q6_K_ASK_AHEAD,
         )
     else:
         for s in range(8):  # as k_quants.accumulate_q6_k_q8 calls it
@@ -498,8 +497,8 @@ def q6_k_dots(values, d, sc, xq, x_runs, sums, rows):
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_q6_k_half_blocks_byte_dots_are_the_references(rows):
-    """One row (_q6_k_half_dots: each word read once for its four sub-blocks) and several
-    (_q6_k_sub_block_dots: a sub-block at a time), each as the reference adds up half a block."""
+    """One row (_q6_k_half_dots: the sub-blocks in turn, in one piece of code) and several
+    (_q6_k_sub_block_dots: a call a sub-block), each as the reference adds up half a block."""
     w = q6_k(12)
     xq, x_runs = bytes_of(3, 512)
     sums = floats(3 * W, 2)
