@@ -391,6 +391,10 @@ def _q6_k_half_dots(
         ql_ptr, qh_ptr = q6.words_at(ql_at), q6.words_at(qh_at)
         paired = q6.how in ("bw", "avx2")  # two words' 16-bit pairs added before widening: ≤ 2·2·63·127
         b, chunks = builder, range(n // q6.chunk)
+        # The 8 sub-blocks' 32·Σ x̂ first, and each sub-block's totals made before any is held in a register:
+        # so placed, LLVM spilled least (benchmarks/kernel_code.py: 139 vector spills and reloads on AVX2
+        # and 376 cycles a half block for llvm-mca's Zen 3, against 264-391 and 412-479 placed otherwise)
+        biases = [q6.bias(0, 8 * (s // 2) + 4 * (s % 2)) for s in range(8)]
         totals = [b.load(q6.sums_at(0, j), align=4) for j in chunks]
         for s in range(8):  # columns 16·s… of the half: run k, its second 16 where s is odd
             k, second = s // 2, s % 2
@@ -408,10 +412,10 @@ def _q6_k_half_dots(
                     else:
                         pairs = b.add(pending[j], _byte_pairs(b, q6.how, q, x))
                         acc[j] = b.add(acc[j], _pairs_to_words(b, q6.how, pairs))
-            bias = q6.bias(0, 8 * k + 4 * second)
+            bias = biases[s]
             sc_s = b.add(sc_at, ir.Constant(ir.IntType(64), s * PROFILE.lanes))
-            for j in chunks:
-                totals[j] = _in_register(b, q6.add_sub_block(sc_s, 2 * k, 0, j, acc[j], bias, totals[j]))
+            totals = [q6.add_sub_block(sc_s, 2 * k, 0, j, acc[j], bias, totals[j]) for j in chunks]
+            totals = [_in_register(b, total) for total in totals]
         for j in chunks:
             b.store(totals[j], q6.sums_at(0, j), align=4)
         return context.get_dummy_value()
