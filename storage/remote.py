@@ -24,13 +24,14 @@ import queue
 import struct
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import redis
 
 from .codec import block_info
 from .records import StoredBlock
-from .remote_wire import DEFAULT_TIMEOUT_S, RemoteTierError, connector
+from .remote_wire import DEFAULT_TIMEOUT_S, WRITE_TIMEOUT_S, RemoteTierError, connector
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class RemoteTier:
         queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
         always_fetch: bool = False,
         clock=time.monotonic,
+        connect_writer=None,
     ):
         if not secret:
             raise RemoteTierError(
@@ -82,6 +84,7 @@ class RemoteTier:
                 "who can write to the store could feed this server wrong KV"
             )
         self._connect = connect  # () -> a redis client; called again after a failure
+        self._connect_writer = connect_writer or connect  # the writer thread's (a longer timeout)
         self.fingerprint = fingerprint
         self.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
         self.where = where  # the URL without its password, for messages
@@ -90,6 +93,7 @@ class RemoteTier:
         self.clock = clock  # () -> seconds: when a backoff ends (tests move it on rather than wait)
         self.always_fetch = always_fetch  # skip the rule: read whatever is missing (benchmarks, tests)
         self._client = None
+        self._writer_client = None  # the writer thread's own
         self._client_lock = threading.Lock()
         self._measured = False  # whether the client has connected and its latency is measured
         self._down_until = 0.0
@@ -122,7 +126,8 @@ class RemoteTier:
         """A tier on the server at `url` (see remote_wire.py for the forms). Nothing is contacted
         yet: a server that is down now is tried again later, and meanwhile blocks are computed."""
         connect, where = connector(url, timeout_s)
-        return cls(connect, fingerprint, secret or b"", where=where, **options)
+        connect_writer, _ = connector(url, max(timeout_s, WRITE_TIMEOUT_S))
+        return cls(connect, fingerprint, secret or b"", where=where, connect_writer=connect_writer, **options)
 
     # -- names and signatures ----------------------------------------------------------------------
 
@@ -268,13 +273,14 @@ class RemoteTier:
             except queue.Full:
                 pass
             self._writer.join(timeout_s)
-        client = self._client
+        clients = (self._client, self._writer_client)
         self._drop_client()
-        if client is not None:
-            try:
-                client.close()
-            except (redis.RedisError, OSError):
-                pass
+        for client in clients:
+            if client is not None:
+                try:
+                    client.close()
+                except (redis.RedisError, OSError):
+                    pass
 
     def _write_loop(self) -> None:
         while True:
@@ -293,7 +299,8 @@ class RemoteTier:
                     self._queue.put(None)
                     break
                 batch.append(item)
-            done = self._round_trip(lambda client, batch=batch: self._write(client, batch), "bytes_written")
+            write = partial(self._write, batch=batch)
+            done = self._round_trip(write, "bytes_written", self._get_writer_client)
             self._count("written" if done is not None else "dropped_writes", len(batch))
             for _ in batch:
                 self._queue.task_done()
@@ -313,15 +320,18 @@ class RemoteTier:
         """Backing off after a failure: reads miss and writes drop without touching the network."""
         return self.clock() < self._down_until
 
-    def _round_trip(self, work, moved: str):
+    def _round_trip(self, work, moved: str, client_for=None):
         """work(client) -> (result, bytes moved), timed and counted under `moved`; None when the tier is
-        down or fails now."""
+        down or fails now. The client is the readers' shared one, or client_for()'s (the writer's)."""
         if self.down:
             return None
         try:
-            client = self._get_client()
-            if not self._measured:
-                self._first_round_trip(client)
+            if client_for is not None:
+                client = client_for()
+            else:
+                client = self._get_client()
+                if not self._measured:
+                    self._first_round_trip(client)
             t0 = time.perf_counter()
             result, n_bytes = work(client)
         # Dead, slow, refused, a cluster that moved, and whatever a peer that only passes for Redis makes
@@ -374,12 +384,20 @@ class RemoteTier:
                 self._measured = False
             return self._client
 
+    def _get_writer_client(self):
+        """The writer thread's client (only that thread calls this), connected outside any timing."""
+        if self._writer_client is None:
+            client = self._connect_writer()
+            client.ping()
+            self._writer_client = client
+        return self._writer_client
+
     def _drop_client(self) -> None:
-        """Forget the client: the next round trip connects anew. It is not closed here, as another
+        """Forget the clients: the next round trip connects anew. It is not closed here, as another
         thread (the writer, or a reader) may be in the middle of a round trip on it; its connections
         close when the last one lets go of it."""
         with self._client_lock:
-            self._client = None
+            self._client = self._writer_client = None
             self._measured = False
 
     def _count(self, name: str, n: int = 1) -> None:

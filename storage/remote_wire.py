@@ -21,6 +21,9 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 DEFAULT_TIMEOUT_S = 0.25  # connect and answer: a store slower than this is no faster than computing
+# The writer thread's: nobody waits on a write, so a store that answers slower than a read may wait (a
+# busy machine's) is not called down for it — which would drop every block queued in its backoff.
+WRITE_TIMEOUT_S = 2.0
 PACE_BYTES = 64 * 1024  # an answer may take the timeout once, and once more for each 64 KiB it moves
 # The most one answer may bring: a 32k-token conversation's blocks are ~170 MB at q6. A peer that
 # announces a larger value is cut off as it sends, not after its bytes have filled memory.

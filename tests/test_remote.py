@@ -187,6 +187,24 @@ def test_a_write_under_way_is_still_counted_as_queued(redis_server):
         proxy.close()
 
 
+def test_a_write_slower_than_a_read_may_wait_is_written_and_the_tier_stays_up(redis_server):
+    """Nobody waits on the writer thread: a store answering in 0.6 s (a busy machine's) is too slow for a
+    read, which rather computes, but not for a write. Called down by one slow write, the tier would drop
+    every block queued in its backoff (a cluster's server lost a conversation's second turn so)."""
+    proxy = SlowProxy(redis_server.port, delay_s=0.3)
+    try:
+        remote = tier(proxy.url, timeout_s=DEFAULT_TIMEOUT_S)
+        assert remote.put(make_block(1)) and remote.flush(30)
+        stats = remote.stats()
+        assert stats["written"] == 1 and stats["failures"] == 0 and stats["up"]
+        assert remote.put(make_block(2)) and remote.flush(30) and remote.stats()["written"] == 2
+        block = make_block(1)
+        assert remote.fetch(block.key, tuple(block.tokens), "q6") is None  # a read: past its 0.25 s
+        assert remote.stats()["failures"] == 1
+    finally:
+        proxy.close()
+
+
 def test_a_slow_link_that_keeps_pace_is_read_to_the_end(redis_server):
     """The timeout bounds an answer's first byte and each 64 KiB after it, not the whole answer: 1.4 MB
     at 0.5 MB/s takes 2.8 s, well past a 1 s timeout, and is read. (The timeout leaves a busy machine's
