@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 7 * 24 * 3600  # a week: a conversation nobody continues within it is recomputed
 DEFAULT_BACKOFF_S = 30.0  # after a failure the tier is skipped this long (a plain circuit breaker)
-DEFAULT_QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond it new ones are dropped
+# The bytes of blocks waiting to be written; beyond it new ones are dropped. In bytes, not blocks: a
+# burst of new long conversations (a 7B's 880-token prompt is 55 blocks of 16) overflowed 256 blocks
+# while the writer was busy, and their later blocks were computed again on the next server.
+DEFAULT_QUEUE_BYTES = 256 * 2**20
 WRITE_BATCH = 32  # blocks written in one round trip
 SMALL_ROUND_TRIP = 64 * 1024  # bytes under which a round trip measures latency, above it throughput
 MAX_VALUE_BYTES = 64 * 2**20  # a value beyond any real block: not read into a block
@@ -73,7 +76,7 @@ class RemoteTier:
         where: str = "redis",
         ttl_s: int = DEFAULT_TTL_S,
         backoff_s: float = DEFAULT_BACKOFF_S,
-        queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
         always_fetch: bool = False,
         clock=time.monotonic,
         connect_writer=None,
@@ -108,7 +111,9 @@ class RemoteTier:
         self.rtt_s = MovingAverage()
         self.bytes_per_s = MovingAverage()
         self.block_bytes = MovingAverage()  # a stored block's size, to estimate a fetch before it
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(queue_blocks)
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0  # of the blocks queued or being written (under _counts_lock)
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-remote-writer", daemon=True)
         self._writer.start()
         atexit.register(self.close)  # a process that ends (`llama-chat ask`) first writes what it queued
@@ -252,12 +257,14 @@ class RemoteTier:
         if self.down:
             self._count("dropped_writes")
             return False
-        try:
-            self._queue.put_nowait(self.seal(block, namespace))
-        except queue.Full:
-            self._count("dropped_writes")
-            return False
-        return True
+        name, value = self.seal(block, namespace)
+        with self._counts_lock:
+            fits = self._queued_bytes + len(value) <= self.queue_bytes
+            self._queued_bytes += len(value) if fits else 0
+            self.counts["dropped_writes"] += 0 if fits else 1
+        if fits:
+            self._queue.put_nowait((name, value))
+        return fits
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued block has been written (or dropped); False on timeout."""
@@ -268,10 +275,7 @@ class RemoteTier:
         """Stop the writer after what is queued (within timeout_s) and let go of the connections."""
         if self._writer.is_alive():
             self.flush(timeout_s)
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:
-                pass
+            self._queue.put_nowait(None)  # (the queue has no bound of its own: queue_bytes is put's)
             self._writer.join(timeout_s)
         clients = (self._client, self._writer_client)
         self._drop_client()
@@ -302,6 +306,8 @@ class RemoteTier:
             write = partial(self._write, batch=batch)
             done = self._round_trip(write, "bytes_written", self._get_writer_client)
             self._count("written" if done is not None else "dropped_writes", len(batch))
+            with self._counts_lock:
+                self._queued_bytes -= sum(len(value) for _, value in batch)
             for _ in batch:
                 self._queue.task_done()
 

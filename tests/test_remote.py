@@ -158,13 +158,27 @@ def test_a_dead_server_is_a_miss_and_the_tier_comes_back_after_its_backoff(redis
 def test_a_stalled_server_times_out_and_writes_never_wait(redis_server):
     proxy = SlowProxy(redis_server.port, delay_s=2.0)
     try:
-        remote = tier(proxy.url, queue_blocks=2, timeout_s=DEFAULT_TIMEOUT_S)
+        remote = tier(proxy.url, timeout_s=DEFAULT_TIMEOUT_S)
+        remote.queue_bytes = 2 * len(remote.seal(make_block(0))[1])  # two blocks wait, no more
         block = make_block(4)
         assert remote.fetch(block.key, tuple(block.tokens), "q6") is None
         assert remote.stats()["failures"] == 1  # a timeout (0.25 s), not a two-second wait
         end_backoff(remote)
         accepted = [remote.put(make_block(i)) for i in range(10)]  # the writer is stuck on the first
-        assert not all(accepted) and remote.stats()["dropped_writes"] >= 1
+        assert accepted == [True, True] + [False] * 8 and remote.stats()["dropped_writes"] == 8
+    finally:
+        proxy.close()
+
+
+def test_a_burst_of_blocks_waits_for_the_writer_within_its_bytes(redis_server):
+    """The queue is bounded in bytes (256 MB), not blocks: five new long conversations at once are 300
+    blocks, and a count of 256 dropped their last ones while the writer was busy with the first."""
+    proxy = SlowProxy(redis_server.port, delay_s=0.3)
+    try:
+        remote = tier(proxy.url)
+        blocks = [make_block(i) for i in range(100)]
+        assert all(remote.put(block) for block in blocks * 3)
+        assert remote.flush(60) and remote.stats()["written"] == 300 and remote.stats()["dropped_writes"] == 0
     finally:
         proxy.close()
 
