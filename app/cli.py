@@ -97,6 +97,14 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         help="share KV blocks with other servers: redis://HOST:PORT[/DB], rediss://..., redis+cluster://HOST:PORT",
     )
     group.add_argument(
+        "--kv-fetch",
+        choices=("measured", "always"),
+        default=default("measured"),
+        help="read the KV blocks a conversation lacks from --kv-remote where its measured round trips "
+        "beat computing them (measured), or whenever it holds them (always: a fast store on a machine "
+        "busy enough to misjudge it)",
+    )
+    group.add_argument(
         "--kv-secret",
         metavar="S",
         default=default(os.environ.get("LLAMA_CHAT_KV_SECRET")),

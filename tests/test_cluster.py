@@ -33,7 +33,10 @@ needs_cluster = pytest.mark.skipif(
 
 @pytest.fixture
 def cluster(tmp_path):
-    started = Cluster(tmp_path / "cluster", tiny_model(tmp_path), options=("--block-size", "16")).start()
+    # --kv-fetch always: the tiny model computes a conversation's blocks about as fast as a loaded machine
+    # reads them, and the measured rule then (rightly) computes: these tests are about the KV travelling
+    options = ("--block-size", "16", "--kv-fetch", "always")
+    started = Cluster(tmp_path / "cluster", tiny_model(tmp_path), options=options).start()
     yield started
     started.stop()
 
@@ -112,7 +115,8 @@ def test_a_server_killed_between_turns_its_conversations_go_on_elsewhere_with_th
     turns(conversations, cluster.url, 2)
     for c in moved:
         assert c.turns[2].server != victim and c.turns[2].cached >= 0.90, (  # (short: pytest cuts long ones)
-            f"turn 3 on {c.turns[2].server}, {c.turns[2].cached:.2f} cached; turns on "
+            f"turn 3 on {c.turns[2].server}, {c.turns[2].cached:.2f} cached, its tier "
+            f"{c.turns[2].usage.get('kv_remote')}; turns on "
             f"{[t.server for t in c.turns]}; the victim's kv_remote before the kill: {tier}; "
             f"its log: {cluster.log_tail(victim, 12)}"
         )

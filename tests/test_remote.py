@@ -618,6 +618,23 @@ def test_every_reply_survives_a_store_that_dies_forgets_lies_and_stalls(qwen2, t
             assert s._store.kv.stored_keys(keys) == set(keys)
 
 
+def test_kv_fetch_always_reads_what_the_measured_rule_would_compute(redis_server):
+    """--kv-fetch always (a fast store on a machine too busy to measure it well): the blocks a
+    conversation lacks are read whatever the round trips measured; measured (the default) computes them
+    where that is faster."""
+    from llama_chat.app.chat.build import EngineOptions, open_remote
+
+    tiers = [
+        open_remote(EngineOptions(kv_remote=redis_server.url, kv_secret=SECRET, kv_fetch=how), "fp")
+        for how in ("measured", "always")
+    ]
+    for remote in tiers:
+        remote.rtt_s.add(1.0)  # a round trip of a second: slower than computing 16 tokens at 1,000/s
+    assert [remote.worth_fetching(1, 1000, 1000.0, 16) for remote in tiers] == [False, True]
+    for remote in tiers:
+        remote.close()
+
+
 def test_the_command_line_refuses_a_tier_without_a_secret(qwen2, tmp_path, redis_server, capsys, monkeypatch):
     monkeypatch.delenv("LLAMA_CHAT_KV_SECRET", raising=False)
     db = ["--db", str(tmp_path / "a.db"), "--model", str(qwen2)]

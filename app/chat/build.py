@@ -47,6 +47,7 @@ class EngineOptions:
     codec: str = CODEC  # --kv-codec: what new KV snapshots are stored in
     kv_remote: str | None = None  # --kv-remote: a Redis/Valkey URL, KV blocks shared with other servers
     kv_secret: str | None = None  # --kv-secret: what signs them there
+    kv_fetch: str = "measured"  # --kv-fetch: read missing blocks where faster than computing, or always
     parallel: int = DEFAULT_PARALLEL  # --parallel: replies decoded together
     queue: int = DEFAULT_QUEUE  # --queue: replies waiting beyond those
 
@@ -125,7 +126,8 @@ def open_remote(options: EngineOptions, fingerprint: str):
         return None
     from llama_chat.storage.remote import RemoteTier  # redis is imported only where a tier is used
 
-    return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint)
+    always = options.kv_fetch == "always"
+    return RemoteTier.from_url(options.kv_remote, options.kv_secret, fingerprint, always_fetch=always)
 
 
 def open_engine(

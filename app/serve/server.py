@@ -225,6 +225,7 @@ def options_from(args) -> tuple[ServeOptions, dict[str, str | None]]:
         db=args.db, model=args.model,
         prompt_lookup=not args.no_lookup, use_mmap=not getattr(args, "no_mmap", False),
         kv_remote=getattr(args, "kv_remote", None), kv_secret=getattr(args, "kv_secret", None),
+        kv_fetch=getattr(args, "kv_fetch", None) or "measured",
         allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()), **given,
     )
     try:

@@ -64,6 +64,7 @@ class ServeOptions:
     max_body: int = MAX_BODY
     kv_remote: str | None = None  # a Redis/Valkey URL: KV blocks shared with other servers
     kv_secret: str | None = None  # what signs them there
+    kv_fetch: str = "measured"  # read missing blocks where faster than computing ("always": whenever)
     allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback's and the bound address
     cors_origins: tuple[str, ...] = ()  # web pages (origins) allowed to call the API from a browser
     max_connections: int = MAX_CONNECTIONS
@@ -91,6 +92,7 @@ class ServeOptions:
             codec=self.codec,
             kv_remote=self.kv_remote,
             kv_secret=self.kv_secret,
+            kv_fetch=self.kv_fetch,
             parallel=self.parallel,
             queue=self.queue,
         )
