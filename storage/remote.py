@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 7 * 24 * 3600  # a week: a conversation nobody continues within it is recomputed
 DEFAULT_BACKOFF_S = 30.0  # after a failure the tier is skipped this long (a plain circuit breaker)
 # The bytes of blocks waiting to be written; beyond it new ones are dropped. In bytes, not blocks: a
-# burst of new long conversations (a 7B's 880-token prompt is 55 blocks of 16) overflowed 256 blocks
-# while the writer was busy, and their later blocks were computed again on the next server.
+# burst of new long conversations (an 880-token prompt is 55 blocks of 16) could overflow 256 blocks
+# while the writer was busy, and their later blocks would be computed again on the next server.
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 WRITE_BATCH = 32  # blocks written in one round trip
 SMALL_ROUND_TRIP = 64 * 1024  # bytes under which a round trip measures latency, above it throughput
@@ -94,7 +94,7 @@ class RemoteTier:
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
         self.clock = clock  # () -> seconds: when a backoff ends (tests move it on rather than wait)
-        self.always_fetch = always_fetch  # skip the rule: read whatever is missing (benchmarks, tests)
+        self.always_fetch = always_fetch  # skip the rule: read whatever is missing (--kv-fetch always)
         self._client = None
         self._writer_client = None  # the writer thread's own
         self._client_lock = threading.Lock()
