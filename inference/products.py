@@ -18,6 +18,7 @@ takes a product is kernels.py's choice.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -411,9 +412,9 @@ def kind_of_product(w) -> tuple:
 def compile_later_rows(matrices) -> None:
     """The one-row and two-row products of these matrices' kinds (and input types), and a long prompt's
     int8 tiles of a Q6_K matrix in its bits, compiled or loaded from the cache: what a first start
-    leaves to a thread of its own. Until a kind's one-row kernel is
-    ready a decoded token goes through the passes, padded, which give it the same bits; a product of two
-    rows that comes first waits for numba's compiler lock and runs what it compiled."""
+    leaves to a thread of its own. Until a kind's one-row kernel is ready a decoded token goes through
+    the passes, padded, which give it the same bits; a product of two rows that comes first waits for
+    numba's compiler lock and runs what it compiled."""
     kinds = {}
     for matrix in matrices:
         for w in getattr(matrix, "parts", [matrix]):
@@ -424,8 +425,10 @@ def compile_later_rows(matrices) -> None:
         _one_row_ready.add(kind)
     for w in kinds.values():
         kernel_product(np.zeros((2, w.n_cols), F32), w)
-        if w.in_q6_k and takes_bytes(w):  # a long prompt's: its groups made int8 (_q6_k_tile_product)
-            kernel_product(np.zeros((Q6_K_TILES_FROM, w.n_cols), F32), w)
+        if w.in_q6_k and takes_bytes(w):  # a long prompt's: its groups made int8 (_q6_k_tile_product),
+            # on its first group alone (the same types): the whole of a 7B's output matrix is ~140 GOP
+            first = replace(w, values=w.values[:1], scales=w.scales[:1], offsets=w.offsets[:1], n_rows=LANES)
+            kernel_product(np.zeros((Q6_K_TILES_FROM, w.n_cols), F32), first)
 
 
 _scratch = threading.local()

@@ -260,8 +260,10 @@ class RemoteTier:
         name, value = self.seal(block, namespace)
         with self._counts_lock:
             fits = self._queued_bytes + len(value) <= self.queue_bytes
-            self._queued_bytes += len(value) if fits else 0
-            self.counts["dropped_writes"] += 0 if fits else 1
+            if fits:
+                self._queued_bytes += len(value)
+            else:
+                self.counts["dropped_writes"] += 1
         if fits:
             self._queue.put_nowait((name, value))
         return fits
@@ -399,8 +401,8 @@ class RemoteTier:
         return self._writer_client
 
     def _drop_client(self) -> None:
-        """Forget the clients: the next round trip connects anew. It is not closed here, as another
-        thread (the writer, or a reader) may be in the middle of a round trip on it; its connections
+        """Forget the clients: the next round trip connects anew. They are not closed here, as another
+        thread (the writer, or a reader) may be in the middle of a round trip on one; its connections
         close when the last one lets go of it."""
         with self._client_lock:
             self._client = self._writer_client = None
