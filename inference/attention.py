@@ -36,11 +36,12 @@ from .vectors import _prefetch
 
 F32 = np.float32
 WIDTH = PROFILE.vector_floats  # the building blocks' vectors (a literal, as they want it)
-ROWS = min(8, WIDTH)  # keys or values read for the query heads at a time (their scores summed as one tree)
+PREFETCH_BYTES = PROFILE.prefetch_bytes  # how far ahead _prefetch asks (a row's own lines: less this)
+ROWS = min(8, WIDTH)  # keys read for the query heads at a time (their scores summed as one tree)
 # Query heads whose scores one call of _dots makes: as many as their sums (ROWS vectors a head), their
 # queries and a key leave registers for (AVX-512 3, AVX2 1).
 KEY_HEADS = max(1, (PROFILE.vector_registers - 1) // (ROWS + 1))
-VALUE_HEADS = 4  # heads whose weighted sums one call of _add_rows adds to: a vector each, side by side
+SUMS_BLOCK = 4  # a head's weighted sums are padded to a multiple of this many vectors (_weighted_sums)
 ATTENTION_CHUNK = 256  # positions per task: enough work per task, few enough for one chunk's scores
 # rows_attention: positions widened and scored at a time (a block's keys and values stay in L1), keys
 # scored per _tile_scores call and columns of the weighted sums per _tile_add call (sums in registers)
@@ -101,7 +102,7 @@ def _exp_in_place(scores, top):
 
 @njit(cache=True, inline="always")
 def _rows_as_f32(kv, h, where, i, n, rows):
-    """Rows where[i : i + n] of head h of a layer of keys or values (float16 bits or float32) into
+    """Rows where[i : i + n] of head h of a layer of keys (float16 bits or float32) into
     rows[:n] as float32, each asked for ahead as the products ask for weights; rows n… zeroed (the
     last of a chunk)."""
     hd, padded = kv.shape[2], rows.shape[1]
@@ -132,19 +133,24 @@ def _scores(heads, rows, padded, scores, at, stride):
 
 
 @njit(cache=True, inline="always")
-def _weighted_sums(acc, rows, padded, scores, at, stride):
-    """acc[g·padded : (g + 1)·padded] += scores[g·stride + at + j] · rows[j] for every query head g, the
-    rows j in order (_add_rows, VALUE_HEADS heads a call, then two, then one)."""
-    group, g = acc.shape[0] // padded, 0
-    while g + VALUE_HEADS <= group:
-        first = g * stride + at
-        _add_rows(acc, g * padded, padded, rows, padded, scores, first, stride, ROWS, VALUE_HEADS, WIDTH)
-        g += VALUE_HEADS
+def _weighted_sums(acc, sums, v, starts, size, hd, scores, stride):
+    """acc[g·sums + d] += scores[g·stride + j] · values[j, d] for every query head g, the values'
+    rows j < size (from v.flat[starts[j]]) in order. A pass of _add_rows over the rows takes 7 heads (a
+    query group of Qwen2's in one pass: each value widened once, 7 sums that do not wait on one
+    another), then 4, 2 or 1, the fewer with more vectors of each head's sums a pass (SUMS_BLOCK at the
+    most), so that a pass still has 4 multiply-adds in flight."""
+    group, g = acc.shape[0] // sums, 0
+    while g + 7 <= group:
+        _add_rows(acc[g * sums :], sums, v, starts, size, hd, scores[g * stride :], stride, 7, 1, WIDTH)
+        g += 7
+    if g + 4 <= group:
+        _add_rows(acc[g * sums :], sums, v, starts, size, hd, scores[g * stride :], stride, 4, 1, WIDTH)
+        g += 4
     if g + 2 <= group:
-        _add_rows(acc, g * padded, padded, rows, padded, scores, g * stride + at, stride, ROWS, 2, WIDTH)
+        _add_rows(acc[g * sums :], sums, v, starts, size, hd, scores[g * stride :], stride, 2, 2, WIDTH)
         g += 2
     if g < group:
-        _add_rows(acc, g * padded, padded, rows, padded, scores, g * stride + at, stride, ROWS, 1, WIDTH)
+        _add_rows(acc[g * sums :], sums, v, starts, size, hd, scores[g * stride :], stride, 1, 4, WIDTH)
 
 
 @njit(cache=True, parallel=True, fastmath=DOT)
@@ -159,6 +165,7 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
     n_tok, n_kv, group, hd = q.shape
     width = WIDTH
     padded = -(-hd // width) * width  # rows padded with zeros to whole vectors
+    summed = -(-hd // (SUMS_BLOCK * width)) * SUMS_BLOCK * width  # a head's weighted sums, padded
     stride = ATTENTION_CHUNK + width  # a head's scores, room to pad the last vector
     chunks = first_chunk[n_tok]
     for task in prange(n_kv * chunks):
@@ -168,11 +175,13 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
             t += 1
         lo = (c - first_chunk[t]) * ATTENTION_CHUNK
         where = np.empty(ATTENTION_CHUNK, np.int64)  # the chunk's positions in the cache
+        starts = np.empty(ATTENTION_CHUNK, np.int64)  # where their values' rows start, in elements
         size, base = 0, 0
         for r in range(first_run[t], first_run[t + 1]):
             first, n = runs[r, 0], runs[r, 1]
             for p in range(max(lo, base), min(lo + ATTENTION_CHUNK, base + n)):
                 where[size] = first + p - base
+                starts[size] = (h * v.shape[1] + where[size]) * hd
                 size += 1
             base += n
         heads = np.zeros((group, padded), F32)  # the query heads of kv head h
@@ -180,28 +189,26 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
             for d in range(hd):
                 heads[g, d] = q[t, h, g, d]
         scores = np.empty(group * stride, F32)
-        rows = np.zeros((ROWS, padded), F32)  # key or value rows as float32, converted once for the heads
-        acc = np.zeros(group * padded, F32)
+        rows = np.zeros((ROWS, padded), F32)  # key rows as float32, converted once for the heads
+        acc = np.zeros(group * summed, F32)
         for i in range(0, size, ROWS):
             n = min(ROWS, size - i)
             _rows_as_f32(k, h, where, i, n, rows)
             _scores(heads, rows, padded, scores, i, stride)
+            for j in range(i, i + n):  # the values' rows asked for now, read after the softmax
+                for line in range(0, hd * v.itemsize, 64):
+                    _prefetch(v, starts[j], line - PREFETCH_BYTES)
         tail = -(-size // width) * width
         for g in range(group):
             for i in range(size, tail):
                 scores[g * stride + i] = -np.inf
             top = _largest(scores, g * stride, tail, width)
             total = _exp_in_place(scores[g * stride : g * stride + size], top)
-            for i in range(size, size + ROWS):  # the last rows' past the chunk: zeros, weighed 0
-                scores[g * stride + i] = 0
             m_out[h, c, g], l_out[h, c, g] = top, total
-        for i in range(0, size, ROWS):
-            n = min(ROWS, size - i)
-            _rows_as_f32(v, h, where, i, n, rows)
-            _weighted_sums(acc, rows, padded, scores, i, stride)
+        _weighted_sums(acc, summed, v, starts, size, hd, scores, stride)
         for g in range(group):  # (a loop: `acc_out[h, c] = acc` compiles its shape check's error
             for d in range(hd):  # message, seconds of a first start)
-                acc_out[h, c, g, d] = acc[g * padded + d]
+                acc_out[h, c, g, d] = acc[g * summed + d]
 
 
 def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None) -> np.ndarray:

@@ -127,38 +127,90 @@ def _dots(typingctx, q, q_at, q_stride, rows, n, scores, s_at, s_stride, count, 
     return types.void(q, q_at, q_stride, rows, n, scores, s_at, s_stride, count, heads, width), codegen
 
 
+def _cache_row_vector(builder, kv_ptr, start, col, w, half, mask=None):
+    """The `w` elements of a row of the cache from kv_ptr[start + col] as float32 (float16 bits widened);
+    `mask`: the lanes to read, the others 0 (a row's last, partial vector, which must not read past it)."""
+    f32 = ir.FloatType()
+    element = ir.IntType(16) if half else f32
+    vector = ir.VectorType(element, w)
+    where = _vector_at(builder, kv_ptr, builder.add(start, col), element, w)
+    if mask is None:
+        x = builder.load(where, align=2 if half else 4)
+    else:
+        suffix = f"v{w}{'i16' if half else 'f32'}"
+        kind = ir.FunctionType(vector, [vector.as_pointer(), ir.IntType(32), mask.type, vector])
+        name = f"llvm.masked.load.{suffix}.p0{suffix}"
+        masked_load = cgutils.get_or_insert_function(builder.module, kind, name)
+        alignment = ir.Constant(ir.IntType(32), 2 if half else 4)
+        x = builder.call(masked_load, [where, alignment, mask, ir.Constant(vector, None)])
+    if half:
+        x = builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), w)), ir.VectorType(f32, w))
+    return x
+
+
+def _add_block(builder, kv_ptr, starts_ptr, count, col0, columns, w, half, masks, sums_at, w_ptr, w_step):
+    """One pass of _add_rows over all the rows for `columns` vectors of each head's sums from col0: the
+    sums in registers, each row's vectors widened once for all the heads."""
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    vector = ir.VectorType(f32, w)
+    fma = _fma(builder, w)
+    hold = cgutils.alloca_once_value
+    totals = [[hold(builder, builder.load(at, align=4)) for at in head] for head in sums_at]
+    with cgutils.for_range(builder, count) as loop:
+        j = loop.index
+        start = builder.load(builder.gep(starts_ptr, [j]))
+        cols = [builder.add(col0, ir.Constant(i64, c * w)) for c in range(columns)]
+        rows = [
+            _cache_row_vector(builder, kv_ptr, start, col, w, half, mask)
+            for col, mask in zip(cols, masks, strict=True)
+        ]
+        for g, head in enumerate(totals):
+            weight = _splat(builder, vector, builder.load(builder.gep(w_ptr, [_at(builder, j, w_step, g)])))
+            for row, total in zip(rows, head, strict=True):
+                builder.store(builder.call(fma, [row, weight, builder.load(total)]), total)
+    for head, head_at in zip(totals, sums_at, strict=True):
+        for total, at in zip(head, head_at, strict=True):
+            builder.store(builder.load(total), at, align=4)
+
+
 @intrinsic
-def _add_rows(typingctx, acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width):
-    """acc.flat[a_at + g·a_stride : … + n] += weights.flat[w_at + g·w_stride + j] · rows[j, :n] for j <
-    count in order, each fused (rows [count, n], n a multiple of width), for each of `heads` heads g: a
-    position's value at a time, as one row alone adds, the heads' sums side by side."""
-    if not _literals(width, count, heads):
+def _add_rows(typingctx, acc, a_stride, kv, starts, count, n, weights, w_stride, heads, columns, width):
+    """acc.flat[g·a_stride + d] += weights.flat[g·w_stride + j] · row_j[d] for d < n and the rows j <
+    count in order, each fused, for each of `heads` heads g: row_j the n elements of the cache from
+    kv.flat[starts[j]] (float16 bits widened, or float32). `columns` vectors of each head's sums a pass
+    over the rows, held in registers over all of them (acc's rows padded to a multiple of
+    columns·width; the lanes past n add zeros); each row's vector widened once for all the heads."""
+    if not _literals(width, heads, columns):
         return None
-    w, m, nh, f32 = width.literal_value, count.literal_value, heads.literal_value, ir.FloatType()
+    w, nh, nc = width.literal_value, heads.literal_value, columns.literal_value
+    half = kv.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        vector = ir.VectorType(f32, w)
-        acc_ptr, a_first, a_step, rows_ptr, size, weights, w_first, w_step, *_ = _operands(
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        acc_ptr, a_step, kv_ptr, starts_ptr, n_rows, size, w_ptr, w_step, *_ = _operands(
             context, builder, signature, args
         )
-        fma = _fma(builder, w)
-        with _each_vector(builder, size, w) as at:
-            acc_at = [
-                _vector_at(builder, acc_ptr, builder.add(_at(builder, a_first, a_step, g), at), f32, w)
-                for g in range(nh)
-            ]
-            totals = [builder.load(where, align=4) for where in acc_at]
-            for j in range(m):
-                row = _row_vector(builder, rows_ptr, size, j, at, w)
-                for g in range(nh):
-                    at_weight = builder.add(_at(builder, w_first, w_step, g), ir.Constant(ir.IntType(64), j))
-                    weight = _splat(builder, vector, builder.load(builder.gep(weights, [at_weight])))
-                    totals[g] = builder.call(fma, [row, weight, totals[g]])
-            for total, where in zip(totals, acc_at, strict=True):
-                builder.store(total, where, align=4)
+        block = ir.Constant(i64, nc * w)
+
+        def block_pass(col0, masks):
+            cols = [builder.add(col0, ir.Constant(i64, c * w)) for c in range(nc)]
+            sums_at = [[_vector_at(builder, acc_ptr, _at(builder, col, a_step, g), f32, w) for col in cols]
+                       for g in range(nh)]
+            _add_block(builder, kv_ptr, starts_ptr, n_rows, col0, nc, w, half, masks, sums_at, w_ptr, w_step)
+
+        whole = builder.udiv(size, block)
+        with cgutils.for_range(builder, whole) as loop:
+            block_pass(builder.mul(loop.index, block), [None] * nc)
+        col0 = builder.mul(whole, block)
+        left = builder.sub(size, col0)  # the row's last elements, fewer than a block's
+        with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, 0)), likely=False):
+            lanes_t = ir.VectorType(i64, w)
+            lanes = ir.Constant(lanes_t, list(range(w)))
+            in_row = [builder.sub(left, ir.Constant(i64, c * w)) for c in range(nc)]  # ≤ 0: none of its lanes
+            block_pass(col0, [builder.icmp_signed("<", lanes, _splat(builder, lanes_t, n)) for n in in_row])
         return context.get_dummy_value()
 
-    signature = types.void(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width)
+    signature = types.void(acc, a_stride, kv, starts, count, n, weights, w_stride, heads, columns, width)
     return signature, codegen
 
 

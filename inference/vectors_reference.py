@@ -227,13 +227,13 @@ def dots(q, q_at, q_stride, rows, n, count, heads, width) -> np.ndarray:
     return np.array(out)
 
 
-def add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads) -> None:
-    """attention_vectors._add_rows: each head's acc.flat[a_at + g·a_stride:…] += weight · row, a row at a
-    time, fused."""
+def add_rows(acc, a_stride, kv, starts, count, n, weights, w_stride, heads) -> None:
+    """attention_vectors._add_rows: each head's acc.flat[g·a_stride:… + n] += weight · row, a row of the
+    cache (from kv.flat[starts[j]], widened) at a time, fused."""
     for g in range(heads):
-        part = acc.reshape(-1)[a_at + g * a_stride : a_at + g * a_stride + n]
-        for j, row in enumerate(rows.reshape(count, n)):
-            part[:] = _fused(row, weights.reshape(-1)[w_at + g * w_stride + j], part)
+        part = acc.reshape(-1)[g * a_stride : g * a_stride + n]
+        for j in range(count):
+            part[:] = _fused(widen(kv, starts[j], n), weights.reshape(-1)[g * w_stride + j], part)
 
 
 def tile_scores(queries, rows, rows_at, n, keys, width) -> np.ndarray:

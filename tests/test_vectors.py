@@ -558,20 +558,31 @@ def test_dot_products_are_summed_as_the_reference_says(count, heads, width):
 
 
 @plain_njit
-def add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width):
-    count, heads, width = literally(count), literally(heads), literally(width)
-    _add_rows(acc, a_at, a_stride, rows, n, weights, w_at, w_stride, count, heads, width)
+def add_rows(acc, a_stride, kv, starts, count, n, weights, w_stride, heads, columns, width):
+    heads, columns, width = literally(heads), literally(columns), literally(width)
+    _add_rows(acc, a_stride, kv, starts, count, n, weights, w_stride, heads, columns, width)
 
 
-@pytest.mark.parametrize("count, heads, width", [(4, 1, 4), (8, 1, 16), (8, 4, 16), (8, 2, 8)])
-def test_weighted_rows_are_added_as_the_reference_says(count, heads, width):
-    n = 3 * width
-    acc, rows = floats(heads * (n + 7), 1), floats(count * n, 2).reshape(count, n)
-    weights = floats(15 * heads, 3)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(
+    "heads, columns, width, n", [(7, 1, 16, 64), (4, 1, 8, 40), (2, 2, 16, 80), (1, 4, 4, 30), (1, 4, 16, 16)]
+)
+def test_weighted_cache_rows_are_added_as_the_reference_says(dtype, heads, columns, width, n):
+    """The weighted values: each head's sums, row after row in order, fused, read from the cache where
+    its rows lie (float16 widened exactly); a row's last vector reads nothing past the row (a NaN lies
+    beside each), and the padding of each head's sums is left as it was."""
+    count, block = 11, columns * width
+    a_stride = -(-n // block) * block
+    kv = (floats(count * (n + 3), 2) * 100).astype(dtype)
+    kv.reshape(count, n + 3)[:, n:] = np.nan
+    starts = np.arange(count)[::-1] * (n + 3)  # rows in any order
+    acc, weights = floats(heads * a_stride, 1), floats(heads * 15, 3)
+    as_kernels_see = kv.view(np.uint16) if dtype == np.float16 else kv
     want = acc.copy()
-    ref.add_rows(want, 7, n + 7, rows, n, weights, 5, 15, count, heads)
-    add_rows(acc, 7, n + 7, rows, n, weights, 5, 15, count, heads, width)
+    ref.add_rows(want, a_stride, as_kernels_see, starts, count, n, weights, 15, heads)
+    add_rows(acc, a_stride, as_kernels_see, starts, count, n, weights, 15, heads, columns, width)
     assert np.array_equal(acc, want)
+    assert not np.isnan(acc).any()
 
 
 @plain_njit
