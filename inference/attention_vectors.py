@@ -1,10 +1,11 @@
 """The attention kernel's building blocks in LLVM's own vector types (numba intrinsics): the dot products
-of several query heads with several keys, each head's lanes summed as a tree of shuffles; values added
-into several heads' weighted sums; the largest of a run of scores; a row of the cache as float32.
-`width` (a literal: the profile's floats per register) is the vectors' length; the rows' length is a
-multiple of it (attention.py pads them). Several query rows at once take two more (_tile_scores,
-_tile_add): a query in each lane, so that no lanes are summed at all. Each has its plain NumPy twin in
-vectors_reference.py, which tests/test_vectors.py holds it to, bit for bit.
+of several query heads with several keys, each head's lanes summed as a tree of shuffles; values read
+from the cache where they lie and added into several heads' weighted sums; the largest of a run of
+scores; a row of the cache as float32. `width` (a literal: the profile's floats per register) is the
+vectors' length; the rows' length is a multiple of it (attention.py pads them), but for the cache's own
+rows (_add_rows reads a row's last, partial vector masked). Several query rows at once take two more
+(_tile_scores, _tile_add): a query in each lane, so that no lanes are summed at all. Each has its plain
+NumPy twin in vectors_reference.py, which tests/test_vectors.py holds it to, bit for bit.
 
 Why a tree: a dot product across the lanes of a vector ends in a horizontal sum, several shuffles for
 one number. Summing four such vectors together halves them pairwise (the low halves of two vectors
