@@ -149,18 +149,17 @@ def _cache_row_vector(builder, kv_ptr, start, col, w, half, mask=None):
     return x
 
 
-def _add_block(builder, kv_ptr, starts_ptr, count, col0, columns, w, half, masks, sums_at, w_ptr, w_step):
-    """One pass of _add_rows over all the rows for `columns` vectors of each head's sums from col0: the
-    sums in registers, each row's vectors widened once for all the heads."""
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-    vector = ir.VectorType(f32, w)
+def _add_block(builder, kv_ptr, starts_ptr, count, cols, w, half, masks, sums_at, w_ptr, w_step):
+    """One pass of _add_rows over all the rows for the vectors of each head's sums at columns `cols` (their
+    `masks`: None, or the lanes of a partial vector): the sums in registers, each row's vectors widened
+    once for all the heads."""
+    vector = ir.VectorType(ir.FloatType(), w)
     fma = _fma(builder, w)
     hold = cgutils.alloca_once_value
     totals = [[hold(builder, builder.load(at, align=4)) for at in head] for head in sums_at]
     with cgutils.for_range(builder, count) as loop:
         j = loop.index
         start = builder.load(builder.gep(starts_ptr, [j]))
-        cols = [builder.add(col0, ir.Constant(i64, c * w)) for c in range(columns)]
         rows = [
             _cache_row_vector(builder, kv_ptr, start, col, w, half, mask)
             for col, mask in zip(cols, masks, strict=True)
@@ -197,7 +196,7 @@ def _add_rows(typingctx, acc, a_stride, kv, starts, count, n, weights, w_stride,
             cols = [builder.add(col0, ir.Constant(i64, c * w)) for c in range(nc)]
             sums_at = [[_vector_at(builder, acc_ptr, _at(builder, col, a_step, g), f32, w) for col in cols]
                        for g in range(nh)]
-            _add_block(builder, kv_ptr, starts_ptr, n_rows, col0, nc, w, half, masks, sums_at, w_ptr, w_step)
+            _add_block(builder, kv_ptr, starts_ptr, n_rows, cols, w, half, masks, sums_at, w_ptr, w_step)
 
         whole = builder.udiv(size, block)
         with cgutils.for_range(builder, whole) as loop:
@@ -208,7 +207,7 @@ def _add_rows(typingctx, acc, a_stride, kv, starts, count, n, weights, w_stride,
             lanes_t = ir.VectorType(i64, w)
             lanes = ir.Constant(lanes_t, list(range(w)))
             in_row = [builder.sub(left, ir.Constant(i64, c * w)) for c in range(nc)]  # ≤ 0: none of its lanes
-            block_pass(col0, [builder.icmp_signed("<", lanes, _splat(builder, lanes_t, n)) for n in in_row])
+            block_pass(col0, [builder.icmp_signed("<", lanes, _splat(builder, lanes_t, k)) for k in in_row])
         return context.get_dummy_value()
 
     signature = types.void(acc, a_stride, kv, starts, count, n, weights, w_stride, heads, columns, width)
