@@ -136,16 +136,18 @@ def _scores(heads, rows, padded, scores, at, stride):
 @njit(cache=True, inline="always")
 def _weighted_sums(acc, sums, v, starts, size, hd, scores, stride):
     """acc[g·sums + d] += scores[g·stride + j] · values[j, d] for every query head g, the values'
-    rows j < size (from v.flat[starts[j]]) in order. A pass of _add_rows over the rows takes 7 heads (a
-    query group of Qwen2's in one pass: each value widened once, 7 sums that do not wait on one
-    another, a vector of each), then 4, 2 or 1 with more vectors of each head's sums a pass, as many as
-    registers allow (gemma-3-270m's 4 heads of 256 at 4,096 positions on the Zen 4: a vector of each
-    took 4-19 % longer than the kernel before, 4 of each 5-10 % less, 2 on the AVX2 profile 16 % less)."""
+    rows j < size (from v.flat[starts[j]]) in order. A pass of _add_rows over the rows takes 7 heads
+    where the group is made of 7s (Qwen2's: each value widened once, 7 sums that do not wait on one
+    another, a vector of each), else 4 (a group of 8, Qwen3's or gpt-oss's, in two passes of 16 sums in
+    flight rather than 7 and then 1 alone), then 2 or 1, with more vectors of each head's sums a pass,
+    as many as registers allow (gemma-3-270m's 4 heads of 256 at 4,096 positions on the Zen 4: a vector
+    of each took 4-19 % longer than the kernel before, 4 of each 5-10 % less, 2 on the AVX2 profile 16 %
+    less)."""
     group, g = acc.shape[0] // sums, 0
-    while g + 7 <= group:
+    while group % 7 == 0 and g < group:
         _add_rows(acc[g * sums :], sums, v, starts, size, hd, scores[g * stride :], stride, 7, 1, WIDTH)
         g += 7
-    if g + 4 <= group:
+    while g + 4 <= group:
         vectors = QUAD_VECTORS
         _add_rows(acc[g * sums :], sums, v, starts, size, hd, scores[g * stride :], stride, 4, vectors, WIDTH)
         g += 4

@@ -490,6 +490,8 @@ def test_a_format_in_its_own_bits_multiplies_as_its_weights_in_float32_bit_for_b
         (2, 7, 64, [(0, 4096)]),  # the default model at context 4,096
         (1, 4, 256, [(5, 300)]),  # gemma3-270m's heads, a window that starts mid-block
         (4, 2, 128, [(0, 64), (192, 700), (96, 1)]),  # runs in three places, one of a single position
+        (2, 8, 128, [(0, 600)]),  # Qwen3's and gpt-oss's groups of 8: two passes of 4 heads' values
+        (1, 6, 80, [(0, 300)]),  # 4 heads' values, then 2; a head of 5 vectors (AVX-512: a partial block)
         (2, 1, 16, [(3, 1)]),  # one position
     ],
 )
