@@ -99,7 +99,10 @@ class RemoteTier:
         self._writer_client = None  # the writer thread's own
         self._client_lock = threading.Lock()
         self._measured = False  # whether the client has connected and its latency is measured
-        self._down_until = 0.0
+        # When each side's backoff ends: reads' (a reply waits on them, with a short timeout) and the
+        # writer's (a longer one) apart, so that a read too slow on a busy machine does not drop the
+        # blocks a server writes for the next one to read (the cluster's failover) while it backs off.
+        self._down_until = {"reads": 0.0, "writes": 0.0}
         self.last_error: str | None = None  # the last failure, as one line
         self._warned: set[str] = set()
         self._counts_lock = threading.Lock()
@@ -253,8 +256,8 @@ class RemoteTier:
 
     def put(self, block: StoredBlock, namespace: bytes | None = None) -> bool:
         """Queue a block of the namespace for the writer thread; never waits. False (and counted) when
-        it is dropped: the queue is full or the tier is backing off."""
-        if self.down:
+        it is dropped: the queue is full or the writer is backing off."""
+        if self._backing_off("writes"):
             self._count("dropped_writes")
             return False
         name, value = self.seal(block, namespace)
@@ -325,13 +328,19 @@ class RemoteTier:
 
     @property
     def down(self) -> bool:
-        """Backing off after a failure: reads miss and writes drop without touching the network."""
-        return self.clock() < self._down_until
+        """Backing off after a failure, reads or writes: they miss and drop without touching the network
+        until their backoff ends."""
+        return self._backing_off("reads") or self._backing_off("writes")
+
+    def _backing_off(self, side: str) -> bool:
+        return self.clock() < self._down_until[side]
 
     def _round_trip(self, work, moved: str, client_for=None):
-        """work(client) -> (result, bytes moved), timed and counted under `moved`; None when the tier is
-        down or fails now. The client is the readers' shared one, or client_for()'s (the writer's)."""
-        if self.down:
+        """work(client) -> (result, bytes moved), timed and counted under `moved`; None when its side
+        is backing off or fails now. The client is the readers' shared one, or client_for()'s (the
+        writer's)."""
+        side = "reads" if client_for is None else "writes"
+        if self._backing_off(side):
             return None
         try:
             if client_for is not None:
@@ -348,16 +357,17 @@ class RemoteTier:
         # tier, and a miss. Nothing of it reaches the caller, where a RuntimeError would read as
         # "the server is shutting down", or kills the writer thread.
         except Exception as e:  # noqa: BLE001 — see above
-            self._fail(e)
+            self._fail(e, side)
             return None
         self._measure(time.perf_counter() - t0, n_bytes)
         self._count(moved, n_bytes)
         return result
 
-    def _fail(self, error: Exception) -> None:
-        """Count a failure, back off, and say it (the first time in the log; the last in stats)."""
+    def _fail(self, error: Exception, side: str) -> None:
+        """Count a failure, back off on its side, and say it (the first time in the log; the last in
+        stats)."""
         self._count("failures")
-        self._down_until = self.clock() + self.backoff_s
+        self._down_until[side] = self.clock() + self.backoff_s
         self._drop_client()
         self.last_error = f"{type(error).__name__}: {_reason(error)}"
         self._warn_once(
@@ -433,7 +443,7 @@ class RemoteTier:
     def worth_fetching(self, n_blocks: int, n_bytes: int, prefill_tok_s: float, n_tokens: int) -> bool:
         """Whether reading n_blocks (n_bytes) is faster than computing their n_tokens at prefill_tok_s.
         Before anything is measured, fetch: the fetch itself measures (a miss costs one round trip)."""
-        if n_blocks <= 0 or self.down:
+        if n_blocks <= 0 or self._backing_off("reads"):
             return False
         if self.always_fetch:
             return True

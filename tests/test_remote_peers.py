@@ -70,21 +70,25 @@ def test_a_peer_that_misbehaves_is_a_failed_tier_and_the_reply_is_computed(
     tier = served._cache.remote
 
     assert reply(served, HISTORY) == alone  # its blocks were looked for there, then computed
+    assert tier.flush()  # and written there: the writer meets the peer on its own (each side backs off)
+    end_backoff(tier)  # a read once more, the writer idle: the last error is a read's
+    assert tier.fetch_run([(b"\1" * 16, tuple(range(8)))], "f32") == [None]
     stats = tier.stats()
-    assert stats["failures"] == 1 and not stats["up"] and stats["hits"] == 0
+    assert stats["failures"] >= 2 and not stats["up"] and stats["hits"] == 0
     assert stats["last_error"].startswith(FAILURE[peer.misbehaviour]) and "\n" not in stats["last_error"]
     if peer.misbehaviour == "trickle":  # given up on after the timeout, not after the whole answer
         assert peer.sent < TRICKLED // 4
     if peer.misbehaviour == "endless value":  # cut off at the cap, not after 2 GB in memory
         assert peer.sent < 64 << 20
 
-    for attempt in (2, 3):  # writes meet the peer too: counted, dropped, and the writer goes on
+    failures = stats["failures"]
+    for attempt in (1, 2):  # writes meet the peer too: counted, dropped, and the writer goes on
         end_backoff(tier)
         assert tier.put(a_block())
         assert tier.flush()  # the writer took it off the queue: it is alive
         stats = tier.stats()
-        assert stats["failures"] == attempt and stats["written"] == 0
-        assert stats["dropped_writes"] >= attempt - 1
+        assert stats["failures"] == failures + attempt and stats["written"] == 0
+        assert stats["dropped_writes"] >= attempt
         assert not stats["up"] and stats["queued_writes"] == 0
     if peer.misbehaviour == "trickle":
         assert peer.sent < TRICKLED // 2
@@ -100,11 +104,14 @@ def test_serve_answers_and_reports_the_tier_down(qwen2, tmp_path, misbehaviour):
         for _ in range(2):  # the first meets the peer; the second finds the tier backing off
             done = server.ask([{"role": "user", "content": HISTORY}], temperature=0, max_tokens=4)
             assert done.choices[0].message.content and done.choices[0].finish_reason == "length"
+        tier = server.state.engine._cache.remote
+        assert tier.flush()  # the replies' blocks: the writer meets the peer on its own
+        end_backoff(tier)  # a read once more, the writer idle: the last error is a read's
+        assert tier.fetch_run([(b"\1" * 16, tuple(range(8)))], "f32") == [None]
         status, _, body = server.raw("GET", "/health")
         remote = json.loads(body)["kv_remote"]
-        assert status == 200 and not remote["up"] and remote["failures"] == 1
+        assert status == 200 and not remote["up"] and remote["failures"] >= 2
         assert remote["last_error"].startswith(FAILURE[misbehaviour])
-        tier = server.state.engine._cache.remote
         end_backoff(tier)  # then a write meets the peer: the writer thread counts it and goes on
         tier.put(a_block())
         assert tier.flush()  # the writer finished with it (a writer that died would leave it unfinished)
