@@ -133,7 +133,8 @@ def test_with_the_store_dead_the_second_server_computes_the_same_reply(tmp_path,
         more = b.ask(messages, **GREEDY)
         assert more.usage.prompt_tokens_details.cached_tokens == 0  # recomputed, not failed
         remote = more.usage.model_extra["kv_remote"]
-        assert remote["fetched_tokens"] == 0 and remote["failures"] == 1 and not remote["up"]
+        # (failures: the read's, and the writer's too where it met the dead store before the usage)
+        assert remote["fetched_tokens"] == 0 and remote["failures"] >= 1 and not remote["up"]
         expected = alone.ask(messages, **GREEDY)
         assert "kv_remote" not in (expected.usage.model_extra or {})
         assert more.choices[0].message.content == expected.choices[0].message.content
