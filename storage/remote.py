@@ -368,7 +368,7 @@ class RemoteTier:
         stats)."""
         self._count("failures")
         self._down_until[side] = self.clock() + self.backoff_s
-        self._drop_client()
+        self._drop_client(side)
         self.last_error = f"{type(error).__name__}: {_reason(error)}"
         self._warn_once(
             "unreachable",
@@ -410,13 +410,16 @@ class RemoteTier:
             self._writer_client = client
         return self._writer_client
 
-    def _drop_client(self) -> None:
-        """Forget the clients: the next round trip connects anew. They are not closed here, as another
-        thread (the writer, or a reader) may be in the middle of a round trip on one; its connections
-        close when the last one lets go of it."""
+    def _drop_client(self, side: str | None = None) -> None:
+        """Forget the clients of a side ("reads", "writes"; None: both): its next round trip connects
+        anew. They are not closed here, as another thread (the writer, or a reader) may be in the middle
+        of a round trip on one; its connections close when the last one lets go of it."""
         with self._client_lock:
-            self._client = self._writer_client = None
-            self._measured = False
+            if side != "writes":
+                self._client = None
+                self._measured = False
+            if side != "reads":
+                self._writer_client = None
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:
