@@ -102,7 +102,7 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
         default=default("measured"),
         help="read the KV blocks a conversation lacks from --kv-remote where its measured round trips "
         "beat computing them (measured), or whenever it holds them (always: a fast store on a machine "
-        "busy enough to misjudge it)",
+        "busy enough to misjudge it; a read then waits up to 2 s, not 0.25 s)",
     )
     group.add_argument(
         "--kv-secret",

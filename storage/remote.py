@@ -128,11 +128,16 @@ class RemoteTier:
         secret: str | bytes | None,
         fingerprint: str,
         *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         **options,
     ) -> RemoteTier:
         """A tier on the server at `url` (see remote_wire.py for the forms). Nothing is contacted
         yet: a server that is down now is tried again later, and meanwhile blocks are computed."""
+        if timeout_s is None:
+            # The reads' short timeout is the measured rule's: a store slower than it is no faster than
+            # computing. Told to always fetch, a read waits as long as a write may: one answer slowed by
+            # a busy machine would otherwise compute that reply and back the reads off for 30 s.
+            timeout_s = WRITE_TIMEOUT_S if options.get("always_fetch") else DEFAULT_TIMEOUT_S
         connect, where = connector(url, timeout_s)
         connect_writer, _ = connector(url, max(timeout_s, WRITE_TIMEOUT_S))
         return cls(connect, fingerprint, secret or b"", where=where, connect_writer=connect_writer, **options)

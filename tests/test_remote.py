@@ -640,6 +640,28 @@ def test_kv_fetch_always_reads_what_the_measured_rule_would_compute(redis_server
         remote.close()
 
 
+def test_kv_fetch_always_waits_for_a_store_slower_than_the_measured_rules_timeout(redis_server):
+    """A store answering in 0.3 s (a machine busy enough to hold up Redis): the measured rule's read
+    gives up after 0.25 s and computes, backing the reads off; told to always fetch, the read waits for
+    the block (a cluster's failover computed a dead server's conversations when it gave up so)."""
+    from llama_chat.app.chat.build import EngineOptions, open_remote
+
+    proxy = SlowProxy(redis_server.port, delay_s=0.3)
+    try:
+        block = make_block(1)
+        writer = tier(redis_server.url)
+        assert writer.put(block) and writer.flush(30)
+        writer.close()
+        for how, read in (("measured", False), ("always", True)):
+            options = EngineOptions(kv_remote=proxy.url, kv_secret=SECRET, kv_fetch=how)
+            remote = open_remote(options, "model-fingerprint")
+            got = remote.fetch(block.key, tuple(block.tokens), "q6")
+            assert (got is not None, remote.stats()["up"]) == (read, read), (how, remote.stats())
+            remote.close()
+    finally:
+        proxy.close()
+
+
 def test_the_command_line_refuses_a_tier_without_a_secret(qwen2, tmp_path, redis_server, capsys, monkeypatch):
     monkeypatch.delenv("LLAMA_CHAT_KV_SECRET", raising=False)
     db = ["--db", str(tmp_path / "a.db"), "--model", str(qwen2)]
