@@ -139,9 +139,9 @@ def test_q6_k_is_taken_as_int8_by_float32_inputs(q4_k_m):
     assert np.array_equal(logits(model), unpacked.logits(unpacked.tokenizer.encode(TEXT)))
 
 
-def in_page_cache(path, offset: int, length: int) -> bool:
-    """Whether the page cache holds those bytes of a file: mincore(2) over a mapping of them, which reads
-    nothing (a read that may not wait would itself start reading ahead)."""
+def in_page_cache(path, offset: int, length: int) -> float:
+    """The share of those bytes of a file that the page cache holds, by pages: mincore(2) over a mapping
+    of them, which reads nothing (a read that may not wait would itself start reading ahead)."""
     page = mmap.PAGESIZE
     first, n = offset // page, (offset + length - 1) // page - offset // page + 1
     with open(path, "rb") as f:
@@ -152,7 +152,7 @@ def in_page_cache(path, offset: int, length: int) -> bool:
     del where
     mapped.close()
     assert done == 0
-    return all(p & 1 for p in pages)
+    return sum(p & 1 for p in pages) / n
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no advice to the page cache (macOS, Windows)")
@@ -164,14 +164,17 @@ def test_an_embedding_table_is_read_into_the_page_cache_in_the_background_whatev
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # as after a restart of the machine
     os.close(fd)
-    if in_page_cache(path, 0, mb):
+    if in_page_cache(path, 0, mb) == 1:
         pytest.skip("this file system keeps the file in the page cache whatever it is told")
     gguf_tensors.read_ahead(path, 3 * mb + 100, 40 * mb).join()  # the table: 40 MB from 3 MB on
-    for _ in range(600):  # the reads were asked for; they end soon after, busy disk or not
-        if in_page_cache(path, 3 * mb + 100, 40 * mb):
+    # The reads were asked for; they end soon after, busy disk or not. One request alone reads no more
+    # than the readahead window (~1 % of the table); a machine short of memory (a full test suite) may
+    # take back a few pages read before the last arrive, hence not every page.
+    for _ in range(600):
+        if in_page_cache(path, 3 * mb + 100, 40 * mb) >= 0.95:
             break
         time.sleep(0.05)
-    assert in_page_cache(path, 3 * mb + 100, 40 * mb)
+    assert in_page_cache(path, 3 * mb + 100, 40 * mb) >= 0.95
 
 
 def test_a_changed_gguf_is_packed_again(tmp_path):
