@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cpu import PROFILE
-from .vectors import _data, _fma, _splat, _vector_at, ask_for
+from .vectors import _casts, _data, _fma, _splat, _vector_at, ask_for
 
 
 def _chunk(n: int) -> int:
@@ -28,10 +28,6 @@ def _literal_values(*arguments) -> list[int] | None:
     if not all(isinstance(t, types.IntegerLiteral) for t in arguments):
         return None
     return [t.literal_value for t in arguments]
-
-
-def _casts(context, builder, signature, args, which):
-    return [context.cast(builder, args[k], signature.args[k], types.int64) for k in which]
 
 
 def _word_at(builder, pointer, first, stride, i, c):

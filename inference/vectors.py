@@ -1,6 +1,7 @@
 """The float kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch
 array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, the block
-formats' bit fields, Q3_K's quants and nibbles through a table, a request for memory ahead. LLVM splits
+formats' bit fields, Q3_K's quants and nibbles through a table, Q6_K's bits made int8, a request for
+memory ahead. LLVM splits
 a vector of `width` floats into the target's registers, so no vectorizer has to find the loops (LLVM's
 did not, once they were short enough to unroll first); `width` is a literal wherever these are called
 (products.py, k_quants.py, block_formats.py). Each has its plain NumPy twin in
@@ -39,6 +40,11 @@ def _vector_at(builder, pointer, index, element, width):
 
 def _data(context, builder, array_type, array):
     return context.make_array(array_type)(context, builder, array).data
+
+
+def _casts(context, builder, signature, args, which):
+    """The arguments numbered `which` as 64-bit integers (offsets, strides)."""
+    return [context.cast(builder, args[k], signature.args[k], types.int64) for k in which]
 
 
 def _splat(builder, vector_type, value):
@@ -440,6 +446,70 @@ def _q6_k_scales(typingctx, d, sc, d_at, sc_at, scale, width):
         return context.get_dummy_value()
 
     return types.void(d, sc, d_at, sc_at, scale, width), codegen
+
+
+@intrinsic
+def _q6_k_int8_scales(typingctx, d, sc, d_at, sc_at, scales, scales_at, width):
+    """A Q6_K block's 16 sub-block scales for `width` lanes as the int8 layout holds them:
+    scales.flat[scales_at + s·width…] = d · sc, d the float32 at d.flat[d_at…], sc the int8 at
+    sc.flat[sc_at + s·width…] (k_quants.py's layout; _q6_k_scales' product, 16 at a time)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n, f32, i64 = width.literal_value, ir.FloatType(), ir.IntType(64)
+
+    def codegen(context, builder, signature, args):
+        d_ptr, sc_ptr, out = (_data(context, builder, signature.args[k], args[k]) for k in (0, 1, 4))
+        d_at, sc_at, out_at = _casts(context, builder, signature, args, (2, 3, 5))
+        d_n = builder.load(_vector_at(builder, d_ptr, d_at, f32, n), align=4)
+        for s in range(16):
+            step = ir.Constant(i64, s * n)
+            sc_n = _vector_at(builder, sc_ptr, builder.add(sc_at, step), ir.IntType(8), n)
+            small = builder.load(sc_n, align=1)
+            product = builder.fmul(d_n, builder.sitofp(small, ir.VectorType(f32, n)))
+            builder.store(product, _vector_at(builder, out, builder.add(out_at, step), f32, n), align=4)
+        return context.get_dummy_value()
+
+    return types.void(d, sc, d_at, sc_at, scales, scales_at, width), codegen
+
+
+@intrinsic
+def _q6_k_int8_columns(typingctx, values, ql_at, qh_at, out, out_at, width):
+    """16 columns of Q6_K weights (k_quants.py's layout) as int8 q − 32 in the int8 layout, from one read
+    of the words that hold their bits: columns 32·k + c (k the run of 32 of a half block, c < 4) into
+    out.flat[out_at + (32·k + c)·width…], for `width` lanes. q is the 4 bits at bit 4·(k // 2) of byte c
+    of the words at values.flat[ql_at…] (k even) or 8·width words on (k odd), and above them the 2 bits
+    at bit 2·k of byte c of those at values.flat[qh_at…]. Each word holds 4 columns of its lane: the
+    bits are taken apart as bytes, and one shuffle puts each column's lanes side by side."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    n = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        src, dst = (_data(context, builder, signature.args[k], args[k]) for k in (0, 3))
+        ql_at, qh_at, out_at = _casts(context, builder, signature, args, (1, 2, 4))
+        row = ir.VectorType(i8, 4 * n)  # the words of all lanes: lane-major, 4 columns each
+
+        def every(value):
+            return ir.Constant(row, [value] * (4 * n))
+
+        def words(at):
+            return builder.load(_vector_at(builder, src, at, i8, 4 * n), align=1)
+
+        low = (words(ql_at), words(builder.add(ql_at, ir.Constant(i64, 32 * n))))
+        high = words(qh_at)
+        lane_major = [4 * lane + c for c in range(4) for lane in range(n)]  # column c's lanes from each word
+        by_column = ir.Constant(ir.VectorType(i32, 4 * n), lane_major)
+        for k in range(4):
+            q = builder.and_(builder.lshr(low[k % 2], every(4 * (k // 2))), every(15))
+            above = builder.and_(builder.lshr(high, every(2 * k)), every(3))
+            q = builder.sub(builder.or_(q, builder.shl(above, every(4))), every(32))
+            q = builder.shuffle_vector(q, ir.Constant(row, ir.Undefined), by_column)
+            at = builder.add(out_at, ir.Constant(i64, 32 * k * n))
+            builder.store(q, _vector_at(builder, dst, at, i8, 4 * n), align=1)
+        return context.get_dummy_value()
+
+    return types.void(values, ql_at, qh_at, out, out_at, width), codegen
 
 
 @intrinsic

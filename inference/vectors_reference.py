@@ -165,6 +165,21 @@ def q6_k_column(values, ql_at, qh_at, byte, k, scale, width) -> np.ndarray:
     return (_q6_k_quants(values, ql_at, qh_at, byte, k, width) - 32).astype(F32) * scale[:width]
 
 
+def q6_k_int8_scales(d, sc, d_at, sc_at, width) -> np.ndarray:
+    """vectors._q6_k_int8_scales: a block's 16 sub-blocks' d · sc [16, width]."""
+    return np.stack([q6_k_scales(d, sc, d_at, sc_at + s * width, width) for s in range(16)])
+
+
+def q6_k_int8_columns(values, ql_at, qh_at, width) -> np.ndarray:
+    """vectors._q6_k_int8_columns: q − 32 as int8 [4 runs k, 4 columns c, width], the ql words of odd
+    runs 8·width words on."""
+    out = np.empty((4, 4, width), np.int8)
+    for k in range(4):
+        for c in range(4):
+            out[k, c] = _q6_k_quants(values, ql_at + 32 * width * (k % 2), qh_at, c, k, width) - 32
+    return out
+
+
 def q6_k_dots(
     values, ql_at, qh_at, lanes, xq, xq_at, xq_stride, x_runs, xs_at, xs_stride, d, sc, d_at, sc_at, sums,
     rows, width,

@@ -45,6 +45,8 @@ from llama_chat.inference.vectors import (
     _q3_k_quants,
     _q4_k_scales,
     _q6_k_column,
+    _q6_k_int8_columns,
+    _q6_k_int8_scales,
     _q6_k_scales,
     _registers,
     _scale_run,
@@ -454,6 +456,30 @@ def q6_k_column(values, d, sc, ql_at, qh_at, byte, k, column_out, scale_out):
     copy_out(scale, scale_out)
 
 
+@plain_njit
+def q6_k_int8(values, d, sc, ql_at, qh_at, d_at, sc_at, columns, scales):
+    _q6_k_int8_columns(values, ql_at, qh_at, columns, W, W)
+    _q6_k_int8_scales(d, sc, d_at, sc_at, scales, W, W)
+
+
+def test_q6_k_bits_are_made_int8_as_the_reference_says():
+    """A half block's columns of the second block, from lane 8, as int8 with their scales: each at its
+    place in the int8 layout (a row of `W` lanes apart from the next column), nothing written beside."""
+    w = q6_k(12)
+    block = 4 * (LANES * 48 + 8)  # block 1's first word, from lane 8
+    for h, m in [(0, 0), (1, 5), (1, 7)]:
+        ql_at, qh_at = block + 4 * LANES * (16 * h + m), block + 4 * LANES * (32 + 8 * h + m)
+        columns, scales = np.full((130, W), 99, np.int8), np.full((18, W), 7.0, F32)
+        q6_k_int8(w.values, w.scales, w.offsets, ql_at, qh_at, LANES + 8, 16 * LANES + 8, columns, scales)
+        want = ref.q6_k_int8_columns(w.values, ql_at, qh_at, W)
+        assert np.array_equal(columns[1:129].reshape(4, 32, W)[:, :4], want), (h, m)
+        assert (columns[0] == 99).all() and (columns[129] == 99).all()
+        assert (columns[1:129].reshape(4, 32, W)[:, 4:] == 99).all()
+        want_scales = ref.q6_k_int8_scales(w.scales, w.offsets, LANES + 8, 16 * LANES + 8, W)
+        assert np.array_equal(scales[1:17], want_scales)
+        assert (scales[0] == 7).all() and (scales[17] == 7).all()
+
+
 @pytest.mark.parametrize("k", range(4))
 def test_a_q6_k_column_is_dequantized_as_the_reference_says(k):
     """Every run's columns of the second block, from lane 8: its 4 low bits and 2 high ones put together,
@@ -704,7 +730,7 @@ def test_the_building_blocks_are_the_references_under_the_avx2_profile():
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LLAMA_CHAT_KERNEL_SHAPE")}
     env["NUMBA_CPU_NAME"] = "haswell"
     checks = "column or fused or nibbles or scale or byte_dots or quantizing or bit_field or table or q3_k"
-    checks += " or e8m0 or sign_bit or dot_products or weighted_rows or largest or attention or tile"
+    checks += " or e8m0 or sign_bit or dot_products or weighted_rows or largest or attention or tile or int8"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", checks],
         env=env,
