@@ -33,12 +33,14 @@ SMALL = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # neither type: the dtype tells the kernels which they are). Without F16C (the "SSE" profile) a kernel
 # cannot widen float16 in one instruction: there float16 matrices stay float32.
 HALF_TYPES = {Q.F16: np.uint16, Q.BF16: np.int16} if NATIVE else {Q.BF16: np.int16}
-# Q6_K keeps its bits (k_quants.py) where the processor adds products of bytes in one instruction (AVX-512
-# VNNI's vpdpbusd): there its kernel waits on memory, and reads 212 bytes per 256 weights where int8
-# reads 320 (a 7B's decoded token 0.87-0.91 of the time). With vpmaddubsw (AVX2) putting its bits
-# together costs about what the bytes save (a 7B token 1.02x): int8 there (docs/performance.md). A model
-# with int8 matrices anyway keeps its Q6_K in int8 too (own_bits).
-Q6_K_IN_BITS = PROFILE.byte_dot == "vnni"
+# Q6_K keeps its bits (k_quants.py) where its one-row kernel waits on memory: it reads 212 bytes per 256
+# weights where int8 reads 320. With AVX-512 VNNI's vpdpbusd a 7B's decoded token took 0.87-0.91 of the
+# time; with AVX2's vpmaddubsw, since the one-row kernel goes through a half block's sub-blocks in turn,
+# 169-173 ms against 180-203 (the Zen 4, `decode_matrices.py`: its ffn_down 47-48 ms against 56-62). A
+# long prompt makes the bits int8 a group at a time (products.Q6_K_TILES_FROM). AVX-512 without VNNI
+# ("bw") is unmeasured and stays int8. A model with int8 matrices anyway keeps its Q6_K in int8 too
+# (own_bits).
+Q6_K_IN_BITS = PROFILE.byte_dot in ("vnni", "avx2")
 # The formats kept in their own bits, each the kind of packed matrix it makes
 OWN_BITS = {
     Q.Q4_K: "Q4_K weights",

@@ -45,7 +45,7 @@ from .cpu import PROFILE
 from .huge_pages import BlockWriter, advise_huge
 from .quants import PackedMatrix
 
-LAYOUT_VERSION = 10  # raise when formats.py (or a module it names) lays a matrix out differently, or this
+LAYOUT_VERSION = 11  # raise when formats.py (or a module it names) lays a matrix out differently, or this
 # file's header
 MAGIC = b"LCPACK01"
 TRAILER = struct.Struct("<Q32s8s")  # header length, its SHA-256, MAGIC

@@ -47,8 +47,11 @@ AHEAD_IN_PASSES = PROFILE.ahead_in_passes  # whether passes past two rows ask fo
 # (_q6_k_tile_product): a 7B's ffn_down on the Zen 4 (AVX-512) at 256 rows took 137 ms by the bits' own
 # kernel and 113 through int8 tiles (kernel_rows.py, alternating: 197–237 against 125–142), at 64 about
 # the same (35.0 / 33.9); at 32 int8 alone took 15.1 against 22.1, but making the matrix int8 8.4 more.
-# A prompt is read 512 rows a pass (model.DEFAULT_PREFILL_BATCH).
-Q6_K_TILES_FROM = 128
+# A prompt is read 512 rows a pass (model.DEFAULT_PREFILL_BATCH). Making a group int8 now takes a quarter
+# of what it did (k_quants.q6_k_group_as_int8); on AVX-512 the bits' own kernel still wins below 128 rows
+# (64: 28–31 ms against 32–48). On AVX2 its several-row kernel is slower (16 rows 18–21 ms, tiles 14,
+# int8 10.5–11): tiles from 8 rows there (8: 9.3 against 10.0; at 4 the own kernel, 6.0 against 6.9).
+Q6_K_TILES_FROM = 8 if PROFILE.byte_dot == "avx2" else 128
 F32 = np.float32
 
 
