@@ -129,6 +129,7 @@ class RemoteTier:
         fingerprint: str,
         *,
         timeout_s: float | None = None,
+        always_fetch: bool = False,
         **options,
     ) -> RemoteTier:
         """A tier on the server at `url` (see remote_wire.py for the forms). Nothing is contacted
@@ -137,10 +138,13 @@ class RemoteTier:
             # The reads' short timeout is the measured rule's: a store slower than it is no faster than
             # computing. Told to always fetch, a read waits as long as a write may: one answer slowed by
             # a busy machine would otherwise compute that reply and back the reads off for 30 s.
-            timeout_s = WRITE_TIMEOUT_S if options.get("always_fetch") else DEFAULT_TIMEOUT_S
+            timeout_s = WRITE_TIMEOUT_S if always_fetch else DEFAULT_TIMEOUT_S
         connect, where = connector(url, timeout_s)
         connect_writer, _ = connector(url, max(timeout_s, WRITE_TIMEOUT_S))
-        return cls(connect, fingerprint, secret or b"", where=where, connect_writer=connect_writer, **options)
+        return cls(
+            connect, fingerprint, secret or b"", where=where, connect_writer=connect_writer,
+            always_fetch=always_fetch, **options,
+        )
 
     # -- names and signatures ----------------------------------------------------------------------
 
