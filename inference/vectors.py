@@ -1,10 +1,9 @@
 """The float kernels' building blocks in LLVM's own vector types (numba intrinsics): a register scratch
 array, a column of weights dequantized, a fused multiply-add, Q4_K's nibbles and run scales, the block
 formats' bit fields, Q3_K's quants and nibbles through a table, Q6_K's bits made int8, a request for
-memory ahead. LLVM splits
-a vector of `width` floats into the target's registers, so no vectorizer has to find the loops (LLVM's
-did not, once they were short enough to unroll first); `width` is a literal wherever these are called
-(products.py, k_quants.py, block_formats.py). Each has its plain NumPy twin in
+memory ahead. LLVM splits a vector of `width` floats into the target's registers, so no vectorizer has to
+find the loops (LLVM's did not, once they were short enough to unroll first); `width` is a literal
+wherever these are called (products.py, k_quants.py, block_formats.py). Each has its plain NumPy twin in
 vectors_reference.py, which tests/test_vectors.py holds it to.
 """
 
