@@ -238,6 +238,41 @@ def _widen(typingctx, values, at, out, out_at, n, width):
 
 
 @intrinsic
+def _block_scores(typingctx, q, q_at, q_stride, keys, k_at, n, block, scores, s_at, s_stride, heads, width):
+    """scores.flat[s_at + g·s_stride + p] = Σ_d q.flat[q_at + g·q_stride + d] · keys.flat[k_at + d·block + p]
+    for the `width` positions p and each of `heads` query heads g, over d < n in order, each fused: keys
+    laid out with positions across the lanes (a block of the cache as [head_dim, block], float16 bits
+    widened or float32), so that each head's sums are one vector of positions and no lanes are summed
+    across; each d's vector of keys widened once for all the heads."""
+    if not _literals(width, heads):
+        return None
+    w, nh, f32 = width.literal_value, heads.literal_value, ir.FloatType()
+    half = keys.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(f32, w)
+        q_ptr, q_first, q_step, k_ptr, k_first, size, row, s_ptr, s_first, s_step, *_ = _operands(
+            context, builder, signature, args
+        )
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * w)) for _ in range(nh)]
+        fma = _fma(builder, w)
+        with cgutils.for_range(builder, size) as loop:
+            d = loop.index
+            key = _cache_row_vector(builder, k_ptr, k_first, builder.mul(d, row), w, half)
+            for g, total in enumerate(sums):
+                element = builder.load(builder.gep(q_ptr, [builder.add(_at(builder, q_first, q_step, g), d)]))
+                query = _splat(builder, vector, element)
+                builder.store(builder.call(fma, [query, key, builder.load(total)]), total)
+        for g, total in enumerate(sums):
+            where = _vector_at(builder, s_ptr, _at(builder, s_first, s_step, g), f32, w)
+            builder.store(builder.load(total), where, align=4)
+        return context.get_dummy_value()
+
+    signature = types.void(q, q_at, q_stride, keys, k_at, n, block, scores, s_at, s_stride, heads, width)
+    return signature, codegen
+
+
+@intrinsic
 def _largest(typingctx, values, at, n, width):
     """The largest of values.flat[at:at + n] (n a multiple of width; NaN ignored, as maxnum does):
     `width` running maxima, then the largest of them."""

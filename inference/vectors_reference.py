@@ -242,6 +242,17 @@ def dots(q, q_at, q_stride, rows, n, count, heads, width) -> np.ndarray:
     return np.array(out)
 
 
+def block_scores(q, q_at, q_stride, keys, k_at, n, block, heads, width) -> np.ndarray:
+    """attention_vectors._block_scores: [heads, width] each position's Σ_d q_g[d] · keys[d, p] (keys as
+    [head_dim, block] from keys.flat[k_at], widened), fused in d's order."""
+    out = np.zeros((heads, width), F32)
+    for g in range(heads):
+        head = q.reshape(-1)[q_at + g * q_stride : q_at + g * q_stride + n]
+        for d in range(n):
+            out[g] = _fused(head[d], widen(keys, k_at + d * block, width), out[g])
+    return out
+
+
 def add_rows(acc, a_stride, kv, starts, count, n, weights, w_stride, heads) -> None:
     """attention_vectors._add_rows: each head's acc.flat[g·a_stride:… + n] += weight · row, a row of the
     cache (from kv.flat[starts[j]], widened) at a time, fused."""

@@ -20,7 +20,15 @@ from test_kernels import q6_k_in_bits, raw_tensor
 
 from llama_chat.inference import activations, attention, products, quants
 from llama_chat.inference import vectors_reference as ref
-from llama_chat.inference.attention_vectors import _add_rows, _dots, _largest, _tile_add, _tile_scores, _widen
+from llama_chat.inference.attention_vectors import (
+    _add_rows,
+    _block_scores,
+    _dots,
+    _largest,
+    _tile_add,
+    _tile_scores,
+    _widen,
+)
 from llama_chat.inference.block_vectors import (
     _column_multiply_add,
     _e8m0_halves,
@@ -628,6 +636,29 @@ def test_a_tiles_scores_are_each_lanes_own_dot_products(keys, width):
     want = ref.tile_scores(queries, rows, 3, n, keys, width)
     assert np.array_equal(scores[width : (keys + 1) * width].reshape(keys, width), want)
     assert not scores[:width].any() and not scores[(keys + 1) * width :].any()
+
+
+@plain_njit
+def block_scores(q, q_at, q_stride, keys, k_at, n, block, scores, s_at, s_stride, heads, width):
+    heads, width = literally(heads), literally(width)
+    _block_scores(q, q_at, q_stride, keys, k_at, n, block, scores, s_at, s_stride, heads, width)
+
+
+@pytest.mark.parametrize("heads, width", [(7, 16), (7, 8), (1, 4), (3, 16)])
+@pytest.mark.parametrize("half", [True, False])
+def test_a_blocks_scores_are_each_positions_own_dot_products(heads, width, half):
+    """Keys with positions across the lanes ([head_dim, block]): each query head's scores for a vector
+    of positions, fused in order of the head's columns, from a block's middle, nothing written past them."""
+    n, block, heads_stride = 40, 64, 45  # (a head's size need not be a multiple of the lanes)
+    q = floats(heads * heads_stride, 1)
+    keys = floats(n * block + 5, 2)
+    keys = keys.astype(np.float16).view(np.uint16) if half else keys
+    scores = np.zeros(heads * 2 * width, F32)
+    block_scores(q, 3, heads_stride, keys, 5 + width, n, block, scores, width, 2 * width, heads, width)
+    want = ref.block_scores(q, 3, heads_stride, keys, 5 + width, n, block, heads, width)
+    got = scores.reshape(heads, 2, width)
+    assert np.array_equal(got[:, 1], want)
+    assert not got[:, 0].any()
 
 
 @plain_njit
