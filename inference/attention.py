@@ -4,7 +4,8 @@ one call, and its plain reference.
 Decoding one token attends over the whole cache. BLAS does poorly on that shape (a few query rows
 against thousands of keys, on the one thread a step of the kernels leaves it) and needs a float16 cache
 copied into float32 first. This kernel reads each key and value once, as float16 where it lies, for all
-the query heads sharing it, on every thread, a chunk of positions per task: a chunk's sums are its own
+the query heads sharing it (the keys a vector of positions at a time: the arena holds them so,
+kv_arena.py), on every thread, a chunk of positions per task: a chunk's sums are its own
 and are merged in one order afterwards, so a token's result does not depend on the number of threads or
 on what else is in the batch (every reply of a scheduler's step goes in one call: tokens_attention).
 From how many cached positions it takes over from BLAS is the profile's (cpu.py); figures in
@@ -28,19 +29,17 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import threads
-from .attention_vectors import _add_rows, _dots, _largest, _tile_add, _tile_scores, _widen
+from .attention_vectors import _add_rows, _block_scores, _largest, _tile_add, _tile_scores, _widen
 from .cpu import PARALLEL_TOKEN_ATTENTION_FROM, PROFILE
 from .half import bits_view, to_f32
 from .jit import njit, prange
+from .kv_arena import keys_as_blocks
+from .kv_cache import DEFAULT_BLOCK_SIZE
 from .vectors import _prefetch
 
 F32 = np.float32
 WIDTH = PROFILE.vector_floats  # the building blocks' vectors (a literal, as they want it)
 PREFETCH_BYTES = PROFILE.prefetch_bytes  # how far ahead _prefetch asks (a row's own lines: less this)
-ROWS = min(8, WIDTH)  # keys read for the query heads at a time (their scores summed as one tree)
-# Query heads whose scores one call of _dots makes: as many as their sums (ROWS vectors a head), their
-# queries and a key leave registers for (AVX-512 3, AVX2 1).
-KEY_HEADS = max(1, (PROFILE.vector_registers - 1) // (ROWS + 1))
 SUMS_BLOCK = 4  # a head's weighted sums are padded to a multiple of this many vectors (_weighted_sums)
 QUAD_VECTORS = 4 if PROFILE.vector_registers >= 32 else 2  # each head's sums a 4-head pass holds
 ATTENTION_CHUNK = 256  # positions per task: enough work per task, few enough for one chunk's scores
@@ -102,35 +101,65 @@ def _exp_in_place(scores, top):
 
 
 @njit(cache=True, inline="always")
-def _rows_as_f32(kv, h, where, i, n, rows):
-    """Rows where[i : i + n] of head h of a layer of keys (float16 bits or float32) into
-    rows[:n] as float32, each asked for ahead as the products ask for weights; rows n… zeroed (the
-    last of a chunk)."""
-    hd, padded = kv.shape[2], rows.shape[1]
-    whole = hd - hd % WIDTH  # in vectors; the rest (a head_dim not a multiple of them) one at a time
-    for j in range(n):
-        row = where[i + j]
-        at = (h * kv.shape[1] + row) * hd
-        _prefetch(kv, at, 0)
-        _widen(kv, at, rows, j * padded, whole, WIDTH)
-        for d in range(whole, hd):
-            rows[j, d] = to_f32(kv[h, row, d])
-    for j in range(n, rows.shape[0]):
-        for d in range(hd):
-            rows[j, d] = 0
+def _block_heads(heads, padded, k, at, scores, first, stride):
+    """scores[g·stride + first + lane] = heads[g] · the keys of `WIDTH` positions of a block of k [n_kv,
+    slots, hd, B] from k.flat[at] (_block_scores): 7 heads a call where the group is made of 7s (Qwen2's),
+    else 4, 2 and 1 (each call's sums a vector a head, in registers)."""
+    group, g = heads.shape[0], 0
+    hd, B = k.shape[2], k.shape[3]
+    while group % 7 == 0 and g < group:
+        _block_scores(heads, g * padded, padded, k, at, hd, B, scores, g * stride + first, stride, 7, WIDTH)
+        g += 7
+    while g + 4 <= group:
+        _block_scores(heads, g * padded, padded, k, at, hd, B, scores, g * stride + first, stride, 4, WIDTH)
+        g += 4
+    if g + 2 <= group:
+        _block_scores(heads, g * padded, padded, k, at, hd, B, scores, g * stride + first, stride, 2, WIDTH)
+        g += 2
+    if g < group:
+        _block_scores(heads, g * padded, padded, k, at, hd, B, scores, g * stride + first, stride, 1, WIDTH)
 
 
 @njit(cache=True, inline="always")
-def _scores(heads, rows, padded, scores, at, stride):
-    """scores[g·stride + at + j] = heads[g] · rows[j] for every query head g and row j (_dots, KEY_HEADS
-    heads a call)."""
-    group, g = heads.shape[0], 0
-    while g + KEY_HEADS <= group:
-        first = g * stride + at
-        _dots(heads, g * padded, padded, rows, padded, scores, first, stride, ROWS, KEY_HEADS, WIDTH)
-        g += KEY_HEADS
-    for one in range(g, group):
-        _dots(heads, one * padded, padded, rows, padded, scores, one * stride + at, stride, ROWS, 1, WIDTH)
+def _key_scores(heads, padded, k, h, where, size, scores, stride, v, starts):
+    """scores[g·stride + i] = heads[g] · the key of position where[i] (of head h of a layer of keys k
+    [n_kv, slots, hd, B], float16 bits or float32) for every query head g and i < size: a vector of
+    positions at a time where they lie side by side in one block (a block's whole vectors, the sequence's
+    last positions included: the lanes past them are scored too, and never read), else one at a time.
+    Each position's score is the same fused sum in d's order either way. Asks, as it goes, for the
+    next block's keys (a share of it each vector) and for these positions' values (v's rows from
+    v.flat[starts[i]]), which are read after the softmax."""
+    slots, hd, B = k.shape[1], k.shape[2], k.shape[3]
+    group = heads.shape[0]
+    share = hd * B * k.itemsize * WIDTH // B  # bytes of the next block asked for a vector
+    i = 0
+    while i < size:
+        p = where[i]
+        n = min(WIDTH, size - i)
+        if p % B + WIDTH <= B and where[i + n - 1] - p == n - 1:
+            at = ((h * slots + p // B) * hd) * B
+            ahead = (p % B) // WIDTH * share
+            for line in range(0, share, 64):
+                _prefetch(k, at, hd * B * k.itemsize + ahead + line - PREFETCH_BYTES)
+            _block_heads(heads, padded, k, at + p % B, scores, i, stride)
+        else:
+            n = 1
+            for g in range(group):
+                scores[g * stride + i] = _key_score(heads, g, k, h, p // B, p % B)
+        for j in range(i, i + n):
+            for line in range(0, hd * v.itemsize, 64):
+                _prefetch(v, starts[j], line - PREFETCH_BYTES)
+        i += WIDTH if n > 1 else 1
+
+
+@njit(cache=True, fastmath=EXACT)
+def _key_score(heads, g, k, h, slot, lane):
+    """heads[g] · the key in lane `lane` of block `slot` of head h, fused in d's order as _block_scores
+    sums it (a function of its own: the kernel's fast-math would let LLVM reorder the sum)."""
+    total = F32(0)
+    for d in range(k.shape[2]):
+        total = heads[g, d] * to_f32(k[h, slot, d, lane]) + total
+    return total
 
 
 @njit(cache=True, inline="always")
@@ -160,13 +189,14 @@ def _weighted_sums(acc, sums, v, starts, size, hd, scores, stride):
 
 @njit(cache=True, parallel=True, fastmath=DOT)
 def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, acc_out):
-    """Attention of new tokens, each over its own positions, a chunk of positions per task, as
-    flash-decoding does: token t (of q [n_tok, n_kv, group, hd], scaled) attends to the runs (first, n)
-    runs[first_run[t] : first_run[t + 1]] of one layer of the cache k, v [n_kv, N, hd] (whole: their
-    last axis contiguous); its chunks are first_chunk[t] … of the outputs' chunk axis. Per kv head h
-    and chunk c: the scores' max m_out[h, c, g], the sum of exp(score - max) l_out[h, c, g] and the
-    sum of those weights times the values acc_out[h, c, g] [hd]; _merge_chunks joins each token's
-    chunks. A task's sums depend on its chunk alone, not on the other tokens or the threads."""
+    """Attention of new tokens, each over its own positions, a chunk of positions per task, as flash-decoding
+    does: token t (of q [n_tok, n_kv, group, hd], scaled) attends to the runs (first, n) runs[first_run[t] :
+    first_run[t + 1]] of one layer of the cache, keys k [n_kv, slots, hd, B] and values v [n_kv, N, hd]
+    (whole, C-contiguous; position p of the runs is lane p % B of block p // B of k); its chunks are
+    first_chunk[t] … of the outputs' chunk axis. Per kv head h and chunk c: the scores' max m_out[h, c, g],
+    the sum of exp(score - max) l_out[h, c, g] and the sum of those weights times the values acc_out[h, c, g]
+    [hd]; _merge_chunks joins each token's chunks. A task's sums depend on its chunk alone, not on the other
+    tokens or the threads."""
     n_tok, n_kv, group, hd = q.shape
     width = WIDTH
     padded = -(-hd // width) * width  # rows padded with zeros to whole vectors
@@ -194,15 +224,8 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
             for d in range(hd):
                 heads[g, d] = q[t, h, g, d]
         scores = np.empty(group * stride, F32)
-        rows = np.zeros((ROWS, padded), F32)  # key rows as float32, converted once for the heads
         acc = np.zeros(group * summed, F32)
-        for i in range(0, size, ROWS):
-            n = min(ROWS, size - i)
-            _rows_as_f32(k, h, where, i, n, rows)
-            _scores(heads, rows, padded, scores, i, stride)
-            for j in range(i, i + n):  # the values' rows asked for now, read after the softmax
-                for line in range(0, hd * v.itemsize, 64):
-                    _prefetch(v, starts[j], line - PREFETCH_BYTES)
+        _key_scores(heads, padded, k, h, where, size, scores, stride, v, starts)
         tail = -(-size // width) * width
         for g in range(group):
             for i in range(size, tail):
@@ -218,7 +241,8 @@ def _one_token_attention(q, k, v, runs, first_run, first_chunk, m_out, l_out, ac
 
 def one_token_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs, sinks=None) -> np.ndarray:
     """softmax(q · keys) · values for one new token: q [n_kv, group, hd] (scaled), k, v one layer of the
-    cache [n_kv, N, hd] (float32, or float16 read as float32) and the runs (first, n) of it to attend to
+    cache (float32, or float16 read as float32): keys [n_kv, slots, hd, B] as the arena holds them or rows
+    [n_kv, N, hd], values [n_kv, N, hd]; and the runs (first, n) of its positions to attend to
     → [n_kv, group, hd]. `sinks` [n_kv, group]: each head's logit more in its softmax, with no value
     (gpt-oss), joined where the chunks are."""
     return tokens_attention(q[None], k, v, [runs], sinks)[0]
@@ -239,6 +263,7 @@ def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list, si
     l = np.empty((n_kv, total, group), F32)
     acc = np.empty((n_kv, total, group, hd), F32)
     joined = runs[0] if n_tok == 1 else np.concatenate(runs)
+    k = as_blocks(k)
     few = int(joined[:, 1].sum()) * n_kv * group * hd < PARALLEL_TOKEN_ATTENTION_FROM
     with threads.kernels_on_this_thread() if few else nullcontext():
         _one_token_attention(q, bits_view(k), bits_view(v), joined, first_run, first_chunk, m, l, acc)
@@ -247,6 +272,12 @@ def tokens_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, runs: list, si
     sinks = np.zeros((n_kv, group), F32) if no_sinks else np.asarray(sinks, F32)
     _merge_chunks(m, l, acc, first_chunk, sinks, no_sinks, out)
     return out
+
+
+def as_blocks(k: np.ndarray) -> np.ndarray:
+    """A layer of keys as the kernels read them, [n_kv, slots, hd, B] (the arena's layout), from that or
+    from rows [n_kv, N, hd] (a copy, in blocks of the pool's default size)."""
+    return k if k.ndim == 4 else keys_as_blocks(k, DEFAULT_BLOCK_SIZE)
 
 
 @njit(cache=True)
@@ -336,6 +367,24 @@ def _gather_rows(kv, where, out):
                 out[h, i, d] = to_f32(kv[h, row, d])
 
 
+@njit(cache=True)
+def _gather_key_rows(k, where, out):
+    """out[h, i] = the key of arena position where[i] of head h of a layer of keys k [n_kv, slots, hd,
+    B] (float16 bits or float32), as float32: each block the positions lie in widened whole once, then
+    its lanes taken apart into rows."""
+    n_kv, slots, hd, B = k.shape
+    block = np.empty(hd * B, F32)
+    for h in range(n_kv):
+        widened = -1
+        for i in range(len(where)):
+            slot, lane = where[i] // B, where[i] % B
+            if slot != widened:
+                _widen(k, (h * slots + slot) * hd * B, block, 0, hd * B, WIDTH)
+                widened = slot
+            for d in range(hd):
+                out[h, i, d] = block[d * B + lane]
+
+
 @njit(cache=True, parallel=True, fastmath=DOT)
 def _rows_attention(q, k, v, seen_from, seen_to, origin, softcap, sinks, no_sinks, out):
     """rows_attention's kernel: a task per kv head h and tile of WIDTH query vectors (q [n_tok, n_kv,
@@ -390,14 +439,14 @@ def _rows_attention(q, k, v, seen_from, seen_to, origin, softcap, sinks, no_sink
 def rows_attention(
     q: np.ndarray, k, v, runs, seen_from, seen_to, origin=0, softcap=0.0, sinks=None
 ) -> np.ndarray:
-    """softmax(q · keys) · values for several new rows of one sequence: q [n_tok, n_kv, group, hd]
-    (scaled), k, v one layer of the cache [n_kv, N, hd], the runs (first, n) of it in position order, and
-    per row the part of those positions it sees, [seen_from[t], seen_to[t]) counted along the runs (a
-    causal mask, a sliding window) → [n_tok, n_kv, group, hd]; `origin`: the first of those positions'
-    place in the sequence; `softcap` as forward.attention's (0: none); `sinks` as one_token_attention's.
-    The heads' size a multiple of TILE_DIMS (every model's; attend() asks BLAS otherwise). A row's result
-    depends on its query and the positions it sees alone: the same beside any other rows, in any view
-    (a prompt read in pieces or whole, a token decoded before KERNEL_ATTENTION_FROM positions)."""
+    """softmax(q · keys) · values for several new rows of one sequence: q [n_tok, n_kv, group, hd] (scaled),
+    k, v one layer of the cache as one_token_attention's, the runs (first, n) of it in position order, and per
+    row the part of those positions it sees, [seen_from[t], seen_to[t]) counted along the runs (a causal mask,
+    a sliding window) → [n_tok, n_kv, group, hd]; `origin`: the first of those positions' place in the
+    sequence; `softcap` as forward.attention's (0: none); `sinks` as one_token_attention's. The heads' size a
+    multiple of TILE_DIMS (every model's; attend() asks BLAS otherwise). A row's result depends on its query
+    and the positions it sees alone: the same beside any other rows, in any view (a prompt read in pieces or
+    whole, a token decoded before KERNEL_ATTENTION_FROM positions)."""
     runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
     where = np.concatenate([np.arange(first, first + n) for first, n in runs])
     n_tok, n_kv, group, hd = q.shape
@@ -406,7 +455,7 @@ def rows_attention(
     sinks = np.zeros((n_kv, group), F32) if no_sinks else np.asarray(sinks, F32).reshape(n_kv, group)
     seen_from, seen_to = (np.asarray(a, dtype=np.int64) for a in (seen_from, seen_to))
     keys, values = (np.empty((n_kv, len(where), hd), F32) for _ in range(2))
-    _gather_rows(bits_view(k), where, keys)
+    _gather_key_rows(bits_view(as_blocks(k)), where, keys)
     _gather_rows(bits_view(v), where, values)
     _rows_attention(q, keys, values, seen_from, seen_to, origin, F32(softcap), sinks, no_sinks, out)
     return out

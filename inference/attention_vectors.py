@@ -1,21 +1,16 @@
-"""The attention kernel's building blocks in LLVM's own vector types (numba intrinsics): the dot products
-of several query heads with several keys, each head's lanes summed as a tree of shuffles; values read
-from the cache where they lie and added into several heads' weighted sums; the largest of a run of
-scores; a row of the cache as float32. `width` (a literal: the profile's floats per register) is the
-vectors' length; the rows' length is a multiple of it (attention.py pads them), but for the cache's own
-rows (_add_rows reads a row's last, partial vector masked). Several query rows at once take two more
-(_tile_scores, _tile_add): a query in each lane, so that no lanes are summed at all. Each has its plain
-NumPy twin in vectors_reference.py, which tests/test_vectors.py holds it to, bit for bit.
+"""The attention kernel's building blocks in LLVM's own vector types (numba intrinsics): several query
+heads' scores for a vector of positions, from keys laid out with positions across the lanes (the KV
+arena's blocks, kv_arena.py); values read from the cache where they lie and added into several heads'
+weighted sums; the largest of a run of scores; a row of the cache as float32. `width` (a literal: the
+profile's floats per register) is the vectors' length. Several query rows at once take two more
+(_tile_scores, _tile_add): a query in each lane. No lanes are summed across anywhere: each lane is a
+position's or a query's own chain of fused multiply-adds. Each has its plain NumPy twin in
+vectors_reference.py, which tests/test_vectors.py holds it to, bit for bit.
 
-Why a tree: a dot product across the lanes of a vector ends in a horizontal sum, several shuffles for
-one number. Summing four such vectors together halves them pairwise (the low halves of two vectors
-beside each other, plus their high halves), so the shuffles are shared: about two a dot product
-instead of four, and the four sums come out side by side, stored at once.
-
-Why several heads a call: the query heads that share a kv head read the same rows. Their
-multiply-adds side by side read each row once for all of them, and give the processor chains of
-multiply-adds that do not wait on one another (one head's alone is a chain as long as the rows, each
-step waiting on the last).
+Why several heads a call: the query heads that share a kv head read the same keys and values. Their
+multiply-adds side by side read and widen each vector once for all of them, and give the processor
+chains of multiply-adds that do not wait on one another (one head's alone is a chain as long as the
+row, each step waiting on the last).
 """
 
 from __future__ import annotations
@@ -30,49 +25,12 @@ from numba.extending import intrinsic
 from .vectors import _data, _fma, _splat, _vector_at
 
 
-def lane_halves(width: int, segment: int, paired: bool) -> tuple[list[int], list[int]]:
-    """One step of the tree: vectors of `width` lanes made of segments of `segment` lanes (each
-    segment a part of one sum) → the lanes of each segment's first half and of its second half, which
-    added give segments half as long; `paired`: across two vectors (the second's lanes numbered from
-    `width`, the result as wide), else within one (the result half as wide)."""
-    half = segment // 2
-    first = [s * segment + i for s in range(width // segment) for i in range(half)]
-    second = [s * segment + half + i for s in range(width // segment) for i in range(half)]
-    if paired:
-        return first + [width + i for i in first], second + [width + i for i in second]
-    return first, second
-
-
-def _sum_lanes(builder, vectors: list) -> ir.Value:
-    """The lane sums of a power of two of vectors (no more than their lanes), side by side in one vector
-    (see lane_halves)."""
-    i32 = ir.IntType(32)
-    segment = vectors[0].type.count
-    while segment > 1:
-        paired = len(vectors) > 1
-        pairs = zip(vectors[::2], vectors[1::2]) if paired else [(vectors[0], vectors[0])]
-        merged = []
-        for a, b in pairs:
-            first, second = lane_halves(a.type.count, segment, paired)
-            low = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(first)), first))
-            high = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(second)), second))
-            merged.append(builder.fadd(low, high))
-        vectors, segment = merged, segment // 2
-    return vectors[0]
-
-
 @contextmanager
 def _each_vector(builder, size, w):
     """A loop over the vectors of `w` floats of a row of `size` floats: yields each one's column."""
     i64 = ir.IntType(64)
     with cgutils.for_range(builder, builder.udiv(size, ir.Constant(i64, w))) as loop:
         yield builder.mul(loop.index, ir.Constant(i64, w))
-
-
-def _row_vector(builder, rows, size, j, at, w):
-    """The vector of `w` floats at column `at` of row j of rows [count, size]."""
-    row_at = builder.add(builder.mul(size, ir.Constant(ir.IntType(64), j)), at)
-    return builder.load(_vector_at(builder, rows, row_at, ir.FloatType(), w), align=4)
 
 
 def _literals(*values) -> bool:
@@ -92,40 +50,6 @@ def _operands(context, builder, signature, args):
 def _at(builder, first, stride, g):
     """first + g·stride (int64 values, g a Python int)."""
     return builder.add(first, builder.mul(stride, ir.Constant(ir.IntType(64), g)))
-
-
-@intrinsic
-def _dots(typingctx, q, q_at, q_stride, rows, n, scores, s_at, s_stride, count, heads, width):
-    """scores.flat[s_at + g·s_stride + j] = q.flat[q_at + g·q_stride : … + n] · rows[j, :n] for j < count
-    and each of `heads` query heads g (rows [count, n], n a multiple of width; count a power of two, at
-    most width): per lane a fused multiply-add for each vector of the row in order, then each head's
-    lanes summed as a tree (lane_halves). A row's vector is read once for every head."""
-    if not _literals(width, count, heads):
-        return None
-    w, m, nh, f32 = width.literal_value, count.literal_value, heads.literal_value, ir.FloatType()
-
-    def codegen(context, builder, signature, args):
-        vector = ir.VectorType(f32, w)
-        q_ptr, q_first, q_step, rows_ptr, size, scores_ptr, s_first, s_step, *_ = _operands(
-            context, builder, signature, args
-        )
-        zero = ir.Constant(vector, [0.0] * w)
-        sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(m)] for _ in range(nh)]
-        fma = _fma(builder, w)
-        with _each_vector(builder, size, w) as at:
-            q_at = [builder.add(_at(builder, q_first, q_step, g), at) for g in range(nh)]
-            heads_q = [builder.load(_vector_at(builder, q_ptr, a, f32, w), align=4) for a in q_at]
-            for j in range(m):
-                key = _row_vector(builder, rows_ptr, size, j, at, w)
-                for qv, head_sums in zip(heads_q, sums, strict=True):
-                    builder.store(builder.call(fma, [qv, key, builder.load(head_sums[j])]), head_sums[j])
-        for g, head_sums in enumerate(sums):
-            together = _sum_lanes(builder, [builder.load(total) for total in head_sums])
-            where = _vector_at(builder, scores_ptr, _at(builder, s_first, s_step, g), f32, m)
-            builder.store(together, where, align=4)
-        return context.get_dummy_value()
-
-    return types.void(q, q_at, q_stride, rows, n, scores, s_at, s_stride, count, heads, width), codegen
 
 
 def _cache_row_vector(builder, kv_ptr, start, col, w, half, mask=None):

@@ -1,9 +1,13 @@
 """Where a model's KV lies in RAM: the arena of a block pool (kv_cache), its element types, and views
 of a sequence's positions in it for the forward pass.
 
-The arena is laid out `[layer, kv_head, slot·B + i, head_dim]`: each head's keys are contiguous rows,
-and a sequence whose blocks sit in consecutive slots (the pool's allocator tries to keep them so) is
-read by attention as a plain slice — no gathering of the history on every token."""
+Values are laid out `[layer, kv_head, slot·B + i, head_dim]`: each head's values are contiguous rows, and
+a sequence whose blocks sit in consecutive slots (the pool's allocator tries to keep them so) is read by
+attention as a plain slice — no gathering of the history on every token. Keys are laid out `[layer,
+kv_head, slot, head_dim, B]`: a block's positions across the lanes, so that one token's scores are
+multiply-adds of a query element into a vector of positions, no lanes summed across and each key
+widened once for all the query heads that share it (attention.py; docs/performance.md, "Decode over a
+long history"). `key_rows` gives positions' keys back as rows."""
 
 from __future__ import annotations
 
@@ -34,21 +38,45 @@ def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def arena(shape: tuple[int, ...], dtype: np.dtype, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The keys and values [layer, kv_head, slot·B + i, head_dim] of a pool, their first slots faulted
-    in now, as llama.cpp allocates its KV buffer when a context is made: the kernel's page faults would
-    otherwise cost a resumed conversation more than decoding it."""
-    k, v = _zeroed(shape, dtype), _zeroed(shape, dtype)
-    warm = min(shape[2], -(-PREFAULT_TOKENS // block_size) * block_size)
+def arena(
+    n_layer: int, n_kv: int, n_slots: int, head_dim: int, dtype: np.dtype, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The keys [layer, kv_head, slot, head_dim, B] and values [layer, kv_head, slot·B + i, head_dim] of
+    a pool, their first slots faulted in now, as llama.cpp allocates its KV buffer when a context is
+    made: the kernel's page faults would otherwise cost a resumed conversation more than decoding it."""
+    k = _zeroed((n_layer, n_kv, n_slots, head_dim, block_size), dtype)
+    v = _zeroed((n_layer, n_kv, n_slots * block_size, head_dim), dtype)
+    warm = min(n_slots, -(-PREFAULT_TOKENS // block_size))
     k[:, :, :warm] = 0
-    v[:, :, :warm] = 0
+    v[:, :, : warm * block_size] = 0
     return k, v
+
+
+def keys_as_blocks(k: np.ndarray, block_size: int) -> np.ndarray:
+    """Keys [..., N, head_dim] laid out as the arena's, [..., slot, head_dim, B] (the last block padded
+    with zeros): position p at slot p // B, lane p % B."""
+    *lead, n, hd = k.shape
+    slots = -(-n // block_size)
+    padded = np.zeros((*lead, slots * block_size, hd), k.dtype)
+    padded[..., :n, :] = k
+    blocks = padded.reshape(*lead, slots, block_size, hd).swapaxes(-1, -2)
+    return np.ascontiguousarray(blocks)
+
+
+def key_rows(k: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """Copies of the keys at arena positions `where` of keys laid out [..., slot, head_dim, B], as rows
+    [..., len(where), head_dim]."""
+    B = k.shape[-1]
+    where = np.asarray(where, dtype=np.int64)
+    rows = k[..., where // B, :, where % B]  # (the indexed axis comes first: [n, ..., head_dim])
+    return np.ascontiguousarray(np.moveaxis(rows, 0, -2))
 
 
 class KVViews:
     """Some positions of a sequence where they lie in the arena: per layer, (k, v) pieces
-    [kv_head, S_i, head_dim], one per run of consecutive slots, in position order. Views, not copies:
-    valid until the sequence's blocks change (made once per forward step, read by every layer)."""
+    [kv_head, S_i, head_dim], one per run of consecutive slots, in position order (the keys as copies,
+    the values as views). Valid until the sequence's blocks change (made once per forward step, read by
+    every layer)."""
 
     __slots__ = ("_k", "_v", "_slices", "_runs", "n_positions")
 
@@ -60,9 +88,10 @@ class KVViews:
 
     def layer(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
         k, v = self._k[layer], self._v[layer]
-        return [(k[:, s], v[:, s]) for s in self._slices]
+        return [(key_rows(k, np.arange(s.start, s.stop)), v[:, s]) for s in self._slices]
 
     def runs(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The same positions for compiled kernels: the layer's keys and values whole, [kv_head, N,
-        head_dim] and C-contiguous, and the runs [n_runs, 2] (first, n) along N where they lie."""
+        """The same positions for compiled kernels: the layer's keys [kv_head, slots, head_dim, B] and
+        values [kv_head, N, head_dim] whole, C-contiguous, and the runs [n_runs, 2] (first, n) of arena
+        positions (slot·B + i) where they lie."""
         return self._k[layer], self._v[layer], self._runs

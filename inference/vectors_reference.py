@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention_vectors import lane_halves
 from .byte_vectors import transposed_lanes
 from .half import to_floats
 
@@ -208,38 +207,6 @@ def in_lane_order(sums, rows, width) -> None:
     for i in range(rows):
         part = sums[i * width : (i + 1) * width].copy()
         sums[i * width + np.asarray(order)] = part
-
-
-def sum_lanes(vectors: list) -> np.ndarray:
-    """attention_vectors._sum_lanes: the lane sums of the vectors, by the same tree of halves."""
-    segment = len(vectors[0])
-    while segment > 1:
-        paired = len(vectors) > 1
-        pairs = list(zip(vectors[::2], vectors[1::2])) if paired else [(vectors[0], vectors[0])]
-        merged = []
-        for a, b in pairs:
-            first, second = lane_halves(len(a), segment, paired)
-            both = np.concatenate([a, b])
-            merged.append(both[first] + both[second])
-        vectors, segment = merged, segment // 2
-    return vectors[0]
-
-
-def dots(q, q_at, q_stride, rows, n, count, heads, width) -> np.ndarray:
-    """attention_vectors._dots: [heads, count] the dot products of each head's q.flat[q_at + g·q_stride:…]
-    with rows[j, :n]."""
-    out = []
-    for g in range(heads):
-        first = q_at + g * q_stride
-        head = q.reshape(-1)[first : first + n].reshape(-1, width)
-        sums = []
-        for row in rows.reshape(count, n):
-            lanes = np.zeros(width, F32)
-            for qv, key in zip(head, row.reshape(-1, width), strict=True):
-                lanes = _fused(qv, key, lanes)
-            sums.append(lanes)
-        out.append(sum_lanes(sums))
-    return np.array(out)
 
 
 def block_scores(q, q_at, q_stride, keys, k_at, n, block, heads, width) -> np.ndarray:

@@ -115,6 +115,32 @@ def test_the_same_code_path_gives_bitwise_equal_logits(model):
     assert np.abs(la - lb).max() <= 1e-4
 
 
+def test_kv_written_comes_back_as_written_whichever_way_it_is_read(model):
+    """The arena holds keys by block ([head_dim, B]) and values by row: what a sequence writes (a prompt's
+    rows, then single tokens) reads back the same as rows, as a block's view, through a step's views,
+    and after a fork's copy-on-write of a shared partial block."""
+    cfg, pool = model.config, model.pool
+    rng = np.random.default_rng(9)
+    n = 2 * B + 3
+    k, v = (rng.standard_normal((cfg.n_layer, cfg.n_head_kv, n + 2, cfg.head_dim)).astype(np.float16)
+            for _ in range(2))
+    seq = model.new_sequence(64)
+    seq.append_kv(list(range(n)), k[:, :, :n], v[:, :, :n])  # several rows at once
+    child = seq.fork()
+    for t in (n, n + 1):  # one token at a time, into the shared partial block: copied first
+        child.append_kv([t], k[:, :, t : t + 1], v[:, :, t : t + 1])
+    for s, m in ((seq, n), (child, n + 2)):
+        got_k, got_v = s.gather(0, m)
+        assert np.array_equal(got_k, k[:, :, :m]) and np.array_equal(got_v, v[:, :, :m])
+        views = s.views(3, m)
+        for layer in range(cfg.n_layer):
+            pieces = views.layer(layer)
+            assert np.array_equal(np.concatenate([a for a, _ in pieces], axis=1), k[layer, :, 3:m])
+            assert np.array_equal(np.concatenate([b for _, b in pieces], axis=1), v[layer, :, 3:m])
+    block_k, block_v = pool.block_kv(seq.blocks[1])
+    assert np.array_equal(block_k, k[:, :, B : 2 * B]) and np.array_equal(block_v, v[:, :, B : 2 * B])
+
+
 def test_fork_then_diverge_leaves_the_parent_unchanged(model):
     prompt = ids_of(model, 2 * B + 3)  # ends inside a partial block, which both will write to
     parent = model.new_sequence(64)

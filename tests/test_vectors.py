@@ -23,7 +23,6 @@ from llama_chat.inference import vectors_reference as ref
 from llama_chat.inference.attention_vectors import (
     _add_rows,
     _block_scores,
-    _dots,
     _largest,
     _tile_add,
     _tile_scores,
@@ -566,29 +565,6 @@ def test_products_are_the_references(qtype, inputs, n):
             continue  # inputs as bytes run in the kernels only
         got = product(x, w)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-6, product.__name__
-
-
-@plain_njit
-def dots(q, q_at, q_stride, rows, n, out, out_stride, count, heads, width):
-    count, heads, width = literally(count), literally(heads), literally(width)
-    _dots(q, q_at, q_stride, rows, n, out, 1, out_stride, count, heads, width)
-
-
-@pytest.mark.parametrize(
-    "count, heads, width", [(4, 1, 4), (4, 1, 8), (8, 1, 8), (4, 1, 16), (8, 1, 16), (8, 3, 16)]
-)
-def test_dot_products_are_summed_as_the_reference_says(count, heads, width):
-    """The attention's scores: each lane's fused multiply-adds, then the lanes of several dot products
-    summed as one tree, for the vectors of each profile (NEON's and SSE's 4, AVX2's 8, AVX-512's 16),
-    one query head a call or several side by side."""
-    n, stride = 4 * width, count + 3
-    q, rows = floats(heads * (n + 5), 1), floats(count * n, 2).reshape(count, n)
-    out = np.zeros(heads * stride + 2, F32)
-    dots(q, 5, n + 5, rows, n, out, stride, count, heads, width)
-    want = ref.dots(q, 5, n + 5, rows, n, count, heads, width)
-    for g in range(heads):
-        assert np.array_equal(out[1 + g * stride : 1 + g * stride + count], want[g])
-        assert out[g * stride] == out[g * stride + count + 1] == 0  # nothing written beside them
 
 
 @plain_njit
