@@ -30,7 +30,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextFullError
-from .kv_arena import DEFAULT_CACHE_TYPE, KVViews, arena, element_type, key_rows
+from .kv_arena import DEFAULT_CACHE_TYPE, KVViews, arena, element_type, key_run
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CACHE_RAM_MB = 1024
@@ -369,8 +369,9 @@ class KVSequence:
 
     def gather(self, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the keys and values of positions first..end-1, [layer, kv_head, n, head_dim]."""
-        where = self._arena_positions(first, end)
-        return key_rows(self.pool._k, where), self.pool._v[:, :, where]
+        k, v = self.pool._k, self.pool._v
+        keys = [key_run(k, a, n) for a, n in self._runs(first, end)] or [k[:, :, 0, :, :0].swapaxes(2, 3)]
+        return np.concatenate(keys, axis=2), v[:, :, self._arena_positions(first, end)]
 
     # -- what the forward pass uses ---------------------------------------------------------------
     def reserve(self, n_new: int) -> np.ndarray:
