@@ -126,22 +126,17 @@ def _key_scores(heads, padded, k, h, where, size, scores, stride, v, starts):
     [n_kv, slots, hd, B], float16 bits or float32) for every query head g and i < size: a vector of
     positions at a time where they lie side by side in one block (a block's whole vectors, the sequence's
     last positions included: the lanes past them are scored too, and never read), else one at a time.
-    Each position's score is the same fused sum in d's order either way. Asks, as it goes, for the
-    next block's keys (a share of it each vector) and for these positions' values (v's rows from
-    v.flat[starts[i]]), which are read after the softmax."""
+    Each position's score is the same fused sum in d's order either way. Asks, as it goes, for these
+    positions' values (v's rows from v.flat[starts[i]]), which are read after the softmax. (Asking for
+    the next block's keys too made no difference: the processor's prefetcher follows a block's rows.)"""
     slots, hd, B = k.shape[1], k.shape[2], k.shape[3]
     group = heads.shape[0]
-    share = hd * B * k.itemsize * WIDTH // B  # bytes of the next block asked for a vector
     i = 0
     while i < size:
         p = where[i]
         n = min(WIDTH, size - i)
         if p % B + WIDTH <= B and where[i + n - 1] - p == n - 1:
-            at = ((h * slots + p // B) * hd) * B
-            ahead = (p % B) // WIDTH * share
-            for line in range(0, share, 64):
-                _prefetch(k, at, hd * B * k.itemsize + ahead + line - PREFETCH_BYTES)
-            _block_heads(heads, padded, k, at + p % B, scores, i, stride)
+            _block_heads(heads, padded, k, ((h * slots + p // B) * hd) * B + p % B, scores, i, stride)
         else:
             n = 1
             for g in range(group):

@@ -401,8 +401,11 @@ class KVSequence:
             slot, lane = divmod(int(where[0]), B)
             self.pool._k[layer, :, slot, :, lane] = k[:, 0]
             self.pool._v[layer, :, where[0]] = v[:, 0]
+            return
+        self.pool._k[layer][:, where // B, :, where % B] = k.swapaxes(0, 1)  # (indexed axes come first)
+        if len(where) and where[-1] - where[0] == len(where) - 1:
+            self.pool._v[layer, :, where[0] : where[-1] + 1] = v
         else:
-            self.pool._k[layer][:, where // B, :, where % B] = k.swapaxes(0, 1)  # (indexed axes come first)
             self.pool._v[layer][:, where] = v  # (indexing [layer, :, where] would move the axes)
 
     def views(self, first: int, end: int) -> KVViews:
