@@ -101,6 +101,10 @@ class Scheduler:
                 for job in admit:
                     self._admit(job)
                 self._step()
+            # Let a thread waiting for the lock in (a front end's fork, snapshot or new session): Python's
+            # lock is not fair, and this thread, taking it again at once, could keep it out until every
+            # reply ended (a busy loop holding a lock 20 ms at a time kept another thread out for a minute).
+            time.sleep(0)
 
     def _next_jobs(self, room: int) -> list[Job]:
         """Up to `room` waiting jobs taken from the queue, oldest first, but none while its session has
