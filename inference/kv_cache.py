@@ -370,7 +370,7 @@ class KVSequence:
     def gather(self, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the keys and values of positions first..end-1, [layer, kv_head, n, head_dim]."""
         k, v = self.pool._k, self.pool._v
-        keys = [key_run(k, a, n) for a, n in self._runs(first, end)] or [k[:, :, 0, :, :0].swapaxes(2, 3)]
+        keys = [key_run(k, a, n) for a, n in self._runs(first, end)] or [key_run(k, 0, 0)]
         return np.concatenate(keys, axis=2), v[:, :, self._arena_positions(first, end)]
 
     # -- what the forward pass uses ---------------------------------------------------------------
